@@ -1,0 +1,244 @@
+"""Memory per rank of the model-parallel ViT, measured by the engine, beside the memory model.
+
+    python -m benchmarks.mp_memory                    # every variant below, Markdown tables
+    python -m benchmarks.mp_memory --only fp32        # or: bf16, checkpointing, fallback (updates those
+                                                      # entries of measured.json, keeps the others)
+    python -m benchmarks.mp_memory --engine_log       # also run train_mp.py under torchrun (tp=4)
+                                                      # and read its "Memory after forward pass" line
+
+Measured: the ``mp_cpu`` config (the mp model's shape scaled down for a CPU: 96 x 192 image,
+patch 8, embed 768, depth 4, heads 8, batch 4) at tp = 1, 2, 4, cp = 2 and tp = 2 x cp = 2
+(world = tp x cp, dp = 1), each layout on real gloo ranks (``tests.distributed_harness.run_ranks``).
+The ``fallback`` variant crops the image to 80 x 192 (10 patch rows): tp=4 and tp=2 x cp=2 do not
+divide them, so the engine runs them without sequence parallelism (tp=2 divides them: with it).
+Every rank builds the engine (``utils.trainer.Trainer``: the serial model, parallelized when tp
+or cp > 1, DDP over dp with the replicated-gradient hook) and runs two training steps; the second
+is measured with the engine's own ``MemoryProbe`` (on a CPU: bytes of parameters, gradients, Adam
+state and the tensors saved for backward, each storage once), so Adam's state exists as in any
+later step of a run. "After forward" is the probe right after the forward pass (gradients were
+freed by ``zero_grad(set_to_none=True)``), "peak" adds the gradients of the backward pass. The
+process resident peak (VmHWM) is shown as an upper bound that includes the interpreter,
+libraries, gloo buffers and short-lived temporaries.
+
+Predicted: ``distributed.memory_model`` for the same config and layout with ``--measure cpu``
+(the quantities the CPU probe counts; sequence parallelism chosen as the engine does). Then the
+model's prediction for the full ``mp`` config on 80 GB GPUs (fp16, flash attention, local batch
+16 as in the reference runs, dp = 4): 360 x 720 as configured (45 patch rows: tp = 2, 4 without
+sequence parallelism), 352 x 720 (44 rows: with it), and 360 x 720 with unequal bands (``--uneven``,
+not implemented) for comparison.
+
+Results are written to benchmarks/mp_memory/measured.json; RESULTS.md holds the tables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from distributed.memory_model import Shape, predict, predict_config  # noqa: E402
+from utils.config import build_config  # noqa: E402
+
+GiB = 1024**3
+MiB = 1024**2
+YAML = os.path.join(ROOT, "config", "ViT.yaml")
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+VARIANTS = {  # name: (extra overrides, layouts)
+    "fp32": ({}, LAYOUTS),
+    "bf16": ({"amp_mode": "bf16"}, [(1, 1), (4, 1)]),
+    "checkpointing": ({"activation_checkpointing": "true"}, [(1, 1), (4, 1)]),
+    "fallback": ({"img_size": "[80,192]"}, [(1, 1), (2, 1), (4, 1), (2, 2)]),
+}
+
+
+def overrides(tp, cp, expdir, extra):
+    return {"tensor_parallel": str(tp), "context_parallel": str(cp), "expdir": expdir, "num_iters": "2",
+            "device": "cpu", "log_every": "1000", **extra}
+
+
+def _resident_bytes() -> int:
+    """VmRSS of this process (Linux), 0 where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _measure_rank(config, ov):
+    """On one rank: the engine, one warm-up step, one measured step; the probe's numbers."""
+    import contextlib
+
+    import torch
+
+    from utils.memory import MemoryProbe, NullProbe, resident_peak_bytes, tensor_bytes
+    from utils.parallel import setup_runtime
+    from utils.trainer import Trainer
+
+    start_rss = _resident_bytes()  # interpreter, torch and gloo, before the run
+    cfg = build_config(YAML, config, ov)
+    rt = setup_runtime(cfg)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        trainer = Trainer(cfg, rt)  # its log (resolved config, layout) goes to the run's out.log
+    trainer.loaders.train_sampler.set_epoch(0)
+    trainer.model.train()
+    probe = MemoryProbe(trainer.device, trainer.model, trainer.optimizer)
+    batches = iter(trainer.loaders.train)
+    for i in range(2):
+        x, y = trainer.to_device(*next(batches))
+        trainer.train_step(x, y, probe if i == 1 else NullProbe())
+    params = tensor_bytes(trainer.model.parameters())
+    adam = tensor_bytes(v for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    return dict(after_forward=probe.after_forward, peak=probe.peak, params=params, adam=adam,
+                saved=probe.after_forward - params - adam, vmhwm=resident_peak_bytes(), start_rss=start_rss,
+                model=type(trainer.model).__name__)
+
+
+def measure(tp, cp, extra, timeout=900):
+    from tests.distributed_harness import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="mp_memory-") as tmp:
+        return run_ranks(_measure_rank, tp * cp, "mp_cpu", overrides(tp, cp, tmp, extra), timeout=timeout)
+
+
+def ensure_data():
+    """The mp_cpu synthetic data, made once here rather than inside the first ranks."""
+    from utils.data_loader import has_data, synthesize
+
+    cfg = build_config(YAML, "mp_cpu", {})
+    if not has_data(cfg):
+        print(f"making the mp_cpu synthetic data under {cfg.data_root} ...", flush=True)
+        synthesize(cfg)
+
+
+def engine_log(tp, cp, extra=None):
+    """train_mp.py under torchrun, two epochs of 2 steps: the second epoch's logged memory line
+    (measured with Adam state present). Returns (after forward GB per rank, peak GB per rank)."""
+    with tempfile.TemporaryDirectory(prefix="mp_memory-log-") as tmp:
+        args = ["--config", "mp_cpu", "--tensor_parallel", str(tp), "--context_parallel", str(cp),
+                "--expdir", tmp, "--num_epochs", "2", "--limit_nsamples", "8", "--limit_nsamples_val", "4",
+                "--device", "cpu"]
+        for k, v in (extra or {}).items():
+            args += [f"--{k}", str(v)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * cp}",
+               os.path.join(ROOT, "train_mp.py"), *args]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+        text = r.stdout + r.stderr
+        if r.returncode:
+            raise RuntimeError(f"train_mp.py failed ({r.returncode}):\n{text[-3000:]}")
+        lines = re.findall(r"Memory after forward pass \(GB, per rank\): ([0-9., ]+); peak: ([0-9., ]+)", text)
+        fwd, peak = lines[-1]
+        return [float(v) for v in fwd.split(",")], [float(v) for v in peak.split(",")]
+
+
+def fmt_mib(b):
+    return f"{b / MiB:.2f}"
+
+
+def run_variant(name, extra, layouts, results):
+    rows = []
+    for tp, cp in layouts:
+        print(f"[{name}] tp={tp} cp={cp} ...", flush=True)
+        ranks = measure(tp, cp, extra)
+        cfg = build_config(YAML, "mp_cpu", overrides(tp, cp, "/tmp", extra))
+        p = predict_config(cfg, 1, "flash", "cpu")
+        worst = max(ranks, key=lambda r: r["peak"])
+        rows.append(dict(variant=name, tp=tp, cp=cp, ranks=ranks, model=worst["model"],
+                         sequence_parallel=p.sequence_parallel if tp > 1 else None,
+                         predicted=dict(params=p.params, adam=p.adam, activations=p.activations,
+                                        after_forward=p.after_forward, peak=p.peak)))
+    base = rows[0]["ranks"][0]["peak"]
+    base_pred = rows[0]["predicted"]["peak"]
+    print(f"\n### {name}: measured (MemoryProbe, max over ranks) vs predicted (memory model), MiB per rank\n")
+    print("| tp | cp | seq. par. | activations meas. / pred. | after forward meas. / pred. | peak meas. / pred. "
+          "| peak / tp=1 meas. / pred. | VmHWM (max) | VmHWM - RSS at start |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        m = max(r["ranks"], key=lambda x: x["peak"])
+        same = len({(x["after_forward"], x["peak"]) for x in r["ranks"]}) == 1
+        pr = r["predicted"]
+        sp = {None: "-", True: "on", False: "off"}[r["sequence_parallel"]]
+        print(f"| {r['tp']} | {r['cp']} | {sp} | {fmt_mib(m['saved'])} / {fmt_mib(pr['activations'])} "
+              f"| {fmt_mib(m['after_forward'])} / {fmt_mib(pr['after_forward'])} "
+              f"| {fmt_mib(m['peak'])} / {fmt_mib(pr['peak'])}{'' if same else ' (ranks differ)'} "
+              f"| {m['peak'] / base:.1%} / {pr['peak'] / base_pred:.1%} "
+              f"| {max(x['vmhwm'] for x in r['ranks']) / MiB:.0f} "
+              f"| {max(x['vmhwm'] - x['start_rss'] for x in r['ranks']) / MiB:.0f} |")
+    results[name] = rows
+    return rows
+
+
+def gpu_predictions():
+    """The full mp config on 80 GB GPUs: fp16, flash attention, local batch 16, dp = 4."""
+    out = []
+    print("\n### Model: full mp config (embed 1536, patch 8, depth 12), fp16, flash attention, "
+          "local batch 16, dp 4, GiB per rank\n")
+    print("| img | tp | cp | sequence parallelism | params+grads+Adam | activations | DDP buckets + batch "
+          "| after forward | peak | after forward / tp=1 | peak / tp=1 |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    cases = [([360, 720], False, ((1, 1), (2, 1), (4, 1))), ([352, 720], False, ((1, 1), (2, 1), (4, 1), (2, 2))),
+             ([360, 720], True, ((1, 1), (2, 1), (4, 1)))]
+    for img, uneven, layouts in cases:
+        base = None
+        for tp, cp in layouts:
+            cfg = build_config(YAML, "mp", {"tensor_parallel": str(tp), "context_parallel": str(cp),
+                                            "local_batch_size": "16", "img_size": str(img)})
+            rows = img[0] // cfg.patch_size
+            p = predict(Shape.from_config(cfg, 16), tp, cp, 4, True, "flash", False, "cuda", cfg.bucket_cap_mb,
+                        uneven=uneven)
+            base = base or p
+            if tp == 1:
+                mode = "-"
+            elif uneven:
+                mode = f"on, unequal bands of the {rows} rows (not implemented; largest band)"
+            elif p.sequence_parallel:
+                mode = f"on ({rows} rows / {tp * cp})"
+            else:
+                mode = f"**off** ({rows} rows do not divide by {tp * cp})"
+            print(f"| {img[0]}x{img[1]} | {tp} | {cp} | {mode} | {(p.params + p.grads + p.adam) / GiB:.2f} "
+                  f"| {p.activations / GiB:.2f} | {sum(p.extra.values()) / GiB:.2f} | {p.after_forward / GiB:.2f} "
+                  f"| {p.peak / GiB:.2f} | {p.after_forward / base.after_forward:.1%} | {p.peak / base.peak:.1%} |")
+            out.append(dict(img=img, tp=tp, cp=cp, uneven=uneven, sequence_parallel=p.sequence_parallel,
+                            after_forward=p.after_forward, peak=p.peak, activations=p.activations, params=p.params,
+                            adam=p.adam, extra=p.extra))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=sorted(VARIANTS) + ["gpu"], action="append")
+    ap.add_argument("--engine_log", action="store_true",
+                    help="also run train_mp.py (tp=4) and compare its logged memory line")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mp_memory", "measured.json"))
+    args = ap.parse_args(argv)
+    ensure_data()
+    results = {}
+    if args.only and os.path.exists(args.out):  # update the variants run now, keep the others
+        with open(args.out) as f:
+            results = json.load(f)
+    for name, (extra, layouts) in VARIANTS.items():
+        if not args.only or name in args.only:
+            run_variant(name, extra, layouts, results)
+    results["gpu_model"] = gpu_predictions()
+    if args.engine_log:
+        fwd, peak = engine_log(4, 1)
+        print(f"\ntrain_mp.py --config mp_cpu --tensor_parallel 4, epoch 2: after forward {fwd} GB, peak {peak} GB")
+        results["engine_log_tp4"] = dict(after_forward_gb=fwd, peak_gb=peak)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"\nwritten: {os.path.relpath(args.out, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

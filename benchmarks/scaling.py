@@ -1,0 +1,392 @@
+"""Data-parallel scaling of the training step on this machine: weak and strong scaling series.
+
+    python -m benchmarks.scaling                    # both models, 1/2/4 ranks, ~7 min on 2 cores
+    python -m benchmarks.scaling --models vit --ranks 1,2
+    python -m benchmarks.scaling --plot-only        # redraw from benchmarks/scaling/results.json
+
+Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo on CPU, one thread per
+rank, OMP_NUM_THREADS=1 also for the 1-rank runs so that points compare) of a model's
+``quickstart`` with ``--data_loader_config synthetic``: one batch cached in memory and served
+every step, so file I/O and the loader are excluded and what scales is compute plus the
+gradient all-reduce. Each run trains 5 epochs of the same number of steps; the throughput of a
+point is the median samples/s of epochs 2-5 read from the run's log (epoch 1 holds the one-off
+costs: first-touch allocation, DDP's bucket rebuild), pooled over --repeats rounds.
+
+On a machine shared with other work, before each run the script waits up to --max-wait seconds
+for the other processes to go quiet (under 10% of the cores busy, from /proc/stat); after it,
+it compares the machine's busy time with its own children's CPU time, and a run during which
+other processes took more than --disturbed of the cores is run again (at most --retries times;
+the least disturbed run is kept). results.json keeps every epoch, the best epoch and these
+records.
+
+Series (samples/s counts the global batch):
+  weak:   fixed local batch per rank, global batch = local x ranks;
+  strong: fixed global batch, local batch = global / ranks;
+each with DDP (gradient all-reduce) and with --noddp (no gradient communication: the replicas
+drift apart, the time is compute alone). Efficiency = throughput(N) / (N x throughput(1)).
+
+Writes benchmarks/scaling/results.json, prints Markdown tables, and with matplotlib installed
+(an optional, benchmark-only dependency: pip install matplotlib) draws throughput.png and
+efficiency.png beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "benchmarks", "scaling")
+
+# Per model: YAML, overrides making a step long enough to time, weak local batch, strong global
+# batch, steps per epoch.
+MODELS = {
+    "vit": dict(label="ViT quickstart (embed 128, depth 4, 32x64 fields, patch 4)",
+                yaml="config/ViT.yaml", weak_local=8, strong_global=16, steps=10,
+                args=["--synthetic_steps_per_year", "240"],
+                nsamples="--limit_nsamples", nsamples_val=("--limit_nsamples_val", "8")),
+    "unet": dict(label="U-Net quickstart (width 8-64, 5 levels, 32^3 crops)",
+                 yaml="config/UNet.yaml", weak_local=8, strong_global=16, steps=16,
+                 args=["--data_size", "32"],
+                 nsamples="--Nsamples", nsamples_val=("--Nsamples_val", "8")),
+}
+EPOCHS = 5
+EPOCH = re.compile(r"Epoch (\d+): ([0-9.]+) s for \d+ steps, ([0-9.]+) samples/s")
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU-seconds all cores have been busy since boot (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_children_seconds() -> float:
+    """CPU-seconds used by this script's finished child processes (torchrun and its ranks)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def busy_fraction(seconds: float = 1.0) -> float | None:
+    """Share of all cores busy over ``seconds`` (from /proc/stat; None where there is none)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except OSError:
+        return None
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.1) -> float | None:
+    """Wait (at most max_wait s) until other processes use under ``threshold`` of the cores:
+    on a shared machine their load would be timed as ours. Returns the last busy share."""
+    deadline = time.time() + max_wait
+    busy = busy_fraction()
+    while busy is not None and busy > threshold and time.time() < deadline:
+        busy = busy_fraction(2.0)
+    return busy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_point(model: str, ranks: int, local_batch: int, noddp: bool, work: str, log_dir: str,
+              max_wait: float = 0):
+    """One torchrun; returns samples/s (median of epochs 2..) and the per-epoch numbers."""
+    m = MODELS[model]
+    tag = f"{model}_n{ranks}_b{local_batch}{'_noddp' if noddp else ''}_{time.time_ns()}"
+    n_train = local_batch * ranks * m["steps"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
+           "--yaml_config", os.path.join(ROOT, m["yaml"]), "--config", "quickstart",
+           "--data_loader_config", "synthetic", "--num_data_workers", "0",
+           "--local_batch_size", str(local_batch), "--num_epochs", str(EPOCHS),
+           "--log_every", str(m["steps"]), "--checkpoint_every", "0",
+           "--data_root", os.path.join(work, "data", model), "--expdir", os.path.join(work, "runs"),
+           "--run_num", tag, m["nsamples"], str(n_train), *m["nsamples_val"], *m["args"]]
+    if noddp:
+        cmd.append("--noddp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    busy = wait_for_quiet(max_wait)
+    load = os.getloadavg()[0]
+    machine0, own0, t0 = machine_busy_seconds(), own_children_seconds(), time.time()
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    # CPU time other processes took while this run ran, as a share of all cores: their work
+    # would have been timed as ours.
+    others = None
+    if machine0 is not None:
+        spent = machine_busy_seconds() - machine0 - (own_children_seconds() - own0)
+        others = max(0.0, spent) / (wall * (os.cpu_count() or 1))
+    with open(os.path.join(log_dir, tag + ".log"), "w") as f:
+        f.write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"{tag} failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
+    epochs = [dict(epoch=int(e), seconds=float(s), samples_per_s=float(t))
+              for e, s, t in EPOCH.findall(r.stdout)]
+    if not any(e["epoch"] >= 2 for e in epochs):
+        raise RuntimeError(f"{tag}: no 'Epoch N: ... samples/s' lines after epoch 1 in its log")
+    return dict(model=model, ranks=ranks, local_batch=local_batch, global_batch=local_batch * ranks,
+                noddp=noddp, **summarise(epochs), epochs=epochs, wall_s=round(wall, 1),
+                load_before=round(load, 2),
+                others_busy=None if busy is None else round(busy, 3),
+                others_during=None if others is None else round(others, 3))
+
+
+def summarise(epochs):
+    """Median (the reported value) and best samples/s over the epochs after each run's first."""
+    rates = sorted(e["samples_per_s"] for e in epochs if e["epoch"] >= 2)
+    mid = len(rates) // 2
+    median = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+    return dict(samples_per_s=median, best_samples_per_s=rates[-1])
+
+
+def measure(point, args, work, log_dir):
+    """One point; run again (at most --retries times) while other processes took more than
+    --disturbed of the cores during the run, and keep the least disturbed run."""
+    runs = []
+    for _ in range(1 + args.retries):
+        r = run_point(*point, work, log_dir, args.max_wait)
+        runs.append(r)
+        if r["others_during"] is None or r["others_during"] <= args.disturbed:
+            break
+        print(f"    disturbed: other processes used {r['others_during']:.0%} of the cores "
+              f"during the run; running it again", flush=True)
+    best = min(runs, key=lambda r: r["others_during"] or 0.0)
+    best["attempts"] = len(runs)
+    return best
+
+
+def plan(models, ranks):
+    """(model, ranks, local batch, noddp) for every point; shared points run once."""
+    points = []
+    for model in models:
+        m = MODELS[model]
+        for n in ranks:
+            for noddp in ((False, True) if n > 1 else (False,)):  # 1 rank: nothing to all-reduce
+                points.append((model, n, m["weak_local"], noddp))
+                if m["strong_global"] % n == 0:
+                    points.append((model, n, m["strong_global"] // n, noddp))
+    seen, unique = set(), []
+    for p in points:
+        if p not in seen:
+            seen.add(p)
+            unique.append(p)
+    return unique
+
+
+def series(results, model, kind, noddp):
+    """[(ranks, samples/s)] of one series; the 1-rank point is shared by DDP and noddp."""
+    m = MODELS[model]
+    out = []
+    for r in sorted(results, key=lambda r: r["ranks"]):
+        if r["model"] != model or (r["noddp"] != noddp and r["ranks"] > 1):
+            continue
+        if kind == "weak" and r["local_batch"] == m["weak_local"]:
+            out.append((r["ranks"], r["samples_per_s"]))
+        if kind == "strong" and r["global_batch"] == m["strong_global"]:
+            out.append((r["ranks"], r["samples_per_s"]))
+    return out
+
+
+def tables(results, cores) -> str:
+    lines = []
+    for model in MODELS:
+        if not any(r["model"] == model for r in results):
+            continue
+        m = MODELS[model]
+        for kind in ("weak", "strong"):
+            batch = (f"local batch {m['weak_local']} per rank" if kind == "weak"
+                     else f"global batch {m['strong_global']}")
+            lines += [f"**{model}, {kind} scaling** ({batch}); samples/s, efficiency vs "
+                      f"N x 1 rank", "",
+                      "| ranks | global batch | DDP samples/s | DDP efficiency | noddp samples/s "
+                      "| noddp efficiency | all-reduce share |",
+                      "|---:|---:|---:|---:|---:|---:|---:|"]
+            ddp, nod = dict(series(results, model, kind, False)), dict(series(results, model, kind, True))
+            base = ddp.get(1)
+            for n in sorted(ddp):
+                g = m["weak_local"] * n if kind == "weak" else m["strong_global"]
+                eff = f"{ddp[n] / (n * base):.0%}" if base else "-"
+                ne = f"{nod[n] / (n * base):.0%}" if base and n in nod else "-"
+                ns = f"{nod[n]:.1f}" if n in nod else "-"
+                share = 1 - ddp[n] / nod[n] if n in nod and n > 1 else None
+                comm = "-" if share is None else f"{share:.0%}" if abs(share) >= 0.005 else "0%"
+                over = " (oversubscribed)" if n > cores else ""
+                lines.append(f"| {n}{over} | {g} | {ddp[n]:.1f} | {eff} | {ns} | {ne} | {comm} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results, cores, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    models = [m for m in MODELS if any(r["model"] == m for r in results)]
+    files = []
+    for what in ("throughput", "efficiency"):
+        fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
+        for i, model in enumerate(models):
+            for j, kind in enumerate(("weak", "strong")):
+                ax = axes[i][j]
+                ddp, nod = series(results, model, kind, False), series(results, model, kind, True)
+                if not ddp:
+                    continue
+                base = dict(ddp).get(1)
+                ns = [n for n, _ in ddp]
+                for data, style, name in ((ddp, "o-", "DDP"), (nod, "s--", "noddp (no gradient "
+                                                                           "all-reduce)")):
+                    if not data:
+                        continue
+                    x = [n for n, _ in data]
+                    y = [v if what == "throughput" else v / (n * base) for n, v in data]
+                    ax.plot(x, y, style, label=name)
+                if base:
+                    ideal = [n * base for n in ns]
+                    limit = [min(n, cores) * base for n in ns]
+                    if what == "efficiency":
+                        ideal = [1.0 for _ in ns]
+                        limit = [min(n, cores) / n for n in ns]
+                    ax.plot(ns, ideal, ":", color="grey", label="ideal (N x 1 rank)")
+                    ax.plot(ns, limit, "-.", color="tab:red", alpha=0.6,
+                            label=f"ideal on {cores} cores")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ns, [str(n) for n in ns])
+                ax.set_xlabel("ranks (gloo, CPU)")
+                ax.set_ylabel("samples/s" if what == "throughput" else "scaling efficiency")
+                if what == "efficiency":
+                    ax.set_ylim(0, 1.1)
+                ax.set_title(f"{model}: {kind} scaling", fontsize=10)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+        fig.suptitle(f"Data-parallel {what}, {cores}-core CPU VM, cached batch (I/O excluded)",
+                     fontsize=11)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{what}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def ensure_data(model: str, work: str):
+    sys.path.insert(0, ROOT)
+    from utils.config import build_config
+    from utils.data_loader import has_data, synthesize
+
+    m = MODELS[model]
+    over = dict(data_root=os.path.join(work, "data", model))
+    if model == "vit":
+        over["synthetic_steps_per_year"] = "240"
+    cfg = build_config(os.path.join(ROOT, m["yaml"]), "quickstart", over)
+    if not has_data(cfg):
+        synthesize(cfg)
+
+
+def run_series(args, work):
+    """Every point of the plan, --repeats times; returns the document results.json holds."""
+    models = args.models.split(",")
+    ranks = [int(n) for n in args.ranks.split(",")]
+    log_dir = os.path.join(work, "logs")  # every run's full log
+    os.makedirs(log_dir, exist_ok=True)
+    for model in models:
+        ensure_data(model, work)
+    pooled, t0 = {}, time.time()
+    todo = plan(models, ranks)
+    for rep in range(args.repeats):
+        # every other round in reverse order, so slow drifts of the machine even out
+        for i, point in enumerate(todo if rep % 2 == 0 else todo[::-1]):
+            model, n, b, noddp = point
+            r = measure(point, args, work, log_dir)
+            if point in pooled:  # pool the epochs of every round
+                before = pooled[point]
+                r["epochs"] = before["epochs"] + r["epochs"]
+                r["load_before"] = max(r["load_before"], before["load_before"])
+                for key in ("others_busy", "others_during"):
+                    r[key] = max(r[key] or 0, before[key] or 0)
+                r["attempts"] += before["attempts"]
+                r["wall_s"] = round(r["wall_s"] + before["wall_s"], 1)
+                r.update(summarise(r["epochs"]))
+            pooled[point] = r
+            others = "" if r["others_during"] is None else \
+                f", others used {r['others_during']:.0%} of the cores"
+            print(f"[{rep + 1}.{i + 1}/{len(todo)}] {model} ranks={n} local={b} global={b * n}"
+                  f"{' noddp' if noddp else ''}: {r['samples_per_s']:.1f} samples/s "
+                  f"(run {r['wall_s']} s{others})", flush=True)
+    import torch
+
+    return dict(machine=dict(cores=os.cpu_count() or 1, platform=platform.platform(),
+                             python=platform.python_version(), torch=torch.__version__,
+                             backend="gloo", threads_per_rank=1),
+                repeats=args.repeats, epochs_per_run=EPOCHS,
+                date=time.strftime("%Y-%m-%d %H:%M"), total_s=round(time.time() - t0),
+                results=[pooled[p] for p in todo])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="vit,unet")
+    p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--max-wait", type=float, default=30,
+                   help="seconds to wait before each run for other processes to go quiet")
+    p.add_argument("--retries", type=int, default=2,
+                   help="extra runs of a point that other processes disturbed")
+    p.add_argument("--disturbed", type=float, default=0.1,
+                   help="share of the cores other processes may use during a run")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole series this many times, pooling each point's epochs")
+    p.add_argument("--plot-only", action="store_true")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results_path = os.path.join(args.out, "results.json")
+    cores = os.cpu_count() or 1
+    if args.plot_only:
+        with open(results_path) as f:
+            doc = json.load(f)
+        results, cores = doc["results"], doc["machine"]["cores"]
+    else:
+        work = args.work or tempfile.mkdtemp(prefix="scaling-")
+        try:
+            doc = run_series(args, work)
+        finally:
+            if not args.work:  # the runs' checkpoints and logs; kept with --work
+                shutil.rmtree(work, ignore_errors=True)
+        with open(results_path, "w") as f:
+            json.dump(doc, f, indent=1)
+        results = doc["results"]
+    print(tables(results, cores))
+    for path in plot(results, cores, args.out):
+        print("wrote", os.path.relpath(path, ROOT))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Process groups for tensor (tp), context (cp) and data (dp) parallelism.
+
+The ``world_size`` ranks form a tp x cp x dp grid with ``dp = world_size / (tp * cp)``.
+``parallel_order`` names the three axes from fastest to slowest varying rank: with
+``"tp-cp-dp"`` the tp ranks of a group are adjacent (ranks 0,1 | 2,3 for tp=2), which keeps the
+chattiest collectives (tp) inside a node. A rank's coordinates are::
+
+    rank = c[order[0]] + size[order[0]] * (c[order[1]] + size[order[1]] * c[order[2]])
+
+Groups:
+
+* ``tp``: ranks that differ only in their tp coordinate (they shard heads / hidden units and,
+  between blocks, tokens),
+* ``cp``: ranks that differ only in their cp coordinate (they shard tokens),
+* ``dp``: ranks that differ only in their dp coordinate (they see different samples),
+* ``mp``: all tp x cp ranks with the same dp coordinate (one model replica); used for sums
+  over everything a replica shards (the loss, gradients of parameters replicated over both).
+
+``group_ranks`` computes the rank lists without any process group (for tests and printing);
+``build_groups`` creates the groups (a ``DeviceMesh`` with dims named tp/cp/dp) and returns one
+``ParallelGroups`` object that layers receive explicitly; there are no module-level globals.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch.distributed as dist
+
+__all__ = ["AXES", "ParallelGroups", "build_groups", "group_ranks", "parse_order", "rank_coords",
+           "validate_parallel_config"]
+
+AXES = ("tp", "cp", "dp")
+_LONG = {"tp": "tensor_parallel", "cp": "context_parallel", "dp": "data_parallel"}
+
+
+def parse_order(parallel_order: Union[str, Sequence[str]]) -> Tuple[str, str, str]:
+    """``"tp-cp-dp"`` (or a sequence of the names) -> ``("tp", "cp", "dp")``, validated."""
+    if isinstance(parallel_order, str):
+        names = tuple(s.strip().lower() for s in parallel_order.split("-"))
+    else:
+        names = tuple(str(s).strip().lower() for s in parallel_order)
+    if sorted(names) != sorted(AXES):
+        raise ValueError(
+            f"parallel_order={parallel_order!r} must be a permutation of tp, cp and dp joined by '-', "
+            f"e.g. 'tp-cp-dp' (tp ranks adjacent) or 'cp-tp-dp'")
+    return names
+
+
+def _check_positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def validate_parallel_config(world_size: int, tensor_parallel: int = 1, context_parallel: int = 1,
+                             parallel_order: Union[str, Sequence[str]] = "tp-cp-dp"):
+    """Check a layout and return ``(tp, cp, dp, order)``; ``dp = world_size // (tp * cp)``."""
+    world_size = _check_positive("world size", world_size)
+    tp = _check_positive("tensor_parallel", tensor_parallel)
+    cp = _check_positive("context_parallel", context_parallel)
+    order = parse_order(parallel_order)
+    if world_size % (tp * cp):
+        raise ValueError(
+            f"tensor_parallel={tp} x context_parallel={cp} = {tp * cp} does not divide world size "
+            f"{world_size}: the data parallel size is world size / (tensor_parallel x context_parallel)")
+    return tp, cp, world_size // (tp * cp), order
+
+
+def rank_coords(rank: int, sizes: Dict[str, int], order: Sequence[str]) -> Dict[str, int]:
+    """Coordinates ``{"tp": i, "cp": j, "dp": k}`` of ``rank`` (``order[0]`` varies fastest)."""
+    coords = {}
+    for name in order:
+        coords[name] = rank % sizes[name]
+        rank //= sizes[name]
+    return coords
+
+
+def _rank_of(coords: Dict[str, int], sizes: Dict[str, int], order: Sequence[str]) -> int:
+    rank, stride = 0, 1
+    for name in order:
+        rank += coords[name] * stride
+        stride *= sizes[name]
+    return rank
+
+
+def group_ranks(world_size: int, tensor_parallel: int = 1, context_parallel: int = 1,
+                parallel_order: Union[str, Sequence[str]] = "tp-cp-dp") -> Dict[str, List[List[int]]]:
+    """Rank lists of every group, without creating process groups.
+
+    Returns ``{"tp": [...], "cp": [...], "dp": [...], "mp": [...]}``; each value lists all groups of
+    that kind (sorted by first rank), each group in coordinate order (= ascending rank). ``mp``
+    is the tp x cp model-replica group. Example: ``group_ranks(8, 2, 2, "tp-cp-dp")["cp"] ==
+    [[0, 2], [1, 3], [4, 6], [5, 7]]``.
+    """
+    tp, cp, dp, order = validate_parallel_config(world_size, tensor_parallel, context_parallel,
+                                                 parallel_order)
+    sizes = {"tp": tp, "cp": cp, "dp": dp}
+    out = {}
+    for axis in AXES:
+        groups = {}
+        for rank in range(world_size):
+            c = rank_coords(rank, sizes, order)
+            key = tuple(c[a] for a in AXES if a != axis)
+            groups.setdefault(key, []).append(rank)
+        out[axis] = sorted(sorted(g) for g in groups.values())
+    mp = {}
+    for rank in range(world_size):
+        mp.setdefault(rank_coords(rank, sizes, order)["dp"], []).append(rank)
+    out["mp"] = sorted(sorted(g) for g in mp.values())
+    return out
+
+
+@dataclass
+class ParallelGroups:
+    """Sizes, coordinates, rank lists and process groups of one rank in the tp x cp x dp grid.
+
+    Group handles are ``None`` when torch.distributed is not initialised (single process); every
+    consumer treats a group of size 1 as "no communication". ``group(name)``, ``size(name)``,
+    ``rank_in(name)`` and ``ranks(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``.
+    """
+
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    data_parallel: int = 1
+    order: Tuple[str, str, str] = ("tp", "cp", "dp")
+    rank: int = 0
+    world_size: int = 1
+    tp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    tp_ranks: List[int] = field(default_factory=lambda: [0])
+    cp_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_ranks: List[int] = field(default_factory=lambda: [0])
+    mp_ranks: List[int] = field(default_factory=lambda: [0])
+    tp_group: Optional[dist.ProcessGroup] = None
+    cp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    mp_group: Optional[dist.ProcessGroup] = None
+    mesh: Optional[object] = None  # torch.distributed.device_mesh.DeviceMesh with dims named tp/cp/dp
+
+    # ---- convenient aliases -------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.tensor_parallel
+
+    @property
+    def cp_size(self) -> int:
+        return self.context_parallel
+
+    @property
+    def dp_size(self) -> int:
+        return self.data_parallel
+
+    @property
+    def mp_size(self) -> int:
+        return self.tensor_parallel * self.context_parallel
+
+    @property
+    def mp_rank(self) -> int:
+        """Position of this rank's token/image-row chunk among the ``cp * tp`` chunks."""
+        return self.cp_rank * self.tensor_parallel + self.tp_rank
+
+    # ---- lookup by axis name ---------------------------------------------------------------
+    def _check(self, name: str) -> str:
+        if name not in ("tp", "cp", "dp", "mp"):
+            raise ValueError(f"unknown parallel group {name!r}: expected 'tp', 'cp', 'dp' or 'mp'")
+        return name
+
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+        return getattr(self, f"{self._check(name)}_group")
+
+    def size(self, name: str) -> int:
+        return getattr(self, f"{self._check(name)}_size")
+
+    def rank_in(self, name: str) -> int:
+        return getattr(self, f"{self._check(name)}_rank")
+
+    def ranks(self, name: str) -> List[int]:
+        return list(getattr(self, f"{self._check(name)}_ranks"))
+
+    def __deepcopy__(self, memo):
+        return self  # process groups are shared handles; copies of a model (e.g. an EMA) share them
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} {self.tp_ranks}, "
+                f"cp {self.cp_rank}/{self.cp_size} {self.cp_ranks}, dp {self.dp_rank}/{self.dp_size} "
+                f"{self.dp_ranks} (order {'-'.join(self.order)})")
+
+
+def _default_device_type() -> str:
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # "nccl" or "cpu:gloo,cuda:nccl"
+        return "cuda"
+    return "cpu"
+
+
+def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, context_parallel: int = 1,
+                 parallel_order: Union[str, Sequence[str]] = "tp-cp-dp",
+                 device_type: Optional[str] = None, use_device_mesh: bool = True) -> ParallelGroups:
+    """Create the tp/cp/dp (and tp x cp) groups of the default process group.
+
+    ``world_size`` defaults to the process group's size (1 without one) and must equal it when
+    given. Collective: every rank must call it with the same arguments. Without an initialised
+    process group it returns a single-process ``ParallelGroups`` (world 1; tp = cp = dp = 1).
+    The tp, cp and dp groups come from ``init_device_mesh(device_type, shape, mesh_dim_names=...)``
+    whose dims are the axes from slowest to fastest; the tp x cp group comes from ``new_group``.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    if world_size is not None and world_size != world:
+        raise ValueError(f"world size {world_size} was requested but the process group has {world} "
+                         f"rank(s){'' if initialized else ' (torch.distributed is not initialised)'}")
+    tp, cp, dp, order = validate_parallel_config(world, tensor_parallel, context_parallel, parallel_order)
+    if not initialized:
+        return ParallelGroups(order=order)
+    rank = dist.get_rank()
+    sizes = {"tp": tp, "cp": cp, "dp": dp}
+    coords = rank_coords(rank, sizes, order)
+    lists = group_ranks(world, tp, cp, order)
+    mine = {name: next(g for g in lists[name] if rank in g) for name in lists}
+
+    handles = {}
+    mesh = None
+    if use_device_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims = tuple(reversed(order))  # mesh dims slowest -> fastest; the last dim is contiguous
+        mesh = init_device_mesh(device_type or _default_device_type(), tuple(sizes[d] for d in dims),
+                                mesh_dim_names=dims)
+        for name in AXES:
+            handles[name] = mesh.get_group(name)
+            got = dist.get_process_group_ranks(handles[name])
+            if got != mine[name]:  # the mesh must agree with group_ranks, which tests and logs use
+                raise RuntimeError(f"DeviceMesh {name} group {got} differs from expected {mine[name]}")
+    else:
+        for name in AXES:
+            for ranks in lists[name]:  # every rank creates every group, in the same order
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    handles[name] = g
+    if tp * cp == 1:
+        handles["mp"] = handles["tp"]
+    elif tp == 1:
+        handles["mp"] = handles["cp"]
+    elif cp == 1:
+        handles["mp"] = handles["tp"]
+    else:
+        for ranks in lists["mp"]:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                handles["mp"] = g
+    return ParallelGroups(
+        tensor_parallel=tp, context_parallel=cp, data_parallel=dp, order=order, rank=rank, world_size=world,
+        tp_rank=coords["tp"], cp_rank=coords["cp"], dp_rank=coords["dp"],
+        tp_ranks=mine["tp"], cp_ranks=mine["cp"], dp_ranks=mine["dp"], mp_ranks=mine["mp"],
+        tp_group=handles["tp"], cp_group=handles["cp"], dp_group=handles["dp"], mp_group=handles["mp"],
+        mesh=mesh,
+    )

@@ -1,0 +1,678 @@
+"""Tensor / context / sequence parallel layers of the ViT, and gradient reduction.
+
+Activation layout
+-----------------
+Token tensors are ``(B, N, E)``. Inside a model replica (one dp coordinate) the ``N`` tokens
+are always sharded over cp (contiguous ranges in cp-rank order). With ``sequence_parallel=True``
+(what ``parallelize_vit`` uses when tp x cp divides the patch rows) each cp range is further
+sharded over tp, so *between* the column- and row-parallel linears (LayerNorm, residual adds,
+dropout) every rank holds ``N / (cp * tp)`` tokens: chunk ``cp_rank * tp + tp_rank`` of the
+sequence. Inside attention and the MLP the tokens are gathered over tp (all the cp-local
+tokens) while heads / hidden units are sharded over tp; keys and values are additionally
+gathered over cp. Every activation a block keeps for backward is split over tp, along tokens or
+along heads / hidden units; the tokens gathered for a column-parallel linear exist only while
+it runs (backward gathers them again).
+
+With ``sequence_parallel=False`` (plain Megatron tensor parallelism) the tokens are sharded over
+cp only and the activations outside the linears are replicated over tp: every tp rank of a cp
+rank holds the same ``N / cp`` tokens, a column-parallel linear uses them as they are
+(``copy_to``: its input gradient is all-reduced over tp) and a row-parallel linear all-reduces
+its output. ``parallelize_vit`` falls back to it when tp x cp does not divide the patch rows.
+Dropout on those replicated activations must drop the same elements on every tp rank
+(:class:`ReplicatedDropout`).
+
+Parameters
+----------
+Every parameter carries:
+
+* ``param.shard_spec``: a :class:`ShardSpec` saying how it is cut out of the serial parameter of
+  the same name (``load_serial_state_dict``) and how to reassemble it (``serial_state_dict``);
+* ``param.reduce_over``: the axes (``"cp"``, ``"tp"``) over which identical copies of it live on
+  ranks that see *different* tokens, so each holds only a partial gradient. Those gradients are
+  summed over these axes in one place: :func:`replicated_grads_comm_hook` (DDP) or
+  :func:`reduce_replicated_grads` (without DDP); both also average every gradient over dp.
+
+Parallel layers are built from the serial ones (``from_serial``) so that replicated parameters
+are identical on all ranks and the sharded model starts from the serial weights. Their
+parameter names equal the serial module's names.
+"""
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distributed.groups import ParallelGroups
+from distributed.mappings import (all_gather, all_gather_along, copy_to, reduce_from, reduce_scatter,
+                                  reduce_scatter_along)
+
+__all__ = ["ShardSpec", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
+           "SequenceParallelLayerNorm", "ParallelBlock", "ParallelPatchEmbed", "ReplicatedDropout",
+           "mark_replicated", "mark_module_replicated", "sharded_parameter",
+           "load_serial_state_dict", "serial_state_dict", "tensors_to_serial", "tensors_from_serial",
+           "reduce_replicated_grads",
+           "replicated_grads_comm_hook", "divisor_choices", "check_divisible", "unwrap"]
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def divisor_choices(n: int, limit: int = 12) -> str:
+    """``8 -> "1, 2, 4 or 8"`` (at most ``limit`` divisors, then "...")."""
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    if len(divs) > limit:
+        return ", ".join(map(str, divs[:limit])) + ", ..."
+    return ", ".join(map(str, divs[:-1])) + f" or {divs[-1]}" if len(divs) > 1 else str(divs[0])
+
+
+def check_divisible(what: str, n: int, by_name: str, by: int):
+    """``ValueError("tensor_parallel=3 does not divide num_heads=8: choose 1, 2, 4 or 8")``."""
+    if n % by:
+        raise ValueError(f"{by_name}={by} does not divide {what}={n}: choose {divisor_choices(n)}")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel`` (or the module itself)."""
+    while isinstance(module, nn.parallel.DistributedDataParallel):
+        module = module.module
+    return module
+
+
+def _token_axes(sequence_parallel: bool) -> Tuple[str, ...]:
+    return ("cp", "tp") if sequence_parallel else ("cp",)
+
+
+# ---- shard specs and replicated-parameter markers ---------------------------------------------
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a local parameter relates to the serial parameter of the same name.
+
+    ``axes == ()``: replicated (the local tensor is the serial tensor). Otherwise the serial
+    tensor, viewed as ``view`` (or as is when ``view`` is None), is cut along ``dim`` into
+    ``prod(size(a) for a in axes)`` equal chunks; ``axes`` go from outer to inner, so with
+    ``("cp", "tp")`` the rank keeps chunk ``cp_rank * tp + tp_rank``. With a ``view`` the chunk
+    is reshaped to ``(-1, *full_shape[1:])``.
+    """
+
+    full_shape: Tuple[int, ...]
+    axes: Tuple[str, ...] = ()
+    dim: int = 0
+    view: Optional[Tuple[int, ...]] = None
+
+    def _split(self, groups: ParallelGroups):
+        n, idx = 1, 0
+        for a in self.axes:
+            n, idx = n * groups.size(a), idx * groups.size(a) + groups.rank_in(a)
+        return n, idx
+
+    def local_shape(self, groups: ParallelGroups) -> Tuple[int, ...]:
+        n, _ = self._split(groups)
+        view = list(self.view or self.full_shape)
+        view[self.dim] //= n
+        if self.view is None:
+            return tuple(view)
+        return (math.prod(view) // math.prod(self.full_shape[1:]),) + tuple(self.full_shape[1:])
+
+    def shard(self, full: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+        if tuple(full.shape) != tuple(self.full_shape):
+            raise ValueError(f"expected a serial tensor of shape {self.full_shape}, got {tuple(full.shape)}")
+        n, idx = self._split(groups)
+        if n == 1:
+            return full
+        t = full.reshape(self.view) if self.view else full
+        c = t.shape[self.dim] // n
+        chunk = t.narrow(self.dim, idx * c, c)
+        return chunk if self.view is None else chunk.reshape((-1,) + tuple(self.full_shape[1:]))
+
+    def gather(self, local: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+        """Collective over the spec's axes: reassemble the serial tensor on every rank."""
+        n, _ = self._split(groups)
+        if n == 1:
+            return local
+        view = list(self.view or self.full_shape)
+        view[self.dim] //= n
+        t = local.reshape(view)
+        for a in reversed(self.axes):  # innermost first: tp chunks form a contiguous cp chunk
+            t = all_gather_along(t, groups.group(a), self.dim)
+        return t.reshape(self.full_shape)
+
+
+def mark_replicated(param: nn.Parameter, axes: Sequence[str]) -> nn.Parameter:
+    """Record that ``param`` is replicated over ``axes`` whose ranks compute partial gradients."""
+    param.reduce_over = tuple(axes)
+    return param
+
+
+def sharded_parameter(shape, spec: ShardSpec, reduce_over: Sequence[str], dtype=None, device=None) -> nn.Parameter:
+    """A zero parameter of the local ``shape`` with its ``shard_spec`` and ``reduce_over`` markers;
+    its values come from the serial model (``load_serial_state_dict``)."""
+    p = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+    p.shard_spec = spec
+    return mark_replicated(p, reduce_over)
+
+
+def mark_module_replicated(module: nn.Module, reduce_over: Sequence[str]):
+    """Mark every parameter of an unsharded module as replicated over ``reduce_over``."""
+    for p in module.parameters():
+        p.shard_spec = ShardSpec(tuple(p.shape))
+        mark_replicated(p, reduce_over)
+
+
+def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor],
+                           groups: ParallelGroups, strict: bool = True):
+    """Copy this rank's slices of a *serial* state dict into a parallel module (no communication).
+
+    Parameter names of the parallel module equal the serial ones; ``state_dict`` may come from
+    a serial model, a serial checkpoint, or :func:`serial_state_dict` of any other tp/cp layout.
+    """
+    module = unwrap(module)
+    state_dict = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
+    names = dict(module.named_parameters())
+    if strict:
+        missing = sorted(set(names) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(names))
+        if missing or unexpected:
+            raise KeyError(f"serial state dict does not match the model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    with torch.no_grad():
+        for name, p in names.items():
+            if name not in state_dict:
+                continue
+            spec = getattr(p, "shard_spec", None) or ShardSpec(tuple(p.shape))
+            p.copy_(spec.shard(state_dict[name].to(device=p.device, dtype=p.dtype), groups))
+
+
+def tensors_to_serial(module: nn.Module, groups: ParallelGroups,
+                      tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Reassemble per-parameter tensors shaped like the local parameters (the parameters, their
+    gradients, Adam moments, ...) into the serial layout, keyed by parameter name.
+
+    Collective over tp and cp: every rank of a replica must call it with the same names; every
+    rank gets the full tensors.
+    """
+    params = dict(unwrap(module).named_parameters())
+    out = {}
+    for name, t in tensors.items():
+        key = name[len("module."):] if name.startswith("module.") and name not in params else name
+        spec = getattr(params[key], "shard_spec", None) or ShardSpec(tuple(params[key].shape))
+        out[key] = spec.gather(t.detach(), groups).clone()
+    return out
+
+
+def tensors_from_serial(module: nn.Module, groups: ParallelGroups,
+                        tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """This rank's slices of serial-layout per-parameter tensors (inverse of ``tensors_to_serial``)."""
+    params = dict(unwrap(module).named_parameters())
+    out = {}
+    for name, t in tensors.items():
+        spec = getattr(params[name], "shard_spec", None) or ShardSpec(tuple(params[name].shape))
+        out[name] = spec.shard(t, groups).clone()
+    return out
+
+
+def serial_state_dict(module: nn.Module, groups: ParallelGroups, grads: bool = False) -> Dict[str, torch.Tensor]:
+    """The serial-layout state dict (or gradients, ``grads=True``) of a parallel module.
+
+    Collective over tp and cp (every rank of a replica must call it); every rank gets the full
+    dict. Replicated parameters are taken from the local copy, so call it after gradient
+    reduction when ``grads=True``. Missing gradients are returned as zeros.
+    """
+    module = unwrap(module)
+    tensors = {}
+    for name, p in module.named_parameters():
+        t = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
+        tensors[name] = t
+    return tensors_to_serial(module, groups, tensors)
+
+
+# ---- gradient reduction of replicated parameters ----------------------------------------------
+
+def _reduce_key(param: nn.Parameter, groups: ParallelGroups) -> Optional[str]:
+    axes = {a for a in getattr(param, "reduce_over", ()) if groups.size(a) > 1}
+    if not axes:
+        return None
+    if axes == {"cp", "tp"}:
+        return "mp"  # the tp x cp group: one all-reduce instead of two
+    (axis,) = axes
+    return axis
+
+
+def _all_reduce_coalesced(tensors, group, scale: Optional[float] = None):
+    """In-place sum (times ``scale``) of same-dtype ``tensors`` over ``group``, in one call per dtype."""
+    by_dtype = defaultdict(list)
+    for t in tensors:
+        by_dtype[t.dtype].append(t)
+    for dtype in sorted(by_dtype, key=str):
+        ts = by_dtype[dtype]
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        if scale is not None:
+            flat.mul_(scale)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _reduce_marked(pairs, groups: ParallelGroups):
+    """Sum gradients of marked parameters over their groups; ``pairs`` = [(param, grad)]."""
+    by_key = defaultdict(list)
+    for p, g in pairs:
+        key = _reduce_key(p, groups)
+        if key is not None:
+            by_key[key].append(g)
+    for key in sorted(by_key):  # same order on every rank
+        _all_reduce_coalesced(by_key[key], groups.group(key))
+
+
+def reduce_replicated_grads(model: nn.Module, groups: ParallelGroups, average_dp: bool = True):
+    """Reduce gradients after ``backward`` when the model is not wrapped in DDP.
+
+    1. Parameters with ``reduce_over`` get their gradients summed over those axes (tp, cp or the
+       tp x cp group): each rank computed the gradient from its own tokens only.
+    2. With ``average_dp`` every gradient is averaged over dp (each dp rank saw other samples).
+
+    Same result as DDP with :func:`replicated_grads_comm_hook`. Missing gradients count as zero.
+    """
+    model = unwrap(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _reduce_marked([(p, p.grad) for p in params], groups)
+    if average_dp and groups.dp_size > 1:
+        _all_reduce_coalesced([p.grad for p in params], groups.dp_group, scale=1.0 / groups.dp_size)
+
+
+def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: sum marked gradients over tp/cp, then average the bucket over dp.
+
+    Use with the dp group as DDP's process group::
+
+        ddp = DistributedDataParallel(model, process_group=groups.dp_group)
+        ddp.register_comm_hook(groups, replicated_grads_comm_hook)
+
+    The tp/cp sums run synchronously inside the hook (every rank of a tp/cp group has the same
+    buckets in the same order), the dp average asynchronously as DDP expects.
+    """
+    buf = bucket.buffer()
+    # DDP's bucket buffer holds the bucket's parameters' gradients back to back, in order.
+    views, offset = [], 0
+    for p in bucket.parameters():
+        views.append((p, buf.narrow(0, offset, p.numel())))
+        offset += p.numel()
+    _reduce_marked(views, groups)
+    if groups.dp_size > 1:
+        buf.div_(groups.dp_size)
+        work = dist.all_reduce(buf, group=groups.dp_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+# ---- linear layers ----------------------------------------------------------------------------
+
+class _AllGatherLinear(torch.autograd.Function):
+    """``F.linear(all_gather(x, dim), w, b)`` that keeps only the local ``x`` for backward.
+
+    Forward: all-gather ``x`` along ``dim`` over ``group``, then the linear map.
+    Backward: grad_x = reduce-scatter(grad @ w) along ``dim``; grad_w needs the gathered input,
+    which is all-gathered again instead of being stored (Megatron-style sequence parallelism),
+    so the saved activation is 1/tp of the gathered one.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, dim):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        return F.linear(all_gather_along(x, group, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        cdt = grad.dtype  # under autocast the output (and its gradient) may be lower precision
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = reduce_scatter_along(grad.matmul(weight.to(cdt)), ctx.group, ctx.dim).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            x_full = all_gather_along(x, ctx.group, ctx.dim).to(cdt)
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(
+                x_full.reshape(-1, x_full.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _ParallelLinear(nn.Module):
+    """What column- and row-parallel linears share: building one from a serial ``nn.Linear``."""
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, groups: ParallelGroups, **kwargs):
+        """This rank's slice of ``linear`` (same in/out features, bias and dtype)."""
+        p = linear.weight
+        m = cls(linear.in_features, linear.out_features, groups, bias=linear.bias is not None,
+                dtype=p.dtype, device=p.device, **kwargs)
+        load_serial_state_dict(m, linear.state_dict(), groups)
+        return m
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with the output features split over tp.
+
+    * ``weight`` (out/tp, in) and ``bias`` (out/tp): rows ``[r*out/tp, (r+1)*out/tp)`` of the
+      serial ones on tp rank r, or with ``stacked=k`` (e.g. 3 for a fused [q | k | v] output)
+      that range taken from each of the k equal blocks. Replicated over cp
+      (``reduce_over=("cp",)``): cp ranks see different tokens.
+    * input: ``sequence_parallel=True``: (..., N/tp, ..., in), tokens split over tp along
+      ``seq_dim``; they are all-gathered (the gathered tensor is not kept for backward).
+      ``False``: the full input, replicated over tp (``copy_to``).
+    * output: (..., N, ..., out/tp), all tokens of this cp rank, features split over tp.
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
+                 sequence_parallel: bool = True, seq_dim: int = 1, stacked: int = 1, dtype=None, device=None):
+        super().__init__()
+        tp = groups.tp_size
+        if out_features % stacked:
+            raise ValueError(f"out_features={out_features} is not divisible by stacked={stacked}")
+        check_divisible("out_features" if stacked == 1 else "out_features per stacked block",
+                        out_features // stacked, "tensor_parallel", tp)
+        self.groups, self.sequence_parallel, self.seq_dim = groups, sequence_parallel, seq_dim
+        self.in_features, self.out_features, self.stacked = in_features, out_features, stacked
+        view = None if stacked == 1 else (stacked, out_features // stacked, in_features)
+        self.weight = sharded_parameter((out_features // tp, in_features),
+                                        ShardSpec((out_features, in_features), ("tp",), 1 if view else 0, view),
+                                        ("cp",), dtype, device)
+        if bias:
+            bview = None if stacked == 1 else (stacked, out_features // stacked)
+            self.bias = sharded_parameter((out_features // tp,),
+                                          ShardSpec((out_features,), ("tp",), 1 if bview else 0, bview),
+                                          ("cp",), dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp_group = self.groups.tp_group
+        if self.sequence_parallel and self.groups.tp_size > 1:
+            return _AllGatherLinear.apply(x, self.weight, self.bias, tp_group, self.seq_dim % x.dim())
+        return F.linear(copy_to(x, tp_group), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (/{self.groups.tp_size} over tp), "
+                f"stacked={self.stacked}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with the input features split over tp.
+
+    * ``weight`` (out, in/tp): columns ``[r*in/tp, (r+1)*in/tp)`` of the serial weight on tp
+      rank r; replicated over cp (``reduce_over=("cp",)``).
+    * ``bias`` (out): replicated over tp and cp; added after the reduction, to the rank's own
+      tokens, so ``reduce_over=("cp", "tp")`` with sequence parallelism, ``("cp",)`` without.
+    * input: (..., N, ..., in/tp), features split over tp (output of a column-parallel layer).
+    * output: partial sums over tp are reduce-scattered along ``seq_dim``
+      (``sequence_parallel=True``, output tokens split over tp) or all-reduced (``False``, output
+      replicated over tp).
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
+                 sequence_parallel: bool = True, seq_dim: int = 1, dtype=None, device=None):
+        super().__init__()
+        tp = groups.tp_size
+        check_divisible("in_features", in_features, "tensor_parallel", tp)
+        self.groups, self.sequence_parallel, self.seq_dim = groups, sequence_parallel, seq_dim
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = sharded_parameter((out_features, in_features // tp),
+                                        ShardSpec((out_features, in_features), ("tp",), 1), ("cp",), dtype, device)
+        if bias:
+            self.bias = sharded_parameter((out_features,), ShardSpec((out_features,)),
+                                          _token_axes(sequence_parallel), dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)  # nothing to reduce: the serial op, fused bias
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter(y, self.groups.tp_group, self.seq_dim % y.dim())
+        else:
+            y = reduce_from(y, self.groups.tp_group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (/{self.groups.tp_size} over tp), out={self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+# ---- dropout ----------------------------------------------------------------------------------
+
+class _MaskedScale(torch.autograd.Function):
+    """``x * mask * scale`` keeping only the 1-byte mask for backward (as ``nn.Dropout`` does)."""
+
+    @staticmethod
+    def forward(ctx, x, mask, scale):
+        ctx.save_for_backward(mask)
+        ctx.scale = scale
+        return x * mask * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return grad * mask * ctx.scale, None, None
+
+
+class ReplicatedDropout(nn.Dropout):
+    """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``).
+
+    Ranks draw from different random streams (they are seeded per rank for the sharded
+    activations), so with ``tp > 1`` and no sequence parallelism tp rank 0 draws the keep-mask
+    and broadcasts it over tp (1 byte per element): every tp rank drops the same elements and
+    the copies stay identical. Under activation checkpointing the recomputation draws and
+    broadcasts the same mask again (the per-rank RNG state is restored). Otherwise, and in eval
+    mode, it is ``nn.Dropout``.
+    """
+
+    def __init__(self, p: float, groups: ParallelGroups, sequence_parallel: bool = True):
+        super().__init__(p)
+        self.groups = groups
+        self.synchronized = not sequence_parallel and groups.tp_size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.synchronized and self.training and self.p > 0):
+            return super().forward(x)
+        keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device).bernoulli_(1.0 - self.p)
+        dist.broadcast(keep, src=self.groups.tp_ranks[0], group=self.groups.tp_group)
+        return _MaskedScale.apply(x, keep, 0.0 if self.p >= 1 else 1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", same mask on every tp rank" if self.synchronized else "")
+
+
+# ---- transformer layers -----------------------------------------------------------------------
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """LayerNorm over the last dim of a token-sharded input: purely local (per token).
+
+    ``weight`` and ``bias`` are replicated over cp and, with sequence parallelism, tp; each rank
+    normalises different tokens, so their gradients are partial: ``reduce_over=("cp", "tp")``
+    (``("cp",)`` without sequence parallelism, where tp ranks hold the same tokens).
+    """
+
+    def __init__(self, normalized_shape, groups: ParallelGroups, eps: float = 1e-5,
+                 elementwise_affine: bool = True, sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, dtype=dtype,
+                         device=device)
+        self.sequence_parallel = sequence_parallel
+        mark_module_replicated(self, _token_axes(sequence_parallel))
+
+    @classmethod
+    def from_serial(cls, norm: nn.LayerNorm, groups: ParallelGroups, **kwargs) -> "SequenceParallelLayerNorm":
+        ref = next(norm.parameters(), None)
+        m = cls(norm.normalized_shape, groups, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
+                dtype=None if ref is None else ref.dtype, device=None if ref is None else ref.device, **kwargs)
+        load_serial_state_dict(m, norm.state_dict(), groups)
+        return m
+
+
+class ParallelMLP(nn.Module):
+    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp.
+
+    Input/output tokens: split over cp, and over tp with sequence parallelism. ``fc1.weight``
+    (hidden/tp, E), ``fc1.bias`` (hidden/tp), ``fc2.weight`` (E, hidden/tp) are split over tp
+    and replicated over cp; ``fc2.bias`` is replicated over cp (and tp when sequence parallel).
+    The hidden activation's dropout (``drop``, split over tp) uses each rank's own stream, the
+    output's (``out_drop``) is a :class:`ReplicatedDropout`.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, groups: ParallelGroups, drop: float = 0.0,
+                 sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__()
+        check_divisible("mlp hidden dim", hidden_dim, "tensor_parallel", groups.tp_size)
+        kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.fc1 = ColumnParallelLinear(dim, hidden_dim, groups, **kw)
+        self.act = nn.GELU()
+        self.fc2 = RowParallelLinear(hidden_dim, dim, groups, **kw)
+        self.drop = nn.Dropout(drop)
+        self.out_drop = ReplicatedDropout(drop, groups, sequence_parallel)
+
+    @classmethod
+    def from_serial(cls, mlp: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelMLP":
+        w = mlp.fc1.weight
+        m = cls(mlp.fc1.in_features, mlp.fc1.out_features, groups, drop=mlp.drop.p,
+                dtype=w.dtype, device=w.device, **kwargs)
+        load_serial_state_dict(m, mlp.state_dict(), groups)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head self-attention with heads split over tp and tokens split over cp.
+
+    * ``qkv`` (column-parallel, [q | k | v] stacked): tp rank r holds heads
+      ``[r*H/tp, (r+1)*H/tp)`` of q, k and v: weight (3E/tp, E), bias (3E/tp); replicated over cp.
+    * queries stay on the rank's cp tokens; keys and values of the local heads are all-gathered
+      over cp (backward: their gradients are reduce-scattered back) so every query sees all
+      ``N`` tokens.
+    * ``proj`` (row-parallel): weight (E, E/tp) split over tp, replicated over cp; bias replicated.
+    * input/output: (B, N/(cp*tp), E) with sequence parallelism ((B, N/cp, E) without).
+    """
+
+    def __init__(self, dim: int, num_heads: int, groups: ParallelGroups, attn_drop: float = 0.0,
+                 proj_drop: float = 0.0, sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
+        tp = groups.tp_size
+        check_divisible("num_heads", num_heads, "tensor_parallel", tp)
+        self.groups = groups
+        self.num_heads, self.local_heads, self.head_dim = num_heads, num_heads // tp, dim // num_heads
+        kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.qkv = ColumnParallelLinear(dim, 3 * dim, groups, stacked=3, **kw)
+        self.proj = RowParallelLinear(dim, dim, groups, **kw)
+        self.attn_drop = attn_drop
+        self.proj_drop = ReplicatedDropout(proj_drop, groups, sequence_parallel)
+
+    @classmethod
+    def from_serial(cls, attn: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelAttention":
+        w = attn.qkv.weight
+        m = cls(attn.qkv.in_features, attn.num_heads, groups, attn_drop=attn.attn_drop,
+                proj_drop=attn.proj_drop.p, dtype=w.dtype, device=w.device, **kwargs)
+        load_serial_state_dict(m, attn.state_dict(), groups)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (B, n, 3 * local_heads * head_dim), n = tokens of this cp rank
+        B, n = qkv.shape[:2]
+        qkv = qkv.reshape(B, n, 3, self.local_heads, self.head_dim)
+        q = qkv[:, :, 0].transpose(1, 2)  # (B, h, n, hd)
+        kv = all_gather(qkv[:, :, 1:], self.groups.cp_group, dim=1)  # (B, N, 2, h, hd), one collective
+        k, v = kv.permute(2, 0, 3, 1, 4)  # (2, B, h, N, hd)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        x = x.transpose(1, 2).reshape(B, n, self.local_heads * self.head_dim)
+        return self.proj_drop(self.proj(x))
+
+
+class ParallelBlock(nn.Module):
+    """Pre-norm block ``x + attn(norm1(x))``, ``x + mlp(norm2(x))`` on token-sharded ``x``.
+
+    The residual stream, LayerNorms and dropouts act on the rank's own tokens
+    (``N/(cp*tp)`` of them with sequence parallelism); see the attention/MLP/LayerNorm classes
+    for what is split or replicated.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden_dim: int, groups: ParallelGroups,
+                 drop: float = 0.0, eps: float = 1e-5, sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__()
+        kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.norm1 = SequenceParallelLayerNorm(dim, groups, eps=eps, **kw)
+        self.attn = ParallelAttention(dim, num_heads, groups, attn_drop=drop, proj_drop=drop, **kw)
+        self.norm2 = SequenceParallelLayerNorm(dim, groups, eps=eps, **kw)
+        self.mlp = ParallelMLP(dim, mlp_hidden_dim, groups, drop=drop, **kw)
+
+    @classmethod
+    def from_serial(cls, block: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelBlock":
+        w = block.attn.qkv.weight
+        m = cls(block.attn.qkv.in_features, block.attn.num_heads, block.mlp.fc1.out_features, groups,
+                drop=block.mlp.drop.p, eps=block.norm1.eps, dtype=w.dtype, device=w.device, **kwargs)
+        load_serial_state_dict(m, block.state_dict(), groups)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ParallelPatchEmbed(nn.Module):
+    """Patch embedding of the rank's band of image rows.
+
+    The image's ``H/p`` patch rows are split into ``cp*tp`` (``sequence_parallel``; ``cp``
+    otherwise) contiguous bands; rank chunk ``c`` receives image rows ``[c*H/chunks,
+    (c+1)*H/chunks)`` at full width and returns its tokens ``(B, N/chunks, E)``, which in
+    row-major patch order are exactly token range ``c`` of the serial model (``c`` is the cp
+    rank without sequence parallelism: every tp rank of a cp rank embeds the same band). ``proj``
+    (the p x p stride-p convolution) is replicated over cp and tp; its gradient is summed over
+    the ranks that see different bands: ``reduce_over=("cp", "tp")``, ``("cp",)`` without
+    sequence parallelism.
+    """
+
+    def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,
+                 sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__()
+        h, w = img_size
+        self.axes = _token_axes(sequence_parallel)
+        chunks = math.prod(groups.size(a) for a in self.axes)
+        self.grid = (h // patch_size, w // patch_size)
+        if h % patch_size or w % patch_size:
+            raise ValueError(f"img_size={list(img_size)} is not divisible by patch_size={patch_size}")
+        if self.grid[0] % chunks:
+            names = " x ".join(f"{'context_parallel' if a == 'cp' else 'tensor_parallel'}={groups.size(a)}"
+                               for a in self.axes)
+            raise ValueError(
+                f"{names} = {chunks} does not divide the {self.grid[0]} patch rows "
+                f"(img height {h} / patch_size {patch_size}): tokens are sharded in whole patch rows "
+                f"over {chunks} ranks; choose a product in {divisor_choices(self.grid[0])}")
+        self.patch_size, self.chunks = patch_size, chunks
+        self.local_grid = (self.grid[0] // chunks, self.grid[1])
+        self.num_patches = self.grid[0] * self.grid[1]
+        self.local_num_patches = self.local_grid[0] * self.local_grid[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size,
+                              dtype=dtype, device=device)
+        mark_module_replicated(self.proj, self.axes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.patch_size
+        want = (self.local_grid[0] * p, self.local_grid[1] * p)
+        if tuple(x.shape[-2:]) != want:
+            raise ValueError(f"expected this rank's band of {want[0]} image rows x {want[1]} columns "
+                             f"(use shard_image), got spatial shape {tuple(x.shape[-2:])}")
+        return self.proj(x).flatten(2).transpose(1, 2)

@@ -1,0 +1,483 @@
+"""Per-rank memory and communication of the tensor / context / data parallel ViT, from its shapes.
+
+    python -m distributed.memory_model --config mp --tensor_parallel 1 --context_parallel 1
+    python -m distributed.memory_model --config mp --tensor_parallel 4     # 45 patch rows: no sequence parallelism
+    python -m distributed.memory_model --config mp --img_size '[352,720]' --tensor_parallel 4 \\
+        --local_batch_size 16 --data_parallel 4 --attention flash --activation_checkpointing
+    python -m distributed.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
+
+Any config key can be overridden (``--key value``, as for train.py). The model's own options:
+``--data_parallel`` (dp; default 1, world = tp x cp x dp; the local batch is
+``global_batch_size / dp`` unless ``--local_batch_size`` is given), ``--attention``
+(``flash``, ``efficient`` or ``math``), ``--measure`` (``cuda``: what the allocator holds;
+``cpu``: what the engine's CPU byte count sees), ``--gpu_memory_gb`` (capacity to compare with),
+``--sequence_parallel`` (``auto``, what the engine does: on when tp x cp divides the patch rows,
+off when only cp does, e.g. the mp config's 45 rows at tp = 2 or 4; ``on`` / ``off`` force it),
+``--uneven`` (a layout the layers do not implement: sequence parallelism with bands of unequal
+height when tp x cp does not divide the patch rows; the largest rank is shown) and ``--json``.
+
+What is counted (bytes per rank, for one training step of the engine)
+--------------------------------------------------------------------
+Notation: B local batch, N = (H/p)(W/p) tokens, T = tp*cp, n tokens of a rank between the
+linears (n = N/T with sequence parallelism, n = nc = N/cp without: the tp ranks of a cp rank
+hold the same tokens), nc = N/cp tokens of a cp rank inside attention/MLP, E embed, h =
+heads/tp, F = mlp hidden/tp, f = 4 bytes (fp32), a = bytes of the compute dtype (4 without
+AMP, 2 under fp16/bf16 autocast). A rank's image band is H/T rows (H/cp without sequence
+parallelism).
+
+* parameters: fp32, with the shapes of ``distributed.layers`` (block weights split over tp,
+  ``pos_embed`` split over tp x cp, or cp only without sequence parallelism, patch embedding /
+  LayerNorms / head / row-parallel biases whole on every rank); gradients: the same bytes; Adam:
+  two fp32 moments per parameter plus a 4-byte ``step`` tensor per parameter tensor.
+* activations: every tensor autograd keeps for backward, each storage once (views of one
+  tensor share it), parameters excluded. Per block:
+
+  - ``norm1`` / ``norm2``: input (the fp32 residual stream, f.B.n.E) and mean/rstd (2 f.B.n);
+  - ``qkv`` / ``fc1`` (column-parallel): with tp > 1 and sequence parallelism the gather-linear
+    keeps only the rank's LayerNorm output as it came in, f.B.n.E (fp32 even under autocast:
+    LayerNorm autocasts to fp32 and the cast happens inside the function, after the save); with
+    tp = 1, or without sequence parallelism, ``F.linear`` keeps its (whole, n = nc) input,
+    a.B.n.E, and under AMP also the cast weight (a.3E/tp.E, a.F.E);
+  - attention, ``flash`` (CPU flash kernel, CUDA flash) and ``efficient`` (CUDA memory-efficient):
+    q is a view of the qkv output, so its whole storage is kept (a.B.nc.3E/tp); with cp > 1 the
+    all-gathered K/V (a.B.N.2E/tp); the output (a.B.nc.E/tp, allocated token-major, so the
+    ``proj`` input is a view of it); logsumexp f.B.h.nc (``efficient``: nc rounded up to 32).
+    ``math``: scaled q (B.nc.E/tp) and k (B.N.E/tp), the probabilities (B.h.nc.N), a contiguous
+    copy of v (B.N.E/tp; with one local head v stays a view of the qkv output or the gathered
+    K/V, whose storage is kept), all in the compute dtype except on a CPU under AMP, where the
+    math kernel upcasts to fp32; plus the copied output kept by ``proj`` (a.B.nc.E/tp);
+  - ``proj`` / ``fc2`` (row-parallel): input (the attention output above / the GELU output,
+    a.B.nc.F); under AMP the cast weight (a.E.E/tp, a.E.F);
+  - GELU: its input, a.B.nc.F;
+  - dropout p = 0 keeps nothing; p > 0 keeps a 1-byte mask per element of ``pos_drop``,
+    ``proj_drop`` and both MLP dropouts (attention-probability dropout is not modeled; without
+    sequence parallelism the masks of the tp-replicated activations are the same 1 byte per
+    element, broadcast over tp).
+
+  Outside blocks: the patch-embedding convolution keeps its input band (B.Cin.H/T.W; under AMP
+  its a-byte cast and the cast weight), the final LayerNorm as above, ``head`` its input (under
+  AMP the cast input and weight), the loss the fp32 difference (f.B.Cout.H/T.W) and two
+  per-sample norms (2 f.B).
+  With activation checkpointing a block keeps only its input (f.B.n.E); its activations are
+  recomputed in backward, one block at a time.
+  Without sequence parallelism every "n" term above is nc: LayerNorm inputs, the residual
+  stream, the linears' inputs and the head input are whole on each tp rank of a cp rank.
+* after the forward pass (the engine's "Memory after forward pass", measured after one warm-up
+  step): parameters + Adam state + activations (gradients are freed by
+  ``zero_grad(set_to_none=True)``); ``--measure cuda`` adds what the allocator holds besides:
+  DDP's gradient buckets (one fp32 copy of the gradients; DDP wraps every model-parallel run)
+  and the whole batch on the device (the loader's x and y, before each rank slices its band).
+* peak: after forward + gradients; ``--measure cuda`` adds an estimate of the backward
+  transients (two hidden-width activation gradients of a block, a.B.nc.F each, the re-gathered
+  block input f.B.nc.E when tp > 1 with sequence parallelism, and one recomputed block under
+  checkpointing). Workspaces
+  (cuBLAS, attention kernels), allocator fragmentation and the CUDA context are not counted.
+
+Collectives (per rank per training step): the size of the full (gathered / reduced) tensor of
+one call, and the bytes a rank sends with ring algorithms: (g-1)/g of it for all-gather and
+reduce-scatter, 2(g-1)/g for all-reduce, over a group of g ranks, the whole tensor for a
+broadcast. Checkpointing repeats the blocks' forward collectives in backward. Without sequence
+parallelism the tp collectives of a block are two all-reduces of the row-parallel outputs
+(forward) and two of the column-parallel input gradients (backward, ``copy_to``), the loss sums
+are all-reduced over cp only, and the replicated-parameter gradients are summed over cp only.
+
+Tested against the CPU byte count (``utils.memory.MemoryProbe``) in tests/test_mp_training.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import List, Tuple
+
+ATTENTION = ("flash", "efficient", "math")
+MEASURE = ("cuda", "cpu")
+GiB = 1024**3
+
+
+@dataclass
+class Shape:
+    """The ViT and one rank's share of a step (everything the model needs from a config)."""
+
+    batch: int
+    img: Tuple[int, int]
+    patch: int
+    cin: int
+    cout: int
+    embed: int
+    depth: int
+    heads: int
+    hidden: int
+    dropout: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg, local_batch: int) -> "Shape":
+        return cls(local_batch, tuple(cfg.img_size), cfg.patch_size, cfg.n_in_channels, cfg.n_out_channels,
+                   cfg.embed_dim, cfg.depth, cfg.num_heads, int(cfg.embed_dim * cfg.mlp_ratio), cfg.dropout)
+
+    @property
+    def tokens(self) -> int:
+        return (self.img[0] // self.patch) * (self.img[1] // self.patch)
+
+    def split(self, tp: int, cp: int, sequence_parallel: bool = True) -> Tuple[int, int, int]:
+        """(n, nc, band rows): tokens of a rank between the linears, tokens of its cp rank, and the
+        image rows of its band. Bands are whole patch rows, tp x cp of them with sequence
+        parallelism, cp without; when they do not divide the patch rows (``uneven=True`` in
+        ``predict``) these are the largest rank's, ceil(rows / bands)."""
+        rows, cols = self.img[0] // self.patch, self.img[1] // self.patch
+        bands = tp * cp if sequence_parallel else cp
+        return (math.ceil(rows / bands) * cols, math.ceil(rows / cp) * cols, math.ceil(rows / bands) * self.patch)
+
+
+@dataclass
+class Prediction:
+    tp: int
+    cp: int
+    dp: int
+    local_batch: int
+    params: int
+    grads: int
+    adam: int
+    activations: int
+    extra: dict = field(default_factory=dict)  # allocator-only terms (--measure cuda)
+    transient: int = 0
+    unequal_bands: bool = False  # the bands do not divide the patch rows: the largest rank is shown
+    sequence_parallel: bool = True
+    after_forward: int = 0
+    peak: int = 0
+    activation_items: List[Tuple[str, int]] = field(default_factory=list)
+    collectives: List[dict] = field(default_factory=list)
+
+
+def check_layout(s: Shape, tp: int, cp: int, uneven: bool = False, sequence_parallel=None) -> bool:
+    """The divisibility rules of ``distributed.parallelize.validate_vit_layout``; returns whether
+    the layout runs with sequence parallelism (``sequence_parallel=None``: as the engine chooses,
+    on when tp x cp divides the patch rows, off when only cp does). ``uneven`` waives the
+    patch-row rules: a prediction for bands of unequal height (sequence parallel unless
+    ``sequence_parallel=False``), which the layers do not implement."""
+    rows = s.img[0] // s.patch
+    for what, n in (("num_heads", s.heads), ("embed_dim", s.embed), ("mlp hidden dim", s.hidden)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}")
+    if uneven:
+        return sequence_parallel is not False
+    if rows % cp:
+        raise ValueError(f"context_parallel={cp} does not divide the {rows} patch rows (img height {s.img[0]} / "
+                         f"patch_size {s.patch}), so the layers refuse this layout; --uneven predicts the "
+                         f"largest rank of unequal bands")
+    fits = rows % (tp * cp) == 0
+    if sequence_parallel and not fits:
+        raise ValueError(f"context_parallel={cp} x tensor_parallel={tp} = {tp * cp} does not divide the "
+                         f"{rows} patch rows (img height {s.img[0]} / patch_size {s.patch}): no sequence "
+                         f"parallelism here (--sequence_parallel auto/off), or --uneven for unequal bands")
+    return fits if sequence_parallel is None else bool(sequence_parallel)
+
+
+def parameters(s: Shape, tp: int, cp: int, sequence_parallel: bool = True) -> List[Tuple[str, int, Tuple[str, ...]]]:
+    """(name, elements on this rank, axes its gradient is summed over) for every parameter."""
+    E, F, pp = s.embed, s.hidden // tp, s.patch * s.patch
+    mp = ("cp", "tp") if sequence_parallel else ("cp",)  # the axes whose ranks hold other tokens
+    out = [("patch_embed.proj.weight", E * s.cin * pp, mp), ("patch_embed.proj.bias", E, mp),
+           ("pos_embed", s.split(tp, cp, sequence_parallel)[0] * E, ())]
+    for i in range(s.depth):
+        b = f"blocks.{i}."
+        out += [(b + "norm1.weight", E, mp), (b + "norm1.bias", E, mp),
+                (b + "attn.qkv.weight", 3 * E // tp * E, ("cp",)), (b + "attn.qkv.bias", 3 * E // tp, ("cp",)),
+                (b + "attn.proj.weight", E * E // tp, ("cp",)), (b + "attn.proj.bias", E, mp),
+                (b + "norm2.weight", E, mp), (b + "norm2.bias", E, mp),
+                (b + "mlp.fc1.weight", F * E, ("cp",)), (b + "mlp.fc1.bias", F, ("cp",)),
+                (b + "mlp.fc2.weight", E * F, ("cp",)), (b + "mlp.fc2.bias", E, mp)]
+    out += [("norm.weight", E, mp), ("norm.bias", E, mp),
+            ("head.weight", s.cout * pp * E, mp), ("head.bias", s.cout * pp, mp)]
+    return out
+
+
+def activations(s: Shape, tp: int, cp: int, amp: bool, attention: str = "flash", checkpointing: bool = False,
+                device: str = "cuda", sequence_parallel: bool = True) -> List[Tuple[str, int]]:
+    """(what, bytes) of every tensor kept for backward on one rank, in forward order."""
+    f, a = 4, 2 if amp else 4
+    B, E, N = s.batch, s.embed, s.tokens
+    n, nc, rows = s.split(tp, cp, sequence_parallel)
+    h, F = s.heads // tp, s.hidden // tp
+    drop = s.dropout > 0
+    band = B * rows * s.img[1]  # pixels of a rank's image band (per channel)
+    pp = s.patch * s.patch
+    items = []
+    if amp:
+        items += [("patch_embed input (cast)", a * s.cin * band), ("patch_embed weight (cast)", a * E * s.cin * pp)]
+    else:
+        items += [("patch_embed input", f * s.cin * band)]
+    if drop:
+        items.append(("pos_drop mask", B * n * E))
+
+    def norm(name):
+        return [(f"{name} input", f * B * n * E), (f"{name} mean/rstd", 2 * f * B * n)]
+
+    def column(name, out_features):  # out_features: this rank's
+        if tp > 1 and sequence_parallel:
+            return [(f"{name} input (LayerNorm output, local tokens)", f * B * n * E)]
+        rows = [(f"{name} input", (a if amp else f) * B * n * E)]
+        return rows + ([(f"{name} weight (cast)", a * out_features * E)] if amp else [])
+
+    block = norm("norm1") + column("qkv", 3 * E // tp)
+    if attention == "math":
+        c = f if (device == "cpu" and amp) else a  # the CPU math kernel computes reduced precision in fp32
+        block += [("attention q (scaled)", c * B * nc * E // tp), ("attention k (scaled)", c * B * N * E // tp),
+                  ("attention probabilities", c * B * h * nc * N)]
+        if h == 1 and c == a:  # one local head: the batched matmul takes v as a view, keeping its storage
+            block += [("attention v (qkv output)", a * B * nc * 3 * E // tp) if cp == 1
+                      else ("attention v (k/v all-gathered over cp)", a * B * N * 2 * E // tp)]
+        else:
+            block += [("attention v (contiguous)", c * B * N * E // tp)]
+        block += [("proj input (attention output)", a * B * nc * E // tp)]
+    else:
+        rows = nc if attention == "flash" else 32 * math.ceil(nc / 32)
+        block += [("qkv output (q, and k/v when cp = 1)", a * B * nc * 3 * E // tp)]
+        if cp > 1:
+            block += [("k/v all-gathered over cp", a * B * N * 2 * E // tp)]
+        block += [("attention output = proj input", a * B * nc * E // tp), ("attention logsumexp", f * B * h * rows)]
+    if amp:
+        block.append(("proj weight (cast)", a * E * E // tp))
+    if drop:
+        block.append(("proj_drop mask", B * n * E))
+    block += norm("norm2") + column("fc1", F)
+    block += [("GELU input (fc1 output)", a * B * nc * F), ("fc2 input (GELU output)", a * B * nc * F)]
+    if amp:
+        block.append(("fc2 weight (cast)", a * E * F))
+    if drop:
+        block += [("mlp dropout masks", B * nc * F + B * n * E)]
+    for i in range(s.depth):
+        if checkpointing:
+            items.append((f"blocks.{i} input (checkpointed)", f * B * n * E))
+        else:
+            items += [(f"blocks.{i} {what}", v) for what, v in block]
+    items += norm("norm")
+    if amp:
+        items += [("head input (cast)", a * B * n * E), ("head weight (cast)", a * s.cout * pp * E)]
+    else:
+        items += [("head input", f * B * n * E)]
+    items += [("loss difference", f * s.cout * band), ("loss per-sample norms", 2 * f * B)]
+    return items
+
+
+def block_activation_bytes(s: Shape, tp: int, cp: int, amp: bool, attention: str, device: str,
+                           sequence_parallel: bool = True) -> int:
+    """Activations one block keeps (what a checkpointed block recomputes in backward)."""
+    one = Shape(**{**asdict(s), "depth": 1})
+    with_block = activations(one, tp, cp, amp, attention, False, device, sequence_parallel)
+    return sum(v for k, v in with_block if k.startswith("blocks.0 "))
+
+
+def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: bool, param_rows,
+                bucket_cap_mb: float = 25.0, sequence_parallel: bool = True) -> List[dict]:
+    """Collectives of one training step on one rank (see the module docstring for the byte counts)."""
+    f, a = 4, 2 if amp else 4
+    B, E, N = s.batch, s.embed, s.tokens
+    nc, D = s.split(tp, cp, sequence_parallel)[1], s.depth
+    fwd = D * (2 if checkpointing else 1)  # checkpointing re-runs the blocks' forward in backward
+    rows = []
+
+    def add(what, kind, group, g, calls, nbytes):
+        if g > 1 and calls:
+            share = 1 if kind == "broadcast" else (2 if kind == "all-reduce" else 1) * (g - 1) / g
+            wire = share * nbytes * calls
+            rows.append(dict(what=what, kind=kind, group=group, size=g, calls=calls, bytes_per_call=int(nbytes),
+                             bytes_per_step=int(round(wire))))
+
+    if sequence_parallel:
+        add("qkv/fc1 input gather (forward, fp32 LayerNorm output)", "all-gather", "tp", tp, 2 * fwd, f * B * nc * E)
+        add("proj/fc2 partial sums (forward)", "reduce-scatter", "tp", tp, 2 * fwd, a * B * nc * E)
+        add("qkv/fc1 input gradient (backward)", "reduce-scatter", "tp", tp, 2 * D, a * B * nc * E)
+        add("qkv/fc1 input re-gather for the weight gradient (backward)", "all-gather", "tp", tp, 2 * D,
+            f * B * nc * E)
+        add("proj/fc2 output gradient (backward)", "all-gather", "tp", tp, 2 * D, a * B * nc * E)
+    else:
+        add("proj/fc2 partial sums (forward)", "all-reduce", "tp", tp, 2 * fwd, a * B * nc * E)
+        add("qkv/fc1 input gradient (backward, fp32 LayerNorm output)", "all-reduce", "tp", tp, 2 * D,
+            f * B * nc * E)
+        if s.dropout > 0:
+            add("dropout masks of tp-replicated activations (forward)", "broadcast", "tp", tp, 2 * fwd + 1,
+                B * nc * E)
+    add("K/V gather (forward)", "all-gather", "cp", cp, fwd, a * B * N * 2 * E // tp)
+    add("K/V gradient (backward)", "reduce-scatter", "cp", cp, D, a * B * N * 2 * E // tp)
+    if sequence_parallel:
+        add("loss sums (forward)", "all-reduce", "tp x cp", tp * cp, 1, 2 * f * B)
+    else:
+        add("loss sums (forward)", "all-reduce", "cp", cp, 1, 2 * f * B)
+    sizes = {"tp": tp, "cp": cp}
+    by_key = {}
+    for _, numel, axes in param_rows:
+        live = [x for x in axes if sizes[x] > 1]
+        if live:
+            key = "tp x cp" if len(live) == 2 else live[0]
+            by_key[key] = by_key.get(key, 0) + f * numel
+    total = f * sum(numel for _, numel, _ in param_rows)
+    buckets = max(1, math.ceil(total / (bucket_cap_mb * 2**20))) if bucket_cap_mb else len(param_rows)
+    for key in ("tp", "cp", "tp x cp"):
+        if key in by_key:  # one coalesced all-reduce per DDP bucket holding such gradients
+            g = {"tp": tp, "cp": cp, "tp x cp": tp * cp}[key]
+            add(f"replicated-parameter gradients (sum over {key})", "all-reduce", key, g, 1, by_key[key])
+    add("gradient average over dp (DDP buckets)", "all-reduce", "dp", dp, 1, total)
+    for r in rows:
+        if r["what"].startswith(("replicated", "gradient average")):
+            r["calls"] = f"~{buckets} buckets"
+    return rows
+
+
+def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attention: str = "flash",
+            checkpointing: bool = False, measure: str = "cuda", bucket_cap_mb: float = 25.0,
+            uneven: bool = False, sequence_parallel=None) -> Prediction:
+    """``sequence_parallel``: None (as the engine chooses), True or False."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: choose {', '.join(ATTENTION)}")
+    if measure not in MEASURE:
+        raise ValueError(f"measure={measure!r}: choose {', '.join(MEASURE)}")
+    sp = check_layout(s, tp, cp, uneven, sequence_parallel)
+    f, a = 4, 2 if amp else 4
+    rows = parameters(s, tp, cp, sp)
+    params = f * sum(numel for _, numel, _ in rows)
+    adam = 2 * params + 4 * len(rows)
+    items = activations(s, tp, cp, amp, attention, checkpointing, measure, sp)
+    acts = sum(v for _, v in items)
+    p = Prediction(tp, cp, dp, s.batch, params, params, adam, acts, activation_items=items,
+                   unequal_bands=bool((s.img[0] // s.patch) % (tp * cp if sp else cp)), sequence_parallel=sp)
+    if measure == "cuda":
+        nc, F = s.split(tp, cp, sp)[1], s.hidden // tp
+        if tp * cp * dp > 1:  # DDP wraps every model-parallel or multi-rank run
+            p.extra["DDP gradient buckets"] = params
+        p.extra["batch on the device (x and y, whole images)"] = f * s.batch * (s.cin + s.cout) * s.img[0] * s.img[1]
+        p.transient = 2 * a * s.batch * nc * F + (f * s.batch * nc * s.embed if tp > 1 and sp else 0)
+        if checkpointing:
+            p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, sp)
+    p.after_forward = params + adam + acts + sum(p.extra.values())
+    p.peak = p.after_forward + p.grads + p.transient
+    p.collectives = collectives(s, tp, cp, dp, amp, checkpointing, rows, bucket_cap_mb, sp)
+    return p
+
+
+def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda",
+                   uneven: bool = False, sequence_parallel=None) -> Prediction:
+    """The prediction for a ``utils.config`` ViT config (its tp, cp, AMP, checkpointing, batch);
+    ``sequence_parallel=None`` chooses as the engine does."""
+    from utils.parallel import batch_sizes
+
+    tp, cp = cfg.tensor_parallel, cfg.context_parallel
+    local, _ = batch_sizes(cfg, data_parallel)
+    return predict(Shape.from_config(cfg, local), tp, cp, data_parallel, cfg.amp_mode != "none", attention,
+                   cfg.activation_checkpointing, measure, cfg.bucket_cap_mb, uneven, sequence_parallel)
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+def _fmt(x, unit) -> str:
+    return f"{x / unit:10.3f}"
+
+
+def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda", attention: str = "flash") -> str:
+    lines = []
+    unit, name = (GiB, "GiB") if p.peak >= GiB else (2**20, "MiB")
+
+    def _gb(x):
+        return _fmt(x, unit)
+
+    if cfg is not None:
+        lines.append(f"config {cfg.name}: img {cfg.img_size}, patch {cfg.patch_size}, embed {cfg.embed_dim}, depth "
+                     f"{cfg.depth}, heads {cfg.num_heads}, amp {cfg.amp_mode}, activation_checkpointing "
+                     f"{cfg.activation_checkpointing}")
+    lines.append(f"layout tp={p.tp} x cp={p.cp} x dp={p.dp} (world {p.tp * p.cp * p.dp}), local batch "
+                 f"{p.local_batch}, attention {attention}, measured as {measure}")
+    if cfg is not None and p.tp > 1:
+        rows = cfg.img_size[0] // cfg.patch_size
+        why = (f"the {rows} patch rows divide by tp x cp = {p.tp * p.cp}" if rows % (p.tp * p.cp) == 0
+               else f"unequal bands of the {rows} patch rows" if p.unequal_bands
+               else f"the {rows} patch rows do not divide by tp x cp = {p.tp * p.cp}")
+        lines.append(f"sequence parallelism {'on' if p.sequence_parallel else 'off'} ({why}); LayerNorm/residual "
+                     f"activations {'split over tp' if p.sequence_parallel else 'whole on each tp rank'}")
+    if p.unequal_bands:
+        lines.append("NOTE: the bands do not divide the patch rows: the layers do not implement this layout; shown "
+                     "is the largest rank of unequal bands")
+    lines.append("")
+    lines.append(f"{'per rank':<59}{name}")
+    rows = [("parameters (fp32)", p.params), ("gradients (fp32)", p.grads), ("Adam state (2 moments + step)", p.adam),
+            ("activations saved for backward", p.activations)]
+    rows += list(p.extra.items())
+    for k, v in rows:
+        lines.append(f"  {k:<52}{_gb(v)}")
+    lines.append(f"  {'after forward (params + Adam + activations' + (' + extra)' if p.extra else ')'):<52}"
+                 f"{_gb(p.after_forward)}")
+    if p.transient:
+        lines.append(f"  {'backward transients (estimate)':<52}{_gb(p.transient)}")
+    share = f"   ({p.peak / GiB / gpu_gb:.0%} of {gpu_gb:g} GiB)" if measure == "cuda" else ""
+    lines.append(f"  {'peak (after forward + gradients' + (' + transients)' if p.transient else ')'):<52}"
+                 f"{_gb(p.peak)}{share}")
+    lines.append("")
+    lines.append("activations by kind (all blocks together)")
+    agg = {}
+    for k, v in p.activation_items:
+        key = k.split(" ", 1)[1] if k.startswith("blocks.") else k
+        agg[key] = agg.get(key, 0) + v
+    for k, v in sorted(agg.items(), key=lambda kv: -kv[1]):
+        if v:
+            lines.append(f"  {k:<52}{v / 2**20:12.2f} MiB")
+    lines.append("")
+    lines.append("collectives per training step (ring: bytes each rank sends)")
+    lines.append(f"  {'what':<60}{'kind':<16}{'group':<14}{'calls':>12}{'MiB/call':>12}{'MiB/step':>12}")
+    for r in p.collectives:
+        lines.append(f"  {r['what']:<60}{r['kind']:<16}{r['group'] + ' (' + str(r['size']) + ')':<14}"
+                     f"{str(r['calls']):>12}{r['bytes_per_call'] / 2**20:12.2f}{r['bytes_per_step'] / 2**20:12.2f}")
+    if not p.collectives:
+        lines.append("  none (one rank)")
+    else:
+        lines.append(f"  {'total':<60}{'':<16}{'':<14}{'':>12}{'':>12}"
+                     f"{sum(r['bytes_per_step'] for r in p.collectives) / 2**20:12.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from utils.config import build_config, parse_overrides
+    from utils.errors import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m distributed.memory_model", add_help=True,
+                                 description="Per-rank memory and communication of the parallel ViT; any "
+                                             "other --key value overrides the config")
+    ap.add_argument("--yaml_config", default="config/ViT.yaml")
+    ap.add_argument("--config", default="mp")
+    ap.add_argument("--data_parallel", type=int, default=1)
+    ap.add_argument("--attention", choices=ATTENTION, default="flash",
+                    help="flash: CPU flash kernel or CUDA flash; efficient: CUDA memory-efficient; math")
+    ap.add_argument("--measure", choices=MEASURE, default="cuda",
+                    help="cuda: what the allocator holds; cpu: the engine's CPU byte count")
+    ap.add_argument("--gpu_memory_gb", type=float, default=80.0)
+    ap.add_argument("--sequence_parallel", choices=("auto", "on", "off"), default="auto",
+                    help="auto (what train_mp.py does): on when tp x cp divides the patch rows, else off")
+    ap.add_argument("--uneven", action="store_true",
+                    help="sequence parallelism with bands of unequal height where tp x cp does not divide the "
+                         "patch rows: predict the largest rank (a layout the layers do not implement)")
+    ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    own, rest = ap.parse_known_args(argv)
+    try:
+        _, overrides = parse_overrides(rest)
+        if overrides.get("activation_checkpointing") is True:
+            overrides["activation_checkpointing"] = "true"
+        cfg = build_config(own.yaml_config, own.config, overrides)
+        if cfg.model != "vit":
+            raise ConfigError(f"config '{cfg.name}' is a {cfg.model} config: the model covers the ViT")
+        if own.data_parallel < 1:
+            raise ConfigError(f"--data_parallel must be >= 1, got {own.data_parallel}")
+        sp = {"auto": None, "on": True, "off": False}[own.sequence_parallel]
+        p = predict_config(cfg, own.data_parallel, own.attention, own.measure, own.uneven, sp)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    if own.json:
+        print(json.dumps(asdict(p), indent=1))
+    else:
+        print(report(p, cfg, own.gpu_memory_gb, own.measure, own.attention))
+    return p
+
+
+if __name__ == "__main__":
+    main()

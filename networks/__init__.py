@@ -1,0 +1,1 @@
+"""Plain nn.Modules: the models know nothing of devices or parallelism."""

@@ -1,0 +1,71 @@
+"""Compiled, mixed-precision and fused paths. torch.compile runs here on the CPU; the fp16 and
+CUDA paths need a GPU and say so when skipped."""
+import pytest
+import torch
+
+from conftest import ROOT
+from utils.config import build_config
+from utils.parallel import setup_runtime
+from utils.trainer import Trainer
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TINY = {"img_size": "[16,32]", "patch_size": "4", "embed_dim": "32", "depth": "1",
+        "num_heads": "2", "global_batch_size": "4", "base_batch_size": "4",
+        "synthesize_if_missing": "false", "log_every": "1", "checkpoint_every": "0"}
+
+
+def losses_after(era5_root, tmp_path, steps=3, **kw):
+    ov = dict(TINY, data_root=era5_root, expdir=str(tmp_path), num_iters=str(steps), **kw)
+    cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
+    tr = Trainer(cfg, setup_runtime(cfg))
+    tr.loaders.train_sampler.set_epoch(0)
+    out = []
+    for x, y in tr.loaders.train:
+        out.append(tr.train_step(*tr.to_device(x, y)).item())
+        if len(out) == steps:
+            break
+    return out, tr
+
+
+@pytest.mark.compile
+def test_compiled_model_trains_like_eager(era5_root, tmp_path):
+    eager, _ = losses_after(era5_root, tmp_path / "a")
+    compiled, tr = losses_after(era5_root, tmp_path / "b", enable_jit="true")
+    assert "OptimizedModule" in type(tr.fwd).__name__
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_bf16_autocast_on_cpu_runs_in_bf16(era5_root, tmp_path):
+    fp32, _ = losses_after(era5_root, tmp_path / "a")
+    bf16, tr = losses_after(era5_root, tmp_path / "b", amp_mode="bf16")
+    with tr.autocast():
+        assert tr.model.blocks[0].mlp.fc1(torch.randn(2, 32)).dtype == torch.bfloat16
+    assert bf16 == pytest.approx(fp32, rel=5e-2) and bf16 != fp32
+
+
+def test_fused_adam_matches_default(era5_root, tmp_path):
+    plain, _ = losses_after(era5_root, tmp_path / "a")
+    fused, tr = losses_after(era5_root, tmp_path / "b", enable_fused="true")
+    assert tr.optimizer.defaults.get("fused") is True
+    assert fused == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp16_with_grad_scaler_on_gpu(era5_root, tmp_path):
+    fp32, _ = losses_after(era5_root, tmp_path / "a", steps=5)
+    fp16, tr = losses_after(era5_root, tmp_path / "b", steps=5, amp_mode="fp16",
+                            enable_fused="true")
+    assert tr.device.type == "cuda" and tr.scaler.is_enabled()
+    assert tr.loaders.train.pin_memory
+    assert fp16 == pytest.approx(fp32, rel=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@needs_gpu
+def test_compile_bf16_on_gpu(era5_root, tmp_path):
+    eager, _ = losses_after(era5_root, tmp_path / "a", amp_mode="bf16")
+    compiled, _ = losses_after(era5_root, tmp_path / "b", amp_mode="bf16", enable_jit="true")
+    assert compiled == pytest.approx(eager, rel=5e-2)

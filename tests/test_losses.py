@@ -1,0 +1,68 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from utils.losses import l1_rho, latitude_weights, relative_l2, weighted_rmse
+from utils.lr_schedule import build_scheduler, lr_at, peak_lr
+
+
+def test_weighted_rmse_by_hand():
+    h, w = 5, 4
+    lat = np.array([90, 45, 0, -45, -90], dtype=float)
+    cosl = np.cos(np.deg2rad(lat))
+    wts = h * cosl / cosl.sum()
+    np.testing.assert_allclose(latitude_weights(h).numpy(), wts, rtol=1e-6)
+    rng = np.random.default_rng(0)
+    p, t = rng.standard_normal((2, 3, h, w)), rng.standard_normal((2, 3, h, w))
+    expect = np.zeros((2, 3))
+    for b in range(2):
+        for c in range(3):
+            acc = 0.0
+            for j in range(h):
+                for i in range(w):
+                    acc += wts[j] * (p[b, c, j, i] - t[b, c, j, i]) ** 2
+            expect[b, c] = math.sqrt(acc / (h * w))
+    got = weighted_rmse(torch.tensor(p), torch.tensor(t), latitude_weights(h)).numpy()
+    np.testing.assert_allclose(got, expect, rtol=1e-5)
+    # a pole-only error counts for nothing
+    p2 = t.copy()
+    p2[:, :, 0] += 1
+    assert np.allclose(weighted_rmse(torch.tensor(p2), torch.tensor(t), latitude_weights(h)), 0, atol=1e-6)
+
+
+def test_relative_l2_per_sample():
+    t = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
+    p = torch.tensor([[3.0, 4.0 + 5.0], [0.0, 0.0]])
+    np.testing.assert_allclose(relative_l2(p, t).numpy(), [1.0, 1.0])
+
+
+def test_l1_rho():
+    p = torch.zeros(2, 5, 2, 2, 2)
+    t = torch.full((2, 5, 2, 2, 2), 0.1)
+    assert torch.allclose(l1_rho(p, t), torch.full((2,), 0.1))
+    extra = abs(1 - math.exp(1.4))
+    assert torch.allclose(l1_rho(p, t, 0.5), torch.full((2,), 0.1 + 0.5 * extra))
+
+
+def test_lr_schedule_values():
+    assert peak_lr(1e-3, 256, 64, "none") == 1e-3
+    assert peak_lr(1e-3, 256, 64, "linear") == pytest.approx(4e-3)
+    assert peak_lr(1e-3, 256, 64, "sqrt") == pytest.approx(2e-3)
+    # warm-up 4 steps, then cosine to end_lr over 8 more
+    vals = [lr_at(s, 1.0, 0.1, 4, 12) for s in range(13)]
+    assert vals[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert vals[4] == pytest.approx(1.0)
+    assert vals[8] == pytest.approx(0.55)  # half way: end + (peak - end) / 2
+    assert vals[12] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(vals[4:], vals[5:]))
+    # the torch scheduler follows the same numbers
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=123.0)
+    sched = build_scheduler(opt, 2.0, 0.0, 3, 10)
+    seen = []
+    for _ in range(10):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr_at(s, 2.0, 0.0, 3, 10) for s in range(10)])

@@ -1,0 +1,178 @@
+"""Every sharded layer equals its serial layer: output, input gradient and weight gradients.
+
+Four gloo ranks are spawned once and run all cases: layouts tp=2 x cp=2, tp=4, cp=4 and
+tp=2 x dp=2 (order dp-tp-cp), each with and without sequence parallelism. The serial layer and
+the parallel one share weights (``from_serial``); each rank feeds its slice of the same input
+and backpropagates its slice of the same output gradient ``G`` (loss ``<y, G>``). Weight
+gradients are reduced with ``reduce_replicated_grads`` and gathered to the serial layout.
+
+Tolerances: float64 rtol 1e-10, atol 1e-12; float32 rtol 1e-4, atol 1e-5.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed_harness import run_ranks  # noqa: E402
+
+LAYOUTS = {  # name: (tensor_parallel, context_parallel, parallel_order)
+    "tp2-cp2": (2, 2, "tp-cp-dp"),
+    "tp4": (4, 1, "tp-cp-dp"),
+    "cp4": (1, 4, "cp-tp-dp"),
+    "tp2-dp2": (2, 1, "dp-tp-cp"),
+}
+LAYERS = ["column", "column_stacked", "row", "mlp", "attention", "layernorm", "block", "patch_embed"]
+CASES = [(lay, sp, layer) for lay in LAYOUTS for sp in (True, False) for layer in LAYERS]
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+TOL = {"float64": dict(rtol=1e-10, atol=1e-12), "float32": dict(rtol=1e-4, atol=1e-5)}
+
+B, N, E, HEADS, HIDDEN = 2, 16, 16, 4, 32
+IMG, PATCH, CIN = (16, 8), 2, 3  # 8 patch rows of 4 patches
+
+
+def _randomize(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+    return module
+
+
+def _rand(shape, seed, dtype):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def _rank_main():
+    import torch.nn as nn
+
+    from distributed.groups import build_groups
+    from distributed.layers import (ColumnParallelLinear, ParallelAttention, ParallelBlock, ParallelMLP,
+                                    ParallelPatchEmbed, RowParallelLinear, SequenceParallelLayerNorm,
+                                    load_serial_state_dict, reduce_replicated_grads, serial_state_dict)
+    from networks.vit import MLP, Attention, Block, PatchEmbed
+
+    results = {}
+    for lay_name, (tp, cp, order) in LAYOUTS.items():
+        groups = build_groups(4, tp, cp, order)
+
+        def chunk(t, dim, n, i):
+            return t.chunk(n, dim)[i].contiguous()
+
+        for sp in (True, False):
+            n_tok = cp * tp if sp else cp
+            i_tok = groups.mp_rank if sp else groups.cp_rank
+
+            def tokens(t):  # token-sharded region (between blocks)
+                return chunk(t, 1, n_tok, i_tok)
+
+            def cp_tokens(t):  # all tokens of this cp rank (inside attention / MLP)
+                return chunk(t, 1, cp, groups.cp_rank)
+
+            def features(t, stacked=1):  # last dim split over tp, per stacked block
+                blocks = t.chunk(stacked, -1)
+                return torch.cat([chunk(b, -1, tp, groups.tp_rank) for b in blocks], -1)
+
+            for layer in LAYERS:
+                for dname, dtype in DTYPES.items():
+                    seed = 100 * LAYERS.index(layer) + 10 * list(DTYPES).index(dname)
+                    kw = dict(sequence_parallel=sp)
+                    if layer == "column" or layer == "column_stacked":
+                        stacked = 3 if layer == "column_stacked" else 1
+                        serial = nn.Linear(E, 3 * E if stacked == 3 else HIDDEN)
+                        par_fn = lambda m: ColumnParallelLinear.from_serial(m, groups, stacked=stacked, **kw)  # noqa
+                        xshape = (B, N, E)
+                        in_slice, out_slice = tokens, lambda t: features(cp_tokens(t), stacked)
+                    elif layer == "row":
+                        serial = nn.Linear(HIDDEN, E)
+                        par_fn = lambda m: RowParallelLinear.from_serial(m, groups, **kw)  # noqa
+                        xshape = (B, N, HIDDEN)
+                        in_slice, out_slice = lambda t: features(cp_tokens(t)), tokens
+                    elif layer == "mlp":
+                        serial = MLP(E, HIDDEN)
+                        par_fn = lambda m: ParallelMLP.from_serial(m, groups, **kw)  # noqa
+                        xshape, in_slice, out_slice = (B, N, E), tokens, tokens
+                    elif layer == "attention":
+                        serial = Attention(E, HEADS)
+                        par_fn = lambda m: ParallelAttention.from_serial(m, groups, **kw)  # noqa
+                        xshape, in_slice, out_slice = (B, N, E), tokens, tokens
+                    elif layer == "layernorm":
+                        serial = nn.LayerNorm(E)
+                        par_fn = lambda m: SequenceParallelLayerNorm.from_serial(m, groups, **kw)  # noqa
+                        xshape, in_slice, out_slice = (B, N, E), tokens, tokens
+                    elif layer == "block":
+                        serial = Block(E, HEADS, mlp_ratio=HIDDEN / E)
+                        par_fn = lambda m: ParallelBlock.from_serial(m, groups, **kw)  # noqa
+                        xshape, in_slice, out_slice = (B, N, E), tokens, tokens
+                    else:  # patch_embed: the rank's band of image rows -> its tokens
+                        serial = PatchEmbed(IMG, PATCH, CIN, E)
+
+                        def par_fn(m):
+                            pe = ParallelPatchEmbed(IMG, PATCH, CIN, E, groups, dtype=dtype, **kw)
+                            load_serial_state_dict(pe, m.state_dict(), groups)
+                            return pe
+                        xshape = (B, CIN) + IMG
+                        in_slice, out_slice = (lambda t: chunk(t, 2, n_tok, i_tok)), tokens
+                    serial = _randomize(serial, seed).to(dtype)
+                    par = par_fn(serial)
+                    # the layer holds exactly the serial weights
+                    same = serial_state_dict(par, groups)
+                    X = _rand(xshape, seed + 1, dtype).requires_grad_(True)
+                    Y = serial(X)
+                    G = _rand(Y.shape, seed + 2, dtype)
+                    (Y * G).sum().backward()
+                    x = in_slice(X.detach()).requires_grad_(True)
+                    y = par(x)
+                    (y * out_slice(G)).sum().backward()
+                    reduce_replicated_grads(par, groups)
+                    grads = serial_state_dict(par, groups, grads=True)
+                    res = {"output": (y.detach(), out_slice(Y.detach())),
+                           "input grad": (x.grad, in_slice(X.grad))}
+                    for name, p in serial.named_parameters():
+                        res[f"weight {name}"] = (same[name], p.detach())
+                        res[f"grad {name}"] = (grads[name], p.grad)
+                    results[(lay_name, sp, layer, dname)] = res
+    return results
+
+
+@pytest.fixture(scope="module")
+def rank_results():
+    return run_ranks(_rank_main, 4, timeout=150)
+
+
+@pytest.mark.parametrize("layout,sp,layer", CASES,
+                         ids=[f"{lay}-{'sp' if sp else 'nosp'}-{layer}" for lay, sp, layer in CASES])
+def test_layer_matches_serial(rank_results, layout, sp, layer):
+    for rank, res in enumerate(rank_results):
+        for dname in DTYPES:
+            for what, (got, want) in res[(layout, sp, layer, dname)].items():
+                assert got.shape == want.shape, f"rank {rank} {dname} {what}: {got.shape} vs {want.shape}"
+                torch.testing.assert_close(got, want, **TOL[dname],
+                                           msg=lambda m: f"rank {rank} {dname} {what}: {m}")
+
+
+def test_replicated_markers():
+    """Which parameters are replicated over which axes (no processes needed)."""
+    from distributed.groups import ParallelGroups
+    from distributed.layers import ParallelBlock, ParallelPatchEmbed
+
+    g = ParallelGroups(tensor_parallel=2, context_parallel=2, data_parallel=1, world_size=4)
+    blk = ParallelBlock(E, HEADS, HIDDEN, g)
+    marks = {n: p.reduce_over for n, p in blk.named_parameters()}
+    assert marks == {
+        "norm1.weight": ("cp", "tp"), "norm1.bias": ("cp", "tp"),
+        "attn.qkv.weight": ("cp",), "attn.qkv.bias": ("cp",),
+        "attn.proj.weight": ("cp",), "attn.proj.bias": ("cp", "tp"),
+        "norm2.weight": ("cp", "tp"), "norm2.bias": ("cp", "tp"),
+        "mlp.fc1.weight": ("cp",), "mlp.fc1.bias": ("cp",),
+        "mlp.fc2.weight": ("cp",), "mlp.fc2.bias": ("cp", "tp"),
+    }
+    shapes = {n: tuple(p.shape) for n, p in blk.named_parameters()}
+    assert shapes["attn.qkv.weight"] == (3 * E // 2, E) and shapes["attn.proj.weight"] == (E, E // 2)
+    assert shapes["mlp.fc1.weight"] == (HIDDEN // 2, E) and shapes["mlp.fc2.weight"] == (E, HIDDEN // 2)
+    nosp = ParallelBlock(E, HEADS, HIDDEN, g, sequence_parallel=False)
+    assert nosp.norm1.weight.reduce_over == ("cp",) and nosp.attn.proj.bias.reduce_over == ("cp",)
+    pe = ParallelPatchEmbed(IMG, PATCH, CIN, E, g)
+    assert pe.proj.weight.reduce_over == ("cp", "tp") and pe.local_grid == (2, 4)

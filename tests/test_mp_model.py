@@ -1,0 +1,451 @@
+"""The sharded ViT equals the serial ViT: weights, output, loss, gradients, training.
+
+One spawn of four gloo ranks runs every layout: tp in {1, 2, 4}, cp in {1, 2} and tp=2 x cp=2,
+with the remaining ranks as data parallel (tp=1 -> dp=4, tp=2 or cp=2 -> dp=2). The global
+batch of 4 samples is split over dp; the dp-averaged gradient must equal the serial gradient
+of the whole batch. Gradients are reduced both with ``reduce_replicated_grads`` and with DDP
+(``replicated_grads_comm_hook``), and once with activation checkpointing.
+
+The ``-rowsK`` layouts use an image of K patch rows that tp x cp does not divide (3 rows at
+tp=2, 5 at tp=4, 6 at tp=2 x cp=2): ``parallelize_vit(..., sequence_parallel=None)`` falls back
+to tensor parallelism without sequence parallelism (tokens split over cp only). Their gradients
+of every parameter must equal the serial ones too, which fails if a parameter replicated over
+tp were marked for a gradient sum over tp (or the loss summed over tp). With dropout, the
+tp-replicated activations must stay identical on the tp ranks, also when checkpointing
+recomputes them.
+
+Tolerances: float64 rtol 1e-9, atol 1e-12 (equivalence up to summation order); float32
+rtol 1e-4, atol 1e-6 for one float32 forward/backward; training (float32, Adam, 5 steps):
+losses rtol 1e-5, final weights rtol 1e-4, atol 1e-5, Adam second moments rtol 1e-3.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed_harness import run_ranks  # noqa: E402
+
+WORLD = 4
+LAYOUTS = {  # name: (tensor_parallel, context_parallel, parallel_order, img_size or None for VIT's)
+    "tp1-cp1-dp4": (1, 1, "tp-cp-dp", None),
+    "tp2-dp2": (2, 1, "tp-cp-dp", None),
+    "tp4": (4, 1, "tp-cp-dp", None),
+    "cp2-dp2": (1, 2, "cp-dp-tp", None),
+    "tp2-cp2": (2, 2, "tp-cp-dp", None),
+    # no sequence parallelism: tp x cp does not divide the patch rows
+    "tp2-dp2-rows3": (2, 1, "tp-cp-dp", (12, 32)),
+    "tp4-rows5": (4, 1, "tp-cp-dp", (20, 32)),
+    "tp2-cp2-rows6": (2, 2, "cp-tp-dp", (24, 32)),
+}
+NO_SP = ("tp2-dp2-rows3", "tp4-rows5", "tp2-cp2-rows6")
+TRAIN_LAYOUTS = {"tp2-dp2": "ddp", "cp2-dp2": "ddp", "tp2-cp2": "plain", "tp4-rows5": "ddp",
+                 "tp2-cp2-rows6": "plain"}
+CKPT_LAYOUTS = ("tp2-cp2", "tp2-cp2-rows6")
+DROPOUT_LAYOUTS = ("tp4-rows5", "tp2-cp2-rows6")
+VIT = dict(img_size=(16, 32), patch_size=4, in_chans=3, out_chans=2, embed_dim=32, depth=2, num_heads=4,
+           mlp_ratio=4.0)
+GLOBAL_BATCH = 4
+MEMORY_LAYOUTS = ("tp1-cp1-dp4", "tp4")
+MEMORY_VIT = dict(img_size=(32, 64), patch_size=4, in_chans=4, out_chans=4, embed_dim=128, depth=2, num_heads=4,
+                  mlp_ratio=4.0)
+TOL = {"float64": dict(rtol=1e-9, atol=1e-12), "float32": dict(rtol=1e-4, atol=1e-6),
+       "loss32": dict(rtol=1e-5, atol=1e-7), "weights32": dict(rtol=1e-4, atol=1e-5),
+       "moments32": dict(rtol=1e-3, atol=1e-12)}
+CHECKS = ([(lay, kind) for lay in LAYOUTS for kind in ("mode", "weights", "forward", "grads-plain", "grads-ddp")]
+          + [(lay, "checkpointing") for lay in CKPT_LAYOUTS] + [("tp2-cp2", "float32")]
+          + [(lay, "training") for lay in TRAIN_LAYOUTS] + [("tp2-cp2", "serial-checkpoint")]
+          + [(lay, "dropout") for lay in DROPOUT_LAYOUTS])
+
+
+def _serial_loss(pred, tar):
+    return (torch.linalg.vector_norm((pred - tar).flatten(1), dim=1)
+            / torch.linalg.vector_norm(tar.flatten(1), dim=1)).mean()
+
+
+def _data(seed, dtype, learnable=False, img=None):
+    g = torch.Generator().manual_seed(seed)
+    h, w = img or VIT["img_size"]
+    x = torch.randn(GLOBAL_BATCH, VIT["in_chans"], h, w, generator=g, dtype=torch.float64)
+    t = torch.randn(GLOBAL_BATCH, VIT["out_chans"], h, w, generator=g, dtype=torch.float64)
+    if learnable:  # a target the model can fit, so that training moves the loss
+        t = 0.8 * x[:, :2] - 0.5 * x[:, 1:3].roll(1, -1) + 0.1 * t
+    return x.to(dtype), t.to(dtype)
+
+
+def _activation_and_state_bytes(model, x, t, loss_fn):
+    """Bytes of tensors saved for backward (parameters excluded) + 4 x parameter bytes
+    (weights, gradients, two Adam moments): a proxy of the per-rank peak memory of a step."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        st = tensor.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = loss_fn(model(x), t)
+    del loss
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(saved.values()), 4 * param_bytes
+
+
+def _serial_vit(dtype, img=None, **kw):
+    from networks.vit import ViT
+
+    torch.manual_seed(0)
+    m = ViT(**{**VIT, "img_size": img or VIT["img_size"], **kw}).to(dtype)
+    # make LayerNorm/bias parameters non-trivial so that their gradients are tested too
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype) * 0.1)
+    return m
+
+
+def _rank_main():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distributed.groups import build_groups
+    from distributed.layers import reduce_replicated_grads, replicated_grads_comm_hook
+    from distributed.mappings import all_gather_along
+    from distributed.parallelize import load_serial_state_dict, serial_state_dict, tensors_to_serial
+    from distributed.parallelize import parallelize_vit as _parallelize
+
+    def parallelize_vit(model, groups, activation_checkpointing=False):
+        return _parallelize(model, groups, activation_checkpointing, sequence_parallel=None)  # as the engine
+
+    out = {}
+
+    def dp_slice(t, groups):
+        b = GLOBAL_BATCH // groups.dp_size
+        return t[groups.dp_rank * b:(groups.dp_rank + 1) * b]
+
+    def step(pm, groups, x, t, reduce, wrapper=None):
+        """Forward + backward of this rank's share; returns (output band, loss)."""
+        model = wrapper or pm
+        y = model(pm.shard_image(dp_slice(x, groups)))
+        loss = pm.loss(y, pm.shard_image(dp_slice(t, groups)))
+        loss.backward()
+        if reduce:
+            reduce_replicated_grads(pm, groups)
+        return y, loss
+
+    for lay, (tp, cp, order, img) in LAYOUTS.items():
+        groups = build_groups(WORLD, tp, cp, order)
+        dtypes = ["float64", "float32"] if lay == "tp2-cp2" else ["float64"]
+        for dname in dtypes:
+            dtype = getattr(torch, dname)
+            m = _serial_vit(dtype, img)
+            x, t = _data(10, dtype, img=img)
+            Y = m(x)
+            L = _serial_loss(Y, t)
+            L.backward()
+            sgrads = {n: p.grad.clone() for n, p in m.named_parameters()}
+            tag = "float32" if dname == "float32" else None
+
+            pm = parallelize_vit(m, groups)
+            if tag is None:
+                rows = (img or VIT["img_size"])[0] // VIT["patch_size"]
+                band = rows // (cp if lay in NO_SP else tp * cp) * VIT["patch_size"]
+                out[(lay, "mode")] = [("sequence parallel", torch.tensor(pm.sequence_parallel),
+                                       torch.tensor(lay not in NO_SP), "exact"),
+                                      ("band rows", torch.tensor(pm.shard_image(x).shape[-2]), torch.tensor(band),
+                                       "exact")]
+                got = serial_state_dict(pm, groups)
+                out[(lay, "weights")] = [(n, got[n], p.detach(), "exact") for n, p in m.state_dict().items()]
+            y, loss = step(pm, groups, x, t, reduce=True)
+            grads = serial_state_dict(pm, groups, grads=True)
+            tol = tag or "float64"
+            fwd = [("output (gathered)", pm.gather_image(y).detach(), dp_slice(Y, groups).detach(), tol),
+                   ("loss of dp share", loss.detach(), _serial_loss(dp_slice(Y, groups), dp_slice(t, groups)).detach(),
+                    tol)]
+            per_sample = pm.loss(y.detach(), pm.shard_image(dp_slice(t, groups)), reduction="none")
+            want = (torch.linalg.vector_norm((Y - t).flatten(1), dim=1)
+                    / torch.linalg.vector_norm(t.flatten(1), dim=1))
+            fwd.append(("per-sample losses", per_sample, dp_slice(want, groups).detach(), tol))
+            mean_loss = loss.detach().clone()
+            if groups.dp_size > 1:
+                dist.all_reduce(mean_loss, group=groups.dp_group)
+                mean_loss /= groups.dp_size
+            fwd.append(("dp-mean loss", mean_loss, L.detach(), tol))
+            gchk = [(f"grad {n}", grads[n], sgrads[n], tol) for n in sgrads]
+            if tag:
+                out[(lay, tag)] = fwd + gchk
+                continue
+            out[(lay, "forward")] = fwd
+            out[(lay, "grads-plain")] = gchk
+
+            pm2 = parallelize_vit(m, groups)
+            ddp = DDP(pm2, process_group=groups.dp_group)
+            ddp.register_comm_hook(groups, replicated_grads_comm_hook)
+            step(pm2, groups, x, t, reduce=False, wrapper=ddp)
+            grads2 = serial_state_dict(ddp, groups, grads=True)
+            out[(lay, "grads-ddp")] = [(f"grad {n}", grads2[n], sgrads[n], tol) for n in sgrads]
+
+            if lay in CKPT_LAYOUTS:
+                pm3 = parallelize_vit(m, groups, activation_checkpointing=True)
+                y3, loss3 = step(pm3, groups, x, t, reduce=True)
+                grads3 = serial_state_dict(pm3, groups, grads=True)
+                out[(lay, "checkpointing")] = (
+                    [("output", pm3.gather_image(y3).detach(), Y.detach(), tol),
+                     ("loss", loss3.detach(), L.detach(), tol)]
+                    + [(f"grad {n}", grads3[n], sgrads[n], tol) for n in sgrads])
+
+        if lay in MEMORY_LAYOUTS:  # per-rank memory proxy on a larger ViT, same local batch
+            from networks.vit import ViT
+
+            torch.manual_seed(0)
+            big = ViT(**MEMORY_VIT)
+            pmb = parallelize_vit(big, groups)
+            g = torch.Generator().manual_seed(3)
+            xb = torch.randn(2, MEMORY_VIT["in_chans"], *MEMORY_VIT["img_size"], generator=g)
+            tb = torch.randn(2, MEMORY_VIT["out_chans"], *MEMORY_VIT["img_size"], generator=g)
+            out[(lay, "memory")] = _activation_and_state_bytes(pmb, pmb.shard_image(xb), pmb.shard_image(tb),
+                                                               pmb.loss)
+
+        if lay in DROPOUT_LAYOUTS:  # tp-replicated activations stay identical on the tp ranks
+            md = _serial_vit(torch.float64, img, dropout=0.3)
+            x, t = _data(20, torch.float64, img=img)
+            res = []
+            for ckpt in (False, True):
+                pmd = parallelize_vit(md, groups, activation_checkpointing=ckpt).train()
+                xs, ts = pmd.shard_image(dp_slice(x, groups)), pmd.shard_image(dp_slice(t, groups))
+                torch.manual_seed(1000 + dist.get_rank())  # per-rank streams, as the engine seeds them
+                y = pmd(xs)
+                pmd.loss(y, ts).backward()
+                reduce_replicated_grads(pmd, groups)
+                res.append((y.detach(), serial_state_dict(pmd, groups, grads=True)))
+            (y, grads), (y_ck, grads_ck) = res
+            with torch.no_grad():
+                y_eval = pmd.eval()(xs)
+            copies = all_gather_along(y.unsqueeze(0), groups.tp_group, 0)
+            out[(lay, "dropout")] = (
+                [(f"output on tp rank {r} (same band)", copies[r], y, "exact") for r in range(tp)]
+                + [("dropout is active", torch.tensor(bool((y - y_eval).abs().max() > 1e-3)), torch.tensor(True),
+                    "exact"),
+                   ("checkpointed output", y_ck, y, "float64")]
+                + [(f"checkpointed grad {n}", grads_ck[n], grads[n], "float64") for n in grads])
+
+        if lay in TRAIN_LAYOUTS:  # a few Adam steps, float32, serial vs sharded
+            m = _serial_vit(torch.float32, img)
+            pm = parallelize_vit(m, groups)
+            ddp = None
+            if TRAIN_LAYOUTS[lay] == "ddp":
+                ddp = DDP(pm, process_group=groups.dp_group)
+                ddp.register_comm_hook(groups, replicated_grads_comm_hook)
+            opt_s = torch.optim.Adam(m.parameters(), lr=3e-3)
+            opt_p = torch.optim.Adam(pm.parameters(), lr=3e-3)
+            s_losses, p_losses = [], []
+            for it in range(5):
+                x, t = _data(100 + it, torch.float32, learnable=True, img=img)
+                opt_s.zero_grad()
+                ls = _serial_loss(m(x), t)
+                ls.backward()
+                opt_s.step()
+                opt_p.zero_grad()
+                _, lp = step(pm, groups, x, t, reduce=ddp is None, wrapper=ddp)
+                opt_p.step()
+                lp = lp.detach().clone()
+                if groups.dp_size > 1:
+                    dist.all_reduce(lp, group=groups.dp_group)
+                    lp /= groups.dp_size
+                s_losses.append(ls.detach())
+                p_losses.append(lp)
+            final = serial_state_dict(pm, groups)
+            # Adam moments convert to the serial layout like the parameters
+            moments = tensors_to_serial(pm, groups, {n: opt_p.state[p]["exp_avg_sq"] for n, p in pm.named_parameters()})
+            out[(lay, "training")] = (
+                [("losses", torch.stack(p_losses), torch.stack(s_losses), "loss32")]
+                + [(f"weight {n}", final[n], p.detach(), "weights32") for n, p in m.named_parameters()]
+                + [(f"adam exp_avg_sq {n}", moments[n], opt_s.state[p]["exp_avg_sq"], "moments32")
+                   for n, p in m.named_parameters()])
+
+            if lay == "tp2-cp2":
+                # a serial-layout checkpoint of the trained sharded model loads into a serial model
+                # and into another layout (tp=4), and both reproduce the sharded model's output
+                from networks.vit import ViT
+
+                x, t = _data(200, torch.float32)
+                with torch.no_grad():
+                    y_tp2cp2 = pm.gather_image(pm(pm.shard_image(x)))
+                    serial = ViT(**VIT)
+                    serial.load_state_dict(final)
+                    y_serial = serial(x)
+                    g4 = build_groups(WORLD, 4, 1, "tp-cp-dp")
+                    pm4 = parallelize_vit(ViT(**VIT), g4)
+                    load_serial_state_dict(pm4, final, g4)
+                    y_tp4 = pm4.gather_image(pm4(pm4.shard_image(x)))
+                out[(lay, "serial-checkpoint")] = [("serial model", y_serial, y_tp2cp2, "float32"),
+                                                   ("tp=4 model", y_tp4, y_tp2cp2, "float32")]
+    return out
+
+
+def test_training_moves_the_loss(rank_results):
+    for lay in TRAIN_LAYOUTS:
+        (_, got, want, _), = [c for c in rank_results[0][(lay, "training")] if c[0] == "losses"]
+        assert want[-1] < 0.98 * want[0], f"serial loss did not decrease: {want.tolist()}"
+
+
+def test_memory_per_rank_tp4(rank_results):
+    """Saved activations + parameter/gradient/Adam state per rank at tp=4 <= 35% of tp=1."""
+    act1, state1 = rank_results[0][("tp1-cp1-dp4", "memory")]
+    for rank, res in enumerate(rank_results):
+        act4, state4 = res[("tp4", "memory")]
+        ratio = (act4 + state4) / (act1 + state1)
+        assert ratio <= 0.35, (f"rank {rank}: tp=4 holds {act4 + state4} bytes (activations {act4}, states "
+                               f"{state4}) vs tp=1 {act1 + state1} ({act1}, {state1}): ratio {ratio:.3f}")
+        assert act4 / act1 <= 0.35, f"rank {rank}: activation ratio {act4 / act1:.3f}"
+
+
+@pytest.fixture(scope="module")
+def rank_results():
+    return run_ranks(_rank_main, WORLD, timeout=170)
+
+
+@pytest.mark.parametrize("layout,kind", CHECKS, ids=[f"{lay}-{kind}" for lay, kind in CHECKS])
+def test_sharded_vit_matches_serial(rank_results, layout, kind):
+    for rank, res in enumerate(rank_results):
+        for what, got, want, tol in res[(layout, kind)]:
+            assert got.shape == want.shape, f"rank {rank} {what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+            if tol == "exact":
+                assert torch.equal(got, want), f"rank {rank} {what} differs from the serial weights"
+            else:
+                torch.testing.assert_close(got, want, **TOL[tol], msg=lambda m: f"rank {rank} {what}: {m}")
+
+
+# ---- invalid layouts: checked before any communication, so no processes are needed ------------
+
+def _fake_groups(tp, cp):
+    from distributed.groups import ParallelGroups
+
+    return ParallelGroups(tensor_parallel=tp, context_parallel=cp, data_parallel=1, world_size=tp * cp)
+
+
+@pytest.mark.parametrize("vit,tp,cp,message", [
+    (dict(embed_dim=32, num_heads=8), 3, 1, "tensor_parallel=3 does not divide num_heads=8: choose 1, 2, 4 or 8"),
+    (dict(embed_dim=32, num_heads=4), 8, 1, "tensor_parallel=8 does not divide num_heads=4: choose 1, 2 or 4"),
+    (dict(embed_dim=32, num_heads=4, mlp_ratio=25 / 32), 2, 1,
+     "tensor_parallel=2 does not divide mlp hidden dim=25: choose 1, 5 or 25"),
+    (dict(img_size=(12, 32)), 1, 2,
+     "context_parallel=2 does not divide the 3 patch rows (img height 12 / patch_size 4)"),
+    (dict(img_size=(16, 32)), 1, 8,
+     "context_parallel=8 does not divide the 4 patch rows (img height 16 / patch_size 4)"),
+    (dict(img_size=(16, 32)), 4, 2,
+     "context_parallel=2 x tensor_parallel=4 = 8 does not divide the 4 patch rows (img height 16 / patch_size 4)"),
+    (dict(img_size=(24, 32)), 4, 1,
+     "context_parallel=1 x tensor_parallel=4 = 4 does not divide the 6 patch rows"),
+])
+def test_invalid_layouts(vit, tp, cp, message):
+    from distributed.parallelize import parallelize_vit
+    from networks.vit import ViT
+
+    model = ViT(**{**VIT, **vit})
+    with pytest.raises(ValueError) as e:
+        parallelize_vit(model, _fake_groups(tp, cp))
+    assert message in str(e.value)
+
+
+def test_single_process_parallelize_is_serial():
+    """Without torch.distributed (world 1) the parallel model is the serial one, bit for bit."""
+    from distributed.groups import build_groups
+    from distributed.layers import reduce_replicated_grads
+    from distributed.parallelize import parallelize_vit, relative_l2_loss, serial_state_dict
+
+    groups = build_groups()
+    m = _serial_vit(torch.float64)
+    pm = parallelize_vit(m, groups, activation_checkpointing=True)
+    x, t = _data(5, torch.float64)
+    y = m(x)
+    _serial_loss(y, t).backward()
+    yp = pm(pm.shard_image(x))
+    loss = relative_l2_loss(yp, pm.shard_image(t), groups)
+    loss.backward()
+    reduce_replicated_grads(pm, groups)
+    torch.testing.assert_close(pm.gather_image(yp), y, rtol=0, atol=0)
+    torch.testing.assert_close(loss, _serial_loss(y, t), rtol=1e-12, atol=0)
+    grads = serial_state_dict(pm, groups, grads=True)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_image_band_needs_shard_image():
+    from distributed.parallelize import parallelize_vit
+
+    pm = parallelize_vit(_serial_vit(torch.float32), _fake_groups(2, 2))
+    with pytest.raises(ValueError, match="expected this rank's band of 4 image rows x 32 columns"):
+        pm(torch.zeros(1, VIT["in_chans"], *VIT["img_size"]))
+
+
+# ---- sequence parallelism on / off: chosen from the patch rows, no processes needed --------------
+
+@pytest.mark.parametrize("img,tp,cp,want", [
+    ((360, 720), 1, 1, True), ((360, 720), 2, 1, False), ((360, 720), 4, 1, False), ((360, 720), 1, 3, True),
+    ((360, 720), 2, 3, False), ((352, 720), 4, 1, True), ((352, 720), 2, 2, True), ((720, 1440), 2, 3, True),
+    ((720, 1440), 4, 2, False),
+])
+def test_choose_sequence_parallel(img, tp, cp, want):
+    from distributed.parallelize import choose_sequence_parallel
+
+    assert choose_sequence_parallel(img, 8, tp, cp) is want
+
+
+def test_fallback_refused_when_cp_does_not_divide_the_rows():
+    from distributed.parallelize import choose_sequence_parallel, parallelize_vit
+    from networks.vit import ViT
+
+    with pytest.raises(ValueError) as e:
+        choose_sequence_parallel((360, 720), 8, 1, 4)
+    assert str(e.value).startswith("context_parallel=4 does not divide the 45 patch rows (img height 360 / "
+                                   "patch_size 8)")
+    assert "choose context_parallel in 1, 3, 5, 9, 15 or 45, or an img_size whose patch rows divide by 4, " \
+           "e.g. [352, 720]" in str(e.value)
+    with pytest.raises(ValueError, match="context_parallel=2 does not divide the 3 patch rows"):
+        parallelize_vit(ViT(**{**VIT, "img_size": (12, 32)}), _fake_groups(2, 2), sequence_parallel=None)
+
+
+@pytest.mark.parametrize("img,tp,cp", [((24, 32), 4, 1), ((12, 32), 2, 1), ((16, 32), 4, 2), ((24, 32), 2, 2)])
+def test_fallback_layout_shapes_and_markers(img, tp, cp):
+    """Without sequence parallelism the tokens are split over cp only, and every parameter that is
+    whole on a rank has its gradient summed over cp only (the tp ranks compute the same one)."""
+    from distributed.parallelize import parallelize_vit, validate_vit_layout
+    from networks.vit import ViT
+
+    groups = _fake_groups(tp, cp)
+    serial = ViT(**{**VIT, "img_size": img})
+    assert validate_vit_layout(img, 4, 32, 4, 128, groups) is False  # accepted: the fallback
+    pm = parallelize_vit(serial, groups, sequence_parallel=None)
+    assert pm.sequence_parallel is False
+    rows = img[0] // 4
+    assert pm.image_rows() == (0, img[0] // cp)
+    assert pm.pos_embed.shape == (1, rows // cp * 8, 32) and pm.pos_embed.shard_spec.axes == ("cp",)
+    params = dict(pm.named_parameters())
+    assert set(params) == set(dict(serial.named_parameters()))
+    whole = [n for n, p in params.items() if p.shape == dict(serial.named_parameters())[n].shape and n != "pos_embed"]
+    assert {"head.weight", "norm.bias", "patch_embed.proj.weight", "blocks.0.mlp.fc2.bias",
+            "blocks.1.attn.proj.bias", "blocks.0.norm1.weight"} <= set(whole)
+    for n, p in params.items():
+        want = () if n == "pos_embed" else ("cp",)
+        assert p.reduce_over == want, f"{n}: reduce_over {p.reduce_over}, expected {want}"
+    with pytest.raises(ValueError, match=f"= {tp * cp} does not divide the {rows} patch rows"):
+        parallelize_vit(serial, groups)  # sequence_parallel=True (the default) refuses
+
+
+def test_sequence_parallel_summary_lines():
+    from distributed.parallelize import sequence_parallel_summary
+
+    assert sequence_parallel_summary((360, 720), 8, 4, 1, False) == (
+        "Sequence parallelism off: the 45 patch rows do not divide by tensor_parallel x context_parallel = 4; "
+        "LayerNorm/residual activations are whole on each tensor-parallel rank (an img_size whose patch rows "
+        "divide by 4, e.g. [352, 720], turns it on)")
+    assert sequence_parallel_summary((352, 720), 8, 4, 1, True).startswith(
+        "Sequence parallelism on: the 44 patch rows divide by tensor_parallel x context_parallel = 4")
+    assert sequence_parallel_summary((360, 720), 8, 1, 3, True) == (
+        "Sequence parallelism not needed at tensor_parallel=1: the 45 patch rows are split over "
+        "context_parallel=3 (15 per rank)")

@@ -1,0 +1,126 @@
+"""submit_pm.sh on a real one-node Slurm cluster: two 2-rank jobs (ViT and U-Net quickstarts on
+tiny data), each through sbatch -> srun -> export_DDP_vars.sh -> train.py with gloo ranks.
+
+The cluster is installed (apt-get, first time only) and started by .ci/slurm_cluster.sh, and
+stopped again afterwards when this test started it. Needs root; CI runs as root, so there this
+test runs (it fails rather than skips when CI is set and it cannot).
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, write_cosmo, write_era5
+
+pytestmark = pytest.mark.slurm
+
+CLUSTER = os.path.join(ROOT, ".ci", "slurm_cluster.sh")
+# A CPU-only cluster: no GPUs, no "gpu" node feature, one CPU per rank (see submit_pm.sh).
+CPU_OPTS = ["--gpus-per-node=0", "--constraint=", "--cpus-per-task=1"]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the Slurm integration test needs root in CI")
+        pytest.skip("needs root to install and start a Slurm cluster")
+    was_running = subprocess.run([CLUSTER, "status"]).returncode == 0
+    r = subprocess.run([CLUSTER, "start"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    yield
+    if not was_running:
+        subprocess.run([CLUSTER, "stop"], timeout=60)
+
+
+def job_state(job_id):
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                         text=True).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return fields.get("JobState"), fields.get("ExitCode")
+
+
+def submit(tmp_path, name, args, env):
+    r = subprocess.run(["sbatch", "--parsable", "-n", "2", *CPU_OPTS, "-t", "10", "-J", name,
+                        "-o", str(tmp_path / "%x-%j.out"), "submit_pm.sh", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def wait(job_ids, timeout=300):
+    deadline = time.monotonic() + timeout
+    states = {}
+    while time.monotonic() < deadline:
+        states = {j: job_state(j) for j in job_ids}
+        if all(s[0] in TERMINAL for s in states.values()):
+            return states
+        time.sleep(1)
+    for j in job_ids:
+        subprocess.run(["scancel", j])
+    pytest.fail(f"jobs did not finish within {timeout} s: {states}")
+
+
+def scalars(directory):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(directory, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_quickstarts_run_as_2_rank_sbatch_jobs(cluster, tmp_path):
+    era5 = write_era5(str(tmp_path / "era5"), steps=20)
+    cosmo = tmp_path / "cosmo"
+    write_cosmo(str(cosmo / "train.h5"), side=32, seed=0)
+    write_cosmo(str(cosmo / "valid.h5"), side=32, seed=1)
+    common = ["--synthesize_if_missing", "false", "--num_data_workers", "0",
+              "--num_epochs", "2", "--log_every", "2", "--checkpoint_every", "0",
+              "--run_num", "two words"]  # an argument with a space, through sbatch and srun
+    vit = ["--config=quickstart", "--data_root", era5, "--img_size", "[16,32]",
+           "--patch_size", "4", "--embed_dim", "32", "--depth", "1", "--num_heads", "2",
+           "--global_batch_size", "8", *common]
+    unet = ["--yaml_config", "config/UNet.yaml", "--config=quickstart", "--data_root", str(cosmo),
+            "--base_width", "4", "--max_width", "16", "--Nsamples", "32", "--Nsamples_val", "8",
+            "--global_batch_size", "8", *common]
+    logs = tmp_path / "logs"
+    jobs = {}
+    for model, args in (("vit", vit), ("unet", unet)):
+        env = dict(os.environ, PYTHON=sys.executable, EXPDIR=str(logs / model))
+        jobs[model] = submit(tmp_path, f"dp-test-{model}", args, env)
+    states = wait(list(jobs.values()))
+    for model, job in jobs.items():
+        out_file = tmp_path / f"dp-test-{model}-{job}.out"  # -o %x-%j.out
+        text = out_file.read_text() if out_file.exists() else "(no output file)"
+        assert states[job] == ("COMPLETED", "0:0"), f"{model}: {states[job]}\n{text[-4000:]}"
+        assert f"job {job}: 2 rank(s)" in text and "CPU only" in text
+        assert "2 rank(s), 2 data-parallel" in text and "(4 per rank)" in text
+        assert "samples/s" in text and "Avg val loss" in text and "Done:" in text
+        assert "error:" not in text and "Traceback" not in text, text[-4000:]
+        run_dir = re.search(r"Run directory: (.*)", text).group(1)
+        assert run_dir.startswith(str(logs / model)) and run_dir.endswith("/2/two words")
+        tags = scalars(os.path.join(run_dir, "tensorboard"))
+        expected = ["Loss/train", "Loss/valid", "Learning Rate", "Avg samples per sec"]
+        if model == "vit":
+            expected.append("RMSE(u10m)/valid")
+        for tag in expected:
+            assert tags.get(tag), f"{model}: no {tag} in {sorted(tags)}"
+            assert all(math.isfinite(v) for v in tags[tag]), (model, tag, tags[tag])
+        assert len(tags["Loss/valid"]) == 2  # one validation per epoch
+
+
+def test_export_parser_matches_scontrol(cluster):
+    from test_launch import NODE_LISTS, source_export
+
+    for nodelist, _ in NODE_LISTS:
+        real = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                              text=True).stdout.split()[0]
+        r = source_export({"SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                           "SLURM_JOB_NODELIST": nodelist}, "/nonexistent")
+        assert r.stdout.split()[3] == real, nodelist

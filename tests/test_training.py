@@ -1,0 +1,223 @@
+"""End-to-end runs of train.py on tiny data: learning, TensorBoard, checkpoints, resume, errors."""
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, write_cosmo, write_era5
+from utils.config import build_config
+from utils.errors import ConfigError, TrainingError
+from utils.parallel import setup_runtime
+from utils.trainer import Trainer
+
+TINY_VIT = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",
+            "--num_heads", "2", "--global_batch_size", "4", "--base_batch_size", "4",
+            "--synthesize_if_missing", "false", "--log_every", "2"]
+
+
+def train(args, check=True, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                       text=True, env=env, **kw)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def run_dir(expdir, name="quickstart", ws=1, run="0"):
+    return os.path.join(expdir, name, str(ws), run)
+
+
+def val_losses(log_text):
+    return [float(v) for v in re.findall(r"Avg val loss=([0-9.e+-]+)", log_text)]
+
+
+def tb_scalars(directory):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(directory, size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.fixture
+def era5_long(tmp_path):
+    return write_era5(str(tmp_path / "era5"), years={"train": [2016, 2017], "valid": [2018]},
+                      steps=40)
+
+
+def test_vit_run_learns_and_writes_tensorboard(tmp_path, era5_long):
+    exp = str(tmp_path / "logs")
+    r = train(TINY_VIT + ["--data_root", era5_long, "--expdir", exp, "--num_epochs", "4",
+                          "--lr", "3e-3"])
+    d = run_dir(exp)
+    log = open(os.path.join(d, "out.log")).read()
+    losses = val_losses(log)
+    assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], losses
+    assert "persistence baseline" in log and "samples/s" in log and "Validation took" in log
+    assert "u10" in log and os.path.exists(os.path.join(d, "config.yaml"))
+    acc = tb_scalars(os.path.join(d, "tensorboard"))
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("Loss/train", "Loss/valid", "Learning Rate", "Avg iters per sec",
+                "Avg samples per sec", "RMSE(u10m)/valid"):
+        assert tag in tags, tags
+    assert [e.value for e in acc.Scalars("Loss/valid")] == pytest.approx(losses, rel=1e-5)
+    assert acc.Tags()["images"], "no prediction-vs-target picture"
+    assert "Resolved config" in r.stdout
+
+
+def test_unet_run_learns(tmp_path):
+    root = tmp_path / "cosmo"
+    write_cosmo(str(root / "train.h5"), side=32, seed=0)
+    write_cosmo(str(root / "valid.h5"), side=32, seed=1)
+    exp = str(tmp_path / "logs")
+    train(["--yaml_config", "config/UNet.yaml", "--config", "quickstart", "--data_root", str(root),
+           "--expdir", exp, "--num_epochs", "3", "--Nsamples", "32", "--Nsamples_val", "8",
+           "--base_width", "4", "--max_width", "16", "--num_data_workers", "0",
+           "--synthesize_if_missing", "false", "--lr", "3e-3"])
+    log = open(os.path.join(run_dir(exp), "out.log")).read()
+    losses = val_losses(log)
+    assert len(losses) == 3 and losses[-1] < losses[0] and "predict-the-mean baseline" in log
+
+
+def test_killed_run_resumes_to_identical_result(tmp_path, era5_long):
+    common = TINY_VIT + ["--data_root", era5_long, "--num_epochs", "3", "--checkpoint_every", "6",
+                         "--checkpoint_keep", "2", "--dropout", "0.1", "--num_data_workers", "1"]
+    ref = str(tmp_path / "ref")
+    train(common + ["--expdir", ref])
+    final = sorted(os.listdir(os.path.join(run_dir(ref), "checkpoints")))[-1]
+    assert final == "ckpt_00000057.pt"  # 2 years x 39 pairs // 4 = 19 steps x 3 epochs
+    exp = str(tmp_path / "killed")
+    ckpts = os.path.join(run_dir(exp), "checkpoints")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "train.py", *common, "--expdir", exp], cwd=ROOT,
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (os.path.isdir(ckpts) and any(f.endswith(".pt") for f in os.listdir(ckpts))):
+        assert p.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done = sorted(os.listdir(ckpts))
+    assert final not in done, "the run finished before it was killed"
+    train(common + ["--expdir", exp, "--resume"])
+    a = torch.load(os.path.join(run_dir(ref), "checkpoints", final), weights_only=True)
+    b = torch.load(os.path.join(ckpts, final), weights_only=True)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for k, v in a["optimizer"]["state"].items():
+        assert torch.equal(v["exp_avg_sq"], b["optimizer"]["state"][k]["exp_avg_sq"])
+    ref_val = [e.value for e in tb_scalars(os.path.join(run_dir(ref), "tensorboard")).Scalars("Loss/valid")]
+    got_val = [e.value for e in tb_scalars(os.path.join(run_dir(exp), "tensorboard")).Scalars("Loss/valid")]
+    assert got_val == ref_val and len(ref_val) == 3
+    assert len(os.listdir(ckpts)) == 2  # only the newest K are kept
+
+
+def test_truncated_newest_checkpoint_falls_back(tmp_path, era5_long):
+    common = TINY_VIT + ["--data_root", era5_long, "--expdir", str(tmp_path), "--checkpoint_every", "5"]
+    train(common + ["--num_iters", "10"])
+    ckpts = os.path.join(run_dir(str(tmp_path)), "checkpoints")
+    newest = os.path.join(ckpts, "ckpt_00000010.pt")
+    with open(newest, "r+b") as f:
+        f.truncate(1000)  # as if the disk filled up mid-write, outside our atomic rename
+    r = train(common + ["--num_iters", "12", "--resume"])
+    assert "skipping unreadable checkpoint" in r.stdout and "Resumed from" in r.stdout
+    assert "ckpt_00000005.pt" in r.stdout
+
+
+def test_existing_run_is_not_overwritten(tmp_path, era5_long):
+    common = TINY_VIT + ["--data_root", era5_long, "--expdir", str(tmp_path), "--num_iters", "3"]
+    train(common)
+    d = run_dir(str(tmp_path))
+    before = {f: hashlib.md5(open(os.path.join(d, "checkpoints", f), "rb").read()).hexdigest()
+              for f in os.listdir(os.path.join(d, "checkpoints"))}
+    r = train(common, check=False)
+    assert r.returncode == 2 and "already holds checkpoints: pass --resume" in r.stderr
+    after = {f: hashlib.md5(open(os.path.join(d, "checkpoints", f), "rb").read()).hexdigest()
+             for f in os.listdir(os.path.join(d, "checkpoints"))}
+    assert before == after
+
+
+def test_missing_data_message(tmp_path):
+    r = train(TINY_VIT + ["--data_root", str(tmp_path / "nowhere"), "--expdir", str(tmp_path),
+                          "--num_iters", "2"], check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "no ERA5 year files" in r.stderr and "--data_root" in r.stderr
+
+
+def test_fp16_on_cpu_refused(tmp_path, era5_root):
+    r = train(TINY_VIT + ["--data_root", era5_root, "--expdir", str(tmp_path), "--num_iters", "2",
+                          "--amp_mode", "fp16"], check=False)
+    assert r.returncode == 2 and "amp_mode=fp16 needs a CUDA GPU" in r.stderr
+
+
+def test_bf16_and_fused_on_cpu(tmp_path, era5_root):
+    r = train(TINY_VIT + ["--data_root", era5_root, "--expdir", str(tmp_path), "--num_iters", "4",
+                          "--amp_mode", "bf16", "--enable_fused"])
+    assert "Avg val loss" in r.stdout
+
+
+def _cfg(era5_root, tmp_path, **kw):
+    ov = dict(zip(TINY_VIT[::2], TINY_VIT[1::2]))
+    ov = {k.lstrip("-"): v for k, v in ov.items()}
+    ov.update(data_root=era5_root, expdir=str(tmp_path), **kw)
+    return build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
+
+
+def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
+    cfg = _cfg(era5_root, tmp_path, num_iters="20", checkpoint_every="4", log_every="1")
+    trainer = Trainer(cfg, setup_runtime(cfg))
+    real = trainer.io.loss
+    calls = {"n": 0}
+
+    def poisoned(pred, y):
+        calls["n"] += 1
+        out = real(pred, y)
+        return out * float("nan") if calls["n"] > 6 else out
+
+    monkeypatch.setattr(trainer.io, "loss", poisoned)
+    with pytest.raises(TrainingError, match="training loss became nan before step 7"):
+        trainer.fit()
+    ckpts = os.listdir(trainer.ckpt_dir)
+    assert ckpts == ["ckpt_00000004.pt"]
+    state = torch.load(os.path.join(trainer.ckpt_dir, ckpts[0]), weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_global_batch_must_divide_ranks(monkeypatch, era5_root, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = _cfg(era5_root, tmp_path, global_batch_size="4")
+    with pytest.raises(ConfigError, match="global_batch_size=4 does not divide by the 3 "
+                                          "data-parallel ranks: choose a multiple of 3"):
+        setup_runtime(cfg)
+
+
+def baseline_and_val(log_text):
+    m = re.findall(r"Avg val loss=([0-9.e+-]+) \(\S+ baseline ([0-9.e+-]+)\)", log_text)
+    return [(float(v), float(b)) for v, b in m]
+
+
+def test_vit_quickstart_generates_data_and_beats_persistence(tmp_path):
+    """The README's first command, shortened to 2 epochs: synthetic data appear, the loss falls
+    and the model already beats the persistence forecast."""
+    data = tmp_path / "era5"
+    r = train(["--data_root", str(data), "--expdir", str(tmp_path / "logs"), "--num_epochs", "2"])
+    assert "generating synthetic vit data" in r.stdout and (data / "stats").is_dir()
+    (v1, base), (v2, _) = baseline_and_val(r.stdout)
+    assert v2 < 0.8 * v1 and v2 < 0.7 * base, (v1, v2, base)
+
+
+def test_unet_quickstart_beats_predict_the_mean(tmp_path):
+    data = tmp_path / "cosmo"
+    r = train(["--yaml_config", "config/UNet.yaml", "--config", "quickstart", "--data_root",
+               str(data), "--expdir", str(tmp_path / "logs"), "--num_epochs", "2",
+               "--Nsamples", "256", "--Nsamples_val", "64"])
+    assert "generating synthetic unet data" in r.stdout
+    (v1, base), (v2, _) = baseline_and_val(r.stdout)
+    assert v2 < v1 and v2 < 0.5 * base, (v1, v2, base)

@@ -1,0 +1,29 @@
+"""Model-parallel ViT training: tensor (tp) x context (cp) x data (dp) parallel ranks.
+
+    torchrun --nproc_per_node 4 train_mp.py --tensor_parallel 2 --context_parallel 2
+    sbatch -N 4 submit_pm.sh ... (SCRIPT=train_mp.py) --config mp --tensor_parallel 4
+
+The same engine as train.py. Each model replica spans tensor_parallel x context_parallel ranks:
+attention heads and MLP width are split over tp, the image rows (tokens) over cp and, outside
+attention and MLP, over tp as well (sequence parallelism) when the patch rows divide by tp x cp;
+otherwise sequence parallelism is turned off and the log says so. The remaining
+world / (tp x cp) ranks are data parallel. Checkpoints are written in the serial layout and
+load on any layout.
+"""
+import sys
+
+from train import DEFAULT_YAML, run
+from utils.config import from_argv
+
+
+def main(argv):
+    cfg = from_argv(argv, DEFAULT_YAML, prog="train_mp.py")
+    if cfg.model != "vit":
+        print(f"error: train_mp.py shards the ViT; config '{cfg.name}' is a {cfg.model} config: "
+              f"use train.py for it (data parallel)", file=sys.stderr)
+        raise SystemExit(2)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,442 @@
+"""Typed run configuration: YAML file + named config + command-line overrides, validated in one place.
+
+A YAML file holds named configs built from each other with anchors and merge keys
+(``short: {<<: *base, num_iters: 128}``). The chosen config is checked against the dataclass of its
+model family (``ViTConfig`` or ``UNetConfig``): unknown keys are refused with the nearest valid name,
+values are coerced to the declared type or refused, and cross-field rules are checked. Values may
+name environment variables: ``$VAR``, ``${VAR}`` or ``${VAR:-default}``.
+
+Every field below has a one-line description in its ``help`` metadata; ``python train.py --help``
+prints them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from utils.errors import ConfigError
+
+
+def _f(default, help, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: list(d) if isinstance(d, list) else dict(d),
+                     metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+AMP_MODES = ("none", "fp16", "bf16")
+LR_SCALINGS = ("none", "linear", "sqrt")
+LOADERS = ("lowmem", "inmem", "synthetic")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class Config:
+    """Settings shared by both model families."""
+
+    model: str = _f("vit", "model family: vit (ERA5) or unet (cosmology)", choices=("vit", "unet"))
+    # -- run directory and reproducibility
+    expdir: str = _f("./logs", "root of run directories: <expdir>/<config>/<world size>/<run_num>/")
+    run_num: str = _f("0", "name of this run beside other runs of the same config")
+    seed: int = _f(0, "seed for weights, data order and augmentation")
+    device: str = _f("auto", "auto (cuda when present, else cpu), cpu or cuda", choices=DEVICES)
+    # -- data
+    data_root: str = _f("./data", "directory holding the data set")
+    data_loader_config: str = _f("lowmem", "lowmem: read each sample from disk; inmem: hold the "
+                                 "data in memory; synthetic: one cached batch, for compute-only "
+                                 "timing", choices=LOADERS)
+    num_data_workers: int = _f(0, "data loader worker processes per rank (0: load in the main "
+                               "process)", min=0)
+    synthesize_if_missing: bool = _f(False, "generate small synthetic data under data_root when "
+                                     "it holds none")
+    # -- optimisation
+    global_batch_size: int = _f(16, "samples per optimizer step, summed over data-parallel ranks",
+                                min=1)
+    local_batch_size: Optional[int] = _f(None, "samples per rank per step; when set, "
+                                         "global_batch_size = local_batch_size x data-parallel "
+                                         "ranks", min=1)
+    base_batch_size: int = _f(16, "batch size at which lr is the learning rate (lr_scaling)",
+                              min=1)
+    num_epochs: Optional[int] = _f(None, "epochs to train (give this or num_iters)", min=1)
+    num_iters: Optional[int] = _f(None, "optimizer steps to train (give this or num_epochs)",
+                                  min=1)
+    lr: float = _f(5e-4, "peak learning rate at base_batch_size", min=0.0)
+    end_lr: float = _f(0.0, "learning rate at the end of the cosine decay", min=0.0)
+    warmup_steps: int = _f(0, "steps of linear warm-up from 0 to the peak learning rate", min=0)
+    lr_scaling: str = _f("none", "peak lr = lr x (global/base batch size)^{0, 1, 1/2} for "
+                         "none, linear, sqrt", choices=LR_SCALINGS)
+    amp_mode: str = _f("none", "automatic mixed precision: none, fp16 (GPU, with a gradient "
+                       "scaler) or bf16", choices=AMP_MODES)
+    enable_jit: bool = _f(False, "compile the model with torch.compile")
+    enable_fused: bool = _f(False, "use the fused Adam kernel where the device supports it")
+    # -- logging and checkpoints
+    log_every: int = _f(10, "optimizer steps between training-loss log points (a host sync)",
+                        min=1)
+    checkpoint_every: int = _f(0, "optimizer steps between checkpoints (0: only at the end)",
+                               min=0)
+    checkpoint_keep: int = _f(3, "number of newest checkpoints kept", min=1)
+    resume: bool = _f(False, "continue from the newest valid checkpoint of this run directory")
+    resume_from: str = _f("", "continue from this checkpoint file, or the newest in this run "
+                          "directory (e.g. one written with another number of ranks)")
+    enable_manual_profiling: bool = _f(False, "bracket 30 steps of the second epoch with the CUDA "
+                                       "profiler API (for nsys -c cudaProfilerApi)")
+    # -- data parallelism
+    noddp: bool = _f(False, "skip the gradient all-reduce (compute-only scaling measurements; "
+                     "the replicas drift apart)")
+    disable_broadcast_buffers: bool = _f(False, "do not broadcast module buffers every step")
+    bucket_cap_mb: float = _f(25.0, "DistributedDataParallel gradient bucket size in MB", min=0.0)
+    dist_timeout_s: int = _f(600, "seconds a collective waits for a missing rank before failing",
+                             min=1)
+
+
+@dataclass
+class ViTConfig(Config):
+    """Vision Transformer on ERA5 fields: predict the state dt steps after the input."""
+
+    img_size: list = _f([360, 720], "image height and width the fields are cropped to", item=int,
+                        length=2)
+    patch_size: int = _f(8, "side of the square patches", min=1)
+    embed_dim: int = _f(384, "token width", min=1)
+    depth: int = _f(12, "number of transformer blocks", min=1)
+    num_heads: int = _f(8, "attention heads", min=1)
+    mlp_ratio: float = _f(4.0, "MLP hidden width / embed_dim", min=0.0)
+    dropout: float = _f(0.0, "dropout probability", min=0.0, max=1.0)
+    n_in_channels: int = _f(20, "input channels (the first n of the 20 ERA5 variables)", min=1,
+                            max=20)
+    n_out_channels: int = _f(20, "output channels", min=1, max=20)
+    dt: int = _f(1, "forecast lead in 6-hour steps", min=1)
+    limit_nsamples: Optional[int] = _f(None, "use this many training pairs, spread evenly over "
+                                       "the years", min=1)
+    limit_nsamples_val: Optional[int] = _f(None, "use this many validation pairs", min=1)
+    synthetic_steps_per_year: int = _f(240, "time steps per year when synthesizing data", min=2)
+    # -- model parallelism
+    tensor_parallel: int = _f(1, "ranks that split each layer's weights (heads, MLP width)", min=1)
+    context_parallel: int = _f(1, "ranks that split the token sequence (image rows)", min=1)
+    parallel_order: str = _f("tp-cp-dp", "which group's ranks are adjacent (first) to last, "
+                             "e.g. tp-cp-dp keeps tensor-parallel ranks on one node")
+    activation_checkpointing: bool = _f(False, "recompute each block's activations in the "
+                                        "backward pass instead of storing them")
+
+
+@dataclass
+class UNetConfig(Config):
+    """3D U-Net on cosmology volumes: N-body fields in, hydrodynamic fields out."""
+
+    base_width: int = _f(64, "channels of the first encoder level; doubled per level", min=1)
+    max_width: int = _f(512, "cap on the channels of any level", min=1)
+    full_scale: bool = _f(True, "six levels (true) or five")
+    conv_init_std: float = _f(0.02, "std of the normal initialisation of conv weights", min=0.0)
+    n_in_channels: int = _f(4, "N-body input channels", min=1)
+    n_out_channels: int = _f(5, "hydro output channels", min=1)
+    lambda_rho: float = _f(0.0, "weight of the L1 term on exp(14 x) of output channel 0", min=0.0)
+    data_size: int = _f(64, "side of the cubic crops", min=2)
+    Nsamples: int = _f(65536, "training crops per epoch", min=1)
+    Nsamples_val: int = _f(8192, "validation crops per validation", min=1)
+    train_file: str = _f("train.h5", "training volume file under data_root")
+    val_file: str = _f("valid.h5", "validation volume file under data_root")
+    nbody_vector_channels: list = _f([1, 2, 3], "input channels that are the x, y, z components "
+                                     "of a vector (empty: none)", item=int)
+    hydro_vector_channels: list = _f([2, 3, 4], "output channels that are the x, y, z "
+                                     "components of a vector", item=int)
+    synthetic_size: list = _f([64, 64], "train and validation box sides when synthesizing data",
+                              item=int, length=2)
+
+
+CONFIG_CLASSES = {"vit": ViTConfig, "unet": UNetConfig}
+
+# Keys the reference tutorials used that mean something here under another name.
+RENAMED = {
+    "lr_schedule": "lr, end_lr, warmup_steps and lr_scaling",
+    "start_lr": "lr",
+    "warmup": "warmup_steps",
+    "N_out_channels": "n_out_channels",
+    "ngf": "base_width",
+}
+# Command-line flags kept from the tutorials, as (key, value) they set.
+FLAG_ALIASES = {
+    "enable_amp": ("amp_mode", "fp16"),
+    "enable_apex": ("enable_fused", True),
+}
+ENTRY_ARGS = ("yaml_config", "config")
+
+
+# ----------------------------------------------------------------------------- YAML loading
+
+
+_ENV = re.compile(r"\$\{(\w+)(:-([^}]*))?\}|\$(\w+)")
+
+
+def expand_env(value: str) -> str:
+    """Expand $VAR, ${VAR} and ${VAR:-default}; an unset variable without default is an error."""
+
+    def sub(m):
+        name = m.group(1) or m.group(4)
+        if name in os.environ and (os.environ[name] or m.group(2) is None):
+            return os.environ[name]
+        if m.group(2) is not None:
+            return m.group(3)
+        raise ConfigError(f"environment variable ${name} is not set (used in '{value}'): "
+                          f"export it, or override the value on the command line")
+
+    return _ENV.sub(sub, value)
+
+
+def load_yaml_configs(path: str) -> dict:
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--yaml_config {path}: no such file; the configs live in config/ViT.yaml "
+                          f"and config/UNet.yaml") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--yaml_config {path} is not valid YAML: {e}") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise ConfigError(f"{path} must map config names to mappings of settings")
+    return doc
+
+
+def nearest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(choices))}"
+
+
+# ----------------------------------------------------------------------------- coercion
+
+
+def _is_optional(tp) -> bool:
+    return typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+
+
+def _base_type(tp):
+    if _is_optional(tp):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _coerce_scalar(key, value, tp):
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not an integer: give a whole number, e.g. {key}=4")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 5E-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return expand_env(str(value))
+        raise ConfigError(f"{key}={value!r} is not a string")
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def coerce(key: str, value: Any, f: dataclasses.Field):
+    tp = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing), globals())
+    meta = f.metadata
+    if _is_optional(tp) and (value is None or (isinstance(value, str) and value.lower() in
+                                               ("none", "null", "~"))):
+        return None
+    tp = _base_type(tp)
+    if tp is list:
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value if value.strip().startswith("[") else f"[{value}]")
+            except yaml.YAMLError:
+                pass
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} is not a list: give e.g. {key}=[1,2]")
+        out = [_coerce_scalar(f"{key}[{i}]", v, meta["item"]) for i, v in enumerate(value)]
+        if "length" in meta and len(out) != meta["length"]:
+            raise ConfigError(f"{key}={out} must have {meta['length']} entries")
+        return out
+    v = _coerce_scalar(key, value, tp)
+    if "choices" in meta and v not in meta["choices"]:
+        raise ConfigError(f"{key}={v!r} is not one of {', '.join(meta['choices'])}: "
+                          f"{nearest(str(v), meta['choices'])}")
+    if "min" in meta and v < meta["min"]:
+        raise ConfigError(f"{key}={v} must be >= {meta['min']}")
+    if "max" in meta and v > meta["max"]:
+        raise ConfigError(f"{key}={v} must be <= {meta['max']}")
+    return v
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
+    """Split ``--key value``, ``--key=value`` and bare ``--flag`` arguments.
+
+    Returns (entry arguments, overrides) in command-line order; values stay strings (or True
+    for a bare flag) and are typed later against the config class.
+    """
+    entry, overrides = {}, {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument '{arg}': settings are given as --key value")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                val = argv[i + 1]
+                i += 1
+            else:
+                val = True
+        key = key.replace("-", "_") if key.replace("-", "_") in ENTRY_ARGS else key
+        (entry if key in ENTRY_ARGS else overrides)[key] = val
+        i += 1
+    return entry, overrides
+
+
+def _apply(cls, values: dict, source: str) -> dict:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = {}
+    for key, val in values.items():
+        if key in FLAG_ALIASES:
+            target, alias_val = FLAG_ALIASES[key]
+            if _coerce_scalar(key, val, bool):
+                out[target] = coerce(target, alias_val, fields[target])
+            continue
+        if key not in fields:
+            if key in RENAMED and RENAMED[key]:
+                hint = f"use {RENAMED[key]}"
+            else:
+                hint = nearest(key, fields)
+            raise ConfigError(f"unknown setting '{key}' ({source}): {hint}")
+        out[key] = coerce(key, val, fields[key])
+    return out
+
+
+def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) -> Config:
+    """The named config of the YAML file with overrides applied, typed and validated."""
+    configs = load_yaml_configs(yaml_path)
+    if name not in configs:
+        raise ConfigError(f"--config {name}: no such config in {yaml_path}: {nearest(name, configs)} "
+                          f"(available: {', '.join(configs)})")
+    raw = dict(configs[name])
+    model = str(raw.get("model", "vit")).lower()
+    if isinstance(overrides, dict) and "model" in overrides:
+        model = str(overrides["model"]).lower()
+    if model not in CONFIG_CLASSES:
+        raise ConfigError(f"model={model!r} in config '{name}' is not one of vit, unet")
+    cls = CONFIG_CLASSES[model]
+    values = _apply(cls, raw, f"config '{name}' in {yaml_path}")
+    cli = _apply(cls, overrides or {}, "command line")
+    # num_epochs and num_iters are alternatives: the one given on the command line wins.
+    if "num_epochs" in cli and "num_iters" not in cli:
+        values.pop("num_iters", None)
+    if "num_iters" in cli and "num_epochs" not in cli:
+        values.pop("num_epochs", None)
+    values.update(cli)
+    cfg = cls(**values)
+    cfg.name = name
+    cfg.yaml_path = yaml_path
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config):
+    """Rules that involve more than one field."""
+    if cfg.num_epochs is None and cfg.num_iters is None:
+        raise ConfigError("neither num_epochs nor num_iters is set: give one, e.g. --num_epochs 3")
+    if cfg.num_epochs is not None and cfg.num_iters is not None:
+        raise ConfigError(f"both num_epochs={cfg.num_epochs} and num_iters={cfg.num_iters} are set:"
+                          f" keep one (set the other to null)")
+    if isinstance(cfg, ViTConfig):
+        h, w = cfg.img_size
+        p = cfg.patch_size
+        if h % p or w % p:
+            raise ConfigError(f"img_size={cfg.img_size} is not divisible by patch_size={p}: "
+                              f"choose a patch_size that divides {h} and {w}")
+        if cfg.embed_dim % cfg.num_heads:
+            ok = [n for n in range(1, cfg.embed_dim + 1) if cfg.embed_dim % n == 0 and n <= 64]
+            raise ConfigError(f"num_heads={cfg.num_heads} does not divide embed_dim="
+                              f"{cfg.embed_dim}: choose one of {ok}")
+    if isinstance(cfg, UNetConfig):
+        levels = 6 if cfg.full_scale else 5
+        if cfg.data_size % 2**levels:
+            raise ConfigError(f"data_size={cfg.data_size} must be divisible by 2^{levels}="
+                              f"{2**levels} for a U-Net with full_scale={cfg.full_scale}")
+        for key, n in (("nbody_vector_channels", cfg.n_in_channels),
+                       ("hydro_vector_channels", cfg.n_out_channels)):
+            chans = getattr(cfg, key)
+            if chans and (len(chans) != 3 or any(not 0 <= c < n for c in chans)):
+                raise ConfigError(f"{key}={chans} must list 3 channel indices below {n}, or be []")
+
+
+def to_dict(cfg: Config) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def dump(cfg: Config, derived: Optional[dict] = None) -> str:
+    """The resolved config as YAML that ``--yaml_config`` reads back under the same name."""
+    text = yaml.safe_dump({cfg.name: to_dict(cfg)}, sort_keys=False, default_flow_style=None)
+    if derived:
+        text = "".join(f"# {k}: {v}\n" for k, v in derived.items()) + text
+    return text
+
+
+def help_text(model: str) -> str:
+    cls = CONFIG_CLASSES[model]
+    lines = [f"settings of {model} configs (override any with --key value):"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{f.name:<24} {f.metadata['help']} [{default}]")
+    return "\n".join(lines)
+
+
+USAGE = """usage: python {prog} [--yaml_config FILE] [--config NAME] [--key value ...]
+
+  --yaml_config FILE   YAML file of named configs (default: {yaml})
+  --config NAME        config in that file (default: {name})
+  --key value          override any setting of the config; a bare --flag sets a boolean true
+  --enable_amp         same as --amp_mode fp16;  --enable_apex: same as --enable_fused
+"""
+
+
+def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstart",
+              prog: str = "train.py") -> Config:
+    """Parse entry-script arguments; configuration errors exit with status 2 and one message."""
+    if "-h" in argv or "--help" in argv:
+        print(USAGE.format(prog=prog, yaml=default_yaml, name=default_name))
+        for model in CONFIG_CLASSES:
+            print(help_text(model) + "\n")
+        raise SystemExit(0)
+    try:
+        entry, overrides = parse_overrides(argv)
+        return build_config(entry.get("yaml_config", default_yaml),
+                            entry.get("config", default_name), overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)

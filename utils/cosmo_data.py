@@ -1,0 +1,95 @@
+"""Random cubic crops of N-body (input) and hydro (target) volumes, with rotation augmentation.
+
+The file holds ``Nbody`` (4, L, L, L) and ``Hydro`` (5, L, L, L). A sample is the same
+``size``^3 window of both, turned by one of the 24 proper rotations of the cube (training only),
+vector channels turned as vectors. The window and the rotation are a function of
+(seed, epoch, sample index) alone, so a run is reproducible whatever the worker count, and a run
+resumed mid-epoch sees exactly the samples an uninterrupted run would.
+"""
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from utils.errors import DataError
+from utils.rotations import ROTATIONS, rotate_volume
+
+
+class CosmoCropDataset(Dataset):
+    def __init__(self, path, size, nsamples, n_in=4, n_out=5, nbody_vector_channels=(),
+                 hydro_vector_channels=(), augment=True, seed=0, inmem=False):
+        self.path, self.size, self.nsamples = path, size, nsamples
+        self.n_in, self.n_out = n_in, n_out
+        self.in_vec, self.out_vec = tuple(nbody_vector_channels), tuple(hydro_vector_channels)
+        self.augment, self.seed = augment, seed
+        self.box = self._check()
+        self._handle, self._pid = None, None
+        self._arrays = None
+        if inmem:
+            with h5py.File(path, "r") as f:
+                self._arrays = (f["Nbody"][: n_in], f["Hydro"][: n_out])
+            for name, a in zip(("Nbody", "Hydro"), self._arrays):
+                if not np.isfinite(a).all():
+                    raise DataError(f"{path}: '{name}' holds non-finite values: repair the file")
+
+    def _check(self) -> int:
+        if not os.path.exists(self.path):
+            raise DataError(f"{self.path} not found: set --data_root to the directory holding "
+                            f"the cosmology files (or COSMO_DATA_ROOT), or generate synthetic "
+                            f"volumes with python -m utils.synthetic cosmo --out DIR")
+        try:
+            with h5py.File(self.path, "r") as f:
+                missing = [k for k in ("Nbody", "Hydro") if k not in f]
+                if missing:
+                    raise DataError(f"{self.path} lacks dataset(s) {missing} (found: {list(f.keys())})")
+                sx, sy = f["Nbody"].shape, f["Hydro"].shape
+        except OSError as e:
+            raise DataError(f"{self.path} is not a readable HDF5 file ({e}): replace it") from None
+        if len(sx) != 4 or len(sy) != 4 or sx[1:] != sy[1:] or len(set(sx[1:])) != 1:
+            raise DataError(f"{self.path}: Nbody {sx} and Hydro {sy} must be (C, L, L, L) boxes "
+                            f"of the same side")
+        if sx[0] < self.n_in or sy[0] < self.n_out:
+            raise DataError(f"{self.path}: Nbody has {sx[0]} channels and Hydro {sy[0]}; the "
+                            f"model needs {self.n_in} and {self.n_out}")
+        if sx[1] < self.size:
+            raise DataError(f"{self.path}: box side {sx[1]} is smaller than data_size={self.size}")
+        return sx[1]
+
+    def _volumes(self):
+        if self._arrays is not None:
+            return self._arrays
+        if self._pid != os.getpid():  # h5py handles must not cross a fork: open once per process
+            f = h5py.File(self.path, "r")
+            self._handle, self._pid = (f["Nbody"], f["Hydro"]), os.getpid()
+        return self._handle
+
+    def __len__(self):
+        return self.nsamples
+
+    def window(self, epoch: int, i: int):
+        """Corner of the crop and rotation index of sample i in the given epoch."""
+        rng = np.random.default_rng([self.seed, int(self.augment), epoch, i])
+        corner = rng.integers(0, self.box - self.size + 1, size=3)
+        rot = int(rng.integers(0, len(ROTATIONS))) if self.augment else 0
+        return corner, rot
+
+    def __getitem__(self, key):
+        epoch, i = key if isinstance(key, tuple) else (0, key)
+        if not self.augment:
+            epoch = 0  # validation crops are the same at every validation
+        (a, b, c), rot = self.window(epoch, i)
+        s = self.size
+        nbody, hydro = self._volumes()
+        x = np.asarray(nbody[: self.n_in, a:a + s, b:b + s, c:c + s], dtype=np.float32)
+        y = np.asarray(hydro[: self.n_out, a:a + s, b:b + s, c:c + s], dtype=np.float32)
+        if self._arrays is None and not (np.isfinite(x).all() and np.isfinite(y).all()):
+            raise DataError(f"non-finite values in {self.path} in the crop at {(a, b, c)}: "
+                            f"repair the file")
+        if rot:
+            x = rotate_volume(x, ROTATIONS[rot], self.in_vec)
+            y = rotate_volume(y, ROTATIONS[rot], self.out_vec)
+        return torch.from_numpy(x), torch.from_numpy(y)

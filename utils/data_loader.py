@@ -1,0 +1,183 @@
+"""Data loaders for both model families: sharded sampling, workers, pinned memory.
+
+The sampler decides everything about order: in epoch e the training samples are a permutation
+drawn from (seed, e); step s takes the global batch ``perm[s*G:(s+1)*G]`` and data-parallel rank r
+its slice ``[r*b:(r+1)*b]`` of it (G = global, b = local batch). So a data-parallel step sees
+exactly the samples of the serial step with the same global batch, the shards of the ranks are
+disjoint, and a resumed run starts at the step it stopped at. The sampler yields (epoch, index)
+keys; datasets whose samples are random crops use the epoch to draw new crops.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from utils.config import Config, UNetConfig, ViTConfig
+from utils.cosmo_data import CosmoCropDataset
+from utils.era5_data import ERA5Dataset
+from utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class ShardedSampler(Sampler):
+    """Training order for one data-parallel rank (see the module docstring)."""
+
+    def __init__(self, n, global_batch, local_batch, dp_rank, shuffle=True, seed=0):
+        self.n, self.G, self.b, self.r = n, global_batch, local_batch, dp_rank
+        self.shuffle, self.seed = shuffle, seed
+        self.steps = n // global_batch
+        self.epoch, self.start_step = 0, 0
+
+    def set_epoch(self, epoch: int, start_step: int = 0):
+        self.epoch, self.start_step = epoch, start_step
+
+    def order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+    def __iter__(self):
+        perm = self.order()
+        for s in range(self.start_step, self.steps):
+            lo = s * self.G + self.r * self.b
+            for i in perm[lo:lo + self.b]:
+                yield (self.epoch, int(i))
+
+    def __len__(self):
+        return (self.steps - self.start_step) * self.b
+
+
+class ValidationSampler(Sampler):
+    """Contiguous, disjoint, complete shards of the validation set, one per data-parallel rank.
+    Their sizes differ by at most one, so with n >= dp_size no rank is left without samples (an
+    empty shard would skip the validation collectives that its peers wait in)."""
+
+    def __init__(self, n, dp_size, dp_rank):
+        self.indices = range(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
+
+    def __iter__(self):
+        return ((0, i) for i in self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+class CachedBatchLoader:
+    """One real batch kept on the device and served ``steps`` times: compute-only throughput."""
+
+    def __init__(self, loader, steps, device):
+        self.loader, self.steps, self.device = loader, steps, device
+        self.batch = None
+        self.sampler = loader.sampler
+
+    def __iter__(self):
+        if self.batch is None:
+            x, y = next(iter(self.loader))
+            self.batch = (x.to(self.device), y.to(self.device))
+        for _ in range(self.steps - self.sampler.start_step):
+            yield self.batch
+
+    def __len__(self):
+        return self.steps - self.sampler.start_step
+
+
+@dataclass
+class Loaders:
+    train: object
+    valid: object
+    train_sampler: ShardedSampler
+    steps_per_epoch: int
+    n_train: int
+    n_valid: int
+
+
+def _seed_worker(worker_id):
+    # Libraries that draw from numpy's global RNG get a distinct stream per worker and rank.
+    info = torch.utils.data.get_worker_info()
+    np.random.seed(info.seed % 2**32)
+
+
+def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
+    workers = cfg.num_data_workers
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+        pin_memory=device.type == "cuda",  # page-locked buffers make the async H2D copy possible
+        persistent_workers=workers > 0, worker_init_fn=_seed_worker if workers else None,
+        # Worker seeds come from this generator, not from the global torch RNG, so starting an
+        # epoch's iterator does not shift the model's random stream (dropout) on resume.
+        generator=torch.Generator().manual_seed(seed),
+        prefetch_factor=2 if workers else None,
+    )
+
+
+def era5_datasets(cfg: ViTConfig):
+    inmem = cfg.data_loader_config == "inmem"
+    kw = dict(data_root=cfg.data_root, img_size=cfg.img_size, dt=cfg.dt, n_in=cfg.n_in_channels,
+              n_out=cfg.n_out_channels, inmem=inmem)
+    train = ERA5Dataset(os.path.join(cfg.data_root, "train"), limit_nsamples=cfg.limit_nsamples, **kw)
+    valid = ERA5Dataset(os.path.join(cfg.data_root, "valid"), limit_nsamples=cfg.limit_nsamples_val,
+                        **kw)
+    return train, valid
+
+
+def cosmo_datasets(cfg: UNetConfig):
+    inmem = cfg.data_loader_config == "inmem"
+    kw = dict(size=cfg.data_size, n_in=cfg.n_in_channels, n_out=cfg.n_out_channels,
+              nbody_vector_channels=cfg.nbody_vector_channels,
+              hydro_vector_channels=cfg.hydro_vector_channels, seed=cfg.seed, inmem=inmem)
+    train = CosmoCropDataset(os.path.join(cfg.data_root, cfg.train_file), nsamples=cfg.Nsamples,
+                             augment=True, **kw)
+    valid = CosmoCropDataset(os.path.join(cfg.data_root, cfg.val_file),
+                             nsamples=cfg.Nsamples_val, augment=False, **kw)
+    return train, valid
+
+
+def has_data(cfg: Config) -> bool:
+    if isinstance(cfg, ViTConfig):
+        return os.path.isdir(os.path.join(cfg.data_root, "train")) and os.path.isdir(
+            os.path.join(cfg.data_root, "stats"))
+    return os.path.exists(os.path.join(cfg.data_root, cfg.train_file))
+
+
+def synthesize(cfg: Config):
+    """Write small synthetic data in the real formats under data_root (for the quickstarts)."""
+    from utils import synthetic
+
+    if isinstance(cfg, ViTConfig):
+        synthetic.make_era5(cfg.data_root, img_size=tuple(cfg.img_size),
+                            steps_per_year=cfg.synthetic_steps_per_year, seed=cfg.seed)
+    else:
+        synthetic.make_cosmo(cfg.data_root, train_size=cfg.synthetic_size[0],
+                             val_size=cfg.synthetic_size[1], seed=cfg.seed,
+                             train_name=cfg.train_file, val_name=cfg.val_file)
+
+
+def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device) -> Loaders:
+    if isinstance(cfg, ViTConfig):
+        train, valid = era5_datasets(cfg)
+        shuffle = True
+    else:
+        train, valid = cosmo_datasets(cfg)
+        shuffle = False  # every index is already a fresh random crop
+    G = local_batch * dp_size
+    if len(train) < G:
+        raise ConfigError(f"global_batch_size={G} exceeds the {len(train)} training samples: "
+                          f"lower the batch size or use more data (limit_nsamples/Nsamples)")
+    if len(valid) < dp_size:
+        raise ConfigError(f"the {len(valid)} validation samples cannot be shared by {dp_size} "
+                          f"data-parallel ranks (each needs at least one): use more validation "
+                          f"samples (limit_nsamples_val/Nsamples_val) or fewer ranks")
+    sampler = ShardedSampler(len(train), G, local_batch, dp_rank, shuffle=shuffle, seed=cfg.seed)
+    seed = cfg.seed * 1000 + dp_rank
+    train_loader = _loader(train, sampler, local_batch, cfg, device, seed)
+    valid_loader = _loader(valid, ValidationSampler(len(valid), dp_size, dp_rank), local_batch,
+                           cfg, device, seed + 500)
+    if cfg.data_loader_config == "synthetic":
+        train_loader = CachedBatchLoader(train_loader, sampler.steps, device)
+    return Loaders(train_loader, valid_loader, sampler, sampler.steps, len(train), len(valid))

@@ -1,0 +1,17 @@
+"""Facts about the on-disk data formats, shared by the loaders and the synthetic generator
+(numpy only, so the generator's command line starts fast)."""
+import numpy as np
+
+# ERA5 channels of `fields` (T, C, H, W), in file order.
+ERA5_CHANNELS = ("u10", "v10", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
+                 "v850", "z850", "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv")
+
+# Cosmology: channels that are the (x, y, z) components of a velocity; component k lies along
+# array axis k + 1 of a (C, X, Y, Z) volume.
+NBODY_VECTOR_CHANNELS = (1, 2, 3)  # Nbody: [log matter density, vx, vy, vz]
+HYDRO_VECTOR_CHANNELS = (2, 3, 4)  # Hydro: [log gas density, log temperature, vx, vy, vz]
+
+
+def latitudes(h: int) -> np.ndarray:
+    """Latitude of each ERA5 row in degrees: 90 at row 0 down to -90 at row h - 1."""
+    return 90.0 - np.arange(h) * 180.0 / (h - 1)

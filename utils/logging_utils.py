@@ -1,0 +1,27 @@
+"""Run logging: one readable line per event to stdout and <run dir>/out.log, rank 0 only; other
+ranks report warnings and errors only, prefixed with their rank."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+FORMAT = "%(asctime)s - %(levelname)s - %(message)s"
+
+
+def setup_logging(rank: int = 0, log_file: str | None = None):
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter(FORMAT if rank == 0 else
+                            f"%(asctime)s - [rank {rank}] %(levelname)s - %(message)s")
+    stream = logging.StreamHandler(sys.stdout)
+    stream.setFormatter(fmt)
+    root.addHandler(stream)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if log_file and rank == 0:
+        os.makedirs(os.path.dirname(log_file), exist_ok=True)
+        fh = logging.FileHandler(log_file, mode="a")  # a resumed run continues the same file
+        fh.setFormatter(fmt)
+        root.addHandler(fh)

@@ -1,0 +1,111 @@
+"""Memory of one rank after the forward pass and at its peak during a training step.
+
+GPU: what the caching allocator hands out, ``torch.cuda.memory_allocated()`` right after the
+forward pass and ``torch.cuda.max_memory_allocated()`` over the step.
+
+CPU: there are no allocator statistics, so the probe counts bytes: parameters, gradients and
+optimizer state that exist, plus every tensor the forward pass saves for backward (caught with
+``torch.autograd.graph.saved_tensors_hooks``, each storage counted once, parameters excluded).
+The peak adds the gradients the backward pass creates. Temporaries that live inside one
+operation are not counted; the process's resident high-water mark (VmHWM) is reported beside it
+as an upper bound that includes the Python interpreter and libraries.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+GB = 1024**3
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def tensor_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if torch.is_tensor(t) and t.device.type != "meta":
+            k = _storage_key(t)
+            seen[k] = k[1]
+    return sum(seen.values())
+
+
+def resident_peak_bytes() -> int:
+    """VmHWM of this process (Linux), 0 where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class NullProbe:
+    """A probe that measures nothing (every step but the measured one)."""
+
+    after_forward = 0
+    peak = 0
+
+    def step(self):
+        return contextlib.nullcontext()
+
+    def forward_done(self):
+        pass
+
+
+class MemoryProbe:
+    def __init__(self, device: torch.device, model: torch.nn.Module, optimizer):
+        self.device, self.model, self.optimizer = device, model, optimizer
+        self.after_forward = 0
+        self.peak = 0
+
+    def _static_bytes(self, with_grads: bool) -> int:
+        tensors = list(self.model.parameters())
+        if with_grads:
+            tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for st in self.optimizer.state.values():
+            tensors += [v for v in st.values() if torch.is_tensor(v)]
+        return tensor_bytes(tensors)
+
+    @contextlib.contextmanager
+    def step(self):
+        """Wrap one whole training step; call ``forward_done()`` right after the forward pass."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield contextlib.nullcontext()
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+            return
+        params = {_storage_key(p) for p in self.model.parameters()}
+        saved = {}
+
+        def pack(t):
+            if torch.is_tensor(t):
+                k = _storage_key(t)
+                if k not in params:
+                    saved[k] = k[1]
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) as hooks:
+            self._saved = saved
+            yield hooks
+        grads = tensor_bytes(p for p in self.model.parameters())  # one gradient per parameter
+        self.peak = self.after_forward + grads
+
+    def forward_done(self):
+        if self.device.type == "cuda":
+            self.after_forward = torch.cuda.memory_allocated(self.device)
+        else:
+            self.after_forward = self._static_bytes(with_grads=True) + sum(self._saved.values())
+
+    def method(self) -> str:
+        if self.device.type == "cuda":
+            return "torch.cuda allocator statistics"
+        return ("CPU count of parameters, gradients, optimizer state and tensors saved for backward"
+                "; VmHWM = process resident peak")

@@ -1,0 +1,121 @@
+"""How batches enter the model and leave it, and how its state is saved.
+
+``SerialIO`` passes batches through. ``ParallelIO`` (tensor/context parallel ViT) gives each rank
+its band of image rows, computes the loss across the band owners, and gathers whole outputs for
+validation. Both save the model and the optimizer in the serial layout keyed by parameter name,
+so a checkpoint loads on any number of ranks and any tp/cp layout.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SerialIO:
+    def __init__(self, task):
+        self.task = task
+
+    def inputs(self, x, y):
+        """This rank's part of a batch (all of it, here)."""
+        return x, y
+
+    def loss(self, pred, y):
+        """Per-sample training loss of this rank's output."""
+        return self.task.loss(pred, y)
+
+    def full_output(self, pred):
+        """The whole prediction, for validation metrics and pictures."""
+        return pred
+
+    def register_grad_hooks(self, ddp_model):
+        """Extra gradient reductions beyond DDP's data-parallel average (none here)."""
+
+    def to_serial(self, model, tensors: dict) -> dict:
+        return {k: t.detach().clone() for k, t in tensors.items()}
+
+    def from_serial(self, model, tensors: dict) -> dict:
+        return tensors
+
+    # -- state in the serial layout, keyed by parameter name (collective for ParallelIO) --------
+
+    def model_state(self, model) -> dict:
+        return self.to_serial(model, dict(model.named_parameters())) | dict(model.named_buffers())
+
+    def load_model_state(self, model, state: dict):
+        params = self.from_serial(model, {n: state[n] for n, _ in model.named_parameters()})
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name])
+            for name, b in model.named_buffers():
+                b.copy_(state[name])
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        """Adam's per-parameter tensors in the serial layout, by name; scalars as they are."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        state, per_param = {}, {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for key, v in optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        per_param.setdefault(key, {})[names[id(p)]] = v
+                    else:
+                        state.setdefault(names[id(p)], {})[key] = v
+        for key, tensors in per_param.items():
+            for name, t in self.to_serial(model, tensors).items():
+                state.setdefault(name, {})[key] = t
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, model, optimizer, saved: dict):
+        names = {id(p): n for n, p in model.named_parameters()}
+        current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        if [sorted(g) for g in current] != [sorted(g["params"]) for g in saved["param_groups"]]:
+            raise ValueError("the checkpoint's optimizer holds other parameters than this model")
+        keys = {k for st in saved["state"].values() for k, v in st.items()
+                if torch.is_tensor(v) and v.dim() > 0}
+        local = {key: self.from_serial(model, {n: st[key] for n, st in saved["state"].items()
+                                               if key in st}) for key in keys}
+        # torch pairs saved state with parameters by position in param_groups: use the current
+        # order of this optimizer, whatever order the checkpoint was written in.
+        index = {n: i for i, n in enumerate(n for g in current for n in g)}
+        state = {index[name]: {k: (local[k][name] if k in local else v) for k, v in st.items()}
+                 for name, st in saved["state"].items()}
+        groups = [sg | {"params": [index[n] for n in cur]}
+                  for sg, cur in zip(saved["param_groups"], current)]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+class ParallelIO(SerialIO):
+    """Tensor/context parallel ViT (``distributed.parallelize.ParallelViT``)."""
+
+    def __init__(self, task, model, groups):
+        super().__init__(task)
+        self.model, self.groups = model, groups
+
+    def inputs(self, x, y):
+        # This rank's band of image rows; the full batch is dropped as soon as it is sliced.
+        return self.model.shard_image(x), self.model.shard_image(y)
+
+    def loss(self, pred, y):
+        # Squared sums of every band are added over the tp x cp group: the serial loss.
+        return self.model.loss(pred, y, reduction="none")
+
+    def full_output(self, pred):
+        return self.model.gather_image(pred)
+
+    def register_grad_hooks(self, ddp_model):
+        from distributed.layers import replicated_grads_comm_hook
+
+        # DDP averages over dp; the hook also sums the gradients of parameters replicated over
+        # tp/cp (each rank saw only its own tokens).
+        ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
+
+    def to_serial(self, model, tensors):
+        from distributed.layers import tensors_to_serial
+
+        return tensors_to_serial(model, self.groups, tensors)
+
+    def from_serial(self, model, tensors):
+        from distributed.layers import tensors_from_serial
+
+        return tensors_from_serial(model, self.groups, tensors)

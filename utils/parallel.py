@@ -1,0 +1,189 @@
+"""Run-time set-up: the device, the process group, and who does what.
+
+Ranks come from the environment that torchrun or ``export_DDP_vars.sh`` (Slurm) sets: RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. NCCL joins GPU ranks (each bound to its
+LOCAL_RANK device), gloo joins CPU ranks. Without those variables the run is one process.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from utils.config import Config, ViTConfig
+from utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: object = None  # None: the default (world) group
+    mp: object = None  # distributed.groups.ParallelGroups when tensor/context parallel
+    local_batch: int = 1
+    global_batch: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, t: torch.Tensor, group=None, op=None) -> torch.Tensor:
+        """Sum (or ``op``) over ``group`` (default: the data-parallel group), in place."""
+        if self.distributed:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM,
+                            group=group if group is not None else self.dp_group)
+        return t
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def shutdown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def choose_device(cfg: Config, local_rank: int) -> torch.device:
+    """The one place the device is decided: cuda when present (or asked for), else cpu."""
+    has_cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not has_cuda:
+        raise ConfigError("device=cuda but no CUDA device is visible: use --device auto (cpu "
+                          "here) or run on a GPU node")
+    if cfg.device == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {n} GPU(s): launch at most "
+                          f"{n} ranks per node (one per GPU)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def check_amp(cfg: Config, device: torch.device):
+    if cfg.amp_mode == "fp16" and device.type != "cuda":
+        raise ConfigError("amp_mode=fp16 needs a CUDA GPU (its gradient scaler and fast fp16 "
+                          "kernels are GPU features): use --amp_mode bf16 or none on a CPU")
+
+
+def _env_int(name, default):
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:
+    """(local, global) batch sizes; global must split evenly over the data-parallel ranks."""
+    if cfg.local_batch_size is not None:
+        return cfg.local_batch_size, cfg.local_batch_size * dp_size
+    if cfg.global_batch_size % dp_size:
+        lo = cfg.global_batch_size // dp_size * dp_size
+        options = ", ".join(str(v) for v in (lo, lo + dp_size) if v > 0)
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} does not divide by the "
+                          f"{dp_size} data-parallel ranks: choose a multiple of {dp_size} "
+                          f"(e.g. {options}) or set --local_batch_size")
+    return cfg.global_batch_size // dp_size, cfg.global_batch_size
+
+
+def check_model_parallel(cfg: ViTConfig, world: int):
+    """tp x cp x dp == world size and a ViT that shards over them, checked before any rank
+    joins a process group."""
+    from distributed.groups import ParallelGroups, validate_parallel_config
+    from distributed.parallelize import validate_vit_layout
+
+    tp, cp = cfg.tensor_parallel, cfg.context_parallel
+    if cfg.noddp:
+        raise ConfigError("noddp turns off the data-parallel gradient all-reduce for timing; it "
+                          "cannot be combined with tensor_parallel/context_parallel")
+    try:
+        validate_parallel_config(world, tp, cp, cfg.parallel_order)
+        validate_vit_layout(cfg.img_size, cfg.patch_size, cfg.embed_dim, cfg.num_heads,
+                            int(cfg.embed_dim * cfg.mlp_ratio),
+                            ParallelGroups(tensor_parallel=tp, context_parallel=cp), sequence_parallel=None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = choose_device(cfg, local_rank)
+    check_amp(cfg, device)
+    tp = getattr(cfg, "tensor_parallel", 1)
+    cp = getattr(cfg, "context_parallel", 1)
+    sharded = tp * cp > 1 or getattr(cfg, "activation_checkpointing", False)
+    if sharded:
+        check_model_parallel(cfg, world)
+    # Checked before any process group exists, so every rank fails at once with the same message.
+    local_batch, global_batch = batch_sizes(cfg, world // (tp * cp))
+    if world > 1 and not dist.is_initialized():
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise ConfigError(f"WORLD_SIZE={world} but {var} is not set: launch with torchrun "
+                                  f"or source export_DDP_vars.sh in the job script")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    rt = Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank,
+                 dp_rank=rank, dp_size=world)
+    if sharded:
+        from distributed.groups import build_groups
+
+        rt.mp = build_groups(world, tp, cp, cfg.parallel_order)
+        rt.dp_group, rt.dp_rank, rt.dp_size = rt.mp.dp_group, rt.mp.dp_rank, rt.mp.dp_size
+    rt.local_batch, rt.global_batch = local_batch, global_batch
+    return rt
+
+
+# Words that mark a RuntimeError as raised by a process-group backend (gloo raises plain
+# RuntimeErrors naming its source path; NCCL raises torch.distributed.DistBackendError).
+_BACKEND_MARKERS = ("gloo", "nccl", "processgroup", "connection reset by peer",
+                    "connection closed by peer")
+
+
+def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> str | None:
+    """One line for a failed collective or rendezvous (a dead, hung or unreachable rank), or None
+    when ``exc`` is not one. ``where`` says how far the run got, e.g. "after step 12"."""
+    text = str(exc)
+    low = text.lower()
+    if not isinstance(exc, dist.DistError) and not (
+            isinstance(exc, RuntimeError) and any(m in low for m in _BACKEND_MARKERS)):
+        return None
+    # The backend's own words, without its source location, on one line.
+    detail = re.sub(r"\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", text).strip().splitlines()
+    detail = (detail[0] if detail else type(exc).__name__).split(". ")[0][:200].rstrip(". ")
+    timeout = f"dist_timeout_s={cfg.dist_timeout_s}"
+    if not dist.is_initialized() and isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)):
+        addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return (f"could not join the process group at {addr} ({detail}): check that all "
+                f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '?')} ranks were started, that "
+                f"MASTER_ADDR/MASTER_PORT name rank 0's host and a free port; ranks wait "
+                f"{timeout} s for each other")
+    where = f" {where}" if where else ""
+    if "timed out" in low or "timeout" in low:
+        return (f"a collective timed out{where} ({detail}): another rank stopped responding for "
+                f"{timeout} s (hung or died; its own output shows why), or is legitimately "
+                f"slower (compiling, writing a checkpoint): then raise --dist_timeout_s")
+    return (f"a collective failed{where} ({detail}): another rank most likely died (crash, out "
+            f"of memory, killed, node failure); the first error in the other ranks' output is "
+            f"the cause. A rank that hangs instead makes the others fail after {timeout} s")

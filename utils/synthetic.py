@@ -1,0 +1,484 @@
+"""Synthetic ERA5 and cosmology data in exactly the on-disk formats of the real data sets.
+
+The data loaders read real and synthetic files the same way, so everything here can be swapped
+for the real data without touching a config beyond its paths.
+
+ERA5 (Vision Transformer)::
+
+    <out>/train/<year>.h5, <out>/valid/<year>.h5, <out>/test/<year>.h5
+        dataset "fields": (T, 20, H, W) float32, contiguous; T 6-hourly steps per year
+    <out>/stats/global_means.npy, global_stds.npy: (1, 20, 1, 1) float32 over the training years
+    <out>/stats/time_means.npy: (1, 20, H, W) float32, the time mean of the training years
+
+Channels are ``ERA5_CHANNELS`` in SI-like units (m/s, K, Pa, m^2/s^2, %, kg/m^2). Row j is at
+latitude 90 - j*180/(H-1) degrees (north pole first, south pole last), column i at longitude
+360*i/W degrees (periodic).
+
+Cosmology (3D U-Net, after Harrington et al. 2021): one file each for training and validation,
+
+    dataset "Nbody": (4, L, L, L) float32 [log matter density, vx, vy, vz]
+    dataset "Hydro": (5, L, L, L) float32 [log gas density, log temperature, vx, vy, vz]
+
+both contiguous. Vector component k (x, y, z) lies along array axis k + 1 of the (C, X, Y, Z)
+volume; the vector channels are ``NBODY_VECTOR_CHANNELS`` and ``HYDRO_VECTOR_CHANNELS``. Every
+Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the network's tanh output. Hydro
+channel 0 is clip(ln(rho_gas / mean) / 14, -0.95, 0.95), so exp(14 x) is the gas overdensity.
+
+Both generators are deterministic for a seed (numpy Generators seeded from a SeedSequence), write
+every file under a temporary name in its final directory and move it into place with os.replace,
+and generate in slices (time steps, channels) so that large grids fit in memory.
+
+Usage::
+
+    python -m utils.synthetic era5 --out data/era5 [--img_size H W] [--steps_per_year T]
+        [--train_years Y ...] [--valid_years Y ...] [--test_years Y ...] [--seed S]
+    python -m utils.synthetic cosmo --out data/cosmo [--train_size L] [--val_size L] [--seed S]
+"""
+import argparse
+import contextlib
+import os
+
+import h5py
+import numpy as np
+
+from utils.formats import (  # noqa: F401 (re-exported)
+    ERA5_CHANNELS, HYDRO_VECTOR_CHANNELS, NBODY_VECTOR_CHANNELS, latitudes)
+
+
+R_EARTH = 6.371e6  # m
+OMEGA = 7.292e-5  # Earth's rotation rate, 1/s
+R_DRY = 287.0  # gas constant of dry air, J/(kg K)
+EPOCH_YEAR = 1979  # step 0 of this year is absolute step 0 of every trajectory
+
+# ERA5 anomaly model (see _Era5Model): bands, zonal spectrum, vertical structure.
+_BAND_LATS = np.arange(-80.0, 81.0, 10.0)  # centres of the latitude bands, degrees
+_BAND_WIDTH = 14.0  # Gaussian e-folding half-width of a band, degrees
+_M_MAX = 20  # largest zonal wavenumber (wavelength 18 degrees of longitude)
+_ENV_AMP = 0.3  # relative amplitude of the slow growth/decay of each wave
+_CORIOLIS_FLOOR = 0.25  # sin(latitude) below which the geostrophic factor is tapered to 0
+# level: (amplitude of the dynamical anomaly psi, of the thermal anomaly tau [m^2/s^2],
+#         e-folding zonal wavenumber of the level's smoothing)
+_LEVELS = {1000: (900.0, 0.0, 12.0), 850: (1100.0, 300.0, 10.0),
+           500: (2200.0, 1000.0, 8.0), 50: (3500.0, 1500.0, 3.0)}
+_MOIST_SMOOTH = {850: 10.0, 500: 6.0}  # e-folding zonal wavenumber of the moisture tracer
+
+# cosmology
+_CELL_MPC = 1.0  # voxel size, Mpc/h
+_SIGMA_DELTA = 1.5  # rms of the Gaussian (linear) density contrast on the grid
+_BBKS_SHAPE = 0.2  # shape parameter Gamma of the BBKS transfer function, h/Mpc
+_N_S = 0.965  # primordial spectral index
+_FAH = 50.0  # growth rate times a*H, km/s per Mpc/h: v(k) = i f a H delta(k) k / k^2
+_VEL_SCALE = 250.0  # km/s per unit of a velocity channel
+_NBODY_LOG_SCALE = 4.0  # Nbody channel 0 = ln(rho_m / mean) / 4
+_GAS_LOG_SCALE = 14.0  # Hydro channel 0 = ln(rho_gas / mean) / 14
+_JEANS_MPC = 1.5  # Gaussian (pressure) smoothing of the gas density and velocity, Mpc/h
+_GAS_BIAS = 1.4  # rho_gas ~ (smoothed rho_m)^1.4
+_GAS_GAMMA = 1.6  # T ~ rho_gas^(gamma - 1)
+_TEMP_LOG_SCALE = 2.0  # Hydro channel 1 = 0.95 tanh(ln(T / T0) / 2)
+_HYDRO_MAX = 0.95
+
+
+@contextlib.contextmanager
+def _atomic_path(path):
+    """Yield a temporary path next to ``path``; move it onto ``path`` only if the block succeeds."""
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _save_npy(path, array):
+    with _atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array)
+
+
+# ----------------------------------------------------------------------------------------- ERA5
+
+def era5_zonal_speed(lat_deg):
+    """Eastward drift of the anomalies, degrees of longitude per 6-hour step, at ``lat_deg``.
+
+    A broad jet peaking at 45 degrees in each hemisphere (16 degrees/step) over a 6 degrees/step
+    background: 1.25 to 2.85 grid cells per step on a 32 x 64 grid, whatever the resolution.
+    """
+    lat = np.abs(np.asarray(lat_deg, dtype=np.float64))
+    return 6.0 + 10.0 * np.exp(-((lat - 45.0) / 30.0) ** 2)
+
+
+def era5_geostrophic_factor(lat_deg):
+    """The factor K (seconds) that replaces 1/f in u = -K/R dz/dphi, v = K/(R cos phi) dz/dlambda.
+
+    K = sin(phi) / (2 Omega (sin^2 phi + 0.25^2)) equals 1/f away from the tropics, is bounded
+    everywhere and goes smoothly through 0 at the equator instead of diverging.
+    """
+    s = np.sin(np.deg2rad(np.asarray(lat_deg, dtype=np.float64)))
+    return s / (2.0 * OMEGA * (s * s + _CORIOLIS_FLOOR ** 2))
+
+
+def _zonal_mean_state(phi, season):
+    """Zonal-mean geopotential of 1000, 850, 500, 50 hPa (m^2/s^2): (T, 4, H) for phi (H,) in
+    radians and season (T,) in [-1, 1] (+1 at northern midsummer).
+
+    Built upwards with the hypsometric equation z_top - z_bottom = R_d T_layer ln(p_bottom/p_top)
+    from a 1000 hPa field with subtropical highs and subpolar lows, a 1000-500 hPa layer that is
+    cold at the poles and warm in the summer hemisphere, and a stratosphere with a cold winter
+    pole (polar vortex).
+    """
+    s = season[:, None]
+    sin = np.sin(phi)[None, :]
+    alat = np.abs(np.rad2deg(phi))[None, :]
+    z1000 = 800.0 + 900.0 * np.exp(-((alat - 30.0) / 13.0) ** 2) \
+        - 1100.0 * np.exp(-((alat - 62.0) / 11.0) ** 2)
+    t_layer = 282.0 - 40.0 * sin ** 2 + 8.0 * s * sin
+    t_strat = 218.0 - 12.0 * sin ** 2 + 18.0 * s * sin
+    z850 = z1000 + R_DRY * np.log(1000.0 / 850.0) * (t_layer + 13.0)
+    z500 = z1000 + R_DRY * np.log(2.0) * t_layer
+    z50 = z500 + R_DRY * np.log(10.0) * t_strat
+    return np.stack(np.broadcast_arrays(z1000, z850, z500, z50), axis=1)
+
+
+def _magnus(t_kelvin):
+    """Saturation vapour pressure over water, hPa (Magnus formula)."""
+    tc = t_kelvin - 273.15
+    return 6.112 * np.exp(17.67 * tc / (tc + 243.5))
+
+
+class _Era5Model:
+    """A seeded atmosphere in closed form: ``fields(t)`` evaluates any steps of the trajectory.
+
+    Three latent anomalies -- psi (dynamical, shared by all geopotential levels), tau (thermal,
+    raises the upper levels) and q (a moisture tracer) -- are each a sum over 17 latitude bands
+    (Gaussians of e-folding half-width 14 degrees centred every 10 degrees from 80S to 80N) and
+    zonal wavenumbers m <= 20:
+
+        core(phi, lambda, t) = sum_n B_n(phi) Re sum_m a_nm env_nm(t) exp(i m (lambda - c_n t)),
+
+    with seeded complex amplitudes a_nm (red spectrum, strongest in the midlatitude storm
+    tracks). Band n drifts east at c_n = era5_zonal_speed(band latitude), so every row moves
+    with (a smooth blend of) the local jet speed, yet the field stays smooth in latitude forever:
+    a per-row shift would shear the field into ever finer filaments, a per-band one cannot.
+    env = 1 + 0.3 sin(2 pi t / P + phase) with periods P of 25-150 days is a mild growth and
+    decay. Anomalies are multiplied by cos(phi) (single-valued at the poles) and by
+    1 - 0.25 season sin(phi) (stronger in the winter hemisphere).
+
+    Time t counts 6-hour steps from EPOCH_YEAR; a year file holds steps (year - EPOCH_YEAR) T
+    to (year - EPOCH_YEAR + 1) T - 1 of one trajectory per seed, so each year continues the
+    previous one exactly. The seasonal cycle spans one year file whatever T is; the diurnal
+    cycle has a period of 4 steps. All coefficients are drawn for the full spectrum before the
+    grid is known, so one seed gives the same physical fields at every resolution.
+    """
+
+    def __init__(self, img_size, steps_per_year, seed):
+        h, w = img_size
+        self.w = w
+        self.steps_per_year = steps_per_year
+        self.lat = latitudes(h)  # (H,) degrees, north to south
+        self.lon = 360.0 * np.arange(w) / w  # (W,) degrees
+        self.phi = np.deg2rad(self.lat)
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0xE5A5]))
+
+        m_all = np.arange(1, _M_MAX + 1)
+        amp = (1.0 + (m_all / 5.0) ** 2) ** -0.75
+        amp /= np.sqrt(np.sum(amp ** 2))
+        band_w = 0.35 + 0.65 * np.exp(-((np.abs(_BAND_LATS) - 45.0) / 20.0) ** 2)
+        band_w /= np.sqrt(np.sum((band_w * np.exp(-((45.0 - _BAND_LATS) / _BAND_WIDTH) ** 2)) ** 2))
+        shape = (3, _BAND_LATS.size, _M_MAX)  # (psi/tau/q, band, m)
+        coef = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+        coef *= band_w[:, None] * amp  # unit variance of a latent anomaly at 45 degrees
+        env_period = 4.0 * rng.uniform(25.0, 150.0, shape)  # steps
+        env_phase = rng.uniform(0.0, 2.0 * np.pi, shape)
+        speed = np.deg2rad(era5_zonal_speed(_BAND_LATS))  # (N,) rad/step
+
+        self.m = m_all[: min(_M_MAX, (w - 1) // 2)]  # resolved wavenumbers, m < W/2
+        nm = self.m.size
+        self.coef = coef[..., :nm]
+        self.env_freq = 2.0 * np.pi / env_period[..., :nm]
+        self.env_phase = env_phase[..., :nm]
+        self.omega = -self.m[None, :] * speed[:, None]  # (N, M) phase change per step
+        d = (self.lat[:, None] - _BAND_LATS[None, :]) / _BAND_WIDTH
+        self.band = np.exp(-d ** 2)  # (H, N)
+        self.dband = -2.0 * d / np.deg2rad(_BAND_WIDTH) * self.band  # d/dphi, per radian
+
+        # orography: 8 seeded Gaussian mountain ranges on the sphere, up to ~3.5 km
+        clat = np.deg2rad(rng.uniform(-60.0, 70.0, 8))
+        clon = np.deg2rad(rng.uniform(0.0, 360.0, 8))
+        radius = np.deg2rad(rng.uniform(6.0, 18.0, 8))
+        height = rng.uniform(500.0, 3500.0, 8)
+        lon = np.deg2rad(self.lon)
+        lat3 = self.phi[:, None, None]
+        cosd = (np.sin(lat3) * np.sin(clat)
+                + np.cos(lat3) * np.cos(clat) * np.cos(lon[None, :, None] - clon))
+        dist = np.arccos(np.clip(cosd, -1.0, 1.0))  # (H, W, 8) great-circle distance
+        self.orography = np.sum(height * np.exp(-0.5 * (dist / radius) ** 2), axis=-1)  # m
+        self.dp_orography = 101325.0 * (1.0 - np.exp(-self.orography / 8400.0))  # Pa
+
+    def _grid(self, coef):
+        """(..., H, M) complex coefficients -> (..., H, W) real field Re sum_m c_m exp(i m lon)."""
+        spec = np.zeros(coef.shape[:-1] + (self.w // 2 + 1,), dtype=np.complex128)
+        spec[..., 1:self.m.size + 1] = coef * (self.w / 2.0)
+        return np.fft.irfft(spec, n=self.w, axis=-1)
+
+    def fields(self, t):
+        """Absolute steps t (T,) -> (T, 20, H, W) float32 in ERA5_CHANNELS order."""
+        t = np.asarray(t, dtype=np.float64)
+        season = np.sin(2.0 * np.pi * (t / self.steps_per_year - 80.0 / 365.0))  # (T,)
+        tt = t[:, None, None, None]
+        a = self.coef * (1.0 + _ENV_AMP * np.sin(self.env_freq * tt + self.env_phase)) \
+            * np.exp(1j * self.omega * tt)  # (T, 3, N, M)
+        rows = np.einsum("jn,tfnm->tfjm", self.band, a)  # (T, 3, H, M)
+        drows = np.einsum("jn,tfnm->tfjm", self.dband, a)  # d/dphi of the above
+
+        sin, cos = np.sin(self.phi)[:, None], np.cos(self.phi)[:, None]  # (H, 1)
+        sw = season[:, None, None]
+        storm = 1.0 - 0.25 * sw * sin  # (T, H, 1): stronger anomalies in the winter hemisphere
+        weight = storm * cos  # cos(phi): single-valued at the poles
+        dweight = -storm * sin - 0.25 * sw * cos ** 2  # d(weight)/dphi
+        eps = 1e-6
+        zbar = _zonal_mean_state(self.phi, season)  # (T, 4, H)
+        dzbar = (_zonal_mean_state(self.phi + eps, season)
+                 - _zonal_mean_state(self.phi - eps, season)) / (2.0 * eps)
+        k_geo = era5_geostrophic_factor(self.lat)[:, None] / R_EARTH  # (H, 1)
+
+        z, u, v = {}, {}, {}
+        for i, (level, (a_psi, a_tau, m_smooth)) in enumerate(_LEVELS.items()):
+            filt = np.exp(-0.5 * (self.m / m_smooth) ** 2)
+            lev = filt * (a_psi * rows[:, 0] + a_tau * rows[:, 1])  # (T, H, M)
+            core = self._grid(lev)
+            z[level] = zbar[:, i, :, None] + weight * core
+            if level == 50:
+                continue
+            dlev = filt * (a_psi * drows[:, 0] + a_tau * drows[:, 1])
+            dz_dphi = dzbar[:, i, :, None] + dweight * core + weight * self._grid(dlev)
+            u[level] = -k_geo * dz_dphi
+            # v = K/(R cos phi) dz/dlambda; the cos(phi) of the taper cancels: no pole singularity
+            v[level] = k_geo * storm * self._grid(1j * self.m * lev)
+
+        t_layer = (z[500] - z[1000]) / (R_DRY * np.log(2.0))  # hypsometric 1000-500 hPa mean
+        t850, t500 = t_layer + 9.0, t_layer - 15.0  # lapse-rate offsets from the layer mean
+        t_layer_bar = (zbar[:, 2] - zbar[:, 0])[:, :, None] / (R_DRY * np.log(2.0))
+        day = (t % 4.0)[:, None, None] / 4.0 + self.lon / 360.0  # local solar time / 24 h
+        # 6.5 K/km from 850 hPa (~1.5 km) down to the surface, whose height is the orography;
+        # the diurnal cycle peaks at 15 local time, the surface-pressure tide at 10
+        t2m = t850 + 9.75 - 0.0065 * self.orography + 3.0 * cos * np.cos(2 * np.pi * (day - 0.625))
+        msl = 1.0e5 + 1.225 * z[1000] + 80.0 * cos * np.cos(2 * np.pi * (day - 0.42))
+        sp = msl - self.dp_orography
+
+        alat = np.abs(self.lat)[:, None]
+        moist_bias = 0.9 * np.exp(-(alat / 12.0) ** 2) - 0.9 * np.exp(-((alat - 25.0) / 10.0) ** 2)
+        t_anom = t_layer - t_layer_bar  # temperature departure from the zonal mean
+        rh = {}
+        for level, offset in ((850, 0.8), (500, 0.0)):
+            q = cos * self._grid(np.exp(-0.5 * (self.m / _MOIST_SMOOTH[level]) ** 2) * rows[:, 2])
+            # warmer air at the same vapour content is further from saturation (~7 %/K)
+            rh[level] = 100.0 / (1.0 + np.exp(-(offset + moist_bias + q - 0.07 * t_anom)))
+        tcwv = 3.0 * rh[850] / 100.0 * _magnus(t850)  # kg/m^2, Clausius-Clapeyron scaling
+
+        out = {"u10": 0.7 * u[1000], "v10": 0.7 * v[1000], "t2m": t2m, "sp": sp, "msl": msl,
+               "t850": t850, "u1000": u[1000], "v1000": v[1000], "z1000": z[1000],
+               "u850": u[850], "v850": v[850], "z850": z[850], "u500": u[500], "v500": v[500],
+               "z500": z[500], "t500": t500, "z50": z[50], "r500": rh[500], "r850": rh[850],
+               "tcwv": tcwv}
+        return np.stack([out[c] for c in ERA5_CHANNELS], axis=1).astype(np.float32)
+
+
+def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=(2014, 2015),
+              valid_years=(2016,), test_years=(2017,), seed=0):
+    """Write synthetic ERA5 year files and normalisation statistics under ``out_dir``.
+
+    Every year file holds ``steps_per_year`` 6-hourly steps of one trajectory per seed (see
+    _Era5Model): step 0 of a year follows the last step of the year before it, and valid/test
+    years are later (or earlier) stretches of the same trajectory as the training years. The
+    statistics are population mean/std over (time, lat, lon) of the stored training values.
+
+    Returns {"train"/"valid"/"test": [year file paths], "global_means"/"global_stds"/
+    "time_means": stats paths, "files": [(path, {dataset: shape})] in the order written}.
+    """
+    h, w = (int(v) for v in img_size)
+    steps_per_year = int(steps_per_year)
+    if h < 2 or w < 4:
+        raise ValueError(f"img_size must be at least (2, 4) (rows include both poles), got {h} {w}")
+    if steps_per_year < 2:
+        raise ValueError(f"steps_per_year must be at least 2, got {steps_per_year}")
+    splits = {"train": [int(y) for y in train_years], "valid": [int(y) for y in valid_years],
+              "test": [int(y) for y in test_years]}
+    if not splits["train"]:
+        raise ValueError("train_years is empty: the statistics come from the training years")
+    years = [y for ys in splits.values() for y in ys]
+    repeated = sorted({y for y in years if years.count(y) > 1})
+    if repeated:
+        raise ValueError(f"years {repeated} appear more than once across train/valid/test")
+
+    model = _Era5Model((h, w), steps_per_year, seed)
+    nc = len(ERA5_CHANNELS)
+    chunk = max(1, min(steps_per_year, 2 ** 18 // (h * w)))  # steps per slice, ~2 MB per field
+    ref, s1, s2, time_sum, count = None, np.zeros(nc), np.zeros(nc), np.zeros((nc, h, w)), 0
+    result = {"files": []}
+    for split, split_years in splits.items():
+        os.makedirs(os.path.join(out_dir, split), exist_ok=True)
+        result[split] = []
+        for year in split_years:
+            path = os.path.join(out_dir, split, f"{year}.h5")
+            t0 = (year - EPOCH_YEAR) * steps_per_year
+            with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+                dset = f.create_dataset("fields", (steps_per_year, nc, h, w), dtype=np.float32)
+                for start in range(0, steps_per_year, chunk):
+                    stop = min(start + chunk, steps_per_year)
+                    x = model.fields(np.arange(t0 + start, t0 + stop))
+                    dset[start:stop] = x
+                    if split == "train":  # statistics of the stored float32 values
+                        x = x.astype(np.float64)
+                        if ref is None:  # shift by a first estimate to avoid cancellation
+                            ref = x.mean(axis=(0, 2, 3))
+                        d = x - ref[:, None, None]
+                        s1 += d.sum(axis=(0, 2, 3))
+                        s2 += (d * d).sum(axis=(0, 2, 3))
+                        time_sum += x.sum(axis=0)
+                        count += stop - start
+            result[split].append(path)
+            result["files"].append((path, {"fields": (steps_per_year, nc, h, w)}))
+
+    n = count * h * w
+    mean = ref + s1 / n
+    std = np.sqrt(np.maximum(s2 / n - (s1 / n) ** 2, 0.0))
+    stats = {"global_means": mean.reshape(1, nc, 1, 1), "global_stds": std.reshape(1, nc, 1, 1),
+             "time_means": (time_sum / count)[None]}
+    os.makedirs(os.path.join(out_dir, "stats"), exist_ok=True)
+    for name, array in stats.items():
+        path = os.path.join(out_dir, "stats", f"{name}.npy")
+        _save_npy(path, array.astype(np.float32))
+        result[name] = path
+        result["files"].append((path, {None: array.shape}))
+    return result
+
+
+# ------------------------------------------------------------------------------------ cosmology
+
+def _bbks_power(k):
+    """Linear matter power spectrum shape k^n_s T(k)^2 (BBKS transfer function), k in h/Mpc."""
+    q = np.maximum(k, 1e-12) / _BBKS_SHAPE
+    transfer = np.log1p(2.34 * q) / (2.34 * q) * (
+        1.0 + 3.89 * q + (16.1 * q) ** 2 + (5.46 * q) ** 3 + (6.71 * q) ** 4) ** -0.25
+    return np.where(k > 0.0, k ** _N_S * transfer ** 2, 0.0)
+
+
+def _write_cosmo_box(path, size, rng):
+    """One periodic box of side ``size`` voxels: Nbody (4, L, L, L) and Hydro (5, L, L, L).
+
+    delta: Gaussian random field with the BBKS spectrum, rms _SIGMA_DELTA on the grid.
+    Matter: lognormal rho_m / mean = exp(delta - sigma^2 / 2); velocity from linear theory,
+    v(k) = i f a H delta(k) k / k^2, which is curl-free and obeys div v = -f a H delta.
+    Gas: density (G_1.5 * rho_m)^1.4 (pressure smoothing, bias), temperature T0 rho_gas^0.6,
+    velocity G_1.5 * v_m, with G_R a Gaussian filter of radius R Mpc/h applied in k-space.
+    """
+    shape = (size,) * 3
+    kx = 2.0 * np.pi * np.fft.fftfreq(size, d=_CELL_MPC).astype(np.float32)[:, None, None]
+    ky = kx.reshape(1, size, 1)
+    kz = 2.0 * np.pi * np.fft.rfftfreq(size, d=_CELL_MPC).astype(np.float32)[None, None, :]
+    k2 = kx ** 2 + ky ** 2 + kz ** 2  # (L, L, L//2+1) h^2/Mpc^2
+    power = _bbks_power(np.sqrt(k2, dtype=np.float64))
+    # expected grid variance of the field: mean of P over the full (Hermitian) k-grid
+    half = np.full(kz.shape[-1], 2.0)
+    half[0] = 1.0
+    if size % 2 == 0:
+        half[-1] = 1.0
+    norm = _SIGMA_DELTA / np.sqrt(np.sum(power * half) / size ** 3)
+    delta_k = np.fft.rfftn(rng.standard_normal(shape, dtype=np.float32))
+    delta_k *= (norm * np.sqrt(power)).astype(np.float32)  # (L, L, L//2+1) complex64
+    del power
+
+    def smooth(field_k, radius):
+        return np.fft.irfftn(field_k * np.exp(-0.5 * k2 * radius ** 2), s=shape, axes=(0, 1, 2))
+
+    with h5py.File(path, "w") as f:
+        nbody = f.create_dataset("Nbody", (4,) + shape, dtype=np.float32)
+        hydro = f.create_dataset("Hydro", (5,) + shape, dtype=np.float32)
+        # ln(rho_m / mean) of the lognormal density
+        log_rho = np.fft.irfftn(delta_k, s=shape, axes=(0, 1, 2)) - 0.5 * _SIGMA_DELTA ** 2
+        nbody[0] = log_rho / _NBODY_LOG_SCALE
+        # the k-space Gaussian can ring slightly below 0 next to voids; keep the density positive
+        rho_s = np.maximum(smooth(np.fft.rfftn(np.exp(log_rho)), _JEANS_MPC), 1e-6)
+        del log_rho
+        log_gas = _GAS_BIAS * np.log(rho_s)
+        del rho_s
+        log_gas -= np.log(np.mean(np.exp(log_gas, dtype=np.float64)))  # ln(rho_gas / mean)
+        hydro[0] = np.clip(log_gas / _GAS_LOG_SCALE, -_HYDRO_MAX, _HYDRO_MAX)
+        hydro[1] = _HYDRO_MAX * np.tanh((_GAS_GAMMA - 1.0) * log_gas / _TEMP_LOG_SCALE)
+        del log_gas
+        k2_safe = np.where(k2 > 0.0, k2, np.float32(1.0))
+        for axis, k in enumerate((kx, ky, kz)):
+            k = np.where(np.abs(k) < (1.0 - 1.5 / size) * np.pi / _CELL_MPC, k, 0.0)  # 0 at Nyquist
+            v_k = (1j * _FAH / _VEL_SCALE) * delta_k * (k / k2_safe)  # velocity channel, k-space
+            nbody[1 + axis] = np.fft.irfftn(v_k, s=shape, axes=(0, 1, 2))
+            hydro[2 + axis] = _HYDRO_MAX * np.tanh(smooth(v_k, _JEANS_MPC))
+    return {"Nbody": (4,) + shape, "Hydro": (5,) + shape}
+
+
+def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5",
+               val_name="valid.h5"):
+    """Write independent training and validation boxes (N-body inputs, hydro targets).
+
+    Returns {"train": path, "valid": path, "files": [(path, {dataset: shape})]}.
+    """
+    for name, size in (("train_size", train_size), ("val_size", val_size)):
+        if int(size) < 8:
+            raise ValueError(f"{name} must be at least 8 voxels, got {size}")
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"files": []}
+    for split, size, name, stream in (("train", train_size, train_name, 1),
+                                      ("valid", val_size, val_name, 2)):
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0xC05, stream]))
+        path = os.path.join(out_dir, name)
+        with _atomic_path(path) as tmp:
+            shapes = _write_cosmo_box(tmp, int(size), rng)
+        result[split] = path
+        result["files"].append((path, shapes))
+    return result
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def _format_size(nbytes):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024.0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m utils.synthetic",
+                                     description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="kind", required=True)
+    era5 = sub.add_parser("era5", help="ERA5-format year files and statistics for the ViT")
+    era5.add_argument("--out", required=True)
+    era5.add_argument("--img_size", type=int, nargs=2, default=[32, 64], metavar=("H", "W"))
+    era5.add_argument("--steps_per_year", type=int, default=256)
+    era5.add_argument("--train_years", type=int, nargs="+", default=[2014, 2015])
+    era5.add_argument("--valid_years", type=int, nargs="*", default=[2016])
+    era5.add_argument("--test_years", type=int, nargs="*", default=[2017])
+    era5.add_argument("--seed", type=int, default=0)
+    cosmo = sub.add_parser("cosmo", help="N-body / hydro boxes for the 3D U-Net")
+    cosmo.add_argument("--out", required=True)
+    cosmo.add_argument("--train_size", type=int, default=64)
+    cosmo.add_argument("--val_size", type=int, default=64)
+    cosmo.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    try:
+        if args.kind == "era5":
+            result = make_era5(args.out, tuple(args.img_size), args.steps_per_year,
+                               args.train_years, args.valid_years, args.test_years, args.seed)
+        else:
+            result = make_cosmo(args.out, args.train_size, args.val_size, args.seed)
+    except ValueError as e:
+        parser.error(str(e))
+    for path, shapes in result["files"]:
+        desc = "  ".join(f"{name} {tuple(shape)}" if name else str(tuple(shape))
+                         for name, shape in shapes.items())
+        print(f"{path}  {desc} float32  {_format_size(os.path.getsize(path))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""What differs between the two problems, behind one interface the engine uses: the model, the
+loss, the validation metrics, the naive baseline the log prints beside the loss, and the picture.
+
+All per-sample quantities are summed over samples, so that sums all-reduced over ranks and
+divided by the sample count are exact means however the samples were split.
+"""
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import torch
+
+from networks.unet import UNet
+from networks.vit import ViT
+from utils.config import Config, UNetConfig, ViTConfig
+from utils.formats import ERA5_CHANNELS
+from utils.losses import l1_rho, latitude_weights, relative_l2, weighted_rmse
+from utils.tensorboard import comparison_image
+
+
+class ERA5Task:
+    """One-step forecast: relative L2 loss, latitude-weighted RMSE per channel, persistence."""
+
+    baseline_name = "persistence"
+
+    def __init__(self, cfg: ViTConfig):
+        self.cfg = cfg
+        self.channels = ERA5_CHANNELS[: cfg.n_out_channels]
+        self.weights = latitude_weights(cfg.img_size[0])
+
+    def build_model(self):
+        c = self.cfg
+        return ViT(img_size=c.img_size, patch_size=c.patch_size, in_chans=c.n_in_channels,
+                   out_chans=c.n_out_channels, embed_dim=c.embed_dim, depth=c.depth,
+                   num_heads=c.num_heads, mlp_ratio=c.mlp_ratio, dropout=c.dropout)
+
+    def loss(self, pred, y):
+        return relative_l2(pred, y)
+
+    def metric_sums(self, pred, y) -> torch.Tensor:
+        """Per-channel latitude-weighted RMSE summed over the batch: (C,)."""
+        return weighted_rmse(pred, y, self.weights).sum(dim=0)
+
+    def baseline_pred(self, x, y):
+        """Persistence: tomorrow's weather is today's (needs the input channels to cover the output)."""
+        return x[:, : y.shape[1]] if x.shape[1] >= y.shape[1] else None
+
+    def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
+        parts = [f"{n} {v:.4f}" for n, v in zip(self.channels, metrics)]
+        lines = ["  Val lat-weighted RMSE (normalised units): " + ", ".join(parts)]
+        if base is not None:
+            lines.append("  Persistence RMSE: " + ", ".join(
+                f"{n} {v:.4f}" for n, v in zip(self.channels, base)))
+        return lines
+
+    def metric_scalars(self, metrics: np.ndarray) -> dict:
+        return {f"RMSE({n}m)/valid" if n in ("u10", "v10") else f"RMSE({n})/valid": float(v)
+                for n, v in zip(self.channels, metrics)}
+
+    def picture(self, x, y, pred) -> np.ndarray:
+        """u10 of the first validation sample: target | prediction | error."""
+        return comparison_image(y[0, 0].float().cpu().numpy(), pred[0, 0].float().cpu().numpy(),
+                                scale=max(1, 256 // y.shape[-1]))
+
+
+class CosmoTask:
+    """N-body to hydro: L1 loss (plus the density term), predict-the-mean baseline."""
+
+    baseline_name = "predict-the-mean"
+
+    def __init__(self, cfg: UNetConfig):
+        self.cfg = cfg
+        self._mean = None
+
+    def build_model(self):
+        c = self.cfg
+        return UNet(in_chans=c.n_in_channels, out_chans=c.n_out_channels, base_width=c.base_width,
+                    max_width=c.max_width, full_scale=c.full_scale, conv_init_std=c.conv_init_std)
+
+    def loss(self, pred, y):
+        return l1_rho(pred, y, self.cfg.lambda_rho)
+
+    def metric_sums(self, pred, y) -> torch.Tensor:
+        """Mean absolute error per channel summed over the batch: (C,)."""
+        return (pred.float() - y.float()).abs().mean(dim=(2, 3, 4)).sum(dim=0)
+
+    def target_mean(self) -> np.ndarray:
+        """Per-channel mean of the training targets, from an evenly strided subsample."""
+        if self._mean is None:
+            path = os.path.join(self.cfg.data_root, self.cfg.train_file)
+            with h5py.File(path, "r") as f:
+                hydro = f["Hydro"]
+                s = max(1, hydro.shape[1] // 64)
+                self._mean = np.asarray(hydro[: self.cfg.n_out_channels, ::s, ::s, ::s],
+                                        dtype=np.float64).mean(axis=(1, 2, 3))
+        return self._mean
+
+    def baseline_pred(self, x, y):
+        m = torch.as_tensor(self.target_mean(), dtype=y.dtype, device=y.device)
+        return m.view(1, -1, 1, 1, 1).expand_as(y)
+
+    def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
+        line = "  Val L1 per channel: " + ", ".join(f"{v:.4e}" for v in metrics)
+        return [line] + ([("  Predict-the-mean L1 per channel: "
+                           + ", ".join(f"{v:.4e}" for v in base))] if base is not None else [])
+
+    def metric_scalars(self, metrics: np.ndarray) -> dict:
+        return {f"L1(channel {i})/valid": float(v) for i, v in enumerate(metrics)}
+
+    def picture(self, x, y, pred) -> np.ndarray:
+        """Middle slice of the gas density of the first validation crop."""
+        k = y.shape[-1] // 2
+        return comparison_image(y[0, 0, :, :, k].float().cpu().numpy(),
+                                pred[0, 0, :, :, k].float().cpu().numpy(),
+                                scale=max(1, 192 // y.shape[-2]))
+
+
+def make_task(cfg: Config):
+    return ERA5Task(cfg) if isinstance(cfg, ViTConfig) else CosmoTask(cfg)
