@@ -5,8 +5,9 @@
 
 The same engine as train.py. Each model replica spans tensor_parallel x context_parallel ranks:
 attention heads and MLP width are split over tp, the image rows (tokens) over cp and, outside
-attention and MLP, over tp as well (sequence parallelism) when the patch rows divide by tp x cp;
-otherwise sequence parallelism is turned off and the log says so. The remaining
+attention and MLP, over tp as well (sequence parallelism: in whole patch rows when they divide by
+tp x cp, else in equal chunks of each cp band's tokens padded to a multiple of tp; the log says
+which; --sequence_parallel false turns it off). The remaining
 world / (tp x cp) ranks are data parallel. Checkpoints are written in the serial layout and
 load on any layout.
 """

@@ -1,7 +1,7 @@
 """Memory per rank of the model-parallel ViT, measured by the engine, beside the memory model.
 
     python -m benchmarks.mp_memory                    # every variant below, Markdown tables
-    python -m benchmarks.mp_memory --only fp32        # or: bf16, checkpointing, fallback (updates those
+    python -m benchmarks.mp_memory --only fp32        # or: bf16, checkpointing, padded, off (updates those
                                                       # entries of measured.json, keeps the others)
     python -m benchmarks.mp_memory --engine_log       # also run train_mp.py under torchrun (tp=4)
                                                       # and read its "Memory after forward pass" line
@@ -9,8 +9,11 @@
 Measured: the ``mp_cpu`` config (the mp model's shape scaled down for a CPU: 96 x 192 image,
 patch 8, embed 768, depth 4, heads 8, batch 4) at tp = 1, 2, 4, cp = 2 and tp = 2 x cp = 2
 (world = tp x cp, dp = 1), each layout on real gloo ranks (``tests.distributed_harness.run_ranks``).
-The ``fallback`` variant crops the image to 80 x 192 (10 patch rows): tp=4 and tp=2 x cp=2 do not
-divide them, so the engine runs them without sequence parallelism (tp=2 divides them: with it).
+The ``padded`` variant crops the image to 80 x 184 (10 patch rows of 23 columns): tp=4 and
+tp=2 x cp=2 do not divide the rows, so the engine splits each cp band's tokens into padded tp
+chunks (230 tokens -> 4 x 58, 2 padding tokens; 115 per cp band -> 2 x 58, 1 padding token);
+tp=2 divides them (row bands). The ``off`` variant runs the same shapes with
+``--sequence_parallel false``.
 Every rank builds the engine (``utils.trainer.Trainer``: the serial model, parallelized when tp
 or cp > 1, DDP over dp with the replicated-gradient hook) and runs two training steps; the second
 is measured with the engine's own ``MemoryProbe`` (on a CPU: bytes of parameters, gradients, Adam
@@ -21,11 +24,11 @@ process resident peak (VmHWM) is shown as an upper bound that includes the inter
 libraries, gloo buffers and short-lived temporaries.
 
 Predicted: ``distributed.memory_model`` for the same config and layout with ``--measure cpu``
-(the quantities the CPU probe counts; sequence parallelism chosen as the engine does). Then the
+(the quantities the CPU probe counts; the token layout as the engine chooses it). Then the
 model's prediction for the full ``mp`` config on 80 GB GPUs (fp16, flash attention, local batch
-16 as in the reference runs, dp = 4): 360 x 720 as configured (45 patch rows: tp = 2, 4 without
-sequence parallelism), 352 x 720 (44 rows: with it), and 360 x 720 with unequal bands (``--uneven``,
-not implemented) for comparison.
+16 as in the reference runs, dp = 4): 360 x 720 as configured (45 patch rows: padded sequence
+parallelism at tp = 4), 352 x 720 (44 rows: row bands), and 360 x 720 with sequence parallelism
+off for comparison.
 
 Results are written to benchmarks/mp_memory/measured.json; RESULTS.md holds the tables.
 """
@@ -53,7 +56,8 @@ VARIANTS = {  # name: (extra overrides, layouts)
     "fp32": ({}, LAYOUTS),
     "bf16": ({"amp_mode": "bf16"}, [(1, 1), (4, 1)]),
     "checkpointing": ({"activation_checkpointing": "true"}, [(1, 1), (4, 1)]),
-    "fallback": ({"img_size": "[80,192]"}, [(1, 1), (2, 1), (4, 1), (2, 2)]),
+    "padded": ({"img_size": "[80,184]"}, [(1, 1), (2, 1), (4, 1), (2, 2)]),
+    "off": ({"img_size": "[80,184]", "sequence_parallel": "false"}, [(1, 1), (4, 1), (2, 2)]),
 }
 
 
@@ -154,7 +158,8 @@ def run_variant(name, extra, layouts, results):
         p = predict_config(cfg, 1, "flash", "cpu")
         worst = max(ranks, key=lambda r: r["peak"])
         rows.append(dict(variant=name, tp=tp, cp=cp, ranks=ranks, model=worst["model"],
-                         sequence_parallel=p.sequence_parallel if tp > 1 else None,
+                         sequence_parallel=p.sequence_parallel if tp > 1 else None, padding=p.padding,
+                         padded=_layout(cfg, tp, cp, cfg.sequence_parallel).padded,
                          predicted=dict(params=p.params, adam=p.adam, activations=p.activations,
                                         after_forward=p.after_forward, peak=p.peak)))
     base = rows[0]["ranks"][0]["peak"]
@@ -168,6 +173,8 @@ def run_variant(name, extra, layouts, results):
         same = len({(x["after_forward"], x["peak"]) for x in r["ranks"]}) == 1
         pr = r["predicted"]
         sp = {None: "-", True: "on", False: "off"}[r["sequence_parallel"]]
+        if r["padded"]:
+            sp = f"on, padded (+{r['padding']})"
         print(f"| {r['tp']} | {r['cp']} | {sp} | {fmt_mib(m['saved'])} / {fmt_mib(pr['activations'])} "
               f"| {fmt_mib(m['after_forward'])} / {fmt_mib(pr['after_forward'])} "
               f"| {fmt_mib(m['peak'])} / {fmt_mib(pr['peak'])}{'' if same else ' (ranks differ)'} "
@@ -178,6 +185,12 @@ def run_variant(name, extra, layouts, results):
     return rows
 
 
+def _layout(cfg, tp, cp, sequence_parallel=True):
+    from distributed.parallelize import token_layout
+
+    return token_layout(cfg.img_size, cfg.patch_size, tp, cp, sequence_parallel)
+
+
 def gpu_predictions():
     """The full mp config on 80 GB GPUs: fp16, flash attention, local batch 16, dp = 4."""
     out = []
@@ -186,29 +199,29 @@ def gpu_predictions():
     print("| img | tp | cp | sequence parallelism | params+grads+Adam | activations | DDP buckets + batch "
           "| after forward | peak | after forward / tp=1 | peak / tp=1 |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    cases = [([360, 720], False, ((1, 1), (2, 1), (4, 1))), ([352, 720], False, ((1, 1), (2, 1), (4, 1), (2, 2))),
-             ([360, 720], True, ((1, 1), (2, 1), (4, 1)))]
-    for img, uneven, layouts in cases:
+    cases = [([360, 720], True, ((1, 1), (2, 1), (4, 1))), ([352, 720], True, ((1, 1), (2, 1), (4, 1), (2, 2))),
+             ([360, 720], False, ((1, 1), (2, 1), (4, 1)))]
+    for img, sp, layouts in cases:
         base = None
         for tp, cp in layouts:
             cfg = build_config(YAML, "mp", {"tensor_parallel": str(tp), "context_parallel": str(cp),
                                             "local_batch_size": "16", "img_size": str(img)})
             rows = img[0] // cfg.patch_size
-            p = predict(Shape.from_config(cfg, 16), tp, cp, 4, True, "flash", False, "cuda", cfg.bucket_cap_mb,
-                        uneven=uneven)
+            p = predict(Shape.from_config(cfg, 16), tp, cp, 4, True, "flash", False, "cuda", cfg.bucket_cap_mb, sp)
+            lay = _layout(cfg, tp, cp, sp)
             base = base or p
             if tp == 1:
                 mode = "-"
-            elif uneven:
-                mode = f"on, unequal bands of the {rows} rows (not implemented; largest band)"
-            elif p.sequence_parallel:
+            elif lay.row_bands:
                 mode = f"on ({rows} rows / {tp * cp})"
+            elif lay.padded:
+                mode = f"on, padded ({lay.band_tokens} tokens -> {tp} x {lay.local_tokens})"
             else:
-                mode = f"**off** ({rows} rows do not divide by {tp * cp})"
+                mode = "**off**"
             print(f"| {img[0]}x{img[1]} | {tp} | {cp} | {mode} | {(p.params + p.grads + p.adam) / GiB:.2f} "
                   f"| {p.activations / GiB:.2f} | {sum(p.extra.values()) / GiB:.2f} | {p.after_forward / GiB:.2f} "
                   f"| {p.peak / GiB:.2f} | {p.after_forward / base.after_forward:.1%} | {p.peak / base.peak:.1%} |")
-            out.append(dict(img=img, tp=tp, cp=cp, uneven=uneven, sequence_parallel=p.sequence_parallel,
+            out.append(dict(img=img, tp=tp, cp=cp, sequence_parallel=p.sequence_parallel, padding=p.padding,
                             after_forward=p.after_forward, peak=p.peak, activations=p.activations, params=p.params,
                             adam=p.adam, extra=p.extra))
     return out
@@ -225,7 +238,7 @@ def main(argv=None):
     results = {}
     if args.only and os.path.exists(args.out):  # update the variants run now, keep the others
         with open(args.out) as f:
-            results = json.load(f)
+            results = {k: v for k, v in json.load(f).items() if k in VARIANTS or k.startswith("engine")}
     for name, (extra, layouts) in VARIANTS.items():
         if not args.only or name in args.only:
             run_variant(name, extra, layouts, results)
@@ -234,6 +247,10 @@ def main(argv=None):
         fwd, peak = engine_log(4, 1)
         print(f"\ntrain_mp.py --config mp_cpu --tensor_parallel 4, epoch 2: after forward {fwd} GB, peak {peak} GB")
         results["engine_log_tp4"] = dict(after_forward_gb=fwd, peak_gb=peak)
+        fwd, peak = engine_log(4, 1, VARIANTS["padded"][0])
+        print(f"train_mp.py --config mp_cpu --img_size [80,184] --tensor_parallel 4 (padded), epoch 2: after "
+              f"forward {fwd} GB, peak {peak} GB")
+        results["engine_log_tp4_padded"] = dict(after_forward_gb=fwd, peak_gb=peak)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -4,22 +4,22 @@ Activation layout
 -----------------
 Token tensors are ``(B, N, E)``. Inside a model replica (one dp coordinate) the ``N`` tokens
 are always sharded over cp (contiguous ranges in cp-rank order). With ``sequence_parallel=True``
-(what ``parallelize_vit`` uses when tp x cp divides the patch rows) each cp range is further
-sharded over tp, so *between* the column- and row-parallel linears (LayerNorm, residual adds,
-dropout) every rank holds ``N / (cp * tp)`` tokens: chunk ``cp_rank * tp + tp_rank`` of the
-sequence. Inside attention and the MLP the tokens are gathered over tp (all the cp-local
-tokens) while heads / hidden units are sharded over tp; keys and values are additionally
-gathered over cp. Every activation a block keeps for backward is split over tp, along tokens or
-along heads / hidden units; the tokens gathered for a column-parallel linear exist only while
-it runs (backward gathers them again).
+(what ``parallelize_vit`` uses by default) each cp range is further sharded over tp, so
+*between* the column- and row-parallel linears (LayerNorm, residual adds, dropout) every rank
+holds ``N / (cp * tp)`` tokens: chunk ``cp_rank * tp + tp_rank`` of the sequence (each cp
+range padded to a multiple of tp when needed: ``seq_pad`` of the attention, where padding is
+never a key or value). Inside attention and the MLP the tokens are gathered over tp (all the
+cp-local tokens) while heads / hidden units are sharded over tp; keys and values are
+additionally gathered over cp. Every activation a block keeps for backward is split over tp,
+along tokens or along heads / hidden units; the tokens gathered for a column-parallel linear
+exist only while it runs (backward gathers them again).
 
 With ``sequence_parallel=False`` (plain Megatron tensor parallelism) the tokens are sharded over
 cp only and the activations outside the linears are replicated over tp: every tp rank of a cp
 rank holds the same ``N / cp`` tokens, a column-parallel linear uses them as they are
 (``copy_to``: its input gradient is all-reduced over tp) and a row-parallel linear all-reduces
-its output. ``parallelize_vit`` falls back to it when tp x cp does not divide the patch rows.
-Dropout on those replicated activations must drop the same elements on every tp rank
-(:class:`ReplicatedDropout`).
+its output. Dropout on those replicated activations must drop the same elements on every tp
+rank (:class:`ReplicatedDropout`).
 
 Parameters
 ----------
@@ -565,16 +565,24 @@ class ParallelAttention(nn.Module):
       ``N`` tokens.
     * ``proj`` (row-parallel): weight (E, E/tp) split over tp, replicated over cp; bias replicated.
     * input/output: (B, N/(cp*tp), E) with sequence parallelism ((B, N/cp, E) without).
+    * ``seq_pad``: padded sequence parallelism, the last ``seq_pad`` of the cp rank's gathered
+      tokens are padding: they are not keys or values of any query (see
+      ``distributed.parallelize``).
     """
 
     def __init__(self, dim: int, num_heads: int, groups: ParallelGroups, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, sequence_parallel: bool = True, dtype=None, device=None):
+                 proj_drop: float = 0.0, sequence_parallel: bool = True, seq_pad: int = 0, dtype=None,
+                 device=None):
         super().__init__()
+        if seq_pad and not (sequence_parallel and groups.tp_size > 1):
+            raise ValueError(f"seq_pad={seq_pad}: padding tokens are only used with sequence parallelism at "
+                             f"tensor_parallel > 1 (got sequence_parallel={sequence_parallel}, tensor_parallel="
+                             f"{groups.tp_size})")
         if dim % num_heads:
             raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
         tp = groups.tp_size
         check_divisible("num_heads", num_heads, "tensor_parallel", tp)
-        self.groups = groups
+        self.groups, self.seq_pad = groups, seq_pad
         self.num_heads, self.local_heads, self.head_dim = num_heads, num_heads // tp, dim // num_heads
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.qkv = ColumnParallelLinear(dim, 3 * dim, groups, stacked=3, **kw)
@@ -595,7 +603,10 @@ class ParallelAttention(nn.Module):
         B, n = qkv.shape[:2]
         qkv = qkv.reshape(B, n, 3, self.local_heads, self.head_dim)
         q = qkv[:, :, 0].transpose(1, 2)  # (B, h, n, hd)
-        kv = all_gather(qkv[:, :, 1:], self.groups.cp_group, dim=1)  # (B, N, 2, h, hd), one collective
+        # Padding tokens (the last seq_pad of the cp band) are dropped from the keys and values, so no
+        # query attends to them; their own queries give finite outputs that nothing uses.
+        kv = qkv[:, :n - self.seq_pad, 1:]
+        kv = all_gather(kv, self.groups.cp_group, dim=1)  # (B, N, 2, h, hd), one collective
         k, v = kv.permute(2, 0, 3, 1, 4)  # (2, B, h, N, hd)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, n, self.local_heads * self.head_dim)
@@ -611,11 +622,13 @@ class ParallelBlock(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden_dim: int, groups: ParallelGroups,
-                 drop: float = 0.0, eps: float = 1e-5, sequence_parallel: bool = True, dtype=None, device=None):
+                 drop: float = 0.0, eps: float = 1e-5, sequence_parallel: bool = True, seq_pad: int = 0,
+                 dtype=None, device=None):
         super().__init__()
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.norm1 = SequenceParallelLayerNorm(dim, groups, eps=eps, **kw)
-        self.attn = ParallelAttention(dim, num_heads, groups, attn_drop=drop, proj_drop=drop, **kw)
+        self.attn = ParallelAttention(dim, num_heads, groups, attn_drop=drop, proj_drop=drop, seq_pad=seq_pad,
+                                      **kw)
         self.norm2 = SequenceParallelLayerNorm(dim, groups, eps=eps, **kw)
         self.mlp = ParallelMLP(dim, mlp_hidden_dim, groups, drop=drop, **kw)
 
@@ -642,11 +655,14 @@ class ParallelPatchEmbed(nn.Module):
     rank without sequence parallelism: every tp rank of a cp rank embeds the same band). ``proj``
     (the p x p stride-p convolution) is replicated over cp and tp; its gradient is summed over
     the ranks that see different bands: ``reduce_over=("cp", "tp")``, ``("cp",)`` without
-    sequence parallelism.
+    sequence parallelism. ``reduce_over`` given explicitly overrides that: padded sequence
+    parallelism embeds cp bands (``sequence_parallel=False`` here) of which each tp rank keeps
+    a different chunk of tokens, so the gradient is summed over ``("cp", "tp")``.
     """
 
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,
-                 sequence_parallel: bool = True, dtype=None, device=None):
+                 sequence_parallel: bool = True, reduce_over: Optional[Sequence[str]] = None, dtype=None,
+                 device=None):
         super().__init__()
         h, w = img_size
         self.axes = _token_axes(sequence_parallel)
@@ -667,7 +683,7 @@ class ParallelPatchEmbed(nn.Module):
         self.local_num_patches = self.local_grid[0] * self.local_grid[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size,
                               dtype=dtype, device=device)
-        mark_module_replicated(self.proj, self.axes)
+        mark_module_replicated(self.proj, self.axes if reduce_over is None else reduce_over)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.patch_size

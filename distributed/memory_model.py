@@ -1,7 +1,7 @@
 """Per-rank memory and communication of the tensor / context / data parallel ViT, from its shapes.
 
     python -m distributed.memory_model --config mp --tensor_parallel 1 --context_parallel 1
-    python -m distributed.memory_model --config mp --tensor_parallel 4     # 45 patch rows: no sequence parallelism
+    python -m distributed.memory_model --config mp --tensor_parallel 4     # 45 patch rows: padded sequence parallelism
     python -m distributed.memory_model --config mp --img_size '[352,720]' --tensor_parallel 4 \\
         --local_batch_size 16 --data_parallel 4 --attention flash --activation_checkpointing
     python -m distributed.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
@@ -11,19 +11,19 @@ Any config key can be overridden (``--key value``, as for train.py). The model's
 ``global_batch_size / dp`` unless ``--local_batch_size`` is given), ``--attention``
 (``flash``, ``efficient`` or ``math``), ``--measure`` (``cuda``: what the allocator holds;
 ``cpu``: what the engine's CPU byte count sees), ``--gpu_memory_gb`` (capacity to compare with),
-``--sequence_parallel`` (``auto``, what the engine does: on when tp x cp divides the patch rows,
-off when only cp does, e.g. the mp config's 45 rows at tp = 2 or 4; ``on`` / ``off`` force it),
-``--uneven`` (a layout the layers do not implement: sequence parallelism with bands of unequal
-height when tp x cp does not divide the patch rows; the largest rank is shown) and ``--json``.
+and ``--json``. The layout is the engine's (``distributed.parallelize.token_layout``):
+``--sequence_parallel false`` turns sequence parallelism off as it does for train_mp.py.
 
 What is counted (bytes per rank, for one training step of the engine)
 --------------------------------------------------------------------
 Notation: B local batch, N = (H/p)(W/p) tokens, T = tp*cp, n tokens of a rank between the
-linears (n = N/T with sequence parallelism, n = nc = N/cp without: the tp ranks of a cp rank
-hold the same tokens), nc = N/cp tokens of a cp rank inside attention/MLP, E embed, h =
-heads/tp, F = mlp hidden/tp, f = 4 bytes (fp32), a = bytes of the compute dtype (4 without
-AMP, 2 under fp16/bf16 autocast). A rank's image band is H/T rows (H/cp without sequence
-parallelism).
+linears (n = N/T with sequence parallelism in row bands; n = ceil(N/cp/tp) when tp x cp does
+not divide the patch rows and each cp band's tokens are padded to a multiple of tp; n = nc =
+N/cp without sequence parallelism: the tp ranks of a cp rank hold the same tokens), nc tokens
+of a cp rank inside attention/MLP (N/cp, padding included: n.tp in the padded layout), E embed,
+h = heads/tp, F = mlp hidden/tp, f = 4 bytes (fp32), a = bytes of the compute dtype (4 without
+AMP, 2 under fp16/bf16 autocast). A rank's image band is H/T rows with row bands, H/cp
+otherwise.
 
 * parameters: fp32, with the shapes of ``distributed.layers`` (block weights split over tp,
   ``pos_embed`` split over tp x cp, or cp only without sequence parallelism, patch embedding /
@@ -54,10 +54,11 @@ parallelism).
     sequence parallelism the masks of the tp-replicated activations are the same 1 byte per
     element, broadcast over tp).
 
-  Outside blocks: the patch-embedding convolution keeps its input band (B.Cin.H/T.W; under AMP
-  its a-byte cast and the cast weight), the final LayerNorm as above, ``head`` its input (under
-  AMP the cast input and weight), the loss the fp32 difference (f.B.Cout.H/T.W) and two
-  per-sample norms (2 f.B).
+  Outside blocks: the patch-embedding convolution keeps its input band (B.Cin.band rows.W; under
+  AMP its a-byte cast and the cast weight), the final LayerNorm as above, ``head`` its input
+  (under AMP the cast input and weight), the loss the fp32 difference over the band
+  (f.B.Cout.band rows.W) and two per-sample norms (2 f.B). In the padded layout the embedded cp
+  band, its padding and the head output gathered over tp are transient (nothing keeps them).
   With activation checkpointing a block keeps only its input (f.B.n.E); its activations are
   recomputed in backward, one block at a time.
   Without sequence parallelism every "n" term above is nc: LayerNorm inputs, the residual
@@ -80,6 +81,8 @@ broadcast. Checkpointing repeats the blocks' forward collectives in backward. Wi
 parallelism the tp collectives of a block are two all-reduces of the row-parallel outputs
 (forward) and two of the column-parallel input gradients (backward, ``copy_to``), the loss sums
 are all-reduced over cp only, and the replicated-parameter gradients are summed over cp only.
+The padded layout adds one all-gather of the head output over tp (forward) and sums the loss
+over cp only (the tp ranks then hold the same cp band).
 
 Tested against the CPU byte count (``utils.memory.MemoryProbe``) in tests/test_mp_training.py.
 """
@@ -121,14 +124,14 @@ class Shape:
     def tokens(self) -> int:
         return (self.img[0] // self.patch) * (self.img[1] // self.patch)
 
-    def split(self, tp: int, cp: int, sequence_parallel: bool = True) -> Tuple[int, int, int]:
-        """(n, nc, band rows): tokens of a rank between the linears, tokens of its cp rank, and the
-        image rows of its band. Bands are whole patch rows, tp x cp of them with sequence
-        parallelism, cp without; when they do not divide the patch rows (``uneven=True`` in
-        ``predict``) these are the largest rank's, ceil(rows / bands)."""
-        rows, cols = self.img[0] // self.patch, self.img[1] // self.patch
-        bands = tp * cp if sequence_parallel else cp
-        return (math.ceil(rows / bands) * cols, math.ceil(rows / cp) * cols, math.ceil(rows / bands) * self.patch)
+    def split(self, tp: int, cp: int, lay) -> Tuple[int, int, int]:
+        """(n, nc, band rows) for a ``distributed.parallelize.TokenLayout``: tokens of a rank between
+        the linears, tokens of its cp rank inside attention/MLP (padding included), image rows of
+        its band."""
+        band_rows = self.img[0] // lay.bands
+        if lay.sequence_parallel:  # row bands: local_tokens * tp = N / cp; padded: the padded cp band
+            return lay.local_tokens, lay.local_tokens * tp, band_rows
+        return lay.band_tokens, lay.band_tokens, band_rows
 
 
 @dataclass
@@ -143,44 +146,30 @@ class Prediction:
     activations: int
     extra: dict = field(default_factory=dict)  # allocator-only terms (--measure cuda)
     transient: int = 0
-    unequal_bands: bool = False  # the bands do not divide the patch rows: the largest rank is shown
     sequence_parallel: bool = True
+    padding: int = 0  # tokens appended to each cp band (padded sequence parallelism)
     after_forward: int = 0
     peak: int = 0
     activation_items: List[Tuple[str, int]] = field(default_factory=list)
     collectives: List[dict] = field(default_factory=list)
 
 
-def check_layout(s: Shape, tp: int, cp: int, uneven: bool = False, sequence_parallel=None) -> bool:
-    """The divisibility rules of ``distributed.parallelize.validate_vit_layout``; returns whether
-    the layout runs with sequence parallelism (``sequence_parallel=None``: as the engine chooses,
-    on when tp x cp divides the patch rows, off when only cp does). ``uneven`` waives the
-    patch-row rules: a prediction for bands of unequal height (sequence parallel unless
-    ``sequence_parallel=False``), which the layers do not implement."""
-    rows = s.img[0] // s.patch
+def check_layout(s: Shape, tp: int, cp: int, sequence_parallel: bool = True):
+    """The engine's divisibility rules and token layout (``distributed.parallelize``)."""
+    from distributed.parallelize import token_layout
+
     for what, n in (("num_heads", s.heads), ("embed_dim", s.embed), ("mlp hidden dim", s.hidden)):
         if n % tp:
             raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}")
-    if uneven:
-        return sequence_parallel is not False
-    if rows % cp:
-        raise ValueError(f"context_parallel={cp} does not divide the {rows} patch rows (img height {s.img[0]} / "
-                         f"patch_size {s.patch}), so the layers refuse this layout; --uneven predicts the "
-                         f"largest rank of unequal bands")
-    fits = rows % (tp * cp) == 0
-    if sequence_parallel and not fits:
-        raise ValueError(f"context_parallel={cp} x tensor_parallel={tp} = {tp * cp} does not divide the "
-                         f"{rows} patch rows (img height {s.img[0]} / patch_size {s.patch}): no sequence "
-                         f"parallelism here (--sequence_parallel auto/off), or --uneven for unequal bands")
-    return fits if sequence_parallel is None else bool(sequence_parallel)
+    return token_layout(s.img, s.patch, tp, cp, sequence_parallel)
 
 
-def parameters(s: Shape, tp: int, cp: int, sequence_parallel: bool = True) -> List[Tuple[str, int, Tuple[str, ...]]]:
+def parameters(s: Shape, tp: int, cp: int, lay) -> List[Tuple[str, int, Tuple[str, ...]]]:
     """(name, elements on this rank, axes its gradient is summed over) for every parameter."""
     E, F, pp = s.embed, s.hidden // tp, s.patch * s.patch
-    mp = ("cp", "tp") if sequence_parallel else ("cp",)  # the axes whose ranks hold other tokens
-    out = [("patch_embed.proj.weight", E * s.cin * pp, mp), ("patch_embed.proj.bias", E, mp),
-           ("pos_embed", s.split(tp, cp, sequence_parallel)[0] * E, ())]
+    mp = ("cp", "tp") if lay.sequence_parallel else ("cp",)  # the axes whose ranks hold other tokens
+    pos = (lay.band_tokens * E, ("tp",) if lay.padded else ())  # the slice of the rank's image band
+    out = [("patch_embed.proj.weight", E * s.cin * pp, mp), ("patch_embed.proj.bias", E, mp), ("pos_embed", *pos)]
     for i in range(s.depth):
         b = f"blocks.{i}."
         out += [(b + "norm1.weight", E, mp), (b + "norm1.bias", E, mp),
@@ -195,11 +184,13 @@ def parameters(s: Shape, tp: int, cp: int, sequence_parallel: bool = True) -> Li
 
 
 def activations(s: Shape, tp: int, cp: int, amp: bool, attention: str = "flash", checkpointing: bool = False,
-                device: str = "cuda", sequence_parallel: bool = True) -> List[Tuple[str, int]]:
+                device: str = "cuda", lay=None) -> List[Tuple[str, int]]:
     """(what, bytes) of every tensor kept for backward on one rank, in forward order."""
     f, a = 4, 2 if amp else 4
     B, E, N = s.batch, s.embed, s.tokens
-    n, nc, rows = s.split(tp, cp, sequence_parallel)
+    lay = lay or check_layout(s, tp, cp)
+    sequence_parallel = lay.sequence_parallel
+    n, nc, rows = s.split(tp, cp, lay)
     h, F = s.heads // tp, s.hidden // tp
     drop = s.dropout > 0
     band = B * rows * s.img[1]  # pixels of a rank's image band (per channel)
@@ -262,20 +253,21 @@ def activations(s: Shape, tp: int, cp: int, amp: bool, attention: str = "flash",
     return items
 
 
-def block_activation_bytes(s: Shape, tp: int, cp: int, amp: bool, attention: str, device: str,
-                           sequence_parallel: bool = True) -> int:
+def block_activation_bytes(s: Shape, tp: int, cp: int, amp: bool, attention: str, device: str, lay) -> int:
     """Activations one block keeps (what a checkpointed block recomputes in backward)."""
     one = Shape(**{**asdict(s), "depth": 1})
-    with_block = activations(one, tp, cp, amp, attention, False, device, sequence_parallel)
+    with_block = activations(one, tp, cp, amp, attention, False, device, lay)
     return sum(v for k, v in with_block if k.startswith("blocks.0 "))
 
 
 def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: bool, param_rows,
-                bucket_cap_mb: float = 25.0, sequence_parallel: bool = True) -> List[dict]:
+                bucket_cap_mb: float = 25.0, lay=None) -> List[dict]:
     """Collectives of one training step on one rank (see the module docstring for the byte counts)."""
     f, a = 4, 2 if amp else 4
     B, E, N = s.batch, s.embed, s.tokens
-    nc, D = s.split(tp, cp, sequence_parallel)[1], s.depth
+    lay = lay or check_layout(s, tp, cp)
+    sequence_parallel = lay.sequence_parallel
+    nc, D = s.split(tp, cp, lay)[1], s.depth
     fwd = D * (2 if checkpointing else 1)  # checkpointing re-runs the blocks' forward in backward
     rows = []
 
@@ -302,7 +294,10 @@ def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: b
                 B * nc * E)
     add("K/V gather (forward)", "all-gather", "cp", cp, fwd, a * B * N * 2 * E // tp)
     add("K/V gradient (backward)", "reduce-scatter", "cp", cp, D, a * B * N * 2 * E // tp)
-    if sequence_parallel:
+    if lay.padded:
+        add("head output gather (forward; padding dropped after it)", "all-gather", "tp", tp, 1,
+            a * B * nc * s.cout * s.patch * s.patch)
+    if lay.row_bands:
         add("loss sums (forward)", "all-reduce", "tp x cp", tp * cp, 1, 2 * f * B)
     else:
         add("loss sums (forward)", "all-reduce", "cp", cp, 1, 2 * f * B)
@@ -328,45 +323,45 @@ def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: b
 
 def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attention: str = "flash",
             checkpointing: bool = False, measure: str = "cuda", bucket_cap_mb: float = 25.0,
-            uneven: bool = False, sequence_parallel=None) -> Prediction:
-    """``sequence_parallel``: None (as the engine chooses), True or False."""
+            sequence_parallel: bool = True) -> Prediction:
+    """``sequence_parallel``: as the engine's config key (False: off)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: choose {', '.join(ATTENTION)}")
     if measure not in MEASURE:
         raise ValueError(f"measure={measure!r}: choose {', '.join(MEASURE)}")
-    sp = check_layout(s, tp, cp, uneven, sequence_parallel)
+    lay = check_layout(s, tp, cp, sequence_parallel)
+    sp = lay.sequence_parallel
     f, a = 4, 2 if amp else 4
-    rows = parameters(s, tp, cp, sp)
+    rows = parameters(s, tp, cp, lay)
     params = f * sum(numel for _, numel, _ in rows)
     adam = 2 * params + 4 * len(rows)
-    items = activations(s, tp, cp, amp, attention, checkpointing, measure, sp)
+    items = activations(s, tp, cp, amp, attention, checkpointing, measure, lay)
     acts = sum(v for _, v in items)
-    p = Prediction(tp, cp, dp, s.batch, params, params, adam, acts, activation_items=items,
-                   unequal_bands=bool((s.img[0] // s.patch) % (tp * cp if sp else cp)), sequence_parallel=sp)
+    p = Prediction(tp, cp, dp, s.batch, params, params, adam, acts, activation_items=items, sequence_parallel=sp,
+                   padding=lay.pad)
     if measure == "cuda":
-        nc, F = s.split(tp, cp, sp)[1], s.hidden // tp
+        nc, F = s.split(tp, cp, lay)[1], s.hidden // tp
         if tp * cp * dp > 1:  # DDP wraps every model-parallel or multi-rank run
             p.extra["DDP gradient buckets"] = params
         p.extra["batch on the device (x and y, whole images)"] = f * s.batch * (s.cin + s.cout) * s.img[0] * s.img[1]
         p.transient = 2 * a * s.batch * nc * F + (f * s.batch * nc * s.embed if tp > 1 and sp else 0)
         if checkpointing:
-            p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, sp)
+            p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, lay)
     p.after_forward = params + adam + acts + sum(p.extra.values())
     p.peak = p.after_forward + p.grads + p.transient
-    p.collectives = collectives(s, tp, cp, dp, amp, checkpointing, rows, bucket_cap_mb, sp)
+    p.collectives = collectives(s, tp, cp, dp, amp, checkpointing, rows, bucket_cap_mb, lay)
     return p
 
 
-def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda",
-                   uneven: bool = False, sequence_parallel=None) -> Prediction:
-    """The prediction for a ``utils.config`` ViT config (its tp, cp, AMP, checkpointing, batch);
-    ``sequence_parallel=None`` chooses as the engine does."""
+def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda") -> Prediction:
+    """The prediction for a ``utils.config`` ViT config (its tp, cp, sequence parallelism, AMP,
+    checkpointing, batch), as the engine runs it."""
     from utils.parallel import batch_sizes
 
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     local, _ = batch_sizes(cfg, data_parallel)
     return predict(Shape.from_config(cfg, local), tp, cp, data_parallel, cfg.amp_mode != "none", attention,
-                   cfg.activation_checkpointing, measure, cfg.bucket_cap_mb, uneven, sequence_parallel)
+                   cfg.activation_checkpointing, measure, cfg.bucket_cap_mb, cfg.sequence_parallel)
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -389,15 +384,9 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     lines.append(f"layout tp={p.tp} x cp={p.cp} x dp={p.dp} (world {p.tp * p.cp * p.dp}), local batch "
                  f"{p.local_batch}, attention {attention}, measured as {measure}")
     if cfg is not None and p.tp > 1:
-        rows = cfg.img_size[0] // cfg.patch_size
-        why = (f"the {rows} patch rows divide by tp x cp = {p.tp * p.cp}" if rows % (p.tp * p.cp) == 0
-               else f"unequal bands of the {rows} patch rows" if p.unequal_bands
-               else f"the {rows} patch rows do not divide by tp x cp = {p.tp * p.cp}")
-        lines.append(f"sequence parallelism {'on' if p.sequence_parallel else 'off'} ({why}); LayerNorm/residual "
-                     f"activations {'split over tp' if p.sequence_parallel else 'whole on each tp rank'}")
-    if p.unequal_bands:
-        lines.append("NOTE: the bands do not divide the patch rows: the layers do not implement this layout; shown "
-                     "is the largest rank of unequal bands")
+        from distributed.parallelize import sequence_parallel_summary
+
+        lines.append(sequence_parallel_summary(cfg.img_size, cfg.patch_size, p.tp, p.cp, p.sequence_parallel))
     lines.append("")
     lines.append(f"{'per rank':<59}{name}")
     rows = [("parameters (fp32)", p.params), ("gradients (fp32)", p.grads), ("Adam state (2 moments + step)", p.adam),
@@ -451,11 +440,6 @@ def main(argv=None):
     ap.add_argument("--measure", choices=MEASURE, default="cuda",
                     help="cuda: what the allocator holds; cpu: the engine's CPU byte count")
     ap.add_argument("--gpu_memory_gb", type=float, default=80.0)
-    ap.add_argument("--sequence_parallel", choices=("auto", "on", "off"), default="auto",
-                    help="auto (what train_mp.py does): on when tp x cp divides the patch rows, else off")
-    ap.add_argument("--uneven", action="store_true",
-                    help="sequence parallelism with bands of unequal height where tp x cp does not divide the "
-                         "patch rows: predict the largest rank (a layout the layers do not implement)")
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     own, rest = ap.parse_known_args(argv)
     try:
@@ -467,8 +451,7 @@ def main(argv=None):
             raise ConfigError(f"config '{cfg.name}' is a {cfg.model} config: the model covers the ViT")
         if own.data_parallel < 1:
             raise ConfigError(f"--data_parallel must be >= 1, got {own.data_parallel}")
-        sp = {"auto": None, "on": True, "off": False}[own.sequence_parallel]
-        p = predict_config(cfg, own.data_parallel, own.attention, own.measure, own.uneven, sp)
+        p = predict_config(cfg, own.data_parallel, own.attention, own.measure)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -7,12 +7,15 @@ of the whole batch. Gradients are reduced both with ``reduce_replicated_grads`` 
 (``replicated_grads_comm_hook``), and once with activation checkpointing.
 
 The ``-rowsK`` layouts use an image of K patch rows that tp x cp does not divide (3 rows at
-tp=2, 5 at tp=4, 6 at tp=2 x cp=2): ``parallelize_vit(..., sequence_parallel=None)`` falls back
-to tensor parallelism without sequence parallelism (tokens split over cp only). Their gradients
-of every parameter must equal the serial ones too, which fails if a parameter replicated over
-tp were marked for a gradient sum over tp (or the loss summed over tp). With dropout, the
-tp-replicated activations must stay identical on the tp ranks, also when checkpointing
-recomputes them.
+tp=2, 5 at tp=4, 6 at tp=2 x cp=2) and 9 patch columns, so that no token count of a cp band
+divides by tp: ``parallelize_vit`` keeps sequence parallelism by padding each cp band's tokens
+(1 padding token at tp=2, 3 at tp=4) and splitting them into tp chunks that are not whole patch
+rows. Output, loss and every gradient must equal the serial ones, which fails if a padding
+token were attended to or a gradient were summed over the wrong ranks. The ``-off`` layouts
+turn sequence parallelism off (``sequence_parallel=False``: tokens split over cp only, plain
+tensor parallelism); they fail if a parameter replicated over tp were marked for a gradient sum
+over tp (or the loss summed over tp). With dropout, the tp-replicated activations must stay
+identical on the tp ranks, also when checkpointing recomputes them.
 
 Tolerances: float64 rtol 1e-9, atol 1e-12 (equivalence up to summation order); float32
 rtol 1e-4, atol 1e-6 for one float32 forward/backward; training (float32, Adam, 5 steps):
@@ -29,22 +32,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distributed_harness import run_ranks  # noqa: E402
 
 WORLD = 4
-LAYOUTS = {  # name: (tensor_parallel, context_parallel, parallel_order, img_size or None for VIT's)
-    "tp1-cp1-dp4": (1, 1, "tp-cp-dp", None),
-    "tp2-dp2": (2, 1, "tp-cp-dp", None),
-    "tp4": (4, 1, "tp-cp-dp", None),
-    "cp2-dp2": (1, 2, "cp-dp-tp", None),
-    "tp2-cp2": (2, 2, "tp-cp-dp", None),
-    # no sequence parallelism: tp x cp does not divide the patch rows
-    "tp2-dp2-rows3": (2, 1, "tp-cp-dp", (12, 32)),
-    "tp4-rows5": (4, 1, "tp-cp-dp", (20, 32)),
-    "tp2-cp2-rows6": (2, 2, "cp-tp-dp", (24, 32)),
+LAYOUTS = {  # name: (tensor_parallel, context_parallel, parallel_order, img_size or None for VIT's,
+    #         sequence_parallel)
+    "tp1-cp1-dp4": (1, 1, "tp-cp-dp", None, True),
+    "tp2-dp2": (2, 1, "tp-cp-dp", None, True),
+    "tp4": (4, 1, "tp-cp-dp", None, True),
+    "cp2-dp2": (1, 2, "cp-dp-tp", None, True),
+    "tp2-cp2": (2, 2, "tp-cp-dp", None, True),
+    # padded sequence parallelism: tp x cp does not divide the patch rows, tp not the band's tokens
+    "tp2-dp2-rows3": (2, 1, "tp-cp-dp", (12, 36), True),
+    "tp4-rows5": (4, 1, "tp-cp-dp", (20, 36), True),
+    "tp2-cp2-rows6": (2, 2, "cp-tp-dp", (24, 36), True),
+    # sequence parallelism off
+    "tp4-rows5-off": (4, 1, "tp-cp-dp", (20, 32), False),
+    "tp2-cp2-rows6-off": (2, 2, "cp-tp-dp", (24, 32), False),
 }
-NO_SP = ("tp2-dp2-rows3", "tp4-rows5", "tp2-cp2-rows6")
 TRAIN_LAYOUTS = {"tp2-dp2": "ddp", "cp2-dp2": "ddp", "tp2-cp2": "plain", "tp4-rows5": "ddp",
-                 "tp2-cp2-rows6": "plain"}
-CKPT_LAYOUTS = ("tp2-cp2", "tp2-cp2-rows6")
-DROPOUT_LAYOUTS = ("tp4-rows5", "tp2-cp2-rows6")
+                 "tp2-cp2-rows6": "plain", "tp2-cp2-rows6-off": "plain"}
+CKPT_LAYOUTS = ("tp2-cp2", "tp2-cp2-rows6", "tp2-cp2-rows6-off")
+DROPOUT_LAYOUTS = ("tp4-rows5-off", "tp2-cp2-rows6-off", "tp2-cp2-rows6")
 VIT = dict(img_size=(16, 32), patch_size=4, in_chans=3, out_chans=2, embed_dim=32, depth=2, num_heads=4,
            mlp_ratio=4.0)
 GLOBAL_BATCH = 4
@@ -119,7 +125,7 @@ def _rank_main():
     from distributed.parallelize import parallelize_vit as _parallelize
 
     def parallelize_vit(model, groups, activation_checkpointing=False):
-        return _parallelize(model, groups, activation_checkpointing, sequence_parallel=None)  # as the engine
+        return _parallelize(model, groups, activation_checkpointing, sequence_parallel=sp)
 
     out = {}
 
@@ -137,7 +143,7 @@ def _rank_main():
             reduce_replicated_grads(pm, groups)
         return y, loss
 
-    for lay, (tp, cp, order, img) in LAYOUTS.items():
+    for lay, (tp, cp, order, img, sp) in LAYOUTS.items():
         groups = build_groups(WORLD, tp, cp, order)
         dtypes = ["float64", "float32"] if lay == "tp2-cp2" else ["float64"]
         for dname in dtypes:
@@ -153,9 +159,11 @@ def _rank_main():
             pm = parallelize_vit(m, groups)
             if tag is None:
                 rows = (img or VIT["img_size"])[0] // VIT["patch_size"]
-                band = rows // (cp if lay in NO_SP else tp * cp) * VIT["patch_size"]
-                out[(lay, "mode")] = [("sequence parallel", torch.tensor(pm.sequence_parallel),
-                                       torch.tensor(lay not in NO_SP), "exact"),
+                padded = sp and rows % (tp * cp) != 0
+                band = rows // (tp * cp if sp and not padded else cp) * VIT["patch_size"]
+                out[(lay, "mode")] = [("sequence parallel", torch.tensor(pm.sequence_parallel), torch.tensor(sp),
+                                       "exact"),
+                                      ("padded", torch.tensor(pm.layout.padded), torch.tensor(padded), "exact"),
                                       ("band rows", torch.tensor(pm.shard_image(x).shape[-2]), torch.tensor(band),
                                        "exact")]
                 got = serial_state_dict(pm, groups)
@@ -337,10 +345,8 @@ def _fake_groups(tp, cp):
      "context_parallel=2 does not divide the 3 patch rows (img height 12 / patch_size 4)"),
     (dict(img_size=(16, 32)), 1, 8,
      "context_parallel=8 does not divide the 4 patch rows (img height 16 / patch_size 4)"),
-    (dict(img_size=(16, 32)), 4, 2,
-     "context_parallel=2 x tensor_parallel=4 = 8 does not divide the 4 patch rows (img height 16 / patch_size 4)"),
-    (dict(img_size=(24, 32)), 4, 1,
-     "context_parallel=1 x tensor_parallel=4 = 4 does not divide the 6 patch rows"),
+    (dict(img_size=(20, 32)), 2, 2,
+     "context_parallel=2 does not divide the 5 patch rows (img height 20 / patch_size 4)"),
 ])
 def test_invalid_layouts(vit, tp, cp, message):
     from distributed.parallelize import parallelize_vit
@@ -383,69 +389,118 @@ def test_image_band_needs_shard_image():
         pm(torch.zeros(1, VIT["in_chans"], *VIT["img_size"]))
 
 
-# ---- sequence parallelism on / off: chosen from the patch rows, no processes needed --------------
+# ---- token layouts: chosen from the patch rows, no processes needed -------------------------------
 
-@pytest.mark.parametrize("img,tp,cp,want", [
-    ((360, 720), 1, 1, True), ((360, 720), 2, 1, False), ((360, 720), 4, 1, False), ((360, 720), 1, 3, True),
-    ((360, 720), 2, 3, False), ((352, 720), 4, 1, True), ((352, 720), 2, 2, True), ((720, 1440), 2, 3, True),
-    ((720, 1440), 4, 2, False),
+@pytest.mark.parametrize("img,tp,cp,sp,want", [
+    # (sequence_parallel, row_bands, bands, band_tokens, local_tokens, pad); patch 8, 90 columns at width 720
+    ((360, 720), 1, 1, True, (True, True, 1, 4050, 4050, 0)),
+    ((360, 720), 2, 1, True, (True, False, 1, 4050, 2025, 0)),
+    ((360, 720), 4, 1, True, (True, False, 1, 4050, 1013, 2)),
+    ((360, 720), 4, 1, False, (False, False, 1, 4050, 4050, 0)),
+    ((360, 720), 1, 3, True, (True, True, 3, 1350, 1350, 0)),
+    ((360, 720), 4, 3, True, (True, False, 3, 1350, 338, 2)),
+    ((352, 720), 4, 1, True, (True, True, 4, 990, 990, 0)),
+    ((352, 720), 2, 2, True, (True, True, 4, 990, 990, 0)),
+    ((720, 1440), 4, 2, True, (True, False, 2, 8100, 2025, 0)),
 ])
-def test_choose_sequence_parallel(img, tp, cp, want):
-    from distributed.parallelize import choose_sequence_parallel
+def test_token_layout(img, tp, cp, sp, want):
+    from distributed.parallelize import token_layout
 
-    assert choose_sequence_parallel(img, 8, tp, cp) is want
+    lay = token_layout(img, 8, tp, cp, sp)
+    got = (lay.sequence_parallel, lay.row_bands, lay.bands, lay.band_tokens, lay.local_tokens, lay.pad)
+    assert got == want
+    assert lay.padded is (want[0] and not want[1])
+    assert lay.local_tokens * (tp if lay.padded else 1) == lay.band_tokens + lay.pad
 
 
-def test_fallback_refused_when_cp_does_not_divide_the_rows():
-    from distributed.parallelize import choose_sequence_parallel, parallelize_vit
+def test_cp_must_divide_the_rows():
+    from distributed.parallelize import parallelize_vit, token_layout
     from networks.vit import ViT
 
     with pytest.raises(ValueError) as e:
-        choose_sequence_parallel((360, 720), 8, 1, 4)
+        token_layout((360, 720), 8, 1, 4)
     assert str(e.value).startswith("context_parallel=4 does not divide the 45 patch rows (img height 360 / "
                                    "patch_size 8)")
     assert "choose context_parallel in 1, 3, 5, 9, 15 or 45, or an img_size whose patch rows divide by 4, " \
            "e.g. [352, 720]" in str(e.value)
     with pytest.raises(ValueError, match="context_parallel=2 does not divide the 3 patch rows"):
-        parallelize_vit(ViT(**{**VIT, "img_size": (12, 32)}), _fake_groups(2, 2), sequence_parallel=None)
+        parallelize_vit(ViT(**{**VIT, "img_size": (12, 32)}), _fake_groups(2, 2))
+
+
+def _whole_params(pm, serial):
+    full = dict(serial.named_parameters())
+    return {n for n, p in pm.named_parameters() if p.shape == full[n].shape and n != "pos_embed"}
 
 
 @pytest.mark.parametrize("img,tp,cp", [((24, 32), 4, 1), ((12, 32), 2, 1), ((16, 32), 4, 2), ((24, 32), 2, 2)])
-def test_fallback_layout_shapes_and_markers(img, tp, cp):
-    """Without sequence parallelism the tokens are split over cp only, and every parameter that is
-    whole on a rank has its gradient summed over cp only (the tp ranks compute the same one)."""
-    from distributed.parallelize import parallelize_vit, validate_vit_layout
+def test_padded_layout_shapes_and_markers(img, tp, cp):
+    """Padded sequence parallelism: the image is cut over cp only, each rank holds a padded chunk
+    of its cp band's tokens, and every parameter that is whole on a rank has its gradient summed
+    over cp and tp (the ranks hold different tokens); pos_embed (the cp band's slice) over tp."""
+    from distributed.parallelize import parallelize_vit
     from networks.vit import ViT
 
     groups = _fake_groups(tp, cp)
     serial = ViT(**{**VIT, "img_size": img})
-    assert validate_vit_layout(img, 4, 32, 4, 128, groups) is False  # accepted: the fallback
-    pm = parallelize_vit(serial, groups, sequence_parallel=None)
-    assert pm.sequence_parallel is False
+    pm = parallelize_vit(serial, groups)
+    assert pm.sequence_parallel and pm.layout.padded
+    rows = img[0] // 4
+    assert pm.image_rows() == (0, img[0] // cp)
+    band_tokens = rows // cp * 8
+    assert pm.layout.local_tokens == -(-band_tokens // tp) and pm.layout.pad == (-band_tokens) % tp
+    assert pm.pos_embed.shape == (1, band_tokens, 32) and pm.pos_embed.shard_spec.axes == ("cp",)
+    whole = _whole_params(pm, serial)
+    assert {"head.weight", "norm.bias", "patch_embed.proj.weight", "blocks.0.mlp.fc2.bias",
+            "blocks.1.attn.proj.bias", "blocks.0.norm1.weight"} <= whole
+    for n, p in pm.named_parameters():
+        want = ("tp",) if n == "pos_embed" else ("cp", "tp") if n in whole else ("cp",)
+        assert p.reduce_over == want, f"{n}: reduce_over {p.reduce_over}, expected {want}"
+    assert all(b.attn.seq_pad == pm.layout.pad for b in pm.blocks)
+
+
+@pytest.mark.parametrize("img,tp,cp", [((24, 32), 4, 1), ((12, 32), 2, 1), ((16, 32), 4, 2), ((24, 32), 2, 2)])
+def test_no_sequence_parallel_shapes_and_markers(img, tp, cp):
+    """``sequence_parallel=False``: the tokens are split over cp only, and every parameter that is
+    whole on a rank has its gradient summed over cp only (the tp ranks compute the same one)."""
+    from distributed.parallelize import parallelize_vit
+    from networks.vit import ViT
+
+    groups = _fake_groups(tp, cp)
+    serial = ViT(**{**VIT, "img_size": img})
+    pm = parallelize_vit(serial, groups, sequence_parallel=False)
+    assert pm.sequence_parallel is False and not pm.layout.padded
     rows = img[0] // 4
     assert pm.image_rows() == (0, img[0] // cp)
     assert pm.pos_embed.shape == (1, rows // cp * 8, 32) and pm.pos_embed.shard_spec.axes == ("cp",)
-    params = dict(pm.named_parameters())
-    assert set(params) == set(dict(serial.named_parameters()))
-    whole = [n for n, p in params.items() if p.shape == dict(serial.named_parameters())[n].shape and n != "pos_embed"]
+    assert set(dict(pm.named_parameters())) == set(dict(serial.named_parameters()))
+    whole = _whole_params(pm, serial)
     assert {"head.weight", "norm.bias", "patch_embed.proj.weight", "blocks.0.mlp.fc2.bias",
-            "blocks.1.attn.proj.bias", "blocks.0.norm1.weight"} <= set(whole)
-    for n, p in params.items():
+            "blocks.1.attn.proj.bias", "blocks.0.norm1.weight"} <= whole
+    for n, p in pm.named_parameters():
         want = () if n == "pos_embed" else ("cp",)
         assert p.reduce_over == want, f"{n}: reduce_over {p.reduce_over}, expected {want}"
-    with pytest.raises(ValueError, match=f"= {tp * cp} does not divide the {rows} patch rows"):
-        parallelize_vit(serial, groups)  # sequence_parallel=True (the default) refuses
+
+
+def test_seq_pad_needs_sequence_parallelism():
+    from distributed.layers import ParallelAttention
+
+    with pytest.raises(ValueError, match="seq_pad=1: padding tokens are only used with sequence parallelism"):
+        ParallelAttention(32, 4, _fake_groups(2, 1), sequence_parallel=False, seq_pad=1)
 
 
 def test_sequence_parallel_summary_lines():
     from distributed.parallelize import sequence_parallel_summary
 
+    assert sequence_parallel_summary((360, 720), 8, 4, 1) == (
+        "Sequence parallelism on, padded: the 45 patch rows do not divide by tensor_parallel x context_parallel = 4, "
+        "so the 4050 tokens of each context-parallel band are split into 4 chunks of 1013, 2 padding tokens per "
+        "band (an img_size whose patch rows divide by 4, e.g. [352, 720], also splits the image bands over "
+        "tensor_parallel)")
     assert sequence_parallel_summary((360, 720), 8, 4, 1, False) == (
-        "Sequence parallelism off: the 45 patch rows do not divide by tensor_parallel x context_parallel = 4; "
-        "LayerNorm/residual activations are whole on each tensor-parallel rank (an img_size whose patch rows "
-        "divide by 4, e.g. [352, 720], turns it on)")
-    assert sequence_parallel_summary((352, 720), 8, 4, 1, True).startswith(
+        "Sequence parallelism off (sequence_parallel=False): LayerNorm/residual activations are whole on each "
+        "tensor-parallel rank (4050 tokens per context-parallel rank)")
+    assert sequence_parallel_summary((352, 720), 8, 4, 1).startswith(
         "Sequence parallelism on: the 44 patch rows divide by tensor_parallel x context_parallel = 4")
-    assert sequence_parallel_summary((360, 720), 8, 1, 3, True) == (
+    assert sequence_parallel_summary((360, 720), 8, 1, 3) == (
         "Sequence parallelism not needed at tensor_parallel=1: the 45 patch rows are split over "
         "context_parallel=3 (15 per rank)")

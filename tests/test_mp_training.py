@@ -5,17 +5,18 @@
   (``Trainer`` on one rank, the serial ``networks.vit.ViT``).
   Tolerance: rtol 1e-5, atol 1e-7 (float32; the sharded model sums in another order and Adam
   carries the rounding from step to step; observed relative differences are below 5e-7).
-  The same for layouts without sequence parallelism (the engine falls back when tp x cp does not
-  divide the patch rows): tp=2 and tp=4 on 3 patch rows, tp=2 x cp=2 on 6; the engine logs one
-  "Sequence parallelism off: ..." line. Runs of one world size share one spawn of ranks.
+  The same for padded sequence parallelism (tp x cp does not divide the patch rows, tp not the
+  27 tokens of a cp band: tp=2 and tp=4 on 3 patch rows of 9 columns, tp=2 x cp=2 on 6) and for
+  ``--sequence_parallel false`` (tp=2 x cp=2 on 6 rows); the engine logs one line saying which
+  layout it runs. Runs of one world size share one spawn of ranks.
 * The checkpoint the tp=2 x cp=2 run writes at step 6 (serial layout) resumes on one rank with
   ``--resume_from``: the resumed model holds exactly the checkpoint's weights, and steps 7..10
   repeat the uninterrupted runs' losses (same tolerance).
 * ``distributed.memory_model`` predicts the engine's CPU byte count (``utils.memory.MemoryProbe``)
   exactly: the tensors saved for backward, and parameters + Adam state + activations after the
-  forward pass, at tp 1, 2, cp 2 and tp 2 x cp 2, and the fallback layouts above; plus AMP
-  (bf16), math attention and activation checkpointing at tp 1 and 2 on the parallel layers
-  directly, with and without sequence parallelism.
+  forward pass, at tp 1, 2, cp 2 and tp 2 x cp 2, and the padded and unsharded layouts above;
+  plus AMP (bf16), math attention and activation checkpointing at tp 1 and 2 on the parallel
+  layers directly, in row bands, padded and without sequence parallelism.
 * Invalid layouts make train_mp.py exit with code 2 and one line on stderr, before any process
   group exists.
 """
@@ -38,13 +39,16 @@ TINY = {"img_size": "[16,32]", "patch_size": "4", "embed_dim": "32", "depth": "2
 LAYOUTS = {  # name: (tensor_parallel, context_parallel, img_size or None for TINY's, the serial run to follow)
     "serial": (1, 1, None, None), "tp2": (2, 1, None, "serial"), "cp2": (1, 2, None, "serial"),
     "tp2-cp2": (2, 2, None, "serial"),
-    # no sequence parallelism: tp x cp does not divide the patch rows
-    "serial-rows3": (1, 1, "[12,32]", None), "tp2-rows3": (2, 1, "[12,32]", "serial-rows3"),
-    "tp4-rows3": (4, 1, "[12,32]", "serial-rows3"),
-    "serial-rows6": (1, 1, "[24,32]", None), "tp2-cp2-rows6": (2, 2, "[24,32]", "serial-rows6"),
+    # padded sequence parallelism: tp x cp does not divide the patch rows (9 columns: 27 tokens per cp band)
+    "serial-rows3": (1, 1, "[12,36]", None), "tp2-rows3": (2, 1, "[12,36]", "serial-rows3"),
+    "tp4-rows3": (4, 1, "[12,36]", "serial-rows3"),
+    "serial-rows6": (1, 1, "[24,36]", None), "tp2-cp2-rows6": (2, 2, "[24,36]", "serial-rows6"),
+    # --sequence_parallel false
+    "tp2-cp2-rows6-off": (2, 2, "[24,36]", "serial-rows6"),
 }
 PARALLEL = [name for name, lay in LAYOUTS.items() if lay[3]]
-NO_SP = ("tp2-rows3", "tp4-rows3", "tp2-cp2-rows6")
+NO_SP = ("tp2-cp2-rows6-off",)
+PADDED = ("tp2-rows3", "tp4-rows3", "tp2-cp2-rows6")
 LOSS_TOL = dict(rtol=1e-5, atol=1e-7)
 RESUME_AT = 6
 
@@ -91,11 +95,12 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("mp_training")
     years = {"train": [2016, 2017], "valid": [2018]}
     data = write_era5(str(base / "era5"), years=years, steps=12, h=16, w=32)
-    data24 = write_era5(str(base / "era5_24"), years=years, steps=12, h=24, w=32)  # cropped to each img_size
+    data24 = write_era5(str(base / "era5_24"), years=years, steps=12, h=24, w=36)  # cropped to each img_size
     by_world = {}
     for name, (tp, cp, img, _) in LAYOUTS.items():
         ov = dict(TINY, data_root=data if img is None else data24, expdir=str(base / name), tensor_parallel=str(tp),
-                  context_parallel=str(cp), **({"img_size": img} if img else {}))
+                  context_parallel=str(cp), **({"img_size": img} if img else {}),
+                  **({"sequence_parallel": "false"} if name in NO_SP else {}))
         by_world.setdefault(tp * cp, []).append((name, ov))
     out = {}
     for world, group in by_world.items():
@@ -121,22 +126,25 @@ def test_parallel_losses_follow_serial(runs, layout):
                                    msg=lambda m: f"{layout} rank {rank}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-rows3", "tp4-rows3", "tp2-cp2-rows6"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-rows3", "tp4-rows3", "tp2-cp2-rows6", "tp2-cp2-rows6-off"])
 def test_engine_logs_the_sequence_parallel_mode(runs, layout):
     tp, cp, img, _ = LAYOUTS[layout]
     rows = int((img or TINY["img_size"]).strip("[]").split(",")[0]) // 4
     want = {"tp2": "Sequence parallelism on: the 4 patch rows divide by tensor_parallel x context_parallel = 2; "
                    "LayerNorm/residual activations are split over the tensor-parallel ranks (2 patch rows per rank)",
-            "tp2-rows3": "Sequence parallelism off: the 3 patch rows do not divide by tensor_parallel x "
-                         "context_parallel = 2; LayerNorm/residual activations are whole on each tensor-parallel "
-                         "rank (an img_size whose patch rows divide by 2, e.g. [8, 32], turns it on)"}
+            "tp2-rows3": "Sequence parallelism on, padded: the 3 patch rows do not divide by tensor_parallel x "
+                         "context_parallel = 2, so the 27 tokens of each context-parallel band are split into 2 "
+                         "chunks of 14, 1 padding token per band (an img_size whose patch rows divide by 2, e.g. "
+                         "[8, 36], also splits the image bands over tensor_parallel)",
+            "tp2-cp2-rows6-off": "Sequence parallelism off (sequence_parallel=False): LayerNorm/residual activations "
+                                 "are whole on each tensor-parallel rank (27 tokens per context-parallel rank)"}
     lines = runs[layout][0]["mode_lines"]
     assert len(lines) == 1, lines
     if layout in want:
         assert lines[0] == want[layout]
     else:
-        assert lines[0].startswith(f"Sequence parallelism off: the {rows} patch rows do not divide by "
-                                   f"tensor_parallel x context_parallel = {tp * cp};")
+        assert lines[0].startswith(f"Sequence parallelism on, padded: the {rows} patch rows do not divide by "
+                                   f"tensor_parallel x context_parallel = {tp * cp}, so the 27 tokens")
 
 
 def test_tp2_cp2_checkpoint_resumes_serially(runs):
@@ -167,8 +175,10 @@ def test_memory_model_matches_engine_probe(runs, layout):
     from distributed.memory_model import predict_config
 
     tp, cp, img, _ = LAYOUTS[layout]
-    p = predict_config(_tiny_config(tp, cp, **({"img_size": img} if img else {})), 1, "flash", "cpu")
+    p = predict_config(_tiny_config(tp, cp, **({"img_size": img} if img else {}),
+                                    **({"sequence_parallel": "false"} if layout in NO_SP else {})), 1, "flash", "cpu")
     assert p.sequence_parallel is (layout not in NO_SP)
+    assert (p.padding > 0) is (layout in PADDED)
     for rank, res in enumerate(runs[layout]):
         saved = res["after_forward"] - res["params"] - res["adam"]
         assert saved == p.activations, f"rank {rank}: saved {saved} B, model {p.activations} B"
@@ -182,9 +192,9 @@ VARIANTS = [("bf16", "flash", False), ("none", "math", False), ("bf16", "math", 
             ("none", "flash", True), ("bf16", "flash", True)]
 
 
-def _saved_bytes_rank(tp, cp, variants, imgs=(None,)):
-    """Bytes saved for backward by one forward pass of the engine's model and loss, per image size
-    (``None``: TINY's) and variant."""
+def _saved_bytes_rank(tp, cp, variants, imgs=((None, True),)):
+    """Bytes saved for backward by one forward pass of the engine's model and loss, per
+    (image size (``None``: TINY's), sequence parallelism) and variant."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from distributed.groups import build_groups
@@ -195,11 +205,11 @@ def _saved_bytes_rank(tp, cp, variants, imgs=(None,)):
 
     groups = build_groups(tp * cp, tp, cp)
     out = []
-    for img, (amp, attention, ckpt) in [(img, v) for img in imgs for v in variants]:
+    for (img, sp), (amp, attention, ckpt) in [(img, v) for img in imgs for v in variants]:
         cfg = build_config(YAML, "quickstart", dict(TINY, amp_mode=amp, **({"img_size": img} if img else {})))
         torch.manual_seed(0)
         model = parallelize_vit(make_task(cfg).build_model(), groups, activation_checkpointing=ckpt,
-                                sequence_parallel=None)
+                                sequence_parallel=sp)
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(4, 20, *cfg.img_size, generator=g), torch.randn(4, 20, *cfg.img_size, generator=g)
         probe = MemoryProbe(torch.device("cpu"), model, torch.optim.Adam(model.parameters()))
@@ -214,21 +224,25 @@ def _saved_bytes_rank(tp, cp, variants, imgs=(None,)):
     return out
 
 
-@pytest.mark.parametrize("tp,cp,imgs", [(1, 1, (None,)), (2, 1, (None, "[12,32]")), (1, 2, (None,))],
-                         ids=["tp1", "tp2-and-tp2-rows3", "cp2"])
+@pytest.mark.parametrize("tp,cp,imgs", [
+    (1, 1, ((None, True),)),
+    (2, 1, ((None, True), ("[12,36]", True), ("[12,36]", False))),
+    (1, 2, ((None, True),)),
+], ids=["tp1", "tp2-rows-padded-off", "cp2"])
 def test_memory_model_dtypes_attention_checkpointing(tp, cp, imgs):
-    """At tp=2 also on 3 patch rows, without sequence parallelism."""
+    """At tp=2 in row bands, padded (3 patch rows of 9 columns) and without sequence parallelism."""
     from distributed.memory_model import predict_config
 
     measured = run_ranks(_saved_bytes_rank, tp * cp, tp, cp, VARIANTS, imgs, timeout=120)
     cases = [(img, v) for img in imgs for v in VARIANTS]
-    for (img, (amp, attention, ckpt)), *per_rank in zip(cases, *measured):
+    for ((img, sp), (amp, attention, ckpt)), *per_rank in zip(cases, *measured):
         cfg = _tiny_config(tp, cp, amp_mode=amp, activation_checkpointing=str(ckpt).lower(),
-                           **({"img_size": img} if img else {}))
+                           sequence_parallel=str(sp).lower(), **({"img_size": img} if img else {}))
         p = predict_config(cfg, 1, attention, "cpu")
-        assert p.sequence_parallel is (img is None or tp == 1)
+        assert p.sequence_parallel is (sp or tp == 1)
+        assert (p.padding > 0) is (img is not None and sp and tp > 1)
         assert per_rank == [p.activations] * (tp * cp), \
-            f"img={img} amp={amp} attention={attention} checkpointing={ckpt}"
+            f"img={img} sequence_parallel={sp} amp={amp} attention={attention} checkpointing={ckpt}"
 
 
 # ---- invalid layouts ------------------------------------------------------------------------------

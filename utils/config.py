@@ -124,6 +124,8 @@ class ViTConfig(Config):
                              "e.g. tp-cp-dp keeps tensor-parallel ranks on one node")
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the "
                                         "backward pass instead of storing them")
+    sequence_parallel: bool = _f(True, "split the LayerNorm/residual activations over the "
+                                 "tensor-parallel ranks too (false: whole on each of them)")
 
 
 @dataclass

@@ -117,7 +117,7 @@ def check_model_parallel(cfg: ViTConfig, world: int):
         validate_parallel_config(world, tp, cp, cfg.parallel_order)
         validate_vit_layout(cfg.img_size, cfg.patch_size, cfg.embed_dim, cfg.num_heads,
                             int(cfg.embed_dim * cfg.mlp_ratio),
-                            ParallelGroups(tensor_parallel=tp, context_parallel=cp), sequence_parallel=None)
+                            ParallelGroups(tensor_parallel=tp, context_parallel=cp), cfg.sequence_parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

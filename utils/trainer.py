@@ -68,7 +68,7 @@ class Trainer:
             from distributed.parallelize import parallelize_vit
 
             # Each rank keeps its slices of the serial weights: the same start as a serial run.
-            model = parallelize_vit(model, rt.mp, cfg.activation_checkpointing, sequence_parallel=None)
+            model = parallelize_vit(model, rt.mp, cfg.activation_checkpointing, cfg.sequence_parallel)
             self.io = ParallelIO(self.task, model, rt.mp)
         else:
             self.io = SerialIO(self.task)
