@@ -20,14 +20,26 @@ from utils.trainer import Trainer
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "ViT.yaml")
 
 
-def _fail(rt, message, exit_code):
-    """End the process with one line on stderr (and in the run's out.log, on rank 0)."""
+def _fail(rt, message, exit_code, trainer=None, broken_group=False):
+    """End the process with one line on stderr (and in the run's out.log, on rank 0).
+
+    ``broken_group``: a collective failed (a peer died or hangs). The process group cannot be
+    shut down cleanly then (gloo's destructors may abort the process while a peer is still
+    connected), so the logs and TensorBoard events are flushed and the process exits at once.
+    """
     prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed else ""
     record = logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:  # keep the reason in the run's out.log
         if isinstance(handler, logging.FileHandler):
             handler.emit(record)
     print(f"{prefix}error: {message}", file=sys.stderr)
+    if broken_group:
+        if trainer is not None:
+            trainer.board.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
     raise SystemExit(exit_code)
 
 
@@ -46,7 +58,7 @@ def run(cfg, trainer_cls=Trainer):
         message = describe_dist_failure(e, cfg, where)
         if message is None:
             raise  # a bug, not a peer's failure: keep the traceback
-        _fail(rt, message, 1)
+        _fail(rt, message, 1, trainer, broken_group=True)
     finally:
         if rt is not None:
             rt.shutdown()

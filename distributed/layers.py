@@ -324,10 +324,18 @@ class _AllGatherLinear(torch.autograd.Function):
     Backward: grad_x = reduce-scatter(grad @ w) along ``dim``; grad_w needs the gathered input,
     which is all-gathered again instead of being stored (Megatron-style sequence parallelism),
     so the saved activation is 1/tp of the gathered one.
+
+    Under autocast ``x`` (the fp32 LayerNorm output) is cast to the autocast dtype *before* it
+    is saved and gathered: ``F.linear`` would cast the gathered tensor to that dtype anyway, so
+    the result is the same bit for bit, while the saved slice and both all-gathers take half the
+    bytes. ``grad_x`` is returned in ``x``'s own dtype.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, dim):
+        ctx.x_dtype, device = x.dtype, x.device.type
+        if torch.is_autocast_enabled(device):
+            x = x.to(torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
         return F.linear(all_gather_along(x, group, dim), weight, bias)
@@ -338,7 +346,7 @@ class _AllGatherLinear(torch.autograd.Function):
         cdt = grad.dtype  # under autocast the output (and its gradient) may be lower precision
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = reduce_scatter_along(grad.matmul(weight.to(cdt)), ctx.group, ctx.dim).to(x.dtype)
+            grad_x = reduce_scatter_along(grad.matmul(weight.to(cdt)), ctx.group, ctx.dim).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             x_full = all_gather_along(x, ctx.group, ctx.dim).to(cdt)
             grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(

@@ -34,8 +34,8 @@ otherwise.
 
   - ``norm1`` / ``norm2``: input (the fp32 residual stream, f.B.n.E) and mean/rstd (2 f.B.n);
   - ``qkv`` / ``fc1`` (column-parallel): with tp > 1 and sequence parallelism the gather-linear
-    keeps only the rank's LayerNorm output as it came in, f.B.n.E (fp32 even under autocast:
-    LayerNorm autocasts to fp32 and the cast happens inside the function, after the save); with
+    keeps only the rank's LayerNorm output, cast to the compute dtype, a.B.n.E (LayerNorm
+    autocasts to fp32; the function casts before it saves and gathers); with
     tp = 1, or without sequence parallelism, ``F.linear`` keeps its (whole, n = nc) input,
     a.B.n.E, and under AMP also the cast weight (a.3E/tp.E, a.F.E);
   - attention, ``flash`` (CPU flash kernel, CUDA flash) and ``efficient`` (CUDA memory-efficient):
@@ -70,7 +70,7 @@ otherwise.
   and the whole batch on the device (the loader's x and y, before each rank slices its band).
 * peak: after forward + gradients; ``--measure cuda`` adds an estimate of the backward
   transients (two hidden-width activation gradients of a block, a.B.nc.F each, the re-gathered
-  block input f.B.nc.E when tp > 1 with sequence parallelism, and one recomputed block under
+  block input a.B.nc.E when tp > 1 with sequence parallelism, and one recomputed block under
   checkpointing). Workspaces
   (cuBLAS, attention kernels), allocator fragmentation and the CUDA context are not counted.
 
@@ -208,7 +208,7 @@ def activations(s: Shape, tp: int, cp: int, amp: bool, attention: str = "flash",
 
     def column(name, out_features):  # out_features: this rank's
         if tp > 1 and sequence_parallel:
-            return [(f"{name} input (LayerNorm output, local tokens)", f * B * n * E)]
+            return [(f"{name} input (LayerNorm output, local tokens)", a * B * n * E)]
         rows = [(f"{name} input", (a if amp else f) * B * n * E)]
         return rows + ([(f"{name} weight (cast)", a * out_features * E)] if amp else [])
 
@@ -279,11 +279,11 @@ def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: b
                              bytes_per_step=int(round(wire))))
 
     if sequence_parallel:
-        add("qkv/fc1 input gather (forward, fp32 LayerNorm output)", "all-gather", "tp", tp, 2 * fwd, f * B * nc * E)
+        add("qkv/fc1 input gather (forward)", "all-gather", "tp", tp, 2 * fwd, a * B * nc * E)
         add("proj/fc2 partial sums (forward)", "reduce-scatter", "tp", tp, 2 * fwd, a * B * nc * E)
         add("qkv/fc1 input gradient (backward)", "reduce-scatter", "tp", tp, 2 * D, a * B * nc * E)
         add("qkv/fc1 input re-gather for the weight gradient (backward)", "all-gather", "tp", tp, 2 * D,
-            f * B * nc * E)
+            a * B * nc * E)
         add("proj/fc2 output gradient (backward)", "all-gather", "tp", tp, 2 * D, a * B * nc * E)
     else:
         add("proj/fc2 partial sums (forward)", "all-reduce", "tp", tp, 2 * fwd, a * B * nc * E)
@@ -344,7 +344,7 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
         if tp * cp * dp > 1:  # DDP wraps every model-parallel or multi-rank run
             p.extra["DDP gradient buckets"] = params
         p.extra["batch on the device (x and y, whole images)"] = f * s.batch * (s.cin + s.cout) * s.img[0] * s.img[1]
-        p.transient = 2 * a * s.batch * nc * F + (f * s.batch * nc * s.embed if tp > 1 and sp else 0)
+        p.transient = 2 * a * s.batch * nc * F + (a * s.batch * nc * s.embed if tp > 1 and sp else 0)
         if checkpointing:
             p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, lay)
     p.after_forward = params + adam + acts + sum(p.extra.values())

@@ -134,7 +134,45 @@ def _rank_main():
                         res[f"weight {name}"] = (same[name], p.detach())
                         res[f"grad {name}"] = (grads[name], p.grad)
                     results[(lay_name, sp, layer, dname)] = res
+        if tp > 1:
+            results[(lay_name, "bf16")] = _column_under_autocast(groups, tp, cp)
     return results
+
+
+def _column_under_autocast(groups, tp, cp):
+    """A sequence-parallel column linear under CPU bf16 autocast against the serial linear: the
+    input it keeps for backward is bf16 (cast before the save and the gather), its input gradient
+    float32 like its input, and output and gradients match within bf16 rounding."""
+    import torch.nn as nn
+
+    from distributed.layers import ColumnParallelLinear, reduce_replicated_grads, serial_state_dict
+
+    serial = _randomize(nn.Linear(E, HIDDEN), 7)
+    par = ColumnParallelLinear.from_serial(serial, groups, sequence_parallel=True)
+    X = _rand((B, N, E), 8, torch.float32).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Y = serial(X)
+    G = _rand(Y.shape, 9, torch.float32)
+    (Y.float() * G).sum().backward()
+    x = X.detach().chunk(cp * tp, 1)[groups.mp_rank].contiguous().requires_grad_(True)
+    saved = []
+    params = {p.data_ptr() for p in par.parameters()}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append(str(t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = par(x)
+    g_out = G.chunk(cp, 1)[groups.cp_rank].chunk(tp, -1)[groups.tp_rank]
+    (y.float() * g_out).sum().backward()
+    reduce_replicated_grads(par, groups)
+    grads = serial_state_dict(par, groups, grads=True)
+    return {"saved dtypes": saved, "output dtype": str(y.dtype), "input grad dtype": str(x.grad.dtype),
+            "output": (y.float(), Y.detach().float().chunk(cp, 1)[groups.cp_rank].chunk(tp, -1)[groups.tp_rank]),
+            "input grad": (x.grad, X.grad.chunk(cp * tp, 1)[groups.mp_rank]),
+            "grad weight": (grads["weight"], serial.weight.grad), "grad bias": (grads["bias"], serial.bias.grad)}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +189,21 @@ def test_layer_matches_serial(rank_results, layout, sp, layer):
                 assert got.shape == want.shape, f"rank {rank} {dname} {what}: {got.shape} vs {want.shape}"
                 torch.testing.assert_close(got, want, **TOL[dname],
                                            msg=lambda m: f"rank {rank} {dname} {what}: {m}")
+
+
+@pytest.mark.parametrize("layout", [lay for lay, (tp, _, _) in LAYOUTS.items() if tp > 1])
+def test_column_linear_under_bf16_autocast(rank_results, layout):
+    """Tolerance: bf16 rounding (8 bits of mantissa) of results and of partial sums (the sharded
+    weight gradient is summed from per-rank bf16 products): rtol 1.6e-2, atol 2% of the largest
+    magnitude of the tensor."""
+    for rank, res in enumerate(rank_results):
+        r = res[(layout, "bf16")]
+        assert r["saved dtypes"] == ["torch.bfloat16"], f"rank {rank}: keeps {r['saved dtypes']} for backward"
+        assert (r["output dtype"], r["input grad dtype"]) == ("torch.bfloat16", "torch.float32")
+        for what in ("output", "input grad", "grad weight", "grad bias"):
+            got, want = r[what]
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=0.02 * want.abs().max().item(),
+                                       msg=lambda m: f"rank {rank} {what}: {m}")
 
 
 def test_replicated_markers():
