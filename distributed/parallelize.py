@@ -239,7 +239,7 @@ class ParallelViT(nn.Module):
 
     # ---- model --------------------------------------------------------------------------------
     def tokens_to_image(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, n, C_out*p*p) -> (B, C_out, n/W*p, W): the rank's band of patch rows."""
+        """(B, tokens of the band, C_out*p*p) -> (B, C_out, band rows, W): the rank's image band."""
         B, p = x.shape[0], self.patch_size
         gh, gw = self.patch_embed.local_grid
         x = x.reshape(B, gh, gw, self.out_chans, p, p).permute(0, 3, 1, 4, 2, 5)
