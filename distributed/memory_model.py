@@ -156,12 +156,11 @@ class Prediction:
 
 def check_layout(s: Shape, tp: int, cp: int, sequence_parallel: bool = True):
     """The engine's divisibility rules and token layout (``distributed.parallelize``)."""
-    from distributed.parallelize import token_layout
+    from distributed.groups import ParallelGroups
+    from distributed.parallelize import validate_vit_layout
 
-    for what, n in (("num_heads", s.heads), ("embed_dim", s.embed), ("mlp hidden dim", s.hidden)):
-        if n % tp:
-            raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}")
-    return token_layout(s.img, s.patch, tp, cp, sequence_parallel)
+    return validate_vit_layout(s.img, s.patch, s.embed, s.heads, s.hidden,
+                               ParallelGroups(tensor_parallel=tp, context_parallel=cp), sequence_parallel)
 
 
 def parameters(s: Shape, tp: int, cp: int, lay) -> List[Tuple[str, int, Tuple[str, ...]]]:

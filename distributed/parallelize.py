@@ -196,7 +196,7 @@ class ParallelViT(nn.Module):
         super().__init__()
         lay = validate_vit_layout(img_size, patch_size, embed_dim, num_heads, mlp_hidden_dim, groups,
                                   sequence_parallel)
-        self.groups, self.layout, self.sequence_parallel = groups, lay, lay.sequence_parallel
+        self.groups, self.layout = groups, lay
         self.img_size, self.patch_size, self.out_chans = tuple(img_size), patch_size, out_chans
         self.activation_checkpointing = activation_checkpointing
         sp = lay.sequence_parallel
@@ -217,6 +217,10 @@ class ParallelViT(nn.Module):
         self.norm = SequenceParallelLayerNorm(embed_dim, groups, eps=eps, **kw)
         self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size, dtype=dtype, device=device)
         mark_module_replicated(self.head, token_axes)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
 
     def sequence_parallel_summary(self) -> str:
         """One line: how the tokens are split for this layout, and why."""
