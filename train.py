@@ -7,18 +7,325 @@
 
 Data parallel over every rank the launcher starts; tensor/context parallel when the config's
 tensor_parallel/context_parallel are above 1 (see train_mp.py).
+
+The file reads top to bottom as a run does: set-up (``Trainer.__init__``), one optimizer step
+(``train_step``), an epoch of them (``train_epoch``), validation (``validate``), the epoch's
+log lines (``log_epoch``), checkpoints (``save_checkpoint``) and the loop over epochs (``fit``).
+Host-device synchronisations (``.item()``, collectives for logging) happen only at log points
+(every ``log_every`` steps), at epoch ends and at checkpoints; a step itself never waits for the
+device.
 """
+import contextlib
 import logging
+import math
 import os
 import sys
+import time
+from dataclasses import dataclass
 
-from utils.config import from_argv
-from utils.errors import UserError
-from utils.parallel import describe_dist_failure, setup_runtime
-from utils.trainer import Trainer
+import torch
+import torch.distributed as dist
+
+from utils import checkpoint
+from utils.config import Config, from_argv
+from utils.data_loader import build_loaders
+from utils.errors import TrainingError, UserError
+from utils.logging_utils import setup_logging
+from utils.lr_schedule import build_scheduler, peak_lr
+from utils.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
+from utils.optimizer import build_optimizer
+from utils.parallelism import apply_parallelism
+from utils.profiling import ProfilerWindow, nvtx_range
+from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header, run_dir_for,
+                             write_config)
+from utils.runtime import Runtime, describe_dist_failure, setup_runtime
+from utils.tasks import make_task
+from utils.tensorboard import Board, NullBoard
+from utils.train_state import TrainState
 
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "ViT.yaml")
+log = logging.getLogger("train")
 
+
+@dataclass
+class EpochStats:
+    """What one pass of ``train_epoch`` measured."""
+
+    avg_loss: float  # mean training loss of the epoch's steps, over all data-parallel ranks
+    elapsed_s: float  # wall time of the epoch's steps
+    steps: int  # steps this call ran (fewer than an epoch after a resume mid-epoch)
+    rate_steps_per_s: float  # from the second step on: the first step also measures memory
+
+
+class Trainer:
+    def __init__(self, cfg: Config, rt: Runtime):
+        self.cfg, self.rt, self.device = cfg, rt, rt.device
+        self.run_dir = run_dir_for(cfg, rt.world_size)
+        self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
+        setup_logging(rt.rank, os.path.join(self.run_dir, "out.log"))
+        resume = find_resume_checkpoint(cfg, self.run_dir, rt.world_size)  # (state, path) or None
+        ensure_data(cfg, rt)
+        self.task = make_task(cfg)
+
+        # The model: the serial model from the seed on every rank, then parallelised in one place.
+        torch.manual_seed(cfg.seed)
+        parallel = apply_parallelism(self.task.build_model(), cfg, rt, self.task)
+        self.parallel = parallel
+        self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
+        self.wrapped_model = parallel.wrapped  # what the step calls: under DDP / torch.compile
+        self.sharding = parallel.layout  # how batches and state map to this rank's model
+        torch.manual_seed(cfg.seed + 1 + rt.rank)  # per-rank stream for dropout
+
+        # A model-parallel rank reads only the image rows it computes on (training batches).
+        rows = self.model.image_rows() if rt.groups is not None else None
+        self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows)
+        self.steps_per_epoch = self.loaders.steps_per_epoch
+        self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
+
+        self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.peak_lr, self.device)
+        self.scheduler = build_scheduler(self.optimizer, self.peak_lr, cfg.end_lr,
+                                         cfg.warmup_steps, self.total_steps)
+        # Disabled AMP is a do-nothing autocast and a do-nothing scaler, not a branch.
+        amp = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp_mode]
+        self.autocast = lambda: torch.autocast(self.device.type, dtype=amp or torch.float32,
+                                               enabled=amp is not None)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp_mode == "fp16")
+
+        self.state = TrainState(self.model, self.sharding, self.optimizer, self.scaler,
+                                self.scheduler, rt, cfg, self.steps_per_epoch)
+        if resume is not None:
+            self.state.load_state_dict(*resume)
+        # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step.
+        self.board = Board(os.path.join(self.run_dir, "tensorboard"),
+                           purge_step=self.state.iteration + 1 if resume else None) \
+            if rt.is_main else NullBoard()
+        # The CPU probe hooks autograd's saved tensors, which compiled graphs do not expose.
+        measurable = self.device.type == "cuda" or not cfg.enable_jit
+        self.probe = MemoryProbe(self.device, self.model, self.optimizer) if measurable \
+            else NullProbe()
+        self.profiler = ProfilerWindow(cfg.enable_manual_profiling, start=self.steps_per_epoch)
+        self._baseline = None  # the naive baseline's validation loss, computed once
+
+        log.info(f"Run directory: {self.run_dir}")
+        if rt.is_main:
+            write_config(cfg, self.run_dir, self.derived(), resumed=resume is not None)
+        log_run_header(self.model, rt, self.loaders, self.total_steps,
+                       getattr(self.model, "sequence_parallel_summary", lambda: None)())
+
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    def derived(self) -> dict:
+        """Values the config implies on this launch; written above the config in config.yaml."""
+        rt = self.rt
+        return {"world_size": rt.world_size, "data_parallel": rt.dp_size,
+                "local_batch_size": rt.local_batch, "global_batch_size": rt.global_batch,
+                "peak_lr": self.peak_lr, "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps, "device": str(self.device)}
+
+    def to_device(self, x, y):
+        # non_blocking overlaps the copy with compute when the batch sits in pinned memory
+        return (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def train_step(self, x, y, probe=NullProbe()) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on this rank's share of the global batch, taken in
+        ``grad_accum_steps`` micro-batches (under tensor/context parallelism ``x`` and ``y`` hold
+        this rank's image rows). Returns the mean loss over the share and the gradient norm
+        before clipping, as device tensors (no host sync)."""
+        n, k = x.shape[0], self.cfg.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        with probe.step():
+            for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                # DDP all-reduces the gradients in the backward of the last micro-batch only.
+                with self.parallel.no_sync() if i < k - 1 else contextlib.nullcontext():
+                    with nvtx_range("forward"), self.autocast():
+                        pred = self.wrapped_model(xm)
+                        loss = self.sharding.loss(pred, ym).sum() / n  # its part of the mean
+                    if i == 0:
+                        probe.forward_done()
+                    with nvtx_range("backward"):
+                        self.scaler.scale(loss).backward()  # DDP's all-reduce overlaps it
+                loss_sum += loss.detach()
+            with nvtx_range("optimizer"):
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients (fp16: unscaled)
+                grad_norm = self.parallel.clip_grad_norm(self.cfg.max_grad_norm)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+        return loss_sum, grad_norm
+
+    # ------------------------------------------------------------------ an epoch of steps
+
+    def train_epoch(self) -> EpochStats:
+        cfg, rt, st = self.cfg, self.rt, self.state
+        self.loaders.train_sampler.set_epoch(st.epoch, st.step_in_epoch)
+        self.model.train()
+        epoch_sum = torch.zeros((), device=self.device)  # sum over steps of dp-mean losses
+        window = torch.zeros(2, device=self.device)  # [loss, grad norm] summed since the last log
+        window_steps = steps_run = 0
+        t0 = t_first = time.time()
+        for x, y in self.loaders.train:
+            if st.iteration >= self.total_steps:
+                break
+            self.profiler.step(st.iteration)
+            probe = self.probe if steps_run == 0 else NullProbe()  # first step of each epoch
+            with nvtx_range(f"step {st.iteration}"):
+                loss, grad_norm = self.train_step(*self.to_device(x, y), probe)
+            if steps_run == 0:
+                self.log_memory(probe)
+                t_first = time.time()  # throughput is timed from here: step 1 measures memory
+            epoch_sum += loss / rt.dp_size
+            window += torch.stack([loss, grad_norm])
+            window_steps += 1
+            steps_run += 1
+            st.iteration += 1
+            st.step_in_epoch += 1
+            if st.iteration % cfg.log_every == 0:
+                self.log_train_window(window, window_steps)
+                window.zero_()
+                window_steps = 0
+            if cfg.checkpoint_every and st.iteration % cfg.checkpoint_every == 0:
+                self.save_checkpoint(epoch_sum)
+        if window_steps:
+            self.log_train_window(window, window_steps)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the epoch time must include the queued kernels
+        t_end = time.time()
+        timed_steps, timed_s = (steps_run - 1, t_end - t_first) if steps_run > 1 \
+            else (steps_run, t_end - t0)
+        # One collective per epoch: the summed losses of all data-parallel ranks.
+        total = rt.dp_sum(epoch_sum.clone().float()).item()
+        avg = (total + st.epoch_loss_carry) / max(st.step_in_epoch, 1)
+        return EpochStats(avg, t_end - t0, steps_run, timed_steps / max(timed_s, 1e-9))
+
+    def log_train_window(self, window: torch.Tensor, steps: int):
+        # Host sync at the log interval: mean loss of the last `steps` steps over the dp ranks.
+        loss = self.rt.dp_sum(window[0].clone().float()).item() / (steps * self.rt.dp_size)
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"the training loss became {loss} before step {self.iteration}: lower lr "
+                f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data; "
+                f"checkpoints already written are kept in {self.ckpt_dir}")
+        self.board.scalar("Loss/train", loss, self.iteration)
+        self.board.scalar("Learning Rate", self.optimizer.param_groups[0]["lr"], self.iteration)
+        # The norm is that of the whole (serial) gradient, the same on every rank.
+        self.board.scalar("Grad norm", window[1].item() / steps, self.iteration)
+
+    def log_memory(self, probe):
+        """Every rank's memory after the forward pass and at the step's peak (rank 0 logs)."""
+        mine = (probe.after_forward / GB, probe.peak / GB, resident_peak_bytes() / GB)
+        everyone = [mine] * self.rt.world_size
+        if self.rt.distributed:
+            dist.all_gather_object(everyone, mine)  # once per epoch
+        if probe.after_forward == 0:
+            return
+        fwd = ", ".join(f"{a:.3f}" for a, _, _ in everyone)
+        peak = ", ".join(f"{b:.3f}" for _, b, _ in everyone)
+        log.info(f"Memory after forward pass (GB, per rank): {fwd}; peak: {peak} "
+                 f"[{probe.method()}]")
+        if self.device.type == "cpu":
+            log.info("  Process resident peak (GB, per rank): "
+                     + ", ".join(f"{c:.2f}" for _, _, c in everyone))
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Loss and metrics over the whole validation set (all ranks), and the naive baseline's."""
+        self.model.eval()
+        want_base = self._baseline is None
+        sums = picture = None
+        for x, y in self.loaders.valid:
+            x, y = self.to_device(x, y)
+            with self.autocast():
+                pred = self.wrapped_model(self.sharding.inputs(x, y)[0])
+            pred = self.sharding.full_output(pred)
+            metrics = self.task.metric_sums(pred, y).float()
+            m = metrics.numel()
+            if sums is None:  # [loss, count, metrics..., baseline loss, baseline metrics...]
+                sums = torch.zeros(3 + 2 * m, device=self.device, dtype=torch.float64)
+            sums[0] += self.task.loss(pred, y).float().sum()
+            sums[1] += y.shape[0]
+            sums[2:2 + m] += metrics
+            base = self.task.baseline_pred(x, y) if want_base else None
+            if base is not None:
+                sums[2 + m] += self.task.loss(base, y).float().sum()
+                sums[3 + m:] += self.task.metric_sums(base, y).float()
+            if picture is None and self.rt.is_main:
+                picture = self.task.picture(x, y, pred)
+        self.model.train()
+        if sums is None:
+            raise TrainingError("the validation set is empty: check the validation data")
+        sums = self.rt.dp_sum(sums).cpu().numpy()  # one collective per validation
+        count = sums[1]
+        if want_base:
+            self._baseline = (sums[2 + m] / count, sums[3 + m:] / count)
+        loss = sums[0] / count
+        if not math.isfinite(loss):
+            raise TrainingError(f"the validation loss is {loss} at step {self.iteration}: the "
+                                f"model diverged; lower lr or check the data; checkpoints "
+                                f"already written are kept in {self.ckpt_dir}")
+        return {"loss": loss, "metrics": sums[2:2 + m] / count, "picture": picture,
+                "count": int(count), "baseline_loss": self._baseline[0],
+                "baseline_metrics": self._baseline[1]}
+
+    def log_epoch(self, stats: EpochStats, val: dict, val_s: float):
+        """The epoch's lines in the log and its points in TensorBoard."""
+        it, board = self.iteration, self.board
+        log.info(f"Epoch {self.state.epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} steps, "
+                 f"{stats.rate_steps_per_s * self.rt.global_batch:.2f} samples/s "
+                 f"({stats.rate_steps_per_s:.2f} steps/s)")
+        if stats.steps:
+            board.scalar("Avg iters per sec", stats.rate_steps_per_s, it)
+            board.scalar("Avg samples per sec", stats.rate_steps_per_s * self.rt.global_batch, it)
+        log.info(f"  Avg train loss={stats.avg_loss:.6f}")
+        name = self.task.baseline_name
+        log.info(f"  Avg val loss={val['loss']:.6f} ({name} baseline {val['baseline_loss']:.6f})")
+        for line in self.task.metric_lines(val["metrics"], val["baseline_metrics"]):
+            log.info(line)
+        log.info(f"  Validation took {val_s:.2f} s")
+        board.scalar("Loss/valid", val["loss"], it)
+        board.scalar(f"Loss/valid_{name}", val["baseline_loss"], it)
+        for tag, v in self.task.metric_scalars(val["metrics"]).items():
+            board.scalar(tag, v, it)
+        if val["picture"] is not None:
+            board.image("Prediction vs target/valid", val["picture"], it)
+        board.flush()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, epoch_sum: torch.Tensor | None = None):
+        """Collective on all ranks; rank 0 writes. ``epoch_sum``: this rank's summed step losses
+        of the epoch so far (None at an epoch's end)."""
+        carried = 0.0 if epoch_sum is None else self.rt.dp_sum(epoch_sum.clone().float()).item()
+        state = self.state.state_dict(carried)
+        if state is not None:
+            path = checkpoint.save(self.ckpt_dir, self.iteration, state, self.cfg.checkpoint_keep)
+            log.info(f"Checkpoint written: {path}")
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self):
+        log.info("Starting training loop...")
+        while self.iteration < self.total_steps:
+            stats = self.train_epoch()
+            t0 = time.time()
+            val = self.validate()
+            self.log_epoch(stats, val, time.time() - t0)
+            self.last_val = val
+            self.state.next_epoch()
+        if not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
+            self.save_checkpoint()
+        self.board.close()
+        log.info(f"Done: {self.iteration} steps, checkpoints in {self.ckpt_dir}")
+
+
+# ---------------------------------------------------------------------- entry point
 
 def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     """End the process with one line on stderr (and in the run's out.log, on rank 0).

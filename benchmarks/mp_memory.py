@@ -14,7 +14,7 @@ tp=2 x cp=2 do not divide the rows, so the engine splits each cp band's tokens i
 chunks (230 tokens -> 4 x 58, 2 padding tokens; 115 per cp band -> 2 x 58, 1 padding token);
 tp=2 divides them (row bands). The ``off`` variant runs the same shapes with
 ``--sequence_parallel false``.
-Every rank builds the engine (``utils.trainer.Trainer``: the serial model, parallelized when tp
+Every rank builds the engine (``train.Trainer``: the serial model, parallelized when tp
 or cp > 1, DDP over dp with the replicated-gradient hook) and runs two training steps; the second
 is measured with the engine's own ``MemoryProbe`` (on a CPU: bytes of parameters, gradients, Adam
 state and the tensors saved for backward, each storage once), so Adam's state exists as in any
@@ -23,7 +23,7 @@ freed by ``zero_grad(set_to_none=True)``), "peak" adds the gradients of the back
 process resident peak (VmHWM) is shown as an upper bound that includes the interpreter,
 libraries, gloo buffers and short-lived temporaries.
 
-Predicted: ``distributed.memory_model`` for the same config and layout with ``--measure cpu``
+Predicted: ``benchmarks.memory_model`` for the same config and layout with ``--measure cpu``
 (the quantities the CPU probe counts; the token layout as the engine chooses it). Then the
 model's prediction for the full ``mp`` config on 80 GB GPUs (fp16, flash attention, local batch
 16 as in the reference runs, dp = 4): 360 x 720 as configured (45 patch rows: padded sequence
@@ -45,7 +45,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from distributed.memory_model import Shape, predict, predict_config  # noqa: E402
+from benchmarks.memory_model import Shape, predict, predict_config  # noqa: E402
 from utils.config import build_config  # noqa: E402
 
 GiB = 1024**3
@@ -85,8 +85,8 @@ def _measure_rank(config, ov):
     import torch
 
     from utils.memory import MemoryProbe, NullProbe, resident_peak_bytes, tensor_bytes
-    from utils.parallel import setup_runtime
-    from utils.trainer import Trainer
+    from utils.runtime import setup_runtime
+    from train import Trainer
 
     start_rss = _resident_bytes()  # interpreter, torch and gloo, before the run
     cfg = build_config(YAML, config, ov)

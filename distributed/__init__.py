@@ -1,11 +1,13 @@
 """Model parallelism (tensor, context/sequence and data parallel) for the ViT.
 
-``groups``      process groups for the tp x cp x dp rank grid (``ParallelGroups``)
-``mappings``    differentiable collectives (copy_to, reduce_from, scatter_to, gather_from,
-                all_gather, reduce_scatter)
+``groups``      process groups for the tp x cp x dp rank grid (``ParallelGroups``; ``SINGLE_PROCESS``
+                without torch.distributed)
+``mappings``    differentiable collectives named for their forward and backward
+                (``identity_fwd_all_reduce_bwd``, ``all_gather_fwd_split_bwd``, ...)
 ``layers``      sharded layers and gradient reduction for replicated parameters
-``parallelize`` serial ViT -> sharded ViT, image sharding, distributed loss, serial checkpoints
+``parallelize`` serial ViT -> sharded ViT, image bands, the task's loss over bands, serial checkpoints
 """
-from distributed.groups import ParallelGroups, build_groups, group_ranks, validate_parallel_config
+from distributed.groups import (SINGLE_PROCESS, ParallelGroups, build_groups, group_ranks,
+                                validate_parallel_config)
 
-__all__ = ["ParallelGroups", "build_groups", "group_ranks", "validate_parallel_config"]
+__all__ = ["SINGLE_PROCESS", "ParallelGroups", "build_groups", "group_ranks", "validate_parallel_config"]

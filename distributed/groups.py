@@ -19,17 +19,38 @@ Groups:
 ``group_ranks`` computes the rank lists without any process group (for tests and printing);
 ``build_groups`` creates the groups (a ``DeviceMesh`` with dims named tp/cp/dp) and returns one
 ``ParallelGroups`` object that layers receive explicitly; there are no module-level globals.
+
+Without torch.distributed (one process) every group is :data:`SINGLE_PROCESS`, a do-nothing
+group over which every collective of ``distributed.mappings`` is the identity. ``None`` is never
+used for that: as in torch.distributed, a ``None`` group means the default (world) group.
 """
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
-__all__ = ["AXES", "ParallelGroups", "build_groups", "group_ranks", "parse_order", "rank_coords",
-           "validate_parallel_config"]
+__all__ = ["AXES", "SINGLE_PROCESS", "ParallelGroups", "SingleProcessGroup", "build_groups", "group_ranks",
+           "parse_order", "rank_coords", "validate_parallel_config"]
 
 AXES = ("tp", "cp", "dp")
-_LONG = {"tp": "tensor_parallel", "cp": "context_parallel", "dp": "data_parallel"}
+
+
+class SingleProcessGroup:
+    """The group of this process alone, without torch.distributed: size 1, rank 0. Collectives
+    over it (``distributed.mappings``) return their input and never call torch.distributed."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "SINGLE_PROCESS"
+
+
+SINGLE_PROCESS = SingleProcessGroup()
+Group = Union[dist.ProcessGroup, SingleProcessGroup]
 
 
 def parse_order(parallel_order: Union[str, Sequence[str]]) -> Tuple[str, str, str]:
@@ -113,8 +134,8 @@ def group_ranks(world_size: int, tensor_parallel: int = 1, context_parallel: int
 class ParallelGroups:
     """Sizes, coordinates, rank lists and process groups of one rank in the tp x cp x dp grid.
 
-    Group handles are ``None`` when torch.distributed is not initialised (single process); every
-    consumer treats a group of size 1 as "no communication". ``group(name)``, ``size(name)``,
+    Group handles are :data:`SINGLE_PROCESS` when torch.distributed is not initialised (one
+    process); every consumer treats a group of size 1 as "no communication". ``group(name)``, ``size(name)``,
     ``rank_in(name)`` and ``ranks(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``.
     """
 
@@ -131,10 +152,10 @@ class ParallelGroups:
     cp_ranks: List[int] = field(default_factory=lambda: [0])
     dp_ranks: List[int] = field(default_factory=lambda: [0])
     mp_ranks: List[int] = field(default_factory=lambda: [0])
-    tp_group: Optional[dist.ProcessGroup] = None
-    cp_group: Optional[dist.ProcessGroup] = None
-    dp_group: Optional[dist.ProcessGroup] = None
-    mp_group: Optional[dist.ProcessGroup] = None
+    tp_group: Group = SINGLE_PROCESS
+    cp_group: Group = SINGLE_PROCESS
+    dp_group: Group = SINGLE_PROCESS
+    mp_group: Group = SINGLE_PROCESS
     mesh: Optional[object] = None  # torch.distributed.device_mesh.DeviceMesh with dims named tp/cp/dp
 
     # ---- convenient aliases -------------------------------------------------------------
@@ -165,7 +186,7 @@ class ParallelGroups:
             raise ValueError(f"unknown parallel group {name!r}: expected 'tp', 'cp', 'dp' or 'mp'")
         return name
 
-    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+    def group(self, name: str) -> Group:
         return getattr(self, f"{self._check(name)}_group")
 
     def size(self, name: str) -> int:

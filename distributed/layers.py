@@ -3,23 +3,24 @@
 Activation layout
 -----------------
 Token tensors are ``(B, N, E)``. Inside a model replica (one dp coordinate) the ``N`` tokens
-are always sharded over cp (contiguous ranges in cp-rank order). With ``sequence_parallel=True``
-(what ``parallelize_vit`` uses by default) each cp range is further sharded over tp, so
-*between* the column- and row-parallel linears (LayerNorm, residual adds, dropout) every rank
-holds ``N / (cp * tp)`` tokens: chunk ``cp_rank * tp + tp_rank`` of the sequence (each cp
-range padded to a multiple of tp when needed: ``seq_pad`` of the attention, where padding is
-never a key or value). Inside attention and the MLP the tokens are gathered over tp (all the
-cp-local tokens) while heads / hidden units are sharded over tp; keys and values are
-additionally gathered over cp. Every activation a block keeps for backward is split over tp,
-along tokens or along heads / hidden units; the tokens gathered for a column-parallel linear
-exist only while it runs (backward gathers them again).
+are always sharded over cp: contiguous bands in cp-rank order, which may differ in length
+(``ParallelAttention(band_tokens=...)``; ``distributed.parallelize`` cuts them in whole patch
+rows). With ``sequence_parallel=True`` (what ``parallelize_vit`` uses by default) each cp band
+is further sharded over tp, so *between* the column- and row-parallel linears (LayerNorm,
+residual adds, dropout) every rank holds ``1 / tp`` of its cp band's tokens: chunk
+``cp_rank * tp + tp_rank`` of the sequence (a cp band may be padded to a multiple of tp; padding
+tokens are never keys or values). Inside attention and the MLP the tokens are gathered over tp
+(all the tokens of the cp band) while heads / hidden units are sharded over tp; keys and values
+are additionally gathered over cp. Every activation a block keeps for backward is split over
+tp, along tokens or along heads / hidden units; the tokens gathered for a column-parallel
+linear exist only while it runs (backward gathers them again).
 
 With ``sequence_parallel=False`` (plain Megatron tensor parallelism) the tokens are sharded over
 cp only and the activations outside the linears are replicated over tp: every tp rank of a cp
-rank holds the same ``N / cp`` tokens, a column-parallel linear uses them as they are
-(``copy_to``: its input gradient is all-reduced over tp) and a row-parallel linear all-reduces
-its output. Dropout on those replicated activations must drop the same elements on every tp
-rank (:class:`ReplicatedDropout`).
+rank holds the same cp band, a column-parallel linear uses it as it is
+(``identity_fwd_all_reduce_bwd``: its input gradient is all-reduced over tp) and a row-parallel
+linear all-reduces its output. Dropout on those replicated activations must drop the same
+elements on every tp rank (:class:`ReplicatedDropout`).
 
 Parameters
 ----------
@@ -47,15 +48,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed.groups import ParallelGroups
-from distributed.mappings import (all_gather, all_gather_along, copy_to, reduce_from, reduce_scatter,
-                                  reduce_scatter_along)
+from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatter_bwd, all_reduce_fwd_identity_bwd,
+                                  identity_fwd_all_reduce_bwd, reduce_scatter_along,
+                                  reduce_scatter_fwd_all_gather_bwd)
 
 __all__ = ["ShardSpec", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
-           "SequenceParallelLayerNorm", "ParallelBlock", "ParallelPatchEmbed", "ReplicatedDropout",
+           "TokenShardedLayerNorm", "ParallelBlock", "ParallelPatchEmbed", "ReplicatedDropout",
            "mark_replicated", "mark_module_replicated", "sharded_parameter",
            "load_serial_state_dict", "serial_state_dict", "tensors_to_serial", "tensors_from_serial",
-           "reduce_replicated_grads",
-           "replicated_grads_comm_hook", "divisor_choices", "check_divisible", "unwrap"]
+           "reduce_replicated_grads", "replicated_grads_comm_hook", "divisor_choices", "check_divisible",
+           "split_bounds", "axes_index", "unwrap"]
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -72,6 +74,24 @@ def check_divisible(what: str, n: int, by_name: str, by: int):
     """``ValueError("tensor_parallel=3 does not divide num_heads=8: choose 1, 2, 4 or 8")``."""
     if n % by:
         raise ValueError(f"{by_name}={by} does not divide {what}={n}: choose {divisor_choices(n)}")
+
+
+def split_bounds(length: int, parts: int, index: int) -> Tuple[int, int]:
+    """``(start, stop)`` of part ``index`` when ``length`` items are cut into ``parts`` contiguous
+    parts whose lengths differ by at most one, the longer ones first: 45 patch rows in 4 parts
+    are 12, 11, 11 and 11 rows. Equal parts when ``parts`` divides ``length``."""
+    base, extra = divmod(length, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
+def axes_index(groups: ParallelGroups, axes: Sequence[str]) -> Tuple[int, int]:
+    """``(number of chunks, this rank's chunk)`` when something is cut over ``axes``, outer to
+    inner: with ``("cp", "tp")`` the rank holds chunk ``cp_rank * tp + tp_rank`` of ``cp * tp``."""
+    n, idx = 1, 0
+    for a in axes:
+        n, idx = n * groups.size(a), idx * groups.size(a) + groups.rank_in(a)
+    return n, idx
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -93,26 +113,35 @@ class ShardSpec:
 
     ``axes == ()``: replicated (the local tensor is the serial tensor). Otherwise the serial
     tensor, viewed as ``view`` (or as is when ``view`` is None), is cut along ``dim`` into
-    ``prod(size(a) for a in axes)`` equal chunks; ``axes`` go from outer to inner, so with
-    ``("cp", "tp")`` the rank keeps chunk ``cp_rank * tp + tp_rank``. With a ``view`` the chunk
-    is reshaped to ``(-1, *full_shape[1:])``.
+    ``prod(size(a) for a in axes)`` contiguous chunks of whole units of ``unit`` elements, whose
+    lengths differ by at most one unit (:func:`split_bounds`): equal chunks when they divide, as
+    for weights split over tp; ``unit`` = patch columns cuts tokens in whole patch rows. ``axes``
+    go from outer to inner, so with ``("cp", "tp")`` the rank keeps chunk ``cp_rank * tp +
+    tp_rank``. With a ``view`` the chunk is reshaped to ``(-1, *full_shape[1:])``.
     """
 
     full_shape: Tuple[int, ...]
     axes: Tuple[str, ...] = ()
     dim: int = 0
     view: Optional[Tuple[int, ...]] = None
+    unit: int = 1
 
-    def _split(self, groups: ParallelGroups):
-        n, idx = 1, 0
-        for a in self.axes:
-            n, idx = n * groups.size(a), idx * groups.size(a) + groups.rank_in(a)
-        return n, idx
+    def _chunk_sizes(self) -> Tuple[int, int]:
+        length = (self.view or self.full_shape)[self.dim]
+        if length % self.unit:
+            raise ValueError(f"dimension {self.dim} of length {length} is not made of units of {self.unit}")
+        return length, length // self.unit
+
+    def _bounds(self, n: int, idx: int) -> Tuple[int, int]:
+        """(start, stop) along ``dim`` of chunk ``idx`` of ``n``."""
+        _, units = self._chunk_sizes()
+        start, stop = split_bounds(units, n, idx)
+        return start * self.unit, stop * self.unit
 
     def local_shape(self, groups: ParallelGroups) -> Tuple[int, ...]:
-        n, _ = self._split(groups)
+        start, stop = self._bounds(*axes_index(groups, self.axes))
         view = list(self.view or self.full_shape)
-        view[self.dim] //= n
+        view[self.dim] = stop - start
         if self.view is None:
             return tuple(view)
         return (math.prod(view) // math.prod(self.full_shape[1:]),) + tuple(self.full_shape[1:])
@@ -120,24 +149,30 @@ class ShardSpec:
     def shard(self, full: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
         if tuple(full.shape) != tuple(self.full_shape):
             raise ValueError(f"expected a serial tensor of shape {self.full_shape}, got {tuple(full.shape)}")
-        n, idx = self._split(groups)
+        n, idx = axes_index(groups, self.axes)
         if n == 1:
             return full
         t = full.reshape(self.view) if self.view else full
-        c = t.shape[self.dim] // n
-        chunk = t.narrow(self.dim, idx * c, c)
+        start, stop = self._bounds(n, idx)
+        chunk = t.narrow(self.dim, start, stop - start)
         return chunk if self.view is None else chunk.reshape((-1,) + tuple(self.full_shape[1:]))
 
     def gather(self, local: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
         """Collective over the spec's axes: reassemble the serial tensor on every rank."""
-        n, _ = self._split(groups)
+        n, idx = axes_index(groups, self.axes)
         if n == 1:
             return local
+        sizes = [stop - start for start, stop in (self._bounds(n, i) for i in range(n))]
         view = list(self.view or self.full_shape)
-        view[self.dim] //= n
+        view[self.dim] = sizes[idx]
         t = local.reshape(view)
-        for a in reversed(self.axes):  # innermost first: tp chunks form a contiguous cp chunk
-            t = all_gather_along(t, groups.group(a), self.dim)
+        inner = 1  # chunks already gathered into t: innermost axis first, so tp chunks form a cp chunk
+        for a in reversed(self.axes):
+            g = groups.size(a)
+            first = idx // (inner * g) * (inner * g)  # the first chunk this gather covers
+            members = [sum(sizes[first + j * inner:first + (j + 1) * inner]) for j in range(g)]
+            t = all_gather_along(t, groups.group(a), self.dim, members)
+            inner *= g
         return t.reshape(self.full_shape)
 
 
@@ -378,7 +413,7 @@ class ColumnParallelLinear(_ParallelLinear):
       (``reduce_over=("cp",)``): cp ranks see different tokens.
     * input: ``sequence_parallel=True``: (..., N/tp, ..., in), tokens split over tp along
       ``seq_dim``; they are all-gathered (the gathered tensor is not kept for backward).
-      ``False``: the full input, replicated over tp (``copy_to``).
+      ``False``: the full input, replicated over tp (``identity_fwd_all_reduce_bwd``).
     * output: (..., N, ..., out/tp), all tokens of this cp rank, features split over tp.
     """
 
@@ -409,7 +444,7 @@ class ColumnParallelLinear(_ParallelLinear):
         tp_group = self.groups.tp_group
         if self.sequence_parallel and self.groups.tp_size > 1:
             return _AllGatherLinear.apply(x, self.weight, self.bias, tp_group, self.seq_dim % x.dim())
-        return F.linear(copy_to(x, tp_group), self.weight, self.bias)
+        return F.linear(identity_fwd_all_reduce_bwd(x, tp_group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (/{self.groups.tp_size} over tp), "
@@ -450,9 +485,9 @@ class RowParallelLinear(_ParallelLinear):
             return F.linear(x, self.weight, self.bias)  # nothing to reduce: the serial op, fused bias
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter(y, self.groups.tp_group, self.seq_dim % y.dim())
+            y = reduce_scatter_fwd_all_gather_bwd(y, self.groups.tp_group, self.seq_dim % y.dim())
         else:
-            y = reduce_from(y, self.groups.tp_group)
+            y = all_reduce_fwd_identity_bwd(y, self.groups.tp_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -506,7 +541,7 @@ class ReplicatedDropout(nn.Dropout):
 
 # ---- transformer layers -----------------------------------------------------------------------
 
-class SequenceParallelLayerNorm(nn.LayerNorm):
+class TokenShardedLayerNorm(nn.LayerNorm):
     """LayerNorm over the last dim of a token-sharded input: purely local (per token).
 
     ``weight`` and ``bias`` are replicated over cp and, with sequence parallelism, tp; each rank
@@ -522,7 +557,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         mark_module_replicated(self, _token_axes(sequence_parallel))
 
     @classmethod
-    def from_serial(cls, norm: nn.LayerNorm, groups: ParallelGroups, **kwargs) -> "SequenceParallelLayerNorm":
+    def from_serial(cls, norm: nn.LayerNorm, groups: ParallelGroups, **kwargs) -> "TokenShardedLayerNorm":
         ref = next(norm.parameters(), None)
         m = cls(norm.normalized_shape, groups, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
                 dtype=None if ref is None else ref.dtype, device=None if ref is None else ref.device, **kwargs)
@@ -568,29 +603,33 @@ class ParallelAttention(nn.Module):
 
     * ``qkv`` (column-parallel, [q | k | v] stacked): tp rank r holds heads
       ``[r*H/tp, (r+1)*H/tp)`` of q, k and v: weight (3E/tp, E), bias (3E/tp); replicated over cp.
-    * queries stay on the rank's cp tokens; keys and values of the local heads are all-gathered
+    * queries stay on the rank's cp band; keys and values of the local heads are all-gathered
       over cp (backward: their gradients are reduce-scattered back) so every query sees all
       ``N`` tokens.
     * ``proj`` (row-parallel): weight (E, E/tp) split over tp, replicated over cp; bias replicated.
-    * input/output: (B, N/(cp*tp), E) with sequence parallelism ((B, N/cp, E) without).
-    * ``seq_pad``: padded sequence parallelism, the last ``seq_pad`` of the cp rank's gathered
-      tokens are padding: they are not keys or values of any query (see
-      ``distributed.parallelize``).
+    * input/output: this rank's tokens, (B, n/tp, E) with sequence parallelism ((B, n, E)
+      without), ``n`` the tokens of its cp band (padding included).
+    * ``band_tokens``: the real tokens of every cp band, in cp-rank order (``None``: all tokens
+      are real and the bands equal). Tokens of a band beyond its real ones are padding (padded
+      sequence parallelism, see ``distributed.parallelize``): they are never keys or values.
+      Bands of different lengths are padded to the longest for the K/V all-gather and the
+      padding dropped after it.
     """
 
     def __init__(self, dim: int, num_heads: int, groups: ParallelGroups, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, sequence_parallel: bool = True, seq_pad: int = 0, dtype=None,
-                 device=None):
+                 proj_drop: float = 0.0, sequence_parallel: bool = True,
+                 band_tokens: Optional[Sequence[int]] = None, dtype=None, device=None):
         super().__init__()
-        if seq_pad and not (sequence_parallel and groups.tp_size > 1):
-            raise ValueError(f"seq_pad={seq_pad}: padding tokens are only used with sequence parallelism at "
-                             f"tensor_parallel > 1 (got sequence_parallel={sequence_parallel}, tensor_parallel="
-                             f"{groups.tp_size})")
+        if band_tokens is not None:
+            band_tokens = tuple(int(n) for n in band_tokens)
+            if len(band_tokens) != groups.cp_size or min(band_tokens) < 1:
+                raise ValueError(f"band_tokens={list(band_tokens)} must give the (positive) number of real tokens "
+                                 f"of each of the context_parallel={groups.cp_size} bands")
         if dim % num_heads:
             raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
         tp = groups.tp_size
         check_divisible("num_heads", num_heads, "tensor_parallel", tp)
-        self.groups, self.seq_pad = groups, seq_pad
+        self.groups, self.band_tokens = groups, band_tokens
         self.num_heads, self.local_heads, self.head_dim = num_heads, num_heads // tp, dim // num_heads
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.qkv = ColumnParallelLinear(dim, 3 * dim, groups, stacked=3, **kw)
@@ -607,15 +646,19 @@ class ParallelAttention(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, n, 3 * local_heads * head_dim), n = tokens of this cp rank
+        qkv = self.qkv(x)  # (B, n, 3 * local_heads * head_dim), n = tokens of this cp band
         B, n = qkv.shape[:2]
         qkv = qkv.reshape(B, n, 3, self.local_heads, self.head_dim)
         q = qkv[:, :, 0].transpose(1, 2)  # (B, h, n, hd)
-        # Padding tokens (the last seq_pad of the cp band) are dropped from the keys and values, so no
+        # Padding tokens (after the band's real ones) are dropped from the keys and values, so no
         # query attends to them; their own queries give finite outputs that nothing uses.
-        kv = qkv[:, :n - self.seq_pad, 1:]
-        kv = all_gather(kv, self.groups.cp_group, dim=1)  # (B, N, 2, h, hd), one collective
-        k, v = kv.permute(2, 0, 3, 1, 4)  # (2, B, h, N, hd)
+        real = n if self.band_tokens is None else self.band_tokens[self.groups.cp_rank]
+        assert real <= n, f"{n} tokens reached attention, fewer than the band's {real} real ones"
+        kv = qkv[:, :real, 1:]  # (B, real, 2, h, hd)
+        # K/V of every cp band in band order, one collective (bands of different lengths are
+        # padded to the longest for it and the padding dropped again)
+        kv = all_gather_fwd_reduce_scatter_bwd(kv, self.groups.cp_group, dim=1, sizes=self.band_tokens)
+        k, v = kv.permute(2, 0, 3, 1, 4)  # (B, N, 2, h, hd) -> (2, B, h, N, hd)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, n, self.local_heads * self.head_dim)
         return self.proj_drop(self.proj(x))
@@ -630,14 +673,14 @@ class ParallelBlock(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden_dim: int, groups: ParallelGroups,
-                 drop: float = 0.0, eps: float = 1e-5, sequence_parallel: bool = True, seq_pad: int = 0,
-                 dtype=None, device=None):
+                 drop: float = 0.0, eps: float = 1e-5, sequence_parallel: bool = True,
+                 band_tokens: Optional[Sequence[int]] = None, dtype=None, device=None):
         super().__init__()
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        self.norm1 = SequenceParallelLayerNorm(dim, groups, eps=eps, **kw)
-        self.attn = ParallelAttention(dim, num_heads, groups, attn_drop=drop, proj_drop=drop, seq_pad=seq_pad,
-                                      **kw)
-        self.norm2 = SequenceParallelLayerNorm(dim, groups, eps=eps, **kw)
+        self.norm1 = TokenShardedLayerNorm(dim, groups, eps=eps, **kw)
+        self.attn = ParallelAttention(dim, num_heads, groups, attn_drop=drop, proj_drop=drop,
+                                      band_tokens=band_tokens, **kw)
+        self.norm2 = TokenShardedLayerNorm(dim, groups, eps=eps, **kw)
         self.mlp = ParallelMLP(dim, mlp_hidden_dim, groups, drop=drop, **kw)
 
     @classmethod
@@ -645,6 +688,7 @@ class ParallelBlock(nn.Module):
         w = block.attn.qkv.weight
         m = cls(block.attn.qkv.in_features, block.attn.num_heads, block.mlp.fc1.out_features, groups,
                 drop=block.mlp.drop.p, eps=block.norm1.eps, dtype=w.dtype, device=w.device, **kwargs)
+        m.norm2.eps = block.norm2.eps
         load_serial_state_dict(m, block.state_dict(), groups)
         return m
 
@@ -656,42 +700,42 @@ class ParallelBlock(nn.Module):
 class ParallelPatchEmbed(nn.Module):
     """Patch embedding of the rank's band of image rows.
 
-    The image's ``H/p`` patch rows are split into ``cp*tp`` (``sequence_parallel``; ``cp``
-    otherwise) contiguous bands; rank chunk ``c`` receives image rows ``[c*H/chunks,
-    (c+1)*H/chunks)`` at full width and returns its tokens ``(B, N/chunks, E)``, which in
-    row-major patch order are exactly token range ``c`` of the serial model (``c`` is the cp
-    rank without sequence parallelism: every tp rank of a cp rank embeds the same band). ``proj``
-    (the p x p stride-p convolution) is replicated over cp and tp; its gradient is summed over
-    the ranks that see different bands: ``reduce_over=("cp", "tp")``, ``("cp",)`` without
-    sequence parallelism. ``reduce_over`` given explicitly overrides that: padded sequence
-    parallelism embeds cp bands (``sequence_parallel=False`` here) of which each tp rank keeps
-    a different chunk of tokens, so the gradient is summed over ``("cp", "tp")``.
+    The image's ``H/p`` patch rows are cut into ``prod(size(a) for a in band_axes)`` contiguous
+    bands of whole patch rows whose lengths differ by at most one row (:func:`split_bounds`);
+    ``band_axes`` go from outer to inner, so with ``("cp", "tp")`` band ``cp_rank * tp + tp_rank``
+    is this rank's, with ``("cp",)`` band ``cp_rank`` (every tp rank of a cp rank embeds the same
+    band). The rank receives its band's image rows at full width (``rows``, in patch rows) and
+    returns the band's tokens ``(B, band rows * W/p, E)``, which in row-major patch order are
+    exactly a contiguous token range of the serial model. ``proj`` (the p x p stride-p
+    convolution) is whole on every rank; its gradient is summed over the ranks that see other
+    bands: ``reduce_over=band_axes`` unless given (padded sequence parallelism embeds cp bands
+    of which each tp rank keeps a different chunk of tokens: ``("cp", "tp")``).
     """
 
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,
-                 sequence_parallel: bool = True, reduce_over: Optional[Sequence[str]] = None, dtype=None,
+                 band_axes: Sequence[str] = ("cp", "tp"), reduce_over: Optional[Sequence[str]] = None, dtype=None,
                  device=None):
         super().__init__()
         h, w = img_size
-        self.axes = _token_axes(sequence_parallel)
-        chunks = math.prod(groups.size(a) for a in self.axes)
-        self.grid = (h // patch_size, w // patch_size)
         if h % patch_size or w % patch_size:
             raise ValueError(f"img_size={list(img_size)} is not divisible by patch_size={patch_size}")
-        if self.grid[0] % chunks:
+        self.band_axes = tuple(band_axes)
+        self.grid = (h // patch_size, w // patch_size)
+        chunks, index = axes_index(groups, self.band_axes)
+        if chunks > self.grid[0]:
             names = " x ".join(f"{'context_parallel' if a == 'cp' else 'tensor_parallel'}={groups.size(a)}"
-                               for a in self.axes)
-            raise ValueError(
-                f"{names} = {chunks} does not divide the {self.grid[0]} patch rows "
-                f"(img height {h} / patch_size {patch_size}): tokens are sharded in whole patch rows "
-                f"over {chunks} ranks; choose a product in {divisor_choices(self.grid[0])}")
+                               for a in self.band_axes)
+            raise ValueError(f"{names} = {chunks} bands exceed the {self.grid[0]} patch rows (img height {h} / "
+                             f"patch_size {patch_size}): every band needs a whole patch row; use at most "
+                             f"{self.grid[0]} bands")
         self.patch_size, self.chunks = patch_size, chunks
-        self.local_grid = (self.grid[0] // chunks, self.grid[1])
+        self.rows = split_bounds(self.grid[0], chunks, index)  # this rank's patch rows [start, stop)
+        self.local_grid = (self.rows[1] - self.rows[0], self.grid[1])
         self.num_patches = self.grid[0] * self.grid[1]
         self.local_num_patches = self.local_grid[0] * self.local_grid[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size,
                               dtype=dtype, device=device)
-        mark_module_replicated(self.proj, self.axes if reduce_over is None else reduce_over)
+        mark_module_replicated(self.proj, self.band_axes if reduce_over is None else reduce_over)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.patch_size
@@ -699,4 +743,4 @@ class ParallelPatchEmbed(nn.Module):
         if tuple(x.shape[-2:]) != want:
             raise ValueError(f"expected this rank's band of {want[0]} image rows x {want[1]} columns "
                              f"(use shard_image), got spatial shape {tuple(x.shape[-2:])}")
-        return self.proj(x).flatten(2).transpose(1, 2)
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, C, rows, W) -> (B, band tokens, E)

@@ -2,51 +2,63 @@
 
 Each mapping is a ``torch.autograd.Function`` whose backward is the adjoint of its forward, so
 that the gradient a rank receives for its local tensor is exactly the gradient of the global
-loss with respect to that tensor:
+loss with respect to that tensor. The name says both passes:
 
-=================  ==================================  ==================================
-mapping            forward                             backward
-=================  ==================================  ==================================
-``copy_to``        identity                            all-reduce (sum)
-``reduce_from``    all-reduce (sum)                    identity
-``scatter_to``     split along ``dim``, keep own chunk all-gather along ``dim``
-``gather_from``    all-gather along ``dim``            split along ``dim``, keep own chunk
-``all_gather``     all-gather along ``dim``            reduce-scatter (sum) along ``dim``
-``reduce_scatter`` reduce-scatter (sum) along ``dim``  all-gather along ``dim``
-=================  ==================================  ==================================
+=======================================  ==================================  ==================================
+mapping                                  forward                             backward
+=======================================  ==================================  ==================================
+``identity_fwd_all_reduce_bwd``          identity                            all-reduce (sum)
+``all_reduce_fwd_identity_bwd``          all-reduce (sum)                    identity
+``split_fwd_all_gather_bwd``             split along ``dim``, keep own chunk all-gather along ``dim``
+``all_gather_fwd_split_bwd``             all-gather along ``dim``            split along ``dim``, keep own chunk
+``all_gather_fwd_reduce_scatter_bwd``    all-gather along ``dim``            reduce-scatter (sum) along ``dim``
+``reduce_scatter_fwd_all_gather_bwd``    reduce-scatter (sum) along ``dim``  all-gather along ``dim``
+=======================================  ==================================  ==================================
 
-``gather_from`` assumes that what follows is computed identically on every rank of the group
-(its output gradient is the same everywhere), ``all_gather`` that every rank uses the gathered
-tensor differently (e.g. K/V of all tokens against local queries), hence the different backward.
+Which to use: ``identity_fwd_all_reduce_bwd`` enters a region that every rank of the group
+computes on the same input (each rank's gradient is partial); ``all_reduce_fwd_identity_bwd``
+sums partial results (e.g. per-band loss sums). ``all_gather_fwd_split_bwd`` assumes that what
+follows is computed identically on every rank of the group (its output gradient is the same
+everywhere), ``all_gather_fwd_reduce_scatter_bwd`` that every rank uses the gathered tensor
+differently (e.g. K/V of all tokens against local queries), hence the different backward.
 
 Chunks are in group-rank order: rank r of a group of size n holds ``[r*c, (r+1)*c)`` of a
-dimension of length ``n*c``. Sizes must divide evenly (a ``ValueError`` says which dimension).
+dimension of length ``n*c``. Sizes must divide evenly (a ``ValueError`` says which dimension),
+except for the two all-gathers, which take ``sizes`` (the length of every rank's chunk, in
+group-rank order) for chunks of different lengths: each chunk is padded to the longest, gathered,
+and the padding dropped again; the backward gives each rank the gradient of its real chunk.
 
-``group`` is a ``torch.distributed.ProcessGroup``; ``None`` means "no group" (a single process)
-and, like any group of size 1, makes every mapping the identity without communication. (This
-differs from the torch.distributed convention where ``None`` means WORLD.)
+``group`` is a ``torch.distributed`` process group, ``None`` for the default (world) group as
+in torch.distributed, or ``distributed.groups.SINGLE_PROCESS`` (one process, no
+torch.distributed). Over any group of size 1 every mapping is the identity and nothing is
+communicated.
 
-The plain (non-differentiable) helpers ``all_gather_along``, ``reduce_scatter_along``,
-``split_along`` and ``all_reduce`` are used by layers with hand-written backward passes.
+The plain (non-differentiable) helpers ``all_reduce``, ``all_gather_along``,
+``reduce_scatter_along`` and ``split_along`` are used by layers with hand-written backward passes.
 """
+from typing import Optional, Sequence
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-__all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "all_gather", "reduce_scatter",
-           "group_size", "group_rank", "all_reduce", "all_gather_along", "reduce_scatter_along",
-           "split_along"]
+from distributed.groups import SingleProcessGroup
+
+__all__ = ["identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "split_fwd_all_gather_bwd",
+           "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd", "reduce_scatter_fwd_all_gather_bwd",
+           "group_size", "group_rank", "all_reduce", "all_gather_along", "reduce_scatter_along", "split_along"]
 
 
 def group_size(group) -> int:
-    """Number of ranks in ``group`` (1 for ``None`` or without torch.distributed)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    """Number of ranks in ``group`` (``None``: the default group, as in torch.distributed)."""
+    if isinstance(group, SingleProcessGroup):
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    """This process's rank within ``group`` (0 for ``None``)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    """This process's rank within ``group``."""
+    if isinstance(group, SingleProcessGroup):
         return 0
     return dist.get_rank(group)
 
@@ -57,6 +69,36 @@ def _chunk_len(x: torch.Tensor, dim: int, n: int) -> int:
         raise ValueError(f"dimension {dim} of a tensor of shape {tuple(x.shape)} has length {length}, "
                          f"which is not divisible by the group size {n}")
     return length // n
+
+
+def _norm_dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim() if x.dim() else 0
+
+
+def _check_sizes(x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[int]]) -> Optional[Sequence[int]]:
+    """``sizes`` when the chunks differ in length (checked against ``x``), else None."""
+    if sizes is None:
+        return None
+    n, r = group_size(group), group_rank(group)
+    if len(sizes) != n or x.shape[dim] != sizes[r]:
+        raise ValueError(f"sizes={list(sizes)} must give the length of every rank's chunk along dimension {dim}: "
+                         f"the group has {n} ranks and rank {r} holds {x.shape[dim]}")
+    return None if min(sizes) == max(sizes) else sizes
+
+
+def _pad_to(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of ``dim`` to ``length`` (differentiable)."""
+    extra = length - x.shape[dim]
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    return F.pad(x, pad)
+
+
+def _drop_padding(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """From chunks of length ``max(sizes)`` along ``dim``, keep the first ``sizes[r]`` of chunk r."""
+    c = max(sizes)
+    return torch.cat([x.narrow(dim, r * c, s) for r, s in enumerate(sizes)], dim)
 
 
 # ---- plain collectives ------------------------------------------------------------------------
@@ -95,11 +137,7 @@ def split_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.narrow(dim, group_rank(group) * c, c).contiguous()
 
 
-def all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Concatenation along ``dim`` of every rank's ``x`` (same shape on all ranks), in rank order."""
-    n = group_size(group)
-    if n == 1:
-        return x
+def _all_gather_equal(x: torch.Tensor, group, dim: int, n: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     backend = dist.get_backend(group)
     if backend not in _UNSUPPORTED:
@@ -114,6 +152,20 @@ def all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(xt) for _ in range(n)]
     dist.all_gather(parts, xt, group=group)
     return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
+
+
+def all_gather_along(x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Concatenation along ``dim`` of every rank's ``x``, in rank order. The other dims must
+    agree; along ``dim`` the chunks are equal, or of the lengths ``sizes`` (pad, gather, drop)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    dim = _norm_dim(x, dim)
+    sizes = _check_sizes(x, group, dim, sizes)
+    if sizes is None:
+        return _all_gather_equal(x, group, dim, n)
+    # Collectives need equal chunks: pad every chunk to the longest, gather, drop the padding.
+    return _drop_padding(_all_gather_equal(_pad_to(x, dim, max(sizes)), group, dim, n), dim, sizes)
 
 
 def _reduce_scatter_via_all_reduce(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -145,7 +197,7 @@ def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 # ---- autograd functions -----------------------------------------------------------------------
 
-class _CopyTo(torch.autograd.Function):
+class _IdentityFwdAllReduceBwd(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (sum) of the gradient over the group."""
 
     @staticmethod
@@ -158,7 +210,7 @@ class _CopyTo(torch.autograd.Function):
         return all_reduce(grad, ctx.group), None
 
 
-class _ReduceFrom(torch.autograd.Function):
+class _AllReduceFwdIdentityBwd(torch.autograd.Function):
     """Forward: all-reduce (sum) over the group. Backward: identity."""
 
     @staticmethod
@@ -170,7 +222,7 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterTo(torch.autograd.Function):
+class _SplitFwdAllGatherBwd(torch.autograd.Function):
     """Forward: split along ``dim`` and keep this rank's chunk. Backward: all-gather along ``dim``."""
 
     @staticmethod
@@ -183,7 +235,7 @@ class _ScatterTo(torch.autograd.Function):
         return all_gather_along(grad, ctx.group, ctx.dim), None, None
 
 
-class _GatherFrom(torch.autograd.Function):
+class _AllGatherFwdSplitBwd(torch.autograd.Function):
     """Forward: all-gather along ``dim``. Backward: split along ``dim``, keep this rank's chunk."""
 
     @staticmethod
@@ -196,7 +248,7 @@ class _GatherFrom(torch.autograd.Function):
         return split_along(grad, ctx.group, ctx.dim), None, None
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGatherFwdReduceScatterBwd(torch.autograd.Function):
     """Forward: all-gather along ``dim``. Backward: reduce-scatter (sum) along ``dim``."""
 
     @staticmethod
@@ -209,7 +261,7 @@ class _AllGather(torch.autograd.Function):
         return reduce_scatter_along(grad, ctx.group, ctx.dim), None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
     """Forward: reduce-scatter (sum) along ``dim``. Backward: all-gather along ``dim``."""
 
     @staticmethod
@@ -222,35 +274,45 @@ class _ReduceScatter(torch.autograd.Function):
         return all_gather_along(grad, ctx.group, ctx.dim), None, None
 
 
-def _norm_dim(x: torch.Tensor, dim: int) -> int:
-    return dim % x.dim() if x.dim() else 0
+def _gather(fn, x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[int]]) -> torch.Tensor:
+    dim = _norm_dim(x, dim)
+    sizes = _check_sizes(x, group, dim, sizes)
+    if sizes is None:
+        return fn.apply(x, group, dim)
+    # Equal chunks on the wire: the padding is differentiable (its gradient is dropped) and the
+    # dropped padding gets a zero gradient, so each rank's gradient is that of its real chunk.
+    return _drop_padding(fn.apply(_pad_to(x, dim, max(sizes)), group, dim), dim, sizes)
 
 
-def copy_to(x: torch.Tensor, group) -> torch.Tensor:
+def identity_fwd_all_reduce_bwd(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a region computed in parallel over ``group``: forward identity, backward all-reduce."""
-    return x if group_size(group) == 1 else _CopyTo.apply(x, group)
+    return x if group_size(group) == 1 else _IdentityFwdAllReduceBwd.apply(x, group)
 
 
-def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_fwd_identity_bwd(x: torch.Tensor, group) -> torch.Tensor:
     """Sum partial results over ``group``: forward all-reduce, backward identity."""
-    return x if group_size(group) == 1 else _ReduceFrom.apply(x, group)
+    return x if group_size(group) == 1 else _AllReduceFwdIdentityBwd.apply(x, group)
 
 
-def scatter_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+def split_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk along ``dim``: forward split, backward all-gather."""
-    return x if group_size(group) == 1 else _ScatterTo.apply(x, group, _norm_dim(x, dim))
+    return x if group_size(group) == 1 else _SplitFwdAllGatherBwd.apply(x, group, _norm_dim(x, dim))
 
 
-def gather_from(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    """Concatenate the chunks along ``dim``: forward all-gather, backward split (keep own chunk)."""
-    return x if group_size(group) == 1 else _GatherFrom.apply(x, group, _norm_dim(x, dim))
+def all_gather_fwd_split_bwd(x: torch.Tensor, group, dim: int = -1,
+                             sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Concatenate the chunks along ``dim``: forward all-gather, backward split (keep own chunk).
+    ``sizes``: every rank's chunk length along ``dim`` when they differ."""
+    return x if group_size(group) == 1 else _gather(_AllGatherFwdSplitBwd, x, group, dim, sizes)
 
 
-def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Concatenate the chunks along ``dim``: forward all-gather, backward reduce-scatter (sum)."""
-    return x if group_size(group) == 1 else _AllGather.apply(x, group, _norm_dim(x, dim))
+def all_gather_fwd_reduce_scatter_bwd(x: torch.Tensor, group, dim: int = 0,
+                                      sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Concatenate the chunks along ``dim``: forward all-gather, backward reduce-scatter (sum).
+    ``sizes``: every rank's chunk length along ``dim`` when they differ."""
+    return x if group_size(group) == 1 else _gather(_AllGatherFwdReduceScatterBwd, x, group, dim, sizes)
 
 
-def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+def reduce_scatter_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Sum over ``group`` and keep own chunk along ``dim``: forward reduce-scatter, backward all-gather."""
-    return x if group_size(group) == 1 else _ReduceScatter.apply(x, group, _norm_dim(x, dim))
+    return x if group_size(group) == 1 else _ReduceScatterFwdAllGatherBwd.apply(x, group, _norm_dim(x, dim))

@@ -1,16 +1,18 @@
 """3D U-Net mapping N-body fields (4 channels) to hydrodynamic fields (5 channels).
 
-Strided 4^3 convolutions halve the volume at each level (LeakyReLU), transposed convolutions
-double it back (ReLU) with the matching encoder level concatenated as a skip connection, and a
-tanh bounds the output to the [-1, 1] range of the transformed targets. ``full_scale`` uses six
-levels (a 64^3 crop reaches 1^3 at the bottom); otherwise five.
+Strided 4^3 convolutions halve the volume at each level (LeakyReLU of negative slope
+``leaky_relu_slope``, 0.01 as in the tutorial), transposed convolutions double it back (ReLU)
+with the matching encoder level concatenated as a skip connection, and a tanh bounds the output
+to the [-1, 1] range of the transformed targets. ``full_scale`` uses six levels (a 64^3 crop
+reaches 1^3 at the bottom); otherwise five.
 """
 import torch
 import torch.nn as nn
 
 
-def down_block(cin, cout):
-    return nn.Sequential(nn.Conv3d(cin, cout, 4, stride=2, padding=1), nn.LeakyReLU(0.2, inplace=True))
+def down_block(cin, cout, slope):
+    return nn.Sequential(nn.Conv3d(cin, cout, 4, stride=2, padding=1),
+                         nn.LeakyReLU(slope, inplace=True))
 
 
 def up_block(cin, cout):
@@ -19,7 +21,7 @@ def up_block(cin, cout):
 
 class UNet(nn.Module):
     def __init__(self, in_chans=4, out_chans=5, base_width=64, max_width=512, full_scale=True,
-                 conv_init_std=0.02, conv_init_bias=0.0):
+                 conv_init_std=0.02, conv_init_bias=0.0, leaky_relu_slope=0.01):
         super().__init__()
         levels = 6 if full_scale else 5
         widths = [min(base_width * 2**i, max_width) for i in range(levels)]
@@ -27,7 +29,7 @@ class UNet(nn.Module):
         self.down = nn.ModuleList()
         cin = in_chans
         for w in widths:
-            self.down.append(down_block(cin, w))
+            self.down.append(down_block(cin, w, leaky_relu_slope))
             cin = w
         # Decoder: the deepest level has no skip; every other level concatenates its encoder twin.
         self.up = nn.ModuleList()

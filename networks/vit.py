@@ -7,6 +7,7 @@ context parallel forms are made from it by ``distributed.parallelize``.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class PatchEmbed(nn.Module):
@@ -67,11 +68,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, drop=0.0):
+    def __init__(self, dim, num_heads, mlp_ratio=4.0, drop=0.0, eps=1e-6):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, attn_drop=drop, proj_drop=drop)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, int(dim * mlp_ratio), drop=drop)
 
     def forward(self, x):
@@ -80,18 +81,30 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
+    """The defaults are the tutorial's model (23.8 M parameters).
+
+    ``layer_norm_eps``: epsilon of every LayerNorm (the blocks' and the final one).
+    ``head_bias``: whether the output head has a bias (the tutorial's has none).
+    ``activation_checkpointing``: while gradients are recorded, keep only each block's input and
+    recompute the block in the backward pass (same results, less memory, one more block forward
+    each); evaluation under ``torch.no_grad`` runs the blocks plainly.
+    """
+
     def __init__(self, img_size=(360, 720), patch_size=8, in_chans=20, out_chans=20, embed_dim=384,
-                 depth=12, num_heads=8, mlp_ratio=4.0, dropout=0.0):
+                 depth=12, num_heads=8, mlp_ratio=4.0, dropout=0.0, layer_norm_eps=1e-6,
+                 head_bias=False, activation_checkpointing=False):
         super().__init__()
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
         self.out_chans = out_chans
+        self.activation_checkpointing = activation_checkpointing
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
         self.pos_drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, dropout) for _ in range(depth))
-        self.norm = nn.LayerNorm(embed_dim)
-        self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, dropout, layer_norm_eps)
+                                    for _ in range(depth))
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size, bias=head_bias)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -99,7 +112,8 @@ class ViT(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
@@ -116,7 +130,8 @@ class ViT(nn.Module):
     def forward(self, x):
         x = self.patch_embed(x) + self.pos_embed  # (B, C, H, W) -> (B, N, E)
         x = self.pos_drop(x)
-        for blk in self.blocks:
-            x = blk(x)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        for blk in self.blocks:  # (B, N, E) -> (B, N, E)
+            x = checkpoint(blk, x, use_reentrant=False) if recompute else blk(x)
         x = self.head(self.norm(x))  # (B, N, E) -> (B, N, C_out*p*p)
         return self.tokens_to_image(x)

@@ -5,8 +5,8 @@ import torch
 
 from conftest import ROOT
 from utils.config import build_config
-from utils.parallel import setup_runtime
-from utils.trainer import Trainer
+from utils.runtime import setup_runtime
+from train import Trainer
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,7 +22,7 @@ def losses_after(era5_root, tmp_path, steps=3, **kw):
     tr.loaders.train_sampler.set_epoch(0)
     out = []
     for x, y in tr.loaders.train:
-        out.append(tr.train_step(*tr.to_device(x, y)).item())
+        out.append(tr.train_step(*tr.to_device(x, y))[0].item())
         if len(out) == steps:
             break
     return out, tr
@@ -32,7 +32,7 @@ def losses_after(era5_root, tmp_path, steps=3, **kw):
 def test_compiled_model_trains_like_eager(era5_root, tmp_path):
     eager, _ = losses_after(era5_root, tmp_path / "a")
     compiled, tr = losses_after(era5_root, tmp_path / "b", enable_jit="true")
-    assert "OptimizedModule" in type(tr.fwd).__name__
+    assert "OptimizedModule" in type(tr.wrapped_model).__name__
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
 
 

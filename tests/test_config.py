@@ -4,7 +4,7 @@ import sys
 import pytest
 import yaml
 
-from utils.config import build_config, dump, parse_overrides
+from utils.config import CONFIG_CLASSES, build_config, dump, help_text, parse_overrides, to_dict
 from utils.errors import ConfigError
 
 from conftest import ROOT
@@ -61,6 +61,16 @@ def test_environment_variables(monkeypatch):
     ("base", {"num_heads": "5"}, "num_heads=5 does not divide embed_dim=384"),
     ("base", {"num_iters": "0"}, "num_iters=0 must be >= 1"),
     ("base", {"lr_schedule": "x"}, "use lr, end_lr, warmup_steps and lr_scaling"),
+    ("base", {"adam_betas": "[0.9, 1.0]"}, "adam_betas[1]=1.0 must be < 1.0"),
+    ("base", {"adam_betas": "[-0.1, 0.9]"}, "adam_betas[0]=-0.1 must be >= 0.0"),
+    ("base", {"adam_betas": "[0.9]"}, "adam_betas=[0.9] must have 2 entries, e.g. adam_betas=[0.9"),
+    ("base", {"adam_betas": "[0.9, fast]"}, "adam_betas[1]='fast' is not a number"),
+    ("base", {"layer_norm_eps": "0"}, "layer_norm_eps=0.0 must be > 0.0"),
+    ("base", {"head_bias": "maybe"}, "head_bias='maybe' is not a boolean"),
+    ("base", {"img_size": "[16, 3.5]"}, "img_size[1]=3.5 is not an integer"),
+    ("base", {"data_loader_config": "inmen"}, "did you mean 'inmem'"),
+    ("base", {"name": "other"}, "'name' is not a setting (command line)"),
+    ("base", {"yaml_path": "x.yaml"}, "chosen with --config and --yaml_config"),
 ])
 def test_errors_name_the_fix(name, overrides, fragment):
     with pytest.raises(ConfigError) as e:
@@ -71,16 +81,38 @@ def test_errors_name_the_fix(name, overrides, fragment):
 def test_unet_checks():
     with pytest.raises(ConfigError, match="data_size=48 must be divisible by 2\\^6"):
         build_config(UNET, "base", {"data_size": "48"})
+    with pytest.raises(ConfigError, match="leaky_relu_slope=-0.1 must be >= 0.0"):
+        build_config(UNET, "base", {"leaky_relu_slope": "-0.1"})
     with pytest.raises(ConfigError, match="did you mean 'embed_dim'|unknown setting 'embed_dim'"):
         build_config(UNET, "base", {"embed_dim": "8"})
 
 
 def test_dump_reads_back(tmp_path):
-    c = build_config(UNET, "quickstart", {"lr": "0.01"})
+    c = build_config(UNET, "quickstart", {"lr": "0.01", "adam_betas": "[0.8,0.9]"})
+    assert (c.name, c.yaml_path) == ("quickstart", UNET)
     p = tmp_path / "config.yaml"
     p.write_text(dump(c, {"world_size": 1}))
     again = build_config(str(p), "quickstart")
-    assert again == c and yaml.safe_load(p.read_text())["quickstart"]["lr"] == 0.01
+    assert again == c and (again.name, again.yaml_path) == ("quickstart", str(p))
+    settings = yaml.safe_load(p.read_text())["quickstart"]
+    assert settings["lr"] == 0.01 and settings["adam_betas"] == [0.8, 0.9]
+    # name and file are the mapping's key and a comment, not settings; the checkpoint keeps both
+    assert "name" not in settings and "yaml_path" not in settings
+    assert f"# read from: {UNET}" in p.read_text()
+    assert to_dict(c)["name"] == "quickstart" and to_dict(c)["yaml_path"] == UNET
+    assert build_config(UNET, "quickstart", {"lr": "0.02"}) != c
+
+
+def test_types_and_choices_come_from_the_annotations():
+    c = build_config(VIT, "base", {"img_size": "32,64", "adam_betas": "[0, 0.5]",
+                                   "amp_mode": "bf16"})
+    assert c.img_size == [32, 64] and c.adam_betas == [0.0, 0.5] and c.amp_mode == "bf16"
+    assert all(type(v) is float for v in c.adam_betas)
+    text = help_text("vit") + help_text("unet")
+    assert "--adam_betas" in text and "--leaky_relu_slope" in text and "--head_bias" in text
+    assert "--name " not in text and "--yaml_path" not in text
+    for cls in CONFIG_CLASSES.values():
+        assert cls().name == "" and "name" in to_dict(cls())
 
 
 def test_cli_exit_code_and_single_message():

@@ -169,3 +169,107 @@ def test_nan_in_data_is_named(tmp_path):
     bad = [i for i in range(len(ds)) if ds.locate(i) in ((1, 3), (1, 2))]
     with pytest.raises(DataError, match=r"non-finite values in .*2017.h5 at step"):
         ds[bad[0]]
+
+
+@pytest.mark.parametrize("inmem", [False, True], ids=["lowmem", "inmem"])
+def test_era5_rows_are_the_band_of_the_full_sample(era5_root, inmem):
+    full = era5_ds(era5_root, inmem=inmem)
+    for rows in ((4, 12), (0, 3), (13, 16)):
+        band = era5_ds(era5_root, inmem=inmem, rows=rows)
+        assert len(band) == len(full)
+        for i in range(len(full)):
+            (x, y), (bx, by) = full[i], band[i]
+            assert bx.shape == (20, rows[1] - rows[0], 32)
+            assert torch.equal(bx, x[:, rows[0]:rows[1]]) and torch.equal(by, y[:, rows[0]:rows[1]])
+    if inmem:  # only the band is held in memory
+        assert all(a.shape[2] == 3 for a in era5_ds(era5_root, inmem=True, rows=(13, 16))._arrays)
+
+
+def test_era5_rows_read_and_check_only_the_band(tmp_path):
+    """A NaN outside a rank's rows is never read by it; one inside is named with the rows."""
+    root = write_era5(str(tmp_path / "e"))
+    with h5py.File(os.path.join(root, "train", "2017.h5"), "r+") as f:
+        f["fields"][3, 5, 2, 2] = np.nan  # row 2
+    for inmem in (False, True):
+        above, below = era5_ds(root, rows=(0, 8), inmem=inmem), era5_ds(root, rows=(8, 16), inmem=inmem)
+        bad = [i for i in range(len(above)) if above.locate(i) in ((1, 3), (1, 2))]
+        with pytest.raises(DataError, match=r"2017.h5 at step \d+ or \d+ \(rows 0:8\)"):
+            above[bad[0]]
+        assert all(torch.isfinite(below[i][0]).all() for i in bad)
+
+
+def test_era5_rows_refused_outside_the_image(era5_root):
+    for rows in ((0, 17), (5, 5), (-1, 4), (3,), "top", (0.0, 8.5)):
+        with pytest.raises(ValueError, match=r"rows=.*(choose 0 <= start < stop <= 16|\(start, stop\))"):
+            era5_ds(era5_root, rows=rows)
+
+
+@pytest.mark.parametrize("mode", ["lowmem", "inmem"])
+def test_loader_rows_limit_training_batches_only(era5_root, tmp_path, mode):
+    """Training batches are rows start:stop of the full loader's batches, with and without
+    workers; validation batches stay whole images."""
+    cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart",
+                       {"data_root": era5_root, "expdir": str(tmp_path), "img_size": "[16,32]",
+                        "data_loader_config": mode, "limit_nsamples_val": "4"})
+    full = build_loaders(cfg, 1, 0, 4, torch.device("cpu"))
+    full.train_sampler.set_epoch(1)
+    want = [(x[:, :, 8:12], y[:, :, 8:12]) for x, y in full.train]
+    valid = [x for x, _ in full.valid]
+    assert len(want) == 5
+    for workers in (0, 2):
+        cfg.num_data_workers = workers
+        ld = build_loaders(cfg, 1, 0, 4, torch.device("cpu"), rows=(8, 12))
+        ld.train_sampler.set_epoch(1)
+        got = list(ld.train)
+        assert len(got) == len(want)
+        assert all(torch.equal(x, a) and torch.equal(y, b) for (x, y), (a, b) in zip(got, want))
+        assert all(torch.equal(x, v) and x.shape[2] == 16 for (x, _), v in zip(ld.valid, valid))
+    cfg.num_data_workers = 0
+    unet = build_config(f"{ROOT}/config/UNet.yaml", "quickstart", {"data_root": str(tmp_path)})
+    with pytest.raises(ValueError, match="rows=.*pass rows=None"):
+        build_loaders(unet, 1, 0, 4, torch.device("cpu"), rows=(0, 8))
+
+
+def test_band_reads_benchmark_counts_the_band(tmp_path):
+    """benchmarks.band_reads: the engine's bands cover the image (uneven over cp, one cp band per
+    tp group when padded), and a rank's loader reads the band's bytes, not the whole sample's."""
+    from benchmarks.band_reads import Reader, rank_bands
+
+    assert rank_bands(1, 1, (32, 32), 8)[1] == {(0, 32): [0]}
+    assert rank_bands(1, 3, (32, 32), 8)[1] == {(0, 16): [0], (16, 24): [1], (24, 32): [2]}
+    assert rank_bands(2, 2, (32, 32), 8)[1] == {(0, 8): [0], (8, 16): [1], (16, 24): [2], (24, 32): [3]}
+    kind, bands = rank_bands(2, 1, (24, 32), 8)  # 3 patch rows: padded, both tp ranks embed all
+    assert kind.startswith("padded") and bands == {(0, 24): [0, 1]}
+    # A channel of 128 kB: more than HDF5's 64 kB sieve buffer, which reads across smaller gaps.
+    root = write_era5(str(tmp_path / "e"), steps=4, h=64, w=512)
+    files = sorted(os.path.join(root, "train", f) for f in os.listdir(os.path.join(root, "train")))
+    mb = {}
+    for rows in (None, (32, 64)):
+        r = Reader(root, 64, 512, rows, 2, files)
+        ds = r.loader.dataset
+        ds[0], ds[len(ds) - 1]  # open both year files: their metadata reads are not a sample's
+        r.measure(3, cold=False)
+        r.measure(1, cold=True)
+        mb[rows] = r.result("warm")[0]
+    whole = 2 * 20 * 64 * 512 * 4 / 1e6  # input and target, float32
+    assert whole <= mb[None] < whole + 0.01  # a few kB of HDF5 metadata per sample
+    assert whole / 2 <= mb[(32, 64)] < whole / 2 + 0.01
+
+
+def test_memory_model_counts_the_batch_rows_a_rank_loads():
+    """The memory model's batch on the device is the rank's rows: 1/T of the image with row
+    bands, the cp band when padded (cp = 2 on 45 patch rows: 23 rows, the longer band)."""
+    from benchmarks.memory_model import Shape, predict
+
+    s = Shape(batch=2, img=(360, 720), patch=8, cin=20, cout=20, embed=64, depth=1, heads=4, hidden=256)
+    key = "batch on the device (x and y, the rank's rows)"
+    whole = 4 * 2 * 40 * 360 * 720
+
+    def batch(tp, cp, img=(360, 720)):
+        return predict(Shape(**{**s.__dict__, "img": img}), tp, cp).extra[key]
+
+    assert batch(1, 1) == whole
+    assert batch(4, 1) == whole  # padded: every tp rank embeds the whole cp band
+    assert batch(1, 2) == whole * 184 // 360
+    assert batch(4, 1, (352, 720)) == whole * 88 // 360  # row bands
+    assert batch(2, 2) == whole * 184 // 360

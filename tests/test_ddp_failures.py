@@ -19,7 +19,7 @@ import os, sys, time
 sys.path.insert(0, {root!r})
 import train
 from utils.config import from_argv
-from utils.trainer import Trainer
+from train import Trainer
 
 class Failing(Trainer):
     def train_step(self, *args, **kwargs):

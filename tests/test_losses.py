@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.losses import l1_rho, latitude_weights, relative_l2, weighted_rmse
+from utils.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
 from utils.lr_schedule import build_scheduler, lr_at, peak_lr
 
 
@@ -35,15 +35,43 @@ def test_weighted_rmse_by_hand():
 def test_relative_l2_per_sample():
     t = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
     p = torch.tensor([[3.0, 4.0 + 5.0], [0.0, 0.0]])
-    np.testing.assert_allclose(relative_l2(p, t).numpy(), [1.0, 1.0])
+    np.testing.assert_allclose(RelativeL2()(p, t).numpy(), [1.0, 1.0])
 
 
 def test_l1_rho():
     p = torch.zeros(2, 5, 2, 2, 2)
     t = torch.full((2, 5, 2, 2, 2), 0.1)
-    assert torch.allclose(l1_rho(p, t), torch.full((2,), 0.1))
+    assert torch.allclose(L1Rho()(p, t), torch.full((2,), 0.1))
     extra = abs(1 - math.exp(1.4))
-    assert torch.allclose(l1_rho(p, t, 0.5), torch.full((2,), 0.1 + 0.5 * extra))
+    assert torch.allclose(L1Rho(0.5)(p, t), torch.full((2,), 0.1 + 0.5 * extra))
+
+
+@pytest.mark.parametrize("loss", [RelativeL2(), L1Rho(), L1Rho(0.3)], ids=["relative_l2", "l1", "l1_rho"])
+def test_partial_sums_of_bands_add_up(loss):
+    """Partial sums of row bands of different heights, added, finish to the loss of the whole
+    sample, and their gradient is the whole sample's (what the sharded model relies on)."""
+    g = torch.Generator().manual_seed(0)
+    p = (0.1 * torch.randn(3, 2, 7, 4, generator=g, dtype=torch.float64)).requires_grad_(True)
+    t = 0.1 * torch.randn(3, 2, 7, 4, generator=g, dtype=torch.float64)
+    whole = loss(p, t)
+    (g_whole,) = torch.autograd.grad(whole.sum(), p)
+    bands = [(0, 3), (3, 5), (5, 7)]
+    sums = sum(loss.partial_sums(p[..., a:b, :], t[..., a:b, :]) for a, b in bands)
+    assert sums.shape[0] == 3 and sums.dtype == torch.float64
+    banded = loss.finish(sums)
+    (g_banded,) = torch.autograd.grad(banded.sum(), p)
+    torch.testing.assert_close(banded, whole, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g_banded, g_whole, rtol=1e-12, atol=1e-15)
+    # one band alone is not the whole sample's loss
+    assert not torch.allclose(loss.finish(loss.partial_sums(p[..., :3, :], t[..., :3, :])), whole)
+
+
+def test_partial_sums_in_float32_for_bf16():
+    p = torch.randn(2, 3, 4, 4).to(torch.bfloat16)
+    t = torch.randn(2, 3, 4, 4)
+    for loss in (RelativeL2(), L1Rho(0.1)):
+        assert loss.partial_sums(p, t).dtype == torch.float32
+        torch.testing.assert_close(loss(p, t), loss(p.float(), t), rtol=1e-6, atol=0)
 
 
 def test_lr_schedule_values():

@@ -46,3 +46,21 @@ def test_unet_reference_size_and_bad_crop():
     assert abs(sum(p.numel() for p in m.parameters()) / 1e6 - 117.0) < 0.1
     with pytest.raises(ValueError, match="divisible by 2\\^6"):
         m(torch.randn(1, 4, 32, 32, 32))
+
+
+def test_vit_head_without_bias_and_norm_epsilon():
+    kw = dict(img_size=(16, 32), patch_size=4, in_chans=3, out_chans=2, embed_dim=32, depth=1,
+              num_heads=2)
+    with_bias, without = ViT(**kw, head_bias=True), ViT(**kw, layer_norm_eps=1e-3)
+    def n(m):
+        return sum(p.numel() for p in m.parameters())
+
+    assert n(with_bias) - n(without) == 2 * 4 * 4 and without.head.bias is None
+    assert {m.eps for m in without.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-3}
+    assert without(torch.randn(1, 3, 16, 32)).shape == (1, 2, 16, 32)
+
+
+def test_unet_leaky_relu_slope():
+    m = UNet(base_width=2, max_width=8, full_scale=False, leaky_relu_slope=0.3)
+    assert {a.negative_slope for a in m.modules() if isinstance(a, torch.nn.LeakyReLU)} == {0.3}
+    assert UNet(base_width=2, max_width=8, full_scale=False).down[0][1].negative_slope == 0.01

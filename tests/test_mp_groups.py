@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.groups import (ParallelGroups, build_groups, group_ranks, parse_order,  # noqa: E402
+from distributed.groups import (SINGLE_PROCESS, ParallelGroups, build_groups, group_ranks, parse_order,  # noqa: E402
                                 rank_coords, validate_parallel_config)
 
 ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "cp", "dp"))]
@@ -73,7 +73,10 @@ def test_single_process_groups():
     pg = build_groups()  # no process group initialised
     assert isinstance(pg, ParallelGroups)
     assert (pg.world_size, pg.tp_size, pg.cp_size, pg.dp_size, pg.mp_rank) == (1, 1, 1, 1, 0)
-    assert pg.tp_group is None and pg.size("cp") == 1 and pg.ranks("dp") == [0]
+    assert pg.size("cp") == 1 and pg.ranks("dp") == [0]
+    # not None, which torch.distributed reads as the default (world) group
+    assert all(pg.group(a) is SINGLE_PROCESS for a in ("tp", "cp", "dp", "mp"))
+    assert (SINGLE_PROCESS.size(), SINGLE_PROCESS.rank()) == (1, 0)
 
 
 @pytest.mark.parametrize("kwargs,message", [

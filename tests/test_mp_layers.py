@@ -50,7 +50,7 @@ def _rank_main():
 
     from distributed.groups import build_groups
     from distributed.layers import (ColumnParallelLinear, ParallelAttention, ParallelBlock, ParallelMLP,
-                                    ParallelPatchEmbed, RowParallelLinear, SequenceParallelLayerNorm,
+                                    ParallelPatchEmbed, RowParallelLinear, TokenShardedLayerNorm,
                                     load_serial_state_dict, reduce_replicated_grads, serial_state_dict)
     from networks.vit import MLP, Attention, Block, PatchEmbed
 
@@ -100,7 +100,7 @@ def _rank_main():
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "layernorm":
                         serial = nn.LayerNorm(E)
-                        par_fn = lambda m: SequenceParallelLayerNorm.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: TokenShardedLayerNorm.from_serial(m, groups, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "block":
                         serial = Block(E, HEADS, mlp_ratio=HIDDEN / E)
@@ -110,7 +110,8 @@ def _rank_main():
                         serial = PatchEmbed(IMG, PATCH, CIN, E)
 
                         def par_fn(m):
-                            pe = ParallelPatchEmbed(IMG, PATCH, CIN, E, groups, dtype=dtype, **kw)
+                            pe = ParallelPatchEmbed(IMG, PATCH, CIN, E, groups, dtype=dtype,
+                                                    band_axes=("cp", "tp") if sp else ("cp",))
                             load_serial_state_dict(pe, m.state_dict(), groups)
                             return pe
                         xshape = (B, CIN) + IMG
@@ -229,3 +230,31 @@ def test_replicated_markers():
     assert nosp.norm1.weight.reduce_over == ("cp",) and nosp.attn.proj.bias.reduce_over == ("cp",)
     pe = ParallelPatchEmbed(IMG, PATCH, CIN, E, g)
     assert pe.proj.weight.reduce_over == ("cp", "tp") and pe.local_grid == (2, 4)
+    assert ParallelPatchEmbed(IMG, PATCH, CIN, E, g, band_axes=("cp",)).proj.weight.reduce_over == ("cp",)
+
+
+def test_uneven_bands_and_shard_spec():
+    """Bands of whole patch rows differ by at most one row, longer first; a ``ShardSpec`` with a
+    ``unit`` cuts the same way and its chunks put together give the serial tensor back (no
+    processes needed: ``shard`` is local)."""
+    from distributed.groups import ParallelGroups
+    from distributed.layers import ParallelPatchEmbed, ShardSpec, split_bounds
+
+    assert [split_bounds(45, 4, i) for i in range(4)] == [(0, 12), (12, 23), (23, 34), (34, 45)]
+    assert [split_bounds(8, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    cols, rows = 3, 5
+    full = torch.arange(rows * cols * 2, dtype=torch.float64).reshape(1, rows * cols, 2)
+    spec = ShardSpec(tuple(full.shape), ("cp",), 1, unit=cols)
+    parts, bands = [], []
+    for c in range(4):
+        g = ParallelGroups(tensor_parallel=1, context_parallel=4, world_size=4, cp_rank=c)
+        pe = ParallelPatchEmbed((rows * PATCH, cols * PATCH), PATCH, CIN, E, g, band_axes=("cp",))
+        bands.append(pe.rows)
+        part = spec.shard(full, g)
+        assert tuple(part.shape) == spec.local_shape(g) == (1, (pe.rows[1] - pe.rows[0]) * cols, 2)
+        parts.append(part)
+    assert bands == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert torch.equal(torch.cat(parts, 1), full)
+    with pytest.raises(ValueError, match="context_parallel=4 = 4 bands exceed the 3 patch rows"):
+        ParallelPatchEmbed((3 * PATCH, 8), PATCH, CIN, E, ParallelGroups(context_parallel=4, world_size=4),
+                           band_axes=("cp",))

@@ -5,6 +5,10 @@ ranks) are tested, along dims 0, 1 and -1. Each rank's input is a known function
 every rank can build the expected result from all inputs. Backward uses the loss
 ``sum_r <y_r, w_r>`` with per-rank weights ``w_r``. float64; tolerance rtol 1e-12, atol 1e-12
 (only the summation order differs).
+
+The two all-gathers are also run on chunks of different lengths (``sizes``, e.g. 3, 2, 2, 1:
+padded for the collective, padding dropped), forward and backward. ``None`` is torch's default
+group (all four ranks), so the mappings communicate over it; ``SINGLE_PROCESS`` is the identity.
 """
 import os
 import sys
@@ -16,18 +20,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distributed_harness import run_ranks  # noqa: E402
 
-MAPPINGS = ["copy_to", "reduce_from", "scatter_to", "gather_from", "all_gather", "reduce_scatter"]
+MAPPINGS = ["identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "split_fwd_all_gather_bwd",
+            "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd", "reduce_scatter_fwd_all_gather_bwd"]
+NO_DIM = ("identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd")
 GROUP_SIZES = [2, 4]
 DIMS = [0, 1, -1]
-CASES = [(m, n, d) for m in MAPPINGS for n in GROUP_SIZES
-         for d in ([0] if m in ("copy_to", "reduce_from") else DIMS)]  # those two have no dim
+CASES = [(m, n, d) for m in MAPPINGS for n in GROUP_SIZES for d in ([0] if m in NO_DIM else DIMS)]
 SHAPE = (4, 8, 12)  # divisible by 2 and 4 along every dim
+UNEVEN = {2: (3, 1), 4: (3, 2, 2, 1)}  # chunk lengths along the gathered dim, per group size
+GATHERS = ["all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd"]
+UNEVEN_CASES = [(m, n, d) for m in GATHERS for n in GROUP_SIZES for d in (1, -1)]
 TOL = dict(rtol=1e-12, atol=1e-12)
 
 
-def _tensor(tag, r):
+def _tensor(tag, r, shape=SHAPE):
     g = torch.Generator().manual_seed(1000 * tag + r)
-    return torch.randn(SHAPE, generator=g, dtype=torch.float64)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _uneven_shape(n, dim, r):
+    shape = list(SHAPE)
+    shape[dim] = UNEVEN[n][r]
+    return tuple(shape)
 
 
 def _chunk(t, dim, n, r):
@@ -36,9 +50,9 @@ def _chunk(t, dim, n, r):
 
 def _out_shape(name, n, dim):
     shape = list(SHAPE)
-    if name in ("scatter_to", "reduce_scatter"):
+    if name in ("split_fwd_all_gather_bwd", "reduce_scatter_fwd_all_gather_bwd"):
         shape[dim] //= n
-    elif name in ("gather_from", "all_gather"):
+    elif name in GATHERS:
         shape[dim] *= n
     return tuple(shape)
 
@@ -53,18 +67,35 @@ def _expected(name, n, dim, r):
     """(y_r, grad of x_r) from the mapping's definition."""
     xs = [_tensor(1, s) for s in range(n)]
     ws = [_weight(name, n, dim, s) for s in range(n)]
-    if name == "copy_to":  # fwd identity, bwd all-reduce
+    if name == "identity_fwd_all_reduce_bwd":
         return xs[r], sum(ws)
-    if name == "reduce_from":  # fwd all-reduce, bwd identity
+    if name == "all_reduce_fwd_identity_bwd":
         return sum(xs), ws[r]
-    if name == "scatter_to":  # fwd split (own chunk), bwd all-gather
+    if name == "split_fwd_all_gather_bwd":  # own chunk; bwd all-gather
         return _chunk(xs[r], dim, n, r), torch.cat(ws, dim)
-    if name == "gather_from":  # fwd all-gather, bwd split (own chunk)
+    if name == "all_gather_fwd_split_bwd":  # bwd: own chunk
         return torch.cat(xs, dim), _chunk(ws[r], dim, n, r)
-    if name == "all_gather":  # fwd all-gather, bwd reduce-scatter
+    if name == "all_gather_fwd_reduce_scatter_bwd":  # bwd: sum of the own chunks
         return torch.cat(xs, dim), sum(_chunk(w, dim, n, r) for w in ws)
-    assert name == "reduce_scatter"  # fwd reduce-scatter, bwd all-gather
+    assert name == "reduce_scatter_fwd_all_gather_bwd"
     return _chunk(sum(xs), dim, n, r), torch.cat(ws, dim)
+
+
+def _uneven_weight(n, dim, r):
+    shape = list(SHAPE)
+    shape[dim] = sum(UNEVEN[n])
+    g = torch.Generator().manual_seed(3000 + r)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _uneven_expected(name, n, dim, r):
+    """(y_r, grad of x_r) of a gather of chunks of lengths ``UNEVEN[n]``."""
+    xs = [_tensor(4, s, _uneven_shape(n, dim, s)) for s in range(n)]
+    ws = [_uneven_weight(n, dim, s) for s in range(n)]
+    own = [w.split(list(UNEVEN[n]), dim)[r] for w in ws]  # rank r's chunk of each rank's weight
+    if name == "all_gather_fwd_split_bwd":
+        return torch.cat(xs, dim), own[r]
+    return torch.cat(xs, dim), sum(own)
 
 
 def _rank_main():
@@ -82,10 +113,18 @@ def _rank_main():
         r = dist.get_rank(group)
         x = _tensor(1, r).requires_grad_(True)
         fn = getattr(mappings, name)
-        y = fn(x, group) if name in ("copy_to", "reduce_from") else fn(x, group, dim)
+        y = fn(x, group) if name in NO_DIM else fn(x, group, dim)
         w = _weight(name, n, dim, r)
         (y * w).sum().backward()
         out[(name, n, dim)] = (y.detach(), x.grad.clone(), r)
+    for name, n, dim in UNEVEN_CASES:
+        group = groups[n]
+        r = dist.get_rank(group)
+        x = _tensor(4, r, _uneven_shape(n, dim, r)).requires_grad_(True)
+        y = getattr(mappings, name)(x, group, dim, sizes=UNEVEN[n])
+        (y * _uneven_weight(n, dim, r)).sum().backward()
+        plain = mappings.all_gather_along(x.detach(), group, dim, UNEVEN[n])
+        out[("uneven", name, n, dim)] = (y.detach(), x.grad.clone(), r, plain)
 
     # The gloo fallbacks (all-reduce + split, list all-gather) give the same results.
     x = _tensor(3, pg4.tp_rank)
@@ -101,13 +140,33 @@ def _rank_main():
                                        _chunk(sum(_tensor(3, s) for s in range(4)), 2, 4, pg4.tp_rank))
     finally:
         mappings._UNSUPPORTED.discard("gloo")
-    # None and size-1 groups are the identity; uneven sizes are rejected.
-    extra["none_identity"] = (mappings.all_gather(x, None, 0), x)
+    # None is the default group (all four ranks), as in torch.distributed: it communicates.
+    rank = dist.get_rank()
+    xw = torch.full((2,), float(rank + 1), dtype=torch.float64, requires_grad=True)
+    y = mappings.identity_fwd_all_reduce_bwd(xw, None)
+    (y * (rank + 1)).sum().backward()
+    extra["default group forward"] = (mappings.all_reduce_fwd_identity_bwd(xw.detach(), None),
+                                      torch.full((2,), 10.0, dtype=torch.float64))
+    extra["default group backward"] = (xw.grad, torch.full((2,), 10.0, dtype=torch.float64))
+    extra["default group gather"] = (mappings.all_gather_fwd_split_bwd(x, None, 0),
+                                     torch.cat([_tensor(3, s) for s in range(4)], 0))  # x of rank s
+    # SINGLE_PROCESS (and any size-1 group) is the identity, without communication.
+    from distributed.groups import SINGLE_PROCESS
+
+    extra["single process identity"] = (mappings.all_gather_fwd_reduce_scatter_bwd(x, SINGLE_PROCESS, 0), x)
+    extra["single process sum"] = (mappings.all_reduce_fwd_identity_bwd(x, SINGLE_PROCESS), x)
+    extra["sizes"] = (mappings.group_size(None), mappings.group_size(SINGLE_PROCESS), mappings.group_size(pg2.tp_group))
+    # sizes must divide; uneven gathers must say every rank's length
     try:
-        mappings.reduce_scatter(torch.ones(3, 2), pg4.tp_group, 0)
+        mappings.reduce_scatter_fwd_all_gather_bwd(torch.ones(3, 2), pg4.tp_group, 0)
         extra["uneven"] = "no error"
     except ValueError as e:
         extra["uneven"] = str(e)
+    try:
+        mappings.all_gather_fwd_split_bwd(torch.ones(3, 2), pg4.tp_group, 0, sizes=(1, 2, 1, 2))
+        extra["wrong sizes"] = "no error"
+    except ValueError as e:
+        extra["wrong sizes"] = str(e)
     return out, extra
 
 
@@ -125,9 +184,23 @@ def test_mapping_forward_backward(rank_results, name, n, dim):
         torch.testing.assert_close(gx, eg, **TOL, msg=lambda m: f"backward of {name} (rank {r}): {m}")
 
 
+@pytest.mark.parametrize("name,n,dim", UNEVEN_CASES, ids=[f"{m}-group{n}-dim{d}" for m, n, d in UNEVEN_CASES])
+def test_gather_of_uneven_chunks(rank_results, name, n, dim):
+    for res, _ in rank_results:
+        y, gx, r, plain = res[("uneven", name, n, dim)]
+        ey, eg = _uneven_expected(name, n, dim, r)
+        torch.testing.assert_close(y, ey, **TOL, msg=lambda m: f"forward of {name} (rank {r}): {m}")
+        torch.testing.assert_close(plain, ey, **TOL, msg=lambda m: f"all_gather_along (rank {r}): {m}")
+        torch.testing.assert_close(gx, eg, **TOL, msg=lambda m: f"backward of {name} (rank {r}): {m}")
+
+
 def test_fallbacks_and_edge_cases(rank_results):
     for _, extra in rank_results:
-        for key in ("rs_fallback", "ag_fallback", "rs_fallback_forced", "none_identity"):
+        for key in ("rs_fallback", "ag_fallback", "rs_fallback_forced", "single process identity",
+                    "single process sum", "default group forward", "default group backward",
+                    "default group gather"):
             got, want = extra[key]
             torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{key}: {m}")
+        assert extra["sizes"] == (4, 1, 2)
         assert "not divisible by the group size 4" in extra["uneven"]
+        assert "sizes=[1, 2, 1, 2] must give the length of every rank's chunk" in extra["wrong sizes"]

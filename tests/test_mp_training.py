@@ -6,13 +6,14 @@
   Tolerance: rtol 1e-5, atol 1e-7 (float32; the sharded model sums in another order and Adam
   carries the rounding from step to step; observed relative differences are below 5e-7).
   The same for padded sequence parallelism (tp x cp does not divide the patch rows, tp not the
-  27 tokens of a cp band: tp=2 and tp=4 on 3 patch rows of 9 columns, tp=2 x cp=2 on 6) and for
-  ``--sequence_parallel false`` (tp=2 x cp=2 on 6 rows); the engine logs one line saying which
+  27 tokens of a cp band: tp=2 and tp=4 on 3 patch rows of 9 columns, tp=2 x cp=2 on 6), for
+  ``--sequence_parallel false`` (tp=2 x cp=2 on 6 rows) and for cp=4 on 6 patch rows (bands of
+  2, 2, 1 and 1 rows, each rank reading only its rows); the engine logs one line saying which
   layout it runs. Runs of one world size share one spawn of ranks.
 * The checkpoint the tp=2 x cp=2 run writes at step 6 (serial layout) resumes on one rank with
   ``--resume_from``: the resumed model holds exactly the checkpoint's weights, and steps 7..10
   repeat the uninterrupted runs' losses (same tolerance).
-* ``distributed.memory_model`` predicts the engine's CPU byte count (``utils.memory.MemoryProbe``)
+* ``benchmarks.memory_model`` predicts the engine's CPU byte count (``utils.memory.MemoryProbe``)
   exactly: the tensors saved for backward, and parameters + Adam state + activations after the
   forward pass, at tp 1, 2, cp 2 and tp 2 x cp 2, and the padded and unsharded layouts above;
   plus AMP (bf16), math attention and activation checkpointing at tp 1 and 2 on the parallel
@@ -45,10 +46,13 @@ LAYOUTS = {  # name: (tensor_parallel, context_parallel, img_size or None for TI
     "serial-rows6": (1, 1, "[24,36]", None), "tp2-cp2-rows6": (2, 2, "[24,36]", "serial-rows6"),
     # --sequence_parallel false
     "tp2-cp2-rows6-off": (2, 2, "[24,36]", "serial-rows6"),
+    # cp bands of different lengths: 6 patch rows over 4 ranks are 2, 2, 1 and 1 rows
+    "cp4-rows6": (1, 4, "[24,36]", "serial-rows6"),
 }
 PARALLEL = [name for name, lay in LAYOUTS.items() if lay[3]]
 NO_SP = ("tp2-cp2-rows6-off",)
 PADDED = ("tp2-rows3", "tp4-rows3", "tp2-cp2-rows6")
+UNEVEN = ("cp4-rows6",)  # ranks hold different amounts: not a single per-rank memory prediction
 LOSS_TOL = dict(rtol=1e-5, atol=1e-7)
 RESUME_AT = 6
 
@@ -57,19 +61,19 @@ def _train_rank(overrides, record_start=False):
     """Build the engine from the config, run ``fit``; per-step losses and the probe's bytes."""
     from utils.config import build_config
     from utils.memory import NullProbe, tensor_bytes
-    from utils.parallel import setup_runtime
-    from utils.trainer import Trainer
+    from utils.runtime import setup_runtime
+    from train import Trainer
 
     cfg = build_config(YAML, "quickstart", overrides)
     rt = setup_runtime(cfg)
     trainer = Trainer(cfg, rt)
-    start = trainer.io.model_state(trainer.model) if record_start else None
+    start = trainer.sharding.model_state(trainer.model) if record_start else None
     losses, step = [], trainer.train_step
 
     def recording(x, y, probe=NullProbe()):
-        loss = step(x, y, probe)
+        loss, grad_norm = step(x, y, probe)
         losses.append(loss.item())
-        return loss
+        return loss, grad_norm
 
     trainer.train_step = recording
     trainer.fit()
@@ -169,10 +173,10 @@ def _tiny_config(tp, cp, **extra):
     return build_config(YAML, "quickstart", dict(TINY, tensor_parallel=str(tp), context_parallel=str(cp), **extra))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay not in UNEVEN])
 def test_memory_model_matches_engine_probe(runs, layout):
     """The last measured step (first of epoch 2) has Adam state; gradients were set to None."""
-    from distributed.memory_model import predict_config
+    from benchmarks.memory_model import predict_config
 
     tp, cp, img, _ = LAYOUTS[layout]
     p = predict_config(_tiny_config(tp, cp, **({"img_size": img} if img else {}),
@@ -198,7 +202,7 @@ def _saved_bytes_rank(tp, cp, variants, imgs=((None, True),)):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from distributed.groups import build_groups
-    from distributed.parallelize import parallelize_vit
+    from distributed.parallelize import parallelize_vit, sharded_loss
     from utils.config import build_config
     from utils.memory import MemoryProbe
     from utils.tasks import make_task
@@ -216,7 +220,8 @@ def _saved_bytes_rank(tp, cp, variants, imgs=((None, True),)):
         backend = SDPBackend.MATH if attention == "math" else SDPBackend.FLASH_ATTENTION
         with probe.step(), sdpa_kernel(backend):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
-                loss = model.loss(model(model.shard_image(x)), model.shard_image(y), reduction="none").mean()
+                loss = sharded_loss(make_task(cfg).loss, model(model.shard_image(x)), model.shard_image(y), groups,
+                                    model.layout).mean()
             probe.forward_done()
             loss.backward()
         params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -231,7 +236,7 @@ def _saved_bytes_rank(tp, cp, variants, imgs=((None, True),)):
 ], ids=["tp1", "tp2-rows-padded-off", "cp2"])
 def test_memory_model_dtypes_attention_checkpointing(tp, cp, imgs):
     """At tp=2 in row bands, padded (3 patch rows of 9 columns) and without sequence parallelism."""
-    from distributed.memory_model import predict_config
+    from benchmarks.memory_model import predict_config
 
     measured = run_ranks(_saved_bytes_rank, tp * cp, tp, cp, VARIANTS, imgs, timeout=120)
     cases = [(img, v) for img in imgs for v in VARIANTS]
@@ -250,9 +255,9 @@ def test_memory_model_dtypes_attention_checkpointing(tp, cp, imgs):
 @pytest.mark.parametrize("args,world,message", [
     (["--num_heads", "8", "--tensor_parallel", "3"], 3,
      "error: tensor_parallel=3 does not divide num_heads=8: choose 1, 2, 4 or 8"),
-    (["--img_size", "[24,64]", "--context_parallel", "4"], 4,
-     "error: context_parallel=4 does not divide the 6 patch rows (img height 24 / patch_size 4): tokens are "
-     "sharded over cp in whole patch rows"),
+    (["--img_size", "[24,64]", "--context_parallel", "8"], 8,
+     "error: context_parallel=8 exceeds the 6 patch rows (img height 24 / patch_size 4): tokens are "
+     "sharded over cp in whole patch rows, at least one per rank; choose context_parallel <= 6"),
     (["--tensor_parallel", "2", "--context_parallel", "2"], 6,
      "error: tensor_parallel=2 x context_parallel=2 = 4 does not divide world size 6"),
     (["--tensor_parallel", "2"], 1,

@@ -13,8 +13,8 @@ import torch
 from conftest import ROOT, write_cosmo, write_era5
 from utils.config import build_config
 from utils.errors import ConfigError, TrainingError
-from utils.parallel import setup_runtime
-from utils.trainer import Trainer
+from utils.runtime import setup_runtime
+from train import Trainer
 
 TINY_VIT = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",
             "--num_heads", "2", "--global_batch_size", "4", "--base_batch_size", "4",
@@ -173,7 +173,7 @@ def _cfg(era5_root, tmp_path, **kw):
 def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
     cfg = _cfg(era5_root, tmp_path, num_iters="20", checkpoint_every="4", log_every="1")
     trainer = Trainer(cfg, setup_runtime(cfg))
-    real = trainer.io.loss
+    real = trainer.sharding.loss
     calls = {"n": 0}
 
     def poisoned(pred, y):
@@ -181,7 +181,7 @@ def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
         out = real(pred, y)
         return out * float("nan") if calls["n"] > 6 else out
 
-    monkeypatch.setattr(trainer.io, "loss", poisoned)
+    monkeypatch.setattr(trainer.sharding, "loss", poisoned)
     with pytest.raises(TrainingError, match="training loss became nan before step 7"):
         trainer.fit()
     ckpts = os.listdir(trainer.ckpt_dir)

@@ -3,8 +3,9 @@
 A YAML file holds named configs built from each other with anchors and merge keys
 (``short: {<<: *base, num_iters: 128}``). The chosen config is checked against the dataclass of its
 model family (``ViTConfig`` or ``UNetConfig``): unknown keys are refused with the nearest valid name,
-values are coerced to the declared type or refused, and cross-field rules are checked. Values may
-name environment variables: ``$VAR``, ``${VAR}`` or ``${VAR:-default}``.
+values are coerced to the type the field is annotated with (``int``, ``Optional[float]``,
+``list[int]``, ``Literal["none", "fp16", "bf16"]`` for a choice) or refused, and cross-field rules
+are checked. Values may name environment variables: ``$VAR``, ``${VAR}`` or ``${VAR:-default}``.
 
 Every field below has a one-line description in its ``help`` metadata; ``python train.py --help``
 prints them.
@@ -13,46 +14,52 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 
 from utils.errors import ConfigError
 
 
-def _f(default, help, **kw):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: list(d) if isinstance(d, list) else dict(d),
-                     metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-AMP_MODES = ("none", "fp16", "bf16")
-LR_SCALINGS = ("none", "linear", "sqrt")
-LOADERS = ("lowmem", "inmem", "synthetic")
-DEVICES = ("auto", "cpu", "cuda")
+def _f(default, help, compare=True, **checks):
+    """A setting: its default, a one-line description and bounds on its value (``min``/``max``
+    inclusive, ``above``/``below`` exclusive; on every entry of a list) or, for a list, its
+    ``length``. Its type and any choices come from the annotation (``Literal[...]``).
+    ``identity=True`` marks the fields that say where a config came from, not how to train."""
+    meta = {"help": help, **checks}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), compare=compare, metadata=meta)
+    return field(default=default, compare=compare, metadata=meta)
 
 
 @dataclass
 class Config:
     """Settings shared by both model families."""
 
-    model: str = _f("vit", "model family: vit (ERA5) or unet (cosmology)", choices=("vit", "unet"))
+    # -- where the config came from: set by build_config from --config and --yaml_config, never
+    # given as settings
+    name: str = _f("", "name of the config in its YAML file (--config)", identity=True)
+    yaml_path: str = _f("", "YAML file the config was read from (--yaml_config); two configs "
+                        "with the same settings are equal wherever they were read",
+                        compare=False, identity=True)
+    model: Literal["vit", "unet"] = _f("vit", "model family: vit (ERA5) or unet (cosmology)")
     # -- run directory and reproducibility
     expdir: str = _f("./logs", "root of run directories: <expdir>/<config>/<world size>/<run_num>/")
     run_num: str = _f("0", "name of this run beside other runs of the same config")
     seed: int = _f(0, "seed for weights, data order and augmentation")
-    device: str = _f("auto", "auto (cuda when present, else cpu), cpu or cuda", choices=DEVICES)
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present, else cpu), cpu "
+                                                "or cuda")
     # -- data
     data_root: str = _f("./data", "directory holding the data set")
-    data_loader_config: str = _f("lowmem", "lowmem: read each sample from disk; inmem: hold the "
-                                 "data in memory; synthetic: one cached batch, for compute-only "
-                                 "timing", choices=LOADERS)
+    data_loader_config: Literal["lowmem", "inmem", "synthetic"] = _f(
+        "lowmem", "lowmem: read each sample from disk; inmem: hold the data in memory; synthetic: "
+        "one cached batch, for compute-only timing")
     num_data_workers: int = _f(0, "data loader worker processes per rank (0: load in the main "
                                "process)", min=0)
     synthesize_if_missing: bool = _f(False, "generate small synthetic data under data_root when "
@@ -71,12 +78,20 @@ class Config:
     lr: float = _f(5e-4, "peak learning rate at base_batch_size", min=0.0)
     end_lr: float = _f(0.0, "learning rate at the end of the cosine decay", min=0.0)
     warmup_steps: int = _f(0, "steps of linear warm-up from 0 to the peak learning rate", min=0)
-    lr_scaling: str = _f("none", "peak lr = lr x (global/base batch size)^{0, 1, 1/2} for "
-                         "none, linear, sqrt", choices=LR_SCALINGS)
-    amp_mode: str = _f("none", "automatic mixed precision: none, fp16 (GPU, with a gradient "
-                       "scaler) or bf16", choices=AMP_MODES)
+    lr_scaling: Literal["none", "linear", "sqrt"] = _f(
+        "none", "peak lr = lr x (global/base batch size)^{0, 1, 1/2} for none, linear, sqrt")
+    adam_betas: list[float] = _f([0.9, 0.999], "Adam's decay rates (beta1, beta2) of the moving "
+                                 "averages of the gradient and of its square", length=2, min=0.0,
+                                 below=1.0)
+    amp_mode: Literal["none", "fp16", "bf16"] = _f("none", "automatic mixed precision: none, fp16 "
+                                                   "(GPU, with a gradient scaler) or bf16")
     enable_jit: bool = _f(False, "compile the model with torch.compile")
     enable_fused: bool = _f(False, "use the fused Adam kernel where the device supports it")
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step: each rank's share of the "
+                               "global batch is taken in this many forward/backward passes "
+                               "(less activation memory, the same step)", min=1)
+    max_grad_norm: float = _f(0.0, "clip the gradient to this 2-norm before each step (0: no "
+                              "clipping; the norm is logged either way)", min=0.0)
     # -- logging and checkpoints
     log_every: int = _f(10, "optimizer steps between training-loss log points (a host sync)",
                         min=1)
@@ -86,6 +101,8 @@ class Config:
     resume: bool = _f(False, "continue from the newest valid checkpoint of this run directory")
     resume_from: str = _f("", "continue from this checkpoint file, or the newest in this run "
                           "directory (e.g. one written with another number of ranks)")
+    init_from: str = _f("", "start from the weights of a model of the tutorial's own code, saved "
+                        "with torch.save(model.state_dict()) (empty: fresh weights)")
     enable_manual_profiling: bool = _f(False, "bracket 30 steps of the second epoch with the CUDA "
                                        "profiler API (for nsys -c cudaProfilerApi)")
     # -- data parallelism
@@ -101,14 +118,16 @@ class Config:
 class ViTConfig(Config):
     """Vision Transformer on ERA5 fields: predict the state dt steps after the input."""
 
-    img_size: list = _f([360, 720], "image height and width the fields are cropped to", item=int,
-                        length=2)
+    img_size: list[int] = _f([360, 720], "image height and width the fields are cropped to",
+                             length=2, min=1)
     patch_size: int = _f(8, "side of the square patches", min=1)
     embed_dim: int = _f(384, "token width", min=1)
     depth: int = _f(12, "number of transformer blocks", min=1)
     num_heads: int = _f(8, "attention heads", min=1)
     mlp_ratio: float = _f(4.0, "MLP hidden width / embed_dim", min=0.0)
     dropout: float = _f(0.0, "dropout probability", min=0.0, max=1.0)
+    layer_norm_eps: float = _f(1e-6, "epsilon added to the variance in every LayerNorm", above=0.0)
+    head_bias: bool = _f(False, "give the output head (token -> patch) a bias")
     n_in_channels: int = _f(20, "input channels (the first n of the 20 ERA5 variables)", min=1,
                             max=20)
     n_out_channels: int = _f(20, "output channels", min=1, max=20)
@@ -136,6 +155,7 @@ class UNetConfig(Config):
     max_width: int = _f(512, "cap on the channels of any level", min=1)
     full_scale: bool = _f(True, "six levels (true) or five")
     conv_init_std: float = _f(0.02, "std of the normal initialisation of conv weights", min=0.0)
+    leaky_relu_slope: float = _f(0.01, "negative slope of the encoder's LeakyReLUs", min=0.0)
     n_in_channels: int = _f(4, "N-body input channels", min=1)
     n_out_channels: int = _f(5, "hydro output channels", min=1)
     lambda_rho: float = _f(0.0, "weight of the L1 term on exp(14 x) of output channel 0", min=0.0)
@@ -144,12 +164,12 @@ class UNetConfig(Config):
     Nsamples_val: int = _f(8192, "validation crops per validation", min=1)
     train_file: str = _f("train.h5", "training volume file under data_root")
     val_file: str = _f("valid.h5", "validation volume file under data_root")
-    nbody_vector_channels: list = _f([1, 2, 3], "input channels that are the x, y, z components "
-                                     "of a vector (empty: none)", item=int)
-    hydro_vector_channels: list = _f([2, 3, 4], "output channels that are the x, y, z "
-                                     "components of a vector", item=int)
-    synthetic_size: list = _f([64, 64], "train and validation box sides when synthesizing data",
-                              item=int, length=2)
+    nbody_vector_channels: list[int] = _f([1, 2, 3], "input channels that are the x, y, z "
+                                          "components of a vector (empty: none)")
+    hydro_vector_channels: list[int] = _f([2, 3, 4], "output channels that are the x, y, z "
+                                          "components of a vector")
+    synthetic_size: list[int] = _f([64, 64], "train and validation box sides when synthesizing "
+                                   "data", length=2, min=1)
 
 
 CONFIG_CLASSES = {"vit": ViTConfig, "unet": UNetConfig}
@@ -213,14 +233,10 @@ def nearest(name: str, choices) -> str:
 # ----------------------------------------------------------------------------- coercion
 
 
-def _is_optional(tp) -> bool:
-    return typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
-
-
-def _base_type(tp):
-    if _is_optional(tp):
-        return next(a for a in typing.get_args(tp) if a is not type(None))
-    return tp
+@functools.lru_cache(maxsize=None)
+def field_types(cls) -> dict:
+    """Each field's annotation of a config class, evaluated (``list[int]``, ``Literal[...]``)."""
+    return typing.get_type_hints(cls)
 
 
 def _coerce_scalar(key, value, tp):
@@ -263,14 +279,40 @@ def _coerce_scalar(key, value, tp):
     raise TypeError(f"unsupported config type {tp} for {key}")
 
 
-def coerce(key: str, value: Any, f: dataclasses.Field):
-    tp = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing), globals())
-    meta = f.metadata
-    if _is_optional(tp) and (value is None or (isinstance(value, str) and value.lower() in
-                                               ("none", "null", "~"))):
-        return None
-    tp = _base_type(tp)
-    if tp is list:
+def _check_bounds(key, v, meta):
+    if "min" in meta and v < meta["min"]:
+        raise ConfigError(f"{key}={v} must be >= {meta['min']}")
+    if "max" in meta and v > meta["max"]:
+        raise ConfigError(f"{key}={v} must be <= {meta['max']}")
+    if "above" in meta and v <= meta["above"]:
+        raise ConfigError(f"{key}={v} must be > {meta['above']}")
+    if "below" in meta and v >= meta["below"]:
+        raise ConfigError(f"{key}={v} must be < {meta['below']}")
+
+
+def _coerce_item(key, value, tp, meta):
+    """One value of type ``tp`` (a scalar type or ``Literal[...]``), checked against ``meta``."""
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        v = _coerce_scalar(key, value, type(choices[0]))
+        if v not in choices:
+            raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(str, choices))}: "
+                              f"{nearest(str(v), [str(c) for c in choices])}")
+        return v
+    v = _coerce_scalar(key, value, tp)
+    _check_bounds(key, v, meta)
+    return v
+
+
+def coerce(cls, key: str, value: Any):
+    """``value`` (from YAML or the command line) as the type of ``cls``'s field ``key``, checked."""
+    tp = field_types(cls)[key]
+    meta = {f.name: f for f in dataclasses.fields(cls)}[key].metadata
+    if typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp):  # Optional
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
         if isinstance(value, str):
             try:
                 value = yaml.safe_load(value if value.strip().startswith("[") else f"[{value}]")
@@ -278,19 +320,18 @@ def coerce(key: str, value: Any, f: dataclasses.Field):
                 pass
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r} is not a list: give e.g. {key}=[1,2]")
-        out = [_coerce_scalar(f"{key}[{i}]", v, meta["item"]) for i, v in enumerate(value)]
+        (item,) = typing.get_args(tp)
+        out = [_coerce_item(f"{key}[{i}]", v, item, meta) for i, v in enumerate(value)]
         if "length" in meta and len(out) != meta["length"]:
-            raise ConfigError(f"{key}={out} must have {meta['length']} entries")
+            raise ConfigError(f"{key}={out} must have {meta['length']} entries, e.g. "
+                              f"{key}={_default(cls, key)}")
         return out
-    v = _coerce_scalar(key, value, tp)
-    if "choices" in meta and v not in meta["choices"]:
-        raise ConfigError(f"{key}={v!r} is not one of {', '.join(meta['choices'])}: "
-                          f"{nearest(str(v), meta['choices'])}")
-    if "min" in meta and v < meta["min"]:
-        raise ConfigError(f"{key}={v} must be >= {meta['min']}")
-    if "max" in meta and v > meta["max"]:
-        raise ConfigError(f"{key}={v} must be <= {meta['max']}")
-    return v
+    return _coerce_item(key, value, tp, meta)
+
+
+def _default(cls, key):
+    f = {f.name: f for f in dataclasses.fields(cls)}[key]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 # ----------------------------------------------------------------------------- command line
@@ -321,22 +362,30 @@ def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
     return entry, overrides
 
 
+def identity_fields(cls) -> tuple:
+    """The fields that say where a config came from (its name and file), not how to train."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("identity"))
+
+
 def _apply(cls, values: dict, source: str) -> dict:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls)}
     out = {}
     for key, val in values.items():
         if key in FLAG_ALIASES:
             target, alias_val = FLAG_ALIASES[key]
             if _coerce_scalar(key, val, bool):
-                out[target] = coerce(target, alias_val, fields[target])
+                out[target] = coerce(cls, target, alias_val)
             continue
+        if key in identity_fields(cls):
+            raise ConfigError(f"'{key}' is not a setting ({source}): the config's name and file are "
+                              f"chosen with --config and --yaml_config; remove '{key}'")
         if key not in fields:
             if key in RENAMED and RENAMED[key]:
                 hint = f"use {RENAMED[key]}"
             else:
-                hint = nearest(key, fields)
+                hint = nearest(key, fields - set(identity_fields(cls)))
             raise ConfigError(f"unknown setting '{key}' ({source}): {hint}")
-        out[key] = coerce(key, val, fields[key])
+        out[key] = coerce(cls, key, val)
     return out
 
 
@@ -361,9 +410,7 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
     if "num_iters" in cli and "num_epochs" not in cli:
         values.pop("num_epochs", None)
     values.update(cli)
-    cfg = cls(**values)
-    cfg.name = name
-    cfg.yaml_path = yaml_path
+    cfg = cls(name=name, yaml_path=yaml_path, **values)
     validate(cfg)
     return cfg
 
@@ -397,24 +444,31 @@ def validate(cfg: Config):
                 raise ConfigError(f"{key}={chans} must list 3 channel indices below {n}, or be []")
 
 
-def to_dict(cfg: Config) -> dict:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+def to_dict(cfg: Config, identity: bool = True) -> dict:
+    """Every field of ``cfg``; without ``name`` and ``yaml_path`` when ``identity`` is false."""
+    skip = () if identity else identity_fields(type(cfg))
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
 
 
 def dump(cfg: Config, derived: Optional[dict] = None) -> str:
-    """The resolved config as YAML that ``--yaml_config`` reads back under the same name."""
-    text = yaml.safe_dump({cfg.name: to_dict(cfg)}, sort_keys=False, default_flow_style=None)
-    if derived:
-        text = "".join(f"# {k}: {v}\n" for k, v in derived.items()) + text
-    return text
+    """The resolved config as YAML that ``--yaml_config`` reads back under the same name.
+
+    The settings go under the config's name; the file it was read from and the ``derived``
+    values (the per-rank batch, the peak lr, ...) are comment lines above them."""
+    text = yaml.safe_dump({cfg.name: to_dict(cfg, identity=False)}, sort_keys=False,
+                          default_flow_style=None)
+    notes = {"read from": cfg.yaml_path} if cfg.yaml_path else {}
+    notes.update(derived or {})
+    return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text
 
 
 def help_text(model: str) -> str:
     cls = CONFIG_CLASSES[model]
     lines = [f"settings of {model} configs (override any with --key value):"]
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  --{f.name:<24} {f.metadata['help']} [{default}]")
+        if f.name in identity_fields(cls):
+            continue
+        lines.append(f"  --{f.name:<24} {f.metadata['help']} [{_default(cls, f.name)}]")
     return "\n".join(lines)
 
 

@@ -116,11 +116,14 @@ def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
     )
 
 
-def era5_datasets(cfg: ViTConfig):
+def era5_datasets(cfg: ViTConfig, rows=None):
+    """Training and validation sets; ``rows`` limits the training samples to that band of image
+    rows (validation keeps whole images: its metrics and pictures are of the whole image)."""
     inmem = cfg.data_loader_config == "inmem"
     kw = dict(data_root=cfg.data_root, img_size=cfg.img_size, dt=cfg.dt, n_in=cfg.n_in_channels,
               n_out=cfg.n_out_channels, inmem=inmem)
-    train = ERA5Dataset(os.path.join(cfg.data_root, "train"), limit_nsamples=cfg.limit_nsamples, **kw)
+    train = ERA5Dataset(os.path.join(cfg.data_root, "train"), limit_nsamples=cfg.limit_nsamples,
+                        rows=rows, **kw)
     valid = ERA5Dataset(os.path.join(cfg.data_root, "valid"), limit_nsamples=cfg.limit_nsamples_val,
                         **kw)
     return train, valid
@@ -158,11 +161,21 @@ def synthesize(cfg: Config):
                              train_name=cfg.train_file, val_name=cfg.val_file)
 
 
-def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device) -> Loaders:
+def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
+                  rows: tuple[int, int] | None = None) -> Loaders:
+    """Loaders of one data-parallel rank (see the module docstring).
+
+    ``rows=(start, stop)``: the training batches hold only those image rows, (B, C, stop - start,
+    W), read from disk as such; a model-parallel rank passes the band it computes on
+    (``ParallelViT.image_rows()``). Validation batches stay whole images. ViT (ERA5) only.
+    """
     if isinstance(cfg, ViTConfig):
-        train, valid = era5_datasets(cfg)
+        train, valid = era5_datasets(cfg, rows)
         shuffle = True
     else:
+        if rows is not None:
+            raise ValueError(f"rows={rows!r} selects image rows of ERA5 samples; the {cfg.model} "
+                             f"loader reads whole volumes: pass rows=None")
         train, valid = cosmo_datasets(cfg)
         shuffle = False  # every index is already a fresh random crop
     G = local_batch * dp_size

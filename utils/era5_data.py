@@ -4,10 +4,17 @@
 state at t + dt of the same year, normalised with the global means and stds and cropped to
 ``img_size``. Every valid pair (t, t + dt), t in [0, T - dt), of every year is one index, so each
 is drawn with the same probability (no folding of indices onto others).
+
+``rows=(start, stop)`` limits a dataset to that band of image rows of the cropped image: a
+model-parallel rank that only uses its band (``ParallelViT.image_rows()``) reads
+``fields[t, :C, start:stop, :W]`` as an HDF5 hyperslab instead of the whole sample, and in
+memory mode holds only those rows. Samples are then ``(C, stop - start, W)`` and equal rows
+``start:stop`` of the full sample (the normalisation is per channel).
 """
 from __future__ import annotations
 
 import glob
+import operator
 import os
 
 import h5py
@@ -40,11 +47,26 @@ def load_stats(root: str, n_channels: int):
     return means, stds
 
 
+def check_rows(rows, height: int) -> tuple[int, int]:
+    """``rows`` as ``(start, stop)`` with ``0 <= start < stop <= height``; ``None``: all rows."""
+    if rows is None:
+        return 0, height
+    try:
+        start, stop = (operator.index(r) for r in rows)  # integers only: 3.5 is refused
+    except (TypeError, ValueError):
+        raise ValueError(f"rows={rows!r} must be a (start, stop) pair of image rows") from None
+    if not 0 <= start < stop <= height:
+        raise ValueError(f"rows={rows!r} is not a band of the {height} image rows: choose "
+                         f"0 <= start < stop <= {height} (img_size[0])")
+    return start, stop
+
+
 class ERA5Dataset(Dataset):
     def __init__(self, directory, data_root, img_size, dt=1, n_in=20, n_out=20,
-                 limit_nsamples=None, inmem=False):
+                 limit_nsamples=None, inmem=False, rows=None):
         self.directory = directory
         self.img_size = tuple(img_size)
+        self.rows = check_rows(rows, self.img_size[0])  # the band of image rows a sample holds
         self.dt, self.n_in, self.n_out = dt, n_in, n_out
         self.files = sorted(glob.glob(os.path.join(directory, "*.h5")))
         if not self.files:
@@ -87,11 +109,12 @@ class ERA5Dataset(Dataset):
         return t - self.dt
 
     def _read_all(self, path):
-        h, w = self.img_size
+        (start, stop), w = self.rows, self.img_size[1]
         with h5py.File(path, "r") as f:
-            return f["fields"][:, :, :h, :w]
+            return f["fields"][:, :, start:stop, :w]
 
     def _fields(self, k):
+        """Year file k: the in-memory band (rows already selected) or the HDF5 dataset."""
         if self._arrays is not None:
             return self._arrays[k]
         # Opened lazily and once per process: an h5py handle must not cross a fork.
@@ -113,10 +136,12 @@ class ERA5Dataset(Dataset):
     def __getitem__(self, key):
         i = key[1] if isinstance(key, tuple) else key
         k, t = self.locate(i)
-        h, w = self.img_size
+        w = self.img_size[1]
         fields = self._fields(k)
-        x = np.array(fields[t, : self.n_in, :h, :w], dtype=np.float32, copy=self._arrays is not None)
-        y = np.array(fields[t + self.dt, : self.n_out, :h, :w], dtype=np.float32,
+        # On disk a hyperslab: h5py reads only the band's rows. In memory the band is all there is.
+        band = slice(*self.rows) if self._arrays is None else slice(None)
+        x = np.array(fields[t, : self.n_in, band, :w], dtype=np.float32, copy=self._arrays is not None)
+        y = np.array(fields[t + self.dt, : self.n_out, band, :w], dtype=np.float32,
                      copy=self._arrays is not None)  # in memory: copy, the data stays unchanged
         # In place, with the reciprocal precomputed: no temporaries the size of a sample.
         x -= self.means[: self.n_in]
@@ -126,6 +151,7 @@ class ERA5Dataset(Dataset):
         # One reduction each: a NaN or infinity anywhere makes the sum non-finite (normalised
         # values are O(1), so a finite sample cannot overflow it).
         if not (np.isfinite(x.sum()) and np.isfinite(y.sum())):
-            raise DataError(f"non-finite values in {self.files[k]} at step {t} or {t + self.dt}: "
-                            f"repair the file or remove it from {self.directory}")
+            raise DataError(f"non-finite values in {self.files[k]} at step {t} or {t + self.dt} "
+                            f"(rows {self.rows[0]}:{self.rows[1]}): repair the file or remove it "
+                            f"from {self.directory}")
         return torch.from_numpy(x), torch.from_numpy(y)

@@ -1,5 +1,12 @@
 """Losses and metrics. Each returns one value per sample, so that sums over samples give exact
-means across batches and ranks however the samples were split."""
+means across batches and ranks however the samples were split.
+
+A training loss is declared once, as per-sample *partial sums* over a sample's values plus a
+*finish* step (:class:`PartialSumLoss`): sums over disjoint parts of a sample add up to the
+sums over the whole sample, so the same loss object serves a whole image (``loss(pred, y)``) and
+a model that holds each image in bands on several ranks (``distributed.parallelize.sharded_loss``
+adds the bands' partial sums over those ranks, then finishes).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -8,11 +15,43 @@ import torch
 from utils.formats import latitudes
 
 
-def relative_l2(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """||pred - target||_2 / ||target||_2 over all of a sample's values: (B, ...) -> (B,)."""
-    b = pred.shape[0]
-    diff = (pred - target).reshape(b, -1).float()
-    return diff.norm(dim=1) / target.reshape(b, -1).float().norm(dim=1)
+def _sum_dtype(x: torch.Tensor) -> torch.dtype:
+    """Sums are taken in at least float32 (bf16/fp16 outputs under autocast)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class PartialSumLoss:
+    """A per-sample loss ``finish(partial_sums(pred, target))``: (B, ...) -> (B,).
+
+    ``partial_sums(pred, target) -> (B, K)``: K sums over the given values of each sample, in at
+    least float32, such that the sums of two disjoint parts of a sample add up to those of their
+    union (sums of values, counts of values; not means). ``finish(sums) -> (B,)``: the loss from
+    the sums over a whole sample.
+    """
+
+    def partial_sums(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self, sums: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.partial_sums(pred, target))
+
+
+class RelativeL2(PartialSumLoss):
+    """||pred - target||_2 / ||target||_2 over all of a sample's values.
+
+    Sums: [sum (pred - target)^2, sum target^2]; finish: sqrt(a) / sqrt(b)."""
+
+    def partial_sums(self, pred, target):
+        dtype = _sum_dtype(pred)
+        diff = (pred.to(dtype) - target.to(dtype)).flatten(1)
+        ref = target.to(dtype).flatten(1)
+        return torch.stack([diff.pow(2).sum(1), ref.pow(2).sum(1)], dim=1)
+
+    def finish(self, sums):
+        return sums[:, 0].sqrt() / sums[:, 1].sqrt()
 
 
 def rho_transform(x: torch.Tensor) -> torch.Tensor:
@@ -20,14 +59,30 @@ def rho_transform(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(14.0 * x)
 
 
-def l1_rho(pred: torch.Tensor, target: torch.Tensor, lambda_rho: float = 0.0) -> torch.Tensor:
-    """Mean absolute error per sample, plus lambda_rho times that of the density exp(14 x[0])."""
-    b = pred.shape[0]
-    loss = (pred - target).abs().reshape(b, -1).float().mean(dim=1)
-    if lambda_rho:
-        d = rho_transform(pred[:, 0].float()) - rho_transform(target[:, 0].float())
-        loss = loss + lambda_rho * d.abs().reshape(b, -1).mean(dim=1)
-    return loss
+class L1Rho(PartialSumLoss):
+    """Mean absolute error per sample, plus ``lambda_rho`` times that of the density
+    exp(14 x[0]) of channel 0.
+
+    Sums: [sum |pred - target|, number of values] and, with ``lambda_rho``, [sum |rho(pred_0) -
+    rho(target_0)|, number of channel-0 values]; finish: the ratios, weighted."""
+
+    def __init__(self, lambda_rho: float = 0.0):
+        self.lambda_rho = lambda_rho
+
+    def partial_sums(self, pred, target):
+        dtype = _sum_dtype(pred)
+        err = (pred.to(dtype) - target.to(dtype)).abs().flatten(1)
+        sums = [err.sum(1), err.new_full((err.shape[0],), err.shape[1])]
+        if self.lambda_rho:
+            d = (rho_transform(pred[:, 0].to(dtype)) - rho_transform(target[:, 0].to(dtype))).abs().flatten(1)
+            sums += [d.sum(1), d.new_full((d.shape[0],), d.shape[1])]
+        return torch.stack(sums, dim=1)
+
+    def finish(self, sums):
+        loss = sums[:, 0] / sums[:, 1]
+        if self.lambda_rho:
+            loss = loss + self.lambda_rho * sums[:, 2] / sums[:, 3]
+        return loss
 
 
 def latitude_weights(h: int) -> torch.Tensor:

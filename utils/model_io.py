@@ -1,9 +1,10 @@
 """How batches enter the model and leave it, and how its state is saved.
 
 ``SerialIO`` passes batches through. ``ParallelIO`` (tensor/context parallel ViT) gives each rank
-its band of image rows, computes the loss across the band owners, and gathers whole outputs for
-validation. Both save the model and the optimizer in the serial layout keyed by parameter name,
-so a checkpoint loads on any number of ranks and any tp/cp layout.
+its band of image rows, computes the task's loss across the band owners
+(``distributed.parallelize.sharded_loss``), and gathers whole outputs for validation. Both save
+the model and the optimizer in the serial layout keyed by parameter name, so a checkpoint loads
+on any number of ranks and any tp/cp layout.
 """
 from __future__ import annotations
 
@@ -93,12 +94,19 @@ class ParallelIO(SerialIO):
         self.model, self.groups = model, groups
 
     def inputs(self, x, y):
-        # This rank's band of image rows; the full batch is dropped as soon as it is sliced.
+        """This rank's band of image rows: whole images are cut (and dropped as soon as they are
+        sliced); a batch that already is the band (a loader reading ``model.image_rows()``
+        only) passes as it is."""
+        start, stop = self.model.image_rows()
+        if x.shape[-2] == stop - start and y.shape[-2] == stop - start:
+            return x, y
         return self.model.shard_image(x), self.model.shard_image(y)
 
     def loss(self, pred, y):
-        # Squared sums of every band are added over the tp x cp group: the serial loss.
-        return self.model.loss(pred, y, reduction="none")
+        from distributed.parallelize import sharded_loss
+
+        # The task's per-band partial sums, added over the ranks holding other bands: the serial loss.
+        return sharded_loss(self.task.loss, pred, y, self.groups, self.model.layout)
 
     def full_output(self, pred):
         return self.model.gather_image(pred)

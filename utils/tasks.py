@@ -16,7 +16,7 @@ from networks.unet import UNet
 from networks.vit import ViT
 from utils.config import Config, UNetConfig, ViTConfig
 from utils.formats import ERA5_CHANNELS
-from utils.losses import l1_rho, latitude_weights, relative_l2, weighted_rmse
+from utils.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
 from utils.tensorboard import comparison_image
 
 
@@ -29,15 +29,15 @@ class ERA5Task:
         self.cfg = cfg
         self.channels = ERA5_CHANNELS[: cfg.n_out_channels]
         self.weights = latitude_weights(cfg.img_size[0])
+        self.loss = RelativeL2()  # per-sample; loss(pred, y) or partial sums of image bands
 
     def build_model(self):
         c = self.cfg
         return ViT(img_size=c.img_size, patch_size=c.patch_size, in_chans=c.n_in_channels,
                    out_chans=c.n_out_channels, embed_dim=c.embed_dim, depth=c.depth,
-                   num_heads=c.num_heads, mlp_ratio=c.mlp_ratio, dropout=c.dropout)
-
-    def loss(self, pred, y):
-        return relative_l2(pred, y)
+                   num_heads=c.num_heads, mlp_ratio=c.mlp_ratio, dropout=c.dropout,
+                   layer_norm_eps=c.layer_norm_eps, head_bias=c.head_bias,
+                   activation_checkpointing=c.activation_checkpointing)
 
     def metric_sums(self, pred, y) -> torch.Tensor:
         """Per-channel latitude-weighted RMSE summed over the batch: (C,)."""
@@ -73,14 +73,13 @@ class CosmoTask:
     def __init__(self, cfg: UNetConfig):
         self.cfg = cfg
         self._mean = None
+        self.loss = L1Rho(cfg.lambda_rho)  # per-sample; loss(pred, y) or partial sums of sub-volumes
 
     def build_model(self):
         c = self.cfg
         return UNet(in_chans=c.n_in_channels, out_chans=c.n_out_channels, base_width=c.base_width,
-                    max_width=c.max_width, full_scale=c.full_scale, conv_init_std=c.conv_init_std)
-
-    def loss(self, pred, y):
-        return l1_rho(pred, y, self.cfg.lambda_rho)
+                    max_width=c.max_width, full_scale=c.full_scale, conv_init_std=c.conv_init_std,
+                    leaky_relu_slope=c.leaky_relu_slope)
 
     def metric_sums(self, pred, y) -> torch.Tensor:
         """Mean absolute error per channel summed over the batch: (C,)."""

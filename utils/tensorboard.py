@@ -2,11 +2,12 @@
 
 Tags follow the tutorials, so runs compare against their example logs: ``Loss/train``,
 ``Loss/valid``, ``Learning Rate``, ``Avg iters per sec``, ``Avg samples per sec``, and for the ViT
-``RMSE(u10m)/valid``.
+``RMSE(u10m)/valid``; ``Grad norm`` is the 2-norm of the whole gradient before clipping.
 """
 from __future__ import annotations
 
 import numpy as np
+from torch.utils.tensorboard import SummaryWriter
 
 
 class NullBoard:
@@ -25,8 +26,6 @@ class NullBoard:
 
 class Board(NullBoard):
     def __init__(self, logdir: str, purge_step: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
-
         # purge_step drops events a crashed run wrote after its last checkpoint.
         self.writer = SummaryWriter(log_dir=logdir, purge_step=purge_step)
 

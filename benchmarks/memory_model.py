@@ -1,10 +1,10 @@
 """Per-rank memory and communication of the tensor / context / data parallel ViT, from its shapes.
 
-    python -m distributed.memory_model --config mp --tensor_parallel 1 --context_parallel 1
-    python -m distributed.memory_model --config mp --tensor_parallel 4     # 45 patch rows: padded sequence parallelism
-    python -m distributed.memory_model --config mp --img_size '[352,720]' --tensor_parallel 4 \\
+    python -m benchmarks.memory_model --config mp --tensor_parallel 1 --context_parallel 1
+    python -m benchmarks.memory_model --config mp --tensor_parallel 4     # 45 patch rows: padded sequence parallelism
+    python -m benchmarks.memory_model --config mp --img_size '[352,720]' --tensor_parallel 4 \\
         --local_batch_size 16 --data_parallel 4 --attention flash --activation_checkpointing
-    python -m distributed.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
+    python -m benchmarks.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
 
 Any config key can be overridden (``--key value``, as for train.py). The model's own options:
 ``--data_parallel`` (dp; default 1, world = tp x cp x dp; the local batch is
@@ -23,7 +23,8 @@ N/cp without sequence parallelism: the tp ranks of a cp rank hold the same token
 of a cp rank inside attention/MLP (N/cp, padding included: n.tp in the padded layout), E embed,
 h = heads/tp, F = mlp hidden/tp, f = 4 bytes (fp32), a = bytes of the compute dtype (4 without
 AMP, 2 under fp16/bf16 autocast). A rank's image band is H/T rows with row bands, H/cp
-otherwise.
+otherwise. When cp does not divide the patch rows the cp bands differ by one patch row; the
+model counts a rank of the first, longest band (N/cp and H/cp above rounded up to whole rows).
 
 * parameters: fp32, with the shapes of ``distributed.layers`` (block weights split over tp,
   ``pos_embed`` split over tp x cp, or cp only without sequence parallelism, patch embedding /
@@ -67,7 +68,8 @@ otherwise.
   step): parameters + Adam state + activations (gradients are freed by
   ``zero_grad(set_to_none=True)``); ``--measure cuda`` adds what the allocator holds besides:
   DDP's gradient buckets (one fp32 copy of the gradients; DDP wraps every model-parallel run)
-  and the whole batch on the device (the loader's x and y, before each rank slices its band).
+  and the batch on the device (the loader's x and y: only the rows of the rank's image band,
+  ``build_loaders(..., rows=ParallelViT.image_rows())``).
 * peak: after forward + gradients; ``--measure cuda`` adds an estimate of the backward
   transients (two hidden-width activation gradients of a block, a.B.nc.F each, the re-gathered
   block input a.B.nc.E when tp > 1 with sequence parallelism, and one recomputed block under
@@ -79,8 +81,9 @@ one call, and the bytes a rank sends with ring algorithms: (g-1)/g of it for all
 reduce-scatter, 2(g-1)/g for all-reduce, over a group of g ranks, the whole tensor for a
 broadcast. Checkpointing repeats the blocks' forward collectives in backward. Without sequence
 parallelism the tp collectives of a block are two all-reduces of the row-parallel outputs
-(forward) and two of the column-parallel input gradients (backward, ``copy_to``), the loss sums
-are all-reduced over cp only, and the replicated-parameter gradients are summed over cp only.
+(forward) and two of the column-parallel input gradients (backward,
+``identity_fwd_all_reduce_bwd``), the loss sums are all-reduced over cp only, and the
+replicated-parameter gradients are summed over cp only.
 The padded layout adds one all-gather of the head output over tp (forward) and sums the loss
 over cp only (the tp ranks then hold the same cp band).
 
@@ -114,11 +117,13 @@ class Shape:
     heads: int
     hidden: int
     dropout: float = 0.0
+    head_bias: bool = False
 
     @classmethod
     def from_config(cls, cfg, local_batch: int) -> "Shape":
         return cls(local_batch, tuple(cfg.img_size), cfg.patch_size, cfg.n_in_channels, cfg.n_out_channels,
-                   cfg.embed_dim, cfg.depth, cfg.num_heads, int(cfg.embed_dim * cfg.mlp_ratio), cfg.dropout)
+                   cfg.embed_dim, cfg.depth, cfg.num_heads, int(cfg.embed_dim * cfg.mlp_ratio), cfg.dropout,
+                   cfg.head_bias)
 
     @property
     def tokens(self) -> int:
@@ -127,8 +132,9 @@ class Shape:
     def split(self, tp: int, cp: int, lay) -> Tuple[int, int, int]:
         """(n, nc, band rows) for a ``distributed.parallelize.TokenLayout``: tokens of a rank between
         the linears, tokens of its cp rank inside attention/MLP (padding included), image rows of
-        its band."""
-        band_rows = self.img[0] // lay.bands
+        its band; for band 0, a longest one (cp bands may differ by one patch row)."""
+        start, stop = lay.band_rows(0)
+        band_rows = (stop - start) * self.patch
         if lay.sequence_parallel:  # row bands: local_tokens * tp = N / cp; padded: the padded cp band
             return lay.local_tokens, lay.local_tokens * tp, band_rows
         return lay.band_tokens, lay.band_tokens, band_rows
@@ -178,7 +184,7 @@ def parameters(s: Shape, tp: int, cp: int, lay) -> List[Tuple[str, int, Tuple[st
                 (b + "mlp.fc1.weight", F * E, ("cp",)), (b + "mlp.fc1.bias", F, ("cp",)),
                 (b + "mlp.fc2.weight", E * F, ("cp",)), (b + "mlp.fc2.bias", E, mp)]
     out += [("norm.weight", E, mp), ("norm.bias", E, mp),
-            ("head.weight", s.cout * pp * E, mp), ("head.bias", s.cout * pp, mp)]
+            ("head.weight", s.cout * pp * E, mp)] + ([("head.bias", s.cout * pp, mp)] if s.head_bias else [])
     return out
 
 
@@ -339,10 +345,12 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
     p = Prediction(tp, cp, dp, s.batch, params, params, adam, acts, activation_items=items, sequence_parallel=sp,
                    padding=lay.pad)
     if measure == "cuda":
-        nc, F = s.split(tp, cp, lay)[1], s.hidden // tp
+        _, nc, band_rows = s.split(tp, cp, lay)
+        F = s.hidden // tp
         if tp * cp * dp > 1:  # DDP wraps every model-parallel or multi-rank run
             p.extra["DDP gradient buckets"] = params
-        p.extra["batch on the device (x and y, whole images)"] = f * s.batch * (s.cin + s.cout) * s.img[0] * s.img[1]
+        batch_bytes = f * s.batch * (s.cin + s.cout) * band_rows * s.img[1]
+        p.extra["batch on the device (x and y, the rank's rows)"] = batch_bytes
         p.transient = 2 * a * s.batch * nc * F + (a * s.batch * nc * s.embed if tp > 1 and sp else 0)
         if checkpointing:
             p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, lay)
@@ -355,7 +363,7 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
 def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda") -> Prediction:
     """The prediction for a ``utils.config`` ViT config (its tp, cp, sequence parallelism, AMP,
     checkpointing, batch), as the engine runs it."""
-    from utils.parallel import batch_sizes
+    from utils.runtime import batch_sizes
 
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     local, _ = batch_sizes(cfg, data_parallel)
@@ -428,7 +436,7 @@ def main(argv=None):
     from utils.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m distributed.memory_model", add_help=True,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_model", add_help=True,
                                  description="Per-rank memory and communication of the parallel ViT; any "
                                              "other --key value overrides the config")
     ap.add_argument("--yaml_config", default="config/ViT.yaml")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distributed.groups import ParallelGroups, build_groups, validate_parallel_config
+from distributed.parallelize import validate_vit_layout
 from utils.config import Config, ViTConfig
 from utils.errors import ConfigError
 
@@ -29,8 +31,8 @@ class Runtime:
     local_rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
-    dp_group: object = None  # None: the default (world) group
-    mp: object = None  # distributed.groups.ParallelGroups when tensor/context parallel
+    dp_group: object = None  # the data-parallel process group; None is torch's default (world) group
+    groups: ParallelGroups | None = None  # the tp x cp x dp groups when tensor/context parallel
     local_batch: int = 1
     global_batch: int = 1
 
@@ -42,11 +44,10 @@ class Runtime:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def all_reduce(self, t: torch.Tensor, group=None, op=None) -> torch.Tensor:
-        """Sum (or ``op``) over ``group`` (default: the data-parallel group), in place."""
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the data-parallel ranks, in place (nothing to do on one rank)."""
         if self.distributed:
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM,
-                            group=group if group is not None else self.dp_group)
+            dist.all_reduce(t, group=self.dp_group)
         return t
 
     def barrier(self):
@@ -91,24 +92,30 @@ def _env_int(name, default):
 
 
 def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:
-    """(local, global) batch sizes; global must split evenly over the data-parallel ranks."""
+    """(local, global) batch sizes; global must split evenly over the data-parallel ranks, and
+    each rank's share evenly into grad_accum_steps micro-batches."""
     if cfg.local_batch_size is not None:
-        return cfg.local_batch_size, cfg.local_batch_size * dp_size
-    if cfg.global_batch_size % dp_size:
+        local, global_ = cfg.local_batch_size, cfg.local_batch_size * dp_size
+    elif cfg.global_batch_size % dp_size:
         lo = cfg.global_batch_size // dp_size * dp_size
         options = ", ".join(str(v) for v in (lo, lo + dp_size) if v > 0)
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} does not divide by the "
                           f"{dp_size} data-parallel ranks: choose a multiple of {dp_size} "
                           f"(e.g. {options}) or set --local_batch_size")
-    return cfg.global_batch_size // dp_size, cfg.global_batch_size
+    else:
+        local, global_ = cfg.global_batch_size // dp_size, cfg.global_batch_size
+    k = cfg.grad_accum_steps
+    if local % k:
+        raise ConfigError(f"grad_accum_steps={k} does not divide the {local} samples per rank and "
+                          f"step (global batch {global_} over {dp_size} data-parallel rank(s)): "
+                          f"choose a divisor of {local}, or a global batch of "
+                          f"{dp_size * k * max(1, round(local / k))}")
+    return local, global_
 
 
 def check_model_parallel(cfg: ViTConfig, world: int):
     """tp x cp x dp == world size and a ViT that shards over them, checked before any rank
     joins a process group."""
-    from distributed.groups import ParallelGroups, validate_parallel_config
-    from distributed.parallelize import validate_vit_layout
-
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     if cfg.noddp:
         raise ConfigError("noddp turns off the data-parallel gradient all-reduce for timing; it "
@@ -130,7 +137,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     check_amp(cfg, device)
     tp = getattr(cfg, "tensor_parallel", 1)
     cp = getattr(cfg, "context_parallel", 1)
-    sharded = tp * cp > 1 or getattr(cfg, "activation_checkpointing", False)
+    sharded = tp * cp > 1
     if sharded:
         check_model_parallel(cfg, world)
     # Checked before any process group exists, so every rank fails at once with the same message.
@@ -147,10 +154,8 @@ def setup_runtime(cfg: Config) -> Runtime:
     rt = Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank,
                  dp_rank=rank, dp_size=world)
     if sharded:
-        from distributed.groups import build_groups
-
-        rt.mp = build_groups(world, tp, cp, cfg.parallel_order)
-        rt.dp_group, rt.dp_rank, rt.dp_size = rt.mp.dp_group, rt.mp.dp_rank, rt.mp.dp_size
+        rt.groups = build_groups(world, tp, cp, cfg.parallel_order)
+        rt.dp_group, rt.dp_rank, rt.dp_size = rt.groups.dp_group, rt.groups.dp_rank, rt.groups.dp_size
     rt.local_batch, rt.global_batch = local_batch, global_batch
     return rt
 

@@ -1,0 +1,51 @@
+"""The norm of the serial model's gradient, from the shards each rank holds, and clipping by it.
+
+A parameter split over some of a replica's axes (``param.shard_spec.axes``, e.g. ``("tp",)``)
+holds ``1 / shards`` of the serial parameter; the other ``copies = tp * cp / shards`` ranks of the
+replica hold the very same slice. After the gradient reduction (DDP's communication hook sums
+the partial gradients of replicated parameters over the axes in ``reduce_over``) every copy holds
+the same gradient, so each rank adds ``|grad|^2 / copies`` of its parameters and one all-reduce
+over the replica gives the serial squared norm, identical on every rank. Gradients are already
+averaged over data-parallel ranks at that point, so dp needs no reduction.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distributed.groups import ParallelGroups
+
+
+def grad_norm(model: nn.Module, groups: ParallelGroups | None = None) -> torch.Tensor:
+    """2-norm of all gradients of ``model`` as a float32 device tensor (no host sync).
+
+    ``groups``: the model-parallel groups of a sharded model (one all-reduce over the replica);
+    None for a model that is whole on every rank."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if groups is None or groups.mp_size == 1:
+        if not grads:
+            return torch.zeros((), device=next(model.parameters()).device)
+        return torch.nn.utils.get_total_norm(grads).float()
+    sq = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        shards = math.prod(groups.size(a) for a in p.shard_spec.axes)
+        copies = groups.mp_size // shards
+        sq += p.grad.float().pow(2).sum() / copies
+    dist.all_reduce(sq, group=groups.mp_group)  # one scalar over the tp x cp replica
+    return sq.sqrt()
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups | None = None) -> torch.Tensor:
+    """Scale the gradients so that their serial 2-norm is at most ``max_norm`` (0: measure only);
+    returns the norm before clipping. With fp16 an overflowed (non-finite) gradient was already
+    noted by the gradient scaler when it unscaled them, and the scaler skips that step."""
+    norm = grad_norm(model, groups)
+    if max_norm > 0:
+        params = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

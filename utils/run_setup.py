@@ -1,0 +1,98 @@
+"""Preparing a run before its first step: the run directory, the checkpoint to resume from, the
+data (synthesised for the quickstarts), the resolved config beside the run, and the header lines
+of its log.
+
+A run directory is ``<expdir>/<config>/<world size>/<run_num>/`` and holds ``out.log``,
+``config.yaml``, ``tensorboard/`` and ``checkpoints/``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from utils import checkpoint
+from utils.config import Config, dump
+from utils.data_loader import has_data, synthesize
+from utils.errors import ConfigError
+from utils.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def run_dir_for(cfg: Config, world_size: int) -> str:
+    return os.path.join(cfg.expdir, cfg.name, str(world_size), str(cfg.run_num))
+
+
+def find_resume_checkpoint(cfg: Config, run_dir: str, world_size: int):
+    """``(state, path)`` of the checkpoint to continue from (``--resume``, ``--resume_from``), or
+    None for a fresh run. Refuses to start a fresh run over one that holds checkpoints."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    existing = checkpoint.list_checkpoints(ckpt_dir)
+    if cfg.resume_from:
+        if existing:
+            raise ConfigError(f"--resume_from: {run_dir} already holds checkpoints: use --resume "
+                              f"to continue it, or choose another --run_num")
+        src = cfg.resume_from
+        if os.path.isdir(os.path.join(src, "checkpoints")):
+            src = os.path.join(src, "checkpoints")
+        if os.path.isdir(src):
+            state, path = checkpoint.load_latest(src)
+        elif os.path.isfile(src):
+            state, path = checkpoint.load_file(src)
+        else:
+            raise ConfigError(f"--resume_from {src}: no such file or directory")
+        if state is None:
+            raise ConfigError(f"--resume_from {src}: no checkpoint there loads")
+        return state, path
+    if not cfg.resume:
+        if existing:
+            raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue "
+                              f"that run, or choose another --run_num")
+        return None
+    if not existing:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}: check --config, --run_num, "
+                          f"--expdir and the number of ranks ({world_size}), or use "
+                          f"--resume_from PATH")
+    state, path = checkpoint.load_latest(ckpt_dir)
+    if state is None:
+        raise ConfigError(f"--resume: none of the checkpoints in {ckpt_dir} loads")
+    return state, path
+
+
+def ensure_data(cfg: Config, rt: Runtime):
+    """Synthesise small data under data_root when the config asks for it and none is there."""
+    if not cfg.synthesize_if_missing:
+        return
+    # Rank 0 alone decides and writes; every rank then waits, so none sees a data set that is
+    # still being written (e.g. the training file but not yet the validation file).
+    if rt.is_main and not has_data(cfg):
+        log.info(f"No data under {cfg.data_root}: generating synthetic {cfg.model} data there "
+                 f"(synthesize_if_missing is set for this config)")
+        t0 = time.time()
+        synthesize(cfg)
+        log.info(f"Synthetic data written in {time.time() - t0:.1f} s")
+    rt.barrier()  # other ranks read the data only once it is complete
+
+
+def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
+    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml``
+    (a resumed run keeps the file of the run it continues)."""
+    path = os.path.join(run_dir, "config.yaml")
+    log.info("Resolved config:\n" + dump(cfg, derived))
+    if not resumed or not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(dump(cfg, derived))
+
+
+def log_run_header(model, rt: Runtime, loaders, total_steps: int, layout_summary: str | None):
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
+             f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
+             + (" on this rank" if rt.groups is not None else ""))
+    if rt.groups is not None:
+        log.info("Model-parallel layout: " + rt.groups.describe())
+        log.info(layout_summary)
+    log.info(f"{loaders.n_train} training samples, {loaders.n_valid} validation samples; "
+             f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
+             f"({rt.local_batch} per rank); {total_steps} steps in all")
