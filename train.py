@@ -36,6 +36,7 @@ from utils.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
 from utils.optimizer import build_optimizer
 from utils.parallelism import apply_parallelism
 from utils.profiling import ProfilerWindow, nvtx_range
+from utils.reference_weights import load_reference_weights
 from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header, run_dir_for,
                              write_config)
 from utils.runtime import Runtime, describe_dist_failure, setup_runtime
@@ -69,7 +70,11 @@ class Trainer:
 
         # The model: the serial model from the seed on every rank, then parallelised in one place.
         torch.manual_seed(cfg.seed)
-        parallel = apply_parallelism(self.task.build_model(), cfg, rt, self.task)
+        model = self.task.build_model()
+        if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
+            load_reference_weights(model, cfg.init_from, cfg)
+            log.info(f"Weights from {cfg.init_from}")
+        parallel = apply_parallelism(model, cfg, rt, self.task)
         self.parallel = parallel
         self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
         self.wrapped_model = parallel.wrapped  # what the step calls: under DDP / torch.compile

@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT, write_cosmo, write_era5
 from utils.config import build_config
 from utils.errors import ConfigError, TrainingError
+from utils.reference_weights import vit_from_reference
 from utils.runtime import setup_runtime
 from train import Trainer
 
@@ -188,6 +189,28 @@ def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
     assert ckpts == ["ckpt_00000004.pt"]
     state = torch.load(os.path.join(trainer.ckpt_dir, ckpts[0]), weights_only=True)
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
+    """``--init_from`` puts a saved model's weights into a new run (before parallelism and any
+    step); a resumed run takes its weights from its checkpoint instead."""
+    cfg = _cfg(era5_root, tmp_path / "a", num_iters="2")
+    source = Trainer(cfg, setup_runtime(cfg)).model
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p))  # weights no fresh model from the seed has
+    saved = {f"module.{k}": v for k, v in source.state_dict().items()}  # as from under DDP
+    torch.save(saved, tmp_path / "w.pt")
+    cfg = _cfg(era5_root, tmp_path / "b", num_iters="2", init_from=str(tmp_path / "w.pt"))
+    trainer = Trainer(cfg, setup_runtime(cfg))
+    # The head's rows are read in the tutorial's (p, p, C) order; everything else as saved.
+    want = vit_from_reference(source.state_dict(), cfg.patch_size, cfg.n_out_channels)
+    assert not torch.equal(want["head.weight"], source.head.weight)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, want[name]), name
+    bad = _cfg(era5_root, tmp_path / "c", init_from=str(tmp_path / "missing.pt"))
+    with pytest.raises(ConfigError, match="init_from=.*missing.pt: no such file"):
+        Trainer(bad, setup_runtime(bad))
 
 
 def test_global_batch_must_divide_ranks(monkeypatch, era5_root, tmp_path):

@@ -1,7 +1,8 @@
 """Start from weights saved by the tutorial's own models (``init_from``).
 
-The tutorial saves no checkpoints; its models' ``state_dict()`` saved with ``torch.save`` (from
-under DistributedDataParallel or ``torch.compile`` too) is what this reads. Its names and
+What this reads: a model's ``state_dict()`` saved with ``torch.save`` (from under
+DistributedDataParallel or ``torch.compile`` too), or a checkpoint dict holding one under
+``model_state``, ``state_dict`` or ``model``. Its names and
 layouts differ from ours in three places:
 
 * ViT head: the tutorial orders each token's outputs as (p, p, C_out), ours as (C_out, p, p);
@@ -71,6 +72,9 @@ def load_reference_weights(model: torch.nn.Module, path: str, cfg: Config) -> No
     except Exception as e:
         raise ConfigError(f"init_from={path} is not a saved state dict ({type(e).__name__}: "
                           f"{e}): save the tutorial model's state_dict() with torch.save") from None
+    if not isinstance(sd, dict):
+        raise ConfigError(f"init_from={path} holds a {type(sd).__name__}, not a state dict: save the "
+                          f"tutorial model's state_dict() with torch.save")
     for key in ("model_state", "state_dict", "model"):  # a state dict inside a larger record
         if isinstance(sd.get(key), dict):
             sd = sd[key]
