@@ -78,7 +78,7 @@ class Trainer:
         self.parallel = parallel
         self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
         self.wrapped_model = parallel.wrapped  # what the step calls: under DDP / torch.compile
-        self.sharding = parallel.layout  # how batches and state map to this rank's model
+        self.sharding = parallel.sharding  # how batches and state map to this rank's model
         torch.manual_seed(cfg.seed + 1 + rt.rank)  # per-rank stream for dropout
 
         # A model-parallel rank reads only the image rows it computes on (training batches).
@@ -248,8 +248,8 @@ class Trainer:
         for x, y in self.loaders.valid:
             x, y = self.to_device(x, y)
             with self.autocast():
-                pred = self.wrapped_model(self.sharding.inputs(x, y)[0])
-            pred = self.sharding.full_output(pred)
+                pred = self.wrapped_model(self.sharding.local_batch(x, y)[0])
+            pred = self.sharding.whole_output(pred)
             metrics = self.task.metric_sums(pred, y).float()
             m = metrics.numel()
             if sums is None:  # [loss, count, metrics..., baseline loss, baseline metrics...]

@@ -98,6 +98,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import List, Tuple
 
+from distributed.groups import ParallelGroups
+from distributed.parallelize import sequence_parallel_summary, validate_vit_layout
+from utils.config import build_config, parse_overrides
+from utils.errors import ConfigError
+from utils.runtime import batch_sizes
+
 ATTENTION = ("flash", "efficient", "math")
 MEASURE = ("cuda", "cpu")
 GiB = 1024**3
@@ -162,9 +168,6 @@ class Prediction:
 
 def check_layout(s: Shape, tp: int, cp: int, sequence_parallel: bool = True):
     """The engine's divisibility rules and token layout (``distributed.parallelize``)."""
-    from distributed.groups import ParallelGroups
-    from distributed.parallelize import validate_vit_layout
-
     return validate_vit_layout(s.img, s.patch, s.embed, s.heads, s.hidden,
                                ParallelGroups(tensor_parallel=tp, context_parallel=cp), sequence_parallel)
 
@@ -363,8 +366,6 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
 def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda") -> Prediction:
     """The prediction for a ``utils.config`` ViT config (its tp, cp, sequence parallelism, AMP,
     checkpointing, batch), as the engine runs it."""
-    from utils.runtime import batch_sizes
-
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     local, _ = batch_sizes(cfg, data_parallel)
     return predict(Shape.from_config(cfg, local), tp, cp, data_parallel, cfg.amp_mode != "none", attention,
@@ -391,8 +392,6 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     lines.append(f"layout tp={p.tp} x cp={p.cp} x dp={p.dp} (world {p.tp * p.cp * p.dp}), local batch "
                  f"{p.local_batch}, attention {attention}, measured as {measure}")
     if cfg is not None and p.tp > 1:
-        from distributed.parallelize import sequence_parallel_summary
-
         lines.append(sequence_parallel_summary(cfg.img_size, cfg.patch_size, p.tp, p.cp, p.sequence_parallel))
     lines.append("")
     lines.append(f"{'per rank':<59}{name}")
@@ -432,9 +431,6 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
 
 
 def main(argv=None):
-    from utils.config import build_config, parse_overrides
-    from utils.errors import ConfigError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_model", add_help=True,
                                  description="Per-rank memory and communication of the parallel ViT; any "

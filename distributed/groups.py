@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["AXES", "SINGLE_PROCESS", "ParallelGroups", "SingleProcessGroup", "build_groups", "group_ranks",
            "parse_order", "rank_coords", "validate_parallel_config"]
@@ -241,8 +242,6 @@ def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, con
     handles = {}
     mesh = None
     if use_device_mesh:
-        from torch.distributed.device_mesh import init_device_mesh
-
         dims = tuple(reversed(order))  # mesh dims slowest -> fastest; the last dim is contiguous
         mesh = init_device_mesh(device_type or _default_device_type(), tuple(sizes[d] for d in dims),
                                 mesh_dim_names=dims)

@@ -26,7 +26,7 @@ and a few Adam steps equal the serial ones; the weights trained at cp = 4 load a
 
 The training loss is the task's (``utils.losses``) everywhere: besides the relative L2 loss, an
 L1 loss with a density term (``L1Rho``) and a channel-weighted MSE declared in this file give
-per-sample losses and gradients equal to the serial ones through ``utils.model_io.ParallelIO``.
+per-sample losses and gradients equal to the serial ones through ``utils.sharding.RowBandSharding``.
 Serial-ViT options are mirrored: a head without bias, a LayerNorm eps, and the model's own
 ``activation_checkpointing``.
 
@@ -198,7 +198,7 @@ def _rank_main():
                                          tensors_to_serial)
     from distributed.parallelize import parallelize_vit as _parallelize
     from utils.losses import RelativeL2
-    from utils.model_io import ParallelIO
+    from utils.sharding import RowBandSharding
 
     def parallelize_vit(model, groups, activation_checkpointing=None):
         return _parallelize(model, groups, activation_checkpointing, sequence_parallel=sp)
@@ -288,7 +288,7 @@ def _rank_main():
                      ("loss", loss3.detach(), _serial_loss(dp_slice(Y, groups), dp_slice(t, groups)).detach(), tol)]
                     + [(f"grad {n}", grads3[n], sgrads[n], tol) for n in sgrads])
 
-            if lay in LOSS_LAYOUTS:  # other task losses, through the engine's ParallelIO
+            if lay in LOSS_LAYOUTS:  # other task losses, through the engine's RowBandSharding
                 for name in ("l1rho", "weighted-mse"):
                     m.zero_grad()
                     ts = 0.1 * t  # keeps exp(14 x) of the density term moderate
@@ -296,8 +296,8 @@ def _rank_main():
                     want.mean().backward()
                     sg = {n: p.grad.clone() for n, p in m.named_parameters()}
                     pml = parallelize_vit(m, groups)
-                    io = ParallelIO(SimpleNamespace(loss=_partial_sum_loss(name)), pml, groups)
-                    xb, tb = io.inputs(dp_slice(x, groups), dp_slice(ts, groups))
+                    io = RowBandSharding(SimpleNamespace(loss=_partial_sum_loss(name)), pml, groups)
+                    xb, tb = io.local_batch(dp_slice(x, groups), dp_slice(ts, groups))
                     got = io.loss(pml(xb), tb)
                     got.mean().backward()
                     reduce_replicated_grads(pml, groups)
@@ -533,11 +533,11 @@ def test_image_band_needs_shard_image():
                                           ((16, 32), 2, 2, True), ((20, 36), 4, 1, True)])
 def test_image_rows_of_every_rank(img, tp, cp, sp):
     """``image_rows()`` are the real rows of each rank's band (array_split of the patch rows),
-    ``shard_image`` cuts exactly them, and ``ParallelIO.inputs`` cuts whole images and passes a
+    ``shard_image`` cuts exactly them, and ``RowBandSharding.local_batch`` cuts whole images and passes a
     batch that already is the band (a loader reading only ``image_rows()``)."""
     from distributed.parallelize import parallelize_vit
     from networks.vit import ViT
-    from utils.model_io import ParallelIO
+    from utils.sharding import RowBandSharding
 
     serial = ViT(**{**VIT, "img_size": img})
     x = torch.randn(2, VIT["in_chans"], *img)
@@ -548,8 +548,8 @@ def test_image_rows_of_every_rank(img, tp, cp, sp):
         pm = parallelize_vit(serial, groups, sequence_parallel=sp)
         assert pm.image_rows() == (start, stop), f"cp rank {c}, tp rank {t}"
         assert torch.equal(pm.shard_image(x), x[..., start:stop, :])
-        io = ParallelIO(None, pm, groups)
-        for xb, yb in (io.inputs(x, y), io.inputs(x[..., start:stop, :], y[..., start:stop, :])):
+        io = RowBandSharding(None, pm, groups)
+        for xb, yb in (io.local_batch(x, y), io.local_batch(x[..., start:stop, :], y[..., start:stop, :])):
             assert torch.equal(xb, x[..., start:stop, :]) and torch.equal(yb, y[..., start:stop, :])
         covered.update(range(start, stop))
     assert covered == set(range(img[0]))

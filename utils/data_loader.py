@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from utils import synthetic
 from utils.config import Config, UNetConfig, ViTConfig
 from utils.cosmo_data import CosmoCropDataset
 from utils.era5_data import ERA5Dataset
@@ -150,8 +151,6 @@ def has_data(cfg: Config) -> bool:
 
 def synthesize(cfg: Config):
     """Write small synthetic data in the real formats under data_root (for the quickstarts)."""
-    from utils import synthetic
-
     if isinstance(cfg, ViTConfig):
         synthetic.make_era5(cfg.data_root, img_size=tuple(cfg.img_size),
                             steps_per_year=cfg.synthetic_steps_per_year, seed=cfg.seed)

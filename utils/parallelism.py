@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed.grad_norm import clip_grad_norm
 from distributed.parallelize import parallelize_vit
 from utils.config import Config
-from utils.model_io import ParallelIO, SerialIO
+from utils.sharding import RowBandSharding, Unsharded
 from utils.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,12 @@ class ParallelModel:
 
     ``module``: the model's parameters and state (sharded under tp/cp), for the optimizer,
     checkpoints and train/eval; ``wrapped``: what a step calls (``module`` under DDP and/or
-    ``torch.compile``); ``layout``: how batches enter and leave it and how its state maps to the
-    serial layout (``utils.model_io``)."""
+    ``torch.compile``); ``sharding``: how batches enter and leave it and how its state maps to the
+    serial layout (``utils.sharding``)."""
 
     module: nn.Module
     wrapped: nn.Module
-    layout: SerialIO
+    sharding: Unsharded
     rt: Runtime
 
     def no_sync(self):
@@ -73,9 +73,9 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task) -> Paral
     model never lives whole on a GPU)."""
     if rt.groups is not None:  # 1. tensor / context parallel
         model = parallelize_vit(model, rt.groups, sequence_parallel=cfg.sequence_parallel)
-        layout = ParallelIO(task, model, rt.groups)
+        sharding = RowBandSharding(task, model, rt.groups)
     else:
-        layout = SerialIO(task)
+        sharding = Unsharded(task)
     model = model.to(rt.device)  # 3.
     wrapped = model
     if rt.distributed and cfg.noddp:
@@ -86,7 +86,7 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task) -> Paral
             model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
             process_group=rt.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
             **_buffer_sync_kwargs(cfg.disable_broadcast_buffers))
-        layout.register_grad_hooks(wrapped)
+        sharding.register_grad_hooks(wrapped)
     if cfg.enable_jit:  # 5. torch.compile
         wrapped = torch.compile(wrapped)
-    return ParallelModel(model, wrapped, layout, rt)
+    return ParallelModel(model, wrapped, sharding, rt)

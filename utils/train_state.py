@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class TrainState:
-    def __init__(self, model, layout, optimizer, scaler, scheduler, rt, cfg, steps_per_epoch):
-        self.model, self.layout = model, layout
+    def __init__(self, model, sharding, optimizer, scaler, scheduler, rt, cfg, steps_per_epoch):
+        self.model, self.sharding = model, sharding
         self.optimizer, self.scaler, self.scheduler = optimizer, scaler, scheduler
         self.rt, self.cfg, self.steps_per_epoch = rt, cfg, steps_per_epoch
         self.iteration = 0  # optimizer steps taken
@@ -49,8 +49,8 @@ class TrainState:
         if rt.distributed:
             rngs = [None] * rt.world_size
             dist.all_gather_object(rngs, checkpoint.rng_state())  # every rank's dropout stream
-        model_state = self.layout.model_state(self.model)
-        optimizer_state = self.layout.optimizer_state(self.model, self.optimizer)
+        model_state = self.sharding.model_state(self.model)
+        optimizer_state = self.sharding.optimizer_state(self.model, self.optimizer)
         if not rt.is_main:
             return None
         return {
@@ -78,8 +78,8 @@ class TrainState:
                               f"epoch but this run has {self.steps_per_epoch}: resume with the "
                               f"same data and global batch size")
         try:
-            self.layout.load_model_state(self.model, state["model"])
-            self.layout.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            self.sharding.load_model_state(self.model, state["model"])
+            self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise ConfigError(f"{path} does not fit this model ({type(e).__name__}: {e}): resume "
                               f"with the config that wrote it") from None

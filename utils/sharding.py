@@ -1,29 +1,36 @@
-"""How batches enter the model and leave it, and how its state is saved.
+"""How a model, its batches and its state are split over the ranks of one model replica.
 
-``SerialIO`` passes batches through. ``ParallelIO`` (tensor/context parallel ViT) gives each rank
-its band of image rows, computes the task's loss across the band owners
-(``distributed.parallelize.sharded_loss``), and gathers whole outputs for validation. Both save
-the model and the optimizer in the serial layout keyed by parameter name, so a checkpoint loads
-on any number of ranks and any tp/cp layout.
+``Unsharded``: every rank holds the whole model; batches and outputs pass as they are.
+``RowBandSharding`` (tensor/context-parallel ViT): each rank holds slices of the weights and
+computes on a band of image rows; the task's loss is summed over the bands' owners
+(``distributed.parallelize.sharded_loss``) and whole outputs are gathered for validation.
+
+Both save the model and the optimizer in the serial layout keyed by parameter name, so a
+checkpoint loads on any number of ranks and any tp/cp layout.
 """
 from __future__ import annotations
 
 import torch
 
+from distributed.layers import replicated_grads_comm_hook, tensors_from_serial, tensors_to_serial
+from distributed.parallelize import sharded_loss
 
-class SerialIO:
+
+class Unsharded:
+    """The whole model on every rank of the replica (a replica of one rank)."""
+
     def __init__(self, task):
         self.task = task
 
-    def inputs(self, x, y):
-        """This rank's part of a batch (all of it, here)."""
+    def local_batch(self, x, y):
+        """This rank's part of a whole batch (all of it, here)."""
         return x, y
 
     def loss(self, pred, y):
         """Per-sample training loss of this rank's output."""
         return self.task.loss(pred, y)
 
-    def full_output(self, pred):
+    def whole_output(self, pred):
         """The whole prediction, for validation metrics and pictures."""
         return pred
 
@@ -36,7 +43,7 @@ class SerialIO:
     def from_serial(self, model, tensors: dict) -> dict:
         return tensors
 
-    # -- state in the serial layout, keyed by parameter name (collective for ParallelIO) --------
+    # -- state in the serial layout, keyed by parameter name (collective for RowBandSharding) ---
 
     def model_state(self, model) -> dict:
         return self.to_serial(model, dict(model.named_parameters())) | dict(model.named_buffers())
@@ -86,14 +93,14 @@ class SerialIO:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-class ParallelIO(SerialIO):
-    """Tensor/context parallel ViT (``distributed.parallelize.ParallelViT``)."""
+class RowBandSharding(Unsharded):
+    """Tensor/context-parallel ViT (``distributed.parallelize.ParallelViT``): bands of image rows."""
 
     def __init__(self, task, model, groups):
         super().__init__(task)
         self.model, self.groups = model, groups
 
-    def inputs(self, x, y):
+    def local_batch(self, x, y):
         """This rank's band of image rows: whole images are cut (and dropped as soon as they are
         sliced); a batch that already is the band (a loader reading ``model.image_rows()``
         only) passes as it is."""
@@ -103,27 +110,19 @@ class ParallelIO(SerialIO):
         return self.model.shard_image(x), self.model.shard_image(y)
 
     def loss(self, pred, y):
-        from distributed.parallelize import sharded_loss
-
         # The task's per-band partial sums, added over the ranks holding other bands: the serial loss.
         return sharded_loss(self.task.loss, pred, y, self.groups, self.model.layout)
 
-    def full_output(self, pred):
+    def whole_output(self, pred):
         return self.model.gather_image(pred)
 
     def register_grad_hooks(self, ddp_model):
-        from distributed.layers import replicated_grads_comm_hook
-
         # DDP averages over dp; the hook also sums the gradients of parameters replicated over
         # tp/cp (each rank saw only its own tokens).
         ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
 
     def to_serial(self, model, tensors):
-        from distributed.layers import tensors_to_serial
-
         return tensors_to_serial(model, self.groups, tensors)
 
     def from_serial(self, model, tensors):
-        from distributed.layers import tensors_from_serial
-
         return tensors_from_serial(model, self.groups, tensors)
