@@ -1,6 +1,6 @@
 """The model-parallel engine end to end: train_mp.py's Trainer on real gloo ranks.
 
-* Per-step losses of 10 optimizer steps (two epochs, validation, checkpoints: ``Trainer.fit``) of
+* Per-step losses and gradient norms (before clipping to 0.5) of 10 optimizer steps (two epochs, validation, checkpoints: ``Trainer.fit``) of
   a tiny ViT at tp=2, cp=2 and tp=2 x cp=2 (world = tp x cp, dp = 1) follow the serial run
   (``Trainer`` on one rank, the serial ``networks.vit.ViT``).
   Tolerance: rtol 1e-5, atol 1e-7 (float32; the sharded model sums in another order and Adam
@@ -36,7 +36,8 @@ from distributed_harness import run_ranks  # noqa: E402
 YAML = os.path.join(ROOT, "config", "ViT.yaml")
 TINY = {"img_size": "[16,32]", "patch_size": "4", "embed_dim": "32", "depth": "2", "num_heads": "4",
         "global_batch_size": "4", "base_batch_size": "4", "synthesize_if_missing": "false", "lr": "3e-3",
-        "warmup_steps": "0", "num_iters": "10", "checkpoint_every": "6", "log_every": "1", "device": "cpu"}
+        "warmup_steps": "0", "num_iters": "10", "checkpoint_every": "6", "log_every": "1", "device": "cpu",
+        "max_grad_norm": str(CLIP := 0.5)}  # clips the steps whose gradient norm is above 0.5
 LAYOUTS = {  # name: (tensor_parallel, context_parallel, img_size or None for TINY's, the serial run to follow)
     "serial": (1, 1, None, None), "tp2": (2, 1, None, "serial"), "cp2": (1, 2, None, "serial"),
     "tp2-cp2": (2, 2, None, "serial"),
@@ -68,11 +69,12 @@ def _train_rank(overrides, record_start=False):
     rt = setup_runtime(cfg)
     trainer = Trainer(cfg, rt)
     start = trainer.sharding.model_state(trainer.model) if record_start else None
-    losses, step = [], trainer.train_step
+    losses, norms, step = [], [], trainer.train_step
 
     def recording(x, y, probe=NullProbe()):
         loss, grad_norm = step(x, y, probe)
         losses.append(loss.item())
+        norms.append(grad_norm.item())
         return loss, grad_norm
 
     trainer.train_step = recording
@@ -83,7 +85,7 @@ def _train_rank(overrides, record_start=False):
     if os.path.exists(log_path):  # rank 0 writes the run log
         with open(log_path) as f:
             mode_lines = [line.split(" - INFO - ", 1)[-1].rstrip("\n") for line in f if "Sequence parallelism" in line]
-    return dict(losses=losses, start=start, ckpt_dir=trainer.ckpt_dir, model=type(trainer.model).__name__,
+    return dict(losses=losses, norms=norms, start=start, ckpt_dir=trainer.ckpt_dir, model=type(trainer.model).__name__,
                 after_forward=trainer.probe.after_forward, peak=trainer.probe.peak,
                 params=tensor_bytes(trainer.model.parameters()), adam=tensor_bytes(opt_state),
                 sequence_parallel=getattr(trainer.model, "sequence_parallel", None), mode_lines=mode_lines)
@@ -127,6 +129,17 @@ def test_parallel_losses_follow_serial(runs, layout):
         assert res["model"] == "ParallelViT"
         assert res["sequence_parallel"] is (layout not in NO_SP)
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(serial["losses"]), **LOSS_TOL,
+                                   msg=lambda m: f"{layout} rank {rank}: {m}")
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_gradient_norm_and_clipping_follow_serial(runs, layout):
+    """Every rank reports the norm of the whole (serial) gradient, and clipping to it keeps the
+    sharded run on the serial run's path (the losses above)."""
+    serial = runs[LAYOUTS[layout][3]][0]["norms"]
+    assert len(serial) == 10 and min(serial) < CLIP < max(serial), f"clipping never or always acts: {serial}"
+    for rank, res in enumerate(runs[layout]):
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(serial), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{layout} rank {rank}: {m}")
 
 
