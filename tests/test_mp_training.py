@@ -1,6 +1,7 @@
 """The model-parallel engine end to end: train_mp.py's Trainer on real gloo ranks.
 
-* Per-step losses and gradient norms (before clipping to 0.5) of 10 optimizer steps (two epochs, validation, checkpoints: ``Trainer.fit``) of
+* Per-step losses and gradient norms (before clipping to 0.5) of 10 optimizer steps
+  (two epochs, validation, checkpoints: ``Trainer.fit``) of
   a tiny ViT at tp=2, cp=2 and tp=2 x cp=2 (world = tp x cp, dp = 1) follow the serial run
   (``Trainer`` on one rank, the serial ``networks.vit.ViT``).
   Tolerance: rtol 1e-5, atol 1e-7 (float32; the sharded model sums in another order and Adam
