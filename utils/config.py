@@ -57,11 +57,14 @@ class Config:
                                                 "or cuda")
     # -- data
     data_root: str = _f("./data", "directory holding the data set")
-    data_loader_config: Literal["lowmem", "inmem", "synthetic"] = _f(
+    data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem"] = _f(
         "lowmem", "lowmem: read each sample from disk; inmem: hold the data in memory; synthetic: "
-        "one cached batch, for compute-only timing")
+        "one cached batch, for compute-only timing; dali-lowmem / dali-inmem: the same samples "
+        "through an NVIDIA DALI pipeline (pip install -r requirements-dali.txt)")
     num_data_workers: int = _f(0, "data loader worker processes per rank (0: load in the main "
-                               "process)", min=0)
+                               "process); with DALI, its reader threads", min=0)
+    prefetch_depth: int = _f(2, "batches each loader prepares ahead (per worker for the PyTorch "
+                             "loader, the queue depth of a DALI pipeline)", min=1)
     synthesize_if_missing: bool = _f(False, "generate small synthetic data under data_root when "
                                      "it holds none")
     # -- optimisation
@@ -103,6 +106,8 @@ class Config:
                           "directory (e.g. one written with another number of ranks)")
     init_from: str = _f("", "start from the weights of a model of the tutorial's own code, saved "
                         "with torch.save(model.state_dict()) (empty: fresh weights)")
+    throughput_report: bool = _f(False, "after training, time the loader alone (IO), the model on "
+                                 "a cached batch (SYNTHETIC) and both (FULL) and report samples/s")
     enable_manual_profiling: bool = _f(False, "bracket 30 steps of the second epoch with the CUDA "
                                        "profiler API (for nsys -c cudaProfilerApi)")
     # -- data parallelism
@@ -186,6 +191,7 @@ RENAMED = {
 FLAG_ALIASES = {
     "enable_amp": ("amp_mode", "fp16"),
     "enable_apex": ("enable_fused", True),
+    "enable_benchy": ("throughput_report", True),
 }
 ENTRY_ARGS = ("yaml_config", "config")
 

@@ -113,7 +113,7 @@ def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
         # Worker seeds come from this generator, not from the global torch RNG, so starting an
         # epoch's iterator does not shift the model's random stream (dropout) on resume.
         generator=torch.Generator().manual_seed(seed),
-        prefetch_factor=2 if workers else None,
+        prefetch_factor=cfg.prefetch_depth if workers else None,
     )
 
 
@@ -168,6 +168,11 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
     W), read from disk as such; a model-parallel rank passes the band it computes on
     (``ParallelViT.image_rows()``). Validation batches stay whole images. ViT (ERA5) only.
     """
+    if cfg.data_loader_config.startswith("dali"):
+        # DALI is an optional install: imported only when asked for (one line says how otherwise)
+        from utils.dali_loader import build_dali_loaders
+
+        return build_dali_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
     if isinstance(cfg, ViTConfig):
         train, valid = era5_datasets(cfg, rows)
         shuffle = True
