@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from utils import checkpoint
+from utils import checkpoint, throughput_report
 from utils.config import Config, from_argv
 from utils.data_loader import build_loaders
 from utils.errors import TrainingError, UserError
@@ -132,7 +132,8 @@ class Trainer:
 
     def to_device(self, x, y):
         # non_blocking overlaps the copy with compute when the batch sits in pinned memory
-        return (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return self.task.device_batch(x, y)  # e.g. ERA5 normalisation, on the device
 
     # ------------------------------------------------------------------ one optimizer step
 
@@ -326,6 +327,8 @@ class Trainer:
             self.state.next_epoch()
         if not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
             self.save_checkpoint()
+        if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
+            throughput_report.run(self)
         self.board.close()
         log.info(f"Done: {self.iteration} steps, checkpoints in {self.ckpt_dir}")
 

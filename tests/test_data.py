@@ -13,6 +13,7 @@ from utils.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from utils.era5_data import ERA5Dataset
 from utils.errors import DataError
 from utils.rotations import ROTATIONS, rotate_volume
+from utils.tasks import make_task
 
 from conftest import ROOT
 
@@ -23,19 +24,30 @@ def era5_ds(root, **kw):
     return ERA5Dataset(os.path.join(root, "train"), **args)
 
 
-def test_era5_pairs_normalised_and_aligned(era5_root):
+def test_era5_pairs_raw_aligned_and_normalised_by_the_task(era5_root, tmp_path):
+    """The dataset gives the stored values of the (t, t + dt) pair; ``ERA5Task.device_batch``
+    normalises them with the global stats, per channel, for the model's channel counts."""
     ds = era5_ds(era5_root, dt=2, img_size=(8, 16))
     assert len(ds) == 2 * (12 - 2)
+    cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart",
+                       {"data_root": era5_root, "expdir": str(tmp_path), "n_out_channels": "3"})
+    task = make_task(cfg)
     for i in range(len(ds)):
         k, t = ds.locate(i)
         year = 2016 + k
         x, y = ds[i]
-        assert x.shape == (20, 8, 16) and y.shape == (20, 8, 16)
-        for c in (0, 7, 19):
+        assert x.shape == (20, 8, 16) and y.shape == (20, 8, 16) and x.dtype == torch.float32
+        nx, ny = task.device_batch(x[None], y[None, :3])
+        assert nx.shape == (1, 20, 8, 16) and ny.shape == (1, 3, 8, 16)
+        for c in (0, 2, 7, 19):
             raw_x = era5_value(year, t, c, 16, 32)[:8, :16]
             raw_y = era5_value(year, t + 2, c, 16, 32)[:8, :16]
-            np.testing.assert_allclose(x[c].numpy(), (raw_x - ERA5_MEANS[c]) / ERA5_STDS[c], atol=1e-4)
-            np.testing.assert_allclose(y[c].numpy(), (raw_y - ERA5_MEANS[c]) / ERA5_STDS[c], atol=1e-4)
+            np.testing.assert_allclose(x[c].numpy(), raw_x, rtol=1e-6)
+            np.testing.assert_allclose(y[c].numpy(), raw_y, rtol=1e-6)
+            np.testing.assert_allclose(nx[0, c].numpy(), (raw_x - ERA5_MEANS[c]) / ERA5_STDS[c], atol=1e-4)
+            if c < 3:
+                np.testing.assert_allclose(ny[0, c].numpy(), (raw_y - ERA5_MEANS[c]) / ERA5_STDS[c],
+                                           atol=1e-4)
 
 
 def test_every_time_pair_equally_likely(era5_root):
@@ -273,3 +285,61 @@ def test_memory_model_counts_the_batch_rows_a_rank_loads():
     assert batch(1, 2) == whole * 184 // 360
     assert batch(4, 1, (352, 720)) == whole * 88 // 360  # row bands
     assert batch(2, 2) == whole * 184 // 360
+
+
+def test_batches_are_the_samples_read_into_one_buffer(era5_root, cosmo_root, tmp_path):
+    """A loader batch is the stack of the dataset's samples for the sampler's keys, read straight
+    into the batch (no collate); from workers it arrives in shared memory."""
+    vit = build_config(f"{ROOT}/config/ViT.yaml", "quickstart",
+                       {"data_root": era5_root, "expdir": str(tmp_path), "img_size": "[16,32]",
+                        "limit_nsamples_val": "4"})
+    unet = build_config(f"{ROOT}/config/UNet.yaml", "quickstart",
+                        {"data_root": cosmo_root, "Nsamples": "8", "Nsamples_val": "4"})
+    unet.data_size = 8
+    for cfg in (vit, unet):
+        for workers in (0, 2):
+            cfg.num_data_workers = workers
+            ld = build_loaders(cfg, 1, 0, 4, torch.device("cpu"))
+            ld.train_sampler.set_epoch(3)
+            keys = list(ld.train_sampler)
+            ds = ld.train.dataset
+            got = list(ld.train)
+            assert len(got) * 4 == len(keys) >= 8
+            for s, (x, y) in enumerate(got):
+                want = [ds[key] for key in keys[4 * s:4 * s + 4]]
+                assert torch.equal(x, torch.stack([a for a, _ in want]))
+                assert torch.equal(y, torch.stack([b for _, b in want]))
+                assert x.is_shared() == (workers > 0)
+
+
+def test_cosmo_device_batch_is_the_identity(tmp_path):
+    cfg = build_config(f"{ROOT}/config/UNet.yaml", "quickstart", {"data_root": str(tmp_path)})
+    x, y = torch.randn(2, 4, 8, 8, 8), torch.randn(2, 5, 8, 8, 8)
+    a, b = make_task(cfg).device_batch(x, y)
+    assert a is x and b is y
+
+
+def test_nan_in_a_batch_names_its_sample(tmp_path, cosmo_root):
+    """The once-per-batch check still names the file and step (ERA5) or crop (cosmology) of the
+    sample that holds the NaN, whichever slot of the batch it is in."""
+    root = write_era5(str(tmp_path / "e"))
+    with h5py.File(os.path.join(root, "train", "2017.h5"), "r+") as f:
+        f["fields"][3, 5, 2, 2] = np.nan
+    ds = era5_ds(root)
+    bad = next(i for i in range(len(ds)) if ds.locate(i) == (1, 3))
+    good = [i for i in range(len(ds)) if ds.locate(i) not in ((1, 3), (1, 2))][:3]
+    x, y = np.empty((4, 20, 16, 32), np.float32), np.empty((4, 20, 16, 32), np.float32)
+    ds.read_batch(good + [(0, good[0])], x, y)  # finite: no error
+    with pytest.raises(DataError, match=r"2017.h5 at step 3 or 4 \(rows 0:16\)"):
+        ds.read_batch(good[:2] + [bad] + good[2:], x, y)
+    path = os.path.join(cosmo_root, "train.h5")
+    with h5py.File(path, "r+") as f:
+        f["Hydro"][2, 5, 5, 5] = np.inf
+    cs = CosmoCropDataset(path, size=8, nsamples=64, hydro_vector_channels=(2, 3, 4), seed=1)
+    hit = [i for i in range(64) if all(a <= 5 < a + 8 for a in cs.window(0, i)[0])]
+    assert hit
+    x, y = np.empty((2, 4, 8, 8, 8), np.float32), np.empty((2, 5, 8, 8, 8), np.float32)
+    with pytest.raises(DataError, match=r"non-finite values in .*train.h5 in the crop at"):
+        cs.read_batch([(0, (hit[0] + 1) % 64), (0, hit[0])], x, y)
+    with pytest.raises(DataError, match="holds non-finite values"):
+        CosmoCropDataset(path, size=8, nsamples=4, inmem=True)

@@ -5,6 +5,11 @@ The file holds ``Nbody`` (4, L, L, L) and ``Hydro`` (5, L, L, L). A sample is th
 vector channels turned as vectors. The window and the rotation are a function of
 (seed, epoch, sample index) alone, so a run is reproducible whatever the worker count, and a run
 resumed mid-epoch sees exactly the samples an uninterrupted run would.
+
+Batches are read whole (``read_batch``): an unrotated crop straight from the file into its slot of
+the caller's batch buffer; a rotated one read once and copied once, through a rotated view, into
+its slot (in memory: copied once from the stored volume). Values are as stored, float32; crops read
+from the file are checked for non-finite values once per batch (in memory: once, at load).
 """
 from __future__ import annotations
 
@@ -12,14 +17,13 @@ import os
 
 import h5py
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
+from utils.batch_dataset import BatchReadDataset, finite_sums
 from utils.errors import DataError
-from utils.rotations import ROTATIONS, rotate_volume
+from utils.rotations import ROTATIONS, rotate_into
 
 
-class CosmoCropDataset(Dataset):
+class CosmoCropDataset(BatchReadDataset):
     def __init__(self, path, size, nsamples, n_in=4, n_out=5, nbody_vector_channels=(),
                  hydro_vector_channels=(), augment=True, seed=0, inmem=False):
         self.path, self.size, self.nsamples = path, size, nsamples
@@ -31,7 +35,8 @@ class CosmoCropDataset(Dataset):
         self._arrays = None
         if inmem:
             with h5py.File(path, "r") as f:
-                self._arrays = (f["Nbody"][: n_in], f["Hydro"][: n_out])
+                self._arrays = tuple(np.asarray(f[name][:n], dtype=np.float32)
+                                     for name, n in (("Nbody", n_in), ("Hydro", n_out)))
             for name, a in zip(("Nbody", "Hydro"), self._arrays):
                 if not np.isfinite(a).all():
                     raise DataError(f"{path}: '{name}' holds non-finite values: repair the file")
@@ -77,19 +82,41 @@ class CosmoCropDataset(Dataset):
         rot = int(rng.integers(0, len(ROTATIONS))) if self.augment else 0
         return corner, rot
 
-    def __getitem__(self, key):
-        epoch, i = key if isinstance(key, tuple) else (0, key)
-        if not self.augment:
-            epoch = 0  # validation crops are the same at every validation
-        (a, b, c), rot = self.window(epoch, i)
+    @property
+    def sample_shapes(self):
+        """Shapes of one input and one target: (n_in, s, s, s) and (n_out, s, s, s)."""
+        s = self.size
+        return (self.n_in, s, s, s), (self.n_out, s, s, s)
+
+    def read_batch(self, keys, x: np.ndarray, y: np.ndarray):
+        """Samples ``keys`` ((epoch, index) pairs, or indices: epoch 0) into ``x`` (B, n_in, s, s, s)
+        and ``y`` (B, n_out, s, s, s), float32 C-contiguous arrays the caller owns."""
         s = self.size
         nbody, hydro = self._volumes()
-        x = np.asarray(nbody[: self.n_in, a:a + s, b:b + s, c:c + s], dtype=np.float32)
-        y = np.asarray(hydro[: self.n_out, a:a + s, b:b + s, c:c + s], dtype=np.float32)
-        if self._arrays is None and not (np.isfinite(x).all() and np.isfinite(y).all()):
-            raise DataError(f"non-finite values in {self.path} in the crop at {(a, b, c)}: "
-                            f"repair the file")
-        if rot:
-            x = rotate_volume(x, ROTATIONS[rot], self.in_vec)
-            y = rotate_volume(y, ROTATIONS[rot], self.out_vec)
-        return torch.from_numpy(x), torch.from_numpy(y)
+        scratch = {}  # a rotated crop's read, one buffer per field for the whole batch
+        corners = []
+        for j, key in enumerate(keys):
+            epoch, i = key if isinstance(key, tuple) else (0, key)
+            if not self.augment:
+                epoch = 0  # validation crops are the same at every validation
+            (a, b, c), rot = self.window(epoch, i)
+            corners.append((a, b, c))
+            crop = np.s_[a:a + s, b:b + s, c:c + s]
+            for field, n, vec, out in ((nbody, self.n_in, self.in_vec, x[j]),
+                                       (hydro, self.n_out, self.out_vec, y[j])):
+                if self._arrays is not None:  # a view of the stored volume, copied once
+                    rotate_into(field[(slice(n),) + crop], ROTATIONS[rot], vec, out)
+                elif not rot:
+                    field.read_direct(out, (slice(n),) + crop)
+                else:
+                    if n not in scratch:
+                        scratch[n] = np.empty(out.shape, np.float32)
+                    field.read_direct(scratch[n], (slice(n),) + crop)
+                    rotate_into(scratch[n], ROTATIONS[rot], vec, out)
+        # One reduction over the batch: a NaN or infinity anywhere makes the sum non-finite.
+        # Only then are the crops looked at one by one (a huge finite sum may overflow too).
+        if self._arrays is None and not finite_sums(x, y):
+            for j, corner in enumerate(corners):
+                if not (np.isfinite(x[j]).all() and np.isfinite(y[j]).all()):
+                    raise DataError(f"non-finite values in {self.path} in the crop at {corner}: "
+                                    f"repair the file")

@@ -6,6 +6,12 @@ its slice ``[r*b:(r+1)*b]`` of it (G = global, b = local batch). So a data-paral
 exactly the samples of the serial step with the same global batch, the shards of the ranks are
 disjoint, and a resumed run starts at the step it stopped at. The sampler yields (epoch, index)
 keys; datasets whose samples are random crops use the epoch to draw new crops.
+
+Batches are assembled without a collate copy: ``BatchReader`` allocates the batch's two buffers
+once (page-locked in the main process when the device is a GPU, shared memory in a worker so that
+the batch crosses to the main process without another copy) and the dataset reads every sample
+straight into its slot (``read_batch``). Samples are as stored (see each dataset); what is done to
+them on the device is the task's ``device_batch``.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils import synthetic
 from utils.config import Config, UNetConfig, ViTConfig
@@ -88,6 +94,40 @@ class CachedBatchLoader:
         return self.steps - self.sampler.start_step
 
 
+class BatchReader(Dataset):
+    """A dataset with ``sample_shapes`` and ``read_batch(keys, x, y)`` served as whole batches:
+    the DataLoader's batch of keys goes to ``__getitems__``, which returns ``(x, y)`` tensors
+    (B, ...) that ``_as_is`` passes through unchanged."""
+
+    def __init__(self, dataset, pin: bool):
+        self.dataset, self.pin = dataset, pin
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return self.dataset[key]
+
+    def __getitems__(self, keys):
+        sx, sy = self.dataset.sample_shapes
+        x, y = _batch_buffer((len(keys), *sx), self.pin), _batch_buffer((len(keys), *sy), self.pin)
+        self.dataset.read_batch(keys, x.numpy(), y.numpy())
+        return x, y
+
+
+def _batch_buffer(shape, pin: bool) -> torch.Tensor:
+    """An uninitialised float32 batch: in a worker process in shared memory (sent to the main
+    process as a handle, not copied), else page-locked if ``pin`` (the async H2D copy reads it)."""
+    if torch.utils.data.get_worker_info() is not None:
+        storage = torch.UntypedStorage._new_shared(4 * int(np.prod(shape)))
+        return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+    return torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+
+
+def _as_is(batch):
+    return batch
+
+
 @dataclass
 class Loaders:
     train: object
@@ -106,9 +146,11 @@ def _seed_worker(worker_id):
 
 def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
     workers = cfg.num_data_workers
+    pin = device.type == "cuda"  # page-locked buffers make the async H2D copy possible
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-        pin_memory=device.type == "cuda",  # page-locked buffers make the async H2D copy possible
+        BatchReader(dataset, pin=pin), batch_size=batch_size, sampler=sampler,
+        collate_fn=_as_is, num_workers=workers,
+        pin_memory=pin,  # pins batches from workers; those of the main process are pinned already
         persistent_workers=workers > 0, worker_init_fn=_seed_worker if workers else None,
         # Worker seeds come from this generator, not from the global torch RNG, so starting an
         # epoch's iterator does not shift the model's random stream (dropout) on resume.

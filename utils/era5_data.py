@@ -1,15 +1,20 @@
 """ERA5 input/target pairs read from per-year HDF5 files, as the tutorial data is stored.
 
 ``<dir>/<year>.h5`` holds ``fields`` shaped (T, C, H, W). A sample is the state at step t and the
-state at t + dt of the same year, normalised with the global means and stds and cropped to
-``img_size``. Every valid pair (t, t + dt), t in [0, T - dt), of every year is one index, so each
-is drawn with the same probability (no folding of indices onto others).
+state at t + dt of the same year, cropped to ``img_size``, as stored (float32, not normalised:
+``ERA5Task.device_batch`` normalises with the global means and stds on the device, the first
+operation of the step). Every valid pair (t, t + dt), t in [0, T - dt), of every year is one
+index, so each is drawn with the same probability (no folding of indices onto others).
 
 ``rows=(start, stop)`` limits a dataset to that band of image rows of the cropped image: a
 model-parallel rank that only uses its band (``ParallelViT.image_rows()``) reads
 ``fields[t, :C, start:stop, :W]`` as an HDF5 hyperslab instead of the whole sample, and in
 memory mode holds only those rows. Samples are then ``(C, stop - start, W)`` and equal rows
-``start:stop`` of the full sample (the normalisation is per channel).
+``start:stop`` of the full sample.
+
+Batches are read whole (``read_batch``): each field straight from the file (or the in-memory
+copy) into its slot of the caller's batch buffer, no per-sample arrays, and checked for
+non-finite values once per batch.
 """
 from __future__ import annotations
 
@@ -19,9 +24,8 @@ import os
 
 import h5py
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
+from utils.batch_dataset import BatchReadDataset, finite_sums
 from utils.errors import DataError
 
 
@@ -61,7 +65,7 @@ def check_rows(rows, height: int) -> tuple[int, int]:
     return start, stop
 
 
-class ERA5Dataset(Dataset):
+class ERA5Dataset(BatchReadDataset):
     def __init__(self, directory, data_root, img_size, dt=1, n_in=20, n_out=20,
                  limit_nsamples=None, inmem=False, rows=None):
         self.directory = directory
@@ -74,8 +78,7 @@ class ERA5Dataset(Dataset):
                             f"directory holding train/, valid/ and stats/ (or the ERA5_DATA_ROOT "
                             f"environment variable), or generate synthetic data with "
                             f"python -m utils.synthetic era5 --out DIR")
-        self.means, self.stds = load_stats(data_root, max(n_in, n_out))
-        self.inv_stds = (1.0 / self.stds).astype(np.float32)
+        load_stats(data_root, max(n_in, n_out))  # refused here, before training, if missing
         self.pairs_per_file = [self._check_file(f) for f in self.files]
         self.offsets = np.cumsum([0] + self.pairs_per_file)
         total = int(self.offsets[-1])
@@ -87,6 +90,16 @@ class ERA5Dataset(Dataset):
         self._handles = {}
         self._pid = None
         self._arrays = [self._read_all(f) for f in self.files] if inmem else None
+        # In memory: which steps are finite as inputs (first n_in channels) and as targets,
+        # found once here, so that batches need no check of their own.
+        self._finite = None if self._arrays is None else [
+            (_finite_steps(a[:, :n_in]), _finite_steps(a[:, :n_out])) for a in self._arrays]
+
+    @property
+    def sample_shapes(self):
+        """Shapes of one input and one target: (n_in, rows, W) and (n_out, rows, W)."""
+        h, w = self.rows[1] - self.rows[0], self.img_size[1]
+        return (self.n_in, h, w), (self.n_out, h, w)
 
     def _check_file(self, path) -> int:
         h, w = self.img_size
@@ -111,7 +124,8 @@ class ERA5Dataset(Dataset):
     def _read_all(self, path):
         (start, stop), w = self.rows, self.img_size[1]
         with h5py.File(path, "r") as f:
-            return f["fields"][:, :, start:stop, :w]
+            return np.asarray(f["fields"][:, : max(self.n_in, self.n_out), start:stop, :w],
+                              dtype=np.float32)
 
     def _fields(self, k):
         """Year file k: the in-memory band (rows already selected) or the HDF5 dataset."""
@@ -133,25 +147,39 @@ class ERA5Dataset(Dataset):
         k = int(np.searchsorted(self.offsets, j, side="right") - 1)
         return k, j - int(self.offsets[k])
 
-    def __getitem__(self, key):
-        i = key[1] if isinstance(key, tuple) else key
-        k, t = self.locate(i)
+    def read_batch(self, keys, x: np.ndarray, y: np.ndarray):
+        """Samples ``keys`` (indices, or (epoch, index) pairs) into ``x`` (B, n_in, rows, W) and
+        ``y`` (B, n_out, rows, W), float32 C-contiguous arrays the caller owns."""
         w = self.img_size[1]
-        fields = self._fields(k)
-        # On disk a hyperslab: h5py reads only the band's rows. In memory the band is all there is.
-        band = slice(*self.rows) if self._arrays is None else slice(None)
-        x = np.array(fields[t, : self.n_in, band, :w], dtype=np.float32, copy=self._arrays is not None)
-        y = np.array(fields[t + self.dt, : self.n_out, band, :w], dtype=np.float32,
-                     copy=self._arrays is not None)  # in memory: copy, the data stays unchanged
-        # In place, with the reciprocal precomputed: no temporaries the size of a sample.
-        x -= self.means[: self.n_in]
-        x *= self.inv_stds[: self.n_in]
-        y -= self.means[: self.n_out]
-        y *= self.inv_stds[: self.n_out]
-        # One reduction each: a NaN or infinity anywhere makes the sum non-finite (normalised
-        # values are O(1), so a finite sample cannot overflow it).
-        if not (np.isfinite(x.sum()) and np.isfinite(y.sum())):
-            raise DataError(f"non-finite values in {self.files[k]} at step {t} or {t + self.dt} "
-                            f"(rows {self.rows[0]}:{self.rows[1]}): repair the file or remove it "
-                            f"from {self.directory}")
-        return torch.from_numpy(x), torch.from_numpy(y)
+        band = slice(*self.rows)
+        where = [self.locate(key[1] if isinstance(key, tuple) else key) for key in keys]
+        for j, (k, t) in enumerate(where):
+            fields = self._fields(k)
+            if self._arrays is not None:  # the band is all there is: one copy into the slot
+                ok_in, ok_out = self._finite[k]
+                if not (ok_in[t] and ok_out[t + self.dt]):
+                    self._refuse(k, t)
+                np.copyto(x[j], fields[t, : self.n_in])
+                np.copyto(y[j], fields[t + self.dt, : self.n_out])
+            else:  # an HDF5 hyperslab (only the band's rows) read into the slot, no copy after
+                fields.read_direct(x[j], np.s_[t, : self.n_in, band, :w])
+                fields.read_direct(y[j], np.s_[t + self.dt, : self.n_out, band, :w])
+        # One reduction over the batch: a NaN or infinity anywhere makes the sum non-finite.
+        # Only then are the samples looked at one by one (a huge finite sum may overflow too).
+        if self._arrays is None and not finite_sums(x, y):
+            for j, (k, t) in enumerate(where):
+                if not (np.isfinite(x[j]).all() and np.isfinite(y[j]).all()):
+                    self._refuse(k, t)
+
+    def _refuse(self, k, t):
+        raise DataError(f"non-finite values in {self.files[k]} at step {t} or {t + self.dt} "
+                        f"(rows {self.rows[0]}:{self.rows[1]}): repair the file or remove it "
+                        f"from {self.directory}")
+
+
+def _finite_steps(a: np.ndarray) -> np.ndarray:
+    """(T,) bool: step t of ``a`` (T, ...) holds only finite values."""
+    ok = np.isfinite(a.sum(axis=tuple(range(1, a.ndim)), dtype=np.float64))
+    for t in np.flatnonzero(~ok):  # a sum can overflow where every value is finite
+        ok[t] = np.isfinite(a[t]).all()
+    return ok

@@ -39,19 +39,37 @@ ROTATIONS: tuple = tuple(
 assert len(ROTATIONS) == 24
 
 
-def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
-    """Rotate a (C, X, Y, Z) array by ``rot``; channels in ``vector_channels`` (the x, y, z
-    components, in that order) are turned as a vector. Returns a new contiguous array."""
+def rotated_grid(x: np.ndarray, rot) -> np.ndarray:
+    """The grid of a (C, X, Y, Z) array turned by ``rot``, as a view (no copy): new axis i is
+    old axis perm[i], reversed where sign[i] is negative. Vector channels are not turned."""
     perm, sign = rot
-    # Grid: new axis i is old axis perm[i], reversed where the sign is negative.
-    y = np.transpose(x, (0, 1 + perm[0], 1 + perm[1], 1 + perm[2]))
-    flip_axes = tuple(1 + i for i in range(3) if sign[i] < 0)
-    if flip_axes:
-        y = np.flip(y, axis=flip_axes)
-    y = np.ascontiguousarray(y)
-    if len(vector_channels):
-        vc = list(vector_channels)
-        comps = y[vc].copy()  # (3, X, Y, Z): old components on the rotated grid
-        for i in range(3):
-            y[vc[i]] = sign[i] * comps[perm[i]]
-    return y
+    y = x.transpose(0, 1 + perm[0], 1 + perm[1], 1 + perm[2])
+    return y[(slice(None),) + tuple(slice(None, None, -1) if s < 0 else slice(None) for s in sign)]
+
+
+def rotate_into(x: np.ndarray, rot, vector_channels, out: np.ndarray) -> np.ndarray:
+    """Rotate a (C, X, Y, Z) array by ``rot`` into ``out`` (the rotated shape, not overlapping ``x``),
+    one pass: every channel is copied once from the rotated view; channels in
+    ``vector_channels`` (the x, y, z components, in that order) are turned as a vector, new
+    component i being sign[i] times old component perm[i]."""
+    perm, sign = rot
+    v = rotated_grid(x, rot)
+    vc = list(vector_channels)
+    for c in range(x.shape[0]):
+        if c not in vc:
+            np.copyto(out[c], v[c])
+            continue
+        i = vc.index(c)
+        src = v[vc[perm[i]]]
+        if sign[i] < 0:
+            np.negative(src, out=out[c])
+        else:
+            np.copyto(out[c], src)
+    return out
+
+
+def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
+    """Rotate a (C, X, Y, Z) array by ``rot`` (see ``rotate_into``); returns a new contiguous
+    array."""
+    out = np.empty(rotated_grid(x, rot).shape, dtype=x.dtype)
+    return rotate_into(x, rot, vector_channels, out)

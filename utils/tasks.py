@@ -15,6 +15,7 @@ import torch
 from networks.unet import UNet
 from networks.vit import ViT
 from utils.config import Config, UNetConfig, ViTConfig
+from utils.era5_data import load_stats
 from utils.formats import ERA5_CHANNELS
 from utils.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
 from utils.tensorboard import comparison_image
@@ -30,6 +31,20 @@ class ERA5Task:
         self.channels = ERA5_CHANNELS[: cfg.n_out_channels]
         self.weights = latitude_weights(cfg.img_size[0])
         self.loss = RelativeL2()  # per-sample; loss(pred, y) or partial sums of image bands
+        self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
+
+    def device_batch(self, x, y):
+        """Normalise a batch as delivered by the loader (raw values, on the device already) with
+        the global means and stds: the first operation of the step, on the device."""
+        if x.device not in self._stats:
+            c = self.cfg
+            means, stds = load_stats(c.data_root, max(c.n_in_channels, c.n_out_channels))
+            mean = torch.from_numpy(means).unsqueeze(0).to(x.device)  # (1, C, 1, 1)
+            inv_std = torch.from_numpy(1.0 / stds).unsqueeze(0).to(x.device)
+            self._stats[x.device] = (mean[:, : c.n_in_channels], inv_std[:, : c.n_in_channels],
+                                     mean[:, : c.n_out_channels], inv_std[:, : c.n_out_channels])
+        mean_in, inv_std_in, mean_out, inv_std_out = self._stats[x.device]
+        return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
 
     def build_model(self):
         c = self.cfg
@@ -74,6 +89,10 @@ class CosmoTask:
         self.cfg = cfg
         self._mean = None
         self.loss = L1Rho(cfg.lambda_rho)  # per-sample; loss(pred, y) or partial sums of sub-volumes
+
+    def device_batch(self, x, y):
+        """Crops are used as stored: nothing to do on the device."""
+        return x, y
 
     def build_model(self):
         c = self.cfg

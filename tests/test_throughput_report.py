@@ -1,0 +1,199 @@
+"""The IO / SYNTHETIC / FULL throughput report (--throughput_report, alias --enable_benchy).
+
+End to end through train.py (tiny ViT and U-Net): the summary lines, throughput.json and the
+TensorBoard scalars, and the final checkpoint equal to that of the same run without the report.
+In process: the trials take real optimizer steps (the FULL trial trains) and the trainer's state
+is put back afterwards. On 2 gloo ranks: per-rank and aggregate numbers.
+"""
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import ROOT, write_cosmo, write_era5
+from distributed_harness import run_ranks
+from test_training import TINY_VIT, run_dir, tb_scalars, train
+from utils import throughput_report as tp
+from utils.config import build_config
+from utils.runtime import setup_runtime
+from train import Trainer
+
+SUMMARY = re.compile(r"Throughput \((all \d+ ranks, )?samples/s, mean \+/- std of 3 rounds of "
+                     r"(\d+) batches\): IO ([0-9.]+) \+/- ([0-9.]+), SYNTHETIC ([0-9.]+) \+/- "
+                     r"([0-9.]+), FULL ([0-9.]+) \+/- ([0-9.]+)")
+
+
+def tiny_vit_cfg(data, expdir, **kw):
+    ov = dict(img_size="[16,32]", patch_size="4", embed_dim="32", depth="1", num_heads="2",
+              global_batch_size="4", base_batch_size="4", synthesize_if_missing="false",
+              num_data_workers="0", data_root=data, expdir=expdir, log_every="2")
+    ov.update({k: str(v) for k, v in kw.items()})
+    return build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart", ov)
+
+
+def check_report(d, world_size=1):
+    report = json.load(open(os.path.join(d, "throughput.json")))
+    assert report["modes"] == ["IO", "SYNTHETIC", "FULL"] and report["rounds"] == 3
+    assert report["world_size"] == world_size and len(report["per_rank"]) == world_size
+    for m in tp.MODES:
+        mean = report["aggregate"][m]["mean"]
+        assert math.isfinite(mean) and mean > 0, (m, report["aggregate"])
+        for entry in report["per_rank"]:
+            assert len(entry[m]["rounds"]) == 3 and min(entry[m]["rounds"]) > 0
+    log = open(os.path.join(d, "out.log")).read()
+    found = SUMMARY.search(log)
+    assert found, log[-2000:]
+    assert int(found.group(2)) == report["timed_batches"]
+    for i, m in enumerate(tp.MODES):  # the printed line is the aggregate of the file
+        assert float(found.group(3 + 2 * i)) == pytest.approx(report["aggregate"][m]["mean"],
+                                                              abs=0.051)
+    assert "Bottleneck: the " in log and report["bottleneck"] in log
+    scalars = tb_scalars(os.path.join(d, "tensorboard"))
+    for m in tp.MODES:
+        (event,) = scalars.Scalars(f"Throughput/{m}")
+        assert event.value == pytest.approx(report["aggregate"][m]["mean"], rel=1e-5)
+    return report
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def test_trial_sizes_fit_in_one_pass_of_the_loader():
+    assert tp.trial_sizes(100) == (2, 20)
+    assert tp.trial_sizes(19) == (2, 17)
+    assert tp.trial_sizes(2) == (1, 1)
+    assert tp.trial_sizes(1) == (0, 1)
+
+
+def test_aggregate_sums_ranks_and_counts_a_model_replica_once():
+    per_rank = [{"IO": [1.0, 2.0, 3.0], "SYNTHETIC": [4.0, 4.0, 4.0], "FULL": [1.0, 1.0, 1.0]},
+                {"IO": [3.0, 2.0, 1.0], "SYNTHETIC": [2.0, 4.0, 6.0], "FULL": [1.0, 1.0, 1.0]}]
+    dp = tp.summarise(per_rank, replica_ranks=1)
+    assert dp["IO"] == {"mean": 4.0, "std": 0.0}  # every round sums to 4
+    assert dp["SYNTHETIC"]["mean"] == 8.0 and dp["SYNTHETIC"]["std"] == pytest.approx(
+        math.sqrt(8 / 3))
+    tp2 = tp.summarise(per_rank, replica_ranks=2)  # one replica over both ranks
+    assert tp2["FULL"] == {"mean": 1.0, "std": 0.0}
+
+
+def test_bottleneck_rule():
+    assert "the loader is the bottleneck" in tp.bottleneck_line(50, 200, 48)
+    assert "not hidden" not in tp.bottleneck_line(50, 200, 48)
+    keeps_up = tp.bottleneck_line(500, 200, 190)
+    assert "the loader keeps up" in keeps_up and "not hidden" not in keeps_up
+    serial = tp.bottleneck_line(300, 200, 120)  # loading and compute one after the other
+    assert "the loader keeps up" in serial and "60% of the slower one" in serial
+
+
+# ----------------------------------------------------------------------------- train.py runs
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory):
+    return write_era5(str(tmp_path_factory.mktemp("tp") / "era5"), steps=20)  # 9 steps of 4
+
+
+def test_report_leaves_the_checkpoint_as_without_it(tmp_path, era5):
+    common = TINY_VIT + ["--data_root", era5, "--num_epochs", "2", "--dropout", "0.1"]
+    train(common + ["--expdir", str(tmp_path / "plain")])
+    r = train(common + ["--expdir", str(tmp_path / "report"), "--throughput_report"])
+    report = check_report(run_dir(str(tmp_path / "report")))
+    assert (report["warmup_batches"], report["timed_batches"]) == (2, 7)
+    assert "Throughput (samples/s" in r.stdout
+    assert not os.path.exists(os.path.join(run_dir(str(tmp_path / "plain")), "throughput.json"))
+    a, b = (torch.load(os.path.join(run_dir(str(tmp_path / d)), "checkpoints",
+                                    "ckpt_00000018.pt"), weights_only=True)
+            for d in ("plain", "report"))
+    assert sorted(os.listdir(os.path.join(run_dir(str(tmp_path / "report")), "checkpoints"))) \
+        == ["ckpt_00000018.pt"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for k, v in a["optimizer"]["state"].items():
+        assert torch.equal(v["exp_avg"], b["optimizer"]["state"][k]["exp_avg"])
+    assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"])
+
+
+def test_enable_benchy_reports_for_the_unet(tmp_path):
+    root = tmp_path / "cosmo"
+    write_cosmo(str(root / "train.h5"), side=32, seed=0)
+    write_cosmo(str(root / "valid.h5"), side=32, seed=1)
+    exp = str(tmp_path / "logs")
+    train(["--yaml_config", "config/UNet.yaml", "--config", "quickstart", "--data_root", str(root),
+           "--expdir", exp, "--num_iters", "2", "--Nsamples", "16", "--Nsamples_val", "4",
+           "--data_size", "32", "--base_width", "4", "--max_width", "16", "--global_batch_size",
+           "4", "--base_batch_size", "4", "--num_data_workers", "1",
+           "--synthesize_if_missing", "false", "--enable_benchy"])
+    report = check_report(run_dir(exp))
+    assert report["num_data_workers"] == 1 and report["timed_batches"] == 2
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+class Counting(Trainer):
+    """Notes every optimizer step's weights once training has ended (the trials' steps)."""
+
+    trial_steps = 0
+    trial_weights = None
+
+    def train_step(self, x, y, *args, **kwargs):
+        out = super().train_step(x, y, *args, **kwargs)
+        if self.iteration >= self.total_steps:
+            self.trial_steps += 1
+            self.trial_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return out
+
+
+def test_trials_train_and_the_state_is_put_back(tmp_path, era5):
+    cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=5, dropout=0.1, throughput_report="true")
+    tr = Counting(cfg, setup_runtime(cfg))
+    tr.fit()
+    warmup, timed = tp.trial_sizes(tr.steps_per_epoch)
+    assert tr.trial_steps == 2 * tp.ROUNDS * (warmup + timed)  # SYNTHETIC and FULL
+    final = torch.load(os.path.join(tr.ckpt_dir, "ckpt_00000005.pt"), weights_only=True)
+    after = tr.model.state_dict()
+    assert any(not torch.equal(tr.trial_weights[k], final["model"][k]) for k in after), \
+        "the trials did not change the weights: FULL and SYNTHETIC did not train"
+    for k, v in after.items():
+        assert torch.equal(v, final["model"][k]), k
+    state = tr.sharding.optimizer_state(tr.model, tr.optimizer)["state"]  # checkpoint layout
+    for k, v in final["optimizer"]["state"].items():
+        assert torch.equal(state[k]["exp_avg_sq"], v["exp_avg_sq"])
+        assert float(state[k]["step"]) == 5
+    assert tr.scheduler.last_epoch == 5
+    assert torch.equal(torch.get_rng_state(), final["rng"][0]["torch"])
+    assert tr.loaders.train_sampler.epoch == tr.state.epoch
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+
+
+def report_on_ranks(data, expdir):
+    import torch.distributed as dist
+
+    cfg = tiny_vit_cfg(data, expdir, num_iters=3, global_batch_size=8, base_batch_size=8,
+                       throughput_report="true")
+    tr = Trainer(cfg, setup_runtime(cfg))
+    tr.fit()
+    weights = {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+    return dict(rank=dist.get_rank(), run_dir=tr.run_dir, weights=weights)
+
+
+def test_two_ranks_report_per_rank_and_aggregate(tmp_path, era5):
+    ranks = run_ranks(report_on_ranks, 2, era5, str(tmp_path), timeout=180)
+    d = ranks[0]["run_dir"]
+    report = check_report(d, world_size=2)
+    assert report["data_parallel"] == 2 and report["local_batch_size"] == 4
+    for m in tp.MODES:  # the aggregate of each round is the sum of the ranks' rates
+        rounds = [a + b for a, b in zip(*(e[m]["rounds"] for e in report["per_rank"]))]
+        assert report["aggregate"][m]["mean"] == pytest.approx(sum(rounds) / 3)
+    log = open(os.path.join(d, "out.log")).read()
+    assert "Throughput (all 2 ranks, samples/s" in log
+    assert "  rank 0: IO " in log and "  rank 1: IO " in log
+    final = torch.load(os.path.join(d, "checkpoints", "ckpt_00000003.pt"), weights_only=True)
+    for r in ranks:  # every replica put back to the checkpointed weights
+        for k, v in r["weights"].items():
+            assert torch.equal(v, final["model"][k]), (r["rank"], k)

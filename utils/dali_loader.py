@@ -1,0 +1,332 @@
+"""NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of
+``utils.data_loader``, assembled by DALI pipelines.
+
+What a sample is and in which order samples come is not decided here: the PyTorch loaders of the
+matching mode (lowmem / inmem) are built first, and their datasets, ``ShardedSampler`` and
+``ValidationSampler`` are used as they are. So for the same seed, epoch and index a DALI batch
+equals the PyTorch batch, the shards of data-parallel ranks are the same, and
+``train_sampler.set_epoch(epoch, start_step)`` resumes mid-epoch exactly.
+
+One pipeline definition per model serves both devices: with a GPU (``device_id`` = the local
+device index) the operators after the host read run on the GPU and batches arrive as CUDA tensors
+(the engine's host-to-device copy is then a no-op); with ``device_id=None`` the same operators run
+on CPU threads and batches are CPU tensors.
+
+- ERA5: an external source reads each (t, t + dt) pair, raw, in Python workers (``parallel=True``,
+  ``py_num_workers = num_data_workers``) from the files (lowmem) or copies it from memory (inmem,
+  in the main process); the task normalises on the device.
+- Cosmology: the source gives the crop's window and rotation (``CosmoCropDataset.window``); the
+  crop is read from the file by the workers (lowmem: the HDF5 hyperslab is the crop) or cut by
+  ``fn.slice`` from the volume held in memory (inmem, passed without a copy); DALI operators then
+  rotate the grid (one of six transposes, flips) and turn the vector channels as vectors
+  (component i of the turned vector is sign_i times old component perm_i; see utils.rotations).
+
+The epoch's keys reach the Python workers through a small shared file (``EpochKeys``): the
+engine sets the sampler's epoch after the workers started, so the workers look the keys up
+instead of being given them. A sample callback past the epoch's keys, or from an earlier DALI
+epoch, raises StopIteration; a partial last batch (validation) is filled with repeats of the last
+key and cut back to its true size.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import tempfile
+import weakref
+
+import numpy as np
+import torch
+
+from utils.config import Config, ViTConfig
+from utils.data_loader import Loaders, build_loaders
+from utils.errors import ConfigError
+from utils.rotations import ROTATIONS
+
+INSTALL = "pip install -r requirements-dali.txt"
+PLATFORMS = {("Linux", "x86_64"), ("Linux", "aarch64")}  # where nvidia-dali wheels exist
+# The grid part of a rotation: new axis i is old axis perm[i]; one transpose branch per perm.
+PERMS = ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0))
+
+
+def import_dali():
+    """The DALI modules used here, or a ConfigError naming the install command."""
+    system, machine = platform.system(), platform.machine()
+    if (system, machine) not in PLATFORMS:
+        raise ConfigError(f"data_loader_config=dali-* needs NVIDIA DALI ({INSTALL}), which is "
+                          f"built for Linux x86_64 and aarch64 only, not {system} {machine}: "
+                          f"use --data_loader_config lowmem or inmem")
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+    except ImportError as e:
+        raise ConfigError(f"data_loader_config=dali-* needs NVIDIA DALI, which is not installed "
+                          f"({e}): {INSTALL}, or use --data_loader_config lowmem or inmem") from None
+    return fn, pipeline_def, types, feed_ndarray
+
+
+class EpochKeys:
+    """The (epoch, index) keys of one DALI epoch in a file in shared memory: written by the main
+    process before the pipeline is reset, read by the sample callbacks in any process (it
+    pickles as its path). Row 0 holds (DALI epoch number, key count)."""
+
+    def __init__(self, capacity: int):
+        d = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="dali_keys_", dir=d)
+        os.close(fd)
+        self.capacity = capacity
+        self._table = np.memmap(self.path, dtype=np.int64, mode="w+", shape=(capacity + 1, 2))
+        self._table[0] = (-1, 0)  # no epoch yet: every callback stops
+        weakref.finalize(self, _remove, self.path, os.getpid())
+
+    def __getstate__(self):
+        return {"path": self.path, "capacity": self.capacity}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._table = np.memmap(self.path, dtype=np.int64, mode="r",
+                                shape=(self.capacity + 1, 2))
+
+    def write(self, dali_epoch: int, keys: np.ndarray):
+        self._table[1:len(keys) + 1] = keys
+        self._table[0] = (dali_epoch, len(keys))
+        self._table.flush()
+
+    def stop(self):
+        """Callbacks not yet run raise StopIteration: an abandoned epoch ends at once."""
+        self._table[0, 1] = 0
+
+    def key(self, info) -> tuple[int, int]:
+        dali_epoch, n = self._table[0]
+        if info.epoch_idx != dali_epoch or info.idx_in_epoch >= n:
+            raise StopIteration
+        epoch, i = self._table[1 + info.idx_in_epoch]
+        return int(epoch), int(i)
+
+
+def _remove(path: str, owner: int):
+    if os.getpid() == owner:  # not from a forked worker that exits
+        os.remove(path)
+
+
+class ERA5Source:
+    """Per-sample callback: the raw (x, y) pair of the key's time step."""
+
+    def __init__(self, dataset, keys: EpochKeys):
+        self.dataset, self.keys = dataset, keys
+
+    def __call__(self, info):
+        x, y = self.dataset[self.keys.key(info)]
+        return x.numpy(), y.numpy()
+
+
+def rotation_arguments(rot: int, vector_channels, n_channels: int):
+    """Per-sample arguments of the DALI rotation: the transpose branch, the flips of the
+    (D, H, W) axes, and for every output channel its source channel and sign."""
+    perm, sign = ROTATIONS[rot]
+    src, mul = np.arange(n_channels, dtype=np.int32), np.ones(n_channels, np.float32)
+    for i, c in enumerate(vector_channels):
+        src[c], mul[c] = vector_channels[perm[i]], sign[i]
+    flips = np.array([s < 0 for s in sign], np.int32)
+    return np.array(PERMS.index(tuple(perm)), np.int32), flips, src, mul
+
+
+class CosmoSource:
+    """Per-sample callback: the rotation arguments of both fields, then with ``read=True`` the
+    unrotated crops read from the file, else the crop's corner."""
+
+    def __init__(self, dataset, keys: EpochKeys, read: bool):
+        self.dataset, self.keys, self.read = dataset, keys, read
+
+    def __call__(self, info):
+        ds = self.dataset
+        epoch, i = self.keys.key(info)
+        (a, b, c), rot = ds.window(epoch if ds.augment else 0, i)  # validation: fixed crops
+        k, flips, src_x, mul_x = rotation_arguments(rot, ds.in_vec, ds.n_in)
+        _, _, src_y, mul_y = rotation_arguments(rot, ds.out_vec, ds.n_out)
+        out = (k, flips, src_x, mul_x, src_y, mul_y)
+        if not self.read:
+            return out + (np.array([a, b, c], np.int32),)
+        s = ds.size
+        nbody, hydro = ds._volumes()
+        crop = np.s_[a:a + s, b:b + s, c:c + s]
+        return out + (np.asarray(nbody[(slice(ds.n_in),) + crop], np.float32),
+                      np.asarray(hydro[(slice(ds.n_out),) + crop], np.float32))
+
+
+class _Repeat:
+    """Batch source: the same array in every slot (one volume, referenced, not copied)."""
+
+    def __init__(self, array, n):
+        self.batch = [array] * n
+
+    def __call__(self):
+        return self.batch
+
+
+def _transpose(fn, v, j: int):
+    return fn.transpose(v, perm=[0] + [1 + p for p in PERMS[j]], transpose_layout=False)
+
+
+def _rotate(fn, v, k, flips, src, mul, vector_channels, n_channels, gpu: bool):
+    """DALI operators turning a (C, D, H, W) crop (layout CDHW): transpose branch ``k``, flips,
+    then the vector channels re-ordered and signed. Exact: only moves and sign changes."""
+    # A per-sample choice among the six transposes (DALI conditionals split the batch, so each
+    # branch runs on its own samples only).
+    if k == 0:
+        g = v
+    elif k == 1:
+        g = _transpose(fn, v, 1)
+    elif k == 2:
+        g = _transpose(fn, v, 2)
+    elif k == 3:
+        g = _transpose(fn, v, 3)
+    elif k == 4:
+        g = _transpose(fn, v, 4)
+    else:
+        g = _transpose(fn, v, 5)
+    g = fn.flip(g, depthwise=flips[0], vertical=flips[1], horizontal=flips[2])
+    if not vector_channels:
+        return g
+    chans = []
+    for c in range(n_channels):
+        if c in vector_channels:
+            m = mul[c].gpu() if gpu else mul[c]
+            chans.append(g[src[c]] * m)  # (D, H, W)
+        else:
+            chans.append(g[c])
+    return fn.stack(*chans, axis=0)  # (C, D, H, W)
+
+
+class DALILoader:
+    """Batches (x, y) of one pipeline in the order of ``sampler``, like a DataLoader over it."""
+
+    def __init__(self, build_pipeline, sampler, batch_size, keys: EpochKeys, device, feed):
+        self.build_pipeline, self.sampler, self.b = build_pipeline, sampler, batch_size
+        self.keys, self.device, self.feed = keys, device, feed
+        self.pipe = None
+        self.dali_epoch = 0
+        self.open = False  # an epoch started and not run to its end
+
+    def __len__(self):
+        return -(-len(self.sampler) // self.b)
+
+    def _start_epoch(self) -> int:
+        keys = np.array([k if isinstance(k, tuple) else (0, k) for k in self.sampler],
+                        np.int64).reshape(-1, 2)
+        n = len(keys)
+        if n % self.b:  # fill the last batch; its extra samples are cut off
+            keys = np.concatenate([keys, np.repeat(keys[-1:], self.b - n % self.b, axis=0)])
+        if self.pipe is None:
+            self.keys.write(self.dali_epoch, keys)
+            self.pipe = self.build_pipeline()
+            try:
+                self.pipe.build()
+            except RuntimeError as e:
+                raise ConfigError(f"DALI could not build its pipeline on {self.device} "
+                                  f"({str(e).strip().splitlines()[0]}): check the DALI build "
+                                  f"against the CUDA driver ({INSTALL}), or use "
+                                  f"--data_loader_config lowmem or inmem") from None
+        else:
+            self._finish()
+            self.dali_epoch += 1
+            self.keys.write(self.dali_epoch, keys)  # before the reset that schedules the reads
+            self.pipe.reset()
+        self.open = True
+        return n
+
+    def _finish(self):
+        """Run the pipeline to its StopIteration (cut short if the epoch was abandoned)."""
+        if not self.open:
+            return
+        self.keys.stop()
+        try:
+            while True:
+                self.pipe.run()
+        except StopIteration:
+            pass
+        self.open = False
+
+    def _torch(self, out) -> torch.Tensor:
+        out = out.as_tensor()  # the batch as one dense tensor
+        shape = out.shape()
+        t = torch.empty(shape, dtype=torch.float32, device=self.device)
+        # On a GPU the copy is queued on torch's current stream: the step that uses it follows.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.feed(out, t, cuda_stream=stream)
+        return t
+
+    def __iter__(self):
+        n = self._start_epoch()
+        for step in range(len(self)):
+            x, y = (self._torch(o) for o in self.pipe.run())
+            keep = min(self.b, n - step * self.b)
+            yield x[:keep], y[:keep]
+        self._finish()
+
+
+def _start_method(device) -> str:
+    # Forking after CUDA is initialised is unsafe; on CPU fork starts workers fastest.
+    return "spawn" if device.type == "cuda" else "fork"
+
+
+def build_dali_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
+                       rows: tuple[int, int] | None = None) -> Loaders:
+    """Loaders of one data-parallel rank with DALI pipelines; the samples, the order, ``rows``
+    and the checks are those of ``build_loaders`` in the matching PyTorch mode."""
+    fn, pipeline_def, types, feed = import_dali()
+    host = copy.copy(cfg)
+    host.data_loader_config = cfg.data_loader_config.removeprefix("dali-")
+    ref = build_loaders(host, dp_size, dp_rank, local_batch, device, rows)  # never iterated
+    inmem = host.data_loader_config == "inmem"
+    gpu = device.type == "cuda"
+    workers = 0 if inmem else cfg.num_data_workers  # in memory: a copy, no reads to overlap
+    settings = dict(batch_size=local_batch, num_threads=max(1, cfg.num_data_workers),
+                    device_id=(device.index if device.index is not None
+                               else torch.cuda.current_device()) if gpu else None,
+                    prefetch_queue_depth=cfg.prefetch_depth, py_num_workers=max(1, workers),
+                    py_start_method=_start_method(device), enable_conditionals=True)
+    source = dict(batch=False, parallel=workers > 0)
+
+    def era5_pipeline(dataset, keys):
+        @pipeline_def(**settings)
+        def pipe():
+            x, y = fn.external_source(source=ERA5Source(dataset, keys), num_outputs=2, **source)
+            return (x.gpu(), y.gpu()) if gpu else (x, y)
+
+        return pipe
+
+    def cosmo_pipeline(dataset, keys):
+        s = dataset.size
+
+        @pipeline_def(**settings)
+        def pipe():
+            outs = fn.external_source(source=CosmoSource(dataset, keys, read=not inmem),
+                                      num_outputs=7 if inmem else 8, **source)
+            k, flips, src_x, mul_x, src_y, mul_y = outs[:6]
+            if inmem:  # the crop cut from the volumes held in memory, passed without a copy
+                nbody, hydro = dataset._volumes()
+                vols = [fn.external_source(source=_Repeat(v, local_batch), batch=True,
+                                           no_copy=True, layout="CDHW") for v in (nbody, hydro)]
+                x, y = (fn.slice(v, outs[6], np.array([s, s, s], np.int32), axes=[1, 2, 3],
+                                 out_of_bounds_policy="error") for v in vols)
+            else:
+                x, y = (fn.reshape(v, layout="CDHW") for v in outs[6:])
+            if gpu:
+                x, y = x.gpu(), y.gpu()
+            x = _rotate(fn, x, k, flips, src_x, mul_x, dataset.in_vec, dataset.n_in, gpu)
+            y = _rotate(fn, y, k, flips, src_y, mul_y, dataset.out_vec, dataset.n_out, gpu)
+            return x, y
+
+        return pipe
+
+    make = era5_pipeline if isinstance(cfg, ViTConfig) else cosmo_pipeline
+
+    def loader(torch_loader, sampler):
+        dataset = torch_loader.dataset
+        dataset = getattr(dataset, "dataset", dataset)  # the dataset behind a batch reader
+        keys = EpochKeys(-(-len(sampler) // local_batch) * local_batch)
+        return DALILoader(make(dataset, keys), sampler, local_batch, keys, device, feed)
+
+    return Loaders(loader(ref.train, ref.train_sampler), loader(ref.valid, ref.valid.sampler),
+                   ref.train_sampler, ref.steps_per_epoch, ref.n_train, ref.n_valid)

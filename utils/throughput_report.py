@@ -1,0 +1,218 @@
+"""The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, alias ``--enable_benchy``).
+
+After training, every rank times three kinds of trial, each in ``ROUNDS`` rounds of ``WARMUP``
+untimed batches and then ``timed`` batches (``trial_sizes``):
+
+- **IO**: the training loader alone, each batch moved to the device with ``Trainer.to_device``
+  (the host-to-device copy and the on-device first operation of the step included, no model);
+- **SYNTHETIC**: ``Trainer.train_step`` on one batch held on the device (compute only);
+- **FULL**: ``to_device`` + ``train_step`` over the loader, as in training.
+
+Each round of IO and FULL is one fresh pass of the loader (its own epoch number, so no timed
+window crosses an epoch's end). Windows end with a device synchronisation, so queued kernels are
+counted. Under data parallelism every rank runs every trial (FULL and SYNTHETIC include the
+gradient all-reduce); rank 0 prints mean +/- std samples/s over the rounds, for all ranks
+together (samples of a model replica counted once: under tensor/context parallelism its ranks
+share a batch) and, when distributed, per rank; it writes ``<run dir>/throughput.json`` and the
+TensorBoard scalars ``Throughput/IO``, ``Throughput/SYNTHETIC``, ``Throughput/FULL``.
+
+The trials take optimizer steps. They run after the final checkpoint is written, and the model,
+optimizer, gradient scaler, LR schedule, RNG streams and the sampler's position are put back
+afterwards, so neither the checkpoints nor the trainer's state differ from a run without the
+report.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from utils import checkpoint
+from utils.profiling import nvtx_range
+
+MODES = ("IO", "SYNTHETIC", "FULL")
+ROUNDS = 3  # repetitions of each trial: the spread of the rounds is the reported std
+WARMUP = 2  # untimed batches at the start of each round (worker start-up, allocator, caches)
+MAX_TIMED = 20  # timed batches per round, at most
+
+log = logging.getLogger(__name__)
+
+
+def trial_sizes(steps_per_epoch: int) -> tuple[int, int]:
+    """(warm-up, timed) batches per round; together they fit in one pass of the loader."""
+    warmup = min(WARMUP, steps_per_epoch - 1)
+    return warmup, min(MAX_TIMED, steps_per_epoch - warmup)
+
+
+def _to_host(obj):
+    """A copy of a (nested) state dict with every tensor cloned to host memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+class _Snapshot:
+    """Everything a training step changes, copied to host memory (device memory stays free for
+    the trials) and put back by ``restore``."""
+
+    def __init__(self, tr):
+        self.model = _to_host(tr.model.state_dict())  # this rank's shards under tp/cp
+        self.optimizer = _to_host(tr.optimizer.state_dict())
+        self.scaler = _to_host(tr.scaler.state_dict())
+        self.scheduler = _to_host(tr.scheduler.state_dict())
+        self.rng = checkpoint.rng_state()
+
+    def restore(self, tr):
+        tr.model.load_state_dict(self.model)  # copies into the parameters DDP holds
+        tr.optimizer.load_state_dict(self.optimizer)
+        tr.scaler.load_state_dict(self.scaler)
+        tr.scheduler.load_state_dict(self.scheduler)
+        checkpoint.set_rng_state(self.rng)
+        tr.optimizer.zero_grad(set_to_none=True)
+        tr.loaders.train_sampler.set_epoch(tr.state.epoch, tr.state.step_in_epoch)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the window must include the kernels still queued
+
+
+def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
+    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        work(*next(batches))
+    _sync(tr.device)
+    tr.rt.barrier()  # collective: every rank starts its window together
+    t0 = time.perf_counter()
+    for _ in range(timed):
+        work(*next(batches))
+    _sync(tr.device)
+    return time.perf_counter() - t0
+
+
+def _loader_pass(tr, epoch: int):
+    """A fresh pass of the training loader, as epoch ``epoch`` of its sampler."""
+    tr.loaders.train_sampler.set_epoch(epoch, 0)
+    return iter(tr.loaders.train)
+
+
+def measure(tr) -> dict[str, list[float]]:
+    """This rank's samples/s in each round of each mode. Collective: every rank must call it."""
+    warmup, timed = trial_sizes(tr.steps_per_epoch)
+    samples = tr.rt.local_batch * timed
+    first_epoch = tr.state.epoch + 1  # past the run's epochs: samples it has not used last
+    tr.model.train()
+
+    def io(x, y):
+        tr.to_device(x, y)
+
+    def full(x, y):
+        tr.train_step(*tr.to_device(x, y))
+
+    cached = tr.to_device(*next(_loader_pass(tr, first_epoch)))
+    rates = {m: [] for m in MODES}
+    for r in range(ROUNDS):
+        for mode in MODES:
+            with nvtx_range(f"throughput {mode}"):
+                if mode == "SYNTHETIC":
+                    seconds = _timed_round(tr, itertools.repeat(cached), tr.train_step,
+                                           warmup, timed)
+                else:
+                    batches = _loader_pass(tr, first_epoch + r)
+                    seconds = _timed_round(tr, batches, io if mode == "IO" else full,
+                                           warmup, timed)
+            rates[mode].append(samples / max(seconds, 1e-9))
+    return rates
+
+
+def _mean_std(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values),
+            "std": statistics.pstdev(values) if len(values) > 1 else 0.0}
+
+
+def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
+    """Mean and std over rounds of all ranks' samples/s together. ``per_rank``: every rank's
+    ``measure`` result, in rank order; ``replica_ranks``: ranks per model replica
+    (tensor_parallel x context_parallel), which share one batch, so their samples count once."""
+    out = {}
+    for mode in MODES:
+        rounds = zip(*(r[mode] for r in per_rank))
+        out[mode] = _mean_std([sum(vals) / replica_ranks for vals in rounds])
+    return out
+
+
+def bottleneck_line(io: float, synthetic: float, full: float) -> str:
+    """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC."""
+    if io >= synthetic:
+        text = (f"the loader keeps up (IO {io:.1f} >= SYNTHETIC {synthetic:.1f} samples/s): "
+                f"the model's step bounds FULL")
+    else:
+        text = (f"the loader is the bottleneck (IO {io:.1f} < SYNTHETIC {synthetic:.1f} "
+                f"samples/s): more --num_data_workers or a DALI loader")
+    share = full / min(io, synthetic)
+    if share < 0.8:
+        text += (f"; FULL is {share:.0%} of the slower one: loading is not hidden behind "
+                 f"compute (no --num_data_workers, or workers and model share too few cores)")
+    return "Bottleneck: " + text
+
+
+def _modes_text(stats: dict) -> str:
+    return ", ".join(f"{m} {stats[m]['mean']:.1f} +/- {stats[m]['std']:.1f}" for m in MODES)
+
+
+def run(tr) -> dict | None:
+    """Measure on every rank, then (rank 0) log the summary, write ``throughput.json`` and the
+    TensorBoard scalars, and put the trainer's state back. Returns the report on rank 0."""
+    rt = tr.rt
+    warmup, timed = trial_sizes(tr.steps_per_epoch)
+    log.info(f"Throughput report: IO, SYNTHETIC and FULL trials, {ROUNDS} rounds of {warmup} "
+             f"warm-up + {timed} timed batches each (training state is put back afterwards)")
+    snapshot = _Snapshot(tr)
+    try:
+        mine = measure(tr)
+    finally:
+        snapshot.restore(tr)
+    per_rank = [mine]
+    if rt.distributed:
+        per_rank = [None] * rt.world_size
+        dist.all_gather_object(per_rank, mine)  # collective, once: every rank's round rates
+    if not rt.is_main:
+        return None
+    total = summarise(per_rank, rt.world_size // rt.dp_size)
+    report = {
+        "unit": "samples/s", "modes": list(MODES), "rounds": ROUNDS, "warmup_batches": warmup,
+        "timed_batches": timed, "local_batch_size": rt.local_batch,
+        "global_batch_size": rt.global_batch, "world_size": rt.world_size,
+        "data_parallel": rt.dp_size, "device": str(tr.device),
+        "data_loader_config": tr.cfg.data_loader_config,
+        "num_data_workers": tr.cfg.num_data_workers, "iteration": tr.iteration,
+        "aggregate": total,
+        "per_rank": [{"rank": i, **{m: dict(_mean_std(r[m]), rounds=r[m]) for m in MODES}}
+                     for i, r in enumerate(per_rank)],
+        "bottleneck": bottleneck_line(*(total[m]["mean"] for m in MODES)),
+    }
+    who = f"all {rt.world_size} ranks, " if rt.distributed else ""
+    log.info(f"Throughput ({who}samples/s, mean +/- std of {ROUNDS} rounds of {timed} batches): "
+             f"{_modes_text(total)}")
+    if rt.distributed:
+        for entry in report["per_rank"]:
+            log.info(f"  rank {entry['rank']}: {_modes_text(entry)}")
+    log.info(report["bottleneck"])
+    path = os.path.join(tr.run_dir, "throughput.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    log.info(f"Throughput report written: {path}")
+    for m in MODES:
+        tr.board.scalar(f"Throughput/{m}", total[m]["mean"], tr.iteration)
+    tr.board.flush()
+    return report
