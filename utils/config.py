@@ -108,6 +108,9 @@ class Config:
                         "with torch.save(model.state_dict()) (empty: fresh weights)")
     throughput_report: bool = _f(False, "after training, time the loader alone (IO), the model on "
                                  "a cached batch (SYNTHETIC) and both (FULL) and report samples/s")
+    profile_trace: str = _f("", "write a torch.profiler trace (Chrome/Perfetto JSON and a "
+                            "TensorBoard profile) of a few steps of the second epoch to this "
+                            "directory (empty: none)")
     enable_manual_profiling: bool = _f(False, "bracket 30 steps of the second epoch with the CUDA "
                                        "profiler API (for nsys -c cudaProfilerApi)")
     # -- data parallelism
