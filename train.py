@@ -30,12 +30,13 @@ from utils import checkpoint, throughput_report
 from utils.config import Config, from_argv
 from utils.data_loader import build_loaders
 from utils.errors import TrainingError, UserError
+from utils.flops import flops_per_sample, peak_tflops, tflops_per_device
 from utils.logging_utils import setup_logging
 from utils.lr_schedule import build_scheduler, peak_lr
 from utils.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
 from utils.optimizer import build_optimizer
 from utils.parallelism import apply_parallelism
-from utils.profiling import ProfilerWindow, nvtx_range
+from utils.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
 from utils.reference_weights import load_reference_weights
 from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header, run_dir_for,
                              write_config)
@@ -86,6 +87,7 @@ class Trainer:
         self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows)
         self.steps_per_epoch = self.loaders.steps_per_epoch
         self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
+        self.flops_per_sample = flops_per_sample(cfg)  # forward + backward, one sample
 
         self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
         self.optimizer = build_optimizer(self.model.parameters(), cfg, self.peak_lr, self.device)
@@ -110,6 +112,8 @@ class Trainer:
         self.probe = MemoryProbe(self.device, self.model, self.optimizer) if measurable \
             else NullProbe()
         self.profiler = ProfilerWindow(cfg.enable_manual_profiling, start=self.steps_per_epoch)
+        self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, self.iteration,
+                                         self.steps_per_epoch, self.total_steps)
         self._baseline = None  # the naive baseline's validation loss, computed once
 
         log.info(f"Run directory: {self.run_dir}")
@@ -175,7 +179,8 @@ class Trainer:
         window = torch.zeros(2, device=self.device)  # [loss, grad norm] summed since the last log
         window_steps = steps_run = 0
         t0 = t_first = time.time()
-        for x, y in self.loaders.train:
+        self.trace.step(st.iteration)  # the torch.profiler window may start here
+        for x, y in ranged(self.loaders.train, "data wait"):  # the wait for a batch, as a range
             if st.iteration >= self.total_steps:
                 break
             self.profiler.step(st.iteration)
@@ -197,6 +202,7 @@ class Trainer:
                 window_steps = 0
             if cfg.checkpoint_every and st.iteration % cfg.checkpoint_every == 0:
                 self.save_checkpoint(epoch_sum)
+            self.trace.step(st.iteration)  # ends this step's range in the torch.profiler trace
         if window_steps:
             self.log_train_window(window, window_steps)
         if self.device.type == "cuda":
@@ -287,8 +293,17 @@ class Trainer:
                  f"{stats.rate_steps_per_s * self.rt.global_batch:.2f} samples/s "
                  f"({stats.rate_steps_per_s:.2f} steps/s)")
         if stats.steps:
+            samples_per_s = stats.rate_steps_per_s * self.rt.global_batch  # the whole job's
             board.scalar("Avg iters per sec", stats.rate_steps_per_s, it)
-            board.scalar("Avg samples per sec", stats.rate_steps_per_s * self.rt.global_batch, it)
+            board.scalar("Avg samples per sec", samples_per_s, it)
+            tflops = tflops_per_device(self.flops_per_sample, samples_per_s, self.rt.world_size)
+            peak = peak_tflops(self.device, self.cfg.amp_mode)  # None on a CPU or unknown GPU
+            mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""
+            log.info(f"  Model {tflops:.3g} TFLOP/s per device "
+                     f"({self.flops_per_sample / 1e9:.4g} GFLOP per sample){mfu}")
+            board.scalar("Performance/TFLOPs per sec", tflops, it)
+            if peak:
+                board.scalar("Performance/MFU", tflops / peak, it)
         log.info(f"  Avg train loss={stats.avg_loss:.6f}")
         name = self.task.baseline_name
         log.info(f"  Avg val loss={val['loss']:.6f} ({name} baseline {val['baseline_loss']:.6f})")

@@ -1,23 +1,56 @@
-"""NVTX ranges for Nsight Systems, no-ops when no profiler listens.
+"""Named ranges and two profilers: the CUDA profiler API window for Nsight Systems, and a
+torch.profiler trace that also works without a GPU.
 
-The ``nvtx`` package works with no GPU (torch.cuda.nvtx raises on a CPU build). With
-``enable_manual_profiling`` the CUDA profiler API brackets a window of steps, for
-``nsys profile -c cudaProfilerApi``.
+Every range (``nvtx_range``) is both an NVTX range, for ``nsys``, and a
+``torch.profiler.record_function``, so the same names (``forward``, ``backward``, ``optimizer``,
+``data wait``) appear in both profilers' timelines. Both cost next to nothing while no profiler
+listens. The ``nvtx`` package works with no GPU (torch.cuda.nvtx raises on a CPU build); without
+it the NVTX half is a no-op.
+
+- ``ProfilerWindow`` (``--enable_manual_profiling``): the CUDA profiler API brackets a window of
+  steps, for ``nsys profile -c cudaProfilerApi``.
+- ``TraceWindow`` (``--profile_trace DIR``): a ``torch.profiler.profile`` over a few steps that
+  writes a Chrome/Perfetto trace and a TensorBoard profile per rank.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import shutil
+import time
 
 import torch
 
+from utils.errors import ConfigError
+
 try:
     import nvtx as _nvtx
-except ImportError:  # optional: ranges become no-ops
+except ImportError:  # optional: NVTX ranges become no-ops
     _nvtx = None
 
+log = logging.getLogger("train")
 
+
+@contextlib.contextmanager
 def nvtx_range(name: str):
-    return _nvtx.annotate(name) if _nvtx is not None else contextlib.nullcontext()
+    """An NVTX range and a torch.profiler range of the same name around the block."""
+    nvtx = _nvtx.annotate(name) if _nvtx is not None else contextlib.nullcontext()
+    with torch.profiler.record_function(name), nvtx:
+        yield
+
+
+def ranged(iterable, name: str = "data wait"):
+    """Yield the items of ``iterable``, each fetch (``next``) inside ``nvtx_range(name)``: the
+    time a step waits for its batch shows as its own range."""
+    it = iter(iterable)
+    while True:
+        with nvtx_range(name):
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+        yield item
 
 
 class ProfilerWindow:
@@ -39,3 +72,118 @@ class ProfilerWindow:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
             self.active = False
+
+
+def check_trace_dir(directory: str) -> str:
+    """Create ``directory`` if needed; a ConfigError naming the fix when it cannot hold traces."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"profile_trace={directory!r} is a file, not a directory: give a "
+                          f"directory (it is created when missing)")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"profile_trace={directory!r} cannot be created ({e.strerror}): give "
+                          f"a directory you can write to") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"profile_trace={directory!r} is not writable: give a directory you "
+                          f"can write to")
+    return directory
+
+
+def unused_path(path: str) -> str:
+    """``path``, or ``<stem>_2<ext>``, ``<stem>_3<ext>``... when it exists: traces of earlier
+    runs are never overwritten."""
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{stem}_{n}{ext}"
+    return path
+
+
+class NullTrace:
+    """No ``--profile_trace``: a trace window that does nothing."""
+
+    def step(self, iteration: int):
+        pass
+
+
+class TraceWindow:
+    """A ``torch.profiler.profile`` over ``wait + warmup + active`` steps from step ``start``.
+
+    Call ``step(it)`` with the index of the step about to run: once before an epoch's first step
+    and after every step (repeated indices are ignored). The profiler starts when ``it`` reaches
+    ``start``; each later call ends one profiler step, so a step's range covers its wait for the
+    batch, forward, backward and optimizer. The ``active`` steps are written to
+    ``<dir>/trace_rank<r>_step<n>.json`` (Chrome/Perfetto; ``n`` is the first traced step) and,
+    for TensorBoard's profile plugin, ``<dir>/tensorboard/rank<r>.<ms>.pt.trace.json``. The
+    profiler stops after the window or at ``end`` (the run's last step), whichever comes first.
+    """
+
+    def __init__(self, directory: str, rank: int, start: int, end: int, wait: int = 1,
+                 warmup: int = 1, active: int = 3):
+        self.dir, self.rank, self.start, self.end = directory, rank, start, end
+        self.wait, self.warmup, self.length = wait, warmup, wait + warmup + active
+        self.schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
+        self.prof = None
+        self.last = None  # the step index of the previous call
+        self.written: list[str] = []
+
+    @classmethod
+    def for_run(cls, directory: str, rank: int, iteration: int, steps_per_epoch: int,
+                total_steps: int):
+        """The window of a run: from the second epoch's first step (the first epoch includes
+        start-up costs: compilation, loader workers, caches), or from this launch's first step
+        (``iteration``) when the run has fewer steps than the window after its first epoch or was
+        resumed past that point. ``NullTrace`` when ``directory`` is empty."""
+        if not directory:
+            return NullTrace()
+        window = cls(check_trace_dir(directory), rank, 0, total_steps)
+        second = steps_per_epoch
+        fits = iteration <= second and total_steps - second >= window.length
+        window.start = second if fits else iteration
+        return window
+
+    def step(self, iteration: int):
+        if self.prof is None:
+            if iteration == self.start:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(
+                    activities=activities, schedule=self.schedule, on_trace_ready=self._write,
+                    record_shapes=False)
+                self.prof.start()
+                self.last = iteration
+            return
+        if iteration == self.last:
+            return
+        self.last = iteration
+        self.prof.step()
+        if iteration - self.start >= self.length or iteration >= self.end:
+            self.prof.stop()
+            if not self.written:
+                log.warning(f"no torch.profiler trace written: the run ended "
+                            f"{iteration - self.start} steps after step {self.start}, before the "
+                            f"traced steps (it needs {self.length})")
+            self.prof = None
+            self.start = -1  # the window runs once
+
+    def _write(self, prof):
+        # Runs at the end of the active steps, inside prof.step() (or stop()).
+        first = self.start + self.wait + self.warmup
+        path = unused_path(os.path.join(self.dir, f"trace_rank{self.rank}_step{first}.json"))
+        prof.export_chrome_trace(path)
+        # The profile plugin reads the same JSON under its own file name. A profile's results
+        # can be saved only once, so the trace is copied rather than exported a second time
+        # with torch.profiler.tensorboard_trace_handler.
+        tb_dir = os.path.join(self.dir, "tensorboard")
+        os.makedirs(tb_dir, exist_ok=True)
+        ms = time.time_ns() // 10**6
+        tb_name = "rank{}.{}.pt.trace.json"
+        while os.path.exists(tb_path := os.path.join(tb_dir, tb_name.format(self.rank, ms))):
+            ms += 1
+        shutil.copyfile(path, tb_path)
+        self.written.append(path)
+        log.info(f"Profiler trace written: {path} (TensorBoard profile in "
+                 f"{os.path.join(self.dir, 'tensorboard')})")
