@@ -152,6 +152,32 @@ def test_missing_data_message(tmp_path):
     assert "no ERA5 year files" in r.stderr and "--data_root" in r.stderr
 
 
+def test_synthesis_never_writes_over_user_files(tmp_path):
+    """A data_root with the user's own year files but no stats/ is refused (exit 2, one line
+    naming what is missing) and left byte for byte as it was; a new directory is synthesised
+    and marked, and a marked one may be written again."""
+    root = tmp_path / "mine"
+    (root / "train").mkdir(parents=True)
+    (root / "valid").mkdir()
+    for split, year in (("train", 2016), ("valid", 2017)):
+        (root / split / f"{year}.h5").write_bytes(b"the user's own bytes " * 100)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    args = TINY_VIT + ["--expdir", str(tmp_path / "logs"), "--num_iters", "2", "--synthesize_if_missing",
+                       "true", "--synthetic_steps_per_year", "8"]
+    r = train(args + ["--data_root", str(root)], check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: data_root=") and "missing: stats/" in r.stderr
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+    new = tmp_path / "new"
+    train(args + ["--data_root", str(new), "--run_num", "1"])
+    assert (new / "SYNTHETIC.txt").exists() and (new / "stats").is_dir()
+    import shutil
+    shutil.rmtree(new / "stats")  # an interrupted synthesis: the marked directory is completed
+    train(args + ["--data_root", str(new), "--run_num", "2"])
+    assert (new / "stats").is_dir()
+
+
 def test_fp16_on_cpu_refused(tmp_path, era5_root):
     r = train(TINY_VIT + ["--data_root", era5_root, "--expdir", str(tmp_path), "--num_iters", "2",
                           "--amp_mode", "fp16"], check=False)

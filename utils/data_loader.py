@@ -210,15 +210,44 @@ def cosmo_datasets(cfg: UNetConfig):
     return train, valid
 
 
-def has_data(cfg: Config) -> bool:
+SYNTHETIC_MARK = "SYNTHETIC.txt"  # in a data_root that synthesize() made: safe to write again
+
+
+def missing_data(cfg: Config) -> list[str]:
+    """What a data set needs under data_root and is not there (ERA5: train/ and stats/; cosmology:
+    the training file)."""
     if isinstance(cfg, ViTConfig):
-        return os.path.isdir(os.path.join(cfg.data_root, "train")) and os.path.isdir(
-            os.path.join(cfg.data_root, "stats"))
-    return os.path.exists(os.path.join(cfg.data_root, cfg.train_file))
+        need = [("train/", os.path.join(cfg.data_root, "train")),
+                ("stats/", os.path.join(cfg.data_root, "stats"))]
+        return [name for name, path in need if not os.path.isdir(path)]
+    return [] if os.path.exists(os.path.join(cfg.data_root, cfg.train_file)) else [cfg.train_file]
+
+
+def has_data(cfg: Config) -> bool:
+    return not missing_data(cfg)
+
+
+def check_synthesis_target(cfg: Config):
+    """Synthesis writes only into a new or empty data_root, or one it made itself (marked with
+    ``SYNTHETIC_MARK``): never over a user's files. Otherwise a ConfigError says what is missing."""
+    root = cfg.data_root
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"data_root={root} is a file, not a directory: choose a directory")
+    if not os.path.isdir(root) or not os.listdir(root) or os.path.exists(os.path.join(root, SYNTHETIC_MARK)):
+        return
+    raise ConfigError(f"data_root={root} holds files but not a complete {cfg.model} data set (missing: "
+                      f"{', '.join(missing_data(cfg))}); synthetic data is written only into a new or empty "
+                      f"directory: complete the data set there, or choose another --data_root")
 
 
 def synthesize(cfg: Config):
-    """Write small synthetic data in the real formats under data_root (for the quickstarts)."""
+    """Write small synthetic data in the real formats under data_root (for the quickstarts), after
+    ``check_synthesis_target``; the directory is marked as synthetic."""
+    check_synthesis_target(cfg)
+    os.makedirs(cfg.data_root, exist_ok=True)
+    with open(os.path.join(cfg.data_root, SYNTHETIC_MARK), "w") as f:
+        f.write("Synthetic data written by this project's training run (synthesize_if_missing); "
+                "it may be regenerated here.\n")
     if isinstance(cfg, ViTConfig):
         synthetic.make_era5(cfg.data_root, img_size=tuple(cfg.img_size),
                             steps_per_year=cfg.synthetic_steps_per_year, seed=cfg.seed)

@@ -13,7 +13,7 @@ import time
 
 from utils import checkpoint
 from utils.config import Config, dump
-from utils.data_loader import has_data, synthesize
+from utils.data_loader import check_synthesis_target, has_data, synthesize
 from utils.errors import ConfigError
 from utils.runtime import Runtime
 
@@ -64,9 +64,13 @@ def ensure_data(cfg: Config, rt: Runtime):
     """Synthesise small data under data_root when the config asks for it and none is there."""
     if not cfg.synthesize_if_missing:
         return
-    # Rank 0 alone decides and writes; every rank then waits, so none sees a data set that is
-    # still being written (e.g. the training file but not yet the validation file).
-    if rt.is_main and not has_data(cfg):
+    # Every rank checks that synthesis would not write over a user's files (so all stop alike);
+    # rank 0 alone writes; every rank then waits, so none sees a data set that is still being
+    # written (e.g. the training file but not yet the validation file).
+    missing = not has_data(cfg)
+    if missing:
+        check_synthesis_target(cfg)
+    if rt.is_main and missing:
         log.info(f"No data under {cfg.data_root}: generating synthetic {cfg.model} data there "
                  f"(synthesize_if_missing is set for this config)")
         t0 = time.time()
