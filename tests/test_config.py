@@ -71,6 +71,11 @@ def test_environment_variables(monkeypatch):
     ("base", {"data_loader_config": "inmen"}, "did you mean 'inmem'"),
     ("base", {"name": "other"}, "'name' is not a setting (command line)"),
     ("base", {"yaml_path": "x.yaml"}, "chosen with --config and --yaml_config"),
+    ("base", {"lr": "nan"}, "lr='nan' is not a finite number"),
+    ("base", {"dropout": "nan"}, "dropout='nan' is not a finite number"),
+    ("base", {"max_grad_norm": "inf"}, "max_grad_norm='inf' is not a finite number"),
+    ("base", {"seed": "-1"}, "seed=-1 must be >= 0"),
+    ("base", {"seed": str(2**64)}, f"seed={2**64} must be <= {2**32 - 1}"),
 ])
 def test_errors_name_the_fix(name, overrides, fragment):
     with pytest.raises(ConfigError) as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import sys
@@ -52,7 +53,7 @@ class Config:
     # -- run directory and reproducibility
     expdir: str = _f("./logs", "root of run directories: <expdir>/<config>/<world size>/<run_num>/")
     run_num: str = _f("0", "name of this run beside other runs of the same config")
-    seed: int = _f(0, "seed for weights, data order and augmentation")
+    seed: int = _f(0, "seed for weights, data order and augmentation", min=0, max=2**32 - 1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present, else cpu), cpu "
                                                 "or cuda")
     # -- data
@@ -273,14 +274,19 @@ def _coerce_scalar(key, value, tp):
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} is not a number")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 5E-4 as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 5E-4 as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
+        if number is None:
+            raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
+        if not math.isfinite(number):  # nan and inf parse as floats but are never a setting
+            raise ConfigError(f"{key}={value!r} is not a finite number: give e.g. {key}=1e-3")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return expand_env(str(value))
