@@ -60,9 +60,13 @@ def write_cosmo(path, side=16, seed=0):
     return path
 
 
+def write_cosmo_pair(root, side=16) -> str:
+    """``train.h5`` and ``valid.h5`` (seeds 0 and 1) of ``side``^3 under ``root``."""
+    write_cosmo(os.path.join(root, "train.h5"), side=side, seed=0)
+    write_cosmo(os.path.join(root, "valid.h5"), side=side, seed=1)
+    return str(root)
+
+
 @pytest.fixture
 def cosmo_root(tmp_path):
-    root = tmp_path / "cosmo"
-    write_cosmo(str(root / "train.h5"), seed=0)
-    write_cosmo(str(root / "valid.h5"), seed=1)
-    return str(root)
+    return write_cosmo_pair(tmp_path / "cosmo")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, write_cosmo, write_era5
-from test_training import TINY_VIT, baseline_and_val, train
+from conftest import ROOT, write_cosmo_pair, write_era5
+from test_training import TINY_UNET, TINY_VIT, baseline_and_val, train
 from utils.config import build_config
 from utils.data_loader import build_loaders
 from utils.errors import ConfigError
@@ -153,13 +153,9 @@ def test_quickstarts_train_with_dali(dali, tmp_path):
                           "--data_loader_config", "dali-lowmem", "--num_data_workers", "2"])
     (v1, _), (v2, _) = baseline_and_val(r.stdout)
     assert v2 < v1, (v1, v2)
-    cosmo = tmp_path / "cosmo"
-    write_cosmo(str(cosmo / "train.h5"), side=32, seed=0)
-    write_cosmo(str(cosmo / "valid.h5"), side=32, seed=1)
-    r = train(["--yaml_config", "config/UNet.yaml", "--config", "quickstart", "--data_root",
-               str(cosmo), "--expdir", str(tmp_path / "unet"), "--num_epochs", "2",
-               "--Nsamples", "16", "--Nsamples_val", "4", "--base_width", "4", "--max_width", "16",
-               "--synthesize_if_missing", "false", "--data_loader_config", "dali-lowmem",
-               "--num_data_workers", "1"])
+    cosmo = write_cosmo_pair(tmp_path / "cosmo", side=32)
+    r = train(TINY_UNET + ["--data_root", cosmo, "--expdir", str(tmp_path / "unet"), "--num_epochs", "2",
+                           "--Nsamples", "16", "--Nsamples_val", "4", "--data_loader_config", "dali-lowmem",
+                           "--num_data_workers", "1"])
     assert len(baseline_and_val(r.stdout)) == 2
     assert os.path.isdir(tmp_path / "unet")

@@ -13,9 +13,9 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, write_cosmo, write_era5
+from conftest import ROOT, write_cosmo_pair, write_era5
 from distributed_harness import run_ranks
-from test_training import TINY_VIT, run_dir, tb_scalars, train
+from test_training import TINY_UNET, TINY_VIT, run_dir, tb_scalars, train
 from utils import throughput_report as tp
 from utils.config import build_config
 from utils.runtime import setup_runtime
@@ -117,15 +117,11 @@ def test_report_leaves_the_checkpoint_as_without_it(tmp_path, era5):
 
 
 def test_enable_benchy_reports_for_the_unet(tmp_path):
-    root = tmp_path / "cosmo"
-    write_cosmo(str(root / "train.h5"), side=32, seed=0)
-    write_cosmo(str(root / "valid.h5"), side=32, seed=1)
+    root = write_cosmo_pair(tmp_path / "cosmo", side=32)
     exp = str(tmp_path / "logs")
-    train(["--yaml_config", "config/UNet.yaml", "--config", "quickstart", "--data_root", str(root),
-           "--expdir", exp, "--num_iters", "2", "--Nsamples", "16", "--Nsamples_val", "4",
-           "--data_size", "32", "--base_width", "4", "--max_width", "16", "--global_batch_size",
-           "4", "--base_batch_size", "4", "--num_data_workers", "1",
-           "--synthesize_if_missing", "false", "--enable_benchy"])
+    train(TINY_UNET + ["--data_root", root, "--expdir", exp, "--num_iters", "2", "--Nsamples", "16",
+                       "--Nsamples_val", "4", "--data_size", "32", "--global_batch_size", "4",
+                       "--base_batch_size", "4", "--num_data_workers", "1", "--enable_benchy"])
     report = check_report(run_dir(exp))
     assert report["num_data_workers"] == 1 and report["timed_batches"] == 2
 

@@ -10,13 +10,16 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, write_cosmo, write_era5
+from conftest import ROOT, write_cosmo_pair, write_era5
 from utils.config import build_config
 from utils.errors import ConfigError, TrainingError
 from utils.reference_weights import vit_from_reference
 from utils.runtime import setup_runtime
 from train import Trainer
 
+# The U-Net quickstart with a tiny model, on data the test writes (write_cosmo_pair, side 32).
+TINY_UNET = ["--yaml_config", "config/UNet.yaml", "--config", "quickstart", "--base_width", "4",
+             "--max_width", "16", "--synthesize_if_missing", "false"]
 TINY_VIT = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",
             "--num_heads", "2", "--global_batch_size", "4", "--base_batch_size", "4",
             "--synthesize_if_missing", "false", "--log_every", "2"]
@@ -74,14 +77,10 @@ def test_vit_run_learns_and_writes_tensorboard(tmp_path, era5_long):
 
 
 def test_unet_run_learns(tmp_path):
-    root = tmp_path / "cosmo"
-    write_cosmo(str(root / "train.h5"), side=32, seed=0)
-    write_cosmo(str(root / "valid.h5"), side=32, seed=1)
+    root = write_cosmo_pair(tmp_path / "cosmo", side=32)
     exp = str(tmp_path / "logs")
-    train(["--yaml_config", "config/UNet.yaml", "--config", "quickstart", "--data_root", str(root),
-           "--expdir", exp, "--num_epochs", "3", "--Nsamples", "32", "--Nsamples_val", "8",
-           "--base_width", "4", "--max_width", "16", "--num_data_workers", "0",
-           "--synthesize_if_missing", "false", "--lr", "3e-3"])
+    train(TINY_UNET + ["--data_root", root, "--expdir", exp, "--num_epochs", "3", "--Nsamples", "32",
+                       "--Nsamples_val", "8", "--num_data_workers", "0", "--lr", "3e-3"])
     log = open(os.path.join(run_dir(exp), "out.log")).read()
     losses = val_losses(log)
     assert len(losses) == 3 and losses[-1] < losses[0] and "predict-the-mean baseline" in log
