@@ -60,6 +60,7 @@ class EpochStats:
 
 
 class Trainer:
+    captures_step = False  # True in train_graph.py: the step is replayed as a CUDA graph
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt, self.device = cfg, rt, rt.device
         self.run_dir = run_dir_for(cfg, rt.world_size)
@@ -90,13 +91,16 @@ class Trainer:
         self.flops_per_sample = flops_per_sample(cfg)  # forward + backward, one sample
 
         self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.peak_lr, self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.peak_lr, self.device,
+                                         for_cuda_graph=self.captures_step)
         self.scheduler = build_scheduler(self.optimizer, self.peak_lr, cfg.end_lr,
                                          cfg.warmup_steps, self.total_steps)
         # Disabled AMP is a do-nothing autocast and a do-nothing scaler, not a branch.
         amp = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp_mode]
+        # (a captured step cannot reuse autocast's cached weight casts between replays)
         self.autocast = lambda: torch.autocast(self.device.type, dtype=amp or torch.float32,
-                                               enabled=amp is not None)
+                                               enabled=amp is not None,
+                                               cache_enabled=not self.captures_step)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp_mode == "fp16")
 
         self.state = TrainState(self.model, self.sharding, self.optimizer, self.scaler,
@@ -142,10 +146,18 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step
 
     def train_step(self, x, y, probe=NullProbe()) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on this rank's share of the global batch, taken in
-        ``grad_accum_steps`` micro-batches (under tensor/context parallelism ``x`` and ``y`` hold
-        this rank's image rows). Returns the mean loss over the share and the gradient norm
-        before clipping, as device tensors (no host sync)."""
+        """One optimizer step on this rank's share of the global batch (under tensor/context
+        parallelism ``x`` and ``y`` hold this rank's image rows). Returns the mean loss over the
+        share and the gradient norm before clipping, as device tensors (no host sync)."""
+        loss, grad_norm = self.update(x, y, probe)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()  # the next step's learning rate
+        return loss, grad_norm
+
+    def update(self, x, y, probe=NullProbe()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward passes in ``grad_accum_steps`` micro-batches, then the optimizer
+        update: the part of a step that only launches device work (``train_graph.py`` captures
+        it as a CUDA graph). Expects the gradients cleared (None)."""
         n, k = x.shape[0], self.cfg.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         with probe.step():
@@ -165,8 +177,6 @@ class Trainer:
                 grad_norm = self.parallel.clip_grad_norm(self.cfg.max_grad_norm)
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
         return loss_sum, grad_norm
 
     # ------------------------------------------------------------------ an epoch of steps
@@ -224,7 +234,8 @@ class Trainer:
                 f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data; "
                 f"checkpoints already written are kept in {self.ckpt_dir}")
         self.board.scalar("Loss/train", loss, self.iteration)
-        self.board.scalar("Learning Rate", self.optimizer.param_groups[0]["lr"], self.iteration)
+        self.board.scalar("Learning Rate", float(self.optimizer.param_groups[0]["lr"]),
+                          self.iteration)
         # The norm is that of the whole (serial) gradient, the same on every rank.
         self.board.scalar("Grad norm", window[1].item() / steps, self.iteration)
 

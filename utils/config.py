@@ -91,6 +91,8 @@ class Config:
                                                    "(GPU, with a gradient scaler) or bf16")
     enable_jit: bool = _f(False, "compile the model with torch.compile")
     enable_fused: bool = _f(False, "use the fused Adam kernel where the device supports it")
+    graph_warmup_steps: int = _f(3, "train_graph.py: eager steps on a side stream before the step "
+                                 "is captured as a CUDA graph (at least 11 under DDP)", min=1)
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step: each rank's share of the "
                                "global batch is taken in this many forward/backward passes "
                                "(less activation memory, the same step)", min=1)

@@ -26,10 +26,19 @@ def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
 
 
 def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int):
-    """A LambdaLR whose factor times the optimizer's initial lr (= peak) gives ``lr_at``."""
+    """A LambdaLR whose factor times the optimizer's initial lr (= peak) gives ``lr_at``.
+
+    An optimizer whose lr is a device tensor (``train_graph.py``) keeps that tensor: the schedule
+    fills it in place, and computes with a float peak (not a tensor on the device)."""
     for group in optimizer.param_groups:
-        group["lr"] = peak
-    if peak == 0:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, peak, end, warmup, total) / peak)
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(peak)
+        else:
+            group["lr"] = peak
+    factor = (lambda step: 1.0) if peak == 0 else \
+        (lambda step: lr_at(step, peak, end, warmup, total) / peak)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler.base_lrs = [float(b) for b in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = float(group["initial_lr"])
+    return scheduler

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from utils.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -31,14 +33,28 @@ def fused_unavailable(params: list, device: torch.device) -> str:
     return ""
 
 
-def build_optimizer(params, cfg, lr: float, device: torch.device) -> torch.optim.Adam:
+def build_optimizer(params, cfg, lr: float, device: torch.device,
+                    for_cuda_graph: bool = False) -> torch.optim.Adam:
     """Adam over ``params`` with learning rate ``lr`` and betas ``cfg.adam_betas``, no weight decay.
 
     ``cfg.enable_fused`` asks for the fused kernel (one launch for all parameters); where it is
     unavailable the default implementation runs instead, after a warning. Both give the same
-    updates up to rounding."""
+    updates up to rounding.
+
+    ``for_cuda_graph``: an optimizer whose step can be captured in a CUDA graph and replayed
+    (``train_graph.py``). Its learning rate is a device tensor that the LR schedule fills in
+    place between replays (a Python float would be frozen into the graph), and it is the fused
+    kernel, the one the gradient scaler drives without a host sync (fp16). ``capturable`` keeps
+    its step counts on the device; torch offers that on GPUs only, so elsewhere (tests on a CPU)
+    the same optimizer is built without it."""
     params = list(params)
     kw = dict(lr=lr, betas=tuple(cfg.adam_betas))
+    if for_cuda_graph:
+        why = fused_unavailable(params, device)
+        if why:
+            raise ConfigError(f"train_graph.py needs the fused Adam kernel ({why}): use train.py")
+        kw["lr"] = torch.tensor(float(lr), device=device)
+        return torch.optim.Adam(params, fused=True, capturable=device.type == "cuda", **kw)
     if cfg.enable_fused:
         why = fused_unavailable(params, device)
         if not why:
@@ -46,3 +62,33 @@ def build_optimizer(params, cfg, lr: float, device: torch.device) -> torch.optim
         log.warning(f"enable_fused: fused Adam is not available ({why}); "
                     f"using the default implementation")
     return torch.optim.Adam(params, **kw)
+
+
+# How an optimizer runs, not what it has learnt: kept from the running optimizer when a state is
+# loaded, so that a checkpoint of train.py resumes in train_graph.py and the other way round.
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
+    """``optimizer.load_state_dict(state)`` that keeps this optimizer's implementation settings
+    and the kind of its hyperparameters: a learning rate held as a device tensor (which a CUDA
+    graph reads) stays that same tensor, filled with the saved value; a saved tensor becomes a
+    float for an optimizer that holds floats. Step counts go where the implementation wants them
+    (on the parameter's device for capturable or fused Adam, on the CPU otherwise)."""
+    own = [dict(g) for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, before in zip(optimizer.param_groups, own):
+        for key in IMPLEMENTATION_KEYS:
+            if key in before:
+                group[key] = before[key]
+        for key, value in group.items():
+            mine = before.get(key)
+            if torch.is_tensor(mine) and mine.dim() == 0:
+                group[key] = mine.fill_(float(value))
+            elif torch.is_tensor(value) and value.dim() == 0:
+                group[key] = value.item()
+        on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].to(p.device if on_device else "cpu", torch.float32)

@@ -14,6 +14,7 @@ import torch
 
 from distributed.layers import replicated_grads_comm_hook, tensors_from_serial, tensors_to_serial
 from distributed.parallelize import sharded_loss
+from utils.optimizer import load_optimizer_state
 
 
 class Unsharded:
@@ -70,7 +71,11 @@ class Unsharded:
         for key, tensors in per_param.items():
             for name, t in self.to_serial(model, tensors).items():
                 state.setdefault(name, {})[key] = t
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
+        # Hyperparameters as plain numbers, also where the optimizer holds one as a device
+        # tensor (the learning rate of a CUDA-graph step): the checkpoint loads anywhere.
+        groups = [{k: v.item() if torch.is_tensor(v) and v.dim() == 0 else v
+                   for k, v in g.items() if k != "params"}
+                  | {"params": [names[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         return {"state": state, "param_groups": groups}
 
@@ -90,7 +95,7 @@ class Unsharded:
                  for name, st in saved["state"].items()}
         groups = [sg | {"params": [index[n] for n in cur]}
                   for sg, cur in zip(saved["param_groups"], current)]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        load_optimizer_state(optimizer, {"state": state, "param_groups": groups})
 
 
 class RowBandSharding(Unsharded):

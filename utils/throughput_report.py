@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from utils import checkpoint
+from utils.optimizer import load_optimizer_state
 from utils.profiling import nvtx_range
 
 MODES = ("IO", "SYNTHETIC", "FULL")
@@ -74,7 +75,7 @@ class _Snapshot:
 
     def restore(self, tr):
         tr.model.load_state_dict(self.model)  # copies into the parameters DDP holds
-        tr.optimizer.load_state_dict(self.optimizer)
+        load_optimizer_state(tr.optimizer, self.optimizer)
         tr.scaler.load_state_dict(self.scaler)
         tr.scheduler.load_state_dict(self.scheduler)
         checkpoint.set_rng_state(self.rng)

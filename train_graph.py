@@ -1,0 +1,56 @@
+"""train.py with the training step captured once as a CUDA graph and replayed (GPU only).
+
+    python train_graph.py --config short --amp_mode bf16
+    python train_graph.py --yaml_config config/UNet.yaml --config short --enable_fused
+    torchrun --nproc_per_node 4 train_graph.py --config bs64_opt
+
+The same engine, configs, loaders, logs and checkpoints as train.py (a checkpoint of either
+resumes in the other). What changes is one optimizer step: after ``graph_warmup_steps`` eager
+steps on a side stream, the forward and backward passes, the gradient scaler, gradient clipping
+and the fused, capturable Adam update are recorded once as a ``torch.cuda.CUDAGraph``; every
+later step copies its batch into the graph's static input buffers and replays it. The learning
+rate is a device tensor the schedule fills between replays. Validation stays eager. The log
+says how long capture took and how a replayed step compares with the eager ones of the same run.
+See utils/cuda_graph.py for what capture requires of the step.
+"""
+import os
+import sys
+
+# Capturing NCCL collectives (DDP's gradient all-reduce) needs torch's asynchronous NCCL error
+# handling off, before the process group starts (PyTorch's CUDA graphs notes).
+os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+
+from train import DEFAULT_YAML, Trainer, run  # noqa: E402
+from utils.config import from_argv  # noqa: E402
+from utils.cuda_graph import DDP_WARMUP_STEPS, CudaGraphOps, StepGraph, check_can_capture  # noqa: E402
+from utils.memory import NullProbe  # noqa: E402
+
+
+class GraphTrainer(Trainer):
+    captures_step = True  # capturable Adam with a tensor learning rate; autocast without cache
+
+    def __init__(self, cfg, rt, ops=None):
+        """``ops``: the CUDA side of capture (a stand-in drives the same logic in CPU tests)."""
+        if ops is None:
+            check_can_capture(cfg, rt.device, model_parallel=rt.groups is not None)
+            ops = CudaGraphOps(rt.device)
+        with ops.side_stream():  # DDP is wrapped on the stream the step is captured on
+            super().__init__(cfg, rt)
+        warmup = cfg.graph_warmup_steps
+        if rt.dp_size > 1 and not cfg.noddp:
+            warmup = max(warmup, DDP_WARMUP_STEPS)
+        self.step_graph = StepGraph(self.update, lambda: self.optimizer.zero_grad(set_to_none=True),
+                                    ops, warmup)
+
+    def train_step(self, x, y, probe=NullProbe()):
+        loss, grad_norm = self.step_graph(x, y, probe)
+        self.scheduler.step()  # fills the learning-rate tensor the captured update reads
+        return loss, grad_norm
+
+    def log_memory(self, probe):
+        if self.step_graph.last_mode == "eager":  # a replay is not measured step by step
+            super().log_memory(probe)
+
+
+if __name__ == "__main__":
+    run(from_argv(sys.argv[1:], DEFAULT_YAML), GraphTrainer)

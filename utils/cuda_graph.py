@@ -1,0 +1,186 @@
+"""The training step captured once as a CUDA graph and replayed (``train_graph.py``).
+
+A CUDA graph records the kernels a piece of code launches, with their arguments and memory
+addresses, and launches all of them again with one call. A training step of a model with many
+small kernels then costs one launch instead of thousands of Python-driven ones. What that asks
+of the step:
+
+- its inputs sit in static buffers: each step copies its batch into the same tensors;
+- everything it changes lives at fixed addresses: the parameters, gradients (allocated once, in
+  the graph's memory pool, and overwritten by every replay), the optimizer's moments and step
+  counts (``capturable`` Adam), the gradient scaler's scale, and the learning rate, which is a
+  device tensor the LR schedule fills between replays;
+- it never waits for the device: no ``.item()``, no ``if`` on a tensor's value (the fused Adam
+  kernel skips a step with non-finite fp16 gradients by itself);
+- lazy initialisation (optimizer state, the scaler's scale, cuDNN/cuBLAS workspaces, DDP's
+  buckets) happens before capture: a few eager steps run first, on a side stream, as capture
+  requires. Under DDP the PyTorch documentation asks for at least 11 of them, and for the model
+  to be wrapped on that side stream.
+
+``StepGraph`` holds the static buffers and runs the eager warm-up steps, the capture and the
+replays through ``CudaGraphOps``; tests drive the same logic on a CPU through a stand-in with
+the same three methods.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from utils.config import Config
+from utils.errors import ConfigError, TrainingError
+from utils.memory import NullProbe
+
+log = logging.getLogger(__name__)
+
+DDP_WARMUP_STEPS = 11  # eager DDP iterations before a full-backward capture (PyTorch docs)
+
+
+def check_can_capture(cfg: Config, device: torch.device, model_parallel: bool):
+    """Refuse, before anything is written, what a captured step cannot run."""
+    if device.type != "cuda":
+        raise ConfigError(f"train_graph.py captures the training step as a CUDA graph and needs "
+                          f"a CUDA GPU; this run's device is {device.type}: run train.py with the "
+                          f"same arguments")
+    if model_parallel:
+        raise ConfigError(f"train_graph.py trains data-parallel only; tensor_parallel="
+                          f"{cfg.tensor_parallel} x context_parallel={cfg.context_parallel}: use "
+                          f"train_mp.py")
+    if cfg.enable_jit:
+        raise ConfigError("train_graph.py captures the eager step; enable_jit (torch.compile) "
+                          "is not combined with it: drop --enable_jit, or use train.py for "
+                          "torch.compile")
+
+
+class CudaGraphOps:
+    """The CUDA side of ``StepGraph``: one side stream for warm-up and capture."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        """Run the block on the side stream, ordered after and before the current stream's work."""
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+    def capture(self, fn, clear) -> "CapturedStep":
+        """Record the kernels ``fn`` launches; nothing runs until ``replay()``. ``clear``: what
+        ``fn`` expects done before it (gradients set to None), done once before capture; a
+        replay repeats the recorded kernels, whose backward writes the gradients afresh."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            out = fn()
+        return CapturedStep(graph.replay, out)
+
+    def synchronize(self):
+        torch.cuda.synchronize()
+
+
+class CapturedStep:
+    """``replay()`` launches the recorded kernels; ``outputs``: the tensors ``fn`` returned while
+    captured, which hold the latest replay's values."""
+
+    def __init__(self, replay, outputs):
+        self.replay, self.outputs = replay, outputs
+
+
+class StepGraph:
+    """``step(x, y, probe)``: one training step on ``x``, ``y`` through ``body``.
+
+    ``body(x, y, probe)`` takes the step's device work and returns its output tensors; ``clear()``
+    resets the gradients to None after each eager step (so the captured backward allocates them
+    in the graph's pool). The first ``warmup_steps`` calls run ``body`` eagerly on the side
+    stream; the next captures it once and replays; every later call replays. The first
+    ``timed`` replays and the eager steps after the first are timed (with device syncs), and one
+    log line compares them."""
+
+    def __init__(self, body, clear, ops, warmup_steps: int, timed: int = 5):
+        self.body, self.clear, self.ops = body, clear, ops
+        self.warmup_steps, self.timed = warmup_steps, timed
+        self.static: tuple[torch.Tensor, torch.Tensor] | None = None  # what the graph reads
+        self.graph: CapturedStep | None = None
+        self.calls = 0
+        self.last_mode = ""  # "eager", "capture" or "replay": what the latest call did
+        self.eager_s: list[float] = []
+        self.replay_s: list[float] = []
+        self.capture_s = 0.0
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, probe=NullProbe()):
+        self._copy_in(x, y)
+        if not self.captured and self.calls < self.warmup_steps:
+            out = self._eager(probe)
+        else:
+            self.last_mode = "replay"
+            if not self.captured:
+                self._capture()
+            out = self._replay()
+        self.calls += 1
+        return out
+
+    def _copy_in(self, x, y):
+        if self.static is None:
+            self.static = (torch.empty_like(x), torch.empty_like(y))
+        for buf, t, name in zip(self.static, (x, y), ("input", "target")):
+            if t.shape != buf.shape or t.dtype != buf.dtype or t.device != buf.device:
+                raise TrainingError(
+                    f"a CUDA graph replays fixed shapes: this {name} batch is {tuple(t.shape)} "
+                    f"{t.dtype} on {t.device}, the captured one {tuple(buf.shape)} {buf.dtype} "
+                    f"on {buf.device}; keep every batch the same size (or use train.py)")
+            buf.copy_(t, non_blocking=True)
+
+    def _eager(self, probe):
+        self.last_mode = "eager"
+        timed = self.calls > 0  # the first step initialises lazily and is not representative
+        if timed:
+            self.ops.synchronize()
+            t0 = time.perf_counter()
+        with self.ops.side_stream():
+            out = self.body(*self.static, probe)
+            self.clear()
+        if timed:
+            self.ops.synchronize()
+            self.eager_s.append(time.perf_counter() - t0)
+        return out
+
+    def _capture(self):
+        self.last_mode = "capture"
+        self.clear()
+        self.ops.synchronize()
+        t0 = time.perf_counter()
+        self.graph = self.ops.capture(lambda: self.body(*self.static, NullProbe()), self.clear)
+        self.ops.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        log.info(f"CUDA graph: the training step captured after {self.calls} eager steps in "
+                 f"{self.capture_s:.2f} s")
+
+    def _replay(self):
+        timed = len(self.replay_s) < self.timed
+        if timed:
+            self.ops.synchronize()
+            t0 = time.perf_counter()
+        self.graph.replay()
+        if timed:
+            self.ops.synchronize()
+            self.replay_s.append(time.perf_counter() - t0)
+            if len(self.replay_s) == self.timed:
+                log.info(self.speedup_line())
+        return self.graph.outputs  # the same tensors every step, rewritten by each replay
+
+    def speedup_line(self) -> str:
+        replay = sum(self.replay_s) / len(self.replay_s)
+        line = f"CUDA graph: step {1e3 * replay:.2f} ms replayed"
+        if self.eager_s:
+            eager = sum(self.eager_s) / len(self.eager_s)
+            line += (f", {1e3 * eager:.2f} ms eager ({len(self.eager_s)} warm-up steps): "
+                     f"{eager / replay:.2f}x")
+        return line
