@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from utils import checkpoint, throughput_report
-from utils.config import Config, from_argv
+from utils.config import Config, from_argv, to_dict
 from utils.data_loader import build_loaders
 from utils.errors import TrainingError, UserError
 from utils.flops import flops_per_sample, peak_tflops, tflops_per_device
@@ -123,6 +123,8 @@ class Trainer:
         log.info(f"Run directory: {self.run_dir}")
         if rt.is_main:
             write_config(cfg, self.run_dir, self.derived(), resumed=resume is not None)
+        self.board.describe_run(self.derived() | to_dict(cfg),
+                                f"Loss/valid_{self.task.baseline_name}")
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)())
 

@@ -10,6 +10,7 @@ ERA5_CHANNELS = ("u10", "v10", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1
 # array axis k + 1 of a (C, X, Y, Z) volume.
 NBODY_VECTOR_CHANNELS = (1, 2, 3)  # Nbody: [log matter density, vx, vy, vz]
 HYDRO_VECTOR_CHANNELS = (2, 3, 4)  # Hydro: [log gas density, log temperature, vx, vy, vz]
+HYDRO_CHANNELS = ("log_rho", "log_T", "vx", "vy", "vz")  # names in logs and TensorBoard
 
 
 def latitudes(h: int) -> np.ndarray:

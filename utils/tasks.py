@@ -16,7 +16,7 @@ from networks.unet import UNet
 from networks.vit import ViT
 from utils.config import Config, UNetConfig, ViTConfig
 from utils.era5_data import load_stats
-from utils.formats import ERA5_CHANNELS
+from utils.formats import ERA5_CHANNELS, HYDRO_CHANNELS
 from utils.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
 from utils.tensorboard import comparison_image
 
@@ -77,7 +77,9 @@ class ERA5Task:
     def picture(self, x, y, pred) -> np.ndarray:
         """u10 of the first validation sample: target | prediction | error."""
         return comparison_image(y[0, 0].float().cpu().numpy(), pred[0, 0].float().cpu().numpy(),
-                                scale=max(1, 256 // y.shape[-1]))
+                                scale=max(1, 256 // y.shape[-1]),
+                                title=f"{self.channels[0]} one step ahead",
+                                units="(normalised units)")
 
 
 class CosmoTask:
@@ -88,6 +90,7 @@ class CosmoTask:
     def __init__(self, cfg: UNetConfig):
         self.cfg = cfg
         self._mean = None
+        self.channels = HYDRO_CHANNELS[: cfg.n_out_channels]
         self.loss = L1Rho(cfg.lambda_rho)  # per-sample; loss(pred, y) or partial sums of sub-volumes
 
     def device_batch(self, x, y):
@@ -120,19 +123,22 @@ class CosmoTask:
         return m.view(1, -1, 1, 1, 1).expand_as(y)
 
     def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
-        line = "  Val L1 per channel: " + ", ".join(f"{v:.4e}" for v in metrics)
-        return [line] + ([("  Predict-the-mean L1 per channel: "
-                           + ", ".join(f"{v:.4e}" for v in base))] if base is not None else [])
+        def named(values):
+            return ", ".join(f"{n} {v:.4e}" for n, v in zip(self.channels, values))
+        line = "  Val L1 per channel: " + named(metrics)
+        return [line] + ([f"  Predict-the-mean L1 per channel: {named(base)}"]
+                         if base is not None else [])
 
     def metric_scalars(self, metrics: np.ndarray) -> dict:
-        return {f"L1(channel {i})/valid": float(v) for i, v in enumerate(metrics)}
+        return {f"L1({n})/valid": float(v) for n, v in zip(self.channels, metrics)}
 
     def picture(self, x, y, pred) -> np.ndarray:
         """Middle slice of the gas density of the first validation crop."""
         k = y.shape[-1] // 2
         return comparison_image(y[0, 0, :, :, k].float().cpu().numpy(),
                                 pred[0, 0, :, :, k].float().cpu().numpy(),
-                                scale=max(1, 192 // y.shape[-2]))
+                                scale=max(1, 192 // y.shape[-2]),
+                                title=f"{self.channels[0]} (log gas density), z slice {k}")
 
 
 def make_task(cfg: Config):

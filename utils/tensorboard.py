@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
 
 
 class NullBoard:
@@ -15,6 +16,9 @@ class NullBoard:
         pass
 
     def image(self, tag, img, step):
+        pass
+
+    def describe_run(self, settings: dict, baseline_tag: str):
         pass
 
     def flush(self):
@@ -35,6 +39,19 @@ class Board(NullBoard):
     def image(self, tag, img, step):
         self.writer.add_image(tag, img, step, dataformats="HWC")
 
+    def describe_run(self, settings: dict, baseline_tag: str):
+        """The run's resolved settings as text (TEXT tab) and as hyperparameters (HPARAMS tab,
+        which filters and compares runs by them against their final losses), and the training,
+        validation and baseline losses on one chart (CUSTOM SCALARS tab)."""
+        lines = [f"{k}: {v}" for k, v in settings.items()]
+        self.writer.add_text("Config", "    " + "\n    ".join(lines), 0)  # a code block
+        plain = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+                 for k, v in settings.items()}
+        for summary in hparams(plain, {"Loss/valid": 0.0, "Loss/train": 0.0}):
+            self.writer.file_writer.add_summary(summary)  # in this run, beside its scalars
+        self.writer.add_custom_scalars({"Loss": {"train, valid and baseline": [
+            "Multiline", ["Loss/train", "Loss/valid", baseline_tag]]}})
+
     def flush(self):
         self.writer.flush()
 
@@ -54,15 +71,69 @@ def colormap(a: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return ((1 - f) * _ANCHORS[i] + f * _ANCHORS[i + 1]).astype(np.uint8)
 
 
-def comparison_image(target: np.ndarray, pred: np.ndarray, scale: int = 1) -> np.ndarray:
-    """Target | prediction | error side by side (H, 3W + gaps, 3) uint8; the first two share a
-    colour scale, the error panel is scaled to the target's range around zero."""
+# A 3 x 5 pixel font for the captions drawn into pictures (TensorBoard shows images without
+# titles or colour bars; a plotting library would be one more dependency of every run).
+_GLYPHS = {
+    "A": "010101111101101", "B": "110101110101110", "C": "011100100100011", "D": "110101101101110",
+    "E": "111100110100111", "F": "111100110100100", "G": "011100101101011", "H": "101101111101101",
+    "I": "111010010010111", "J": "001001001101010", "K": "101101110101101", "L": "100100100100111",
+    "M": "101111111101101", "N": "110101101101101", "O": "010101101101010", "P": "110101110100100",
+    "Q": "010101101110011", "R": "110101110101101", "S": "011100010001110", "T": "111010010010010",
+    "U": "101101101101111", "V": "101101101101010", "W": "101101111111101", "X": "101101010101101",
+    "Y": "101101010010010", "Z": "111001010100111", "0": "111101101101111", "1": "010110010010111",
+    "2": "110001010100111", "3": "110001010001110", "4": "101101111001001", "5": "111100110001110",
+    "6": "011100111101111", "7": "111001010010010", "8": "111101111101111", "9": "111101111001110",
+    ".": "000000000000010", "-": "000000111000000", "+": "000010111010000", "_": "000000000000111",
+    "(": "010100100100010", ")": "010001001001010", ":": "000010000010000", "/": "001001010100100",
+    "=": "000111000111000", ",": "000000000010100", " ": "000000000000000",
+}
+
+
+def text_mask(text: str, size: int = 1) -> np.ndarray:
+    """``text`` (upper-cased; unknown characters as blanks) as a boolean mask, 5 * size pixels
+    high, 4 * size per character (one column of spacing)."""
+    cols = []
+    for ch in text.upper():
+        g = np.array([c == "1" for c in _GLYPHS.get(ch, _GLYPHS[" "])]).reshape(5, 3)
+        cols += [g, np.zeros((5, 1), bool)]
+    mask = np.concatenate(cols, axis=1) if cols else np.zeros((5, 0), bool)
+    return mask.repeat(size, axis=0).repeat(size, axis=1)
+
+
+def _caption(width: int, size: int, left: str, right: str = "") -> np.ndarray:
+    """A white strip ``width`` wide with ``left`` at its left end and ``right`` at its right."""
+    strip = np.full((7 * size, width, 3), 255, np.uint8)
+    for text, at_right in ((left, False), (right, True)):
+        mask = text_mask(text, size)[:, :width]
+        col = width - mask.shape[1] if at_right else 0
+        strip[size:6 * size, col:col + mask.shape[1]][mask] = 0
+    return strip
+
+
+def comparison_image(target: np.ndarray, pred: np.ndarray, scale: int = 1,
+                     title: str = "", units: str = "") -> np.ndarray:
+    """Target | prediction | error (prediction - target) side by side, (H', W', 3) uint8.
+
+    Each panel is titled and has its colour bar underneath, labelled with the values at its
+    ends; target and prediction share a colour scale (the target's range), the error's is
+    centred on zero with half that range. ``title`` (e.g. the variable and its units) heads the
+    picture."""
     lo, hi = float(target.min()), float(target.max())
-    err = pred - target
     half = (hi - lo) / 2
-    panels = [colormap(target, lo, hi), colormap(pred, lo, hi), colormap(err, -half, half)]
-    gap = np.full((target.shape[0], 2, 3), 255, np.uint8)
-    img = np.concatenate([panels[0], gap, panels[1], gap, panels[2]], axis=1)
-    if scale > 1:
-        img = img.repeat(scale, axis=0).repeat(scale, axis=1)
-    return img
+    fields = [(target, "target", lo, hi), (pred, "prediction", lo, hi),
+              (pred - target, "error", -half, half)]
+    width = target.shape[1] * scale
+    size = 2 if width >= 240 else 1  # font pixels per image pixel
+    bar_h = 4 * size
+    columns = []
+    for field, name, a, b in fields:
+        panel = colormap(field, a, b)
+        if scale > 1:
+            panel = panel.repeat(scale, axis=0).repeat(scale, axis=1)
+        bar = colormap(np.linspace(a, b, width), a, b)[None].repeat(bar_h, axis=0)
+        columns.append(np.concatenate([_caption(width, size, name), panel, bar,
+                                       _caption(width, size, f"{a:.3g}", f"{b:.3g}")]))
+    gap = np.full((columns[0].shape[0], 2 * size + 2, 3), 255, np.uint8)
+    body = np.concatenate([columns[0], gap, columns[1], gap, columns[2]], axis=1)
+    head = _caption(body.shape[1], size, f"{title} {units}".strip())
+    return np.concatenate([head, body])
