@@ -199,6 +199,9 @@ FLAG_ALIASES = {
     "enable_apex": ("enable_fused", True),
     "enable_benchy": ("throughput_report", True),
 }
+# Settings and values kept from the tutorials under their names there.
+SETTING_ALIASES = {"row_parallel_size": "tensor_parallel"}
+VALUE_ALIASES = {("data_loader_config", "dali"): "dali-lowmem"}
 ENTRY_ARGS = ("yaml_config", "config")
 
 
@@ -388,6 +391,9 @@ def _apply(cls, values: dict, source: str) -> dict:
     fields = {f.name for f in dataclasses.fields(cls)}
     out = {}
     for key, val in values.items():
+        key = SETTING_ALIASES.get(key, key)
+        if isinstance(val, str):
+            val = VALUE_ALIASES.get((key, val), val)
         if key in FLAG_ALIASES:
             target, alias_val = FLAG_ALIASES[key]
             if _coerce_scalar(key, val, bool):
