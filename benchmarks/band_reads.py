@@ -145,12 +145,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.band_reads", description=__doc__.split("\n")[0])
     p.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS,
                    help="TPxCP or TPxCP@HEIGHT (image cropped to HEIGHT rows)")
-    p.add_argument("--img_size", type=int, nargs=2, default=[360, 720], metavar=("H", "W"))
+    p.add_argument("--img_size", type=int, nargs=2, default=[360, 720], metavar=("H", "W"),
+                   help="image size of the synthetic files (default: %(default)s)")
     p.add_argument("--years", type=int, default=2, help="training year files")
     p.add_argument("--steps", type=int, default=12, help="time steps per year file")
     p.add_argument("--batch", type=int, default=2, help="local batch size")
     p.add_argument("--batches", type=int, default=6, help="batches per measurement")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="repeats of each measurement (mean)")
     p.add_argument("--data", help="directory for the synthetic files (kept); default: a temporary one")
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count())

@@ -435,14 +435,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_model", add_help=True,
                                  description="Per-rank memory and communication of the parallel ViT; any "
                                              "other --key value overrides the config")
-    ap.add_argument("--yaml_config", default="config/ViT.yaml")
-    ap.add_argument("--config", default="mp")
-    ap.add_argument("--data_parallel", type=int, default=1)
+    ap.add_argument("--yaml_config", default="config/ViT.yaml", help="YAML file of configs")
+    ap.add_argument("--config", default="mp", help="config to model (default: %(default)s)")
+    ap.add_argument("--data_parallel", type=int, default=1,
+                    help="data-parallel ranks beside tp x cp (default: %(default)s)")
     ap.add_argument("--attention", choices=ATTENTION, default="flash",
                     help="flash: CPU flash kernel or CUDA flash; efficient: CUDA memory-efficient; math")
     ap.add_argument("--measure", choices=MEASURE, default="cuda",
                     help="cuda: what the allocator holds; cpu: the engine's CPU byte count")
-    ap.add_argument("--gpu_memory_gb", type=float, default=80.0)
+    ap.add_argument("--gpu_memory_gb", type=float, default=80.0,
+                    help="memory of one GPU, for the fits / does not fit verdict")
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     own, rest = ap.parse_known_args(argv)
     try:

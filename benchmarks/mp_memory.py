@@ -229,10 +229,12 @@ def gpu_predictions():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=sorted(VARIANTS) + ["gpu"], action="append")
+    ap.add_argument("--only", choices=sorted(VARIANTS) + ["gpu"], action="append",
+                    help="measure this variant only (repeatable); the others in --out are kept")
     ap.add_argument("--engine_log", action="store_true",
                     help="also run train_mp.py (tp=4) and compare its logged memory line")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mp_memory", "measured.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mp_memory", "measured.json"),
+                    help="JSON file of the measurements (default: %(default)s)")
     args = ap.parse_args(argv)
     ensure_data()
     results = {}

@@ -352,9 +352,10 @@ def run_series(args, work):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="vit,unet")
-    p.add_argument("--ranks", default="1,2,4")
-    p.add_argument("--out", default=OUT)
+    p.add_argument("--models", default="vit,unet", help="models to measure, comma-separated")
+    p.add_argument("--ranks", default="1,2,4", help="rank counts of each series, comma-separated")
+    p.add_argument("--out", default=OUT, help="directory of results.json and the plots "
+                   "(default: %(default)s)")
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--max-wait", type=float, default=30,
                    help="seconds to wait before each run for other processes to go quiet")
@@ -364,7 +365,8 @@ def main(argv=None):
                    help="share of the cores other processes may use during a run")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole series this many times, pooling each point's epochs")
-    p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--plot-only", action="store_true",
+                   help="only redraw the plots and tables from --out's results.json")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     results_path = os.path.join(args.out, "results.json")

@@ -281,10 +281,13 @@ def train_rows(era5, cosmo, base):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", default=os.path.join(ROOT, "data", "bench"))
-    p.add_argument("--only", choices=("loaders", "raw", "train"))
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    p.add_argument("--batches", type=int, default=20)
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "bench"),
+                   help="directory of the synthetic benchmark data (made when missing)")
+    p.add_argument("--only", choices=("loaders", "raw", "train"),
+                   help="run one part: the loaders, raw reads, or training steps")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2],
+                   help="loader worker counts to measure (default: %(default)s)")
+    p.add_argument("--batches", type=int, default=20, help="batches per measurement")
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count())
     era5, cosmo = ensure_data(args.data)

@@ -508,9 +508,16 @@ def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstar
               prog: str = "train.py") -> Config:
     """Parse entry-script arguments; configuration errors exit with status 2 and one message."""
     if "-h" in argv or "--help" in argv:
-        print(USAGE.format(prog=prog, yaml=default_yaml, name=default_name))
-        for model in CONFIG_CLASSES:
-            print(help_text(model) + "\n")
+        from utils.cli_help import usage  # (it reads this module's classes)
+
+        try:
+            entry, overrides = parse_overrides([a for a in argv if a not in ("-h", "--help")])
+            yaml_path = entry.get("yaml_config", default_yaml)
+            cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        print(usage(prog, yaml_path, cfg))
         raise SystemExit(0)
     try:
         entry, overrides = parse_overrides(argv)

@@ -452,18 +452,25 @@ def main(argv=None):
                                      description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True)
     era5 = sub.add_parser("era5", help="ERA5-format year files and statistics for the ViT")
-    era5.add_argument("--out", required=True)
-    era5.add_argument("--img_size", type=int, nargs=2, default=[32, 64], metavar=("H", "W"))
-    era5.add_argument("--steps_per_year", type=int, default=256)
-    era5.add_argument("--train_years", type=int, nargs="+", default=[2014, 2015])
-    era5.add_argument("--valid_years", type=int, nargs="*", default=[2016])
-    era5.add_argument("--test_years", type=int, nargs="*", default=[2017])
-    era5.add_argument("--seed", type=int, default=0)
+    era5.add_argument("--out", required=True, help="directory to write the files into")
+    era5.add_argument("--img_size", type=int, nargs=2, default=[32, 64], metavar=("H", "W"),
+                      help="latitude x longitude grid (default: %(default)s)")
+    era5.add_argument("--steps_per_year", type=int, default=256,
+                      help="time steps in each year file (default: %(default)s)")
+    era5.add_argument("--train_years", type=int, nargs="+", default=[2014, 2015],
+                      help="years written under train/ (default: %(default)s)")
+    era5.add_argument("--valid_years", type=int, nargs="*", default=[2016],
+                      help="years written under valid/ (default: %(default)s)")
+    era5.add_argument("--test_years", type=int, nargs="*", default=[2017],
+                      help="years written under test/ (default: %(default)s)")
+    era5.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     cosmo = sub.add_parser("cosmo", help="N-body / hydro boxes for the 3D U-Net")
-    cosmo.add_argument("--out", required=True)
-    cosmo.add_argument("--train_size", type=int, default=64)
-    cosmo.add_argument("--val_size", type=int, default=64)
-    cosmo.add_argument("--seed", type=int, default=0)
+    cosmo.add_argument("--out", required=True, help="directory to write the files into")
+    cosmo.add_argument("--train_size", type=int, default=64,
+                       help="side in voxels of the training box (default: %(default)s)")
+    cosmo.add_argument("--val_size", type=int, default=64,
+                       help="side in voxels of the validation box (default: %(default)s)")
+    cosmo.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args(argv)
 
     try:

@@ -1,0 +1,83 @@
+"""``--help`` shows what would run; every command-line tool describes every option."""
+import argparse
+import dataclasses
+import importlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from utils.config import CONFIG_CLASSES, build_config, identity_fields
+from utils.cli_help import settings_help
+
+
+def help_of(*args, script="train.py"):
+    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_help_shows_the_chosen_config_with_its_values_and_the_overrides():
+    text = help_of("--yaml_config", "config/UNet.yaml", "--config", "short", "--lr", "3e-4",
+                   "--help")
+    cfg = build_config(f"{ROOT}/config/UNet.yaml", "short", {"lr": "3e-4"})
+    assert "config 'short' of config/UNet.yaml (unet)" in text
+    assert "--lr float = 0.0003 *" in text  # the override, marked as not the built-in default
+    assert f"--num_epochs int or null = {cfg.num_epochs} *" in text
+    assert "--amp_mode {none,fp16,bf16} = none\n" in text
+    assert "--base_width int = 64" in text and "--embed_dim" not in text  # U-Net settings only
+    assert "base, short, short_opt, quickstart" in text  # the configs of the file
+    assert "--enable_benchy" in text and "= --throughput_report true" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    settings = re.findall(r"^  --(\w+) ", text.split("Spellings kept")[1], re.M)
+    aliases = {"enable_amp", "enable_apex", "enable_benchy", "row_parallel_size",
+               "data_loader_config"}
+    own = [s for s in settings if s not in aliases or s == "data_loader_config"]
+    fields = [f.name for f in dataclasses.fields(CONFIG_CLASSES["unet"])
+              if f.name not in identity_fields(CONFIG_CLASSES["unet"])]
+    assert sorted(set(own)) == sorted(fields)
+    assert len([s for s in own if s != "data_loader_config"]) == len(fields) - 1  # each once
+
+
+def test_help_of_the_default_config_and_of_train_mp():
+    text = help_of("--help")
+    assert "config 'quickstart' of" in text and "(vit)" in text and "--embed_dim int = 128 *" in text
+    mp = help_of("--config", "mp", "-h", script="train_mp.py")
+    assert mp.startswith("usage: python train_mp.py") and "--tensor_parallel int = " in mp
+
+
+def test_help_with_a_bad_config_is_the_one_line_error():
+    r = subprocess.run([sys.executable, "train.py", "--config", "nope", "--help"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: --config nope") and not r.stdout
+
+
+def test_every_setting_is_under_a_group_header():
+    cfg = build_config(f"{ROOT}/config/ViT.yaml", "mp", {})
+    text = settings_help(cfg)
+    headers = re.findall(r"^(\S.*):$", text, re.M)
+    assert "Data" in headers and "Optimisation" in headers and "ViT settings" in headers
+
+
+TOOLS = ["utils.synthetic", "benchmarks.throughput", "benchmarks.band_reads",
+         "benchmarks.memory_model", "benchmarks.mp_memory", "benchmarks.scaling",
+         "benchmarks.example_runs", "benchmarks.gpu_runs"]
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_every_option_of_every_tool_has_a_description(module, monkeypatch):
+    missing = []
+    original = argparse.ArgumentParser.add_argument
+
+    def noting(self, *args, **kwargs):
+        if args[0] not in ("-h", "--help") and not kwargs.get("help"):
+            missing.append(args[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "add_argument", noting)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(["--help"])
+    assert e.value.code == 0
+    assert not missing, f"{module}: options without help: {missing}"

@@ -1,0 +1,111 @@
+"""``--help`` of the entry scripts: the settings of the config that would run, with its values.
+
+The settings are listed in the groups the config classes declare them in (the ``# -- group``
+comments of ``utils/config.py``), each with its type or choices, the value the chosen config
+(and any other arguments given) resolves to, marked when it differs from the built-in default,
+and its description, wrapped to 100 columns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import textwrap
+import typing
+
+from utils.config import (CONFIG_CLASSES, FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES,
+                          Config, field_types, identity_fields, load_yaml_configs)
+
+WIDTH = 100
+
+
+def _groups(cls) -> dict:
+    """Field name -> the ``# -- group`` comment above it in the class bodies (base class first)."""
+    group_of = {}
+    for klass in reversed(cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, Config)):
+            continue
+        current = klass.__name__.replace("Config", " settings") if klass is not Config else ""
+        for line in inspect.getsource(klass).splitlines():
+            m = re.match(r"\s+# -- ([^:]+)", line)
+            if m:
+                current = m.group(1).strip()
+                continue
+            m = re.match(r"\s+(\w+): ", line)
+            if m and m.group(1) not in group_of:
+                group_of[m.group(1)] = current
+    return group_of
+
+
+def _type_text(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "{" + ",".join(str(a).lower() if isinstance(a, bool) else str(a)
+                              for a in typing.get_args(tp)) + "}"
+    if typing.get_origin(tp) is typing.Union:  # Optional[x]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_text(inner[0])} or null"
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_text(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _value_text(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return repr(v) if v == "" or " " in v else v
+    return str(v).replace(" ", "")
+
+
+def settings_help(cfg: Config) -> str:
+    """Every setting of ``cfg``'s class: group headers, then per setting a line
+    ``--name TYPE = value`` (``*`` after a value that differs from the built-in default) and its
+    description, indented, on the next lines."""
+    cls = type(cfg)
+    types, groups = field_types(cls), _groups(cls)
+    skip = set(identity_fields(cls))
+    lines, group = [], None
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        if groups.get(f.name) != group:
+            group = groups.get(f.name)
+            lines += ["", f"{group[0].upper()}{group[1:]}:"]
+        value = getattr(cfg, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        mark = " *" if value != default else ""
+        lines.append(f"  --{f.name} {_type_text(types[f.name])} = {_value_text(value)}{mark}")
+        lines += textwrap.wrap(f.metadata["help"], WIDTH, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def usage(prog: str, yaml_path: str, cfg: Config) -> str:
+    """The whole ``--help`` text for ``cfg`` read from ``yaml_path``."""
+    names = list(load_yaml_configs(yaml_path))
+    other = {m: c for m, c in CONFIG_CLASSES.items() if c is not type(cfg)}
+    head = [
+        f"usage: python {prog} [--yaml_config FILE] [--config NAME] [--key value ...]",
+        "",
+        *textwrap.wrap(
+            f"Shows what would run: config '{cfg.name}' of {yaml_path} ({cfg.model}), with the "
+            f"values below (* = differs from the built-in default). Any setting is overridden "
+            f"with --key value or --key=value; a bare --flag sets a boolean to true. "
+            f"'python {prog} --config NAME --help' shows another config.", WIDTH),
+        "",
+        *textwrap.wrap(f"Configs in {yaml_path}: {', '.join(names)}", WIDTH,
+                       subsequent_indent="  "),
+        *textwrap.wrap("Other config files: config/ViT.yaml (vit), config/UNet.yaml (unet); "
+                       f"{', '.join(other)} configs have settings of their own.", WIDTH),
+        "",
+        "Spellings kept from the tutorial:",
+    ]
+    for alias, (target, value) in FLAG_ALIASES.items():
+        head.append(f"  --{alias:<22} = --{target} {_value_text(value)}")
+    for alias, target in SETTING_ALIASES.items():
+        head.append(f"  --{alias:<22} = --{target}")
+    for (key, alias), target in VALUE_ALIASES.items():
+        head.append(f"  --{key} {alias:<{max(1, 21 - len(key))}} = --{key} {target}")
+    return "\n".join(head) + "\n" + settings_help(cfg)
