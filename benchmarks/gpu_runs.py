@@ -16,7 +16,7 @@ Series (each run a short training of real size on synthetic data made first unde
 For every run the table has samples/s (median of the epochs after the first), speed-up over the
 series' first run, TFLOP/s and MFU (from the epoch lines), and the peak memory the allocator
 reported. The result goes to ``--out`` (benchmarks/GPU.md) with the device, torch, CUDA and
-driver versions; an existing file is kept and the new table written beside it (``GPU-2.md``...).
+driver versions; an existing file is kept and the new table written beside it (``GPU_2.md``...).
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from utils.profiling import unused_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNET = ["--yaml_config", "config/UNet.yaml", "--config", "short", "--num_epochs", "3"]
@@ -103,16 +105,6 @@ def table(rows: list[tuple[str, str, dict]]) -> str:
     return "\n".join(out)
 
 
-def free_name(path: str) -> str:
-    """``path``, or ``stem-2.md``, ``stem-3.md``... when it exists: results are never replaced."""
-    stem, ext = os.path.splitext(path)
-    n = 1
-    while os.path.exists(path):
-        n += 1
-        path = f"{stem}-{n}{ext}"
-    return path
-
-
 def versions() -> str:
     import torch
 
@@ -161,7 +153,7 @@ def main(argv=None):
         rows.append((s, label, result))
         print(f"    {result['samples_per_s']:.1f} samples/s" +
               (f"; {result['graph']}" if result["graph"] else ""), flush=True)
-    out = free_name(a.out)
+    out = unused_path(a.out)
     with open(out, "w") as f:
         f.write(f"# GPU runs\n\n{versions()}\n\n{table(rows)}\n")
     print(f"written: {out}")
