@@ -26,7 +26,7 @@ each with DDP (gradient all-reduce) and with --noddp (no gradient communication:
 drift apart, the time is compute alone). Efficiency = throughput(N) / (N x throughput(1)).
 
 Writes benchmarks/scaling/results.json, prints Markdown tables, and with matplotlib installed
-(an optional, benchmark-only dependency: pip install matplotlib) draws throughput.png and
+(a benchmark-only dependency: pip install -r requirements-plots.txt) draws throughput.png and
 efficiency.png beside them.
 """
 from __future__ import annotations
@@ -247,7 +247,7 @@ def plot(results, cores, out_dir):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        print("matplotlib is not installed: no plots (pip install -r requirements-plots.txt)")
         return []
     models = [m for m in MODELS if any(r["model"] == m for r in results)]
     files = []
@@ -350,6 +350,20 @@ def run_series(args, work):
                 results=[pooled[p] for p in todo])
 
 
+def read_results(path):
+    """The results and core count of an earlier series; ValueError naming the file and the fix."""
+    fix = "run 'python -m benchmarks.scaling' first, or give --out the directory that holds it"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return doc["results"], doc["machine"]["cores"]
+    except FileNotFoundError:
+        raise ValueError(f"--plot-only: no results in {path}: {fix}") from None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--plot-only: {path} is not a results file of this script "
+                         f"({type(e).__name__}: {e}): {fix}") from None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="vit,unet", help="models to measure, comma-separated")
@@ -368,14 +382,16 @@ def main(argv=None):
     p.add_argument("--plot-only", action="store_true",
                    help="only redraw the plots and tables from --out's results.json")
     args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     results_path = os.path.join(args.out, "results.json")
     cores = os.cpu_count() or 1
     if args.plot_only:
-        with open(results_path) as f:
-            doc = json.load(f)
-        results, cores = doc["results"], doc["machine"]["cores"]
+        try:
+            results, cores = read_results(results_path)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
     else:
+        os.makedirs(args.out, exist_ok=True)
         work = args.work or tempfile.mkdtemp(prefix="scaling-")
         try:
             doc = run_series(args, work)

@@ -1,5 +1,7 @@
-"""start_tensorboard.ipynb, executed headless: it finds the runs and starts a TensorBoard that
-serves them."""
+"""start_tensorboard.ipynb, executed headless against a log root that already holds a run: it
+finds the job script's log root, serves that run and the examples side by side on a free local
+port, says where to open it, and writes nothing into the run or the examples."""
+import hashlib
 import json
 import os
 import shutil
@@ -7,8 +9,11 @@ import socket
 
 import nbclient
 import nbformat
+import pytest
 
 from conftest import ROOT
+
+EXAMPLE_RUN = os.path.join("ViT", "quickstart", "1", "0")
 
 
 def free_port():
@@ -17,23 +22,146 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_notebook_starts_tensorboard_on_the_example_runs(tmp_path, monkeypatch):
+def first_free_port_from_6006():
+    for port in range(6006, 6106):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 6006-6105")
+
+
+def snapshot(root):
+    """{relative path: (sha256, mtime)} of every file under root."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = (hashlib.sha256(fh.read()).hexdigest(),
+                                                 os.stat(p).st_mtime_ns)
+    return out
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A copy of the notebook and the examples, and a clean environment for the log root."""
     work = tmp_path / "repo"
     work.mkdir()
     shutil.copy(os.path.join(ROOT, "start_tensorboard.ipynb"), work)
     shutil.copytree(os.path.join(ROOT, "example_logs"), work / "example_logs")
-    port = free_port()
-    monkeypatch.setenv("EXPDIR", str(tmp_path / "logs"))
-    monkeypatch.setenv("TENSORBOARD_PORT", str(port))
+    for var in ("EXPDIR", "SCRATCH", "TENSORBOARD_PORT", "TENSORBOARD_BIND_ALL",
+                "JUPYTERHUB_SERVICE_PREFIX", "JUPYTERHUB_PUBLIC_URL", "JUPYTERHUB_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    return work
+
+
+def existing_run(log_root):
+    """A user's finished run: a copy of an example run, at the path train.py writes."""
+    run = log_root / EXAMPLE_RUN
+    shutil.copytree(os.path.join(ROOT, "example_logs", EXAMPLE_RUN), run)
+    (run / "out.log").write_text("the user's own log\n")
+    return run
+
+
+def execute(work, cells=None, probe=False):
+    """Runs the notebook (or its first `cells` code cells); with probe, asks the running
+    TensorBoard for its runs and settings before the last cell stops it. Returns the text."""
     nb = nbformat.read(work / "start_tensorboard.ipynb", as_version=4)
-    # Before the last cell stops it, ask the running TensorBoard which runs it serves.
-    probe = nbformat.v4.new_code_cell(
-        "import json, urllib.request\n"
-        f"print('RUNS', json.dumps(json.load(urllib.request.urlopen('http://localhost:{port}/data/runs'))))")
-    nb.cells.insert(len(nb.cells) - 1, probe)
+    if cells is not None:
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        nb.cells = code[:cells]
+    if probe:
+        nb.cells.insert(len(nb.cells) - 1, nbformat.v4.new_code_cell(
+            "for what in ('runs', 'environment'):\n"
+            "    with urllib.request.urlopen(f'http://127.0.0.1:{PORT}/data/{what}') as r:\n"
+            "        print(what.upper(), json.dumps(json.load(r)))"))
     nbclient.NotebookClient(nb, kernel_name="python3", timeout=180, resources={
         "metadata": {"path": str(work)}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert "copied the example runs" in text and "is serving" in text
-    runs = json.loads(text.split("RUNS ", 1)[1].splitlines()[0])
-    assert any("ViT/quickstart" in r for r in runs) and any("UNet/quickstart" in r for r in runs)
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def probed(text, what):
+    return json.loads(text.split(what.upper() + " ", 1)[1].splitlines()[0])
+
+
+def port_is_free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_serves_the_users_run_beside_the_examples_and_changes_neither(repo, tmp_path,
+                                                                      monkeypatch):
+    scratch = tmp_path / "scratch"
+    log_root = scratch / "dl-at-scale" / "logs"
+    existing_run(log_root)
+    monkeypatch.setenv("SCRATCH", str(scratch))  # the job script's log root on Perlmutter
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/alice/gpu/")
+    monkeypatch.setenv("JUPYTERHUB_PUBLIC_URL", "https://hub.example.org/")
+    before_runs, before_examples = snapshot(log_root), snapshot(repo / "example_logs")
+    busy = first_free_port_from_6006()
+    with socket.socket() as taken:  # the port a default TensorBoard would take is in use
+        taken.bind(("127.0.0.1", busy))
+        taken.listen()
+        text = execute(repo, probe=True)
+    port = probed(text, "environment")["debug"]["flags"]["port"]
+    assert port != busy and 6006 <= port < 6106
+    assert f"your runs: 1 run(s) under {log_root}" in text
+    assert f"examples: 2 run(s) under {repo / 'example_logs'}" in text
+    assert f"https://hub.example.org/user/alice/gpu/proxy/{port}/" in text
+    runs = probed(text, "runs")
+    assert f"runs/{EXAMPLE_RUN}/tensorboard" in runs
+    assert {"examples/ViT/quickstart/1/0/tensorboard",
+            "examples/UNet/quickstart/1/0/tensorboard"} <= set(runs)
+    flags = probed(text, "environment")["debug"]["flags"]
+    assert flags["host"] == "127.0.0.1" and not flags["bind_all"]
+    assert f"port {port} is free again" in text and port_is_free(port)
+    assert snapshot(log_root) == before_runs
+    assert snapshot(repo / "example_logs") == before_examples
+    assert sorted(os.listdir(repo)) == ["example_logs", "start_tensorboard.ipynb"]
+
+
+def test_explicit_port_and_all_interfaces_only_when_asked(repo, tmp_path, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("EXPDIR", str(tmp_path / "none-yet"))
+    monkeypatch.setenv("TENSORBOARD_PORT", str(port))
+    monkeypatch.setenv("TENSORBOARD_BIND_ALL", "1")
+    text = execute(repo, probe=True)
+    flags = probed(text, "environment")["debug"]["flags"]
+    assert flags["port"] == port and flags["bind_all"]
+    assert "all interfaces" in text and f"http://localhost:{port}/" in text
+    assert "does not exist yet" in text and not (tmp_path / "none-yet").exists()
+
+
+def test_a_taken_port_is_an_error_not_someone_elses_tensorboard(repo, tmp_path, monkeypatch):
+    monkeypatch.setenv("EXPDIR", str(tmp_path))
+    with socket.socket() as taken, pytest.raises(nbclient.exceptions.CellExecutionError) as e:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("TENSORBOARD_PORT", str(port))
+        execute(repo)
+    assert e.value.ename == "RuntimeError"
+    assert e.value.evalue.startswith(f"TENSORBOARD_PORT={port} is taken")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"EXPDIR": "{tmp}/exp", "SCRATCH": "{tmp}/scratch"}, "{tmp}/exp"),
+    ({"SCRATCH": "{tmp}/scratch"}, "{tmp}/scratch/dl-at-scale/logs"),
+    ({}, "{repo}/logs"),
+])
+def test_log_root_is_the_job_scripts(repo, tmp_path, monkeypatch, env, expected):
+    for var, value in env.items():
+        monkeypatch.setenv(var, value.format(tmp=tmp_path))
+    expected = expected.format(tmp=tmp_path, repo=repo)
+    existing_run(tmp_path / "exp")
+    existing_run(tmp_path / "scratch" / "dl-at-scale" / "logs")
+    existing_run(repo / "logs")
+    text = execute(repo, cells=1)
+    assert f"your runs: 1 run(s) under {expected}\n    {EXAMPLE_RUN}\n" in text
