@@ -36,11 +36,13 @@ from utils.lr_schedule import build_scheduler, peak_lr
 from utils.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
 from utils.optimizer import build_optimizer
 from utils.parallelism import apply_parallelism
+from utils.preemption import STOPPED_EXIT_CODE, NeverStop, RunStopped, StopRequest
 from utils.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
 from utils.reference_weights import load_reference_weights
 from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header, run_dir_for,
                              write_config)
-from utils.runtime import Runtime, describe_dist_failure, setup_runtime
+from utils.runtime import (Runtime, describe_allocation_failure, describe_dist_failure,
+                           setup_runtime)
 from utils.tasks import make_task
 from utils.tensorboard import Board, NullBoard
 from utils.train_state import TrainState
@@ -61,6 +63,8 @@ class EpochStats:
 
 class Trainer:
     captures_step = False  # True in train_graph.py: the step is replayed as a CUDA graph
+    stop_request: StopRequest = NeverStop()  # run() installs the one its signal handlers set
+
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt, self.device = cfg, rt, rt.device
         self.run_dir = run_dir_for(cfg, rt.world_size)
@@ -214,6 +218,8 @@ class Trainer:
                 window_steps = 0
             if cfg.checkpoint_every and st.iteration % cfg.checkpoint_every == 0:
                 self.save_checkpoint(epoch_sum)
+            if st.iteration % cfg.log_every == 0:
+                self.stop_if_requested(epoch_sum)
             self.trace.step(st.iteration)  # ends this step's range in the torch.profiler trace
         if window_steps:
             self.log_train_window(window, window_steps)
@@ -226,6 +232,19 @@ class Trainer:
         total = rt.dp_sum(epoch_sum.clone().float()).item()
         avg = (total + st.epoch_loss_carry) / max(st.step_in_epoch, 1)
         return EpochStats(avg, t_end - t0, steps_run, timed_steps / max(timed_s, 1e-9))
+
+    def stop_if_requested(self, epoch_sum: torch.Tensor):
+        """When a stop signal reached any rank: every rank writes this step's checkpoint and
+        raises RunStopped. Called at log points only: there the host waits for the device anyway
+        (on GPUs, reading the ranks' agreed flag would be one more host-device sync per step),
+        and a resumed run's training-loss points are then those of an uninterrupted run."""
+        signum = self.stop_request.agreed(self.rt.distributed, self.device)
+        if not signum:
+            return
+        cfg = self.cfg
+        if not (cfg.checkpoint_every and self.iteration % cfg.checkpoint_every == 0):
+            self.save_checkpoint(epoch_sum)  # (unless this step's periodic one is written)
+        raise RunStopped(signum, self.iteration, checkpoint.path_for(self.ckpt_dir, self.iteration))
 
     def log_train_window(self, window: torch.Tensor, steps: int):
         # Host sync at the log interval: mean loss of the last `steps` steps over the dp ranks.
@@ -346,14 +365,20 @@ class Trainer:
 
     def fit(self):
         log.info("Starting training loop...")
-        while self.iteration < self.total_steps:
+        validated = False
+        # step_in_epoch > 0 at the end: a stop or a kill came after the last step's checkpoint
+        # but before that epoch's validation, which is then run here (train_epoch takes no step).
+        while self.iteration < self.total_steps or self.state.step_in_epoch > 0:
             stats = self.train_epoch()
             t0 = time.time()
             val = self.validate()
             self.log_epoch(stats, val, time.time() - t0)
             self.last_val = val
             self.state.next_epoch()
-        if not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
+            validated = True
+        # Written after the last validation (over a periodic one of the same step), so a resume
+        # from it knows there is nothing left to do.
+        if validated or not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
             self.save_checkpoint()
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)
@@ -388,16 +413,25 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
 
 def run(cfg, trainer_cls=Trainer):
     """Set up the runtime and train; user errors and failed collectives (a dead or hung peer
-    rank) end the process with one line and a non-zero exit code."""
+    rank) end the process with one line and a non-zero exit code; a stop signal (stop_signals)
+    with a checkpoint, one line saying how to resume, and exit code 3."""
     rt = trainer = None
+    stop_request = StopRequest.install(cfg.stop_signals)  # from here on a signal stops cleanly
     try:
         rt = setup_runtime(cfg)
         trainer = trainer_cls(cfg, rt)
+        trainer.stop_request = stop_request
         trainer.fit()
+    except RunStopped as e:
+        log.info(e.message(sys.argv, rt.world_size))
+        raise SystemExit(STOPPED_EXIT_CODE) from None
     except UserError as e:
         _fail(rt, str(e), e.exit_code)
-    except RuntimeError as e:  # includes torch.distributed.DistError
+    except (RuntimeError, MemoryError) as e:  # includes torch.distributed.DistError
         where = f"after step {trainer.iteration}" if trainer is not None else "during set-up"
+        too_big = describe_allocation_failure(e, cfg, rt, where)
+        if too_big is not None:
+            _fail(rt, too_big, 2, trainer)
         message = describe_dist_failure(e, cfg, where)
         if message is None:
             raise  # a bug, not a peer's failure: keep the traceback
@@ -405,6 +439,7 @@ def run(cfg, trainer_cls=Trainer):
     finally:
         if rt is not None:
             rt.shutdown()
+        stop_request.restore()
 
 
 if __name__ == "__main__":

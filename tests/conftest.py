@@ -22,14 +22,16 @@ def era5_value(year, t, c, h, w):
     return ERA5_MEANS[c] + ERA5_STDS[c] * (0.01 * (year - 2000) + 0.1 * t + 0.001 * hh - 0.0005 * ww)
 
 
-def write_era5(root, years=None, steps=12, h=16, w=32):
+def write_era5(root, years=None, steps=12, h=16, w=32, dtype=np.float32):
+    """Year files of ``fields`` stored as ``dtype`` (float32 as the tutorial data; users' own
+    files may hold float64 or integers), and the stats."""
     years = years or {"train": [2016, 2017], "valid": [2018]}
     for split, ys in years.items():
         os.makedirs(os.path.join(root, split), exist_ok=True)
         for y in ys:
             f = np.stack([np.stack([era5_value(y, t, c, h, w) for c in range(20)]) for t in range(steps)])
             with h5py.File(os.path.join(root, split, f"{y}.h5"), "w") as hf:
-                hf["fields"] = f.astype(np.float32)
+                hf["fields"] = f.astype(dtype)
     os.makedirs(os.path.join(root, "stats"), exist_ok=True)
     np.save(os.path.join(root, "stats", "global_means.npy"), ERA5_MEANS.reshape(1, 20, 1, 1))
     np.save(os.path.join(root, "stats", "global_stds.npy"), ERA5_STDS.reshape(1, 20, 1, 1))
@@ -43,9 +45,10 @@ def era5_root(tmp_path):
     return write_era5(str(tmp_path / "era5"))
 
 
-def write_cosmo(path, side=16, seed=0):
+def write_cosmo(path, side=16, seed=0, dtype=np.float32):
     """Nbody: [position code, vx, vy, vz] with v = a smooth field; Hydro: pointwise functions of
-    Nbody, so a correctly aligned, correctly rotated sample satisfies them exactly."""
+    Nbody, so a correctly aligned, correctly rotated sample satisfies them exactly. Both stored
+    as ``dtype``."""
     rng = np.random.default_rng(seed)
     idx = np.arange(side)
     x, y, z = np.meshgrid(idx, idx, idx, indexing="ij")
@@ -55,15 +58,15 @@ def write_cosmo(path, side=16, seed=0):
     hydro = np.concatenate([2 * code[None], code[None] ** 2, 3 * v])
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with h5py.File(path, "w") as f:
-        f["Nbody"] = nbody
-        f["Hydro"] = hydro
+        f["Nbody"] = nbody.astype(dtype)
+        f["Hydro"] = hydro.astype(dtype)
     return path
 
 
-def write_cosmo_pair(root, side=16) -> str:
+def write_cosmo_pair(root, side=16, dtype=np.float32) -> str:
     """``train.h5`` and ``valid.h5`` (seeds 0 and 1) of ``side``^3 under ``root``."""
-    write_cosmo(os.path.join(root, "train.h5"), side=side, seed=0)
-    write_cosmo(os.path.join(root, "valid.h5"), side=side, seed=1)
+    write_cosmo(os.path.join(root, "train.h5"), side=side, seed=0, dtype=dtype)
+    write_cosmo(os.path.join(root, "valid.h5"), side=side, seed=1, dtype=dtype)
     return str(root)
 
 

@@ -343,3 +343,73 @@ def test_nan_in_a_batch_names_its_sample(tmp_path, cosmo_root):
         cs.read_batch([(0, (hit[0] + 1) % 64), (0, hit[0])], x, y)
     with pytest.raises(DataError, match="holds non-finite values"):
         CosmoCropDataset(path, size=8, nsamples=4, inmem=True)
+
+
+# ----------------------------------------------------------------------------- stored types
+
+
+@pytest.mark.parametrize("inmem", [False, True])
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int16, np.uint8])
+def test_other_stored_types_read_as_float32(tmp_path, era5_root, cosmo_root, dtype, inmem):
+    """Fields stored as float64 (or float16, or integers of up to 16 bits) give the float32
+    samples of the same values stored as float32."""
+    from conftest import write_cosmo_pair
+
+    other = write_era5(str(tmp_path / "other"), dtype=dtype)
+    kw = dict(img_size=(16, 32), inmem=inmem)
+    ref = ERA5Dataset(os.path.join(era5_root, "train"), era5_root, **kw)
+    got = ERA5Dataset(os.path.join(other, "train"), other, **kw)
+    for i in (0, 5, len(ref) - 1):
+        expect = [torch.from_numpy(a.numpy().astype(dtype).astype(np.float32)) for a in ref[i]]
+        for g, e in zip(got[i], expect):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+    cosmo_other = write_cosmo_pair(tmp_path / "cosmo_other", dtype=dtype)
+    ref = CosmoCropDataset(os.path.join(cosmo_root, "train.h5"), 8, 4, inmem=inmem)
+    got = CosmoCropDataset(os.path.join(cosmo_other, "train.h5"), 8, 4, inmem=inmem)
+    for g, r in zip(got[(1, 2)], ref[(1, 2)]):
+        torch.testing.assert_close(g, torch.from_numpy(r.numpy().astype(dtype).astype(np.float32)),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32, np.complex64, np.bool_])
+def test_inexact_stored_types_are_refused_with_file_dataset_and_type(tmp_path, dtype):
+    from conftest import write_cosmo
+
+    root = write_era5(str(tmp_path / "era5"), dtype=dtype)
+    with pytest.raises(DataError, match=rf"2016\.h5: dataset 'fields' is stored as "
+                                        rf"{np.dtype(dtype)}.*store it as float32"):
+        ERA5Dataset(os.path.join(root, "train"), root, img_size=(16, 32))
+    path = write_cosmo(str(tmp_path / "c.h5"), dtype=dtype)
+    with pytest.raises(DataError, match=rf"c\.h5: dataset 'Nbody' is stored as {np.dtype(dtype)}"):
+        CosmoCropDataset(path, 8, 4)
+
+
+def test_packed_values_are_refused(tmp_path):
+    root = write_era5(str(tmp_path / "era5"), dtype=np.int16)
+    with h5py.File(os.path.join(root, "train", "2017.h5"), "r+") as f:
+        f["fields"].attrs["scale_factor"] = 0.01
+    with pytest.raises(DataError, match=r"2017\.h5: dataset 'fields' holds packed int16 values "
+                                        r"\(scale_factor attributes\)"):
+        ERA5Dataset(os.path.join(root, "train"), root, img_size=(16, 32))
+
+
+def test_float64_data_trains(tmp_path):
+    """A whole run on float64 files: the same losses as on the float32 files of the same values
+    (the fixture's values are exact in float32)."""
+    import subprocess
+    import sys
+
+    def run(dtype):
+        root = write_era5(str(tmp_path / np.dtype(dtype).name), dtype=dtype)
+        r = subprocess.run(
+            [sys.executable, "train.py", "--img_size", "[16,32]", "--patch_size", "4",
+             "--embed_dim", "32", "--depth", "1", "--num_heads", "2", "--global_batch_size", "4",
+             "--base_batch_size", "4", "--synthesize_if_missing", "false", "--num_iters", "4",
+             "--data_root", root, "--expdir", str(tmp_path / f"logs_{np.dtype(dtype).name}")],
+            cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [line.split(" - ")[-1] for line in r.stdout.splitlines() if "loss=" in line]
+
+    losses = run(np.float64)
+    assert losses and losses == run(np.float32)

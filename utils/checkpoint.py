@@ -12,11 +12,15 @@ import logging
 import os
 import random
 import re
+import shutil
 
 import numpy as np
 import torch
 
+from utils.errors import TrainingError
+
 log = logging.getLogger(__name__)
+MB = 1e6
 
 _NAME = re.compile(r"ckpt_(\d{8})\.pt$")
 REQUIRED = ("model", "optimizer", "scaler", "scheduler", "iteration", "epoch", "step_in_epoch",
@@ -34,15 +38,20 @@ def list_checkpoints(directory: str) -> list[str]:
 
 
 def save(directory: str, iteration: int, state: dict, keep: int) -> str:
-    os.makedirs(directory, exist_ok=True)
+    """Write ``state`` as the checkpoint of ``iteration`` and drop all but the newest ``keep``.
+    A failed write (full disk, quota, an unwritable directory) raises TrainingError naming the
+    path and the space needed, and leaves the existing checkpoints as they were."""
     final = path_for(directory, iteration)
     tmp = f"{final}.{os.getpid()}.tmp"
     try:
+        os.makedirs(directory, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)  # atomic on POSIX file systems
+    except (OSError, RuntimeError) as e:  # torch's serializer reports a failed write as either
+        raise TrainingError(_write_failure(directory, final, state, e)) from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -54,6 +63,36 @@ def save(directory: str, iteration: int, state: dict, keep: int) -> str:
     for old in list_checkpoints(directory)[keep:]:
         os.remove(old)
     return final
+
+
+def state_nbytes(obj) -> int:
+    """Bytes of the tensors in a (nested) checkpoint state: about the size of its file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
+def _write_failure(directory: str, final: str, state: dict, exc: BaseException) -> str:
+    """One line: what failed, the space a checkpoint needs and the space there is, the newest
+    checkpoint that is kept, and what to do."""
+    previous = list_checkpoints(directory) if os.path.isdir(directory) else []
+    need = os.path.getsize(previous[0]) if previous else state_nbytes(state)
+    try:
+        free = f"{shutil.disk_usage(directory).free / MB:.1f} MB free there"
+    except OSError:
+        free = "free space unknown"
+    # torch's serializer reports a failed write as a RuntimeError about stream positions
+    reason = getattr(exc, "strerror", None) or "the write stopped part-way: a full disk, a " \
+        "quota or a file size limit"
+    kept, then = (f"the newest checkpoint {previous[0]} is kept", "resume with --resume") \
+        if previous else ("there is no earlier checkpoint", "run again")
+    return (f"cannot write the checkpoint {final} ({reason}): it needs about {need / MB:.1f} MB, "
+            f"{free}; {kept}. Free space, or make the directory writable, or choose another "
+            f"--expdir, then {then}")
 
 
 def load_file(path: str, map_location="cpu"):

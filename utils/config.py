@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from utils.errors import ConfigError
+from utils.preemption import STOPPED_EXIT_CODE, signal_number
 
 
 def _f(default, help, compare=True, **checks):
@@ -104,7 +105,12 @@ class Config:
     checkpoint_every: int = _f(0, "optimizer steps between checkpoints (0: only at the end)",
                                min=0)
     checkpoint_keep: int = _f(3, "number of newest checkpoints kept", min=1)
-    resume: bool = _f(False, "continue from the newest valid checkpoint of this run directory")
+    resume: Literal[False, True, "auto"] = _f(
+        False, "continue from the newest valid checkpoint of this run directory; auto: continue "
+        "when it holds checkpoints, start fresh otherwise (a requeued job)")
+    stop_signals: list[str] = _f(
+        ["SIGTERM", "SIGUSR1"], "signals that stop the run cleanly at the next log point: "
+        f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable)")
     resume_from: str = _f("", "continue from this checkpoint file, or the newest in this run "
                           "directory (e.g. one written with another number of ranks)")
     init_from: str = _f("", "start from the weights of a model of the tutorial's own code, saved "
@@ -233,6 +239,12 @@ def load_yaml_configs(path: str) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"--yaml_config {path}: no such file; the configs live in config/ViT.yaml "
                           f"and config/UNet.yaml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--yaml_config {path} is a directory: name a YAML file in it, e.g. "
+                          f"config/ViT.yaml") from None
+    except (OSError, UnicodeDecodeError) as e:  # unreadable: permissions, a binary file, ...
+        raise ConfigError(f"--yaml_config {path} cannot be read ({e}): name a readable YAML "
+                          f"file, e.g. config/ViT.yaml") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--yaml_config {path} is not valid YAML: {e}") from None
     if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
@@ -310,11 +322,25 @@ def _check_bounds(key, v, meta):
         raise ConfigError(f"{key}={v} must be < {meta['below']}")
 
 
+def _coerce_mixed_choice(key, value, choices):
+    """``value`` as the first of ``choices``' types that reads it as a choice (e.g. ``resume``:
+    false, true or "auto"; "yes" reads as true, "auto" as the string)."""
+    for tp in dict.fromkeys(type(c) for c in choices):
+        try:
+            v = _coerce_scalar(key, value, tp)
+        except ConfigError:
+            continue
+        if v in choices:
+            return v
+    return value
+
+
 def _coerce_item(key, value, tp, meta):
     """One value of type ``tp`` (a scalar type or ``Literal[...]``), checked against ``meta``."""
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
-        v = _coerce_scalar(key, value, type(choices[0]))
+        v = _coerce_mixed_choice(key, value, choices) if len({type(c) for c in choices}) > 1 \
+            else _coerce_scalar(key, value, type(choices[0]))
         if v not in choices:
             raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(str, choices))}: "
                               f"{nearest(str(v), [str(c) for c in choices])}")
@@ -377,6 +403,9 @@ def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
             else:
                 val = True
         key = key.replace("-", "_") if key.replace("-", "_") in ENTRY_ARGS else key
+        if key in ENTRY_ARGS and val is True:
+            example = "config/ViT.yaml" if key == "yaml_config" else "quickstart"
+            raise ConfigError(f"--{key} needs a value: e.g. --{key} {example}")
         (entry if key in ENTRY_ARGS else overrides)[key] = val
         i += 1
     return entry, overrides
@@ -390,6 +419,7 @@ def identity_fields(cls) -> tuple:
 def _apply(cls, values: dict, source: str) -> dict:
     fields = {f.name for f in dataclasses.fields(cls)}
     out = {}
+    aliased = {}  # setting -> the flag alias that set it
     for key, val in values.items():
         key = SETTING_ALIASES.get(key, key)
         if isinstance(val, str):
@@ -398,6 +428,7 @@ def _apply(cls, values: dict, source: str) -> dict:
             target, alias_val = FLAG_ALIASES[key]
             if _coerce_scalar(key, val, bool):
                 out[target] = coerce(cls, target, alias_val)
+                aliased[target] = key
             continue
         if key in identity_fields(cls):
             raise ConfigError(f"'{key}' is not a setting ({source}): the config's name and file are "
@@ -408,8 +439,30 @@ def _apply(cls, values: dict, source: str) -> dict:
             else:
                 hint = nearest(key, fields - set(identity_fields(cls)))
             raise ConfigError(f"unknown setting '{key}' ({source}): {hint}")
-        out[key] = coerce(cls, key, val)
+        out[key] = _coerce_given(cls, key, val, source)
+    for target, alias in aliased.items():
+        _check_alias(cls, alias, target, values.get(target), source)
     return out
+
+
+def _coerce_given(cls, key, val, source):
+    """``coerce``, saying so when a command-line setting was given without its value (a bare
+    ``--lr`` reads as true)."""
+    try:
+        return coerce(cls, key, val)
+    except ConfigError:
+        if val is True and source == "command line":
+            raise ConfigError(f"--{key} needs a value: e.g. --{key} {_default(cls, key)}") from None
+        raise
+
+
+def _check_alias(cls, alias, target, given, source):
+    """A flag alias (``--enable_amp``) and its setting (``--amp_mode bf16``) given together must
+    agree: which one should win is not for the program to guess."""
+    if given is not None and coerce(cls, target, given) != coerce(cls, target,
+                                                                  FLAG_ALIASES[alias][1]):
+        raise ConfigError(f"--{alias} means {target}={FLAG_ALIASES[alias][1]} but {target}="
+                          f"{given} is also given ({source}): keep one of them")
 
 
 def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) -> Config:
@@ -421,6 +474,8 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
     raw = dict(configs[name])
     model = str(raw.get("model", "vit")).lower()
     if isinstance(overrides, dict) and "model" in overrides:
+        if overrides["model"] is True:  # a bare --model
+            raise ConfigError("--model needs a value: e.g. --model unet")
         model = str(overrides["model"]).lower()
     if model not in CONFIG_CLASSES:
         raise ConfigError(f"model={model!r} in config '{name}' is not one of vit, unet")
@@ -432,14 +487,44 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
         values.pop("num_iters", None)
     if "num_iters" in cli and "num_epochs" not in cli:
         values.pop("num_epochs", None)
+    _choose_batch_setting(values, cli)
     values.update(cli)
     cfg = cls(name=name, yaml_path=yaml_path, **values)
     validate(cfg)
     return cfg
 
 
+def _choose_batch_setting(values: dict, cli: dict):
+    """global_batch_size and local_batch_size are alternatives: the one given on the command line
+    wins over the config's; both on the command line are refused (local_batch_size, when set,
+    decides the global batch: local x data-parallel ranks)."""
+    if "global_batch_size" in cli and cli.get("local_batch_size") is not None:
+        raise ConfigError(f"both --global_batch_size {cli['global_batch_size']} and "
+                          f"--local_batch_size {cli['local_batch_size']} are given: keep one "
+                          f"(local_batch_size sets the global batch to local x data-parallel "
+                          f"ranks); for larger steps than fit in memory use --grad_accum_steps")
+    if "global_batch_size" in cli and "local_batch_size" not in cli:
+        values["local_batch_size"] = None
+
+
+def check_writable_dir(key: str, path: str):
+    """``path`` is a directory this process can write into, or can be made as one: the nearest
+    existing ancestor is a writable directory."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{key}={path}: {probe} is a file, not a directory: choose a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path}: {probe} is not writable by this user: choose a "
+                          f"directory you can write to")
+
+
 def validate(cfg: Config):
-    """Rules that involve more than one field."""
+    """Rules that involve more than one field, and the place runs are written to."""
+    check_writable_dir("expdir", cfg.expdir)
+    for name in cfg.stop_signals:
+        signal_number(name)  # a ConfigError unless it names a signal the run can catch
     if cfg.num_epochs is None and cfg.num_iters is None:
         raise ConfigError("neither num_epochs nor num_iters is set: give one, e.g. --num_epochs 3")
     if cfg.num_epochs is not None and cfg.num_iters is not None:

@@ -18,7 +18,8 @@ import os
 import h5py
 import numpy as np
 
-from utils.batch_dataset import BatchReadDataset, finite_sums
+from utils.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
+                                  read_float32)
 from utils.errors import DataError
 from utils.rotations import ROTATIONS, rotate_into
 
@@ -35,7 +36,7 @@ class CosmoCropDataset(BatchReadDataset):
         self._arrays = None
         if inmem:
             with h5py.File(path, "r") as f:
-                self._arrays = tuple(np.asarray(f[name][:n], dtype=np.float32)
+                self._arrays = tuple(read_float32(f[name], np.s_[:n])
                                      for name, n in (("Nbody", n_in), ("Hydro", n_out)))
             for name, a in zip(("Nbody", "Hydro"), self._arrays):
                 if not np.isfinite(a).all():
@@ -52,6 +53,8 @@ class CosmoCropDataset(BatchReadDataset):
                 if missing:
                     raise DataError(f"{self.path} lacks dataset(s) {missing} (found: {list(f.keys())})")
                 sx, sy = f["Nbody"].shape, f["Hydro"].shape
+                for name in ("Nbody", "Hydro"):
+                    check_stored_dtype(self.path, name, f[name])
         except OSError as e:
             raise DataError(f"{self.path} is not a readable HDF5 file ({e}): replace it") from None
         if len(sx) != 4 or len(sy) != 4 or sx[1:] != sy[1:] or len(set(sx[1:])) != 1:

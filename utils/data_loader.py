@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 import os
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,8 @@ from utils import synthetic
 from utils.config import Config, UNetConfig, ViTConfig
 from utils.cosmo_data import CosmoCropDataset
 from utils.era5_data import ERA5Dataset
-from utils.errors import ConfigError
+from utils.errors import ConfigError, UserError
+from utils.preemption import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -163,21 +165,65 @@ class Loaders:
     n_valid: int
 
 
-def _seed_worker(worker_id):
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def exit_with_parent(parent_pid: int):
+    """Make this worker process die as soon as the training process does (even by kill -9),
+    instead of lingering until torch's own watchdog notices, seconds later. Linux only; elsewhere
+    the watchdog remains."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+def _init_worker(parent_pid: int, worker_id: int):
+    exit_with_parent(parent_pid)
     # Libraries that draw from numpy's global RNG get a distinct stream per worker and rank.
     info = torch.utils.data.get_worker_info()
     np.random.seed(info.seed % 2**32)
+    ignore_stop_signals()  # the main process stops the run (and its workers) on them
+
+
+class OneLineErrorLoader(DataLoader):
+    """A DataLoader whose workers' user errors (a bad file, say) reach the main process as they
+    would without workers: the original type and its one-line message, not torch's "Caught
+    DataError in DataLoader worker process 0" with the worker's traceback."""
+
+    def __iter__(self):
+        return _unwrap_worker_errors(super().__iter__())
+
+
+def _unwrap_worker_errors(batches):
+    try:
+        yield from batches
+    except UserError as e:
+        raise type(e)(worker_error_message(e)) from None
+
+
+def worker_error_message(e: BaseException) -> str:
+    """The message ``e`` was raised with in a loader worker (the last line of the worker's
+    traceback that torch puts in its message), or ``str(e)`` when it was not wrapped."""
+    text = str(e)
+    marker = f"{type(e).__module__}.{type(e).__qualname__}: "
+    if not text.startswith("Caught ") or marker not in text:
+        return text
+    return text.rsplit(marker, 1)[1].strip()
 
 
 def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
     workers = cfg.num_data_workers
     pin = device.type == "cuda"  # page-locked buffers make the async H2D copy possible
     reuse_freed_memory()  # batches read in this process reuse the pages of earlier ones
-    return DataLoader(
+    return OneLineErrorLoader(
         BatchReader(dataset, pin=pin), batch_size=batch_size, sampler=sampler,
         collate_fn=_as_is, num_workers=workers,
         pin_memory=pin,  # pins batches from workers; those of the main process are pinned already
-        persistent_workers=workers > 0, worker_init_fn=_seed_worker if workers else None,
+        persistent_workers=workers > 0,
+        worker_init_fn=functools.partial(_init_worker, os.getpid()) if workers else None,
         # Worker seeds come from this generator, not from the global torch RNG, so starting an
         # epoch's iterator does not shift the model's random stream (dropout) on resume.
         generator=torch.Generator().manual_seed(seed),

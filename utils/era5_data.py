@@ -25,7 +25,8 @@ import os
 import h5py
 import numpy as np
 
-from utils.batch_dataset import BatchReadDataset, finite_sums
+from utils.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
+                                  read_float32)
 from utils.errors import DataError
 
 
@@ -108,6 +109,7 @@ class ERA5Dataset(BatchReadDataset):
                 if "fields" not in f:
                     raise DataError(f"{path} has no dataset 'fields' (found: {list(f.keys())})")
                 shape = f["fields"].shape
+                check_stored_dtype(path, "fields", f["fields"])
         except OSError as e:
             raise DataError(f"{path} is not a readable HDF5 file ({e}): replace or remove it") from None
         if len(shape) != 4:
@@ -124,8 +126,7 @@ class ERA5Dataset(BatchReadDataset):
     def _read_all(self, path):
         (start, stop), w = self.rows, self.img_size[1]
         with h5py.File(path, "r") as f:
-            return np.asarray(f["fields"][:, : max(self.n_in, self.n_out), start:stop, :w],
-                              dtype=np.float32)
+            return read_float32(f["fields"], np.s_[:, : max(self.n_in, self.n_out), start:stop, :w])
 
     def _fields(self, k):
         """Year file k: the in-memory band (rows already selected) or the HDF5 dataset."""

@@ -26,9 +26,13 @@ def run_dir_for(cfg: Config, world_size: int) -> str:
 
 def find_resume_checkpoint(cfg: Config, run_dir: str, world_size: int):
     """``(state, path)`` of the checkpoint to continue from (``--resume``, ``--resume_from``), or
-    None for a fresh run. Refuses to start a fresh run over one that holds checkpoints."""
+    None for a fresh run. Refuses to start a fresh run over one that holds checkpoints.
+    ``--resume auto`` (a requeued job) continues this run directory when it holds checkpoints,
+    even one first started with ``--resume_from``, and otherwise starts as without it."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     existing = checkpoint.list_checkpoints(ckpt_dir)
+    if cfg.resume == "auto" and existing:
+        return _newest(ckpt_dir)
     if cfg.resume_from:
         if existing:
             raise ConfigError(f"--resume_from: {run_dir} already holds checkpoints: use --resume "
@@ -45,7 +49,7 @@ def find_resume_checkpoint(cfg: Config, run_dir: str, world_size: int):
         if state is None:
             raise ConfigError(f"--resume_from {src}: no checkpoint there loads")
         return state, path
-    if not cfg.resume:
+    if cfg.resume is not True:  # false, or auto with nothing to continue
         if existing:
             raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue "
                               f"that run, or choose another --run_num")
@@ -54,6 +58,10 @@ def find_resume_checkpoint(cfg: Config, run_dir: str, world_size: int):
         raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}: check --config, --run_num, "
                           f"--expdir and the number of ranks ({world_size}), or use "
                           f"--resume_from PATH")
+    return _newest(ckpt_dir)
+
+
+def _newest(ckpt_dir: str):
     state, path = checkpoint.load_latest(ckpt_dir)
     if state is None:
         raise ConfigError(f"--resume: none of the checkpoints in {ckpt_dir} loads")

@@ -192,3 +192,29 @@ def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> s
     return (f"a collective failed{where} ({detail}): another rank most likely died (crash, out "
             f"of memory, killed, node failure); the first error in the other ranks' output is "
             f"the cause. A rank that hangs instead makes the others fail after {timeout} s")
+
+
+# The settings that decide the size of the model, of its activations and of a batch.
+SIZE_SETTINGS = {
+    "vit": ("img_size", "patch_size", "embed_dim", "depth", "mlp_ratio", "n_in_channels"),
+    "unet": ("base_width", "max_width", "full_scale", "data_size", "n_in_channels"),
+}
+
+
+def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | None,
+                                where: str = "") -> str | None:
+    """One line for a failed memory allocation (the model, the optimizer state or a step did not
+    fit), naming the settings that decide the sizes, or None when ``exc`` is not one."""
+    low = str(exc).lower()
+    if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+            or "can't allocate memory" in low or "out of memory" in low):
+        return None
+    tried = re.search(r"tried to allocate ([0-9.]+ ?[a-z]*)", str(exc), re.IGNORECASE)
+    size = f" ({tried.group(0)})" if tried else ""
+    device = rt.device if rt is not None else cfg.device
+    settings = ", ".join(f"{k}={getattr(cfg, k)}" for k in SIZE_SETTINGS[cfg.model])
+    batch = rt.local_batch if rt is not None else cfg.local_batch_size or cfg.global_batch_size
+    where = f" {where}" if where else ""
+    return (f"out of memory on {device}{where}{size}: the model or a step does not fit with "
+            f"{settings}, {batch} samples per rank: lower these, or split the step with "
+            f"--grad_accum_steps")

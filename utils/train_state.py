@@ -20,6 +20,36 @@ from utils.errors import ConfigError, TrainingError
 log = logging.getLogger(__name__)
 
 
+# Settings a resumed run may change: how long to train, how often to log and checkpoint, how the
+# data is loaded, how the work is laid out over the ranks and split into micro-batches, and where
+# the run was started from.
+# Every other setting (the model, the optimisation, the batch, the data, the seed, the precision)
+# makes a different run: a resume with another value is refused.
+MAY_CHANGE_ON_RESUME = frozenset({
+    "name", "yaml_path", "expdir", "run_num", "resume", "resume_from", "init_from",
+    "stop_signals", "device", "num_epochs", "num_iters", "log_every", "checkpoint_every",
+    "checkpoint_keep", "num_data_workers", "prefetch_depth", "data_loader_config",
+    "synthesize_if_missing", "throughput_report", "profile_trace", "enable_manual_profiling",
+    "enable_jit", "enable_fused", "dist_timeout_s", "bucket_cap_mb",
+    "disable_broadcast_buffers", "tensor_parallel", "context_parallel", "parallel_order",
+    "activation_checkpointing", "sequence_parallel", "local_batch_size", "global_batch_size",
+    "grad_accum_steps", "graph_warmup_steps",
+})
+
+
+def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(allowed, refused) changes from the checkpoint's settings to this run's, each as
+    ``"key old -> new"``. Settings one side does not know (added in another version) are skipped,
+    and so are those that say how the run was resumed. The batch fields may differ as long as the
+    global batch they give is the same (``TrainState.check_settings``)."""
+    allowed, refused = [], []
+    for key in sorted(saved.keys() & current.keys() - {"resume", "resume_from"}):
+        if saved[key] != current[key]:
+            change = f"{key} {saved[key]} -> {current[key]}"
+            (allowed if key in MAY_CHANGE_ON_RESUME else refused).append(change)
+    return allowed, refused
+
+
 class TrainState:
     def __init__(self, model, sharding, optimizer, scaler, scheduler, rt, cfg, steps_per_epoch):
         self.model, self.sharding = model, sharding
@@ -66,13 +96,29 @@ class TrainState:
             "rng": rngs,
             "config": to_dict(self.cfg),
             "world_size": rt.world_size,
+            "global_batch": rt.global_batch,
         }
+
+    def check_settings(self, state: dict, path: str):
+        """Refuse a resume whose settings make a different run (one line listing every such
+        difference); log each allowed change on a line of its own."""
+        allowed, refused = setting_changes(state.get("config", {}), to_dict(self.cfg))
+        saved_batch = state.get("global_batch", self.rt.global_batch)
+        if saved_batch != self.rt.global_batch:
+            refused.append(f"global batch {saved_batch} -> {self.rt.global_batch}")
+        if refused:
+            raise ConfigError(f"{path} was written with other settings: {'; '.join(refused)}. "
+                              f"Resume with the checkpoint's values (config.yaml in its run "
+                              f"directory), or start a new run with another --run_num")
+        for change in allowed:
+            log.info(f"resume: {change}")
 
     def load_state_dict(self, state: dict, path: str):
         """Restore everything ``state_dict`` wrote; ``path`` names the file in errors and logs."""
         if state.get("config", {}).get("model", self.cfg.model) != self.cfg.model:
             raise ConfigError(f"{path} was written by a {state['config']['model']} run; this is a "
                               f"{self.cfg.model} config: resume with the config that wrote it")
+        self.check_settings(state, path)
         if state["steps_per_epoch"] != self.steps_per_epoch:
             raise ConfigError(f"the checkpoint {path} has {state['steps_per_epoch']} steps per "
                               f"epoch but this run has {self.steps_per_epoch}: resume with the "

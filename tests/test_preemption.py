@@ -1,0 +1,246 @@
+"""Stop signals (a time limit's warning, a preemption): the run checkpoints at the next log
+point, says how to resume, exits 3; resuming ends exactly as an uninterrupted run. Also a kill
+between the last checkpoint and the last validation, and ``--resume auto``."""
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, write_era5
+from distributed_harness import find_free_port
+from test_training import TINY_VIT, run_dir, tb_scalars, train
+from utils.preemption import STOPPED_EXIT_CODE
+
+# 2 years x 39 pairs // 4 = 19 steps per epoch, 57 in all; loss points every 2 steps.
+COMMON = TINY_VIT + ["--num_epochs", "3", "--dropout", "0.1", "--checkpoint_keep", "10"]
+FINAL = "ckpt_00000057.pt"
+STOP_LINE = re.compile(r"Stopped on (SIG\w+) after step (\d+): checkpoint (\S+); resume with: "
+                       r"(.*) \(exit code 3\)")
+
+# train.py's run() with a Trainer that signals its own process at a chosen step (and, if asked,
+# again while writing the stop checkpoint), or dies like kill -9 before a chosen validation.
+DRIVER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import train
+from utils.config import from_argv
+
+class Signalled(train.Trainer):
+    def train_step(self, *args, **kwargs):
+        if str(self.iteration) == os.environ.get("SIGNAL_AT_STEP") and \\
+                str(self.rt.rank) == os.environ.get("SIGNAL_RANK", "0"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().train_step(*args, **kwargs)
+
+    def save_checkpoint(self, epoch_sum=None):
+        if self.stop_request.signum and os.environ.get("SIGNAL_DURING_SAVE"):
+            os.kill(os.getpid(), signal.SIGTERM)  # handled in the middle of the write below
+        super().save_checkpoint(epoch_sum)
+
+    def validate(self):
+        if str(self.iteration) == os.environ.get("DIE_BEFORE_VALIDATION_AT"):
+            os._exit(9)  # as kill -9: nothing runs after it
+        return super().validate()
+
+train.run(from_argv(sys.argv[1:], train.DEFAULT_YAML), trainer_cls=Signalled)
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_era5(str(tmp_path_factory.mktemp("era5")),
+                      years={"train": [2016, 2017], "valid": [2018]}, steps=40)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """The uninterrupted run."""
+    exp = str(tmp_path_factory.mktemp("ref"))
+    train(COMMON + ["--data_root", data, "--expdir", exp])
+    return run_dir(exp)
+
+
+def driver(tmp_path):
+    path = tmp_path / "driver.py"
+    path.write_text(DRIVER.format(root=ROOT))
+    return str(path)
+
+
+def run_driver(tmp_path, args, **env):
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+    return subprocess.run([sys.executable, driver(tmp_path), *args], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_same_as_reference(ref_dir, got_dir, tags=("Loss/train", "Loss/valid")):
+    a = torch.load(os.path.join(ref_dir, "checkpoints", FINAL), weights_only=True)
+    b = torch.load(os.path.join(got_dir, "checkpoints", FINAL), weights_only=True)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for k, v in a["optimizer"]["state"].items():
+        assert torch.equal(v["exp_avg_sq"], b["optimizer"]["state"][k]["exp_avg_sq"])
+    ref_tb, got_tb = (tb_scalars(os.path.join(d, "tensorboard")) for d in (ref_dir, got_dir))
+    for tag in tags:
+        ref_points = [(e.step, e.value) for e in ref_tb.Scalars(tag)]
+        assert [(e.step, e.value) for e in got_tb.Scalars(tag)] == ref_points, tag
+    avg = re.compile(r"Avg (?:train|val) loss=([0-9.e+-]+)")
+    ref_log = open(os.path.join(ref_dir, "out.log")).read()
+    got_log = open(os.path.join(got_dir, "out.log")).read()
+    assert avg.findall(got_log) == avg.findall(ref_log) and len(avg.findall(ref_log)) == 6
+
+
+def resume_as_told(stdout):
+    """Run the command of the stop line, as a user would paste it."""
+    (match,) = [m for m in map(STOP_LINE.search, stdout.splitlines()) if m]
+    command = shlex.split(match.group(4))
+    assert command[0] == "python" and command[-2:] == ["--resume", "auto"]
+    return train(command[2:])  # (train.py also where a test's driver script stopped)
+
+
+@pytest.mark.parametrize("sig,workers", [(signal.SIGTERM, 2), (signal.SIGUSR1, 0)])
+def test_signal_stops_with_checkpoint_and_resume_matches(tmp_path, data, reference, sig,
+                                                         workers):
+    exp = str(tmp_path / "stopped")
+    ckpts = os.path.join(run_dir(exp), "checkpoints")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    args = COMMON + ["--data_root", data, "--expdir", exp, "--checkpoint_every", "6",
+                     "--num_data_workers", str(workers)]
+    # Its own process group, as a Slurm job step: the signal reaches the loader workers too.
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 120
+    while not (os.path.isdir(ckpts) and os.listdir(ckpts)):
+        assert p.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.01)
+    os.killpg(p.pid, sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == STOPPED_EXIT_CODE, out[-3000:] + err[-3000:]
+    lines = [m for m in map(STOP_LINE.search, out.splitlines()) if m]
+    assert len(lines) == 1 and lines[0].group(1) == sig.name, out[-3000:]
+    step, path = int(lines[0].group(2)), lines[0].group(3)
+    assert 6 <= step < 57 and step % 2 == 0  # at a log point (every 2 steps), before the end
+    assert os.path.isfile(path) and path.endswith(f"ckpt_{step:08d}.pt")
+    assert torch.load(path, weights_only=True)["iteration"] == step
+    assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
+    resume_as_told(out)
+    assert_same_as_reference(reference, run_dir(exp))
+
+
+def test_second_signal_while_saving_is_harmless(tmp_path, data, reference):
+    exp = str(tmp_path / "twice")
+    r = run_driver(tmp_path, COMMON + ["--data_root", data, "--expdir", exp],
+                   SIGNAL_AT_STEP="9", SIGNAL_DURING_SAVE="1")
+    assert r.returncode == STOPPED_EXIT_CODE, r.stdout[-3000:] + r.stderr[-3000:]
+    # Signalled before step 10 runs: the first log point after it is step 10.
+    assert "Stopped on SIGUSR1 after step 10:" in r.stdout
+    ckpts = os.path.join(run_dir(exp), "checkpoints")
+    assert os.listdir(ckpts) == ["ckpt_00000010.pt"]  # no stray temporary file
+    resume_as_told(r.stdout)
+    assert_same_as_reference(reference, run_dir(exp))
+
+
+def launch_two_ranks(tmp_path, args, **env):
+    """Two gloo ranks as srun starts them (plain processes, no torchrun agent)."""
+    port = find_free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, driver(tmp_path), *args], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                 PYTHONUNBUFFERED="1", **env)) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
+    args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
+                       "--num_data_workers", "0"]
+    ref_exp, exp = str(tmp_path / "ref"), str(tmp_path / "stopped")
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
+                                   SIGNAL_RANK="1")
+    assert codes == [STOPPED_EXIT_CODE] * 2, outs
+    assert "Stopped on SIGUSR1 after step 4:" in outs[0][0]  # rank 0 never got the signal
+    stopped = run_dir(exp, ws=2)
+    assert os.listdir(os.path.join(stopped, "checkpoints")) == ["ckpt_00000004.pt"]
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp, "--resume", "auto"])
+    assert codes == [0, 0], outs
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", ref_exp])
+    assert codes == [0, 0], outs
+    a, b = (torch.load(os.path.join(run_dir(e, ws=2), "checkpoints", "ckpt_00000012.pt"),
+                       weights_only=True) for e in (ref_exp, exp))
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert b["rng"] != [] and len(b["rng"]) == 2
+    ref_tb, got_tb = (tb_scalars(os.path.join(run_dir(e, ws=2), "tensorboard"))
+                      for e in (ref_exp, exp))
+    assert [e.value for e in got_tb.Scalars("Loss/train")] == \
+        [e.value for e in ref_tb.Scalars("Loss/train")]
+
+
+def test_resume_auto_starts_fresh_then_continues_and_never_reruns_a_finished_run(tmp_path,
+                                                                                 data):
+    args = TINY_VIT + ["--data_root", data, "--expdir", str(tmp_path), "--num_iters", "4",
+                       "--resume", "auto"]
+    first = train(args)
+    assert "Resumed from" not in first.stdout and "Avg val loss" in first.stdout
+    again = train(args)
+    assert "Resumed from" in again.stdout and "ckpt_00000004.pt" in again.stdout
+    assert "Avg val loss" not in again.stdout  # finished: nothing is run or logged again
+    valid = tb_scalars(os.path.join(run_dir(str(tmp_path)), "tensorboard")).Scalars("Loss/valid")
+    assert len(valid) == 1
+
+
+def test_kill_before_the_last_validation_resumes_to_it(tmp_path, data, reference):
+    exp = str(tmp_path / "killed")
+    args = COMMON + ["--data_root", data, "--expdir", exp, "--checkpoint_every", "19"]
+    r = run_driver(tmp_path, args, DIE_BEFORE_VALIDATION_AT="57")
+    assert r.returncode == 9 and "Avg val loss" in r.stdout
+    ckpts = os.path.join(run_dir(exp), "checkpoints")
+    assert FINAL in os.listdir(ckpts)  # written before the validation that never came
+    assert len(re.findall("Avg val loss", open(os.path.join(run_dir(exp), "out.log")).read())) == 2
+    resumed = train(args + ["--resume"])
+    assert "Epoch 3: " in resumed.stdout and "for 0 steps" in resumed.stdout
+    # (kill -9 loses the TensorBoard events not yet flushed: the last training-loss point)
+    assert_same_as_reference(reference, run_dir(exp), tags=("Loss/valid",))
+    final = torch.load(os.path.join(ckpts, FINAL), weights_only=True)
+    assert (final["epoch"], final["step_in_epoch"]) == (3, 0)  # records the validation as done
+    again = train(args + ["--resume"])
+    assert "Avg val loss" not in again.stdout
+
+
+def test_resume_and_stop_signals_settings():
+    from utils.config import build_config, parse_overrides
+
+    def cfg(*argv):
+        return build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
+                            parse_overrides(list(argv))[1])
+
+    assert cfg().resume is False and cfg().stop_signals == ["SIGTERM", "SIGUSR1"]
+    assert cfg("--resume").resume is True and cfg("--resume", "auto").resume == "auto"
+    assert cfg("--resume", "false").resume is False and cfg("--resume=yes").resume is True
+    assert cfg("--stop_signals", "[USR2, SIGINT]").stop_signals == ["USR2", "SIGINT"]
+    for argv, needle in ((["--resume", "later"], "resume='later' is not one of"),
+                         (["--stop_signals", "[SIGKILL]"], "'SIGKILL' is not a signal"),
+                         (["--stop_signals", "[SIGFOO]"], "'SIGFOO' is not a signal")):
+        r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
+                           text=True)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and needle in r.stderr, r
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_resume_command_replaces_any_resume_argument():
+    from utils.preemption import resume_command
+
+    argv = ["train.py", "--config", "short", "--resume", "--run_num", "a b"]
+    assert resume_command(argv, 1) == \
+        "python train.py --config short --run_num 'a b' --resume auto"
+    assert resume_command(["train.py", "--resume", "true", "--lr=1e-3"], 4) == \
+        "the same launcher and 4 ranks running train.py --lr=1e-3 --resume auto"
+    assert resume_command(["train.py", "--resume=auto"], 1) == "python train.py --resume auto"

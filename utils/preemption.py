@@ -1,0 +1,146 @@
+"""Stopping a run cleanly when the cluster asks: a time limit's warning signal or a preemption.
+
+``StopRequest.install(names)`` replaces the handlers of the named signals (default SIGTERM and
+SIGUSR1, the signals Slurm sends before a time limit and on preemption) with one that only
+records the signal: no Python code runs in between a step's operations, nothing is written from
+a handler, and a second signal (even during the checkpoint write) merely records it again.
+The training loop asks ``agreed(...)`` at its log points; with several ranks one all-reduce
+(MAX) makes every rank stop at the same step, even when only one of them got the signal. The
+run then writes a checkpoint and ends with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns
+into a requeue.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import shlex
+import signal
+
+import torch
+import torch.distributed as dist
+
+from utils.errors import ConfigError
+
+STOPPED_EXIT_CODE = 3  # "stopped on a signal, resumable": distinct from 0, 1 (failure), 2 (usage)
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+_installed: set[int] = set()  # signals whose handler this process replaced (workers inherit it)
+_exit_hook_registered = False
+
+
+def signal_number(name: str) -> int:
+    """``SIGTERM``, ``TERM`` or ``sigterm`` as a signal number; ConfigError when not a signal
+    that a process can catch."""
+    full = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+    number = signal.Signals.__members__.get(full)
+    if number is None or full in _UNCATCHABLE:
+        raise ConfigError(f"stop_signals: {name!r} is not a signal a run can catch: use names "
+                          f"such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT (not SIGKILL or SIGSTOP)")
+    return int(number)
+
+
+class RunStopped(Exception):
+    """Raised on every rank after the stop checkpoint; the entry point turns it into one log
+    line and ``STOPPED_EXIT_CODE``."""
+
+    def __init__(self, signum: int, iteration: int, checkpoint_path: str):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.iteration, self.checkpoint_path = signum, iteration, checkpoint_path
+
+    def message(self, argv: list[str], ranks: int) -> str:
+        return (f"Stopped on {signal.Signals(self.signum).name} after step {self.iteration}: "
+                f"checkpoint {self.checkpoint_path}; resume with: {resume_command(argv, ranks)} "
+                f"(exit code {STOPPED_EXIT_CODE})")
+
+
+def resume_command(argv: list[str], ranks: int) -> str:
+    """The command line that continues this run: its own arguments, ``--resume auto`` instead
+    of any ``--resume`` they had."""
+    args, i = [], 1
+    while i < len(argv):
+        if argv[i] == "--resume":  # a bare --resume, or --resume VALUE
+            i += 2 if i + 1 < len(argv) and not argv[i + 1].startswith("--") else 1
+            continue
+        if not argv[i].startswith("--resume="):
+            args.append(argv[i])
+        i += 1
+    command = shlex.join([argv[0], *args, "--resume", "auto"])
+    if ranks > 1:  # torchrun or srun: the launcher's own options are not in argv
+        return f"the same launcher and {ranks} ranks running {command}"
+    return f"python {command}"
+
+
+class StopRequest:
+    """The signal received (0: none), set by the handlers, read at the loop's log points."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}  # signal number -> the handler before install
+
+    @classmethod
+    def install(cls, names: list[str]) -> StopRequest:
+        request = cls()
+        for name in names:
+            number = signal_number(name)
+            request._previous[number] = signal.signal(number, request._record)
+            _installed.add(number)
+        global _exit_hook_registered
+        if not _exit_hook_registered:
+            atexit.register(_at_exit)  # runs before multiprocessing's own exit hook
+            _exit_hook_registered = True
+        return request
+
+    def restore(self):
+        """The handlers from before ``install`` (for a caller that goes on after the run)."""
+        for number, previous in self._previous.items():
+            signal.signal(number, signal.SIG_DFL if previous is None else previous)
+
+    def _record(self, signum, frame):
+        self.signum = signum  # nothing else: the loop acts on it at a step boundary
+
+    def agreed(self, distributed: bool, device: torch.device) -> int:
+        """The signal every rank stops on (0: go on). Collective when ``distributed``: all ranks
+        call it at the same steps."""
+        if not distributed:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+class NeverStop(StopRequest):
+    """For trainers driven without the entry point (tests, benchmarks): never asks to stop and
+    never takes part in a collective."""
+
+    def agreed(self, distributed: bool, device: torch.device) -> int:
+        return 0
+
+
+def _at_exit():
+    """The process is ending: no stop signal may kill it now, nor loader workers keep it."""
+    ignore_stop_signals()
+    _end_loader_workers()
+
+
+def _end_loader_workers():
+    """At exit, loader workers still running (a run that ended on an exception keeps its loaders
+    referenced) ignore SIGTERM, with which multiprocessing's exit hook would end them before
+    waiting for them: end them here with SIGKILL instead. Their ends are expected, so torch's
+    SIGCHLD check (which raises on a worker killed by a signal) is switched off first."""
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for p in children:
+        p.kill()
+        p.join()
+
+
+def ignore_stop_signals():
+    """From now on the stop signals do nothing in this process. In a data-loader worker: they
+    are the main process's to act on; Slurm sends them to every process of the job step, and a
+    worker killed by one (torch's worker handler for SIGTERM ends it) makes the main process
+    fail with "DataLoader worker ... is killed by signal" instead of stopping cleanly (the main
+    process ends its workers itself). At exit: a late signal (submit_pm.sh repeats its warning
+    until the ranks end) must not kill the exiting process, as the default handlers that Python
+    restores while it shuts down would."""
+    for number in _installed:
+        signal.signal(number, signal.SIG_IGN)
