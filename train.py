@@ -383,6 +383,7 @@ class Trainer:
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)
         self.board.close()
+        self.loaders.close()
         log.info(f"Done: {self.iteration} steps, checkpoints in {self.ckpt_dir}")
 
 
@@ -437,6 +438,8 @@ def run(cfg, trainer_cls=Trainer):
             raise  # a bug, not a peer's failure: keep the traceback
         _fail(rt, message, 1, trainer, broken_group=True)
     finally:
+        if trainer is not None:
+            trainer.loaders.close()
         if rt is not None:
             rt.shutdown()
         stop_request.restore()

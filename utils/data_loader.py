@@ -164,6 +164,16 @@ class Loaders:
     n_train: int
     n_valid: int
 
+    def close(self):
+        """End the loader worker processes now. Persistent workers otherwise live until garbage
+        collection ends their loader, which may find the loader's queues already torn down: each
+        worker then waits out torch's 5 s join timeout (measured: 65 s for 16 workers)."""
+        for loader in (self.train, self.valid):
+            iterator = getattr(loader, "_iterator", None)  # torch keeps persistent workers here
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+                loader._iterator = None
+
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
