@@ -38,6 +38,7 @@ from utils.optimizer import build_optimizer
 from utils.parallelism import apply_parallelism
 from utils.preemption import STOPPED_EXIT_CODE, NeverStop, RunStopped, StopRequest
 from utils.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
+from utils.progress import Progress
 from utils.reference_weights import load_reference_weights
 from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header, run_dir_for,
                              write_config)
@@ -122,6 +123,7 @@ class Trainer:
         self.profiler = ProfilerWindow(cfg.enable_manual_profiling, start=self.steps_per_epoch)
         self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, self.iteration,
                                          self.steps_per_epoch, self.total_steps)
+        self.progress = Progress(self.steps_per_epoch, rt.global_batch, rt.is_main)
         self._baseline = None  # the naive baseline's validation loss, computed once
 
         log.info(f"Run directory: {self.run_dir}")
@@ -195,6 +197,8 @@ class Trainer:
         window = torch.zeros(2, device=self.device)  # [loss, grad norm] summed since the last log
         window_steps = steps_run = 0
         t0 = t_first = time.time()
+        self.progress.start_epoch(st.epoch, st.step_in_epoch, last=min(
+            self.steps_per_epoch, st.step_in_epoch + self.total_steps - st.iteration))
         self.trace.step(st.iteration)  # the torch.profiler window may start here
         for x, y in ranged(self.loaders.train, "data wait"):  # the wait for a batch, as a range
             if st.iteration >= self.total_steps:
@@ -216,6 +220,8 @@ class Trainer:
                 self.log_train_window(window, window_steps)
                 window.zero_()
                 window_steps = 0
+            else:
+                self.progress.step(st.step_in_epoch)  # a line if 30 s passed since the last
             if cfg.checkpoint_every and st.iteration % cfg.checkpoint_every == 0:
                 self.save_checkpoint(epoch_sum)
             if st.iteration % cfg.log_every == 0:
@@ -254,9 +260,12 @@ class Trainer:
                 f"the training loss became {loss} before step {self.iteration}: lower lr "
                 f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data; "
                 f"checkpoints already written are kept in {self.ckpt_dir}")
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.progress.step(self.state.step_in_epoch, loss, lr)  # the progress line
         self.board.scalar("Loss/train", loss, self.iteration)
-        self.board.scalar("Learning Rate", float(self.optimizer.param_groups[0]["lr"]),
-                          self.iteration)
+        self.board.scalar("Learning Rate", lr, self.iteration)
+        self.board.scalar("Performance/samples per sec (epoch so far)",
+                          self.progress.rate(self.state.step_in_epoch), self.iteration)
         # The norm is that of the whole (serial) gradient, the same on every rank.
         self.board.scalar("Grad norm", window[1].item() / steps, self.iteration)
 
