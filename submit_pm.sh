@@ -175,12 +175,17 @@ echo "job $SLURM_JOB_ID: ${SLURM_NTASKS:-1} rank(s) on ${SLURM_JOB_NODELIST:-?},
      "$( ((gpus > 0)) && echo "$gpus GPU(s) per node" || echo "CPU only")," \
      "${OMP_NUM_THREADS} thread(s) per rank${container:+, in ${container[*]}}"
 echo "data: ERA5_DATA_ROOT=$ERA5_DATA_ROOT COSMO_DATA_ROOT=$COSMO_DATA_ROOT; runs: EXPDIR=$EXPDIR"
-echo "command:$(printf ' %q' "${profiler[@]}" "$PYTHON" "$SCRIPT" "$@")"
 
 # A requeued job continues its run; a first submission starts as its arguments say (a fresh run
 # is not started over a run directory that holds checkpoints, nor one resumed by accident).
+# Without --run_num the run is named after the job (job<id>): a requeued job keeps its id, so
+# it continues its own run and never another job's.
 resume=()
 ((${SLURM_RESTART_COUNT:-0} > 0)) && resume=(--resume auto)
+run_name=("--run_num" "job$SLURM_JOB_ID")
+for arg in "$@"; do
+    [[ $arg == --run_num || $arg == --run_num=* ]] && run_name=()
+done
 
 # Each task: set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, then replace the shell with
 # the command; "$@" keeps every argument as given (spaces, quotes, $, *, ;). A rank ignores USR1
@@ -190,8 +195,10 @@ resume=()
 stopped=3  # the ranks' exit code after a stop signal: checkpoint written, resumable
 srun "${srun_args[@]}" "${container[@]}" \
     bash -c 'trap "" USR1; source ./export_DDP_vars.sh && exec "$@"' ddp-rank \
-    "${profiler[@]}" "$PYTHON" "$SCRIPT" "$@" "${resume[@]}" &
+    "${profiler[@]}" "$PYTHON" "$SCRIPT" "${run_name[@]}" "$@" "${resume[@]}" &
 srun_pid=$!
+echo "command:$(printf ' %q' "${profiler[@]}" "$PYTHON" "$SCRIPT" "${run_name[@]}" "$@" \
+    "${resume[@]}")"
 announced=0
 while kill -0 "$srun_pid" 2>/dev/null; do
     if ((stop_requested)); then

@@ -32,7 +32,7 @@ from utils.data_loader import build_loaders
 from utils.errors import TrainingError, UserError
 from utils.flops import flops_per_sample, peak_tflops, tflops_per_device
 from utils.logging_utils import setup_logging
-from utils.lr_schedule import build_scheduler, peak_lr
+from utils.lr_schedule import build_scheduler, peak_lr, resumed_schedule
 from utils.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
 from utils.optimizer import build_optimizer
 from utils.parallelism import apply_parallelism
@@ -40,8 +40,8 @@ from utils.preemption import STOPPED_EXIT_CODE, NeverStop, RunStopped, StopReque
 from utils.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
 from utils.progress import Progress
 from utils.reference_weights import load_reference_weights
-from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header, run_dir_for,
-                             write_config)
+from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header,
+                             resolve_run_num, run_dir_for, write_config)
 from utils.runtime import (Runtime, describe_allocation_failure, describe_dist_failure,
                            setup_runtime)
 from utils.tasks import make_task
@@ -68,9 +68,12 @@ class Trainer:
 
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt, self.device = cfg, rt, rt.device
+        run_num_choice = resolve_run_num(cfg, rt)  # for --run_num auto (the default)
         self.run_dir = run_dir_for(cfg, rt.world_size)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         setup_logging(rt.rank, os.path.join(self.run_dir, "out.log"))
+        if run_num_choice:
+            log.info(f"Run {cfg.run_num} ({run_num_choice})")
         resume = find_resume_checkpoint(cfg, self.run_dir, rt.world_size)  # (state, path) or None
         ensure_data(cfg, rt)
         self.task = make_task(cfg)
@@ -112,6 +115,12 @@ class Trainer:
                                 self.scheduler, rt, cfg, self.steps_per_epoch)
         if resume is not None:
             self.state.load_state_dict(*resume)
+            change = resumed_schedule(self.optimizer, resume[0]["config"], self.steps_per_epoch,
+                                      self.iteration, self.peak_lr, cfg.end_lr, cfg.warmup_steps,
+                                      self.total_steps)
+            if change:
+                log.info(change)
+        self.resumed = resume is not None
         # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step.
         self.board = Board(os.path.join(self.run_dir, "tensorboard"),
                            purge_step=self.state.iteration + 1 if resume else None) \
@@ -389,6 +398,10 @@ class Trainer:
         # from it knows there is nothing left to do.
         if validated or not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
             self.save_checkpoint()
+        if self.resumed and not validated:
+            log.info(f"Nothing to do: run {self.cfg.run_num} has finished its {self.total_steps} "
+                     f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
+                     f"(the learning-rate schedule then spans the new total)")
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)
         self.board.close()

@@ -278,7 +278,7 @@ def test_submit_in_a_podman_image(stubs, runtime):  # noqa: F811
     assert {"SLURM_*", "EXPDIR", "ERA5_DATA_ROOT", "HDF5_USE_FILE_LOCKING", "FI_*"} <= passed
     assert ("--gpu" in head) == (runtime == "podman-hpc")
     assert head[-4:] == ["--nccl", "-v", "/cfs:/cfs", "dl-at-scale:gpu"]
-    assert rank_record(stubs, 1)["argv"] == ["--config", "a b"]
+    assert rank_record(stubs, 1)["argv"] == ["--run_num", "job42", "--config", "a b"]
 
 
 def test_submit_refuses_two_images_and_a_missing_podman(stubs):  # noqa: F811

@@ -244,3 +244,13 @@ def test_submit_header_has_perlmutter_defaults_sbatch_reads():
     assert "sbatch --gpus-per-node=0 --constraint= --cpus-per-task=1" in open(SUBMIT).read()
     r = subprocess.run([BASH, "-n", SUBMIT], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_submit_names_the_run_after_the_job_unless_given(stubs):
+    """A requeued job keeps its job id, so job<id> is its own run directory to resume."""
+    r = submit(stubs, ["--config", "x"])
+    assert r.returncode == 0, r.stderr
+    assert rank_record(stubs, 0)["argv"] == ["--run_num", "job42", "--config", "x"]
+    for given in (["--run_num", "mine"], ["--run_num=mine"]):
+        r = submit(stubs, ["--config", "x", *given])
+        assert rank_record(stubs, 0)["argv"] == ["--config", "x", *given]

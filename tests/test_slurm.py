@@ -171,6 +171,7 @@ def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_p
     assert "Done: 1140 steps" in text and "Traceback" not in text
     runs = {name: re.search(r"Run directory: (.*)", (tmp_path / f"{name}-{job}.out").read_text())
             .group(1) for name, job in jobs.items()}
+    assert runs["limited"].endswith(f"/2/job{limited}")  # named after the job: its own run
     a, b = (torch.load(os.path.join(runs[n], "checkpoints", "ckpt_00001140.pt"),
                        weights_only=True) for n in ("ref", "limited"))
     for k in a["model"]:

@@ -131,17 +131,34 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, era5_long):
     assert "ckpt_00000005.pt" in r.stdout
 
 
-def test_existing_run_is_not_overwritten(tmp_path, era5_long):
+def test_a_rerun_is_the_next_run_and_an_existing_run_is_not_overwritten(tmp_path, era5_long):
     common = TINY_VIT + ["--data_root", era5_long, "--expdir", str(tmp_path), "--num_iters", "3"]
     train(common)
     d = run_dir(str(tmp_path))
-    before = {f: hashlib.md5(open(os.path.join(d, "checkpoints", f), "rb").read()).hexdigest()
-              for f in os.listdir(os.path.join(d, "checkpoints"))}
-    r = train(common, check=False)
+
+    def digests():
+        return {f: hashlib.md5(open(os.path.join(d, "checkpoints", f), "rb").read()).hexdigest()
+                for f in os.listdir(os.path.join(d, "checkpoints"))}
+    before = digests()
+    # the same command again: the next run number (--run_num auto, the default), said so
+    r = train(common)
+    assert "Run 1 (--run_num auto: the next free number under " in r.stdout
+    assert os.path.isdir(run_dir(str(tmp_path), run="1")) and digests() == before
+    # a named run that exists is refused, nothing changed
+    r = train(common + ["--run_num", "0"], check=False)
     assert r.returncode == 2 and "already holds checkpoints: pass --resume" in r.stderr
-    after = {f: hashlib.md5(open(os.path.join(d, "checkpoints", f), "rb").read()).hexdigest()
-             for f in os.listdir(os.path.join(d, "checkpoints"))}
-    assert before == after
+    assert digests() == before
+    # --resume continues the run with the newest checkpoint: run 1, already finished
+    r = train(common + ["--resume"])
+    assert "Run 1 (--run_num auto with --resume: the run with the newest checkpoint)" in r.stdout
+    assert "Nothing to do: run 1 has finished its 3 steps" in r.stdout
+    assert "--num_iters" in r.stdout.split("Nothing to do")[1]
+    # training longer: the schedule spans the new end, and the log says what the lr becomes
+    r = train(common[:-1] + ["5", "--resume"])
+    assert "resume: num_iters 3 -> 5" in r.stdout
+    assert "resume: the run now ends at step 5 instead of 3; the learning-rate schedule " \
+        "spans the new total: lr " in r.stdout
+    assert "Done: 5 steps" in r.stdout and "Nothing to do" not in r.stdout
 
 
 def test_missing_data_message(tmp_path):

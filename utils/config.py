@@ -53,7 +53,8 @@ class Config:
     model: Literal["vit", "unet"] = _f("vit", "model family: vit (ERA5) or unet (cosmology)")
     # -- run directory and reproducibility
     expdir: str = _f("./logs", "root of run directories: <expdir>/<config>/<world size>/<run_num>/")
-    run_num: str = _f("0", "name of this run beside other runs of the same config")
+    run_num: str = _f("auto", "name of this run beside other runs of the same config; auto: "
+                      "the next free number (with --resume: the run of the newest checkpoint)")
     seed: int = _f(0, "seed for weights, data order and augmentation", min=0, max=2**32 - 1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present, else cpu), cpu "
                                                 "or cuda")

@@ -30,11 +30,7 @@ def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int)
 
     An optimizer whose lr is a device tensor (``train_graph.py``) keeps that tensor: the schedule
     fills it in place, and computes with a float peak (not a tensor on the device)."""
-    for group in optimizer.param_groups:
-        if torch.is_tensor(group["lr"]):
-            group["lr"].fill_(peak)
-        else:
-            group["lr"] = peak
+    set_lr(optimizer, peak)
     factor = (lambda step: 1.0) if peak == 0 else \
         (lambda step: lr_at(step, peak, end, warmup, total) / peak)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -42,3 +38,29 @@ def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int)
     for group in optimizer.param_groups:
         group["initial_lr"] = float(group["initial_lr"])
     return scheduler
+
+
+def set_lr(optimizer, value: float):
+    """The learning rate of every group; one held as a device tensor (``train_graph.py``) is
+    filled in place, as a captured step reads that tensor."""
+    for group in optimizer.param_groups:
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
+
+
+def resumed_schedule(optimizer, saved_cfg: dict, steps_per_epoch: int, iteration: int,
+                     peak: float, end: float, warmup: int, total: int) -> str:
+    """Put the learning rate of step ``iteration`` of a run of ``total`` steps in place after a
+    resume. When the checkpoint's run was to end elsewhere (``--num_epochs``/``--num_iters``
+    changed), the schedule now spans the new total: returns the log line that says so (else
+    "")."""
+    set_lr(optimizer, lr_at(iteration, peak, end, warmup, total))
+    old_total = saved_cfg.get("num_iters") or (saved_cfg.get("num_epochs") or 0) * steps_per_epoch
+    if not old_total or old_total == total:
+        return ""
+    return (f"resume: the run now ends at step {total} instead of {old_total}; the learning-rate "
+            f"schedule spans the new total: lr {lr_at(iteration, peak, end, warmup, total):.3g} "
+            f"at step {iteration + 1} (the old end gave "
+            f"{lr_at(iteration, peak, end, warmup, old_total):.3g})")

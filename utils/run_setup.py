@@ -11,6 +11,8 @@ import logging
 import os
 import time
 
+import torch.distributed as dist
+
 from utils import checkpoint
 from utils.config import Config, dump
 from utils.data_loader import check_synthesis_target, has_data, synthesize
@@ -22,6 +24,56 @@ log = logging.getLogger(__name__)
 
 def run_dir_for(cfg: Config, world_size: int) -> str:
     return os.path.join(cfg.expdir, cfg.name, str(world_size), str(cfg.run_num))
+
+
+AUTO = "auto"
+
+
+def resolve_run_num(cfg: Config, rt: Runtime) -> str:
+    """Replace ``run_num: auto`` by a run's name (in ``cfg``), the same on every rank (rank 0
+    looks, the others are told); returns how it was chosen, for the log ("" when given).
+
+    - a fresh run (also ``--resume_from``): the next free number, one above the highest number
+      among the runs of this config and rank count (0 for the first);
+    - ``--resume``: the run that wrote the newest checkpoint;
+    - ``--resume auto``: that run when there is one, else the next free number.
+    ``submit_pm.sh`` names batch jobs ``job<id>`` instead, so that a requeued job resumes its own
+    run and never another job's."""
+    if cfg.run_num != AUTO:
+        return ""
+    choice = [None]
+    if rt.is_main:
+        try:
+            choice = [_choose_run_num(cfg, rt.world_size)]
+        except ConfigError as e:
+            choice = [e]  # every rank raises it
+    if rt.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], ConfigError):
+        raise choice[0]
+    cfg.run_num, why = choice[0]
+    return why
+
+
+def _choose_run_num(cfg: Config, world_size: int) -> tuple[str, str]:
+    parent = os.path.dirname(run_dir_for(cfg, world_size))
+    runs = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+    if cfg.resume and not cfg.resume_from:
+        newest = {}
+        for run in runs:
+            found = checkpoint.list_checkpoints(os.path.join(parent, run, "checkpoints"))
+            if found:
+                newest[run] = os.path.getmtime(found[0])
+        if newest:
+            run = max(newest, key=newest.get)
+            return run, "--run_num auto with --resume: the run with the newest checkpoint"
+        if cfg.resume is True:
+            raise ConfigError(f"--resume: no run under {parent} holds a checkpoint: check "
+                              f"--config, --expdir and the number of ranks ({world_size}), or "
+                              f"use --resume_from PATH")
+    numbers = [int(r) for r in runs if r.isdigit()]
+    run = str(max(numbers) + 1 if numbers else 0)
+    return run, f"--run_num auto: the next free number under {parent}"
 
 
 def find_resume_checkpoint(cfg: Config, run_dir: str, world_size: int):
