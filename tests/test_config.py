@@ -4,7 +4,8 @@ import sys
 import pytest
 import yaml
 
-from utils.config import CONFIG_CLASSES, build_config, dump, help_text, parse_overrides, to_dict
+from utils.cli_help import settings_help
+from utils.config import CONFIG_CLASSES, build_config, dump, parse_overrides, to_dict
 from utils.errors import ConfigError
 
 from conftest import ROOT
@@ -113,7 +114,7 @@ def test_types_and_choices_come_from_the_annotations():
                                    "amp_mode": "bf16"})
     assert c.img_size == [32, 64] and c.adam_betas == [0.0, 0.5] and c.amp_mode == "bf16"
     assert all(type(v) is float for v in c.adam_betas)
-    text = help_text("vit") + help_text("unet")
+    text = settings_help(build_config(VIT, "base")) + settings_help(build_config(UNET, "base"))
     assert "--adam_betas" in text and "--leaky_relu_slope" in text and "--head_bias" in text
     assert "--name " not in text and "--yaml_path" not in text
     for cls in CONFIG_CLASSES.values():

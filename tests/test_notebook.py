@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ROOT
 
-EXAMPLE_RUN = os.path.join("ViT", "quickstart", "1", "0")
+EXAMPLE_RUN = os.path.join("ViT", "quickstart", "1", "0")  # where a user's run sits in the log root
+EXAMPLE_SOURCE = os.path.join("quickstart", "ViT", "quickstart", "1", "0")  # in example_logs/
 
 
 def free_port():
@@ -61,7 +62,7 @@ def repo(tmp_path, monkeypatch):
 def existing_run(log_root):
     """A user's finished run: a copy of an example run, at the path train.py writes."""
     run = log_root / EXAMPLE_RUN
-    shutil.copytree(os.path.join(ROOT, "example_logs", EXAMPLE_RUN), run)
+    shutil.copytree(os.path.join(ROOT, "example_logs", EXAMPLE_SOURCE), run)
     (run / "out.log").write_text("the user's own log\n")
     return run
 
@@ -113,12 +114,15 @@ def test_serves_the_users_run_beside_the_examples_and_changes_neither(repo, tmp_
     port = probed(text, "environment")["debug"]["flags"]["port"]
     assert port != busy and 6006 <= port < 6106
     assert f"your runs: 1 run(s) under {log_root}" in text
-    assert f"examples: 2 run(s) under {repo / 'example_logs'}" in text
+    examples = sum(os.path.basename(d) == "tensorboard" for d, _, _ in os.walk(repo / "example_logs"))
+    assert examples >= 10 and f"examples: {examples} run(s) under {repo / 'example_logs'}" in text
     assert f"https://hub.example.org/user/alice/gpu/proxy/{port}/" in text
     runs = probed(text, "runs")
     assert f"runs/{EXAMPLE_RUN}/tensorboard" in runs
-    assert {"examples/ViT/quickstart/1/0/tensorboard",
-            "examples/UNet/quickstart/1/0/tensorboard"} <= set(runs)
+    assert {"examples/quickstart/ViT/quickstart/1/0/tensorboard",
+            "examples/quickstart/UNet/quickstart/1/0/tensorboard",
+            "examples/data_parallel/quickstart/4/0/tensorboard",
+            "examples/model_parallel/mp_cpu/2/0/tensorboard"} <= set(runs)
     flags = probed(text, "environment")["debug"]["flags"]
     assert flags["host"] == "127.0.0.1" and not flags["bind_all"]
     assert f"port {port} is free again" in text and port_is_free(port)

@@ -5,16 +5,19 @@
 - Every alias the "Differs" column states (`X` is `Y`) gives the same config as what it stands
   for, on that row's command.
 - Every command that can run on one CPU (one rank; not fp16, nsys, train_graph.py or
-  torch.compile) trains two steps with its own settings on a tiny model and tiny data.
+  torch.compile) trains two steps with its own settings on a tiny model and tiny data, in a
+  process of its own.
 """
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
 from conftest import ROOT, write_cosmo_pair, write_era5
-from train import DEFAULT_YAML, run
+from train import DEFAULT_YAML
 from utils.config import from_argv
 
 SECTION = "## Coming from the tutorial"
@@ -122,11 +125,15 @@ def test_each_command_that_runs_on_a_cpu_trains(command, tiny_data, tmp_path):
     # the command's own settings, then a tiny model on tiny data for two steps
     args = [a for i, a in enumerate(args) if not (a.startswith("--num_epochs") or
                                                   (i and args[i - 1] == "--num_epochs"))]
-    cfg = parse(script, args + TINY[model] + [
-        "--data_root", tiny_data[model], "--synthesize_if_missing", "false",
-        "--expdir", str(tmp_path), "--num_iters", "2"])
-    run(cfg)
-    assert os.path.exists(os.path.join(tmp_path, cfg.name, "1", cfg.run_num, "checkpoints",
+    args += TINY[model] + ["--data_root", tiny_data[model], "--synthesize_if_missing", "false",
+                           "--expdir", str(tmp_path), "--num_iters", "2"]
+    cfg = parse(script, args)
+    # as a user runs it: its own process (and its own loader workers)
+    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    run_num = "0" if cfg.run_num == "auto" else cfg.run_num  # the first run of the config
+    assert os.path.exists(os.path.join(tmp_path, cfg.name, "1", run_num, "checkpoints",
                                        "ckpt_00000002.pt"))
 
 

@@ -14,7 +14,7 @@ import textwrap
 import typing
 
 from utils.config import (CONFIG_CLASSES, FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES,
-                          Config, field_types, identity_fields, load_yaml_configs)
+                          Config, default_value, field_types, identity_fields, load_yaml_configs)
 
 WIDTH = 100
 
@@ -74,8 +74,7 @@ def settings_help(cfg: Config) -> str:
             group = groups.get(f.name)
             lines += ["", f"{group[0].upper()}{group[1:]}:"]
         value = getattr(cfg, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        mark = " *" if value != default else ""
+        mark = " *" if value != default_value(cls, f.name) else ""
         lines.append(f"  --{f.name} {_type_text(types[f.name])} = {_value_text(value)}{mark}")
         lines += textwrap.wrap(f.metadata["help"], WIDTH, initial_indent=" " * 6,
                                subsequent_indent=" " * 6)

@@ -371,12 +371,12 @@ def coerce(cls, key: str, value: Any):
         out = [_coerce_item(f"{key}[{i}]", v, item, meta) for i, v in enumerate(value)]
         if "length" in meta and len(out) != meta["length"]:
             raise ConfigError(f"{key}={out} must have {meta['length']} entries, e.g. "
-                              f"{key}={_default(cls, key)}")
+                              f"{key}={default_value(cls, key)}")
         return out
     return _coerce_item(key, value, tp, meta)
 
 
-def _default(cls, key):
+def default_value(cls, key):
     f = {f.name: f for f in dataclasses.fields(cls)}[key]
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
@@ -453,7 +453,7 @@ def _coerce_given(cls, key, val, source):
         return coerce(cls, key, val)
     except ConfigError:
         if val is True and source == "command line":
-            raise ConfigError(f"--{key} needs a value: e.g. --{key} {_default(cls, key)}") from None
+            raise ConfigError(f"--{key} needs a value: e.g. --{key} {default_value(cls, key)}") from None
         raise
 
 
@@ -569,25 +569,6 @@ def dump(cfg: Config, derived: Optional[dict] = None) -> str:
     notes = {"read from": cfg.yaml_path} if cfg.yaml_path else {}
     notes.update(derived or {})
     return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text
-
-
-def help_text(model: str) -> str:
-    cls = CONFIG_CLASSES[model]
-    lines = [f"settings of {model} configs (override any with --key value):"]
-    for f in dataclasses.fields(cls):
-        if f.name in identity_fields(cls):
-            continue
-        lines.append(f"  --{f.name:<24} {f.metadata['help']} [{_default(cls, f.name)}]")
-    return "\n".join(lines)
-
-
-USAGE = """usage: python {prog} [--yaml_config FILE] [--config NAME] [--key value ...]
-
-  --yaml_config FILE   YAML file of named configs (default: {yaml})
-  --config NAME        config in that file (default: {name})
-  --key value          override any setting of the config; a bare --flag sets a boolean true
-  --enable_amp         same as --amp_mode fp16;  --enable_apex: same as --enable_fused
-"""
 
 
 def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstart",
