@@ -6,8 +6,8 @@
 
 Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo on CPU, one thread per
 rank, OMP_NUM_THREADS=1 also for the 1-rank runs so that points compare) of a model's
-``quickstart`` with ``--data_loader_config synthetic``: one batch cached in memory and served
-every step, so file I/O and the loader are excluded and what scales is compute plus the
+``quickstart`` with ``--data_loader_config synthetic``: one batch made in memory and served
+every step (no data set needed), so file I/O and the loader are excluded and what scales is compute plus the
 gradient all-reduce. Each run trains 5 epochs of the same number of steps; the throughput of a
 point is the median samples/s of epochs 2-5 read from the run's log (epoch 1 holds the one-off
 costs: first-touch allocation, DDP's bucket rebuild), pooled over --repeats rounds.
@@ -124,7 +124,7 @@ def run_point(model: str, ranks: int, local_batch: int, noddp: bool, work: str, 
            "--data_loader_config", "synthetic", "--num_data_workers", "0",
            "--local_batch_size", str(local_batch), "--num_epochs", str(EPOCHS),
            "--log_every", str(m["steps"]), "--checkpoint_every", "0",
-           "--data_root", os.path.join(work, "data", model), "--expdir", os.path.join(work, "runs"),
+           "--expdir", os.path.join(work, "runs"),
            "--run_num", tag, m["nsamples"], str(n_train), *m["nsamples_val"], *m["args"]]
     if noddp:
         cmd.append("--noddp")
@@ -296,28 +296,12 @@ def plot(results, cores, out_dir):
     return files
 
 
-def ensure_data(model: str, work: str):
-    sys.path.insert(0, ROOT)
-    from utils.config import build_config
-    from utils.data_loader import has_data, synthesize
-
-    m = MODELS[model]
-    over = dict(data_root=os.path.join(work, "data", model))
-    if model == "vit":
-        over["synthetic_steps_per_year"] = "240"
-    cfg = build_config(os.path.join(ROOT, m["yaml"]), "quickstart", over)
-    if not has_data(cfg):
-        synthesize(cfg)
-
-
 def run_series(args, work):
     """Every point of the plan, --repeats times; returns the document results.json holds."""
     models = args.models.split(",")
     ranks = [int(n) for n in args.ranks.split(",")]
     log_dir = os.path.join(work, "logs")  # every run's full log
     os.makedirs(log_dir, exist_ok=True)
-    for model in models:
-        ensure_data(model, work)
     pooled, t0 = {}, time.time()
     todo = plan(models, ranks)
     for rep in range(args.repeats):

@@ -62,7 +62,8 @@ class Config:
     data_root: str = _f("./data", "directory holding the data set")
     data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem"] = _f(
         "lowmem", "lowmem: read each sample from disk; inmem: hold the data in memory; synthetic: "
-        "one cached batch, for compute-only timing; dali-lowmem / dali-inmem: the same samples "
+        "one batch made in memory and served every step, for compute-only timing (needs no "
+        "data); dali-lowmem / dali-inmem: the same samples "
         "through an NVIDIA DALI pipeline (pip install -r requirements-dali.txt)")
     num_data_workers: int = _f(0, "data loader worker processes per rank (0: load in the main "
                                "process); with DALI, its reader threads", min=0)
@@ -130,6 +131,12 @@ class Config:
     bucket_cap_mb: float = _f(25.0, "DistributedDataParallel gradient bucket size in MB", min=0.0)
     dist_timeout_s: int = _f(600, "seconds a collective waits for a missing rank before failing",
                              min=1)
+
+    @property
+    def data_is_generated(self) -> bool:
+        """Batches are made in memory (data_loader_config synthetic): nothing under data_root is
+        read, and nothing is written there."""
+        return self.data_loader_config == "synthetic"
 
 
 @dataclass

@@ -26,14 +26,20 @@ from utils.rotations import ROTATIONS, rotate_into
 
 class CosmoCropDataset(BatchReadDataset):
     def __init__(self, path, size, nsamples, n_in=4, n_out=5, nbody_vector_channels=(),
-                 hydro_vector_channels=(), augment=True, seed=0, inmem=False):
+                 hydro_vector_channels=(), augment=True, seed=0, inmem=False, volumes=None):
+        """``volumes``: the (Nbody, Hydro) arrays, already in memory (generated data), instead of
+        the file; ``path`` then only names them in messages."""
         self.path, self.size, self.nsamples = path, size, nsamples
         self.n_in, self.n_out = n_in, n_out
         self.in_vec, self.out_vec = tuple(nbody_vector_channels), tuple(hydro_vector_channels)
         self.augment, self.seed = augment, seed
-        self.box = self._check()
         self._handle, self._pid = None, None
         self._arrays = None
+        if volumes is not None:
+            self.box = self._check_shapes(volumes[0].shape, volumes[1].shape)
+            self._arrays = (volumes[0][:n_in], volumes[1][:n_out])
+            return
+        self.box = self._check()
         if inmem:
             with h5py.File(path, "r") as f:
                 self._arrays = tuple(read_float32(f[name], np.s_[:n])
@@ -57,6 +63,9 @@ class CosmoCropDataset(BatchReadDataset):
                     check_stored_dtype(self.path, name, f[name])
         except OSError as e:
             raise DataError(f"{self.path} is not a readable HDF5 file ({e}): replace it") from None
+        return self._check_shapes(sx, sy)
+
+    def _check_shapes(self, sx, sy) -> int:
         if len(sx) != 4 or len(sy) != 4 or sx[1:] != sy[1:] or len(set(sx[1:])) != 1:
             raise DataError(f"{self.path}: Nbody {sx} and Hydro {sy} must be (C, L, L, L) boxes "
                             f"of the same side")

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils import synthetic
+from utils import generated_data, synthetic
 from utils.config import Config, UNetConfig, ViTConfig
 from utils.cosmo_data import CosmoCropDataset
 from utils.era5_data import ERA5Dataset
@@ -80,22 +82,24 @@ class ValidationSampler(Sampler):
 
 
 class CachedBatchLoader:
-    """One real batch kept on the device and served ``steps`` times: compute-only throughput."""
+    """One batch kept on the device and served for every batch of a pass of ``sampler`` (the
+    last one cut to the samples left): compute-only timing, nothing read."""
 
-    def __init__(self, loader, steps, device):
-        self.loader, self.steps, self.device = loader, steps, device
-        self.batch = None
-        self.sampler = loader.sampler
+    def __init__(self, batch, sampler, batch_size: int, device):
+        self.batch = tuple(torch.as_tensor(a).to(device) for a in batch)
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def _sizes(self) -> list[int]:
+        n, b = len(self.sampler), self.batch_size  # samples of this pass (after a resume: left)
+        return [min(b, n - i) for i in range(0, n, b)]
 
     def __iter__(self):
-        if self.batch is None:
-            x, y = next(iter(self.loader))
-            self.batch = (x.to(self.device), y.to(self.device))
-        for _ in range(self.steps - self.sampler.start_step):
-            yield self.batch
+        x, y = self.batch
+        for n in self._sizes():
+            yield x[:n], y[:n]
 
     def __len__(self):
-        return self.steps - self.sampler.start_step
+        return len(self._sizes())
 
 
 class BatchReader(Dataset):
@@ -313,6 +317,17 @@ def synthesize(cfg: Config):
                              train_name=cfg.train_file, val_name=cfg.val_file)
 
 
+def _check_counts(n_train: int, n_valid: int, global_batch: int, dp_size: int):
+    if n_train < global_batch:
+        raise ConfigError(f"global_batch_size={global_batch} exceeds the {n_train} training "
+                          f"samples: lower the batch size or use more data "
+                          f"(limit_nsamples/Nsamples)")
+    if n_valid < dp_size:
+        raise ConfigError(f"the {n_valid} validation samples cannot be shared by {dp_size} "
+                          f"data-parallel ranks (each needs at least one): use more validation "
+                          f"samples (limit_nsamples_val/Nsamples_val) or fewer ranks")
+
+
 def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
                   rows: tuple[int, int] | None = None) -> Loaders:
     """Loaders of one data-parallel rank (see the module docstring).
@@ -321,33 +336,52 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
     W), read from disk as such; a model-parallel rank passes the band it computes on
     (``ParallelViT.image_rows()``). Validation batches stay whole images. ViT (ERA5) only.
     """
+    if rows is not None and not isinstance(cfg, ViTConfig):
+        raise ValueError(f"rows={rows!r} selects image rows of ERA5 samples; the {cfg.model} "
+                         f"loader reads whole volumes: pass rows=None")
     if cfg.data_loader_config.startswith("dali"):
         # DALI is an optional install: imported only when asked for (one line says how otherwise)
         from utils.dali_loader import build_dali_loaders
 
         return build_dali_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
+    if cfg.data_is_generated:
+        return generated_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
     if isinstance(cfg, ViTConfig):
         train, valid = era5_datasets(cfg, rows)
         shuffle = True
     else:
-        if rows is not None:
-            raise ValueError(f"rows={rows!r} selects image rows of ERA5 samples; the {cfg.model} "
-                             f"loader reads whole volumes: pass rows=None")
         train, valid = cosmo_datasets(cfg)
         shuffle = False  # every index is already a fresh random crop
     G = local_batch * dp_size
-    if len(train) < G:
-        raise ConfigError(f"global_batch_size={G} exceeds the {len(train)} training samples: "
-                          f"lower the batch size or use more data (limit_nsamples/Nsamples)")
-    if len(valid) < dp_size:
-        raise ConfigError(f"the {len(valid)} validation samples cannot be shared by {dp_size} "
-                          f"data-parallel ranks (each needs at least one): use more validation "
-                          f"samples (limit_nsamples_val/Nsamples_val) or fewer ranks")
+    _check_counts(len(train), len(valid), G, dp_size)
     sampler = ShardedSampler(len(train), G, local_batch, dp_rank, shuffle=shuffle, seed=cfg.seed)
     seed = cfg.seed * 1000 + dp_rank
     train_loader = _loader(train, sampler, local_batch, cfg, device, seed)
     valid_loader = _loader(valid, ValidationSampler(len(valid), dp_size, dp_rank), local_batch,
                            cfg, device, seed + 500)
-    if cfg.data_loader_config == "synthetic":
-        train_loader = CachedBatchLoader(train_loader, sampler.steps, device)
     return Loaders(train_loader, valid_loader, sampler, sampler.steps, len(train), len(valid))
+
+
+def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
+                      rows: tuple[int, int] | None = None) -> Loaders:
+    """``--data_loader_config synthetic``: the rank's first training batch and first validation
+    batch, made in memory (``utils.generated_data``), each kept on the device and served for
+    every batch of its pass. The samplers are the real ones: the same steps per epoch, shards
+    and validation counts as a run on the files."""
+    n_train, n_valid = generated_data.sample_counts(cfg)
+    G = local_batch * dp_size
+    _check_counts(n_train, n_valid, G, dp_size)
+    sampler = ShardedSampler(n_train, G, local_batch, dp_rank,
+                             shuffle=isinstance(cfg, ViTConfig), seed=cfg.seed)
+    valid_sampler = ValidationSampler(n_valid, dp_size, dp_rank)
+    t0 = time.perf_counter()
+    train_batch = generated_data.batch(cfg, list(itertools.islice(sampler, local_batch)), "train",
+                                         rows)
+    valid_batch = generated_data.batch(cfg, list(itertools.islice(valid_sampler, local_batch)),
+                                         "valid")
+    log.info(f"Generated data (data_loader_config synthetic; nothing read from data_root): one "
+             f"training and one validation batch made in memory in {time.perf_counter() - t0:.1f} "
+             f"s and served for each of the {generated_data.describe_counts(cfg)}")
+    return Loaders(CachedBatchLoader(train_batch, sampler, local_batch, device),
+                   CachedBatchLoader(valid_batch, valid_sampler, local_batch, device),
+                   sampler, sampler.steps, n_train, n_valid)

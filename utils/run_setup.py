@@ -121,8 +121,9 @@ def _newest(ckpt_dir: str):
 
 
 def ensure_data(cfg: Config, rt: Runtime):
-    """Synthesise small data under data_root when the config asks for it and none is there."""
-    if not cfg.synthesize_if_missing:
+    """Synthesise small data under data_root when the config asks for it and none is there (not
+    for generated batches, which need no data)."""
+    if not cfg.synthesize_if_missing or cfg.data_is_generated:
         return
     # Every rank checks that synthesis would not write over a user's files (so all stop alike);
     # rank 0 alone writes; every rank then waits, so none sees a data set that is still being

@@ -284,6 +284,25 @@ class _Era5Model:
         return np.stack([out[c] for c in ERA5_CHANNELS], axis=1).astype(np.float32)
 
 
+def _era5_chunk(h, w):
+    """Steps evaluated at a time: ~2 MB per field per slice, so large grids fit in memory."""
+    return max(1, 2 ** 18 // (h * w))
+
+
+def era5_fields(steps, img_size, steps_per_year, seed=0):
+    """The fields at absolute 6-hourly steps ``steps`` of this seed's trajectory, in memory:
+    (T, 20, H, W) float32, the values make_era5 stores for those steps (step t of year Y's file
+    is absolute step (Y - EPOCH_YEAR) * steps_per_year + t)."""
+    h, w = (int(v) for v in img_size)
+    model = _Era5Model((h, w), int(steps_per_year), seed)
+    steps = np.asarray(steps, dtype=np.int64)
+    chunk = _era5_chunk(h, w)
+    out = np.empty((steps.size, len(ERA5_CHANNELS), h, w), np.float32)
+    for start in range(0, steps.size, chunk):
+        out[start:start + chunk] = model.fields(steps[start:start + chunk])
+    return out
+
+
 def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=(2014, 2015),
               valid_years=(2016,), test_years=(2017,), seed=0):
     """Write synthetic ERA5 year files and normalisation statistics under ``out_dir``.
@@ -313,7 +332,7 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=(2014,
 
     model = _Era5Model((h, w), steps_per_year, seed)
     nc = len(ERA5_CHANNELS)
-    chunk = max(1, min(steps_per_year, 2 ** 18 // (h * w)))  # steps per slice, ~2 MB per field
+    chunk = min(steps_per_year, _era5_chunk(h, w))
     ref, s1, s2, time_sum, count = None, np.zeros(nc), np.zeros(nc), np.zeros((nc, h, w)), 0
     result = {"files": []}
     for split, split_years in splits.items():
@@ -364,8 +383,10 @@ def _bbks_power(k):
     return np.where(k > 0.0, k ** _N_S * transfer ** 2, 0.0)
 
 
-def _write_cosmo_box(path, size, rng):
-    """One periodic box of side ``size`` voxels: Nbody (4, L, L, L) and Hydro (5, L, L, L).
+def _cosmo_fields(size, rng):
+    """One periodic box of side ``size`` voxels, field by field: yields (dataset, channel,
+    (L, L, L) array) for Nbody (4 channels) and Hydro (5), so a large box never needs all its
+    fields in memory at once.
 
     delta: Gaussian random field with the BBKS spectrum, rms _SIGMA_DELTA on the grid.
     Matter: lognormal rho_m / mean = exp(delta - sigma^2 / 2); velocity from linear theory,
@@ -392,28 +413,52 @@ def _write_cosmo_box(path, size, rng):
     def smooth(field_k, radius):
         return np.fft.irfftn(field_k * np.exp(-0.5 * k2 * radius ** 2), s=shape, axes=(0, 1, 2))
 
+    # ln(rho_m / mean) of the lognormal density
+    log_rho = np.fft.irfftn(delta_k, s=shape, axes=(0, 1, 2)) - 0.5 * _SIGMA_DELTA ** 2
+    yield "Nbody", 0, log_rho / _NBODY_LOG_SCALE
+    # the k-space Gaussian can ring slightly below 0 next to voids; keep the density positive
+    rho_s = np.maximum(smooth(np.fft.rfftn(np.exp(log_rho)), _JEANS_MPC), 1e-6)
+    del log_rho
+    log_gas = _GAS_BIAS * np.log(rho_s)
+    del rho_s
+    log_gas -= np.log(np.mean(np.exp(log_gas, dtype=np.float64)))  # ln(rho_gas / mean)
+    yield "Hydro", 0, np.clip(log_gas / _GAS_LOG_SCALE, -_HYDRO_MAX, _HYDRO_MAX)
+    yield "Hydro", 1, _HYDRO_MAX * np.tanh((_GAS_GAMMA - 1.0) * log_gas / _TEMP_LOG_SCALE)
+    del log_gas
+    k2_safe = np.where(k2 > 0.0, k2, np.float32(1.0))
+    for axis, k in enumerate((kx, ky, kz)):
+        k = np.where(np.abs(k) < (1.0 - 1.5 / size) * np.pi / _CELL_MPC, k, 0.0)  # 0 at Nyquist
+        v_k = (1j * _FAH / _VEL_SCALE) * delta_k * (k / k2_safe)  # velocity channel, k-space
+        yield "Nbody", 1 + axis, np.fft.irfftn(v_k, s=shape, axes=(0, 1, 2))
+        yield "Hydro", 2 + axis, _HYDRO_MAX * np.tanh(smooth(v_k, _JEANS_MPC))
+
+
+_COSMO_CHANNELS = {"Nbody": 4, "Hydro": 5}
+_COSMO_STREAMS = {"train": 1, "valid": 2}  # one random stream per box of a seed
+
+
+def _cosmo_rng(seed, split):
+    return np.random.default_rng(np.random.SeedSequence([seed, 0xC05, _COSMO_STREAMS[split]]))
+
+
+def _write_cosmo_box(path, size, rng):
+    """One box (``_cosmo_fields``) written to ``path`` as datasets Nbody and Hydro."""
+    shapes = {name: (n,) + (size,) * 3 for name, n in _COSMO_CHANNELS.items()}
     with h5py.File(path, "w") as f:
-        nbody = f.create_dataset("Nbody", (4,) + shape, dtype=np.float32)
-        hydro = f.create_dataset("Hydro", (5,) + shape, dtype=np.float32)
-        # ln(rho_m / mean) of the lognormal density
-        log_rho = np.fft.irfftn(delta_k, s=shape, axes=(0, 1, 2)) - 0.5 * _SIGMA_DELTA ** 2
-        nbody[0] = log_rho / _NBODY_LOG_SCALE
-        # the k-space Gaussian can ring slightly below 0 next to voids; keep the density positive
-        rho_s = np.maximum(smooth(np.fft.rfftn(np.exp(log_rho)), _JEANS_MPC), 1e-6)
-        del log_rho
-        log_gas = _GAS_BIAS * np.log(rho_s)
-        del rho_s
-        log_gas -= np.log(np.mean(np.exp(log_gas, dtype=np.float64)))  # ln(rho_gas / mean)
-        hydro[0] = np.clip(log_gas / _GAS_LOG_SCALE, -_HYDRO_MAX, _HYDRO_MAX)
-        hydro[1] = _HYDRO_MAX * np.tanh((_GAS_GAMMA - 1.0) * log_gas / _TEMP_LOG_SCALE)
-        del log_gas
-        k2_safe = np.where(k2 > 0.0, k2, np.float32(1.0))
-        for axis, k in enumerate((kx, ky, kz)):
-            k = np.where(np.abs(k) < (1.0 - 1.5 / size) * np.pi / _CELL_MPC, k, 0.0)  # 0 at Nyquist
-            v_k = (1j * _FAH / _VEL_SCALE) * delta_k * (k / k2_safe)  # velocity channel, k-space
-            nbody[1 + axis] = np.fft.irfftn(v_k, s=shape, axes=(0, 1, 2))
-            hydro[2 + axis] = _HYDRO_MAX * np.tanh(smooth(v_k, _JEANS_MPC))
-    return {"Nbody": (4,) + shape, "Hydro": (5,) + shape}
+        datasets = {name: f.create_dataset(name, shape, dtype=np.float32)
+                    for name, shape in shapes.items()}
+        for name, channel, field in _cosmo_fields(size, rng):
+            datasets[name][channel] = field
+    return shapes
+
+
+def cosmo_box(size, seed=0, split="train"):
+    """The box of ``split`` ("train" or "valid") that make_cosmo writes for this seed and size, in
+    memory: (Nbody (4, L, L, L), Hydro (5, L, L, L)) float32."""
+    arrays = {name: np.empty((n,) + (size,) * 3, np.float32) for name, n in _COSMO_CHANNELS.items()}
+    for name, channel, field in _cosmo_fields(int(size), _cosmo_rng(seed, split)):
+        arrays[name][channel] = field
+    return arrays["Nbody"], arrays["Hydro"]
 
 
 def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5",
@@ -427,12 +472,10 @@ def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5
             raise ValueError(f"{name} must be at least 8 voxels, got {size}")
     os.makedirs(out_dir, exist_ok=True)
     result = {"files": []}
-    for split, size, name, stream in (("train", train_size, train_name, 1),
-                                      ("valid", val_size, val_name, 2)):
-        rng = np.random.default_rng(np.random.SeedSequence([seed, 0xC05, stream]))
+    for split, size, name in (("train", train_size, train_name), ("valid", val_size, val_name)):
         path = os.path.join(out_dir, name)
         with _atomic_path(path) as tmp:
-            shapes = _write_cosmo_box(tmp, int(size), rng)
+            shapes = _write_cosmo_box(tmp, int(size), _cosmo_rng(seed, split))
         result[split] = path
         result["files"].append((path, shapes))
     return result

@@ -14,6 +14,7 @@ import torch
 
 from networks.unet import UNet
 from networks.vit import ViT
+from utils import generated_data
 from utils.config import Config, UNetConfig, ViTConfig
 from utils.era5_data import load_stats
 from utils.formats import ERA5_CHANNELS, HYDRO_CHANNELS
@@ -38,7 +39,8 @@ class ERA5Task:
         the global means and stds: the first operation of the step, on the device."""
         if x.device not in self._stats:
             c = self.cfg
-            means, stds = load_stats(c.data_root, max(c.n_in_channels, c.n_out_channels))
+            means, stds = (generated_data.era5_stats(c) if c.data_is_generated
+                           else load_stats(c.data_root, max(c.n_in_channels, c.n_out_channels)))
             mean = torch.from_numpy(means).unsqueeze(0).to(x.device)  # (1, C, 1, 1)
             inv_std = torch.from_numpy(1.0 / stds).unsqueeze(0).to(x.device)
             self._stats[x.device] = (mean[:, : c.n_in_channels], inv_std[:, : c.n_in_channels],
@@ -110,12 +112,13 @@ class CosmoTask:
     def target_mean(self) -> np.ndarray:
         """Per-channel mean of the training targets, from an evenly strided subsample."""
         if self._mean is None:
-            path = os.path.join(self.cfg.data_root, self.cfg.train_file)
-            with h5py.File(path, "r") as f:
-                hydro = f["Hydro"]
-                s = max(1, hydro.shape[1] // 64)
-                self._mean = np.asarray(hydro[: self.cfg.n_out_channels, ::s, ::s, ::s],
-                                        dtype=np.float64).mean(axis=(1, 2, 3))
+            c = self.cfg
+            if c.data_is_generated:
+                self._mean = _strided_mean(generated_data.cosmo_box(
+                    generated_data.cosmo_box_side(c, "train"), c.seed, "train")[1], c.n_out_channels)
+            else:
+                with h5py.File(os.path.join(c.data_root, c.train_file), "r") as f:
+                    self._mean = _strided_mean(f["Hydro"], c.n_out_channels)
         return self._mean
 
     def baseline_pred(self, x, y):
@@ -139,6 +142,13 @@ class CosmoTask:
                                 pred[0, 0, :, :, k].float().cpu().numpy(),
                                 scale=max(1, 192 // y.shape[-2]),
                                 title=f"{self.channels[0]} (log gas density), z slice {k}")
+
+
+def _strided_mean(hydro, n: int) -> np.ndarray:
+    """Per-channel mean of the first n channels of a (C, L, L, L) volume (array or HDF5 dataset)
+    over every s-th voxel along each axis, s = L // 64 (at most 64^3 voxels read)."""
+    s = max(1, hydro.shape[1] // 64)
+    return np.asarray(hydro[:n, ::s, ::s, ::s], dtype=np.float64).mean(axis=(1, 2, 3))
 
 
 def make_task(cfg: Config):

@@ -1,0 +1,119 @@
+"""The data of ``--data_loader_config synthetic`` (compute only), made in memory by the synthetic
+generator (``utils.synthetic``): nothing is read from data_root and nothing is written there.
+
+Sample counts are the config's: ViT ``limit_nsamples`` and ``limit_nsamples_val`` (unset: one
+year of 6-hourly steps each, ``ERA5_STEPS_PER_YEAR``), U-Net ``Nsamples`` and ``Nsamples_val``.
+A rank makes only its first training batch and its first validation batch, which the loader then
+serves for every step (``CachedBatchLoader``); the samples are those of the real formats:
+
+- ERA5: training sample i is the state at step i of the generator's trajectory for ``seed``
+  (``synthetic_steps_per_year`` steps a year, from the first training year that
+  ``python -m utils.synthetic era5`` writes) and its target the state ``dt`` steps later;
+  validation samples follow the last training target. Values are raw (SI-like units), like the
+  files; the normalisation statistics are the mean and std of ``ERA5_STATS_STEPS`` steps spread
+  over one year.
+- Cosmology: crops (rotated, for training) cut by the dataset's own code from the training and
+  validation boxes that ``python -m utils.synthetic cosmo`` writes for the seed, of side
+  ``synthetic_size`` (at least ``data_size``).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from utils import synthetic
+from utils.config import Config, UNetConfig, ViTConfig
+from utils.cosmo_data import CosmoCropDataset
+from utils.era5_data import check_rows
+
+ERA5_STEPS_PER_YEAR = 1460  # 6-hourly steps in a year: the generated ERA5 sets' default size
+ERA5_STATS_STEPS = 8  # steps, evenly spread over a year, behind the normalisation statistics
+ERA5_FIRST_YEAR = 2014  # the first training year of utils.synthetic.make_era5
+
+
+def sample_counts(cfg: Config) -> tuple[int, int]:
+    """(training samples, validation samples) of the generated data set."""
+    if isinstance(cfg, ViTConfig):
+        return (cfg.limit_nsamples or ERA5_STEPS_PER_YEAR,
+                cfg.limit_nsamples_val or ERA5_STEPS_PER_YEAR)
+    return cfg.Nsamples, cfg.Nsamples_val
+
+
+def describe_counts(cfg: Config) -> str:
+    """Where ``sample_counts`` come from, for the log."""
+    n_train, n_valid = sample_counts(cfg)
+    if isinstance(cfg, ViTConfig):
+        source = ("limit_nsamples, limit_nsamples_val; unset: "
+                  f"{ERA5_STEPS_PER_YEAR}, a year of 6-hourly steps")
+    else:
+        source = "Nsamples, Nsamples_val"
+    return f"{n_train} training and {n_valid} validation samples ({source})"
+
+
+def _era5_start(cfg: ViTConfig) -> int:
+    return (ERA5_FIRST_YEAR - synthetic.EPOCH_YEAR) * cfg.synthetic_steps_per_year
+
+
+def era5_batch(cfg: ViTConfig, indices, split: str, rows=None) -> tuple[np.ndarray, np.ndarray]:
+    """Samples ``indices`` of ``split`` ("train" or "valid"): inputs (B, n_in, rows, W) and
+    targets (B, n_out, rows, W), float32, raw values."""
+    start = _era5_start(cfg)
+    if split == "valid":
+        start += sample_counts(cfg)[0] + cfg.dt  # after the last training target
+    t = start + np.asarray(indices, dtype=np.int64)
+    steps, where = np.unique(np.concatenate([t, t + cfg.dt]), return_inverse=True)
+    fields = synthetic.era5_fields(steps, cfg.img_size, cfg.synthetic_steps_per_year, cfg.seed)
+    band = slice(*check_rows(rows, cfg.img_size[0]))
+    x = fields[where[: t.size], : cfg.n_in_channels, band]
+    y = fields[where[t.size:], : cfg.n_out_channels, band]
+    return np.ascontiguousarray(x), np.ascontiguousarray(y)
+
+
+@functools.lru_cache(maxsize=4)
+def _era5_stats(img_size: tuple, steps_per_year: int, seed: int, start: int):
+    steps = start + np.linspace(0, steps_per_year, ERA5_STATS_STEPS, endpoint=False).round()
+    fields = synthetic.era5_fields(steps.astype(np.int64), img_size, steps_per_year, seed)
+    fields = fields.astype(np.float64)
+    return fields.mean(axis=(0, 2, 3)), fields.std(axis=(0, 2, 3))
+
+
+def era5_stats(cfg: ViTConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Normalisation means and stds of the generated fields, as (C, 1, 1) float32 arrays for the
+    first max(n_in, n_out) channels (the shape ``era5_data.load_stats`` returns)."""
+    mean, std = _era5_stats(tuple(cfg.img_size), cfg.synthetic_steps_per_year, cfg.seed,
+                            _era5_start(cfg))
+    c = max(cfg.n_in_channels, cfg.n_out_channels)
+    return (mean[:c, None, None].astype(np.float32), std[:c, None, None].astype(np.float32))
+
+
+@functools.lru_cache(maxsize=2)
+def cosmo_box(side: int, seed: int, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The (Nbody, Hydro) volumes of ``split``, made once per process."""
+    return synthetic.cosmo_box(side, seed, split)
+
+
+def cosmo_box_side(cfg: UNetConfig, split: str) -> int:
+    return max(cfg.synthetic_size[0 if split == "train" else 1], cfg.data_size)
+
+
+def cosmo_dataset(cfg: UNetConfig, split: str) -> CosmoCropDataset:
+    """The crops of the generated ``split`` box, as the file-backed dataset would cut them."""
+    volumes = cosmo_box(cosmo_box_side(cfg, split), cfg.seed, split)
+    n = sample_counts(cfg)[0 if split == "train" else 1]
+    return CosmoCropDataset(f"<generated {split} box>", size=cfg.data_size, nsamples=n,
+                            n_in=cfg.n_in_channels, n_out=cfg.n_out_channels,
+                            nbody_vector_channels=cfg.nbody_vector_channels,
+                            hydro_vector_channels=cfg.hydro_vector_channels,
+                            augment=split == "train", seed=cfg.seed, volumes=volumes)
+
+
+def batch(cfg: Config, keys, split: str, rows=None) -> tuple[np.ndarray, np.ndarray]:
+    """The samples ``keys`` ((epoch, index) pairs from the loader's sampler) of ``split``."""
+    if isinstance(cfg, ViTConfig):
+        return era5_batch(cfg, [i for _, i in keys], split, rows)
+    dataset = cosmo_dataset(cfg, split)
+    sx, sy = dataset.sample_shapes
+    x, y = np.empty((len(keys), *sx), np.float32), np.empty((len(keys), *sy), np.float32)
+    dataset.read_batch(keys, x, y)
+    return x, y
