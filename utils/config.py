@@ -63,8 +63,8 @@ class Config:
     data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem"] = _f(
         "lowmem", "lowmem: read each sample from disk; inmem: hold the data in memory; synthetic: "
         "one batch made in memory and served every step, for compute-only timing (needs no "
-        "data); dali-lowmem / dali-inmem: the same samples "
-        "through an NVIDIA DALI pipeline (pip install -r requirements-dali.txt)")
+        "data); dali-lowmem / dali-inmem: the same samples through an NVIDIA DALI pipeline "
+        "(pip install -r requirements-dali.txt)")
     num_data_workers: int = _f(0, "data loader worker processes per rank (0: load in the main "
                                "process); with DALI, its reader threads", min=0)
     prefetch_depth: int = _f(2, "batches each loader prepares ahead (per worker for the PyTorch "

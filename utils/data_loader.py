@@ -82,7 +82,7 @@ class ValidationSampler(Sampler):
 
 
 class CachedBatchLoader:
-    """One batch kept on the device and served for every batch of a pass of ``sampler`` (the
+    """One batch kept on ``device`` and served for every batch of a pass of ``sampler`` (the
     last one cut to the samples left): compute-only timing, nothing read."""
 
     def __init__(self, batch, sampler, batch_size: int, device):
@@ -365,9 +365,10 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
 def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
                       rows: tuple[int, int] | None = None) -> Loaders:
     """``--data_loader_config synthetic``: the rank's first training batch and first validation
-    batch, made in memory (``utils.generated_data``), each kept on the device and served for
-    every batch of its pass. The samplers are the real ones: the same steps per epoch, shards
-    and validation counts as a run on the files."""
+    batch, made in memory (``utils.generated_data``) and served for every batch of their pass:
+    the training batch from device memory (no copy in the step), the validation batch from host
+    memory, copied like a loaded one (device memory stays the training run's). The samplers are
+    the real ones: the same steps per epoch, shards and validation counts as a run on files."""
     n_train, n_valid = generated_data.sample_counts(cfg)
     G = local_batch * dp_size
     _check_counts(n_train, n_valid, G, dp_size)
@@ -383,5 +384,5 @@ def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int,
              f"training and one validation batch made in memory in {time.perf_counter() - t0:.1f} "
              f"s and served for each of the {generated_data.describe_counts(cfg)}")
     return Loaders(CachedBatchLoader(train_batch, sampler, local_batch, device),
-                   CachedBatchLoader(valid_batch, valid_sampler, local_batch, device),
+                   CachedBatchLoader(valid_batch, valid_sampler, local_batch, torch.device("cpu")),
                    sampler, sampler.steps, n_train, n_valid)
