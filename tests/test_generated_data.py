@@ -123,9 +123,11 @@ def test_epochs_shards_resume_and_validation_counts(tmp_path):
     assert generated_data.sample_counts(defaults) == (1460, 1460)
 
 
-def test_too_few_samples_refused(tmp_path):
+def test_settings_generated_data_cannot_serve_refused(tmp_path):
     with pytest.raises(ConfigError, match="global_batch_size=8 exceeds the 6 training samples"):
         build_loaders(vit_cfg(tmp_path, limit_nsamples=6), 1, 0, 8, CPU)
+    with pytest.raises(ConfigError, match=r"img_size=\[1, 4\] is too small .* at least 2 rows"):
+        vit_cfg(tmp_path, img_size="[1,4]", patch_size="1")
     with pytest.raises(DataError, match="Nbody has 4 channels"):
         build_loaders(unet_cfg(tmp_path, n_in_channels=6, nbody_vector_channels="[]"), 1, 0, 4, CPU)
 

@@ -544,6 +544,10 @@ def validate(cfg: Config):
         if h % p or w % p:
             raise ConfigError(f"img_size={cfg.img_size} is not divisible by patch_size={p}: "
                               f"choose a patch_size that divides {h} and {w}")
+        if cfg.data_is_generated and (h < 2 or w < 4):
+            raise ConfigError(f"img_size={cfg.img_size} is too small for generated ERA5 fields "
+                              f"(the rows run from pole to pole): use at least 2 rows and 4 "
+                              f"columns")
         if cfg.embed_dim % cfg.num_heads:
             ok = [n for n in range(1, cfg.embed_dim + 1) if cfg.embed_dim % n == 0 and n <= 64]
             raise ConfigError(f"num_heads={cfg.num_heads} does not divide embed_dim="
