@@ -67,7 +67,7 @@ def test_era5_batches_are_the_generator_fields(tmp_path):
     cfg = vit_cfg(tmp_path / "none", dt=2, limit_nsamples=20, limit_nsamples_val=6, seed=3)
     loaders = build_loaders(cfg, 1, 0, 4, CPU)
     keys = [i for _, i in list(loaders.train_sampler)[:4]]
-    start = (generated_data.ERA5_FIRST_YEAR - synthetic.EPOCH_YEAR) * 12
+    start = (synthetic.YEARS["train"][0] - synthetic.EPOCH_YEAR) * 12
     x, y = first(loaders.train)
     fields = synthetic.era5_fields(start + np.array(keys + [k + 2 for k in keys]), (16, 32), 12, 3)
     np.testing.assert_array_equal(x, fields[:4])

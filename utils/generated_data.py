@@ -29,7 +29,6 @@ from utils.era5_data import check_rows
 
 ERA5_STEPS_PER_YEAR = 1460  # 6-hourly steps in a year: the generated ERA5 sets' default size
 ERA5_STATS_STEPS = 8  # steps, evenly spread over a year, behind the normalisation statistics
-ERA5_FIRST_YEAR = 2014  # the first training year of utils.synthetic.make_era5
 
 
 def sample_counts(cfg: Config) -> tuple[int, int]:
@@ -52,7 +51,7 @@ def describe_counts(cfg: Config) -> str:
 
 
 def _era5_start(cfg: ViTConfig) -> int:
-    return (ERA5_FIRST_YEAR - synthetic.EPOCH_YEAR) * cfg.synthetic_steps_per_year
+    return (synthetic.YEARS["train"][0] - synthetic.EPOCH_YEAR) * cfg.synthetic_steps_per_year
 
 
 def era5_batch(cfg: ViTConfig, indices, split: str, rows=None) -> tuple[np.ndarray, np.ndarray]:

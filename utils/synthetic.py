@@ -49,6 +49,7 @@ R_EARTH = 6.371e6  # m
 OMEGA = 7.292e-5  # Earth's rotation rate, 1/s
 R_DRY = 287.0  # gas constant of dry air, J/(kg K)
 EPOCH_YEAR = 1979  # step 0 of this year is absolute step 0 of every trajectory
+YEARS = {"train": (2014, 2015), "valid": (2016,), "test": (2017,)}  # make_era5's default years
 
 # ERA5 anomaly model (see _Era5Model): bands, zonal spectrum, vertical structure.
 _BAND_LATS = np.arange(-80.0, 81.0, 10.0)  # centres of the latitude bands, degrees
@@ -303,8 +304,8 @@ def era5_fields(steps, img_size, steps_per_year, seed=0):
     return out
 
 
-def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=(2014, 2015),
-              valid_years=(2016,), test_years=(2017,), seed=0):
+def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS["train"],
+              valid_years=YEARS["valid"], test_years=YEARS["test"], seed=0):
     """Write synthetic ERA5 year files and normalisation statistics under ``out_dir``.
 
     Every year file holds ``steps_per_year`` 6-hourly steps of one trajectory per seed (see
@@ -500,11 +501,11 @@ def main(argv=None):
                       help="latitude x longitude grid (default: %(default)s)")
     era5.add_argument("--steps_per_year", type=int, default=256,
                       help="time steps in each year file (default: %(default)s)")
-    era5.add_argument("--train_years", type=int, nargs="+", default=[2014, 2015],
+    era5.add_argument("--train_years", type=int, nargs="+", default=list(YEARS["train"]),
                       help="years written under train/ (default: %(default)s)")
-    era5.add_argument("--valid_years", type=int, nargs="*", default=[2016],
+    era5.add_argument("--valid_years", type=int, nargs="*", default=list(YEARS["valid"]),
                       help="years written under valid/ (default: %(default)s)")
-    era5.add_argument("--test_years", type=int, nargs="*", default=[2017],
+    era5.add_argument("--test_years", type=int, nargs="*", default=list(YEARS["test"]),
                       help="years written under test/ (default: %(default)s)")
     era5.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     cosmo = sub.add_parser("cosmo", help="N-body / hydro boxes for the 3D U-Net")
