@@ -24,6 +24,14 @@ from utils.errors import DataError
 from utils.rotations import ROTATIONS, rotate_into
 
 
+def crop_settings(cfg) -> dict:
+    """The CosmoCropDataset arguments a U-Net config decides, besides where the volumes come
+    from, the sample count and augmentation."""
+    return dict(size=cfg.data_size, n_in=cfg.n_in_channels, n_out=cfg.n_out_channels,
+                nbody_vector_channels=cfg.nbody_vector_channels,
+                hydro_vector_channels=cfg.hydro_vector_channels, seed=cfg.seed)
+
+
 class CosmoCropDataset(BatchReadDataset):
     def __init__(self, path, size, nsamples, n_in=4, n_out=5, nbody_vector_channels=(),
                  hydro_vector_channels=(), augment=True, seed=0, inmem=False, volumes=None):

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils import generated_data, synthetic
 from utils.config import Config, UNetConfig, ViTConfig
-from utils.cosmo_data import CosmoCropDataset
+from utils.cosmo_data import CosmoCropDataset, crop_settings
 from utils.era5_data import ERA5Dataset
 from utils.errors import ConfigError, UserError
 from utils.preemption import ignore_stop_signals
@@ -259,10 +259,7 @@ def era5_datasets(cfg: ViTConfig, rows=None):
 
 
 def cosmo_datasets(cfg: UNetConfig):
-    inmem = cfg.data_loader_config == "inmem"
-    kw = dict(size=cfg.data_size, n_in=cfg.n_in_channels, n_out=cfg.n_out_channels,
-              nbody_vector_channels=cfg.nbody_vector_channels,
-              hydro_vector_channels=cfg.hydro_vector_channels, seed=cfg.seed, inmem=inmem)
+    kw = dict(crop_settings(cfg), inmem=cfg.data_loader_config == "inmem")
     train = CosmoCropDataset(os.path.join(cfg.data_root, cfg.train_file), nsamples=cfg.Nsamples,
                              augment=True, **kw)
     valid = CosmoCropDataset(os.path.join(cfg.data_root, cfg.val_file),

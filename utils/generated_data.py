@@ -24,7 +24,7 @@ import numpy as np
 
 from utils import synthetic
 from utils.config import Config, UNetConfig, ViTConfig
-from utils.cosmo_data import CosmoCropDataset
+from utils.cosmo_data import CosmoCropDataset, crop_settings
 from utils.era5_data import check_rows
 
 ERA5_STEPS_PER_YEAR = 1460  # 6-hourly steps in a year: the generated ERA5 sets' default size
@@ -87,24 +87,21 @@ def era5_stats(cfg: ViTConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=2)
-def cosmo_box(side: int, seed: int, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """The (Nbody, Hydro) volumes of ``split``, made once per process."""
+def _cosmo_box(side: int, seed: int, split: str) -> tuple[np.ndarray, np.ndarray]:
     return synthetic.cosmo_box(side, seed, split)
 
 
-def cosmo_box_side(cfg: UNetConfig, split: str) -> int:
-    return max(cfg.synthetic_size[0 if split == "train" else 1], cfg.data_size)
+def cosmo_volumes(cfg: UNetConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The (Nbody, Hydro) volumes of the generated ``split`` box, made once per process."""
+    side = max(cfg.synthetic_size[0 if split == "train" else 1], cfg.data_size)
+    return _cosmo_box(side, cfg.seed, split)
 
 
 def cosmo_dataset(cfg: UNetConfig, split: str) -> CosmoCropDataset:
     """The crops of the generated ``split`` box, as the file-backed dataset would cut them."""
-    volumes = cosmo_box(cosmo_box_side(cfg, split), cfg.seed, split)
-    n = sample_counts(cfg)[0 if split == "train" else 1]
-    return CosmoCropDataset(f"<generated {split} box>", size=cfg.data_size, nsamples=n,
-                            n_in=cfg.n_in_channels, n_out=cfg.n_out_channels,
-                            nbody_vector_channels=cfg.nbody_vector_channels,
-                            hydro_vector_channels=cfg.hydro_vector_channels,
-                            augment=split == "train", seed=cfg.seed, volumes=volumes)
+    return CosmoCropDataset(f"<generated {split} box>", volumes=cosmo_volumes(cfg, split),
+                            nsamples=sample_counts(cfg)[0 if split == "train" else 1],
+                            augment=split == "train", **crop_settings(cfg))
 
 
 def batch(cfg: Config, keys, split: str, rows=None) -> tuple[np.ndarray, np.ndarray]:

@@ -114,8 +114,8 @@ class CosmoTask:
         if self._mean is None:
             c = self.cfg
             if c.data_is_generated:
-                self._mean = _strided_mean(generated_data.cosmo_box(
-                    generated_data.cosmo_box_side(c, "train"), c.seed, "train")[1], c.n_out_channels)
+                self._mean = _strided_mean(generated_data.cosmo_volumes(c, "train")[1],
+                                           c.n_out_channels)
             else:
                 with h5py.File(os.path.join(c.data_root, c.train_file), "r") as f:
                     self._mean = _strided_mean(f["Hydro"], c.n_out_channels)
