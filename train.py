@@ -42,8 +42,8 @@ from utils.progress import Progress
 from utils.reference_weights import load_reference_weights
 from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header,
                              resolve_run_num, run_dir_for, write_config)
-from utils.runtime import (Runtime, describe_allocation_failure, describe_dist_failure,
-                           setup_runtime)
+from utils.runtime import (Runtime, check_torch_version, describe_allocation_failure,
+                           describe_dist_failure, setup_runtime)
 from utils.tasks import make_task
 from utils.tensorboard import Board, NullBoard
 from utils.train_state import TrainState
@@ -347,7 +347,8 @@ class Trainer:
             board.scalar("Avg iters per sec", stats.rate_steps_per_s, it)
             board.scalar("Avg samples per sec", samples_per_s, it)
             tflops = tflops_per_device(self.flops_per_sample, samples_per_s, self.rt.world_size)
-            peak = peak_tflops(self.device, self.cfg.amp_mode)  # None on a CPU or unknown GPU
+            peak = peak_tflops(self.device, self.cfg.amp_mode,  # None on a CPU or unknown GPU
+                               self.task.fp32_in_tf32())
             mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""
             log.info(f"  Model {tflops:.3g} TFLOP/s per device "
                      f"({self.flops_per_sample / 1e9:.4g} GFLOP per sample){mfu}")
@@ -441,6 +442,7 @@ def run(cfg, trainer_cls=Trainer):
     rt = trainer = None
     stop_request = StopRequest.install(cfg.stop_signals)  # from here on a signal stops cleanly
     try:
+        check_torch_version()
         rt = setup_runtime(cfg)
         trainer = trainer_cls(cfg, rt)
         trainer.stop_request = stop_request

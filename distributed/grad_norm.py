@@ -28,7 +28,7 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None = None) -> torch.T
     if groups is None or groups.mp_size == 1:
         if not grads:
             return torch.zeros((), device=next(model.parameters()).device)
-        return torch.nn.utils.get_total_norm(grads).float()
+        return total_norm(grads).float()
     sq = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     for p in model.parameters():
         if p.grad is None:
@@ -47,5 +47,27 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups | N
     norm = grad_norm(model, groups)
     if max_norm > 0:
         params = [p for p in model.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+# torch 2.6 added get_total_norm and clip_grads_with_norm_; torch 2.5 (the floor, see
+# utils/runtime.TORCH_FLOOR) lacks them. The fallbacks compute the same thing the same way:
+# one fused norm kernel per gradient, no host sync.
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """2-norm of the concatenation of ``grads`` (one device), as a device tensor."""
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+
+def clip_grads_with_norm_(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor):
+    """Scale the gradients of ``params`` in place by min(1, max_norm / (norm + 1e-6)), without
+    reading ``norm`` on the host."""
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return
+    grads = [p.grad for p in params]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))

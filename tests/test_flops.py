@@ -124,7 +124,7 @@ def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch)
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
     trainer = train.Trainer(cfg, setup_runtime(cfg))
     monkeypatch.setattr(train, "peak_tflops",
-                        lambda device, amp: peak_tflops("NVIDIA H100 80GB HBM3", amp))
+                        lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
     trainer.board = RecordingBoard()
     stats = train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10, rate_steps_per_s=2.0)
     trainer.log_epoch(stats, trainer.validate(), 0.1)
@@ -134,6 +134,52 @@ def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch)
     assert got["Performance/MFU"] == pytest.approx(tflops / 989.0)
     log = open(os.path.join(trainer.run_dir, "out.log")).read()
     assert f"MFU {100 * tflops / 989:.1f}% of 989 TFLOP/s peak" in log, log[-2000:]
+
+
+@pytest.fixture
+def tf32_switches():
+    """torch's TF32 switches, put back after the test (they are process-wide)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("yaml,tiny,peak", [
+    ("UNet.yaml", {"base_width": 4, "max_width": 8, "full_scale": False, "data_size": 32,
+                   "Nsamples": 8, "Nsamples_val": 4, "synthetic_size": [32, 32]}, 494.0),
+    ("ViT.yaml", {"img_size": [16, 32], "patch_size": 4, "embed_dim": 32, "depth": 1,
+                  "num_heads": 2}, 67.0)])
+def test_fp32_mfu_uses_the_peak_of_the_switch_that_governs_the_models_flops(
+        tmp_path, monkeypatch, tf32_switches, yaml, tiny, peak):
+    """amp_mode none on an H100, with torch's defaults (cuDNN may use TF32, cuBLAS may not): the
+    U-Net's convolutions count against the TF32 peak, the ViT's matmuls against the fp32 one."""
+    import train
+    from utils.runtime import setup_runtime
+
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+    cfg = build_config(f"{ROOT}/config/{yaml}", "quickstart",
+                       dict(tiny, expdir=str(tmp_path), data_root=str(tmp_path / "data"),
+                            num_iters=1, amp_mode="none"))
+    trainer = train.Trainer(cfg, setup_runtime(cfg))
+    monkeypatch.setattr(train, "peak_tflops",
+                        lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
+    trainer.board = RecordingBoard()
+    trainer.log_epoch(train.EpochStats(1.0, 1.0, 10, 2.0), trainer.validate(), 0.1)
+    trainer.loaders.close()
+    tflops = trainer.board.scalars["Performance/TFLOPs per sec"]
+    assert trainer.board.scalars["Performance/MFU"] == pytest.approx(tflops / peak)
+    # Flipping the other switch changes nothing; flipping the model's own does.
+    other, own = ((torch.backends.cuda.matmul, torch.backends.cudnn) if yaml == "UNet.yaml"
+                  else (torch.backends.cudnn, torch.backends.cuda.matmul))
+    other.allow_tf32 = not other.allow_tf32
+    assert make_task(cfg).fp32_in_tf32() == (peak == 494.0)
+    own.allow_tf32 = not own.allow_tf32
+    assert make_task(cfg).fp32_in_tf32() == (peak != 494.0)
+
+
+def test_fp32_peak_needs_to_know_whether_tf32_is_on():
+    with pytest.raises(ValueError, match="TF32"):
+        peak_tflops("NVIDIA H100 80GB HBM3", "none")
 
 
 def _tp2_rank(overrides):

@@ -58,6 +58,9 @@ class Config:
     seed: int = _f(0, "seed for weights, data order and augmentation", min=0, max=2**32 - 1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present, else cpu), cpu "
                                                 "or cuda")
+    cudnn_benchmark: bool = _f(True, "CUDA: time cuDNN's convolution algorithms on the first "
+                               "steps and keep the fastest (false: deterministic algorithms, "
+                               "bitwise-reproducible runs, slower)")
     # -- data
     data_root: str = _f("./data", "directory holding the data set")
     data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem"] = _f(

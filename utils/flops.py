@@ -83,7 +83,8 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
     ``device``: a ``torch.device`` (a CPU gives None; a GPU is looked up by its name) or a GPU's
     name as ``torch.cuda.get_device_name`` gives it, e.g. "NVIDIA H100 80GB HBM3". A GPU not in
     ``PEAK_TFLOPS`` gives None. ``amp_mode`` none computes in fp32, at the tf32 peak when
-    ``allow_tf32`` (by default ``torch.backends.cuda.matmul.allow_tf32``) lets matmuls use it.
+    ``allow_tf32``: whether the switch that governs the model's FLOPs lets them run in TF32
+    (the task knows which: cuBLAS's for the ViT's matmuls, cuDNN's for the U-Net's convolutions).
     """
     if isinstance(device, torch.device):
         if device.type != "cuda":
@@ -93,8 +94,9 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
     if model is None:
         return None
     if amp_mode == "none":
-        allow = torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32
-        precision = "tf32" if allow else "fp32"
+        if allow_tf32 is None:
+            raise ValueError("amp_mode none: say whether the model's fp32 FLOPs run in TF32")
+        precision = "tf32" if allow_tf32 else "fp32"
     else:
         precision = amp_mode
     return PEAK_TFLOPS[model][precision]

@@ -7,6 +7,7 @@ LOCAL_RANK device), gloo joins CPU ranks. Without those variables the run is one
 from __future__ import annotations
 
 import datetime
+import glob
 import logging
 import os
 import re
@@ -59,13 +60,67 @@ class Runtime:
             dist.destroy_process_group()
 
 
+# The oldest torch this project runs on; requirements.txt, docker/Dockerfile's base image and the
+# README say the same (tests check that they agree).
+TORCH_FLOOR = (2, 5)
+
+
+def check_torch_version(version: str | None = None):
+    """Refuse a torch below ``TORCH_FLOOR`` (pre-releases such as NGC's "2.6.0a0+..." count as
+    their release). ``version``: torch's own by default."""
+    version = version or torch.__version__
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and (int(m.group(1)), int(m.group(2))) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise ConfigError(f"torch {version} is older than this project supports (torch >= "
+                          f"{floor}): install a newer torch (pip install 'torch>={floor}'), or use "
+                          f"the container of docker/README.md")
+
+
+def gpu_signs() -> list[str]:
+    """What says this node has GPUs for this process, whatever torch can see: the variables
+    Slurm and the CUDA runtime read, and the NVIDIA device files."""
+    signs = []
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd not in (None, "", "-1", "NoDevFiles"):
+        signs.append(f"CUDA_VISIBLE_DEVICES={cvd}")
+    for var in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
+        v = os.environ.get(var, "")
+        if v not in ("", "0"):
+            signs.append(f"{var}={v}")
+    devices = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if devices:
+        signs.append(f"{devices[0]}" + (f" (and {len(devices) - 1} more)" if len(devices) > 1
+                                        else ""))
+    return signs
+
+
+def _no_cuda_reason() -> str:
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of "
+                f"torch for the node's driver (pip install torch from the default index, or the "
+                f"site's PyTorch module or the container of docker/README.md)")
+    return (f"this torch (CUDA {torch.version.cuda}) finds no usable GPU (torch.cuda.is_available()"
+            f" is false): check the driver (nvidia-smi) and that the job was given GPUs")
+
+
 def choose_device(cfg: Config, local_rank: int) -> torch.device:
-    """The one place the device is decided: cuda when present (or asked for), else cpu."""
+    """The one place the device is decided: cuda when present (or asked for), else cpu. A node
+    whose GPUs this torch cannot use is refused unless the CPU is asked for (``--device cpu``):
+    a run that silently trains on the CPU of a GPU node wastes the allocation."""
     has_cuda = torch.cuda.is_available()
-    if cfg.device == "cuda" and not has_cuda:
-        raise ConfigError("device=cuda but no CUDA device is visible: use --device auto (cpu "
-                          "here) or run on a GPU node")
-    if cfg.device == "cpu" or not has_cuda:
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    if not has_cuda:
+        signs = gpu_signs()
+        if cfg.device == "cuda":
+            raise ConfigError(f"device=cuda but no CUDA device is visible"
+                              f"{' (' + ', '.join(signs) + ')' if signs else ''}: "
+                              + (_no_cuda_reason() if signs else
+                                 "use --device auto (cpu here) or run on a GPU node"))
+        if signs:
+            raise ConfigError(f"this node has GPUs ({', '.join(signs)}) but "
+                              f"{_no_cuda_reason()}; or train on the CPU with --device cpu")
         return torch.device("cpu")
     n = torch.cuda.device_count()
     if local_rank >= n:
@@ -73,6 +128,14 @@ def choose_device(cfg: Config, local_rank: int) -> torch.device:
                           f"{n} ranks per node (one per GPU)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def configure_cuda(cfg: Config, device: torch.device):
+    """cuDNN autotuning (the U-Net is all 3D convolutions, 2.9x faster tuned on an H100), or,
+    with ``cudnn_benchmark`` false, the same deterministic algorithms on every run."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        torch.backends.cudnn.deterministic = not cfg.cudnn_benchmark
 
 
 def check_amp(cfg: Config, device: torch.device):
@@ -134,6 +197,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     device = choose_device(cfg, local_rank)
+    configure_cuda(cfg, device)
     check_amp(cfg, device)
     tp = getattr(cfg, "tensor_parallel", 1)
     cp = getattr(cfg, "context_parallel", 1)
@@ -194,6 +258,9 @@ def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> s
             f"the cause. A rank that hangs instead makes the others fail after {timeout} s")
 
 
+# torch.OutOfMemoryError is newer than the floor; torch.cuda's is the same class where both exist.
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
 # The settings that decide the size of the model, of its activations and of a batch.
 SIZE_SETTINGS = {
     "vit": ("img_size", "patch_size", "embed_dim", "depth", "mlp_ratio", "n_in_channels"),
@@ -206,7 +273,7 @@ def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | N
     """One line for a failed memory allocation (the model, the optimizer state or a step did not
     fit), naming the settings that decide the sizes, or None when ``exc`` is not one."""
     low = str(exc).lower()
-    if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+    if not (isinstance(exc, (MemoryError, OUT_OF_MEMORY))
             or "can't allocate memory" in low or "out of memory" in low):
         return None
     tried = re.search(r"tried to allocate ([0-9.]+ ?[a-z]*)", str(exc), re.IGNORECASE)

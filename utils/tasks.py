@@ -48,6 +48,10 @@ class ERA5Task:
         mean_in, inv_std_in, mean_out, inv_std_out = self._stats[x.device]
         return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
 
+    def fp32_in_tf32(self) -> bool:
+        """Whether fp32 FLOPs run in TF32: the ViT's are matmuls (cuBLAS's switch)."""
+        return torch.backends.cuda.matmul.allow_tf32
+
     def build_model(self):
         c = self.cfg
         return ViT(img_size=c.img_size, patch_size=c.patch_size, in_chans=c.n_in_channels,
@@ -98,6 +102,11 @@ class CosmoTask:
     def device_batch(self, x, y):
         """Crops are used as stored: nothing to do on the device."""
         return x, y
+
+    def fp32_in_tf32(self) -> bool:
+        """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by
+        default in torch, unlike cuBLAS's)."""
+        return torch.backends.cudnn.allow_tf32
 
     def build_model(self):
         c = self.cfg

@@ -26,14 +26,14 @@ log = logging.getLogger(__name__)
 # Every other setting (the model, the optimisation, the batch, the data, the seed, the precision)
 # makes a different run: a resume with another value is refused.
 MAY_CHANGE_ON_RESUME = frozenset({
-    "name", "yaml_path", "expdir", "run_num", "resume", "resume_from", "init_from",
-    "stop_signals", "device", "num_epochs", "num_iters", "log_every", "checkpoint_every",
+    "name", "yaml_path", "expdir", "run_num", "resume", "resume_from", "init_from", "stop_signals",
+    "device", "cudnn_benchmark", "num_epochs", "num_iters", "log_every", "checkpoint_every",
     "checkpoint_keep", "num_data_workers", "prefetch_depth", "data_loader_config",
     "synthesize_if_missing", "throughput_report", "profile_trace", "enable_manual_profiling",
-    "enable_jit", "enable_fused", "dist_timeout_s", "bucket_cap_mb",
-    "disable_broadcast_buffers", "tensor_parallel", "context_parallel", "parallel_order",
-    "activation_checkpointing", "sequence_parallel", "local_batch_size", "global_batch_size",
-    "grad_accum_steps", "graph_warmup_steps",
+    "enable_jit", "enable_fused", "dist_timeout_s", "bucket_cap_mb", "disable_broadcast_buffers",
+    "tensor_parallel", "context_parallel", "parallel_order", "activation_checkpointing",
+    "sequence_parallel", "local_batch_size", "global_batch_size", "grad_accum_steps",
+    "graph_warmup_steps",
 })
 
 
