@@ -13,17 +13,23 @@ rate is a device tensor the schedule fills between replays. Validation stays eag
 says how long capture took and how a replayed step compares with the eager ones of the same run.
 See utils/cuda_graph.py for what capture requires of the step.
 """
+import logging
 import os
 import sys
 
 # Capturing NCCL collectives (DDP's gradient all-reduce) needs torch's asynchronous NCCL error
-# handling off, before the process group starts (PyTorch's CUDA graphs notes).
-os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+# handling off, before the process group starts (PyTorch's CUDA graphs notes). A value the user
+# set is kept, and the log says which one the run has.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERROR_HANDLING_GIVEN = NCCL_ERROR_HANDLING in os.environ
+os.environ.setdefault(NCCL_ERROR_HANDLING, "0")
 
 from train import DEFAULT_YAML, Trainer, run  # noqa: E402
 from utils.config import from_argv  # noqa: E402
-from utils.cuda_graph import DDP_WARMUP_STEPS, CudaGraphOps, StepGraph, check_can_capture  # noqa: E402
+from utils.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture  # noqa: E402
 from utils.memory import NullProbe  # noqa: E402
+
+log = logging.getLogger("train")
 
 
 class GraphTrainer(Trainer):
@@ -34,11 +40,19 @@ class GraphTrainer(Trainer):
         if ops is None:
             check_can_capture(cfg, rt.device, model_parallel=rt.groups is not None)
             ops = CudaGraphOps(rt.device)
+        ddp = rt.dp_size > 1 and not cfg.noddp
+        warmup = capture_warmup_steps(cfg, ddp)  # refused here, before anything is written
         with ops.side_stream():  # DDP is wrapped on the stream the step is captured on
             super().__init__(cfg, rt)
-        warmup = cfg.graph_warmup_steps
-        if rt.dp_size > 1 and not cfg.noddp:
-            warmup = max(warmup, DDP_WARMUP_STEPS)
+        if warmup != cfg.graph_warmup_steps:
+            log.info(f"CUDA graph: {warmup} eager warm-up steps (graph_warmup_steps="
+                     f"{cfg.graph_warmup_steps}; DDP needs at least 11 before capture)")
+        value = os.environ.get(NCCL_ERROR_HANDLING, "")
+        source = "from the environment" if NCCL_ERROR_HANDLING_GIVEN else "set by train_graph.py"
+        log.info(f"{NCCL_ERROR_HANDLING}={value} ({source})" + (
+            "; capturing DDP's NCCL all-reduce needs 0" if ddp and value != "0" else ""))
+        capture_at = self.iteration + warmup  # the step that is captured, in this launch
+        self.trace.avoid(capture_at)  # no torch.profiler window over the capture
         self.step_graph = StepGraph(self.update, lambda: self.optimizer.zero_grad(set_to_none=True),
                                     ops, warmup)
 

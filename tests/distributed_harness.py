@@ -85,8 +85,10 @@ def _rank_main(rank, world_size, port, out_dir, fn, args, pg_timeout):
             pass
 
 
-def run_ranks(fn, world_size, *args, timeout=120):
+def run_ranks(fn, world_size, *args, timeout=120, pg_timeout=None):
     """Run ``fn(*args)`` on ``world_size`` gloo ranks and return their results in rank order.
+
+    ``pg_timeout``: seconds a collective of the default group waits (``timeout`` by default).
 
     ``fn`` and ``args`` must be picklable (a module-level function, plain data or tensors).
     Inside ``fn`` use ``torch.distributed.get_rank()`` / ``get_world_size()``.
@@ -100,7 +102,8 @@ def run_ranks(fn, world_size, *args, timeout=120):
         procs = []
         for rank in range(world_size):
             p = ctx.Process(target=_rank_main, name=f"rank{rank}",
-                            args=(rank, world_size, port, out_dir, fn, args, max(timeout, 1)),
+                            args=(rank, world_size, port, out_dir, fn, args,
+                                  pg_timeout or max(timeout, 1)),
                             daemon=False)  # ranks may start their own workers (DataLoader)
             p.start()
             procs.append(p)

@@ -23,10 +23,11 @@ from train import Trainer
 from train_graph import GraphTrainer
 from utils import checkpoint
 from utils.config import build_config
-from utils.cuda_graph import CapturedStep, StepGraph, check_can_capture
+from utils.cuda_graph import (CapturedStep, CudaGraphOps, StepGraph, capture_warmup_steps,
+                              check_can_capture)
 from utils.errors import ConfigError, TrainingError
 from utils.lr_schedule import lr_at
-from utils.runtime import setup_runtime
+from utils.runtime import Runtime, setup_runtime
 
 TINY_VIT = dict(img_size="[16,32]", patch_size="4", embed_dim="32", depth="1", num_heads="2",
                 global_batch_size="4", base_batch_size="4", lr="2e-3", warmup_steps="3",
@@ -114,6 +115,51 @@ def test_what_cannot_be_captured_is_refused_before_anything_is_written(tmp_path)
     assert not os.listdir(tmp_path)
 
 
+def test_ddp_warm_up_keeps_ddps_timed_iterations_out_of_the_capture(tmp_path):
+    """DDP times iterations 1-10 and every 100th with CUDA events and reads them at the next
+    iteration: the captured iteration (warm-up + 1) may touch neither."""
+    def cfg(w):
+        return build_config(f"{ROOT}/config/ViT.yaml", "quickstart",
+                            {"graph_warmup_steps": str(w), "expdir": str(tmp_path / "logs")})
+    assert capture_warmup_steps(cfg(3), ddp=False) == 3
+    assert capture_warmup_steps(cfg(99), ddp=False) == 99  # no DDP, nothing timed
+    assert capture_warmup_steps(cfg(3), ddp=True) == 11
+    assert capture_warmup_steps(cfg(150), ddp=True) == 150
+    for w in (99, 100, 199, 200):
+        with pytest.raises(ConfigError, match=rf"graph_warmup_steps={w} under DDP puts iteration "
+                                              rf"{w + 1}.*choose (98|198) or (101|201)"):
+            capture_warmup_steps(cfg(w), ddp=True)
+    # The engine refuses it before the run directory exists.
+    rt = Runtime(device=torch.device("cpu"), world_size=2, dp_size=2, local_batch=2,
+                 global_batch=4)
+    with pytest.raises(ConfigError, match="graph_warmup_steps=99"):
+        GraphTrainer(cfg(99), rt, ops=ReplayOnCPU())
+    assert not (tmp_path / "logs").exists()
+
+
+def test_capture_is_thread_local_so_loader_threads_cannot_break_it(monkeypatch):
+    """The pin-memory thread and DALI's threads make CUDA calls while the step is captured; a
+    global-mode capture would be invalidated by them."""
+    seen = {}
+
+    class Graph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, **kw):
+        seen.update(kw)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    ops = object.__new__(CudaGraphOps)
+    ops.stream = "side stream"
+    step = ops.capture(lambda: (torch.ones(1),), lambda: None)
+    assert seen == {"stream": "side stream", "capture_error_mode": "thread_local"}
+    assert torch.equal(step.outputs[0], torch.ones(1))
+
+
 def test_train_graph_on_a_cpu_exits_2_naming_train_py(tmp_path, era5_root):
     exp = tmp_path / "logs"
     r = subprocess.run([sys.executable, "train_graph.py", "--data_root", era5_root,
@@ -197,6 +243,20 @@ def test_checkpoints_cross_between_train_py_and_train_graph(tmp_path, era5_root)
         assert torch.is_tensor(lr) == (second is NotingGraphTrainer)
 
 
+def test_the_profiler_window_never_opens_over_the_capture(tmp_path, era5_root):
+    """5 steps an epoch: the trace window (1 wait + 1 warm-up + 3 active steps) would open at
+    step 5, the second epoch's first; with 6 warm-up steps the capture is step 6, so the window
+    moves to step 7 (its traced steps 9-11)."""
+    trace = tmp_path / "trace"
+    graph = _train(NotingGraphTrainer, era5_root, tmp_path / "g", 12, graph_warmup_steps=6,
+                   profile_trace=str(trace))
+    assert graph.steps_per_epoch == 5 and graph.step_graph.ops.captures == 1
+    assert graph.trace.written == [str(trace / "trace_rank0_step9.json")]
+    log = open(os.path.join(graph.run_dir, "out.log")).read()
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (set by train_graph.py)" in log \
+        or "TORCH_NCCL_ASYNC_ERROR_HANDLING=" in log and "(from the environment)" in log, log
+
+
 def _graph_rank(era5_root, expdir):
     tr = _train(NotingGraphTrainer, era5_root, expdir, 14)
     weights = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
@@ -235,3 +295,23 @@ def test_captured_step_on_a_gpu_matches_the_eager_step(tmp_path, era5_root):
         tol = 1e-4 if amp == "none" else 5e-2
         torch.testing.assert_close(graph.losses, eager.losses, rtol=tol, atol=tol,
                                    msg=lambda m: f"amp {amp}: {m}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("loader", ["workers", "dali"])
+def test_capture_with_loader_threads_running(tmp_path, era5_root, loader):
+    """The capture happens while the loader's threads make CUDA calls: the pin-memory thread of
+    2 worker processes, or DALI's threads."""
+    over = {"num_data_workers": 2}
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali", reason="DALI is not installed")
+        over["data_loader_config"] = "dali-lowmem"
+    eager = _train(NotingTrainer, era5_root, tmp_path / "eager", 8, **over)
+    cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart",
+                       dict(TINY_VIT, data_root=era5_root, num_iters="8",
+                            expdir=str(tmp_path / "graph"), **{k: str(v) for k, v in over.items()}))
+    graph = NotingGraphTrainer(cfg, setup_runtime(cfg))
+    graph.fit()
+    assert graph.step_graph.captured and graph.step_graph.ops.__class__ is CudaGraphOps
+    torch.testing.assert_close(graph.losses, eager.losses, rtol=1e-4, atol=1e-4)

@@ -536,3 +536,38 @@ def test_unet_scaling_configs(name, batch, epochs):
         "lowmem", 8, 128 if batch > 64 else 0)
     assert peak_lr(c.lr, batch, c.base_batch_size, c.lr_scaling) == pytest.approx(
         2e-4 * (batch / 64) ** 0.5)
+
+
+SLOW_SYNTHESIS_S, GROUP_TIMEOUT_S = 10, 4
+
+
+def run_slow_synthesis(root, expdir):
+    """Rank 0 takes longer to write the data than a collective of the default group may wait."""
+    import time
+
+    import utils.run_setup as engine
+
+    real = engine.synthesize
+
+    def slow(cfg):
+        time.sleep(SLOW_SYNTHESIS_S)
+        real(cfg)
+
+    engine.synthesize = slow
+    try:
+        cfg = unet_cfg(root, expdir, synthesize_if_missing="true", synthetic_size="[32,32]")
+        tr = Trainer(cfg, setup_runtime(cfg))
+        tr.loaders.close()
+        log = open(os.path.join(tr.run_dir, "out.log")).read() if tr.rt.is_main else ""
+        return tr.loaders.n_train, log
+    finally:
+        engine.synthesize = real
+
+
+def test_ranks_wait_for_a_synthesis_longer_than_the_process_group_timeout(tmp_path):
+    """The waiting ranks are not held in a collective of the default group (whose timeout, and
+    NCCL's watchdog, would end the run): rank 0 writes for 10 s, the group times out after 4."""
+    ranks = run_ranks(run_slow_synthesis, 2, str(tmp_path / "data"), str(tmp_path / "exp"),
+                      timeout=180, pg_timeout=GROUP_TIMEOUT_S)
+    assert ranks[0][0] == ranks[1][0] > 0
+    assert "the other 1 rank(s) wait for it" in ranks[0][1], ranks[0][1]

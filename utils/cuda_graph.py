@@ -15,7 +15,11 @@ of the step:
 - lazy initialisation (optimizer state, the scaler's scale, cuDNN/cuBLAS workspaces, DDP's
   buckets) happens before capture: a few eager steps run first, on a side stream, as capture
   requires. Under DDP the PyTorch documentation asks for at least 11 of them, and for the model
-  to be wrapped on that side stream.
+  to be wrapped on that side stream;
+- no other CUDA work of this thread may sneak in, and nothing of other threads may break it:
+  the loader's pin-memory thread and DALI's threads keep making CUDA calls while the step is
+  captured, in the middle of the first epoch. The capture is therefore thread-local
+  (``capture_error_mode="thread_local"``): only this thread's calls are checked against it.
 
 ``StepGraph`` holds the static buffers and runs the eager warm-up steps, the capture and the
 replays through ``CudaGraphOps``; tests drive the same logic on a CPU through a stand-in with
@@ -36,6 +40,31 @@ from utils.memory import NullProbe
 log = logging.getLogger(__name__)
 
 DDP_WARMUP_STEPS = 11  # eager DDP iterations before a full-backward capture (PyTorch docs)
+DDP_SAMPLE_EVERY = 100  # DDP times every 100th iteration with CUDA events (its reducer's rate)
+
+
+def capture_warmup_steps(cfg: Config, ddp: bool) -> int:
+    """The eager steps before capture: ``graph_warmup_steps``, and under DDP at least 11.
+
+    DDP times its first 10 iterations and every 100th with CUDA events, and reads the events of
+    a timed iteration at the start of the next one (a host sync). Neither may happen inside the
+    captured iteration, which is iteration ``warm-up + 1`` of the DDP model: so warm-up % 100
+    may be neither 99 nor 0."""
+    warmup = cfg.graph_warmup_steps
+    if not ddp:
+        return warmup
+    warmup = max(warmup, DDP_WARMUP_STEPS)
+
+    def clash(w):
+        return (w + 1) % DDP_SAMPLE_EVERY in (0, 1)
+
+    if clash(warmup):
+        lo = next(w for w in range(warmup, 0, -1) if not clash(w))
+        hi = next(w for w in range(warmup, warmup + 3) if not clash(w))
+        raise ConfigError(f"graph_warmup_steps={warmup} under DDP puts iteration {warmup + 1}, "
+                          f"the captured one, next to one that DDP times with CUDA events (every "
+                          f"{DDP_SAMPLE_EVERY}th): choose {lo} or {hi}")
+    return warmup
 
 
 def check_can_capture(cfg: Config, device: torch.device, model_parallel: bool):
@@ -74,7 +103,8 @@ class CudaGraphOps:
         ``fn`` expects done before it (gradients set to None), done once before capture; a
         replay repeats the recorded kernels, whose backward writes the gradients afresh."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
+        # thread_local: the loader's threads go on making CUDA calls during the capture
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
         return CapturedStep(graph.replay, out)
 

@@ -107,6 +107,9 @@ class NullTrace:
     def step(self, iteration: int):
         pass
 
+    def avoid(self, iteration: int):
+        pass
+
 
 class TraceWindow:
     """A ``torch.profiler.profile`` over ``wait + warmup + active`` steps from step ``start``.
@@ -143,6 +146,12 @@ class TraceWindow:
         fits = iteration <= second and total_steps - second >= window.length
         window.start = second if fits else iteration
         return window
+
+    def avoid(self, iteration: int):
+        """Keep step ``iteration`` out of the window (``train_graph.py``'s capture: the profiler's
+        own CUDA calls would break it), by starting the window after it when it would hold it."""
+        if self.start <= iteration < self.start + self.length:
+            self.start = iteration + 1
 
     def step(self, iteration: int):
         if self.prof is None:

@@ -7,6 +7,7 @@ A run directory is ``<expdir>/<config>/<world size>/<run_num>/`` and holds ``out
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -120,24 +121,41 @@ def _newest(ckpt_dir: str):
     return state, path
 
 
+# How long the other ranks wait for rank 0 to write synthetic data: far beyond any synthesis, so
+# that only a dead rank 0 (its connection closes, and the wait fails at once) ends the wait.
+SYNTHESIS_WAIT = datetime.timedelta(hours=24)
+
+
 def ensure_data(cfg: Config, rt: Runtime):
     """Synthesise small data under data_root when the config asks for it and none is there (not
     for generated batches, which need no data)."""
     if not cfg.synthesize_if_missing or cfg.data_is_generated:
         return
     # Every rank checks that synthesis would not write over a user's files (so all stop alike);
-    # rank 0 alone writes; every rank then waits, so none sees a data set that is still being
-    # written (e.g. the training file but not yet the validation file).
+    # rank 0 alone writes, and decides for everyone whether it does.
     missing = not has_data(cfg)
     if missing:
         check_synthesis_target(cfg)
-    if rt.is_main and missing:
+    if rt.distributed:
+        decision = [missing]
+        dist.broadcast_object_list(decision, src=0)  # rank 0's view: it writes when it sees none
+        missing = decision[0]
+    if not missing:
+        return
+    # The other ranks wait until the whole set is written (none may read a training file whose
+    # validation file is still to come), in a gloo group of their own: full-size synthesis can
+    # outlast the default group's dist_timeout_s, and NCCL's watchdog would end the run.
+    waiting = dist.new_group(backend="gloo", timeout=SYNTHESIS_WAIT) if rt.distributed else None
+    if rt.is_main:
+        others = f"; the other {rt.world_size - 1} rank(s) wait for it" if rt.distributed else ""
         log.info(f"No data under {cfg.data_root}: generating synthetic {cfg.model} data there "
-                 f"(synthesize_if_missing is set for this config)")
+                 f"(synthesize_if_missing is set for this config){others}")
         t0 = time.time()
         synthesize(cfg)
         log.info(f"Synthetic data written in {time.time() - t0:.1f} s")
-    rt.barrier()  # other ranks read the data only once it is complete
+    if waiting is not None:
+        dist.barrier(group=waiting)
+        dist.destroy_process_group(waiting)
 
 
 def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
