@@ -1,5 +1,6 @@
 """DALI loaders on CPU pipelines (device_id=None): the same batches as the PyTorch loaders,
-rotations with vector channels, sharding, resume, the missing-DALI message, and training runs."""
+rotations with vector channels, sharding, resume, the hand-off to torch (streams, copies), the
+missing-DALI message, and training runs; on a GPU (marked gpu) the hand-off on torch's stream."""
 import builtins
 import os
 import platform
@@ -10,12 +11,15 @@ import torch
 
 from conftest import ROOT, write_cosmo_pair, write_era5
 from test_training import TINY_UNET, TINY_VIT, baseline_and_val, train
+from utils import dali_loader
 from utils.config import build_config
+from utils.dali_loader import DALILoader, EpochKeys, Handoff, handoff
 from utils.data_loader import build_loaders
 from utils.errors import ConfigError
 from utils.rotations import ROTATIONS, matrix
 
 CPU = torch.device("cpu")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture
@@ -127,6 +131,174 @@ def test_dali_sharding_and_mid_epoch_resume(dali, cosmo_root, era5_root, model):
         assert len(ld.train) == len(want) - 1
         assert_same(batches(ld.train), want[1:])
         assert_same(batches(ld.valid), batches(ref.valid))
+
+
+# ---------------------------------------------------------------------- the hand-off to torch
+
+def test_handoff_binds_gpu_batches_to_torchs_current_stream(monkeypatch):
+    """On a GPU both the pipeline's outputs and the copy go on torch's current stream of the
+    device (read when the batch is fetched), and the batch is copied; on CPU there is no stream
+    and DALI's buffer is wrapped, unless the legacy executor will reuse it."""
+    asked = []
+
+    class FakeStream:  # what torch.cuda.current_stream returns; no GPU needed
+        def __init__(self, device):
+            self.device = device
+
+    def current_stream(device=None):
+        asked.append(device)
+        return FakeStream(device)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    gpu = torch.device("cuda", 1)
+    plan = handoff(gpu, exec_dynamic=True)
+    assert isinstance(plan.stream, FakeStream) and plan.stream.device == gpu
+    assert plan.run_stream is plan.stream and not plan.share
+    legacy = handoff(gpu, exec_dynamic=False)  # run(stream) needs the dynamic executor
+    assert isinstance(legacy.stream, FakeStream) and legacy.run_stream is None and not legacy.share
+    assert asked == [gpu, gpu]
+    assert handoff(CPU, exec_dynamic=True) == Handoff(None, None, share=True)
+    assert handoff(CPU, exec_dynamic=False) == Handoff(None, None, share=False)
+    assert asked == [gpu, gpu]  # CPU batches never touch CUDA
+
+
+class FakeOutput:
+    """A dense pipeline output (what ``as_tensor`` gives): its shape only."""
+
+    def __init__(self, shape):
+        self._shape = list(shape)
+
+    def as_tensor(self):
+        return self
+
+    def shape(self):
+        return self._shape
+
+
+class FakePipe:
+    """``runs`` batches of (x, y) shaped (2, 3) and (2, 1), then StopIteration; records the
+    stream every ``run`` was given."""
+
+    exec_dynamic = True
+
+    def __init__(self, runs):
+        self.runs, self.streams = runs, []
+
+    def build(self):
+        pass
+
+    def run(self, cuda_stream=None):
+        self.streams.append(cuda_stream)
+        if len(self.streams) > self.runs:
+            raise StopIteration
+        return FakeOutput((2, 3)), FakeOutput((2, 1))
+
+
+def test_loader_copies_each_output_once_on_the_handoff_stream(monkeypatch):
+    """The loader passes the hand-off's stream to every ``pipe.run`` (the drain at the end of the
+    epoch too) and to ``feed_ndarray``, which it calls once per output per batch: the only copy.
+    The last batch is cut to the epoch's size."""
+    stream = object()  # stands for torch's current stream
+    monkeypatch.setattr(dali_loader, "handoff",
+                        lambda device, exec_dynamic: Handoff(stream, stream, share=False))
+    copies = []
+
+    def feed(out, t, cuda_stream=None):
+        copies.append((tuple(t.shape), cuda_stream))
+        t.fill_(len(copies))
+        return t
+
+    pipe = FakePipe(runs=3)
+    ld = DALILoader(lambda: pipe, list(range(5)), 2, EpochKeys(6), CPU, feed)
+    got = list(ld)
+    assert [(tuple(x.shape), tuple(y.shape)) for x, y in got] == [((2, 3), (2, 1))] * 2 + [((1, 3), (1, 1))]
+    assert [(x.unique().item(), y.unique().item()) for x, y in got] == [(1, 2), (3, 4), (5, 6)]
+    assert copies == [((2, 3), stream), ((2, 1), stream)] * 3
+    assert len(pipe.streams) == 4 and all(s is stream for s in pipe.streams)
+
+
+def spy_runs(loader, seen: list):
+    """Record, for every ``pipe.run`` of ``loader``'s pipeline, its arguments and the addresses of
+    its outputs."""
+    make = loader.build_pipeline
+
+    def build():
+        pipe = make()
+        run = pipe.run
+
+        def spied(*args):
+            outs = run(*args)
+            seen.append((args, [o.as_tensor().data_ptr() for o in outs]))
+            return outs
+
+        pipe.run = spied
+        return pipe
+
+    loader.build_pipeline = build
+
+
+@pytest.mark.parametrize("model", ["unet", "vit"])
+@pytest.mark.parametrize("mode,workers", [("lowmem", 2), ("inmem", 0)])
+def test_dali_cpu_batches_are_dalis_buffers_and_stay_valid(dali, cosmo_root, era5_root, model, mode,
+                                                           workers):
+    """On CPU a batch is DALI's output buffer itself (no copy: feed_ndarray is never called, the
+    tensor's address is the output's), and each batch keeps its own buffer: batches held without
+    a copy, while the pipeline produced the rest of the epoch and the next one, still equal the
+    PyTorch loader's (a loader reusing buffers would have overwritten them)."""
+    make = unet_cfg if model == "unet" else vit_cfg
+    root = cosmo_root if model == "unet" else era5_root
+    ref = build_loaders(make(root, mode, workers), 1, 0, 4, CPU)
+    ld = build_loaders(make(root, f"dali-{mode}", workers), 1, 0, 4, CPU)
+
+    def no_copy(*args, **kw):
+        raise AssertionError("a CPU batch was copied")
+
+    ld.train.feed = no_copy
+    seen = []
+    spy_runs(ld.train, seen)
+    ld.train_sampler.set_epoch(0)
+    held = list(ld.train)  # no clone
+    n = len(held)
+    assert n >= 3 and len(seen) == n
+    assert [args for args, _ in seen] == [(None,)] * n  # no stream on CPU
+    assert [[x.data_ptr(), y.data_ptr()] for x, y in held] == [ptrs for _, ptrs in seen]
+    ld.train_sampler.set_epoch(1)
+    batches(ld.train)
+    ref.train_sampler.set_epoch(0)
+    assert_same(held, batches(ref.train))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("model", ["unet", "vit"])
+def test_dali_gpu_batches_arrive_on_torchs_current_stream(dali, cosmo_root, era5_root, model):
+    """On a GPU, under a side stream: every ``pipe.run`` and every copy get that stream (no
+    host-synchronous outputs), each output is copied once, and the batches equal the PyTorch
+    loader's."""
+    make = unet_cfg if model == "unet" else vit_cfg
+    root = cosmo_root if model == "unet" else era5_root
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    ref = build_loaders(make(root, "inmem"), 1, 0, 4, CPU)
+    ld = build_loaders(make(root, "dali-inmem"), 1, 0, 4, gpu)
+    seen, copies = [], []
+    spy_runs(ld.train, seen)
+    feed = ld.train.feed
+
+    def recording_feed(out, t, cuda_stream=None):
+        copies.append(cuda_stream)
+        return feed(out, t, cuda_stream=cuda_stream)
+
+    ld.train.feed = recording_feed
+    side = torch.cuda.Stream(gpu)
+    ld.train_sampler.set_epoch(0)
+    with torch.cuda.stream(side):
+        got = batches(ld.train)  # the clones are queued on the side stream too
+    side.synchronize()
+    assert len(got) >= 3 and len(seen) == len(got) and len(copies) == 2 * len(got)
+    assert all(args[0].cuda_stream == side.cuda_stream for args, _ in seen)
+    assert all(s.cuda_stream == side.cuda_stream for s in copies)
+    ref.train_sampler.set_epoch(0)
+    assert_same(got, [(x.to(gpu), y.to(gpu)) for x, y in batches(ref.train)])
 
 
 def test_missing_dali_names_the_install(monkeypatch, cosmo_root):

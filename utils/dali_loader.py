@@ -26,6 +26,10 @@ engine sets the sampler's epoch after the workers started, so the workers look t
 instead of being given them. A sample callback past the epoch's keys, or from an earlier DALI
 epoch, raises StopIteration; a partial last batch (validation) is filled with repeats of the last
 key and cut back to its true size.
+
+The hand-off to torch (``handoff``, ``to_torch``) never waits on the host for the pipeline. On a
+GPU the outputs are bound to torch's current stream and copied once, on that stream, into a tensor
+from torch's allocator; on CPU the tensor wraps DALI's own output buffer (DLPack, no copy).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import os
 import platform
 import tempfile
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -198,6 +203,49 @@ def _rotate(fn, v, k, flips, src, mul, vector_channels, n_channels, gpu: bool):
     return fn.stack(*chans, axis=0)  # (C, D, H, W)
 
 
+class Handoff(NamedTuple):
+    """How one batch passes from the pipeline to torch (see ``handoff``)."""
+
+    stream: object  # torch's current CUDA stream, on which the copy is queued; None on CPU
+    run_stream: object  # passed to ``pipe.run``: the stream its outputs are bound to, or None
+    share: bool  # wrap DALI's output buffer (DLPack) instead of copying it
+
+
+def handoff(device, exec_dynamic: bool) -> Handoff:
+    """The hand-off of the next batch on ``device``; ``exec_dynamic``: the pipeline runs DALI's
+    dynamic executor (the default, and the case for every pipeline built here).
+
+    On a GPU, torch's current stream, read per batch (the step that uses the batch runs on it).
+    ``pipe.run()`` without a stream is host-synchronous: it waits until the batch's GPU work is
+    done. ``pipe.run(stream)`` makes the stream wait for it instead (dynamic executor only), and
+    ``feed_ndarray`` queues the device copy on the same stream, after which DALI's own stream
+    waits for the copy before the source buffer can be reused; the destination comes from torch's
+    allocator, whose reuse of a block is ordered on that stream too. The batch is copied, not
+    wrapped (DLPack, as DALI's own iterator does after a host-synchronous run): DALI's executor
+    keeps its outputs in the order of its own stream, which does not wait for torch's, so a
+    wrapped buffer dropped by the engine could be refilled by a later batch while the step that
+    reads it is still queued. The copy is one device-to-device pass over the batch.
+
+    On CPU there is no stream. The dynamic executor gives every batch its own buffer, kept while
+    anything refers to it, so the tensor wraps it; the legacy executor reuses output buffers at
+    the next run, so they are copied."""
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        return Handoff(stream, stream if exec_dynamic else None, share=False)
+    return Handoff(None, None, share=exec_dynamic)
+
+
+def to_torch(out, device, plan: Handoff, feed) -> torch.Tensor:
+    """One pipeline output as a torch tensor on ``device``: the loader's one copy of the batch,
+    or none with ``plan.share`` (CPU)."""
+    out = out.as_tensor()  # the batch as one dense tensor: a view, pipeline outputs are contiguous
+    if plan.share:
+        return torch.from_dlpack(out)
+    t = torch.empty(out.shape(), dtype=torch.float32, device=device)
+    feed(out, t, cuda_stream=plan.stream)
+    return t
+
+
 class DALILoader:
     """Batches (x, y) of one pipeline in the order of ``sampler``, like a DataLoader over it."""
 
@@ -241,27 +289,19 @@ class DALILoader:
             return
         self.keys.stop()
         try:
-            while True:
-                self.pipe.run()
+            while True:  # bound to torch's stream too: the host does not wait for dropped batches
+                self.pipe.run(handoff(self.device, self.pipe.exec_dynamic).run_stream)
         except StopIteration:
             pass
         self.open = False
 
-    def _torch(self, out) -> torch.Tensor:
-        out = out.as_tensor()  # the batch as one dense tensor
-        shape = out.shape()
-        t = torch.empty(shape, dtype=torch.float32, device=self.device)
-        # On a GPU the copy is queued on torch's current stream: the step that uses it follows.
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self.feed(out, t, cuda_stream=stream)
-        return t
-
     def __iter__(self):
         n = self._start_epoch()
         for step in range(len(self)):
-            x, y = (self._torch(o) for o in self.pipe.run())
+            plan = handoff(self.device, self.pipe.exec_dynamic)
+            x, y = (to_torch(o, self.device, plan, self.feed) for o in self.pipe.run(plan.run_stream))
             keep = min(self.b, n - step * self.b)
-            yield x[:keep], y[:keep]
+            yield x[:keep], y[:keep]  # views: no copy
         self._finish()
 
 
