@@ -38,7 +38,7 @@ from utils.optimizer import build_optimizer
 from utils.parallelism import apply_parallelism
 from utils.preemption import STOPPED_EXIT_CODE, NeverStop, RunStopped, StopRequest
 from utils.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
-from utils.progress import Progress
+from utils.progress import DataWait, Progress
 from utils.reference_weights import load_reference_weights
 from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header,
                              resolve_run_num, run_dir_for, write_config)
@@ -57,9 +57,11 @@ class EpochStats:
     """What one pass of ``train_epoch`` measured."""
 
     avg_loss: float  # mean training loss of the epoch's steps, over all data-parallel ranks
-    elapsed_s: float  # wall time of the epoch's steps
+    elapsed_s: float  # wall time of the epoch, from before its first batch to its last step's end
     steps: int  # steps this call ran (fewer than an epoch after a resume mid-epoch)
-    rate_steps_per_s: float  # from the second step on: the first step also measures memory
+    samples_per_s: float  # the job's samples over elapsed_s: what the epoch really delivered
+    steady_samples_per_s: float | None = None  # from the end of the first step on (> 1 step)
+    data_wait: float | None = None  # share of elapsed_s the step waited for data (DataWait)
 
 
 class Trainer:
@@ -133,6 +135,7 @@ class Trainer:
         self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, self.iteration,
                                          self.steps_per_epoch, self.total_steps)
         self.progress = Progress(self.steps_per_epoch, rt.global_batch, rt.is_main)
+        self.data_wait = DataWait.for_device(self.device)
         self._baseline = None  # the naive baseline's validation loss, computed once
 
         log.info(f"Run directory: {self.run_dir}")
@@ -205,20 +208,24 @@ class Trainer:
         epoch_sum = torch.zeros((), device=self.device)  # sum over steps of dp-mean losses
         window = torch.zeros(2, device=self.device)  # [loss, grad norm] summed since the last log
         window_steps = steps_run = 0
-        t0 = t_first = time.time()
         self.progress.start_epoch(st.epoch, st.step_in_epoch, last=min(
             self.steps_per_epoch, st.step_in_epoch + self.total_steps - st.iteration))
+        self.data_wait.start_epoch()
+        t_first = None
         self.trace.step(st.iteration)  # the torch.profiler window may start here
-        for x, y in ranged(self.loaders.train, "data wait"):  # the wait for a batch, as a range
+        # each wait for a batch as a range, and timed
+        for x, y in ranged(self.loaders.train, "data wait", self.data_wait.fetching):
             if st.iteration >= self.total_steps:
                 break
             self.profiler.step(st.iteration)
             probe = self.probe if steps_run == 0 else NullProbe()  # first step of each epoch
+            self.data_wait.step_begins()
             with nvtx_range(f"step {st.iteration}"):
                 loss, grad_norm = self.train_step(*self.to_device(x, y), probe)
+            self.data_wait.step_ends()
             if steps_run == 0:
                 self.log_memory(probe)
-                t_first = time.time()  # throughput is timed from here: step 1 measures memory
+                t_first = self.progress.clock()  # the steady state is timed from here
             epoch_sum += loss / rt.dp_size
             window += torch.stack([loss, grad_norm])
             window_steps += 1
@@ -240,13 +247,17 @@ class Trainer:
             self.log_train_window(window, window_steps)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the epoch time must include the queued kernels
-        t_end = time.time()
-        timed_steps, timed_s = (steps_run - 1, t_end - t_first) if steps_run > 1 \
-            else (steps_run, t_end - t0)
+        # The progress lines' definition: the job's samples over the wall time since the epoch
+        # began, its first step (memory probe, first batch after validation) included.
+        elapsed = self.progress.clock() - self.progress.t0
+        samples_per_s = self.progress.rate(st.step_in_epoch)
+        steady = (steps_run - 1) * rt.global_batch / max(self.progress.clock() - t_first, 1e-9) \
+            if steps_run > 1 else None
         # One collective per epoch: the summed losses of all data-parallel ranks.
         total = rt.dp_sum(epoch_sum.clone().float()).item()
         avg = (total + st.epoch_loss_carry) / max(st.step_in_epoch, 1)
-        return EpochStats(avg, t_end - t0, steps_run, timed_steps / max(timed_s, 1e-9))
+        return EpochStats(avg, elapsed, steps_run, samples_per_s, steady,
+                          self.data_wait.share(elapsed) if steps_run else None)
 
     def stop_if_requested(self, epoch_sum: torch.Tensor):
         """When a stop signal reached any rank: every rank writes this step's checkpoint and
@@ -339,12 +350,19 @@ class Trainer:
     def log_epoch(self, stats: EpochStats, val: dict, val_s: float):
         """The epoch's lines in the log and its points in TensorBoard."""
         it, board = self.iteration, self.board
+        steps_per_s = stats.samples_per_s / self.rt.global_batch
         log.info(f"Epoch {self.state.epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} steps, "
-                 f"{stats.rate_steps_per_s * self.rt.global_batch:.2f} samples/s "
-                 f"({stats.rate_steps_per_s:.2f} steps/s)")
+                 f"{stats.samples_per_s:.2f} samples/s ({steps_per_s:.2f} steps/s)")
         if stats.steps:
-            samples_per_s = stats.rate_steps_per_s * self.rt.global_batch  # the whole job's
-            board.scalar("Avg iters per sec", stats.rate_steps_per_s, it)
+            # Who sets the pace: the loader when the step waited for data much of the epoch.
+            steady = stats.steady_samples_per_s
+            if stats.data_wait is not None:
+                log.info(f"  Waited for data {100 * stats.data_wait:.0f}% of the epoch "
+                         f"({self.data_wait.label})" + (f"; steady state (after step 1) "
+                                                       f"{steady:.2f} samples/s" if steady else ""))
+                board.scalar("Performance/data wait share", stats.data_wait, it)
+            samples_per_s = stats.samples_per_s  # the whole job's, over the epoch's wall time
+            board.scalar("Avg iters per sec", steps_per_s, it)
             board.scalar("Avg samples per sec", samples_per_s, it)
             tflops = tflops_per_device(self.flops_per_sample, samples_per_s, self.rt.world_size)
             peak = peak_tflops(self.device, self.cfg.amp_mode,  # None on a CPU or unknown GPU

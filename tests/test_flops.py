@@ -126,7 +126,7 @@ def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch)
     monkeypatch.setattr(train, "peak_tflops",
                         lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
     trainer.board = RecordingBoard()
-    stats = train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10, rate_steps_per_s=2.0)
+    stats = train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10, samples_per_s=8.0, data_wait=0.25)
     trainer.log_epoch(stats, trainer.validate(), 0.1)
     tflops = flops_per_sample(cfg) * 2.0 * 4 / 1e12  # 2 steps/s of 4 samples on 1 device
     got = trainer.board.scalars
@@ -164,7 +164,7 @@ def test_fp32_mfu_uses_the_peak_of_the_switch_that_governs_the_models_flops(
     monkeypatch.setattr(train, "peak_tflops",
                         lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
     trainer.board = RecordingBoard()
-    trainer.log_epoch(train.EpochStats(1.0, 1.0, 10, 2.0), trainer.validate(), 0.1)
+    trainer.log_epoch(train.EpochStats(1.0, 1.0, 10, 16.0, data_wait=0.0), trainer.validate(), 0.1)
     trainer.loaders.close()
     tflops = trainer.board.scalars["Performance/TFLOPs per sec"]
     assert trainer.board.scalars["Performance/MFU"] == pytest.approx(tflops / peak)

@@ -111,12 +111,12 @@ def test_reads_the_mfu_that_train_py_logs_when_the_peak_is_known(tmp_path, era5_
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
     trainer = train.Trainer(cfg, setup_runtime(cfg))
     monkeypatch.setattr(train, "peak_tflops",
-                        lambda device, amp, *tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, *tf32))
+                        lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
     val = trainer.validate()
     for epoch in range(2):
         trainer.state.epoch = epoch
         trainer.log_epoch(train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10,
-                                           rate_steps_per_s=2.0e5), val, 0.1)
+                                           samples_per_s=8.0e5, data_wait=0.1), val, 0.1)
     log = open(os.path.join(trainer.run_dir, "out.log")).read()
     tflops = flops_per_sample(cfg) * 2.0e5 * 4 / 1e12  # 2e5 steps/s of 4 samples on 1 device
     got = gpu_runs.read_log(log)

@@ -1,9 +1,19 @@
 """Progress lines inside an epoch: at log points, at least every 30 s on long steps, in the log."""
 import logging
 import os
+import time
 
+import pytest
+import torch
+
+from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from utils.progress import Progress, duration
+from train import Trainer
+from utils.config import build_config
+from utils.flops import tflops_per_device
+from utils.memory import NullProbe
+from utils.progress import DataWait, DeviceIdle, Progress, duration
+from utils.runtime import setup_runtime
 
 
 class Clock:
@@ -59,3 +69,108 @@ def test_a_run_shows_its_progress_in_the_log_and_tensorboard(tmp_path, era5_root
     acc = tb_scalars(os.path.join(run_dir(exp), "tensorboard"))
     assert [e.step for e in acc.Scalars("Performance/samples per sec (epoch so far)")] == \
         [2, 4, 5, 6, 8, 10]
+
+
+# ------------------------------------------------------------------ the epoch's figures
+
+def test_no_placeholder_loss_before_the_first_log_point(caplog):
+    clock = Clock()
+    p = Progress(steps_per_epoch=100, global_batch=8, enabled=True, every_s=30, clock=clock)
+    p.start_epoch(0, 0, last=100)
+    with caplog.at_level(logging.INFO, logger="train"):
+        clock.t += 31
+        p.step(1)  # a timed line before any log point
+        clock.t += 1
+        p.step(10, loss=0.25, lr=1e-3)
+        clock.t += 31
+        p.step(11)  # the log point's loss is carried
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "Epoch 1 step 1/100 (1%): 0.3 samples/s, epoch ETA 51m09s"
+    assert "train loss 0.25, lr 0.001" in lines[1] and "train loss 0.25, lr 0.001" in lines[2]
+    assert not any("nan" in line for line in lines)
+
+
+class SlowStart(Trainer):
+    """The first step of each epoch takes 1.5 s more (as a first step after validation does)."""
+
+    def train_step(self, x, y, probe=NullProbe()):
+        if self.state.step_in_epoch == 0:
+            time.sleep(1.5)
+        return super().train_step(x, y, probe)
+
+
+class SlowLoader:
+    """Every batch of ``loader`` comes 0.15 s late (the batches themselves are cached)."""
+
+    def __init__(self, loader, delay_s=0.15):
+        self.batches, self.delay_s = list(loader), delay_s
+
+    def __iter__(self):
+        for b in self.batches:
+            time.sleep(self.delay_s)
+            yield b
+
+
+def _trainer(cls, tmp_path, era5_root, **kw):
+    ov = {k.lstrip("-"): v for k, v in zip(TINY_VIT[::2], TINY_VIT[1::2])}
+    ov.update(data_root=era5_root, expdir=str(tmp_path), num_epochs="1", log_every="100", **kw)
+    cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
+    return cls(cfg, setup_runtime(cfg))
+
+
+def test_the_epoch_figure_is_its_samples_over_its_wall_time_first_step_included(
+        tmp_path, era5_root):
+    tr = _trainer(SlowStart, tmp_path, era5_root)
+    t0 = time.monotonic()
+    stats = tr.train_epoch()
+    wall = time.monotonic() - t0
+    samples = stats.steps * tr.rt.global_batch
+    assert stats.elapsed_s > 1.5 and stats.samples_per_s == pytest.approx(samples / wall, rel=0.01)
+    assert stats.steady_samples_per_s > 1.5 * stats.samples_per_s  # the slow first step left out
+    tr.log_epoch(stats, tr.validate(), 0.1)
+    tr.loaders.close()
+    text = open(os.path.join(tr.run_dir, "out.log")).read()
+    assert f"{stats.samples_per_s:.2f} samples/s" in text
+    assert f"steady state (after step 1) {stats.steady_samples_per_s:.2f} samples/s" in text
+    sps = f"{tflops_per_device(tr.flops_per_sample, stats.samples_per_s, 1):.3g} TFLOP/s"
+    assert sps in text  # TFLOP/s from the same figure
+
+
+def test_a_slow_loader_shows_its_share_of_the_epoch(tmp_path, era5_root):
+    tr = _trainer(Trainer, tmp_path, era5_root)
+    tr.loaders.train = SlowLoader(tr.loaders.train)
+    stats = tr.train_epoch()
+    true_share = stats.steps * 0.15 / stats.elapsed_s
+    assert true_share > 0.2 and stats.data_wait == pytest.approx(true_share, abs=0.05)
+    tr.log_epoch(stats, tr.validate(), 0.1)
+    tr.loaders.close()
+    assert f"Waited for data {100 * stats.data_wait:.0f}% of the epoch (fetching batches)" \
+        in open(os.path.join(tr.run_dir, "out.log")).read()
+
+
+class Event:
+    """A CUDA event on a fake device clock: ``record()`` takes the clock's time."""
+
+    def __init__(self, clock):
+        self.clock, self.t = clock, None
+
+    def record(self):
+        self.t = self.clock.t
+
+    def elapsed_time(self, end):
+        return 1e3 * (end.t - self.t)  # ms, as torch.cuda.Event gives it
+
+
+def test_device_idle_share_from_events_around_each_steps_work():
+    clock = Clock()
+    idle = DeviceIdle(event=lambda: Event(clock))
+    for epoch in range(2):  # the events are made once and reused
+        idle.start_epoch()
+        for step in range(4):
+            clock.t += 0.5  # the device waits for the batch
+            idle.step_begins()
+            clock.t += 1.5  # the step's kernels
+            idle.step_ends()
+        assert idle.share(8.0) == pytest.approx(0.25)
+    assert len(idle.pairs) == 4
+    assert DataWait.for_device(torch.device("cpu")).label == "fetching batches"

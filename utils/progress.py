@@ -6,14 +6,22 @@ the latest log point: reading a new one would make every rank wait, and only ran
 
     Epoch 2 step 40/125 (32%): 81.2 samples/s, train loss 0.4312, lr 9.81e-04, epoch ETA 1m05s
 
-Samples/s counts the whole job's samples since the epoch's first step; between log points on a
-GPU it is the host's view (the device may still be a few steps behind).
+Samples/s counts the whole job's samples over the wall time since the epoch began, the one
+definition the epoch's line uses too (there, after waiting for the device); between log points
+on a GPU it is the host's view (the device may still be a few steps behind). Before the run's
+first log point there is no loss to show, and the line shows none.
+
+``DataWait`` measures how much of an epoch the step waited for its data: on a CPU the time spent
+fetching batches, on a GPU the device's idle share between the steps' work.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+
+import torch
 
 log = logging.getLogger("train")
 
@@ -65,6 +73,77 @@ class Progress:
         done = step_in_epoch - self.first
         elapsed = self.clock() - self.t0
         eta = elapsed / done * (self.last - step_in_epoch) if done else math.nan
+        loss = f"train loss {self.loss:.4g}, lr {self.lr:.3g}, " if math.isfinite(self.loss) else ""
         return (f"Epoch {self.epoch + 1} step {step_in_epoch}/{n} ({100 * step_in_epoch // n}%): "
-                f"{self.rate(step_in_epoch):.1f} samples/s, train loss {self.loss:.4g}, "
-                f"lr {self.lr:.3g}, epoch ETA {duration(eta) if done else '?'}")
+                f"{self.rate(step_in_epoch):.1f} samples/s, {loss}"
+                f"epoch ETA {duration(eta) if done else '?'}")
+
+
+class DataWait:
+    """The share of an epoch the step waited for data, on a CPU: the time spent fetching batches
+    (the host runs the step, so while it fetches nothing is computed)."""
+
+    label = "fetching batches"
+
+    def __init__(self, clock=time.monotonic):
+        self.clock, self.waited = clock, 0.0
+
+    @staticmethod
+    def for_device(device: torch.device) -> "DataWait":
+        return DeviceIdle() if device.type == "cuda" else DataWait()
+
+    def start_epoch(self):
+        self.waited = 0.0
+
+    @contextlib.contextmanager
+    def fetching(self):
+        """Around the fetch of one batch."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.waited += self.clock() - t0
+
+    def step_begins(self):
+        pass
+
+    def step_ends(self):
+        pass
+
+    def share(self, elapsed_s: float) -> float:
+        """At the epoch's end (after the device finished): the waiting share of ``elapsed_s``."""
+        return min(1.0, self.waited / max(elapsed_s, 1e-9))
+
+
+class DeviceIdle(DataWait):
+    """On a GPU: the device's idle share of the epoch. A pair of CUDA events brackets each
+    step's device work (the batch's copy to the device included); the device is busy from the
+    moment it reaches the first to the moment it reaches the second, and idle in between steps,
+    when the host has not yet queued the next one: waiting for its batch, or for itself. The
+    events are read at the epoch's end, after it waited for the device anyway, so no step
+    waits for them."""
+
+    label = "device idle"
+
+    def __init__(self, event=lambda: torch.cuda.Event(enable_timing=True)):
+        super().__init__()
+        self.event, self.pairs, self.n = event, [], 0  # events are made once and reused
+
+    def start_epoch(self):
+        self.n = 0
+
+    def fetching(self):
+        return contextlib.nullcontext()
+
+    def step_begins(self):
+        if self.n == len(self.pairs):
+            self.pairs.append((self.event(), self.event()))
+        self.pairs[self.n][0].record()
+
+    def step_ends(self):
+        self.pairs[self.n][1].record()
+        self.n += 1
+
+    def share(self, elapsed_s: float) -> float:
+        busy_s = sum(a.elapsed_time(b) for a, b in self.pairs[:self.n]) / 1e3  # ms -> s
+        return min(1.0, max(0.0, 1.0 - busy_s / max(elapsed_s, 1e-9)))
