@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from distributed.groups import ParallelGroups
 from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatter_bwd, all_reduce_fwd_identity_bwd,
-                                  identity_fwd_all_reduce_bwd, reduce_scatter_along,
+                                  eager_apply, identity_fwd_all_reduce_bwd, reduce_scatter_along,
                                   reduce_scatter_fwd_all_gather_bwd)
 
 __all__ = ["ShardSpec", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
@@ -443,7 +443,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp_group = self.groups.tp_group
         if self.sequence_parallel and self.groups.tp_size > 1:
-            return _AllGatherLinear.apply(x, self.weight, self.bias, tp_group, self.seq_dim % x.dim())
+            # eager_apply: its forward and backward call collectives, kept out of torch.compile's
+            # graphs (a graph break here; see distributed.mappings.eager_apply)
+            return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, self.seq_dim % x.dim())
         return F.linear(identity_fwd_all_reduce_bwd(x, tp_group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -531,9 +533,16 @@ class ReplicatedDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.synchronized and self.training and self.p > 0):
             return super().forward(x)
+        return _MaskedScale.apply(x, self._shared_mask(x), 0.0 if self.p >= 1 else 1.0 / (1.0 - self.p))
+
+    @torch.compiler.disable
+    def _shared_mask(self, x: torch.Tensor) -> torch.Tensor:
+        """tp rank 0's keep-mask, broadcast over tp. Run eagerly under torch.compile, like the
+        collectives of ``distributed.mappings`` (``eager_apply``): the broadcast is not traced, and
+        the mask comes from the rank's eager random stream, as without compilation."""
         keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device).bernoulli_(1.0 - self.p)
         dist.broadcast(keep, src=self.groups.tp_ranks[0], group=self.groups.tp_group)
-        return _MaskedScale.apply(x, keep, 0.0 if self.p >= 1 else 1.0 / (1.0 - self.p))
+        return keep
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", same mask on every tp rank" if self.synchronized else "")

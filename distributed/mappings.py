@@ -28,6 +28,10 @@ except for the two all-gathers, which take ``sizes`` (the length of every rank's
 group-rank order) for chunks of different lengths: each chunk is padded to the longest, gathered,
 and the padding dropped again; the backward gives each rank the gradient of its real chunk.
 
+Under ``torch.compile`` the mappings run eagerly, outside the compiled graphs (a graph break at
+each); so do the sharded layers' own collective-calling autograd Functions, applied with
+``eager_apply`` (see there why).
+
 ``group`` is a ``torch.distributed`` process group, ``None`` for the default (world) group as
 in torch.distributed, or ``distributed.groups.SINGLE_PROCESS`` (one process, no
 torch.distributed). Over any group of size 1 every mapping is the identity and nothing is
@@ -46,7 +50,8 @@ from distributed.groups import SingleProcessGroup
 
 __all__ = ["identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "split_fwd_all_gather_bwd",
            "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd", "reduce_scatter_fwd_all_gather_bwd",
-           "group_size", "group_rank", "all_reduce", "all_gather_along", "reduce_scatter_along", "split_along"]
+           "eager_apply", "group_size", "group_rank", "all_reduce", "all_gather_along", "reduce_scatter_along",
+           "split_along"]
 
 
 def group_size(group) -> int:
@@ -274,29 +279,54 @@ class _ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
         return all_gather_along(grad, ctx.group, ctx.dim), None, None
 
 
+# ---- torch.compile ------------------------------------------------------------------------------
+# The autograd Functions above (and _AllGatherLinear in distributed.layers) call c10d collectives
+# directly, in forward and in backward. Inside a torch.compile'd model (the mp configs set
+# enable_jit) dynamo would trace them: it rewrites dist.all_reduce / all_gather_single /
+# reduce_scatter_single into functional collectives (_c10d_functional.*) placed in the compiled
+# forward and backward graphs. The eager code's guarantees then no longer hold: the gloo fallback
+# (try/except around an unsupported single-tensor collective) is traced away, since a compiled
+# graph raises at run time where no Python except can catch it; and the collective order becomes
+# the compiler's schedule of each rank's own graph (graphs differ between ranks whose bands
+# differ in length), where every rank of a group must issue the same collectives in the same
+# order. (Traced, a tiny ViT at tp=2 x cp=2 on gloo happened to train like the eager one; nothing
+# guarantees that in general.) So every application of a collective-calling Function goes through eager_apply:
+# torch.compiler.disable makes dynamo break the graph there and run the Function (forward, and
+# through autograd its backward) eagerly, as written; the per-rank compute between collectives
+# is compiled. The DL4SCI25 reference tutorial does the same: its mapping helpers
+# (copy_to_parallel_region, reduce_from_parallel_region, ...) are decorated with
+# @torch.compiler.disable. Eagerly it costs one extra Python call.
+
+@torch.compiler.disable
+def eager_apply(fn, *args):
+    """``fn.apply(*args)`` for an autograd Function ``fn`` that calls collectives, always run
+    eagerly: under ``torch.compile`` a graph break, not a traced collective (see above)."""
+    return fn.apply(*args)
+
+
 def _gather(fn, x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[int]]) -> torch.Tensor:
     dim = _norm_dim(x, dim)
     sizes = _check_sizes(x, group, dim, sizes)
     if sizes is None:
-        return fn.apply(x, group, dim)
+        return eager_apply(fn, x, group, dim)
     # Equal chunks on the wire: the padding is differentiable (its gradient is dropped) and the
     # dropped padding gets a zero gradient, so each rank's gradient is that of its real chunk.
-    return _drop_padding(fn.apply(_pad_to(x, dim, max(sizes)), group, dim), dim, sizes)
+    return _drop_padding(eager_apply(fn, _pad_to(x, dim, max(sizes)), group, dim), dim, sizes)
 
 
 def identity_fwd_all_reduce_bwd(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a region computed in parallel over ``group``: forward identity, backward all-reduce."""
-    return x if group_size(group) == 1 else _IdentityFwdAllReduceBwd.apply(x, group)
+    return x if group_size(group) == 1 else eager_apply(_IdentityFwdAllReduceBwd, x, group)
 
 
 def all_reduce_fwd_identity_bwd(x: torch.Tensor, group) -> torch.Tensor:
     """Sum partial results over ``group``: forward all-reduce, backward identity."""
-    return x if group_size(group) == 1 else _AllReduceFwdIdentityBwd.apply(x, group)
+    return x if group_size(group) == 1 else eager_apply(_AllReduceFwdIdentityBwd, x, group)
 
 
 def split_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk along ``dim``: forward split, backward all-gather."""
-    return x if group_size(group) == 1 else _SplitFwdAllGatherBwd.apply(x, group, _norm_dim(x, dim))
+    return x if group_size(group) == 1 else eager_apply(_SplitFwdAllGatherBwd, x, group, _norm_dim(x, dim))
 
 
 def all_gather_fwd_split_bwd(x: torch.Tensor, group, dim: int = -1,
@@ -315,4 +345,4 @@ def all_gather_fwd_reduce_scatter_bwd(x: torch.Tensor, group, dim: int = 0,
 
 def reduce_scatter_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Sum over ``group`` and keep own chunk along ``dim``: forward reduce-scatter, backward all-gather."""
-    return x if group_size(group) == 1 else _ReduceScatterFwdAllGatherBwd.apply(x, group, _norm_dim(x, dim))
+    return x if group_size(group) == 1 else eager_apply(_ReduceScatterFwdAllGatherBwd, x, group, _norm_dim(x, dim))

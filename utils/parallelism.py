@@ -8,7 +8,9 @@
 3. the move to the run's device;
 4. DistributedDataParallel over the data-parallel ranks (with model parallelism, its
    communication hook also sums the gradients of parameters replicated over tp/cp);
-5. ``torch.compile`` (the ``enable_jit`` setting).
+5. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
+   sharded layers' collectives stay out of the compiled graphs: each is a graph break and runs
+   eagerly (``distributed.mappings.eager_apply``), the compute between them is compiled.
 
 The model itself knows nothing of any of this.
 """
@@ -88,5 +90,10 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task) -> Paral
             **_buffer_sync_kwargs(cfg.disable_broadcast_buffers))
         sharding.register_grad_hooks(wrapped)
     if cfg.enable_jit:  # 5. torch.compile
+        # The tp/cp autograd Functions call c10d collectives; they are torch.compiler.disable'd
+        # where they are applied (distributed.mappings.eager_apply, as the DL4SCI25 reference
+        # disables its mapping helpers), so dynamo breaks the graph at each collective instead
+        # of tracing it into functional collectives: the compiled graphs hold per-rank compute
+        # only, and the collectives run as in an eager step (tests/test_mp_compile.py).
         wrapped = torch.compile(wrapped)
     return ParallelModel(model, wrapped, sharding, rt)
