@@ -10,6 +10,11 @@
 #                (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST)
 #   MASTER_PORT  rendezvous port, 29500 unless MASTER_PORT is already set; jobs that share a
 #                node need different ports (e.g. MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000)))
+#   CUDA_VISIBLE_DEVICES  <- DDP_GPU_ORDER, the GPU order submit_pm.sh chose for the ranks (e.g.
+#                3,2,1,0 on Perlmutter, so that CUDA device LOCAL_RANK is the GPU next to the
+#                task's cores): Slurm may have dropped the exported value in the task, or put its
+#                own listing of the step's GPUs there (0,1,2,3). A task given fewer GPUs than
+#                the order names (srun --gpus-per-task, --gpu-bind=single:1) keeps Slurm's.
 #
 # Node lists use Slurm's compressed form ("nid[001-004,007]", "gpu[01-02],cpu5", "a1,b2").
 # `scontrol show hostnames` expands them when it is on PATH; otherwise a pure-bash parser takes
@@ -55,6 +60,15 @@ _ddp_export() {
     export LOCAL_RANK=${SLURM_LOCALID:-0}
     export MASTER_ADDR=$first
     export MASTER_PORT=${MASTER_PORT:-29500}
+    if [[ -n ${DDP_GPU_ORDER:-} ]]; then
+        local -a order=() visible=()
+        IFS=, read -ra order <<<"$DDP_GPU_ORDER"
+        IFS=, read -ra visible <<<"${CUDA_VISIBLE_DEVICES-$DDP_GPU_ORDER}"
+        if ((${#visible[@]} == ${#order[@]})) || [[ ${CUDA_VISIBLE_DEVICES:-} == NoDevFiles ]]; then
+            export CUDA_VISIBLE_DEVICES=$DDP_GPU_ORDER
+        fi
+    fi
+    return 0
 }
 
 _ddp_export

@@ -41,8 +41,10 @@
 # failed (exit 1 or 2) is not requeued. Choose SECONDS above log_every steps plus a checkpoint
 # write; --open-mode=append keeps every attempt's output in one file.
 #
-# GPU or CPU ranks follow the allocation: with GPUs on the node, each rank uses GPU LOCAL_RANK
-# and NCCL; without (or with GPUS_PER_NODE=0), CPU and gloo.
+# GPU or CPU ranks follow the allocation: with GPUs on the node, each rank uses CUDA device
+# LOCAL_RANK and NCCL; without (or with GPUS_PER_NODE=0), CPU and gloo. Which physical GPU is
+# CUDA device LOCAL_RANK is chosen so that it sits on the NUMA domain of the rank's cores (see
+# "GPU order" below and GPU_ORDER): on Perlmutter, CUDA_VISIBLE_DEVICES=3,2,1,0.
 #
 # Software: a container (SHIFTER_IMAGE, PODMAN_IMAGE or APPTAINER_IMAGE below; docker/README.md
 # builds one from this repository) or the site's PyTorch module, loaded before sbatch so that
@@ -57,7 +59,8 @@
 #   COSMO_DATA_ROOT   cosmology directory the U-Net configs read ($SCRATCH/cosmo, else /data/cosmo)
 #   EXPDIR            root of the run directories ($SCRATCH/dl-at-scale/logs, else ./logs)
 #   SHIFTER_IMAGE     run every rank in this shifter image, e.g. nersc/pytorch:24.06.01
-#   SHIFTER_MODULES   shifter modules for it, e.g. gpu,nccl-plugin on Perlmutter
+#   SHIFTER_MODULES   shifter modules for it: gpu,nccl-plugin on GPU nodes unless set (the
+#                     driver libraries and NCCL's Slingshot plugin, see below); none: no module
 #   APPTAINER_IMAGE   run every rank in this apptainer (or singularity) image file; bind data
 #                     directories with APPTAINER_BIND=/pscratch
 #   PODMAN_IMAGE      run every rank in this podman-hpc (else podman) image, e.g. one built
@@ -70,6 +73,11 @@
 #   ENABLE_PROFILING  1: wrap every rank in "nsys profile" (Nsight Systems must be installed)
 #   PROFILE_OUTPUT    report name (profile); with several ranks, _rank<N> is appended per rank
 #   GPUS_PER_NODE     0: CPU ranks even when the nodes have GPUs; unset: what Slurm allocated
+#   GPU_ORDER         the node's GPUs in local-rank order, as CUDA_VISIBLE_DEVICES lists them:
+#                     auto (default: by NUMA domain, from nvidia-smi and sysfs, else 3,2,1,0 on
+#                     Perlmutter; a CUDA_VISIBLE_DEVICES of your own is kept, but Slurm puts
+#                     its own in the job where it manages GPU devices), none (leave
+#                     CUDA_VISIBLE_DEVICES as Slurm or you set it), or a list, e.g. 3,2,1,0
 #   MASTER_PORT       rendezvous port (29500); jobs sharing a node need different ones
 #   SRUN_ARGS         extra srun options, e.g. "--kill-on-bad-exit=1"
 set -euo pipefail
@@ -127,6 +135,97 @@ fi
 read -ra extra <<<"${SRUN_ARGS:-}"
 srun_args+=("${extra[@]}")
 
+# GPU order. Slurm gives each task its own block of cores (--cpus-per-task), local task i the
+# i-th block: on a Perlmutter GPU node (one 64-core EPYC in 4 NUMA domains of 16 cores, 4
+# A100s, 4 tasks of 32 hardware threads) local task i runs on NUMA domain i. Its GPU is CUDA
+# device LOCAL_RANK, the LOCAL_RANK-th GPU of CUDA_VISIBLE_DEVICES (all, in PCI order, when
+# unset). But the GPUs are attached the other way round: GPU 0 to the last NUMA domain, GPU 3
+# to the first. In the natural order every rank's data loader workers, pinned host buffers and
+# host-to-device copies go through another NUMA domain (across the CPU's internal fabric) to
+# reach its GPU, and the rank's local memory is not the GPU's; listing the GPUs by the NUMA
+# domain they hang off (3,2,1,0 there) gives each rank the GPU next to its cores.
+# GPU_ORDER=auto reads that wiring from this node (nvidia-smi: each GPU's PCI address; sysfs:
+# each PCI device's NUMA node), so another node type gets its own order, or none where the
+# natural one is already right; where it cannot be read, Perlmutter's known wiring is used on
+# Perlmutter. All the job's nodes are taken to be wired like this one. A CUDA_VISIBLE_DEVICES
+# of the user's own (not Slurm's listing of the allocated GPUs) is kept.
+gpus_by_numa() {
+    # This node's GPUs (nvidia-smi's numbers, which follow the PCI addresses) sorted by the NUMA
+    # node each is attached to, e.g. "3,2,1,0"; fails unless GPUs 0 to $1 - 1, and no others,
+    # are found, each with its NUMA node (a job given part of a node may see other numbers).
+    local want=$1 sysfs=${GPU_SYSFS_ROOT:-/sys} index bus node
+    local -a pairs=() seen=()
+    command -v nvidia-smi >/dev/null 2>&1 || return 1
+    while IFS=', ' read -r index bus; do
+        bus=${bus,,}  # nvidia-smi: 00000000:C1:00.0; sysfs: 0000:c1:00.0
+        [[ -r $sysfs/bus/pci/devices/$bus/numa_node ]] || bus=${bus#0000}
+        [[ $index =~ ^[0-9]+$ && -r $sysfs/bus/pci/devices/$bus/numa_node ]] || return 1
+        node=$(<"$sysfs/bus/pci/devices/$bus/numa_node")
+        [[ $node =~ ^[0-9]+$ ]] || return 1  # -1: the firmware does not say
+        ((10#$index < want)) && [[ -z ${seen[10#$index]:-} ]] || return 1
+        seen[10#$index]=1
+        pairs+=("$node $index")
+    done < <(nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader 2>/dev/null)
+    ((${#pairs[@]} == want)) || return 1
+    printf '%s\n' "${pairs[@]}" | sort -n -k1,1 -k2,2 | cut -d' ' -f2 | paste -sd, -
+}
+slurm_listing() {
+    # Whether $1 is what Slurm itself puts in CUDA_VISIBLE_DEVICES for the allocated GPUs: their
+    # numbers within the job ($2: 0,1,...), or on the node (SLURM_JOB_GPUS), or NoDevFiles.
+    [[ -n $1 && ($1 == "$2" || $1 == NoDevFiles || $1 == "${SLURM_JOB_GPUS:-}" ||
+                 $1 == "${SLURM_STEP_GPUS:-}") ]]
+}
+# The ranks' CUDA_VISIBLE_DEVICES also goes to them as DDP_GPU_ORDER, which export_DDP_vars.sh
+# puts back in every task: a step's tasks do not simply inherit the variable from this script
+# (Slurm 22.05 unsets it in the tasks of "srun --gpu-bind=none", and sets its own listing, e.g.
+# 0,1,2,3, in those of a plain srun).
+unset DDP_GPU_ORDER
+gpu_order=""         # the CUDA_VISIBLE_DEVICES of the ranks; "": left as it is
+gpu_note=""
+if ((gpus > 0)); then
+    natural=$(seq -s, 0 $((gpus - 1)))
+    case ${GPU_ORDER:-auto} in
+        none) gpu_note="GPU_ORDER=none" ;;
+        auto)
+            if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]] &&
+                ! slurm_listing "$CUDA_VISIBLE_DEVICES" "$natural"; then
+                gpu_note="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, yours, kept"
+                # srun may drop or rewrite it in the tasks: export_DDP_vars.sh puts it back
+                if [[ -n $CUDA_VISIBLE_DEVICES ]]; then export DDP_GPU_ORDER=$CUDA_VISIBLE_DEVICES; fi
+            elif gpu_order=$(gpus_by_numa "$gpus"); then
+                gpu_note="the GPUs' NUMA domains"
+            elif ((gpus == 4)) && [[ ${NERSC_HOST:-} == perlmutter ||
+                                     ${SLURM_CLUSTER_NAME:-} == perlmutter ]]; then
+                gpu_order=3,2,1,0
+                gpu_note="Perlmutter's wiring"
+            fi
+            if [[ $gpu_order == "$natural" ]]; then
+                gpu_order=""
+                gpu_note="the natural order, which the GPUs' NUMA domains already follow"
+            fi
+            ;;
+        *)
+            [[ $GPU_ORDER =~ ^[0-9]+(,[0-9]+)*$ ]] ||
+                die "GPU_ORDER=$GPU_ORDER: give auto, none or the GPUs in rank order, e.g. 3,2,1,0"
+            IFS=, read -ra ids <<<"$GPU_ORDER"
+            (($(printf '%s\n' "${ids[@]}" | sort -u | wc -l) == ${#ids[@]})) ||
+                die "GPU_ORDER=$GPU_ORDER names a GPU twice"
+            for id in "${ids[@]}"; do
+                ((10#$id < gpus)) || die "GPU_ORDER=$GPU_ORDER: this node has GPUs 0 to $((gpus - 1))"
+            done
+            gpu_order=$GPU_ORDER
+            gpu_note="GPU_ORDER"
+            ;;
+    esac
+fi
+if [[ -n $gpu_order ]]; then
+    export CUDA_VISIBLE_DEVICES=$gpu_order DDP_GPU_ORDER=$gpu_order
+    # The numbers are nvidia-smi's, which follow the PCI addresses; CUDA's own default order
+    # (fastest first) is the same on a node of identical GPUs, and made the same on any other.
+    export CUDA_DEVICE_ORDER=${CUDA_DEVICE_ORDER:-PCI_BUS_ID}
+    gpu_note="CUDA_VISIBLE_DEVICES=$gpu_order (local rank i uses its i-th GPU), from $gpu_note"
+fi
+
 # Optional container: shifter (NERSC), apptainer/singularity or podman-hpc/podman.
 container=()
 images=()
@@ -138,7 +237,14 @@ if ((${#images[@]} > 1)); then
 elif [[ -n ${SHIFTER_IMAGE:-} ]]; then
     command -v shifter >/dev/null || die "SHIFTER_IMAGE is set but shifter is not on this system"
     container=(shifter "--image=$SHIFTER_IMAGE")
-    [[ -n ${SHIFTER_MODULES:-} ]] && container+=("--module=$SHIFTER_MODULES")
+    # NERSC's shifter modules for GPU jobs: "gpu" brings the host's GPU driver libraries into
+    # the image; "nccl-plugin" the libfabric network plugin for NCCL, without which NCCL cannot
+    # use the Slingshot NICs: it falls back to TCP sockets between nodes, with no GPUDirect RDMA
+    # (far slower multi-node all-reduces). Set SHIFTER_MODULES to choose others (or "none", or
+    # empty, for no module).
+    modules=${SHIFTER_MODULES-}
+    if [[ -z ${SHIFTER_MODULES+set} ]] && ((gpus > 0)); then modules=gpu,nccl-plugin; fi
+    if [[ -n $modules && $modules != none ]]; then container+=("--module=$modules"); fi
 elif [[ -n ${APPTAINER_IMAGE:-} ]]; then
     runtime=$(command -v apptainer || command -v singularity) ||
         die "APPTAINER_IMAGE is set but neither apptainer nor singularity is installed"
@@ -152,7 +258,8 @@ elif [[ -n ${PODMAN_IMAGE:-} ]]; then
     container=("$runtime" run --rm --net host -v "$PWD:$PWD" -w "$PWD")
     if [[ -n ${SCRATCH:-} ]]; then container+=(-v "$SCRATCH:$SCRATCH"); fi
     for var in 'SLURM_*' 'NCCL_*' 'FI_*' EXPDIR ERA5_DATA_ROOT COSMO_DATA_ROOT PYTHONUNBUFFERED \
-               OMP_NUM_THREADS HDF5_USE_FILE_LOCKING CUDA_VISIBLE_DEVICES MASTER_PORT; do
+               OMP_NUM_THREADS HDF5_USE_FILE_LOCKING CUDA_VISIBLE_DEVICES CUDA_DEVICE_ORDER \
+               DDP_GPU_ORDER MASTER_PORT; do
         container+=(-e "$var")
     done
     if ((gpus > 0)) && [[ $runtime == */podman-hpc ]]; then container+=(--gpu); fi
@@ -175,6 +282,7 @@ echo "job $SLURM_JOB_ID: ${SLURM_NTASKS:-1} rank(s) on ${SLURM_JOB_NODELIST:-?},
      "$( ((gpus > 0)) && echo "$gpus GPU(s) per node" || echo "CPU only")," \
      "${OMP_NUM_THREADS} thread(s) per rank${container:+, in ${container[*]}}"
 echo "data: ERA5_DATA_ROOT=$ERA5_DATA_ROOT COSMO_DATA_ROOT=$COSMO_DATA_ROOT; runs: EXPDIR=$EXPDIR"
+if [[ -n $gpu_note ]]; then echo "gpus: $gpu_note"; fi
 
 # A requeued job continues its run; a first submission starts as its arguments say (a fresh run
 # is not started over a run directory that holds checkpoints, nor one resumed by accident).

@@ -204,6 +204,50 @@ def test_gpu_image_builds_on_the_nvidia_pytorch_container():
     assert args_of(GPU, "FROM") == ["${BASE_IMAGE}"]
 
 
+# The torch of NGC PyTorch releases (NVIDIA's release notes): a pre-release of the version it
+# names, which counts as that version (2.6.0a0 as 2.6). docker/README.md shows the same table.
+NGC_TORCH = {"24.08": "2.5.0a0", "24.10": "2.5.0a0", "24.12": "2.6.0a0", "25.01": "2.6.0a0"}
+
+
+def torch_floor():
+    """The torch specifier of requirements.txt, e.g. >=2.5, and its version."""
+    torch_req, = [r for r in requirements("requirements.txt") if r.name == "torch"]
+    lower = [s.version for s in torch_req.specifier if s.operator == ">="]
+    assert len(lower) == 1, torch_req
+    return torch_req.specifier, lower[0]
+
+
+def test_gpu_base_image_torch_meets_the_requirements_floor():
+    from packaging.version import Version
+
+    spec, floor = torch_floor()
+    base, = [a.split("=", 1)[1] for a in args_of(GPU, "ARG") if a.startswith("BASE_IMAGE=")]
+    release = re.fullmatch(r"nvcr\.io/nvidia/pytorch:(\d\d\.\d\d)-py3", base).group(1)
+    assert release in NGC_TORCH, f"{base}: add its torch version to NGC_TORCH"
+    torch_version = NGC_TORCH[release]
+    assert spec.contains(Version(torch_version).base_version), \
+        f"{base} ships torch {torch_version}, below requirements.txt's torch{spec}"
+    # the recipe's comments name the floor and what the default release ships
+    text = open(os.path.join(ROOT, GPU)).read()
+    assert f"torch >= {floor}" in text and f"NGC release {release}" in text
+    assert f"PyTorch {torch_version}" in text
+    # and docker/README.md's table matches this one, default included
+    readme = open(os.path.join(ROOT, "docker", "README.md")).read()
+    rows = dict(re.findall(r"^\| (\d\d\.\d\d)\b[^|]*\| +(\S+) +\|$", readme, re.M))
+    assert rows == NGC_TORCH
+    assert f"nvcr.io/nvidia/pytorch:{release}-py3" in readme and f"torch>={floor}" in readme
+
+
+def test_ngc_torch_table_counts_pre_releases_as_their_release():
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    meets = {r for r, v in NGC_TORCH.items() if SpecifierSet(">=2.6").contains(Version(v).base_version)}
+    assert meets == {"24.12", "25.01"}
+    assert all(SpecifierSet(">=2.5").contains(Version(v).base_version) for v in NGC_TORCH.values())
+    assert not SpecifierSet(">=2.5").contains("2.5.0a0")  # why base_version: a0 is below 2.5
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_runs_the_entry_script_as_an_unprivileged_user(dockerfile):
     steps = instructions(dockerfile)
@@ -276,6 +320,8 @@ def test_submit_in_a_podman_image(stubs, runtime):  # noqa: F811
     assert ["-v", "/pscratch/u:/pscratch/u"] == head[8:10]
     passed = {head[i + 1] for i, a in enumerate(head) if a == "-e"}
     assert {"SLURM_*", "EXPDIR", "ERA5_DATA_ROOT", "HDF5_USE_FILE_LOCKING", "FI_*"} <= passed
+    # the GPU order that export_DDP_vars.sh applies in each rank (see tests/test_launch.py)
+    assert {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_GPU_ORDER"} <= passed
     assert ("--gpu" in head) == (runtime == "podman-hpc")
     assert head[-4:] == ["--nccl", "-v", "/cfs:/cfs", "dl-at-scale:gpu"]
     assert rank_record(stubs, 1)["argv"] == ["--run_num", "job42", "--config", "a b"]

@@ -90,17 +90,22 @@ def test_export_vars_outside_slurm_fails_without_ending_the_shell(tmp_path):
 PRINT_ARGS = """import json, os, sys
 rank = os.environ.get("RANK")
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
-        "EXPDIR", "ERA5_DATA_ROOT", "COSMO_DATA_ROOT", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")
+        "EXPDIR", "ERA5_DATA_ROOT", "COSMO_DATA_ROOT", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
+        "CUDA_DEVICE_ORDER", "DDP_GPU_ORDER")
 with open(os.path.join(os.environ["STUB_OUT"], f"rank{rank}.json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}, f)
 """
 
-# srun: note its options, then run the command once per task as SLURM_PROCID/LOCALID i.
+# srun: note its options, then run the command once per task as SLURM_PROCID/LOCALID i. With
+# STUB_TASK_CVD set, each task's CUDA_VISIBLE_DEVICES is replaced by it ("{i}": the task's
+# number), or unset ("unset"), as Slurm 22.05 does in a plain srun / an srun --gpu-bind=none.
 SRUN = """#!/bin/bash
 opts=()
 while [[ $# -gt 0 && $1 == -* ]]; do opts+=("$1"); shift; done
 printf '%s\\n' "${opts[@]}" > "$STUB_OUT/srun.opts"
 for ((i = 0; i < ${SLURM_NTASKS:-1}; i++)); do
+    if [[ ${STUB_TASK_CVD:-} == unset ]]; then unset CUDA_VISIBLE_DEVICES
+    elif [[ -n ${STUB_TASK_CVD:-} ]]; then export CUDA_VISIBLE_DEVICES=${STUB_TASK_CVD//'{i}'/$i}; fi
     SLURM_PROCID=$i SLURM_LOCALID=$i "$@" || exit $?
 done
 """
@@ -129,7 +134,9 @@ def stubs(tmp_path):
     script.write_text(PRINT_ARGS)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STUB_OUT": str(out),
            "SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "nid[007-008]",
-           "SCRIPT": str(script), "PYTHON": sys.executable}
+           "SCRIPT": str(script), "PYTHON": sys.executable,
+           # an empty sysfs: the GPU order never depends on the machine the tests run on
+           "GPU_SYSFS_ROOT": str(tmp_path / "sys")}
     return dict(bin=bin_dir, out=out, env=env)
 
 
@@ -254,3 +261,150 @@ def test_submit_names_the_run_after_the_job_unless_given(stubs):
     for given in (["--run_num", "mine"], ["--run_num=mine"]):
         r = submit(stubs, ["--config", "x", *given])
         assert rank_record(stubs, 0)["argv"] == ["--config", "x", *given]
+
+
+# ------------------------------------------------------------- GPU order (NUMA) and shifter
+
+# nvidia-smi of a Perlmutter GPU node: 4 A100s, PCI order (STUB_GPUS: only these); their NUMA
+# nodes come from sysfs.
+NVIDIA_SMI = """#!/bin/bash
+[[ "$*" == "--query-gpu=index,pci.bus_id --format=csv,noheader" ]] || exit 2
+bus=(03 41 82 C1)
+for i in ${STUB_GPUS:-0 1 2 3}; do echo "$i, 00000000:${bus[i]}:00.0"; done
+"""
+BUS_IDS = ["0000:03:00.0", "0000:41:00.0", "0000:82:00.0", "0000:c1:00.0"]
+
+
+def wire_gpus(stubs, numa_nodes):
+    """A node whose GPU i hangs off NUMA node numa_nodes[i]: nvidia-smi and sysfs as on a real
+    one (sysfs names PCI devices with a 4-digit domain and lower-case hex)."""
+    write_exe(stubs["bin"] / "nvidia-smi", NVIDIA_SMI)
+    sysfs = stubs["env"]["GPU_SYSFS_ROOT"]
+    for bus, node in zip(BUS_IDS, numa_nodes):
+        os.makedirs(os.path.join(sysfs, "bus", "pci", "devices", bus), exist_ok=True)
+        with open(os.path.join(sysfs, "bus", "pci", "devices", bus, "numa_node"), "w") as f:
+            f.write(f"{node}\n")
+
+
+def run_gpus(stubs, ranks=4, **env):
+    """submit_pm.sh with ``ranks`` ranks: its output and the CUDA_VISIBLE_DEVICES of each rank."""
+    for old in stubs["out"].glob("rank*.json"):
+        old.unlink()
+    r = submit(stubs, [], SLURM_NTASKS=str(ranks), **env)
+    assert r.returncode == 0, r.stderr
+    envs = [rank_record(stubs, i)["env"] for i in range(ranks)]
+    return r.stdout, envs, {e["CUDA_VISIBLE_DEVICES"] for e in envs}
+
+
+PERLMUTTER = dict(SLURM_GPUS_ON_NODE="4", NERSC_HOST="perlmutter")
+
+
+def test_perlmutter_ranks_get_the_gpus_in_numa_order(stubs):
+    """Without a readable wiring, a 4-GPU Perlmutter node gets 3,2,1,0 (GPU 3 sits on NUMA 0,
+    where Slurm puts local task 0) in every rank, also where srun rewrites the variable."""
+    # srun passes the variable on / drops it / rewrites it in every task
+    for where, task_cvd in (("NERSC_HOST", ""), ("SLURM_CLUSTER_NAME", "unset"),
+                            ("NERSC_HOST", "0,1,2,3")):
+        out, envs, seen = run_gpus(stubs, SLURM_GPUS_ON_NODE="4", STUB_TASK_CVD=task_cvd,
+                                   **{where: "perlmutter"})
+        assert seen == {"3,2,1,0"}, (where, task_cvd)
+        assert {e["CUDA_DEVICE_ORDER"] for e in envs} == {"PCI_BUS_ID"}
+        assert "gpus: CUDA_VISIBLE_DEVICES=3,2,1,0 (local rank i uses its i-th GPU), from " \
+               "Perlmutter's wiring" in out
+
+
+def test_slurms_own_listing_is_replaced_a_users_own_order_kept(stubs):
+    for slurms in ("0,1,2,3", "NoDevFiles"):  # what Slurm may set in the batch step
+        assert run_gpus(stubs, CUDA_VISIBLE_DEVICES=slurms, **PERLMUTTER)[2] == {"3,2,1,0"}
+    _, _, seen = run_gpus(stubs, CUDA_VISIBLE_DEVICES="4,5,6,7", SLURM_JOB_GPUS="4,5,6,7",
+                          **PERLMUTTER)
+    assert seen == {"3,2,1,0"}
+    for mine, task_cvd in (("1,0,3,2", ""), ("1,0,3,2", "unset"), ("1,0,3,2", "0,1,2,3"),
+                           ("", "")):
+        out, envs, seen = run_gpus(stubs, CUDA_VISIBLE_DEVICES=mine, STUB_TASK_CVD=task_cvd,
+                                   **PERLMUTTER)
+        assert seen == {mine}, task_cvd  # also where srun drops or rewrites it
+        assert {e["CUDA_DEVICE_ORDER"] for e in envs} == {None}
+        assert f"gpus: CUDA_VISIBLE_DEVICES={mine}, yours, kept" in out
+
+
+@pytest.mark.parametrize("numa,order", [
+    ([3, 2, 1, 0], "3,2,1,0"),  # Perlmutter
+    ([1, 1, 0, 0], "2,3,0,1"),  # two sockets, the GPUs of socket 0 on the higher PCI addresses
+    ([0, 0, 1, 1], None),       # already in order: left alone
+    ([0, 1, 2, 3], None),
+])
+def test_gpu_order_read_from_the_nodes_numa_wiring(stubs, numa, order):
+    wire_gpus(stubs, numa)
+    out, _, seen = run_gpus(stubs, SLURM_GPUS_ON_NODE="4", STUB_TASK_CVD="0,1,2,3")
+    assert seen == {order or "0,1,2,3"}  # None: Slurm's own listing, untouched
+    if order:
+        assert f"gpus: CUDA_VISIBLE_DEVICES={order} (local rank i uses its i-th GPU), from the " \
+               "GPUs' NUMA domains" in out
+    else:
+        assert "gpus: the natural order" in out
+        assert run_gpus(stubs, **PERLMUTTER)[2] == {None}  # the wiring read beats Perlmutter's
+
+
+def test_unreadable_wiring_falls_back_to_perlmutters_or_nothing(stubs):
+    wire_gpus(stubs, [-1, -1, -1, -1])  # firmware that does not say
+    assert run_gpus(stubs, SLURM_GPUS_ON_NODE="4")[2] == {None}
+    assert run_gpus(stubs, **PERLMUTTER)[2] == {"3,2,1,0"}
+    # 2 GPUs allocated: whether nvidia-smi shows the node's 4 or the job's 2 under their node
+    # numbers, no order (CUDA numbers the job's 2 GPUs 0 and 1), not even Perlmutter's
+    wire_gpus(stubs, [3, 2, 1, 0])
+    for shown in ("0 1 2 3", "2 3"):
+        _, _, seen = run_gpus(stubs, 2, SLURM_GPUS_ON_NODE="2", NERSC_HOST="perlmutter",
+                              STUB_GPUS=shown)
+        assert seen == {None}
+    # ... but shown as 0 and 1, the job's 2 get their own order (here on NUMA nodes 3 and 2)
+    assert run_gpus(stubs, 2, SLURM_GPUS_ON_NODE="2", STUB_GPUS="0 1")[2] == {"1,0"}
+
+
+def test_gpu_order_variable(stubs):
+    out, _, seen = run_gpus(stubs, GPU_ORDER="none", **PERLMUTTER)
+    assert seen == {None} and "gpus: GPU_ORDER=none" in out
+    # a list wins over the wiring and over a CUDA_VISIBLE_DEVICES of one's own
+    wire_gpus(stubs, [3, 2, 1, 0])
+    out, _, seen = run_gpus(stubs, GPU_ORDER="1,0,3,2", CUDA_VISIBLE_DEVICES="0,1", **PERLMUTTER)
+    assert seen == {"1,0,3,2"}
+    assert "gpus: CUDA_VISIBLE_DEVICES=1,0,3,2 (local rank i uses its i-th GPU), from GPU_ORDER" \
+        in out
+    for bad, why in (("3,2,1,x", "give auto, none or the GPUs"), ("3,3,1,0", "names a GPU twice"),
+                     ("4,5,6,7", "this node has GPUs 0 to 3")):
+        (stubs["out"] / "srun.opts").unlink(missing_ok=True)
+        r = submit(stubs, [], GPU_ORDER=bad, **PERLMUTTER)
+        assert r.returncode == 1 and why in r.stderr, (bad, r.stderr)
+        assert not (stubs["out"] / "srun.opts").exists()  # refused before srun
+    # CPU ranks: no order, whatever GPU_ORDER says
+    assert run_gpus(stubs, GPU_ORDER="3,2,1,0", GPUS_PER_NODE="0", **PERLMUTTER)[2] == {""}
+
+
+def test_export_vars_put_the_order_back_unless_the_task_has_fewer_gpus(tmp_path):
+    show = '; echo "${CUDA_VISIBLE_DEVICES-unset}"'
+    cases = [({"DDP_GPU_ORDER": "3,2,1,0"}, "3,2,1,0"),
+             ({"DDP_GPU_ORDER": "3,2,1,0", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "3,2,1,0"),
+             ({"DDP_GPU_ORDER": "3,2,1,0", "CUDA_VISIBLE_DEVICES": "2"}, "2"),  # --gpus-per-task
+             ({"DDP_GPU_ORDER": "3,2,1,0", "CUDA_VISIBLE_DEVICES": ""}, ""),
+             ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "0,1,2,3"),  # not from submit_pm.sh
+             ({}, "unset")]
+    for extra, expected in cases:
+        r = source_export(slurm_env("nid[1-2]", **extra), tmp_path, show)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[0] == expected, (extra, r.stdout)
+
+
+@pytest.mark.parametrize("modules,gpus,expected", [
+    (None, "4", ["--module=gpu,nccl-plugin"]),  # the default on GPU nodes
+    ("gpu", "4", ["--module=gpu"]),
+    ("none", "4", []),
+    ("", "4", []),
+    (None, "", []),                             # CPU ranks: no GPU modules
+])
+def test_shifter_modules_default_to_gpu_and_nccl_plugin(stubs, modules, gpus, expected):
+    write_exe(stubs["bin"] / "shifter", WRAPPER.format(name="shifter"))
+    extra = {} if modules is None else {"SHIFTER_MODULES": modules}
+    r = submit(stubs, [], SHIFTER_IMAGE="img:1", SLURM_GPUS_ON_NODE=gpus, **extra)
+    assert r.returncode == 0, r.stderr
+    args = (stubs["out"] / "shifter.args").read_text().splitlines()
+    assert args[:args.index("bash")] == ["--image=img:1", *expected]

@@ -67,9 +67,16 @@ def test_an_old_torch_stops_the_run_with_one_line_before_anything_is_written(
     assert not os.path.exists(tmp_path / "logs") and not os.path.exists(tmp_path / "data")
 
 
-def test_the_floor_is_the_one_requirements_txt_states():
+def test_the_floor_is_the_one_requirements_txt_and_the_readme_state_with_the_image_it_uses():
     reqs = open(os.path.join(ROOT, "requirements.txt")).read()
     assert re.findall(r"^torch>=([\d.]+)$", reqs, re.M) == [FLOOR]
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    line = re.search(r"\*\*Supported versions\*\*: (.*?)\n\n", readme, re.S).group(1)
+    assert f"torch {FLOOR} or newer (`torch>={FLOOR}`" in line
+    image = re.search(r"^ARG BASE_IMAGE=(\S+)$",
+                      open(os.path.join(ROOT, "docker", "Dockerfile")).read(), re.M).group(1)
+    release = re.fullmatch(r"nvcr\.io/nvidia/pytorch:(\d\d\.\d\d)-py3", image).group(1)
+    assert f"NGC {release} (`{image}`" in line
 
 
 # ---------------------------------------------------------------- a GPU node, a CPU-only torch
