@@ -63,11 +63,14 @@ class Config:
                                "bitwise-reproducible runs, slower)")
     # -- data
     data_root: str = _f("./data", "directory holding the data set")
-    data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem"] = _f(
+    data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem",
+                                "device"] = _f(
         "lowmem", "lowmem: read each sample from disk; inmem: hold the data in memory; synthetic: "
         "one batch made in memory and served every step, for compute-only timing (needs no "
         "data); dali-lowmem / dali-inmem: the same samples through an NVIDIA DALI pipeline "
-        "(pip install -r requirements-dali.txt)")
+        "(pip install -r requirements-dali.txt); device (U-Net): hold the volumes in the "
+        "training device's memory (GPU memory on a GPU) and cut and rotate each batch's crops "
+        "there, the lowmem samples without workers or copies (see device_volume_dtype)")
     num_data_workers: int = _f(0, "data loader worker processes per rank (0: load in the main "
                                "process); with DALI, its reader threads", min=0)
     prefetch_depth: int = _f(2, "batches each loader prepares ahead (per worker for the PyTorch "
@@ -192,6 +195,10 @@ class UNetConfig(Config):
     Nsamples_val: int = _f(8192, "validation crops per validation", min=1)
     train_file: str = _f("train.h5", "training volume file under data_root")
     val_file: str = _f("valid.h5", "validation volume file under data_root")
+    device_volume_dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "data_loader_config device: the type the volumes are held in; bfloat16 or "
+        "float16 halves the memory they take (values rounded to that type once, at load; "
+        "batches stay float32)")
     nbody_vector_channels: list[int] = _f([1, 2, 3], "input channels that are the x, y, z "
                                           "components of a vector (empty: none)")
     hydro_vector_channels: list[int] = _f([2, 3, 4], "output channels that are the x, y, z "
@@ -542,6 +549,10 @@ def validate(cfg: Config):
         raise ConfigError(f"both num_epochs={cfg.num_epochs} and num_iters={cfg.num_iters} are set:"
                           f" keep one (set the other to null)")
     if isinstance(cfg, ViTConfig):
+        if cfg.data_loader_config == "device":
+            raise ConfigError("data_loader_config=device holds the U-Net's cosmology volumes on "
+                              "the training device; the ViT's ERA5 data has no such loader: use "
+                              "--data_loader_config lowmem or inmem")
         h, w = cfg.img_size
         p = cfg.patch_size
         if h % p or w % p:

@@ -341,6 +341,10 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
         from utils.dali_loader import build_dali_loaders
 
         return build_dali_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
+    if cfg.data_loader_config == "device":  # U-Net volumes held on the device (it imports this)
+        from utils.device_loader import build_device_loaders
+
+        return build_device_loaders(cfg, dp_size, dp_rank, local_batch, device)
     if cfg.data_is_generated:
         return generated_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
     if isinstance(cfg, ViTConfig):

@@ -1,0 +1,310 @@
+"""``data_loader_config: device`` (U-Net): the cosmology volumes held in the memory of the device
+the run trains on, each batch's crops cut and rotated there.
+
+The training and validation volumes (``Nbody`` and ``Hydro`` of ``train_file`` and ``val_file``,
+the model's channels only) are read once, slab by slab, into one tensor per field and split on
+``rt.device`` (GPU memory on a GPU node), in float32 or, with ``device_volume_dtype``, in
+bfloat16 / float16 (half the memory; the values rounded to that type once, at load). There are
+no workers and no per-sample work: per batch the host draws each sample's window (its crop
+corner and rotation, ``CosmoCropDataset.window``: a few numbers), sends the (B, 4) table to the
+device (B x 32 bytes, the only host-to-device copy), and the device does the rest:
+
+- the crop and its rotation as one index: new grid axis k of a crop runs along old axis
+  ``perm[k]``, forwards or (``sign[k] < 0``) backwards, from the corner, so the voxel
+  (i0, i1, i2) of crop j is the volume's voxel at linear offset ``off[j, 0, i0] + off[j, 1, i1]
+  + off[j, 2, i2]`` (``off[j, k, i]``: the coordinate along old axis ``perm[k]`` times that axis's
+  stride) -- a (B, s, s, s) int64 index summed from three (B, s) rows;
+- the vector channels as vectors (``utils.rotations.rotate_into``): new component i is
+  ``sign[i]`` times old component ``perm[i]``, so the channel each output channel is taken from
+  depends on the rotation: a (B, C) table of source channels;
+- ONE advanced-indexing gather per field per batch, ``volume.view(C, L^3)[src[:, :, None, None,
+  None], index[:, None]]`` -> (B, C, s, s, s) (index tensors broadcast, not materialised), then,
+  only when a sample of the batch turns a vector component backwards, one multiplication by the
+  (B, C) signs (in half precision storage, that multiplication or a cast makes the float32 batch).
+
+What a sample is and in which order samples come is not decided here: the ``lowmem`` loaders are
+built first (``build_loaders`` with ``lowmem``, never iterated), and their ``CosmoCropDataset``
+(file checks, box side, ``window``), ``ShardedSampler`` and ``ValidationSampler`` are used as they
+are. So a batch is, bit for bit in float32, the ``lowmem`` batch of the same seed, epoch, step and
+rank, and ``train_sampler.set_epoch(epoch, start_step)`` resumes mid-epoch exactly.
+
+Before anything is allocated, the volumes (and one batch's working memory) are checked against
+the device's free memory (``torch.cuda.mem_get_info``; on a CPU ``MemAvailable`` of
+/proc/meminfo, within a cgroup's limit): a run whose volumes do not fit stops with one line
+naming their size, the free memory and the choices (exit 2).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+import torch
+
+from utils.batch_dataset import read_float32
+from utils.config import UNetConfig
+from utils.cosmo_data import CosmoCropDataset
+from utils.data_loader import Loaders, build_loaders
+from utils.errors import ConfigError, DataError
+from utils.rotations import ROTATIONS
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SLAB_BYTES = 256 * 2**20  # host memory of one read while loading (float32 planes of a channel)
+INDEX_DTYPE = torch.int64
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@dataclass
+class VolumeNeed:
+    """What ``data_loader_config: device`` holds on the device: the volumes of each split
+    (``sides``: their box sides) with ``channels`` (Nbody, Hydro) channels, in ``dtype``, and
+    one batch of ``batch`` crops of side ``size`` while it is cut."""
+
+    sides: tuple[int, ...]
+    channels: tuple[int, int]
+    dtype: str = "float32"
+    batch: int = 0
+    size: int = 0
+
+    def volume_bytes(self, dtype: str | None = None) -> int:
+        itemsize = DTYPES[dtype or self.dtype].itemsize
+        return sum(self.channels) * sum(side**3 for side in self.sides) * itemsize
+
+    def batch_bytes(self) -> int:
+        """A batch being cut: its float32 crops, the int64 index, and (half precision) the
+        gathered crops before their cast."""
+        voxels = self.batch * self.size**3
+        half = DTYPES[self.dtype].itemsize if self.dtype != "float32" else 0
+        return voxels * (sum(self.channels) * (4 + half) + INDEX_DTYPE.itemsize)
+
+    def describe(self) -> str:
+        boxes = " and ".join(f"{side}^3" for side in self.sides)
+        return (f"{self.channels[0]} + {self.channels[1]} channels of {boxes}")
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def check_fits(need: VolumeNeed, free: int | None, where: str):
+    """Refuse (ConfigError, one line) when the volumes and a batch do not fit in ``free`` bytes of
+    ``where``'s memory; ``free`` None (unknown) lets the run go on."""
+    total = need.volume_bytes() + need.batch_bytes()
+    if free is None or total <= free:
+        return
+    choices = []
+    if need.dtype == "float32":
+        choices.append(f"--device_volume_dtype bfloat16 (halves the volumes: "
+                       f"{_gb(need.volume_bytes('bfloat16'))})")
+    choices.append("--data_loader_config lowmem (each crop read from disk)")
+    raise ConfigError(f"data_loader_config=device: the training and validation volumes take "
+                      f"{_gb(need.volume_bytes())} in {need.dtype} ({need.describe()}) and a "
+                      f"batch {_gb(need.batch_bytes())}, but {where} has {_gb(free)} free: use "
+                      f"{' or '.join(choices)}")
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes this process's cgroup (v2) may still take, None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((line.strip().split("::", 1)[1] for line in f if line.startswith("0::")),
+                       None)
+        if rel is None:
+            return None
+        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            return max(0, int(limit) - int(f.read()))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def host_available() -> int | None:
+    """Bytes of host memory available to this process: MemAvailable of /proc/meminfo (within the
+    cgroup's limit, when it sets one); elsewhere the free physical pages; None when unknown."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    headroom = _cgroup_headroom()
+    return available if headroom is None else min(available, headroom)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes of ``device``'s memory: on a GPU what the driver reports free on it (other
+    processes' use counted), on a CPU the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        return host_available()
+    return None
+
+
+# ----------------------------------------------------------------------------- the volumes
+
+
+def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` channels of dataset ``name`` of ``path`` as a (n, L, L, L) tensor of
+    ``dtype`` on ``device``, read as float32 slab by slab (at most ``SLAB_BYTES`` of host memory
+    at a time), each slab checked for non-finite values and, in half precision, for values
+    beyond the type's range."""
+    with h5py.File(path, "r") as f:
+        ds = f[name]
+        side = ds.shape[1]
+        out = torch.empty((n, *ds.shape[1:]), dtype=dtype, device=device)
+        planes = max(1, SLAB_BYTES // (4 * side * side))
+        for c in range(n):
+            for a in range(0, side, planes):
+                b = min(side, a + planes)
+                slab = torch.from_numpy(read_float32(ds, (slice(c, c + 1), slice(a, b))))[0]
+                if not bool(slab.isfinite().all()):
+                    raise DataError(f"{path}: '{name}' holds non-finite values: repair the file")
+                dest = out[c, a:b]
+                dest.copy_(slab)  # the cast to the storage type, on the device
+                if dtype != torch.float32 and not bool(dest.isfinite().all()):
+                    raise ConfigError(f"{path}: '{name}' holds values beyond the range of "
+                                      f"{str(dtype).removeprefix('torch.')} (largest "
+                                      f"{torch.finfo(dtype).max:g}): use --device_volume_dtype "
+                                      f"bfloat16 or float32")
+    return out
+
+
+def _rotation_tables(vector_channels, n_channels: int):
+    """For each of the 24 rotations, the source channel of every output channel and its sign
+    (``rotate_into``: vector component i is sign[i] times component perm[i])."""
+    vc = list(vector_channels)
+    src = np.tile(np.arange(n_channels), (len(ROTATIONS), 1))
+    mul = np.ones((len(ROTATIONS), n_channels), np.float32)
+    for r, (perm, sign) in enumerate(ROTATIONS):
+        for i, c in enumerate(vc):
+            src[r, c] = vc[perm[i]]
+            mul[r, c] = sign[i]
+    return src, mul
+
+
+class CropGather:
+    """The volumes of one split on the device, and the batch cut from them (module docstring):
+    ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation)."""
+
+    def __init__(self, dataset: CosmoCropDataset, device, dtype: torch.dtype):
+        self.dataset, self.device, self.size = dataset, device, dataset.size
+        self.fields = []  # (flat volume (C, L^3), source channels (24, C), signs (24, C), host signs)
+        for name, n, vec in (("Nbody", dataset.n_in, dataset.in_vec),
+                             ("Hydro", dataset.n_out, dataset.out_vec)):
+            volume = load_field(dataset.path, name, n, device, dtype)
+            src, mul = _rotation_tables(vec, n)
+            self.fields.append((volume.view(n, -1), torch.from_numpy(src).to(device),
+                                torch.from_numpy(mul).to(device), mul))
+        side = dataset.box
+        self.volumes = tuple(f[0].view(f[0].shape[0], side, side, side) for f in self.fields)
+        self.perm = torch.tensor([p for p, _ in ROTATIONS], dtype=INDEX_DTYPE, device=device)
+        self.sign = torch.tensor([s for _, s in ROTATIONS], dtype=INDEX_DTYPE, device=device)
+        self.stride = torch.tensor([side * side, side, 1], dtype=INDEX_DTYPE, device=device)
+        self.steps = torch.arange(self.size, dtype=INDEX_DTYPE, device=device)
+
+    def windows(self, keys) -> np.ndarray:
+        """(B, 4) corners and rotations of the samples ``keys`` (as ``read_batch`` takes them)."""
+        ds = self.dataset
+        out = np.empty((len(keys), 4), np.int64)
+        for j, key in enumerate(keys):
+            epoch, i = key if isinstance(key, tuple) else (0, key)
+            if not ds.augment:
+                epoch = 0  # as read_batch: validation crops are the same at every validation
+            corner, rot = ds.window(epoch, i)
+            out[j, :3], out[j, 3] = corner, rot
+        return out
+
+    def index(self, w: torch.Tensor) -> torch.Tensor:
+        """(B, 1, s, s, s) linear voxel offsets of the rotated crops of ``w`` (on the device)."""
+        rot = w[:, 3]
+        perm, sign = self.perm[rot], self.sign[rot]  # (B, 3): new axis k runs along old perm[k]
+        start = w[:, :3].gather(1, perm)  # the corner's coordinate along old axis perm[k]
+        pos = torch.where(sign[:, :, None] > 0, self.steps, self.size - 1 - self.steps)
+        off = (start[:, :, None] + pos) * self.stride[perm][:, :, None]  # (B, 3, s)
+        return (off[:, 0, :, None, None] + off[:, 1, None, :, None]
+                + off[:, 2, None, None, :])[:, None]
+
+    def gather(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.from_numpy(windows).to(self.device, non_blocking=True)
+        index, rot = self.index(w), w[:, 3]
+        rots = windows[:, 3]
+        out = []
+        for flat, src, mul, host_mul in self.fields:
+            crops = flat[src[rot][:, :, None, None, None], index]  # (B, C, s, s, s): one gather
+            signs = mul[rot][:, :, None, None, None] if (host_mul[rots] < 0).any() else None
+            if crops.dtype == torch.float32:
+                if signs is not None:  # some vector component turned backwards
+                    crops.mul_(signs)
+            else:  # half precision storage: float32 batches
+                crops = crops.float() if signs is None else torch.mul(crops, signs)
+            out.append(crops)
+        return out[0], out[1]
+
+
+class DeviceCropLoader:
+    """Batches (x, y) of the crops of ``sampler``'s keys, ``batch_size`` at a time (the last one
+    possibly smaller), cut on the device: like a DataLoader over the same sampler."""
+
+    def __init__(self, gather: CropGather, sampler, batch_size: int):
+        self.gather, self.sampler, self.batch_size = gather, sampler, batch_size
+
+    def __len__(self):
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        keys = iter(self.sampler)
+        while batch := list(itertools.islice(keys, self.batch_size)):
+            yield self.gather.gather(self.gather.windows(batch))
+
+
+def volume_need(cfg: UNetConfig, train: CosmoCropDataset, valid: CosmoCropDataset,
+                local_batch: int) -> VolumeNeed:
+    return VolumeNeed(sides=(train.box, valid.box), channels=(train.n_in, train.n_out),
+                      dtype=cfg.device_volume_dtype, batch=local_batch, size=cfg.data_size)
+
+
+def build_device_loaders(cfg: UNetConfig, dp_size: int, dp_rank: int, local_batch: int,
+                         device) -> Loaders:
+    """Loaders of one data-parallel rank cutting their crops from volumes held on ``device``;
+    datasets, samplers and checks are those of the ``lowmem`` loaders."""
+    if not isinstance(cfg, UNetConfig):  # (validate refuses it first)
+        raise ConfigError("data_loader_config=device holds cosmology volumes (U-Net); for ERA5 "
+                          "use --data_loader_config lowmem or inmem")
+    device = torch.device(device)
+    host = copy.copy(cfg)
+    host.data_loader_config, host.num_data_workers = "lowmem", 0
+    ref = build_loaders(host, dp_size, dp_rank, local_batch, device)  # never iterated
+    train, valid = (getattr(d, "dataset", d) for d in (ref.train.dataset, ref.valid.dataset))
+    need = volume_need(cfg, train, valid, local_batch)
+    check_fits(need, free_memory(device), str(device))
+    t0 = time.perf_counter()
+    dtype = DTYPES[cfg.device_volume_dtype]
+    gathers = CropGather(train, device, dtype), CropGather(valid, device, dtype)
+    log.info(f"Device loader: training and validation volumes ({need.describe()}) held on "
+             f"{device} in {cfg.device_volume_dtype}, {_gb(need.volume_bytes())}, loaded in "
+             f"{time.perf_counter() - t0:.1f} s; crops cut and rotated there (no workers)")
+    return Loaders(DeviceCropLoader(gathers[0], ref.train_sampler, local_batch),
+                   DeviceCropLoader(gathers[1], ref.valid.sampler, local_batch),
+                   ref.train_sampler, ref.steps_per_epoch, ref.n_train, ref.n_valid)
