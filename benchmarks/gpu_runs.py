@@ -1,98 +1,283 @@
-"""The tutorial's single-GPU sequence and the other GPU fast paths, run and tabulated for
-benchmarks/GPU.md.
+"""The tutorial's single-GPU chapter on a real GPU: its sequence of switches for the U-Net and the
+ViT, the device loader, CUDA graphs, the throughput report, a profiler trace and the GPU tests,
+run and tabulated beside the tutorial's A100 figures and the issue's goals.
 
-    python -m benchmarks.gpu_runs                   # on a GPU node: every run, ~20 min on an H100
-    python -m benchmarks.gpu_runs --only unet       # one series
-    python -m benchmarks.gpu_runs --timeout 900     # allow each run 900 s (default 600)
-    python -m benchmarks.gpu_runs --dry-run         # print the commands, run nothing
+    python -m benchmarks.gpu_runs --dry-run                          # the plan: commands, estimates
+    python -m benchmarks.gpu_runs --make-data --only unet            # device call 1 (~8 min, H100)
+    python -m benchmarks.gpu_runs --make-data --only vit graphs profile tests   # call 2 (~8 min)
 
-Series (each run a short training of real size on synthetic data made first under --data):
+Each call fits in one 10-minute device command: ``--budget`` (540 s) bounds the whole call, data
+making included. A run gets a timeout of twice its estimate and 30 s (``--timeout`` sets one
+for all), cut to what is left of the budget; a run that would start with less than half its
+estimate left is a ``skipped`` row. After every run the table is written again, so a call
+stopped from outside keeps what it measured.
 
-- ``unet``: the U-Net ``short`` config through the tutorial's steps, each adding one switch:
-  baseline -> 8 loader workers -> AMP (bf16) -> fused Adam -> torch.compile -> CUDA graphs
-  (``train_graph.py``, which replaces torch.compile);
-- ``vit``: the ViT ``short`` config with bf16 + fused Adam, then + torch.compile (MFU), then
-  the first run's settings through ``train_mp.py`` (tp=1) started by torchrun on one rank.
+``--make-data`` writes the data under ``--data`` first, in seconds (benchmarks/gpu_data.py):
+a 256^3 training and a 128^3 validation cosmology box, ERA5 files of 400 and 80 steps of
+360 x 720 (8.3 + 1.7 GB) with their statistics; only what the chosen series read, and data
+already there is kept. Without it, missing data stops the call before any run.
 
-One rank means WORLD_SIZE=1, which makes no process group: that last row measures train_mp.py's
-entry and the launcher, neither DDP nor NCCL, and its label says so. DDP and NCCL are measured
-only with ``--nproc_per_node`` > 1, on a node with that many GPUs.
+Series (``--only``; rows in this order, each a short training of real size):
 
-For every run the table has samples/s (median of the epochs after the first), speed-up over the
-series' first run, TFLOP/s and MFU (from the epoch lines), and the peak memory the allocator
-reported (the largest over ranks and epochs). A run that exits non-zero, runs past ``--timeout``
-(it is killed with its child processes) or logs no epoch is a row saying ``failed`` and why,
-with its last error line. The table goes to ``--out`` (benchmarks/GPU.md) with the device,
-torch, CUDA and driver versions; an existing file is kept and the new table written beside it
-(``GPU_2.md``...). When no run succeeds nothing is written and the exit status is 1; when some
-fail the table is written and the exit status is 1 too.
+- ``unet``: U-Net ``short`` (3 epochs of 1536 crops of 64^3, batch 64, as the first GPU run):
+  baseline fp32 (2 loader workers) -> 8 workers -> AMP bf16 -> AMP fp16 with the gradient
+  scaler instead -> fused Adam -> torch.compile (``short_opt``, with ``--throughput_report``)
+  -> CUDA graphs instead of compile (``train_graph.py``); then the device loader
+  (``--data_loader_config device``, volumes in GPU memory) in bf16 with fused Adam (with
+  ``--throughput_report``), and the same through ``train_graph.py``;
+- ``vit``: ViT ``short`` (fp32, no workers, 48 steps of 16), ``short_opt`` in bf16 (8 workers,
+  fused, compile, 96 steps, with ``--throughput_report``), and the largest batch that trains:
+  ``--global_batch_size`` doubled from 32 (bf16, fused, eager, no workers: 6 steps each) until
+  the one-line out-of-memory error (exit 2) of train.py, or 256;
+- ``graphs``: ``train_graph.py`` at batch 8 (device loader, bf16, fused): replayed against eager
+  steps, where launch overheads show;
+- ``profile``: ``--profile_trace`` over a few U-Net steps, then the Chrome/Perfetto JSON checked
+  (it parses, holds traceEvents, CUDA kernels among them); copied to the out dir, gzipped;
+- ``tests``: ``pytest -m gpu`` over the test files that need a GPU (the others import packages a
+  GPU node may lack).
+
+The table (``--out-dir``: $OUT when set, else benchmarks/; GPU.md, a new name beside an existing
+one, with gpu_runs.log holding every run's command and output, and gpu_runs.json the parsed
+numbers): per run samples/s (train.py's epoch figure: the epoch's samples over its wall time,
+median of the epochs after the first) and the share of the epoch the GPU waited for data; the
+speed-up over the row before and over the series' first row; TFLOP/s, MFU and peak memory from
+train.py's lines; the tutorial's A100 figure where it has one, and the ratio; then the
+throughput reports (IO, SYNTHETIC, FULL), the goals with the measured figure, and the device,
+driver, torch and CUDA versions. A run that fails, times out or logs no epoch is a row saying
+so. Exit status 1 when any row failed or was skipped (and nothing is written when none
+succeeded).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
+import gzip
+import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 
-from utils.profiling import unused_path
+if __package__ in (None, ""):  # run as a script: benchmarks/ and utils/ from the repository
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import gpu_data  # noqa: E402
+from utils.profiling import unused_path  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNET = ["--yaml_config", "config/UNet.yaml", "--config", "short", "--num_epochs", "3"]
-VIT = ["--config", "short", "--num_iters", "96"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-FAST = ["--num_data_workers", "8", "--amp_mode", "bf16", "--enable_fused"]
+BUDGET_S = 540.0  # one call: under the device's 10-minute command limit, with room to spare
+MIN_RUN_S = 20.0  # no run starts with less than this left of the budget
 
-# series -> [(label, script or launcher + script, arguments)]; speed-ups are against the
-# series' first run, so a series holds one model and a row changes one thing.
-SERIES = {
+# ---------------------------------------------------------------------------- the estimates
+# From the first GPU run (H100 80GB, notes gpu-first-run.md): a quickstart took 18 s end to end;
+# wall-clock samples/s of the U-Net at batch 64: fp32 2 workers 135, 8 workers 223, bf16 215,
+# fp16 + fused + compile 243, train_graph.py 178, compute only with cuDNN autotuning 1467;
+# ViT at batch 16: fp32 no workers 17.3, bf16 + fused + compile with 8 workers 50.
+START_S = 20.0  # process start to the first step: imports, CUDA context, model, loader, cuDNN
+COMPILE_S = 45.0  # torch.compile's first steps (not timed by the first run: a guess)
+CAPTURE_S = 5.0  # train_graph.py's warm-up and capture
+UNET_SAMPLES = 3 * (1536 + 256)  # 3 epochs of training and validation crops
+VIT_SAMPLES = 79  # the 80-step validation file's pairs, per validation
+
+
+def est(samples: float, rate: float, extra: float = 0.0) -> float:
+    """Seconds of a run that processes ``samples`` at ``rate`` samples/s, plus ``extra``."""
+    return round(START_S + extra + samples / rate)
+
+
+# ---------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Run:
+    """One row. ``key`` is "series/name" (the goals and the tutorial figures refer to it);
+    ``script``: train.py, train_graph.py, a Python file, or "pytest"; ``kind``: "train",
+    "trace" (a train run with --profile_trace, its trace checked), "search" (``args`` without
+    the batch, run at each of ``SEARCH_BATCHES``) or "pytest"; ``data``: the data set it reads
+    under --data ("cosmo", "era5" or None); ``est_s``: seconds on an H100."""
+
+    key: str
+    label: str
+    script: str
+    args: tuple[str, ...]
+    est_s: float
+    kind: str = "train"
+    data: str | None = None
+
+    @property
+    def series(self) -> str:
+        return self.key.split("/")[0]
+
+
+UNET = ("--yaml_config", "config/UNet.yaml", "--config", "short", "--num_epochs", "3",
+        "--Nsamples", "1536", "--Nsamples_val", "256")
+W8 = ("--num_data_workers", "8")
+FP16 = W8 + ("--amp_mode", "fp16", "--enable_fused")
+DEVICE = ("--data_loader_config", "device", "--amp_mode", "bf16", "--enable_fused")
+VIT = ("--config", "short", "--limit_nsamples", "384")
+REPORT = ("--throughput_report",)
+SEARCH_BATCHES = (32, 64, 128, 256)  # 16 is short_opt's; 384 training samples cap it at 256
+GPU_TESTS = ("tests/test_accelerated.py", "tests/test_cuda_graph.py", "tests/test_dali.py",
+             "tests/test_torch_support.py")
+
+
+def _unet(key, label, script, args, rate, extra=0.0):
+    return Run(f"unet/{key}", label, script, UNET + args, est(UNET_SAMPLES, rate, extra),
+               data="cosmo")
+
+
+SERIES: dict[str, list[Run]] = {
     "unet": [
-        ("baseline", ["train.py"], UNET),
-        ("+ 8 loader workers", ["train.py"], UNET + ["--num_data_workers", "8"]),
-        ("+ AMP bf16", ["train.py"], UNET + ["--num_data_workers", "8", "--amp_mode", "bf16"]),
-        ("+ fused Adam", ["train.py"], UNET + FAST),
-        ("+ torch.compile", ["train.py"], UNET + FAST + ["--enable_jit"]),
-        ("CUDA graphs instead of compile", ["train_graph.py"], UNET + FAST),
-        ("fp16 + scaler, fused, graphs", ["train_graph.py"],
-         UNET + ["--num_data_workers", "8", "--amp_mode", "fp16"]),
+        _unet("baseline", "baseline: fp32, 2 loader workers (short)", "train.py", (), 135),
+        _unet("workers", "+ 8 loader workers", "train.py", W8, 223),
+        _unet("bf16", "+ AMP bf16", "train.py", W8 + ("--amp_mode", "bf16"), 215),
+        _unet("fp16", "AMP fp16 with the gradient scaler (instead of bf16)", "train.py",
+              W8 + ("--amp_mode", "fp16"), 215),
+        _unet("fused", "+ fused Adam", "train.py", FP16, 230),
+        _unet("compile", "+ torch.compile (= short_opt), + throughput report", "train.py",
+              FP16 + ("--enable_jit",) + REPORT, 243, COMPILE_S + 35),
+        _unet("graphs", "+ CUDA graphs instead of compile (train_graph.py)", "train_graph.py",
+              FP16, 178, CAPTURE_S),
+        _unet("device", "device loader, bf16, fused, + throughput report", "train.py",
+              DEVICE + REPORT, 1000, 10),
+        _unet("device_graphs", "device loader + CUDA graphs (train_graph.py)", "train_graph.py",
+              DEVICE, 1000, CAPTURE_S),
     ],
     "vit": [
-        ("bf16, fused Adam", ["train.py"], VIT + FAST),
-        ("+ torch.compile", ["train.py"], VIT + FAST + ["--enable_jit"]),
-        ("train_mp.py tp=1 via torchrun, 1 rank (no process group)", TORCHRUN + ["train_mp.py"],
-         VIT + FAST + ["--tensor_parallel", "1"]),
+        Run("vit/short", "short: fp32, no loader workers", "train.py", VIT + ("--num_iters", "48"),
+            est(48 * 16 + 2 * VIT_SAMPLES, 17.3), data="era5"),
+        Run("vit/short_opt", "short_opt in bf16: 8 workers, fused, compile, + throughput report",
+            "train.py", ("--config", "short_opt", "--limit_nsamples", "384", "--num_iters", "96",
+                         "--amp_mode", "bf16") + REPORT,
+            est(96 * 16 + 4 * VIT_SAMPLES, 50, COMPILE_S + 47), data="era5"),
+        Run("vit/largest", "largest batch: short, bf16, fused, eager, no workers", "train.py",
+            ("--config", "short", "--amp_mode", "bf16", "--enable_fused", "--num_iters", "6"),
+            0, kind="search", data="era5"),
+    ],
+    "graphs": [
+        Run("graphs/b8", "CUDA graphs at batch 8: train_graph.py, device loader, bf16, fused",
+            "train_graph.py", UNET[:4] + ("--num_epochs", "2", "--Nsamples", "512",
+                                          "--Nsamples_val", "64", "--global_batch_size", "8",
+                                          "--graph_warmup_steps", "6") + DEVICE,
+            est(2 * 576, 270, CAPTURE_S), data="cosmo"),
+    ],
+    "profile": [
+        Run("profile/trace", "torch.profiler trace (U-Net, device loader, bf16, fused)",
+            "train.py", UNET[:4] + ("--num_epochs", "2", "--Nsamples", "640", "--Nsamples_val",
+                                    "128") + DEVICE,
+            est(2 * 768, 1000, 5), kind="trace", data="cosmo"),
+    ],
+    "tests": [
+        Run("tests/gpu", "pytest -m gpu", "pytest", ("-q", "-m", "gpu") + GPU_TESTS, 90,
+            kind="pytest"),
     ],
 }
+# Two device calls of under 9 minutes each (estimates in --dry-run).
+CALLS = (("unet",), ("vit", "graphs", "profile", "tests"))
 
-# What train.py prints (log_epoch, log_memory) after logging_utils' "<time> - INFO - " prefix.
+
+def search_args(run: Run, batch: int) -> list[str]:
+    """A batch-search run at ``batch``: 3 steps per epoch (two epochs), on at most the 384
+    training samples of the ERA5 file."""
+    return list(run.args) + ["--global_batch_size", str(batch),
+                             "--limit_nsamples", str(min(3 * batch, 384))]
+
+
+def search_est(batch: int) -> float:
+    """Seconds of one batch-search run: no workers read ~60 samples/s of 360 x 720."""
+    return est(2 * (min(3 * batch, 384) + VIT_SAMPLES), 60)
+
+
+def run_timeout(est_s: float) -> float:
+    """A run's default timeout: twice its estimate and 30 s more (starts vary)."""
+    return 2 * est_s + 30
+
+
+def run_est(run: Run) -> float:
+    return sum(map(search_est, SEARCH_BATCHES)) if run.kind == "search" else run.est_s
+
+
+# The tutorials' A100-40GB figures, samples/s, as our rows compute theirs: the median of the
+# epochs after the first of the runs their READMEs print (in /work/shared/reference/seeds).
+# U-Net: SC22 "Deep Learning at Scale" README (seeds/000; SC21's, seeds/002, prints the same
+# runs), config short, batch 64, 3 epochs. ViT: DL4SCI25 README (seeds/003) and SC23 README
+# (seeds/001), config short, batch 16, 4 epochs.
+TUTORIAL = {
+    "unet/baseline": (85.2, "SC22, baseline (2 workers): epochs 2-3 83.96, 86.52 ('about 85')"),
+    "unet/workers": (271.1, "SC22, 8 workers: 268.01, 274.16 ('around 270')"),
+    "unet/fp16": (500.8, "SC22, DALI + AMP (fp16 with the scaler): 488.81, 512.87"),
+    "unet/fused": (510.5, "SC22, DALI + AMP + APEX FusedAdam: 486.97, 534.08"),
+    "unet/compile": (519.2, "SC22, DALI + AMP + APEX + JIT (TorchScript): 496.45, 542.01"),
+    "vit/short": (8.80, "DL4SCI25, baseline (no workers, fp32): epochs 2-4 9.22, 8.63, 8.80"),
+    "vit/short_opt": (42.84, "SC23, DALI + AMP bf16 + fused Adam + torch.compile: "
+                             "42.74, 42.85, 42.84 (DL4SCI25, 8 workers, fp16: 41.67)"),
+}
+
+# ---------------------------------------------------------------------------- reading logs
+# What train.py prints (log_epoch, log_memory; utils/cuda_graph.py, utils/throughput_report.py),
+# after logging_utils' "<time> - INFO - " prefix.
+_NUM = r"[\d.]+(?:e[+-]\d+)?"
 _EPOCH = re.compile(r"Epoch (\d+): [\d.]+ s for \d+ steps, ([\d.]+) samples/s")
-_TFLOPS = re.compile(r"Model ([\d.]+(?:e[+-]\d+)?) TFLOP/s per device"
-                     r" \([^)]*GFLOP per sample\)(?:, MFU ([\d.]+)% of)?")
-_PEAK = re.compile(r"Memory after forward pass \(GB, per rank\): [^;]*; peak: ([\d.]+(?:, [\d.]+)*)")
+_WAIT = re.compile(r"Waited for data (\d+)% of the epoch(?: \([^)]*\))?"
+                   r"(?:; steady state \(after step 1\) ([\d.]+) samples/s)?")
+_TFLOPS = re.compile(rf"Model ({_NUM}) TFLOP/s per device \([^)]*GFLOP per sample\)"
+                     rf"(?:, MFU ([\d.]+)% of)?")
+_PEAK = re.compile(r"Memory after forward pass \(GB, per rank\): [^;]*; "
+                   r"peak: ([\d.]+(?:, [\d.]+)*)")
 _GRAPH = re.compile(r"CUDA graph: step ([\d.]+) ms replayed, ([\d.]+) ms eager.*?: ([\d.]+)x")
+_THROUGHPUT = re.compile(r"Throughput \([^)]*\): IO ([\d.]+) \+/- [\d.]+, SYNTHETIC ([\d.]+) "
+                         r"\+/- [\d.]+, FULL ([\d.]+) \+/- [\d.]+")
+_BOTTLENECK = re.compile(r"Bottleneck: (.*)$", re.MULTILINE)
 _ERROR = re.compile(r"^(?:\[rank \d+\] )?error: ")  # the entry scripts' one-line errors
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\w*: \S")  # a traceback's
+_PYTEST = re.compile(r"^=*\s*((?:\d+ \w+)(?:, \d+ \w+)*) in [\d.]+s")
 
 
 def read_log(text: str) -> dict:
-    """Samples/s (median over the epochs after the first, or the only one), TFLOP/s and MFU of
-    the last epoch, peak memory (GB, max over ranks and epochs) and the CUDA-graph line."""
-    rates = [float(r) for _, r in _EPOCH.findall(text)]
+    """A run's numbers: samples/s, the data-wait share (%) and the steady-state rate (medians
+    over the epochs after the first, or the only one); TFLOP/s and MFU of the last epoch; peak
+    memory (GB, max over ranks and epochs); the CUDA-graph line and its speed-up; the
+    throughput report (IO, SYNTHETIC, FULL means) and its bottleneck line."""
+    rates, waits, steady = [], [], []
+    for line in text.splitlines():
+        if m := _EPOCH.search(line):
+            rates.append(float(m.group(2)))
+            waits.append(None)
+            steady.append(None)
+        elif (m := _WAIT.search(line)) and rates and waits[-1] is None:
+            waits[-1] = float(m.group(1))
+            steady[-1] = float(m.group(2)) if m.group(2) else None
     if not rates:
         raise ValueError("no epoch line in the log")
+
+    def median_after_first(values):
+        kept = [v for v in (values[1:] or values) if v is not None]
+        return statistics.median(kept) if kept else None
     flops = _TFLOPS.findall(text)
     peaks = [float(v) for line in _PEAK.findall(text) for v in line.split(", ")]
     graph = _GRAPH.search(text)
+    report = _THROUGHPUT.search(text)
+    bottleneck = _BOTTLENECK.search(text.split("Throughput (")[-1]) if report else None
     return {
-        "samples_per_s": statistics.median(rates[1:] or rates),
+        "samples_per_s": median_after_first(rates),
+        "epochs": rates,
+        "wait_pct": median_after_first(waits),
+        "steady_per_s": median_after_first(steady),
         "tflops": float(flops[-1][0]) if flops else None,
         "mfu": float(flops[-1][1]) if flops and flops[-1][1] else None,
         "peak_gb": max(peaks) if peaks else None,
         "graph": graph.group(0) if graph else None,
+        "graph_x": float(graph.group(3)) if graph else None,
+        "throughput": dict(zip(("IO", "SYNTHETIC", "FULL"), map(float, report.groups())))
+        if report else None,
+        "bottleneck": bottleneck.group(1).strip() if bottleneck else None,
     }
 
 
@@ -111,7 +296,7 @@ def last_error_line(text: str) -> str:
 def run_logged(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
     """(exit code, or None when it ran past ``timeout`` seconds; stdout and stderr together).
     The run gets its own process group, killed whole when it ends, times out or is interrupted
-    (Ctrl-C reaches only this script's group): torchrun's ranks and loader workers left behind
+    (Ctrl-C reaches only this script's group): loader workers or compile workers left behind
     would keep the GPU and the output pipe."""
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -145,32 +330,271 @@ def outcome(code: int | None, output: str, timeout: float) -> dict:
         return {"failed": f"exit 0 but {e}; last line: {last_error_line(output)}"}
 
 
-def table(rows: list[tuple[str, str, dict]]) -> str:
-    """Markdown: one line per run, speed-up against the first run of its series (none when
-    either failed); a failed run's line says ``failed`` and why."""
-    out = ["| series | run | samples/s | speed-up | TFLOP/s | MFU | peak GB |",
-           "|---|---|---:|---:|---:|---:|---:|"]
-    first = {}
+def pytest_outcome(code: int | None, output: str, timeout: float) -> dict:
+    """``{"tests": "3 passed, 2 skipped"}`` when pytest passed with at least one test run, else
+    ``{"failed": why}``."""
+    summary = next((m.group(1) for line in reversed(output.splitlines())
+                    if (m := _PYTEST.match(line.strip()))), None)
+    if code is None:
+        return {"failed": f"timed out after {timeout:g} s; last line: {last_error_line(output)}"}
+    if code != 0:
+        return {"failed": f"exit {code}: {summary or last_error_line(output)}"}
+    if not summary or not re.search(r"\d+ passed", summary):
+        return {"failed": f"exit 0 but no test passed: {summary or last_error_line(output)}"}
+    return {"tests": summary}
 
-    def fmt(v, spec, unit=""):
-        return format(v, spec) + unit if v is not None else "-"
-    for series, label, r in rows:
-        base = first.setdefault(series, r)
-        if "failed" in r:
-            why = r["failed"][:300].replace("|", "\\|")
-            out.append(f"| {series} | {label} | failed: {why} | - | - | - | - |")
+
+def is_out_of_memory(result: dict) -> bool:
+    return "out of memory" in result.get("failed", "").lower()
+
+
+def search_batch(batches, attempt) -> dict:
+    """The largest batch that trains: ``attempt(batch)`` (an ``outcome`` dict) for each of
+    ``batches`` in turn, up to the first out-of-memory error (or other failure, or skip).
+    Returns the largest that trained with its numbers, every batch tried, and why it stopped."""
+    tried, best = [], None
+    for batch in batches:
+        result = attempt(batch)
+        tried.append((batch, result))
+        if "failed" in result or "skipped" in result:
+            break
+        best = (batch, result)
+    last_batch, last = tried[-1]
+    if "failed" in last:
+        stop = (f"{last_batch}: out of memory" if is_out_of_memory(last)
+                else f"{last_batch}: {last['failed']}")
+    elif "skipped" in last:
+        stop = f"{last_batch}: {last['skipped']}"
+    else:
+        stop = f"every batch up to {last_batch} trained (the search's cap)"
+    clean = is_out_of_memory(last) or not ("failed" in last or "skipped" in last)
+    return {"largest": best[0] if best else None, "result": best[1] if best else None,
+            "tried": [b for b, _ in tried], "stop": stop, "clean": clean}
+
+
+def search_row(found: dict) -> dict:
+    """The table's row of a search: the largest batch's numbers, or a failure."""
+    if found["largest"] is None:
+        return {"failed": f"no batch trained; {found['stop']}"}
+    if not found["clean"]:
+        return {"failed": f"largest that trained {found['largest']}, then {found['stop']}"}
+    tried = ", ".join(map(str, found["tried"]))
+    return dict(found["result"], batch=found["largest"],
+                note=f"largest batch {found['largest']} (tried {tried}; {found['stop']})")
+
+
+def check_trace(directory: str) -> dict:
+    """A torch.profiler trace of rank 0 under ``directory``: it parses as JSON, holds
+    traceEvents, and CUDA kernels among them (category "kernel"). ``{"trace": what, "path": p}``
+    or ``{"failed": why}``."""
+    files = sorted(glob.glob(os.path.join(directory, "trace_rank0_step*.json")))
+    if not files:
+        return {"failed": f"no trace_rank0_step*.json in {directory}"}
+    path = files[0]
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        return {"failed": f"{os.path.basename(path)} does not parse as JSON ({e})"}
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list) or not events:
+        return {"failed": f"{os.path.basename(path)} holds no traceEvents"}
+    kernels = sum(isinstance(e, dict) and e.get("cat") == "kernel" for e in events)
+    ranges = sorted({e.get("name") for e in events if isinstance(e, dict)} &
+                    {"forward", "backward", "optimizer", "data wait"})
+    what = (f"{os.path.basename(path)}: {os.path.getsize(path) / 1e6:.1f} MB, {len(events)} "
+            f"events, {kernels} CUDA kernels, ranges {', '.join(ranges) or 'none'}")
+    if not kernels:
+        return {"failed": f"{what}: no CUDA kernel events"}
+    return {"trace": what, "path": path}
+
+
+# ---------------------------------------------------------------------------- the budget
+
+class Budget:
+    """Seconds left of a call's ``total``; a run's timeout, or None (skip it) when too little is
+    left for it."""
+
+    def __init__(self, total: float, clock=time.monotonic):
+        self.total, self.clock, self.t0 = total, clock, clock()
+
+    def left(self) -> float:
+        return self.total - (self.clock() - self.t0)
+
+    def timeout(self, est_s: float, cap: float) -> float | None:
+        left = self.left()
+        if left < max(MIN_RUN_S, 0.5 * est_s):
+            return None
+        return min(cap, left)
+
+    def skipped(self, est_s: float) -> dict:
+        return {"skipped": f"not run: {max(0.0, self.left()):.0f} s left of the {self.total:g} s "
+                           f"--budget, about {est_s:.0f} s needed"}
+
+
+# ---------------------------------------------------------------------------- the table
+
+def _fmt(v, spec, unit=""):
+    return format(v, spec) + unit if v is not None else "-"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def notes(r: dict) -> str:
+    out = []
+    if r.get("note"):
+        out.append(r["note"])
+    if r.get("graph_x") is not None:
+        out.append(f"graph {r['graph_x']:.2f}x eager")
+    if r.get("throughput"):
+        t = r["throughput"]
+        out.append(f"FULL/SYNTHETIC {t['FULL'] / t['SYNTHETIC']:.2f}")
+    if r.get("trace"):
+        out.append(r["trace"])
+    if r.get("tests"):
+        out.append(r["tests"])
+    return "; ".join(out)
+
+
+COLUMNS = ("series", "run", "samples/s", "vs prev", "vs first", "data wait", "TFLOP/s", "MFU",
+           "peak GB", "A100 (tutorial)", "ours / A100", "notes")
+
+
+def table(rows: list[tuple[Run, dict]]) -> str:
+    """Markdown, one line per run. Speed-ups are against the row before in its series and the
+    series' first row (training rows alone, none when either has no figure); a failed or
+    skipped run's line says so and why."""
+    out = ["| " + " | ".join(COLUMNS) + " |", "|---|---|" + "---:|" * 9 + "---|"]
+    first, prev = {}, {}
+    for run, r in rows:
+        rate = r.get("samples_per_s") if run.kind == "train" else None
+        base = first.setdefault(run.series, rate)
+        before = prev.get(run.series)
+        prev[run.series] = rate
+        if "failed" in r or "skipped" in r:
+            why = ("failed: " + r["failed"]) if "failed" in r else r["skipped"]
+            out.append(f"| {run.series} | {_cell(run.label)} | {_cell(why[:300])} |"
+                       + " - |" * 9)
             continue
-        speedup = None if "failed" in base else r["samples_per_s"] / base["samples_per_s"]
-        out.append(f"| {series} | {label} | {r['samples_per_s']:.1f} | {fmt(speedup, '.2f', 'x')} | "
-                   f"{fmt(r['tflops'], '.3g')} | {fmt(r['mfu'], '.1f', '%')} | "
-                   f"{fmt(r['peak_gb'], '.2f')} |")
+        tutorial = TUTORIAL.get(run.key, (None, ""))[0]
+        cells = [run.series, _cell(run.label), _fmt(r.get("samples_per_s"), ".1f"),
+                 _fmt(rate / before if rate and before else None, ".2f", "x"),
+                 _fmt(rate / base if rate and base else None, ".2f", "x"),
+                 _fmt(r.get("wait_pct"), ".0f", "%"), _fmt(r.get("tflops"), ".3g"),
+                 _fmt(r.get("mfu"), ".1f", "%"), _fmt(r.get("peak_gb"), ".2f"),
+                 _fmt(tutorial, ".1f"),
+                 _fmt(r["samples_per_s"] / tutorial if tutorial and r.get("samples_per_s")
+                      else None, ".2f", "x"),
+                 _cell(notes(r))]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def throughput_table(rows: list[tuple[Run, dict]]) -> str:
+    out = ["| run | IO | SYNTHETIC | FULL | FULL / SYNTHETIC | bottleneck |",
+           "|---|---:|---:|---:|---:|---|"]
+    for run, r in rows:
+        if r.get("throughput"):
+            t = r["throughput"]
+            out.append(f"| {run.series}: {_cell(run.label)} | {t['IO']:.1f} | "
+                       f"{t['SYNTHETIC']:.1f} | {t['FULL']:.1f} | "
+                       f"{t['FULL'] / t['SYNTHETIC']:.2f} | {_cell(r.get('bottleneck') or '')} |")
+    return "\n".join(out) if len(out) > 2 else ""
+
+
+def _ratio(r, goal):
+    t = r.get("throughput")
+    if not t:
+        return None
+    x = t["FULL"] / t["SYNTHETIC"]
+    return (f"FULL {t['FULL']:.1f} / SYNTHETIC {t['SYNTHETIC']:.1f} = {x:.2f}", x >= goal)
+
+
+def _sequence(rows_by_key, keys):
+    unet = [k for k in keys if k.startswith("unet/")]
+    first, last = rows_by_key.get(unet[0], {}), rows_by_key.get(unet[-1], {})
+    if not first.get("samples_per_s") or not last.get("samples_per_s"):
+        return None
+    x = last["samples_per_s"] / first["samples_per_s"]
+    best = max((k for k in unet if rows_by_key.get(k, {}).get("samples_per_s")),
+               key=lambda k: rows_by_key[k]["samples_per_s"])
+    text = (f"{last['samples_per_s']:.1f} / {first['samples_per_s']:.1f} = {x:.2f}x "
+            f"({unet[-1]}; fastest {best}: "
+            f"{rows_by_key[best]['samples_per_s'] / first['samples_per_s']:.2f}x)")
+    return text, x >= 6.0
+
+
+def _mfu(r):
+    return (f"MFU {r['mfu']:.1f}%", r["mfu"] >= 35.0) if r.get("mfu") is not None else None
+
+
+def _graph(r):
+    return ((r["graph"].split(": ", 1)[1], r["graph_x"] >= 1.1)
+            if r.get("graph_x") is not None else None)
+
+
+# (goal, the rows it reads: all must be in the plan, how it is measured from their results)
+GOALS = [
+    ("U-Net short sequence ends at >= 6x its baseline", ("unet/baseline", "unet/device_graphs"),
+     lambda by, keys: _sequence(by, keys)),
+    ("ViT short_opt >= 35% MFU (bf16)", ("vit/short_opt",),
+     lambda by, keys: _mfu(by.get("vit/short_opt", {}))),
+    ("CUDA graphs >= 1.1x eager, U-Net at batch 8", ("graphs/b8",),
+     lambda by, keys: _graph(by.get("graphs/b8", {}))),
+    ("U-Net, device loader: FULL >= 0.9 SYNTHETIC", ("unet/device",),
+     lambda by, keys: _ratio(by.get("unet/device", {}), 0.9)),
+    ("U-Net, lowmem + 8 workers (short_opt): FULL >= 0.6 SYNTHETIC", ("unet/compile",),
+     lambda by, keys: _ratio(by.get("unet/compile", {}), 0.6)),
+    ("ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC", ("vit/short_opt",),
+     lambda by, keys: _ratio(by.get("vit/short_opt", {}), 0.9)),
+]
+
+
+def goals(rows: list[tuple[Run, dict]]) -> list[tuple[str, str, str]]:
+    """(goal, measured, "reached" / "not reached" / "not measured") for each goal whose rows
+    this call ran."""
+    keys = [run.key for run, _ in rows]
+    by = {run.key: r for run, r in rows}
+    out = []
+    for text, needs, measure in GOALS:
+        if not all(k in by for k in needs):
+            continue
+        got = measure(by, keys)
+        if got is None:
+            why = next((by[k].get("failed") or by[k].get("skipped") for k in needs
+                        if "failed" in by[k] or "skipped" in by[k]), "no figure in its log")
+            out.append((text, f"- ({why[:120]})", "not measured"))
+        else:
+            out.append((text, got[0], "reached" if got[1] else "not reached"))
+    return out
+
+
+def document(header: list[str], rows: list[tuple[Run, dict]]) -> str:
+    parts = ["# GPU runs", "\n".join(header), "## Runs", table(rows)]
+    through = throughput_table(rows)
+    if through:
+        parts += ["## Data path (--throughput_report, samples/s)", through]
+    reached = goals(rows)
+    if reached:
+        parts += ["## Goals", "| goal | measured | result |\n|---|---|---|\n" + "\n".join(
+            f"| {_cell(g)} | {_cell(m)} | {v} |" for g, m, v in reached)]
+    cited = [(k, v, src) for k, (v, src) in TUTORIAL.items() if k in {run.key for run, _ in rows}]
+    if cited:
+        parts += ["## The tutorials' A100-40GB figures (median of the epochs after the first)",
+                  "\n".join(f"- {k}: {v:g} samples/s; {src}" for k, v, src in cited)]
+    return "\n\n".join(parts) + "\n"
 
 
 def versions() -> str:
     import torch
 
     line = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if cudnn:
+        line += f", cuDNN {cudnn}"
+    line += f"; {os.cpu_count()} CPU cores"
     if torch.cuda.is_available():
         line = f"{torch.cuda.get_device_name()}; " + line
         try:
@@ -179,70 +603,278 @@ def versions() -> str:
         except OSError:  # no nvidia-smi on the PATH: the line goes without the driver
             return line
         if smi.returncode == 0:
-            line += f", driver {smi.stdout.strip()}"
+            line += f"; driver {smi.stdout.strip()}"
     return line
 
 
-def nothing_ran(rows: list[tuple[str, str, dict]], timeout: float) -> str:
+def nothing_ran(rows: list[tuple[Run, dict]], timeout: float | None) -> str:
     """The ``error:`` line when no run succeeded, naming what to change."""
-    if all(r["failed"].startswith("timed out") for _, _, r in rows):
-        return (f"error: all {len(rows)} runs timed out after {timeout:g} s: raise --timeout "
-                f"(or check the data under --data); nothing written")
-    series, label, r = next((s, lb, r) for s, lb, r in rows
-                            if not r["failed"].startswith("timed out"))
-    return (f"error: none of the {len(rows)} runs succeeded; the first failure, [{series}] "
-            f"{label}: {r['failed']}: fix that (its command is printed above) and run again; "
-            f"nothing written")
+    failed = [(run, r) for run, r in rows if "failed" in r]
+    if failed and all(r["failed"].startswith("timed out") for _, r in failed):
+        limit = f" after {timeout:g} s" if timeout else ""
+        return (f"error: all {len(failed)} runs timed out{limit}: raise --timeout (or check the "
+                f"data under --data); nothing written")
+    if not failed:
+        return (f"error: none of the {len(rows)} runs ran within --budget: raise it or run "
+                f"fewer series (--only); nothing written")
+    run, r = next((run, r) for run, r in failed if not r["failed"].startswith("timed out"))
+    return (f"error: none of the {len(rows)} runs succeeded; the first failure, [{run.series}] "
+            f"{run.label}: {r['failed']}: fix that (its command is printed above) and run "
+            f"again; nothing written")
+
+
+# ---------------------------------------------------------------------------- running
+
+def command(run: Run, data_dir: str, expdir: str, args=None) -> list[str]:
+    """The command line of ``run`` (``args``: instead of its own, e.g. a search's batch)."""
+    args = list(run.args if args is None else args)
+    if run.kind == "pytest":
+        return [sys.executable, "-m", "pytest", *args]
+    extra = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
+    extra += ["--expdir", expdir, "--run_num", "0"]
+    if run.kind == "trace":
+        extra += ["--profile_trace", os.path.join(expdir, "trace")]
+    return [sys.executable, run.script, *args, *extra]
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as a reader would type it: ``python`` for this interpreter, paths under the
+    repository relative to it."""
+    def short(a):
+        if a == sys.executable:
+            return "python"
+        if os.path.isabs(a) and a.startswith(ROOT + os.sep):
+            return os.path.relpath(a, ROOT)
+        return a
+    return shlex.join(short(a) for a in cmd)
+
+
+def data_kinds(runs: list[Run]) -> list[str]:
+    return [k for k in gpu_data.KINDS if any(run.data == k for run in runs)]
+
+
+def data_missing(data_dir: str, kinds, a) -> list[str]:
+    have = {"cosmo": lambda: gpu_data.has_cosmo(data_dir, a.cosmo),
+            "era5": lambda: gpu_data.has_era5(data_dir, a.era5_steps, gpu_data.ERA5_SIZE)}
+    return [k for k in kinds if not have[k]()]
+
+
+def dry_run(runs: list[Run], a, data_dir: str, budget: float):
+    kinds = data_kinds(runs)
+    total = 0.0
+    if kinds:
+        make = gpu_data.estimate_s(kinds, a.cosmo, a.era5_steps)
+        total += make
+        how = "make data" if a.make_data else "data needed (--make-data writes it first)"
+        print(f"{how}, est {make:.0f} s: "
+              f"{shown(gpu_data.command(data_dir, kinds, a.cosmo, a.era5_steps))}")
+    for i, run in enumerate(runs):
+        expdir = os.path.join(tempfile.gettempdir(), "gpu_runs-XXXX", f"run{i}")
+        cap = a.timeout or run_timeout(run_est(run))
+        if run.kind == "search":
+            for batch in SEARCH_BATCHES:
+                print(f"[{run.series}] {run.label}, batch {batch}: est {search_est(batch):.0f} "
+                      f"s, timeout {a.timeout or run_timeout(search_est(batch)):.0f} s")
+                print(f"    {shown(command(run, data_dir, expdir, search_args(run, batch)))}")
+            print("    (doubling stops at the first out-of-memory error, exit 2; the largest "
+                  "batch that trained is the row)")
+        else:
+            print(f"[{run.series}] {run.label}: est {run_est(run):.0f} s, timeout {cap:.0f} s")
+            print(f"    {shown(command(run, data_dir, expdir))}")
+            if run.kind == "trace":
+                print("    then: the trace parses as JSON, holds traceEvents and CUDA kernels")
+        total += run_est(run)
+    over = "" if total <= budget else ": more than one call's, see the calls below"
+    print(f"estimated: {total:.0f} s for a {budget:g} s --budget{over} (on an H100, from the "
+          f"first GPU run's figures; compile time is a guess)")
+    if a.only is None or set(a.only) == set(SERIES):
+        for i, call in enumerate(CALLS, 1):
+            calls = [run for s in call for run in SERIES[s]]
+            t = sum(map(run_est, calls)) + gpu_data.estimate_s(data_kinds(calls), a.cosmo,
+                                                                a.era5_steps)
+            print(f"device call {i}: python -m benchmarks.gpu_runs --make-data --only "
+                  f"{' '.join(call)}  (est {t:.0f} s)")
+
+
+class Writer:
+    """The out dir's files, rewritten after every run: the table, the runs' log, the JSON."""
+
+    def __init__(self, out_dir: str, header: list[str]):
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.header = out_dir, header
+        self.table = unused_path(os.path.join(out_dir, "GPU.md"))
+        self.log = unused_path(os.path.join(out_dir, "gpu_runs.log"))
+        self.json = unused_path(os.path.join(out_dir, "gpu_runs.json"))
+        self.wrote_table = False
+
+    def log_run(self, run: Run, cmd: list[str], code, seconds: float, output: str,
+                cap: int = 400_000):
+        if len(output) > cap:  # the start and the end: the file must come back (16 MiB at most)
+            output = output[: cap // 10] + "\n[... cut ...]\n" + output[-(cap - cap // 10):]
+        with open(self.log, "a") as f:
+            f.write(f"==== [{run.series}] {run.label}\n$ {shown(cmd)}\n"
+                    f"(exit {code}, {seconds:.1f} s)\n{output}\n")
+
+    def rows(self, rows: list[tuple[Run, dict]]):
+        if not any("failed" not in r and "skipped" not in r for _, r in rows):
+            return  # nothing succeeded yet: nothing written
+        with open(self.table, "w") as f:
+            f.write(document(self.header, rows))
+        with open(self.json, "w") as f:
+            json.dump({"header": self.header,
+                       "rows": [{"key": run.key, "label": run.label, **{
+                           k: v for k, v in r.items() if k != "path"}} for run, r in rows]},
+                      f, indent=1)
+        self.wrote_table = True
+
+
+def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Budget,
+            writer: Writer) -> dict:
+    """Run one row (every batch of a search) and return its result."""
+    def attempt(args, est_s):
+        timeout = budget.timeout(est_s, a.timeout or run_timeout(est_s))
+        if timeout is None:
+            return budget.skipped(est_s), None
+        expdir = os.path.join(tmp, f"run{i}")
+        cmd = command(run, data_dir, expdir, args)
+        print(f"[{run.series}] {run.label}: {shown(cmd)}", flush=True)
+        t0 = time.monotonic()
+        code, output = run_logged(cmd, env, timeout)
+        writer.log_run(run, cmd, code, time.monotonic() - t0, output)
+        result = (pytest_outcome if run.kind == "pytest" else outcome)(code, output, timeout)
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        return result, expdir
+
+    if run.kind == "search":
+        def one(batch):
+            result, expdir = attempt(search_args(run, batch), search_est(batch))
+            if expdir:
+                shutil.rmtree(expdir, ignore_errors=True)
+            print(f"    batch {batch}: " + (f"{result['samples_per_s']:.1f} samples/s"
+                                            if "samples_per_s" in result else
+                                            result.get("failed") or result.get("skipped")),
+                  flush=True)
+            return result
+        return search_row(search_batch(SEARCH_BATCHES, one))
+    result, expdir = attempt(None, run.est_s)
+    if expdir and run.kind == "trace" and "failed" not in result:
+        checked = check_trace(os.path.join(expdir, "trace"))
+        if "failed" in checked:
+            result = {"failed": "trace: " + checked["failed"]}
+        else:
+            result["trace"] = checked["trace"]
+            kept = unused_path(os.path.join(writer.out_dir, "profile_trace.json.gz"))
+            with open(checked["path"], "rb") as src, gzip.open(kept, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            result["trace"] += f" (kept as {os.path.basename(kept)})"
+    if expdir:  # checkpoints of a 117 M-parameter model: 1.4 GB a run
+        shutil.rmtree(expdir, ignore_errors=True)
+    return result
+
+
+def summary(result: dict) -> str:
+    if "failed" in result:
+        return f"failed: {result['failed']}"
+    if "skipped" in result:
+        return result["skipped"]
+    bits = []
+    if result.get("samples_per_s") is not None:
+        bits.append(f"{result['samples_per_s']:.1f} samples/s")
+    if result.get("wait_pct") is not None:
+        bits.append(f"waited for data {result['wait_pct']:.0f}%")
+    for key in ("graph", "note", "trace", "tests"):
+        if result.get(key):
+            bits.append(result[key])
+    if result.get("throughput"):
+        t = result["throughput"]
+        bits.append(f"IO {t['IO']:.1f}, SYNTHETIC {t['SYNTHETIC']:.1f}, FULL {t['FULL']:.1f}")
+    return "; ".join(bits)
+
+
+def _terminated(signum, frame):
+    raise SystemExit("error: terminated (SIGTERM); the rows measured so far are written")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=list(SERIES), help="run these series only")
+    p.add_argument("--only", nargs="+", choices=list(SERIES),
+                   help="run these series only, in this order (default: all)")
     p.add_argument("--data", default=os.path.join(ROOT, "data", "gpu_bench"),
-                   help="directory of the synthetic data (made when missing)")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "GPU.md"),
-                   help="Markdown file of the table (a new name when it exists)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds each run may take before it is killed and marked failed")
-    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+                   help="directory of the data (cosmo/, era5/)")
+    p.add_argument("--make-data", action="store_true",
+                   help="write the data the chosen series read under --data first (kept when "
+                        "already there)")
+    p.add_argument("--cosmo", type=int, nargs=2, default=list(gpu_data.COSMO_SIDES),
+                   metavar=("TRAIN", "VALID"), help="cosmology box sides (default: %(default)s)")
+    p.add_argument("--era5-steps", type=int, nargs=2, default=list(gpu_data.ERA5_STEPS),
+                   metavar=("TRAIN", "VALID"),
+                   help="steps of the ERA5 files, 360 x 720 (default: %(default)s)")
+    p.add_argument("--out-dir", default=None,
+                   help="where the table (GPU.md), the runs' log and the trace go (default: $OUT "
+                        "when set, else benchmarks/)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds each run may take before it is killed and marked failed "
+                        "(default: twice its estimate and 30 s)")
+    p.add_argument("--budget", type=float, default=BUDGET_S,
+                   help="seconds for the whole call; runs that would not fit are skipped rows "
+                        "(default: %(default)g)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands and their estimates, run nothing")
     a = p.parse_args(argv)
-    if a.timeout <= 0:
+    if a.timeout is not None and a.timeout <= 0:
         p.error("--timeout must be a positive number of seconds")
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               ERA5_DATA_ROOT=os.path.join(a.data, "era5"),
-               COSMO_DATA_ROOT=os.path.join(a.data, "cosmo"))
-    runs = [(s, label, cmd, args) for s in (a.only or SERIES) for label, cmd, args in SERIES[s]]
+    if a.budget <= 0:
+        p.error("--budget must be a positive number of seconds")
+    runs = [run for s in (a.only or SERIES) for run in SERIES[s]]
+    data_dir = os.path.abspath(a.data)
+    out_dir = a.out_dir or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks")
     if a.dry_run:
-        for s, label, cmd, args in runs:
-            print(f"[{s}] {label}: {' '.join(cmd + args)}")
+        dry_run(runs, a, data_dir, a.budget)
         return
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU here: run this on a GPU node (--dry-run prints the commands)")
-    expdir = tempfile.mkdtemp(prefix="gpu_runs-")
+    budget = Budget(a.budget)
+    kinds = data_kinds(runs)
+    made = ""
+    if kinds and a.make_data:
+        made = f"data made in {gpu_data.make(data_dir, kinds, a.cosmo, a.era5_steps):.1f} s"
+    missing = data_missing(data_dir, kinds, a)
+    if missing:
+        sys.exit(f"error: no {' or '.join(missing)} data of the planned sizes under {data_dir}: "
+                 f"add --make-data (it writes them in seconds) or point --data at them")
+    header = [versions(), f"`python -m benchmarks.gpu_runs {shlex.join(argv or sys.argv[1:])}`"
+              f" under a {a.budget:g} s budget" + (f"; {made}" if made else "")]
+    writer = Writer(out_dir, header)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     rows = []
-    for i, (s, label, cmd, args) in enumerate(runs):
-        full = ([sys.executable] if cmd[0].endswith(".py") else []) + cmd + args + [
-            "--synthesize_if_missing", "true", "--expdir", expdir, "--run_num", str(i)]
-        print(f"[{s}] {label}: {' '.join(full)}", flush=True)
-        result = outcome(*run_logged(full, env, a.timeout), a.timeout)
-        rows.append((s, label, result))
-        if "failed" in result:
-            print(f"    failed: {result['failed']}", flush=True)
-        else:
-            print(f"    {result['samples_per_s']:.1f} samples/s" +
-                  (f"; {result['graph']}" if result["graph"] else ""), flush=True)
-    failed = sum("failed" in r for _, _, r in rows)
-    if failed == len(rows):
+    # A SIGTERM (a job's or a device command's time limit) unwinds like Ctrl-C: the run in
+    # flight, in a process session of its own, is killed with its group on the way out.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu_runs-") as tmp:
+            for i, run in enumerate(runs):
+                result = execute(run, i, a, data_dir, tmp, env, budget, writer)
+                rows.append((run, result))
+                print(f"    {summary(result)}", flush=True)
+                writer.rows(rows)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    failed = [run for run, r in rows if "failed" in r]
+    skipped = [run for run, r in rows if "skipped" in r]
+    if not writer.wrote_table:
         sys.exit(nothing_ran(rows, a.timeout))
-    out = unused_path(a.out)
-    with open(out, "w") as f:
-        f.write(f"# GPU runs\n\n{versions()}\n\n{table(rows)}\n")
-    print(f"written: {out}")
-    if failed:
-        sys.exit(f"error: {failed} of {len(rows)} runs failed (rows marked failed in {out}): "
-                 f"see their lines above")
+    print(f"written: {writer.table}, {writer.log}, {writer.json}")
+    if failed or skipped:
+        again = sorted({run.series for run in skipped})
+        print(f"error: {len(failed)} of {len(rows)} runs failed, {len(skipped)} skipped (rows "
+              f"marked in {writer.table})" + (f"; run the skipped ones again with --only "
+                                              f"{' '.join(again)}" if again else ""),
+              file=sys.stderr, flush=True)
+    print("\n" + document(header, rows), flush=True)  # the table, last
+    if failed or skipped:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

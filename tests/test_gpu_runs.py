@@ -1,25 +1,51 @@
-"""benchmarks/gpu_runs.py without a GPU: its commands parse, it reads train.py's real log lines
-(CPU ones from a run, GPU ones as train.py and utils/logging_utils.py write them), its table,
-failed and timed-out runs as rows, and its refusals."""
+"""benchmarks/gpu_runs.py and benchmarks/gpu_data.py without a GPU: the plan (dry run, every
+command a valid config, the calls within their budget), the data maker (files the project's
+loaders read), the parsers on train.py's real lines (CPU ones from a run, GPU ones as train.py,
+utils/throughput_report.py and utils/logging_utils.py write them), the trace check, the batch
+search, the goals, the table, failed, timed-out and skipped runs as rows, and the refusals."""
+import dataclasses
+import gzip
+import json
 import logging
 import os
+import re
+import signal
 import time
 
+import numpy as np
 import pytest
+import torch
 
-from benchmarks import gpu_runs
+from benchmarks import gpu_data, gpu_runs
+from benchmarks.gpu_runs import Run
 from conftest import ROOT
 from test_training import TINY_VIT, train
 from utils.config import build_config, from_argv
+from utils.data_loader import build_loaders
+from utils.era5_data import load_stats
 from utils.logging_utils import FORMAT
+from utils.throughput_report import _modes_text, bottleneck_line
+
+CPU = torch.device("cpu")
 
 # A run that writes the pid of a child of its own to argv[1], then outlives any sane timeout;
-# the child keeps the output pipe open, as torchrun's ranks and loader workers would.
+# the child keeps the output pipe open, as loader workers would.
 SLEEPER = """import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 open(sys.argv[1], "w").write(str(child.pid))
 print("loading the data", flush=True)
 time.sleep(120)
+"""
+
+# A train.py stand-in for the batch search: trains up to argv[1] samples per batch, and beyond
+# stops with train.py's one-line out-of-memory error (exit 2).
+FITS_UP_TO = """import sys
+batch = int(sys.argv[sys.argv.index("--global_batch_size") + 1])
+if batch > int(sys.argv[1]):
+    print(f"error: out of memory on cuda:0 (tried to allocate 2.00 GiB): the model or a step does "
+          f"not fit with img_size=[360, 720], {batch} samples per rank: lower these")
+    sys.exit(2)
+sys.stdout.write(open(sys.argv[2]).read())
 """
 
 
@@ -30,77 +56,211 @@ def logged(*messages: str) -> str:
                                                   None)) for m in messages) + "\n"
 
 
-def gpu_epoch(epoch: int, samples_per_s: float, tflops: float, peaks: list[float]) -> list[str]:
-    """train.py's lines of one epoch on an H100 in bf16 (log_memory, then log_epoch)."""
+def gpu_epoch(epoch: int, samples_per_s: float, tflops: float, peaks: list[float],
+              wait: float = 0.41) -> list[str]:
+    """train.py's lines of one epoch on an H100 in bf16 (log_memory, then log_epoch's f-strings)."""
     peak = 494.0
     return [f"Memory after forward pass (GB, per rank): {', '.join('9.500' for _ in peaks)}; "
             f"peak: {', '.join(f'{p:.3f}' for p in peaks)} [torch.cuda allocator statistics]",
-            f"Epoch {epoch}: 12.34 s for 96 steps, {samples_per_s:.2f} samples/s (3.00 steps/s)",
+            f"Epoch {epoch}: 6.35 s for 24 steps, {samples_per_s:.2f} samples/s (3.78 steps/s)",
+            f"  Waited for data {100 * wait:.0f}% of the epoch (device idle); steady state "
+            f"(after step 1) {1.5 * samples_per_s:.2f} samples/s",
             f"  Model {tflops:.3g} TFLOP/s per device ({139.9e9 / 1e9:.4g} GFLOP per sample)"
             f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak",
             "  Avg train loss=0.123456"]
 
 
-def test_every_command_of_the_sequence_is_a_valid_config():
-    for series in gpu_runs.SERIES.values():
-        for _, cmd, args in series:
-            script = cmd[-1]
-            assert script in ("train.py", "train_graph.py", "train_mp.py")
-            from_argv(args, f"{ROOT}/config/ViT.yaml", prog=script)
+def report_lines(io: float, synthetic: float, full: float) -> list[str]:
+    """utils/throughput_report.py's summary lines for these means (its own formatting)."""
+    stats = {"IO": {"mean": io, "std": 1.0}, "SYNTHETIC": {"mean": synthetic, "std": 2.0},
+             "FULL": {"mean": full, "std": 0.5}}
+    return [f"Throughput (samples/s, mean +/- std of 3 rounds of 20 batches): "
+            f"{_modes_text(stats)}", bottleneck_line(io, synthetic, full)]
 
 
-def test_no_row_claims_ddp_or_nccl_on_one_rank(capsys):
-    for series in gpu_runs.SERIES.values():
-        for label, cmd, _ in series:
-            if "--nproc_per_node=1" in cmd:
-                assert "no process group" in label and "DDP" not in label and "NCCL" not in label
-    gpu_runs.main(["--dry-run"])
+def all_runs():
+    return [run for series in gpu_runs.SERIES.values() for run in series]
+
+
+# ------------------------------------------------------------------------------ the plan
+
+def test_dry_run_lists_every_command_with_its_estimate_and_runs_nothing(tmp_path, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    data = tmp_path / "data"
+    gpu_runs.main(["--dry-run", "--data", str(data)])
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == sum(map(len, gpu_runs.SERIES.values()))
-    assert not any("NCCL" in line or "DDP" in line for line in printed)
+    rows = [line for line in printed if line.startswith("[")]
+    searches = sum(run.kind == "search" for run in all_runs())
+    assert len(rows) == len(all_runs()) + searches * (len(gpu_runs.SEARCH_BATCHES) - 1)
+    assert all(re.search(r": est \d+ s, timeout \d+ s$", line) for line in rows)
+    commands = [line.strip() for line in printed if line.startswith("    python ")]
+    assert len(commands) == len(rows)
+    for run in all_runs():  # every row, by its label, and its script in a command
+        assert any(line.startswith(f"[{run.series}] {run.label}") for line in rows), run.label
+    assert sum(c.startswith("python train_graph.py ") for c in commands) == 3
+    assert any(" --throughput_report " in c and " device " in c for c in commands)
+    assert any(" --profile_trace " in c for c in commands)
+    assert ("python -m pytest -q -m gpu tests/test_accelerated.py tests/test_cuda_graph.py "
+            "tests/test_dali.py tests/test_torch_support.py") in commands
+    for batch in gpu_runs.SEARCH_BATCHES:
+        assert any(f"--global_batch_size {batch} " in c for c in commands)
+    make = next(line for line in printed if "python -m benchmarks.gpu_data" in line)
+    assert "--cosmo 256 128 --era5-steps 400 80 --era5-size 360 720" in make
+    # The plan's two device calls each fit the budget, and together they run every series.
+    calls = [line for line in printed if line.startswith("device call ")]
+    assert len(calls) == 2
+    for line in calls:
+        assert float(re.search(r"est (\d+) s", line).group(1)) < gpu_runs.BUDGET_S <= 540
+    assert sorted(s for call in gpu_runs.CALLS for s in call) == sorted(gpu_runs.SERIES)
+    assert not data.exists() and not (tmp_path / "out").exists()  # nothing made or written
+    assert not any("DDP" in line or "NCCL" in line for line in printed)
 
 
-def test_reads_the_numbers_of_a_real_log_and_tabulates_them(tmp_path, era5_root):
+def test_every_train_command_is_a_valid_config_for_its_script(tmp_path):
+    seen = set()
+    for i, run in enumerate(all_runs()):
+        if run.kind == "pytest":
+            continue
+        batches = gpu_runs.SEARCH_BATCHES if run.kind == "search" else [None]
+        for batch in batches:
+            args = gpu_runs.search_args(run, batch) if batch else None
+            cmd = gpu_runs.command(run, str(tmp_path), str(tmp_path / f"run{i}"), args)
+            script = cmd[1]
+            assert script in ("train.py", "train_graph.py") and os.path.exists(
+                os.path.join(ROOT, script))
+            cfg = from_argv(cmd[2:], f"{ROOT}/config/ViT.yaml", prog=script)
+            model = {"cosmo": "unet", "era5": "vit"}[run.data]
+            assert cfg.model == model and cfg.data_root == str(tmp_path / run.data)
+            assert cfg.expdir == str(tmp_path / f"run{i}")
+            assert cfg.throughput_report == ("--throughput_report" in run.args)
+            assert bool(cfg.profile_trace) == (run.kind == "trace")
+            if batch:
+                assert cfg.global_batch_size == batch and cfg.limit_nsamples <= 384
+                assert cfg.num_data_workers == 0 and not cfg.enable_jit
+            if model == "unet" and run.series == "unet":  # the first GPU run's epochs
+                assert (cfg.Nsamples, cfg.num_epochs, cfg.global_batch_size) == (1536, 3, 64)
+            seen.add((run.key, cfg.amp_mode, cfg.data_loader_config, cfg.enable_fused,
+                      cfg.enable_jit, cfg.num_data_workers, script))
+    got = {key: rest for key, *rest in seen}
+    # The tutorial's sequence, one switch a row.
+    assert got["unet/baseline"] == ["none", "lowmem", False, False, 2, "train.py"]
+    assert got["unet/workers"] == ["none", "lowmem", False, False, 8, "train.py"]
+    assert got["unet/bf16"] == ["bf16", "lowmem", False, False, 8, "train.py"]
+    assert got["unet/fp16"] == ["fp16", "lowmem", False, False, 8, "train.py"]
+    assert got["unet/fused"] == ["fp16", "lowmem", True, False, 8, "train.py"]
+    assert got["unet/compile"] == ["fp16", "lowmem", True, True, 8, "train.py"]
+    assert got["unet/graphs"] == ["fp16", "lowmem", True, False, 8, "train_graph.py"]
+    assert got["unet/device"][:3] == ["bf16", "device", True]
+    assert got["unet/device_graphs"][:3] + got["unet/device_graphs"][-1:] == [
+        "bf16", "device", True, "train_graph.py"]
+    assert got["vit/short"] == ["none", "lowmem", False, False, 0, "train.py"]
+    assert got["vit/short_opt"] == ["bf16", "lowmem", True, True, 8, "train.py"]
+    # short_opt is the config of its name, but in bf16.
+    opt = build_config(f"{ROOT}/config/UNet.yaml", "short_opt", {})
+    assert (opt.amp_mode, opt.enable_fused, opt.enable_jit, opt.num_data_workers) == (
+        "fp16", True, True, 8)
+
+
+def test_the_tutorial_figures_name_rows_of_the_plan():
+    keys = {run.key for run in all_runs()}
+    assert set(gpu_runs.TUTORIAL) <= keys
+    assert gpu_runs.TUTORIAL["unet/baseline"][0] == pytest.approx(85, abs=1)  # 'about 85'
+    assert all(src for _, src in gpu_runs.TUTORIAL.values())
+
+
+# ------------------------------------------------------------------------------ the data
+
+def test_data_maker_writes_files_the_project_loaders_read(tmp_path):
+    out = str(tmp_path / "data")
+    lines = []
+    gpu_data.make(out, ("cosmo", "era5"), cosmo=(20, 12), era5_steps=(6, 4), era5_size=(16, 32),
+                  log=lines.append)
+    assert [line.split()[1] for line in lines] == ["cosmo", "era5"]
+    assert gpu_data.has_cosmo(out, (20, 12)) and not gpu_data.has_cosmo(out, (256, 128))
+    assert gpu_data.has_era5(out, (6, 4), (16, 32))
+    # ERA5: the ViT's lowmem loader reads the year files; stats are finite and positive.
+    cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", {
+        "data_root": f"{out}/era5", "img_size": "[16,32]", "synthesize_if_missing": "false",
+        "expdir": str(tmp_path / "logs")})
+    loaders = build_loaders(cfg, 1, 0, 2, CPU)
+    assert (loaders.n_train, loaders.n_valid) == (5, 3)
+    for which, n in (("train", 2), ("valid", 2)):
+        x, y = next(iter(getattr(loaders, which)))
+        assert x.shape == y.shape == (n, 20, 16, 32) and x.dtype == torch.float32
+        assert torch.isfinite(x).all() and torch.isfinite(y).all()
+    means, stds = load_stats(f"{out}/era5", 20)
+    assert np.isfinite(means).all() and (stds > 0).all()
+    # Cosmology: the U-Net's lowmem and device loaders cut crops from both boxes.
+    for mode in ("lowmem", "device"):
+        cfg = build_config(f"{ROOT}/config/UNet.yaml", "short", {  # its file names
+            "data_root": f"{out}/cosmo", "Nsamples": "6", "Nsamples_val": "3",
+            "data_loader_config": mode, "num_data_workers": "0", "expdir": str(tmp_path)})
+        cfg = dataclasses.replace(cfg, data_size=8)  # crops of 8 (the model's checks aside)
+        loaders = build_loaders(cfg, 1, 0, 3, CPU)
+        for which in ("train", "valid"):
+            x, y = next(iter(getattr(loaders, which)))
+            assert x.shape == (3, 4, 8, 8, 8) and y.shape == (3, 5, 8, 8, 8)
+            assert torch.isfinite(x).all() and y.abs().max() <= 0.95
+    # Made once: a second call keeps the files.
+    before = os.path.getmtime(gpu_data.era5_paths(out)[0])
+    lines.clear()
+    gpu_data.make(out, ("cosmo", "era5"), cosmo=(20, 12), era5_steps=(6, 4), era5_size=(16, 32),
+                  log=lines.append)
+    assert all(line.endswith(": kept") for line in lines)
+    assert os.path.getmtime(gpu_data.era5_paths(out)[0]) == before
+
+
+# ------------------------------------------------------------------------------ the parsers
+
+def test_reads_a_real_log_its_throughput_report_and_its_trace(tmp_path, era5_root):
+    """A CPU run of train.py with --throughput_report and --profile_trace: its epoch, wait,
+    TFLOP/s, memory and throughput lines read back as printed; its trace parses (no CUDA
+    kernels on a CPU, which the check says)."""
+    trace = tmp_path / "trace"
     r = train(TINY_VIT + ["--data_root", era5_root, "--expdir", str(tmp_path), "--num_epochs",
-                          "3"])
-    got = gpu_runs.read_log(r.stdout + r.stderr)
-    rates = [float(line.split(", ")[1].split()[0]) for line in r.stdout.splitlines()
-             if "samples/s (" in line]
-    assert len(rates) == 3 and got["samples_per_s"] == pytest.approx(sorted(rates[1:])[0] / 2
-                                                                     + sorted(rates[1:])[1] / 2)
+                          "3", "--throughput_report", "--profile_trace", str(trace)])
+    out = r.stdout + r.stderr
+    got = gpu_runs.read_log(out)
+    epochs = re.findall(r"Epoch \d+: [\d.]+ s for \d+ steps, ([\d.]+) samples/s", out)
+    waits = re.findall(r"Waited for data (\d+)% of the epoch", out)
+    assert len(epochs) == len(waits) == 3 and got["epochs"] == [float(v) for v in epochs]
+    assert got["samples_per_s"] == pytest.approx((float(epochs[1]) + float(epochs[2])) / 2)
+    assert got["wait_pct"] == pytest.approx((float(waits[1]) + float(waits[2])) / 2)
     assert got["tflops"] > 0 and got["mfu"] is None  # no peak table entry for a CPU
     assert got["peak_gb"] is not None and got["graph"] is None
-    line = ("CUDA graph: step 2.00 ms replayed, 5.00 ms eager (2 warm-up steps): 2.50x")
-    assert gpu_runs.read_log(r.stdout + line)["graph"] == line
-    text = gpu_runs.table([("unet", "a", got), ("unet", "b", dict(got, samples_per_s=2 * got[
-        "samples_per_s"], mfu=41.5))])
-    rows = text.splitlines()
-    assert rows[2].split(" | ")[3] == "1.00x" and rows[3].split(" | ")[3] == "2.00x"
-    assert "41.5%" in rows[3] and "| - |" in rows[2]
+    printed = re.search(r"IO ([\d.]+) \+/- [\d.]+, SYNTHETIC ([\d.]+) \+/- [\d.]+, FULL ([\d.]+)",
+                        out).groups()
+    assert got["throughput"] == dict(zip(("IO", "SYNTHETIC", "FULL"), map(float, printed)))
+    assert got["bottleneck"].startswith("the ")
+    checked = gpu_runs.check_trace(str(trace))
+    assert checked["failed"].endswith("no CUDA kernel events")
+    assert re.search(r"trace_rank0_step\d+\.json: [\d.]+ MB, \d+ events, 0 CUDA kernels, "
+                     r"ranges .*forward", checked["failed"])
 
 
-def test_reads_gpu_lines_with_their_log_prefix_mfu_and_every_rank():
-    text = logged(*gpu_epoch(1, 300.0, 40.1, [20.0, 20.5]), *gpu_epoch(2, 400.0, 47.3, [20.1, 21.25]),
-                  *gpu_epoch(3, 500.0, 47.3, [20.0, 20.0]),
-                  "CUDA graph: step 2.00 ms replayed, 5.00 ms eager (2 warm-up steps): 2.50x")
+def test_reads_gpu_lines_with_their_log_prefix_mfu_wait_report_and_every_rank():
+    text = logged(*gpu_epoch(1, 300.0, 40.1, [20.0, 20.5], wait=0.6),
+                  *gpu_epoch(2, 400.0, 47.3, [20.1, 21.25], wait=0.3),
+                  *gpu_epoch(3, 500.0, 47.3, [20.0, 20.0], wait=0.1),
+                  "CUDA graph: step 131.60 ms replayed, 147.90 ms eager (2 warm-up steps): 1.12x",
+                  *report_lines(288.0, 1467.0, 313.0))
     assert " - INFO -   Model 47.3 TFLOP/s per device (139.9 GFLOP per sample), MFU 9.6% of 494 " \
            "TFLOP/s peak\n" in text  # the line of a real H100 run, prefix included
     got = gpu_runs.read_log(text)
-    assert got["samples_per_s"] == 450.0  # median of epochs 2 and 3
+    assert got["samples_per_s"] == 450.0 and got["epochs"] == [300.0, 400.0, 500.0]
+    assert got["wait_pct"] == 20.0 and got["steady_per_s"] == 675.0  # medians of epochs 2, 3
     assert got["tflops"] == 47.3 and got["mfu"] == 9.6  # the last epoch's
     assert got["peak_gb"] == 21.25  # the second rank's, in epoch 2
-    assert got["graph"].endswith("2.50x")
+    assert got["graph_x"] == 1.12 and got["graph"].endswith("1.12x")
+    assert got["throughput"] == {"IO": 288.0, "SYNTHETIC": 1467.0, "FULL": 313.0}
+    assert got["bottleneck"].startswith("the loader is the bottleneck (IO 288.0 < SYNTHETIC")
     big = gpu_runs.read_log(logged(*gpu_epoch(1, 9e3, 1234.5, [1.0])))  # printed as 1.23e+03
-    assert big["tflops"] == 1230.0 and big["mfu"] == 249.9
-    row = gpu_runs.table([("vit", "bf16", got)]).splitlines()[2]
-    assert row == "| vit | bf16 | 450.0 | 1.00x | 47.3 | 9.6% | 21.25 |"
-    rows = gpu_runs.table([("vit", "base", {"failed": "exit 1: a|b"}), ("vit", "bf16", got)])
-    assert rows.splitlines()[2:] == ["| vit | base | failed: exit 1: a\\|b | - | - | - | - |",
-                                     "| vit | bf16 | 450.0 | - | 47.3 | 9.6% | 21.25 |"]  # no base
+    assert big["tflops"] == 1230.0 and big["mfu"] == 249.9 and big["throughput"] is None
 
 
-def test_reads_the_mfu_that_train_py_logs_when_the_peak_is_known(tmp_path, era5_root, monkeypatch):
-    """train.py's own epoch lines, with MFU (its GPU branch: the peak lookup given an H100's
+def test_reads_the_lines_train_py_logs_with_mfu_and_the_wait(tmp_path, era5_root, monkeypatch):
+    """train.py's own epoch lines (log_epoch, its GPU branch: the peak lookup given an H100's
     name), as its log file holds them."""
     import train
     from utils.flops import flops_per_sample, peak_tflops
@@ -113,14 +273,16 @@ def test_reads_the_mfu_that_train_py_logs_when_the_peak_is_known(tmp_path, era5_
     monkeypatch.setattr(train, "peak_tflops",
                         lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
     val = trainer.validate()
-    for epoch in range(2):
+    for epoch, wait in enumerate((0.5, 0.25)):
         trainer.state.epoch = epoch
         trainer.log_epoch(train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10,
-                                           samples_per_s=8.0e5, data_wait=0.1), val, 0.1)
+                                           samples_per_s=8.0e5, steady_samples_per_s=9.0e5,
+                                           data_wait=wait), val, 0.1)
     log = open(os.path.join(trainer.run_dir, "out.log")).read()
     tflops = flops_per_sample(cfg) * 2.0e5 * 4 / 1e12  # 2e5 steps/s of 4 samples on 1 device
     got = gpu_runs.read_log(log)
-    assert got["samples_per_s"] == 8e5
+    assert got["samples_per_s"] == 8e5 and got["wait_pct"] == 25.0  # the second epoch's
+    assert got["steady_per_s"] == 9e5
     assert got["tflops"] == pytest.approx(tflops, rel=5e-3) and got["tflops"] > 0
     assert got["mfu"] == pytest.approx(100 * tflops / 989.0, abs=0.05) and got["mfu"] > 0
 
@@ -137,50 +299,218 @@ def test_last_error_line_names_the_cause():
     assert gpu_runs.last_error_line("step 1\nstep 2\n\n") == "step 2"
 
 
+def test_pytest_outcome_reads_the_summary():
+    out = "....s\n4 passed, 1 skipped, 30 deselected in 41.20s\n"
+    assert gpu_runs.pytest_outcome(0, out, 90) == {"tests": "4 passed, 1 skipped, 30 deselected"}
+    assert gpu_runs.pytest_outcome(1, "F.\n==== 1 failed, 1 passed in 3.00s ====\n", 90) == {
+        "failed": "exit 1: 1 failed, 1 passed"}
+    assert gpu_runs.pytest_outcome(0, "sss\n3 skipped in 0.10s\n", 90)["failed"].startswith(
+        "exit 0 but no test passed: 3 skipped")
+    assert gpu_runs.pytest_outcome(None, "collecting", 90)["failed"].startswith("timed out after")
+
+
+def test_trace_check_reads_the_chrome_json(tmp_path):
+    def write(name, content):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "trace_rank0_step12.json").write_text(content)
+        return str(d)
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm"},
+              {"ph": "X", "cat": "user_annotation", "name": "forward"},
+              {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm"},
+              {"ph": "X", "cat": "kernel", "name": "vectorized_elementwise_kernel"}]
+    good = gpu_runs.check_trace(write("good", json.dumps({"traceEvents": events})))
+    assert re.fullmatch(r"trace_rank0_step12\.json: 0\.0 MB, 4 events, 2 CUDA kernels, "
+                        r"ranges forward", good["trace"])
+    cpu = gpu_runs.check_trace(write("cpu", json.dumps({"traceEvents": events[:2]})))
+    assert cpu["failed"].endswith("no CUDA kernel events")
+    assert "does not parse as JSON" in gpu_runs.check_trace(write("cut", '{"traceEvents": ['))[
+        "failed"]
+    assert "holds no traceEvents" in gpu_runs.check_trace(write("empty", "{}"))["failed"]
+    assert gpu_runs.check_trace(str(tmp_path / "none"))["failed"].startswith("no trace_rank0")
+
+
+# ------------------------------------------------------------------------------ search, goals
+
+def epochs_log(rate: float) -> str:
+    return logged(*gpu_epoch(1, rate / 2, 10.0, [30.0]), *gpu_epoch(2, rate, 20.0, [31.0]))
+
+
+OOM = ("error: out of memory on cuda:0 (tried to allocate 2.00 GiB): the model or a step does "
+       "not fit with img_size=[360, 720], 128 samples per rank: lower these")
+
+
+def test_batch_search_stops_at_the_first_out_of_memory():
+    asked = []
+
+    def fake(fits_up_to, other_failure_at=None):
+        def attempt(batch):
+            asked.append(batch)
+            if batch == other_failure_at:
+                return gpu_runs.outcome(1, "RuntimeError: CUDA error: an illegal memory access", 60)
+            if batch > fits_up_to:
+                return gpu_runs.outcome(2, OOM, 60)
+            return gpu_runs.outcome(0, epochs_log(batch * 1.5), 60)
+        return attempt
+
+    found = gpu_runs.search_batch((32, 64, 128, 256), fake(64))
+    assert asked == [32, 64, 128]  # 256 is never tried
+    assert (found["largest"], found["tried"], found["stop"]) == (64, [32, 64, 128],
+                                                                "128: out of memory")
+    row = gpu_runs.search_row(found)
+    assert row["batch"] == 64 and row["samples_per_s"] == 96.0
+    assert row["note"] == "largest batch 64 (tried 32, 64, 128; 128: out of memory)"
+    row = gpu_runs.search_row(gpu_runs.search_batch((32, 64, 128, 256), fake(1000)))
+    assert row["batch"] == 256 and "every batch up to 256 trained (the search's cap)" in row["note"]
+    assert gpu_runs.search_row(gpu_runs.search_batch((32, 64), fake(16))) == {
+        "failed": "no batch trained; 32: out of memory"}
+    row = gpu_runs.search_row(gpu_runs.search_batch((32, 64, 128), fake(1000, 64)))
+    assert row["failed"].startswith("largest that trained 32, then 64: exit 1: RuntimeError")
+    skip = gpu_runs.search_batch((32, 64), lambda b: {"skipped": "not run"} if b == 64 else
+                                 gpu_runs.outcome(0, epochs_log(50.0), 60))
+    assert gpu_runs.search_row(skip)["failed"] == "largest that trained 32, then 64: not run"
+
+
+def result(rate=None, **kw):
+    return dict({"samples_per_s": rate, "wait_pct": None, "tflops": None, "mfu": None,
+                 "peak_gb": None, "graph_x": None, "throughput": None}, **kw)
+
+
+def plan_rows(results: dict) -> list:
+    by_key = {run.key: run for run in all_runs()}
+    return [(by_key[k], r) for k, r in results.items()]
+
+
+def test_goals_on_synthetic_results():
+    rows = plan_rows({
+        "unet/baseline": result(135.0),
+        "unet/compile": result(250.0, throughput={"IO": 290.0, "SYNTHETIC": 1000.0,
+                                                  "FULL": 300.0}),
+        "unet/device": result(950.0, throughput={"IO": 9000.0, "SYNTHETIC": 1000.0,
+                                                 "FULL": 950.0}),
+        "unet/device_graphs": result(900.0),
+        "vit/short_opt": result(50.0, mfu=30.2, throughput={"IO": 55.0, "SYNTHETIC": 160.0,
+                                                            "FULL": 50.0}),
+        "graphs/b8": result(300.0, graph_x=1.15, graph="CUDA graph: step 2.00 ms replayed, "
+                                                         "2.30 ms eager (5 warm-up steps): 1.15x"),
+    })
+    got = {g: (m, v) for g, m, v in gpu_runs.goals(rows)}
+    assert got["U-Net short sequence ends at >= 6x its baseline"] == (
+        "900.0 / 135.0 = 6.67x (unet/device_graphs; fastest unet/device: 7.04x)", "reached")
+    assert got["ViT short_opt >= 35% MFU (bf16)"] == ("MFU 30.2%", "not reached")
+    assert got["CUDA graphs >= 1.1x eager, U-Net at batch 8"] == (
+        "step 2.00 ms replayed, 2.30 ms eager (5 warm-up steps): 1.15x", "reached")
+    assert got["U-Net, device loader: FULL >= 0.9 SYNTHETIC"] == (
+        "FULL 950.0 / SYNTHETIC 1000.0 = 0.95", "reached")
+    assert got["U-Net, lowmem + 8 workers (short_opt): FULL >= 0.6 SYNTHETIC"][1] == "not reached"
+    assert got["ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC"] == (
+        "FULL 50.0 / SYNTHETIC 160.0 = 0.31", "not reached")
+    # A goal's row that failed is "not measured"; goals of rows not in this call are left out.
+    rows = plan_rows({"vit/short_opt": {"failed": "exit 2: error: out of memory"}})
+    assert gpu_runs.goals(rows) == [
+        ("ViT short_opt >= 35% MFU (bf16)", "- (exit 2: error: out of memory)", "not measured"),
+        ("ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC", "- (exit 2: error: out of memory)",
+         "not measured")]
+
+
+def test_table_speed_ups_tutorial_ratio_and_special_rows():
+    rows = plan_rows({
+        "unet/baseline": result(170.4, wait_pct=60.0, tflops=40.1, mfu=8.1, peak_gb=20.5),
+        "unet/workers": {"failed": "exit 1: a|b"},
+        "unet/bf16": result(340.8),
+        "vit/short": result(10.0),
+        "vit/short_opt": result(40.0),
+        "vit/largest": result(60.0, note="largest batch 64 (tried 32, 64, 128; 128: out of "
+                                         "memory)"),
+        "tests/gpu": {"tests": "5 passed"},
+    })
+    lines = gpu_runs.table(rows).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
+    assert cells[0] == ["unet", "baseline: fp32, 2 loader workers (short)", "170.4", "-",
+                        "1.00x", "60%", "40.1", "8.1%", "20.50", "85.2", "2.00x", ""]
+    assert cells[1][2] == "failed: exit 1: a\\|b" and cells[1][3:] == ["-"] * 9
+    assert cells[2][2:5] == ["340.8", "-", "2.00x"]  # the row before failed: no 'vs prev'
+    assert cells[4][2:5] == ["40.0", "4.00x", "4.00x"] and cells[4][9:11] == ["42.8", "0.93x"]
+    assert cells[5][2:5] == ["60.0", "-", "-"] and cells[5][-1].startswith("largest batch 64")
+    assert cells[6][2] == "-" and cells[6][-1] == "5 passed"
+    doc = gpu_runs.document(["header"], rows)
+    assert "## The tutorials' A100-40GB figures" in doc and "- unet/baseline: 85.2 samples/s" in doc
+
+
+# ------------------------------------------------------------------------------ main()
+
 @pytest.fixture
-def fake_gpu(monkeypatch, tmp_path):
+def fake_gpu(monkeypatch):
     """main() past its GPU check on this CPU machine; the runs themselves still run for real."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the runs' --expdir goes there
 
 
 def runs(tmp_path) -> dict:
-    """label -> (command, arguments) of a run printing an H100's log, one that crashes with a
-    traceback, a real train.py refusing a setting, and a run that hangs."""
+    """key -> Run printing an H100's log, one that crashes with a traceback, a real train.py
+    refusing a setting, one that hangs, and a train.py stand-in for the batch search."""
     log, replay, sleeper = tmp_path / "gpu.log", tmp_path / "replay.py", tmp_path / "sleeper.py"
-    crash = tmp_path / "crash.py"
+    crash, fits = tmp_path / "crash.py", tmp_path / "fits.py"
     crash.write_text("print('step 1')\nraise RuntimeError('CUDA error: an illegal memory access')\n")
-    log.write_text(logged(*gpu_epoch(1, 300.0, 40.1, [20.0]), *gpu_epoch(2, 400.0, 47.3, [21.5])))
+    log.write_text(logged(*gpu_epoch(1, 300.0, 40.1, [20.0]), *gpu_epoch(2, 400.0, 47.3, [21.5]),
+                          *report_lines(450.0, 500.0, 400.0)))
     replay.write_text("import sys\nsys.stdout.write(open(sys.argv[1]).read())\n")
     sleeper.write_text(SLEEPER)
-    return {"replayed": ([str(replay)], [str(log)]),
-            "crashes": ([str(crash)], []),
-            "bad setting": (["train.py"], TINY_VIT + ["--amp_mode", "bogus"]),
-            "hangs": ([str(sleeper)], [str(tmp_path / "child.pid")])}
+    fits.write_text(FITS_UP_TO)
+    return {"replayed": Run("tiny/replayed", "replayed", str(replay), (str(log),), 10),
+            "crashes": Run("tiny/crashes", "crashes", str(crash), (), 10),
+            "bad setting": Run("tiny/bad", "bad setting", "train.py",
+                               tuple(TINY_VIT + ["--amp_mode", "bogus"]), 10),
+            "hangs": Run("tiny/hangs", "hangs", str(sleeper), (str(tmp_path / "child.pid"),), 10),
+            "search": Run("tiny/search", "largest batch", str(fits), ("64", str(log)), 0,
+                          kind="search"),
+            "long": Run("tiny/long", "long", str(replay), (str(log),), 10_000)}
 
 
-def test_failed_and_timed_out_runs_are_rows_saying_why(tmp_path, fake_gpu, monkeypatch, capsys):
-    monkeypatch.setattr(gpu_runs, "SERIES", {"tiny": [(k, *runs(tmp_path)[k]) for k in
-                                                      ("replayed", "crashes", "hangs")]})
-    out = tmp_path / "GPU.md"
-    out.write_text("kept")
+def test_failed_timed_out_and_skipped_runs_are_rows_saying_why(tmp_path, fake_gpu, monkeypatch,
+                                                              capsys):
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))  # the default --out-dir
+    monkeypatch.setattr(gpu_runs, "SERIES", {"tiny": [runs(tmp_path)[k] for k in (
+        "replayed", "crashes", "hangs", "search", "long")]})
+    out.mkdir()
+    (out / "GPU.md").write_text("kept")
     t0 = time.monotonic()
-    with pytest.raises(SystemExit, match=r"^error: 2 of 3 runs failed"):
-        gpu_runs.main(["--out", str(out), "--timeout", "3"])
+    with pytest.raises(SystemExit) as e:
+        gpu_runs.main(["--timeout", "3"])
+    assert e.value.code == 1
     assert time.monotonic() - t0 < 60  # the sleeper's child did not hold the pipe for 120 s
     child = f"/proc/{(tmp_path / 'child.pid').read_text()}/stat"
     state = open(child).read().split()[2] if os.path.exists(child) else "gone"
     assert state in ("Z", "X", "gone")  # killed with its parent
-    assert out.read_text() == "kept"
-    rows = (tmp_path / "GPU_2.md").read_text().splitlines()[-3:]
-    assert rows[0] == "| tiny | replayed | 400.0 | 1.00x | 47.3 | 9.6% | 21.50 |"
+    assert (out / "GPU.md").read_text() == "kept"
+    doc = (out / "GPU_2.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| tiny |")]
+    assert rows[0] == ("| tiny | replayed | 400.0 | - | 1.00x | 41% | 47.3 | 9.6% | 21.50 | - | - "
+                       "| FULL/SYNTHETIC 0.80 |")
     assert rows[1] == ("| tiny | crashes | failed: exit 1: RuntimeError: CUDA error: an illegal "
-                       "memory access | - | - | - | - |")
+                       "memory access |" + " - |" * 9)
     assert rows[2] == ("| tiny | hangs | failed: timed out after 3 s; last line: loading the data "
-                       "| - | - | - | - |")
-    printed = capsys.readouterr().out
-    assert "    failed: exit 1: RuntimeError" in printed and "written: " in printed
+                       "|" + " - |" * 9)
+    assert rows[3].startswith("| tiny | largest batch | 400.0 | - | - |")
+    assert "| largest batch 64 (tried 32, 64, 128; 128: out of memory); FULL/" in rows[3]
+    assert re.match(r"\| tiny \| long \| not run: \d+ s left of the 540 s --budget, about 10000 s "
+                    r"needed \|", rows[4])
+    assert "| tiny: replayed | 450.0 | 500.0 | 400.0 | 0.80 | the loader is the bottleneck" in doc
+    assert doc.splitlines()[2].startswith("NVIDIA H100 80GB HBM3; torch ")
+    log = (out / "gpu_runs.log").read_text()
+    assert log.count("==== [tiny] ") == 3 + 3  # the skipped run is not in it; each batch is
+    assert "error: out of memory on cuda:0" in log and "(exit 2, " in log
+    saved = json.loads((out / "gpu_runs.json").read_text())
+    assert [r["key"] for r in saved["rows"]] == ["tiny/replayed", "tiny/crashes", "tiny/hangs",
+                                                 "tiny/search", "tiny/long"]
+    assert saved["rows"][3]["batch"] == 64
+    captured = capsys.readouterr()
+    assert "    failed: exit 1: RuntimeError" in captured.out and "written: " in captured.out
+    assert "    batch 128: exit 2: error: out of memory" in captured.out
+    assert captured.out.index("## Runs") > captured.out.index("written: ")  # the table, last
+    assert ("error: 2 of 5 runs failed, 1 skipped" in captured.err
+            and "run the skipped ones again with --only tiny" in captured.err)
 
 
 @pytest.mark.parametrize("broken, timeout, says", [
@@ -188,22 +518,112 @@ def test_failed_and_timed_out_runs_are_rows_saying_why(tmp_path, fake_gpu, monke
     ("hangs", "1", "all 1 runs timed out after 1 s: raise --timeout")])
 def test_nothing_succeeded_writes_nothing_and_says_what_to_fix(tmp_path, fake_gpu, monkeypatch,
                                                                broken, timeout, says):
-    monkeypatch.setattr(gpu_runs, "SERIES", {"tiny": [(broken, *runs(tmp_path)[broken])]})
-    out = tmp_path / "GPU.md"
+    monkeypatch.setattr(gpu_runs, "SERIES", {"tiny": [runs(tmp_path)[broken]]})
+    out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        gpu_runs.main(["--out", str(out), "--timeout", timeout])
+        gpu_runs.main(["--out-dir", str(out), "--timeout", timeout])
     assert str(e.value.code).startswith("error: ") and says in str(e.value.code)
     assert str(e.value.code).endswith("nothing written")
-    assert not out.exists() and not (tmp_path / "GPU_2.md").exists()
+    assert not (out / "GPU.md").exists() and not (out / "gpu_runs.json").exists()
+
+
+def test_make_data_then_run(tmp_path, fake_gpu, monkeypatch, capsys):
+    """Data a run reads is made first with --make-data; without it, missing data stops the call
+    before any run."""
+    run = runs(tmp_path)["replayed"]
+    monkeypatch.setattr(gpu_runs, "SERIES", {"tiny": [Run("tiny/cosmo", "reads cosmo",
+                                                          run.script, run.args, 10,
+                                                          data="cosmo")]})
+    data, out = tmp_path / "data", tmp_path / "out"
+    args = ["--data", str(data), "--out-dir", str(out), "--cosmo", "12", "8"]
+    with pytest.raises(SystemExit, match=r"^error: no cosmo data of the planned sizes under .*: "
+                                         r"add --make-data"):
+        gpu_runs.main(args)
+    assert not out.exists()
+    gpu_runs.main(args + ["--make-data"])
+    assert gpu_data.has_cosmo(str(data), (12, 8))
+    doc = (out / "GPU.md").read_text()
+    assert re.search(r"under a 540 s budget; data made in [\d.]+ s", doc)
+    assert "| tiny | reads cosmo | 400.0 |" in doc
+    assert f"--data_root {data}/cosmo --expdir " in (out / "gpu_runs.log").read_text()
+    assert "data: cosmo written in " in capsys.readouterr().out
+
+
+TRACER = """import json, os, sys
+d = sys.argv[sys.argv.index("--profile_trace") + 1]
+os.makedirs(d)
+events = [{"ph": "X", "cat": "kernel", "name": "gemm"}, {"ph": "X", "name": "backward"}]
+json.dump({"traceEvents": events}, open(os.path.join(d, "trace_rank0_step12.json"), "w"))
+sys.stdout.write(open(sys.argv[1]).read())
+"""
+
+
+def test_trace_row_checks_and_keeps_the_trace(tmp_path, fake_gpu, monkeypatch):
+    run = runs(tmp_path)["replayed"]
+    tracer = tmp_path / "tracer.py"
+    tracer.write_text(TRACER)
+    monkeypatch.setattr(gpu_runs, "SERIES", {"profile": [
+        Run("profile/trace", "trace", str(tracer), run.args, 10, kind="trace"),
+        Run("profile/none", "no trace", run.script, run.args, 10, kind="trace")]})
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        gpu_runs.main(["--out-dir", str(out)])
+    assert e.value.code == 1  # the second wrote no trace
+    rows = [line for line in (out / "GPU.md").read_text().splitlines() if "| profile |" in line]
+    assert rows[0].startswith("| profile | trace | 400.0 | - | - |")
+    assert rows[0].endswith("; trace_rank0_step12.json: 0.0 MB, 2 events, 1 CUDA kernels, ranges "
+                            "backward (kept as profile_trace.json.gz) |")
+    assert re.match(r"\| profile \| no trace \| failed: trace: no trace_rank0_step\*\.json in ",
+                    rows[1])
+    with gzip.open(out / "profile_trace.json.gz") as f:
+        assert json.load(f)["traceEvents"][0]["cat"] == "kernel"
+
+
+TERMINATOR = """import os, signal, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+os.kill(os.getppid(), signal.SIGTERM)  # the call's time limit, from outside
+time.sleep(120)
+"""
+
+
+def test_a_sigterm_kills_the_run_in_flight_and_keeps_the_rows(tmp_path, fake_gpu, monkeypatch):
+    script, pid = tmp_path / "terminator.py", tmp_path / "run.pid"
+    script.write_text(TERMINATOR)
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(gpu_runs, "SERIES", {"tiny": [
+        runs(tmp_path)["replayed"], Run("tiny/term", "terminated", str(script), (str(pid),), 10)]})
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match="^error: terminated"):
+        gpu_runs.main(["--out-dir", str(out)])
+    assert time.monotonic() - t0 < 60
+    stat = f"/proc/{pid.read_text()}/stat"
+    assert (open(stat).read().split()[2] if os.path.exists(stat) else "gone") in ("Z", "X", "gone")
+    assert "| tiny | replayed | 400.0 |" in (out / "GPU.md").read_text()  # the row before it
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_budget_gives_timeouts_and_skips():
+    now = [0.0]
+    budget = gpu_runs.Budget(100.0, clock=lambda: now[0])
+    assert budget.timeout(30, 200) == 100.0 and budget.timeout(30, 50) == 50
+    now[0] = 70.0
+    assert budget.timeout(40, 200) == 30.0  # half the estimate is left: it runs, cut to 30 s
+    assert budget.timeout(80, 200) is None  # less than half: skipped
+    now[0] = 85.0
+    assert budget.timeout(1, 200) is None  # under MIN_RUN_S
+    assert budget.skipped(80) == {"skipped": "not run: 15 s left of the 100 s --budget, about "
+                                             "80 s needed"}
 
 
 def test_refuses_without_a_gpu_and_changes_nothing(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "GPU.md"
-    out.write_text("kept")
+    out = tmp_path / "out"
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="error: no CUDA GPU here"):
-        gpu_runs.main(["--out", str(out)])
-    assert out.read_text() == "kept"
-    with pytest.raises(SystemExit):
-        gpu_runs.main(["--out", str(out), "--timeout", "0"])
-    assert "--timeout must be a positive number" in capsys.readouterr().err
+        gpu_runs.main(["--out-dir", str(out), "--make-data", "--data", str(tmp_path / "d")])
+    assert not out.exists() and not (tmp_path / "d").exists()
+    for bad, says in ((["--timeout", "0"], "--timeout must be a positive number"),
+                      (["--budget", "-1"], "--budget must be a positive number")):
+        with pytest.raises(SystemExit):
+            gpu_runs.main(["--out-dir", str(out)] + bad)
+        assert says in capsys.readouterr().err

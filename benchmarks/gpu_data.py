@@ -1,0 +1,245 @@
+"""Synthetic data at the tutorial's sizes, written in seconds, for timing runs on a GPU node
+(``benchmarks/gpu_runs.py --make-data``, or on its own)::
+
+    python -m benchmarks.gpu_data --out data/gpu_bench                # both data sets
+    python -m benchmarks.gpu_data --out data/gpu_bench --only cosmo   # the U-Net's alone
+    python -m benchmarks.gpu_data --out data/gpu_bench --cosmo 256 128 --era5-steps 400 80
+
+The files are in the formats the project's loaders read (see utils/synthetic.py), with random
+values instead of utils.synthetic's physical models, which take minutes at these sizes:
+
+- ``<out>/cosmo/``: config/UNet.yaml's ``train_file`` and ``val_file`` (a training box of
+  side 256 and a validation box of side 128 by default), each with ``Nbody`` (4, L, L, L) and
+  ``Hydro`` (5, L, L, L), float32, contiguous. Nbody values are normal with std 0.5, Hydro values
+  uniform in [-0.95, 0.95] (inside the tanh output's range);
+- ``<out>/era5/``: ``train/2014.h5`` (400 steps) and ``valid/2016.h5`` (80 steps) of ``fields``
+  (T, 20, 360, 720), float32, contiguous, and ``stats/global_means.npy``, ``global_stds.npy``
+  (1, 20, 1, 1) and ``time_means.npy`` (1, 20, H, W). A file repeats one random block of
+  ``BLOCK`` steps (channel c: mean 10 c, std 1 + c), so the statistics are exact: those of the
+  training block. 400 steps of 360 x 720 are 8.3 GB.
+
+Timing needs the sizes, not the physics: a model trained on these learns nothing. A data set
+already there with the asked shapes is kept (a second run on the same node starts at once);
+every file is written under a temporary name and moved into place.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import h5py
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from elsewhere
+    sys.path.insert(0, ROOT)
+
+from utils.formats import ERA5_CHANNELS  # noqa: E402
+from utils.synthetic import YEARS  # noqa: E402
+
+COSMO_SIDES = (256, 128)  # the first GPU run's boxes (the tutorial's crops are 64^3)
+ERA5_STEPS = (400, 80)  # training and validation steps: 384 training samples of short + dt
+ERA5_SIZE = (360, 720)  # the tutorial's img_size
+BLOCK = 8  # steps of the repeated ERA5 block
+KINDS = ("cosmo", "era5")
+
+
+def cosmo_file_names() -> tuple[str, str]:
+    """config/UNet.yaml's ``train_file`` and ``val_file``: the names its configs read."""
+    from utils.config import build_config
+
+    cfg = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "short", {})
+    return cfg.train_file, cfg.val_file
+
+
+def _shape_of(path: str, name: str):
+    try:
+        with h5py.File(path, "r") as f:
+            return f[name].shape if name in f else None
+    except OSError:
+        return None
+
+
+def _replace(path: str, write) -> int:
+    """``write(tmp)`` then move ``tmp`` onto ``path``; the file's size in bytes."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return os.path.getsize(path)
+
+
+def cosmo_paths(out_dir: str) -> tuple[str, str]:
+    train, valid = cosmo_file_names()
+    return os.path.join(out_dir, "cosmo", train), os.path.join(out_dir, "cosmo", valid)
+
+
+def has_cosmo(out_dir: str, sides=COSMO_SIDES) -> bool:
+    return all(_shape_of(p, "Nbody") == (4, s, s, s) and _shape_of(p, "Hydro") == (5, s, s, s)
+               for p, s in zip(cosmo_paths(out_dir), sides))
+
+
+def make_cosmo(out_dir: str, sides=COSMO_SIDES, seed: int = 0) -> list[tuple[str, int]]:
+    """The training and validation boxes (sides ``sides``) under ``<out_dir>/cosmo``:
+    [(path, bytes)]."""
+    rng = np.random.default_rng(seed)
+    written = []
+    for path, side in zip(cosmo_paths(out_dir), sides):
+        side = int(side)
+        if side < 2:
+            raise ValueError(f"a cosmology box needs a side of at least 2 voxels, got {side}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+
+        def write(tmp, side=side):
+            with h5py.File(tmp, "w") as f:
+                nbody = f.create_dataset("Nbody", (4, side, side, side), np.float32)
+                hydro = f.create_dataset("Hydro", (5, side, side, side), np.float32)
+                for c in range(4):
+                    field = rng.standard_normal((side,) * 3, dtype=np.float32)
+                    field *= 0.5
+                    nbody[c] = field
+                for c in range(5):
+                    field = rng.random((side,) * 3, dtype=np.float32)
+                    field *= 1.9
+                    field -= 0.95
+                    hydro[c] = field
+        written.append((path, _replace(path, write)))
+    return written
+
+
+def era5_paths(out_dir: str) -> tuple[str, str]:
+    root = os.path.join(out_dir, "era5")
+    return (os.path.join(root, "train", f"{YEARS['train'][0]}.h5"),
+            os.path.join(root, "valid", f"{YEARS['valid'][0]}.h5"))
+
+
+def has_era5(out_dir: str, steps=ERA5_STEPS, img_size=ERA5_SIZE) -> bool:
+    h, w = img_size
+    shapes = [(int(t), len(ERA5_CHANNELS), int(h), int(w)) for t in steps]
+    stats = [os.path.join(out_dir, "era5", "stats", f"global_{n}.npy") for n in ("means", "stds")]
+    return (all(_shape_of(p, "fields") == s for p, s in zip(era5_paths(out_dir), shapes))
+            and all(os.path.exists(p) for p in stats))
+
+
+def era5_block(steps: int, img_size, rng) -> np.ndarray:
+    """(steps, 20, H, W) float32: channel c normal with mean 10 c and std 1 + c."""
+    c = np.arange(len(ERA5_CHANNELS), dtype=np.float32)[:, None, None]
+    block = rng.standard_normal((steps, len(ERA5_CHANNELS), *img_size), dtype=np.float32)
+    block *= 1.0 + c
+    block += 10.0 * c
+    return block
+
+
+def make_era5(out_dir: str, steps=ERA5_STEPS, img_size=ERA5_SIZE, seed: int = 0,
+              block_steps: int = BLOCK) -> list[tuple[str, int]]:
+    """One training and one validation year file (``steps`` steps each) and the statistics of
+    the training values under ``<out_dir>/era5``: [(path, bytes)]."""
+    h, w = (int(v) for v in img_size)
+    if h < 2 or w < 2 or min(int(t) for t in steps) < 2:
+        raise ValueError(f"ERA5 files need at least 2 steps of 2 x 2 points, got steps {steps}, "
+                         f"img_size {img_size}")
+    rng = np.random.default_rng(seed)
+    nc = len(ERA5_CHANNELS)
+    written, train_block = [], None
+    for path, t in zip(era5_paths(out_dir), steps):
+        t = int(t)
+        block = era5_block(min(block_steps, t), (h, w), rng)
+        train_block = block if train_block is None else train_block
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+
+        def write(tmp, t=t, block=block):
+            with h5py.File(tmp, "w") as f:
+                fields = f.create_dataset("fields", (t, nc, h, w), np.float32)
+                for start in range(0, t, len(block)):
+                    stop = min(t, start + len(block))
+                    fields[start:stop] = block[: stop - start]
+        written.append((path, _replace(path, write)))
+    stats_dir = os.path.join(out_dir, "era5", "stats")
+    os.makedirs(stats_dir, exist_ok=True)
+    # The training file repeats its block whole or in part; the block's statistics stand for it.
+    values = train_block.astype(np.float64)
+    stats = {"global_means": values.mean(axis=(0, 2, 3)).reshape(1, nc, 1, 1),
+             "global_stds": values.std(axis=(0, 2, 3)).reshape(1, nc, 1, 1),
+             "time_means": values.mean(axis=0)[None]}
+    for name, array in stats.items():
+        path = os.path.join(stats_dir, f"{name}.npy")
+
+        def save(tmp, array=array):
+            with open(tmp, "wb") as f:
+                np.save(f, array.astype(np.float32))
+        written.append((path, _replace(path, save)))
+    return written
+
+
+def command(out_dir: str, kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
+            era5_size=ERA5_SIZE) -> list[str]:
+    """The command line that makes this data (what ``--dry-run`` prints)."""
+    cmd = ["python", "-m", "benchmarks.gpu_data", "--out", out_dir, "--only", *kinds]
+    if "cosmo" in kinds:
+        cmd += ["--cosmo", *map(str, cosmo)]
+    if "era5" in kinds:
+        cmd += ["--era5-steps", *map(str, era5_steps), "--era5-size", *map(str, era5_size)]
+    return cmd
+
+
+def estimate_s(kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
+               era5_size=ERA5_SIZE) -> float:
+    """Seconds to make the data on a GPU node (the first GPU run: a 256^3 box in 1 s, 400 steps
+    of 360 x 720 in 8 s): about 1 GB/s."""
+    nbytes = 0
+    if "cosmo" in kinds:
+        nbytes += 9 * 4 * sum(int(s) ** 3 for s in cosmo)
+    if "era5" in kinds:
+        nbytes += len(ERA5_CHANNELS) * 4 * int(era5_size[0]) * int(era5_size[1]) * sum(
+            int(t) for t in era5_steps)
+    return 1.0 + nbytes / 1e9
+
+
+def make(out_dir: str, kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
+         era5_size=ERA5_SIZE, log=print) -> float:
+    """Make what ``kinds`` asks for under ``out_dir`` (kept when already there); seconds taken."""
+    t0 = time.perf_counter()
+    for kind in kinds:
+        t1 = time.perf_counter()
+        if kind == "cosmo":
+            if has_cosmo(out_dir, cosmo):
+                log(f"data: cosmology boxes {cosmo} already in {out_dir}/cosmo: kept")
+                continue
+            written = make_cosmo(out_dir, cosmo)
+        else:
+            if has_era5(out_dir, era5_steps, era5_size):
+                log(f"data: ERA5 files of {era5_steps} steps already in {out_dir}/era5: kept")
+                continue
+            written = make_era5(out_dir, era5_steps, era5_size)
+        total = sum(n for _, n in written)
+        log(f"data: {kind} written in {time.perf_counter() - t1:.1f} s, {total / 1e9:.2f} GB: "
+            + ", ".join(os.path.relpath(p, out_dir) for p, _ in written))
+    return time.perf_counter() - t0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_data",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory to write cosmo/ and era5/ into")
+    p.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS),
+                   help="data sets to make (default: both)")
+    p.add_argument("--cosmo", type=int, nargs=2, default=list(COSMO_SIDES),
+                   metavar=("TRAIN", "VALID"), help="box sides (default: %(default)s)")
+    p.add_argument("--era5-steps", type=int, nargs=2, default=list(ERA5_STEPS),
+                   metavar=("TRAIN", "VALID"), help="steps per file (default: %(default)s)")
+    p.add_argument("--era5-size", type=int, nargs=2, default=list(ERA5_SIZE),
+                   metavar=("H", "W"), help="grid (default: %(default)s)")
+    a = p.parse_args(argv)
+    try:
+        make(a.out, a.only, a.cosmo, a.era5_steps, a.era5_size)
+    except ValueError as e:
+        p.error(str(e))
+
+
+if __name__ == "__main__":
+    main()
