@@ -114,8 +114,9 @@ class RecordingBoard(NullBoard):
         self.scalars[tag] = value
 
 
-def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch):
-    """The MFU branch of the epoch's log, on a CPU: the lookup is given an H100's name."""
+def h100_trainer(tmp_path, era5_root, monkeypatch):
+    """A tiny bf16 ViT Trainer on a CPU whose peak lookup is given an H100's name (the GPU branch
+    of the epoch's log); returns it and its config."""
     import train
     from utils.runtime import setup_runtime
 
@@ -125,6 +126,14 @@ def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch)
     trainer = train.Trainer(cfg, setup_runtime(cfg))
     monkeypatch.setattr(train, "peak_tflops",
                         lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
+    return trainer, cfg
+
+
+def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch):
+    """The MFU branch of the epoch's log, on a CPU: the lookup is given an H100's name."""
+    import train
+
+    trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch)
     trainer.board = RecordingBoard()
     stats = train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10, samples_per_s=8.0, data_wait=0.25)
     trainer.log_epoch(stats, trainer.validate(), 0.1)

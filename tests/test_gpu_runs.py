@@ -263,15 +263,10 @@ def test_reads_the_lines_train_py_logs_with_mfu_and_the_wait(tmp_path, era5_root
     """train.py's own epoch lines (log_epoch, its GPU branch: the peak lookup given an H100's
     name), as its log file holds them."""
     import train
-    from utils.flops import flops_per_sample, peak_tflops
-    from utils.runtime import setup_runtime
+    from test_flops import h100_trainer
+    from utils.flops import flops_per_sample
 
-    ov = {k.lstrip("-"): v for k, v in zip(TINY_VIT[::2], TINY_VIT[1::2])}
-    ov.update(data_root=era5_root, expdir=str(tmp_path), num_iters="2", amp_mode="bf16")
-    cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
-    trainer = train.Trainer(cfg, setup_runtime(cfg))
-    monkeypatch.setattr(train, "peak_tflops",
-                        lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
+    trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch)
     val = trainer.validate()
     for epoch, wait in enumerate((0.5, 0.25)):
         trainer.state.epoch = epoch
