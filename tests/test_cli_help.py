@@ -63,7 +63,7 @@ def test_every_setting_is_under_a_group_header():
 
 TOOLS = ["utils.synthetic", "benchmarks.throughput", "benchmarks.band_reads",
          "benchmarks.memory_model", "benchmarks.mp_memory", "benchmarks.scaling",
-         "benchmarks.example_runs", "benchmarks.gpu_runs", "benchmarks.gpu_data",
+         "benchmarks.example_runs", "benchmarks.gpu_runs", "benchmarks.gpu_data", "benchmarks.era5_reads",
          "benchmarks.generated_batches"]
 
 

@@ -7,23 +7,39 @@ operation of the step). Every valid pair (t, t + dt), t in [0, T - dt), of every
 index, so each is drawn with the same probability (no folding of indices onto others).
 
 ``rows=(start, stop)`` limits a dataset to that band of image rows of the cropped image: a
-model-parallel rank that only uses its band (``ParallelViT.image_rows()``) reads
-``fields[t, :C, start:stop, :W]`` as an HDF5 hyperslab instead of the whole sample, and in
-memory mode holds only those rows. Samples are then ``(C, stop - start, W)`` and equal rows
+model-parallel rank that only uses its band (``ParallelViT.image_rows()``) reads only
+``fields[t, :C, start:stop, :W]`` (by offset, below, or as an HDF5 hyperslab) instead of the
+whole sample, and in memory mode holds only those rows. Samples are then ``(C, stop - start, W)`` and equal rows
 ``start:stop`` of the full sample.
 
 Batches are read whole (``read_batch``): each field straight from the file (or the in-memory
 copy) into its slot of the caller's batch buffer, no per-sample arrays, and checked for
-non-finite values once per batch.
+non-finite values (a NaN or infinity is refused with one line naming the file, steps and rows).
+
+Reads by byte offset: where ``fields`` is stored contiguous and uncompressed as little-endian
+float32 (as the tutorial data and ``utils.synthetic`` write it), a sample's values are plain
+bytes at a known place in the file, so they are read with ``os.preadv`` straight into the batch
+buffer (a row band is one run of bytes per channel; a cropped width goes through a small bounce
+buffer). Those reads release the GIL, so a few threads (``read_threads``) read the 1 MB pieces
+of one batch at once, and each piece is checked for non-finite values while it is still in
+cache. Any other file (chunked or compressed, another byte order, float16/float64/integers,
+which HDF5 converts to float32, or never written) is read through h5py, hyperslab by hyperslab,
+and checked once per batch. File descriptors, h5py handles and threads belong to one process:
+a forked worker opens its own and starts its own threads at its first read; none is pickled.
 """
 from __future__ import annotations
 
 import glob
+import multiprocessing
 import operator
 import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import h5py
 import numpy as np
+import torch
 
 from utils.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
                                   read_float32)
@@ -80,7 +96,10 @@ class ERA5Dataset(BatchReadDataset):
                             f"environment variable), or generate synthetic data with "
                             f"python -m utils.synthetic era5 --out DIR")
         load_stats(data_root, max(n_in, n_out))  # refused here, before training, if missing
-        self.pairs_per_file = [self._check_file(f) for f in self.files]
+        # Per file: the pairs it holds, and where its values lie as plain bytes (or None: h5py).
+        checked = [self._check_file(f) for f in self.files]
+        self.pairs_per_file = [n for n, _ in checked]
+        self._layouts = [layout for _, layout in checked]
         self.offsets = np.cumsum([0] + self.pairs_per_file)
         total = int(self.offsets[-1])
         if limit_nsamples is not None and limit_nsamples < total:
@@ -88,7 +107,7 @@ class ERA5Dataset(BatchReadDataset):
             self.index = np.unique(np.linspace(0, total - 1, limit_nsamples).round().astype(np.int64))
         else:
             self.index = np.arange(total, dtype=np.int64)
-        self._handles = {}
+        self._handles, self._fds = {}, {}  # per process: h5py datasets, file descriptors
         self._pid = None
         self._arrays = [self._read_all(f) for f in self.files] if inmem else None
         # In memory: which steps are finite as inputs (first n_in channels) and as targets,
@@ -110,6 +129,7 @@ class ERA5Dataset(BatchReadDataset):
                     raise DataError(f"{path} has no dataset 'fields' (found: {list(f.keys())})")
                 shape = f["fields"].shape
                 check_stored_dtype(path, "fields", f["fields"])
+                layout = raw_layout(path, f["fields"])
         except OSError as e:
             raise DataError(f"{path} is not a readable HDF5 file ({e}): replace or remove it") from None
         if len(shape) != 4:
@@ -121,23 +141,46 @@ class ERA5Dataset(BatchReadDataset):
                             f"(C >= {need_c}, H >= {h}, W >= {w}): check img_size and channels")
         if t <= self.dt:
             raise DataError(f"{path} holds {t} steps, not more than dt={self.dt}")
-        return t - self.dt
+        return t - self.dt, layout
 
     def _read_all(self, path):
         (start, stop), w = self.rows, self.img_size[1]
         with h5py.File(path, "r") as f:
             return read_float32(f["fields"], np.s_[:, : max(self.n_in, self.n_out), start:stop, :w])
 
+    def _this_process(self):
+        """Handles are opened lazily and once per process: an h5py handle must not cross a fork,
+        and a forked worker opens its own file descriptors (closing the inherited copies)."""
+        if self._pid != os.getpid():
+            if self._pid is not None:  # forked: these are this process's copies of the parent's
+                for fd in self._fds.values():
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._handles, self._fds, self._pid = {}, {}, os.getpid()
+
     def _fields(self, k):
         """Year file k: the in-memory band (rows already selected) or the HDF5 dataset."""
         if self._arrays is not None:
             return self._arrays[k]
-        # Opened lazily and once per process: an h5py handle must not cross a fork.
-        if self._pid != os.getpid():
-            self._handles, self._pid = {}, os.getpid()
+        self._this_process()
         if k not in self._handles:
             self._handles[k] = h5py.File(self.files[k], "r")["fields"]
         return self._handles[k]
+
+    def _fd(self, k) -> int:
+        """Year file k opened for plain reads by offset, once per process."""
+        self._this_process()
+        if k not in self._fds:
+            self._fds[k] = os.open(self.files[k], os.O_RDONLY)
+        return self._fds[k]
+
+    def __getstate__(self):
+        # Pickled (a spawned worker): no handles or descriptors travel; the new process opens its own.
+        state = dict(self.__dict__)
+        state.update(_handles={}, _fds={}, _pid=None)
+        return state
 
     def __len__(self):
         return len(self.index)
@@ -154,28 +197,192 @@ class ERA5Dataset(BatchReadDataset):
         w = self.img_size[1]
         band = slice(*self.rows)
         where = [self.locate(key[1] if isinstance(key, tuple) else key) for key in keys]
-        for j, (k, t) in enumerate(where):
-            fields = self._fields(k)
-            if self._arrays is not None:  # the band is all there is: one copy into the slot
+        if self._arrays is not None:  # the band is all there is: one copy into the slot
+            for j, (k, t) in enumerate(where):
                 ok_in, ok_out = self._finite[k]
                 if not (ok_in[t] and ok_out[t + self.dt]):
                     self._refuse(k, t)
+                fields = self._arrays[k]
                 np.copyto(x[j], fields[t, : self.n_in])
                 np.copyto(y[j], fields[t + self.dt, : self.n_out])
-            else:  # an HDF5 hyperslab (only the band's rows) read into the slot, no copy after
-                fields.read_direct(x[j], np.s_[t, : self.n_in, band, :w])
-                fields.read_direct(y[j], np.s_[t + self.dt, : self.n_out, band, :w])
-        # One reduction over the batch: a NaN or infinity anywhere makes the sum non-finite.
-        # Only then are the samples looked at one by one (a huge finite sum may overflow too).
-        if self._arrays is None and not finite_sums(x, y):
+            return
+        # Files stored as plain float32 bytes: read by offset into the slots (threads, each piece
+        # checked for non-finite values as it lands); any other file through HDF5, as a hyperslab
+        # (only the band's rows) read into the slot, converted to float32 by HDF5, no copy after.
+        by_offset = _raw_target(x) and _raw_target(y)
+        pieces, others = [], []
+        for j, (k, t) in enumerate(where):
+            if by_offset and self._layouts[k] is not None:
+                path, fd = self.files[k], self._fd(k)
+                pieces += self._pieces(path, fd, self._layouts[k], t, x[j])
+                pieces += self._pieces(path, fd, self._layouts[k], t + self.dt, y[j])
+            else:
+                others.append(j)
+        finite = read_pieces(pieces)
+        for j in others:
+            k, t = where[j]
+            fields = self._fields(k)
+            fields.read_direct(x[j], np.s_[t, : self.n_in, band, :w])
+            fields.read_direct(y[j], np.s_[t + self.dt, : self.n_out, band, :w])
+        # Read by HDF5: one reduction over the batch, a NaN or infinity anywhere makes the sum
+        # non-finite. Only then are the samples looked at one by one (a huge finite sum may
+        # overflow too), so the error names the first sample with a non-finite value.
+        if others:
+            finite = finite and finite_sums(x, y)
+        if not finite:
             for j, (k, t) in enumerate(where):
                 if not (np.isfinite(x[j]).all() and np.isfinite(y[j]).all()):
                     self._refuse(k, t)
+
+    def _pieces(self, path, fd, layout, t, out):
+        """Pieces of step ``t``'s first ``len(out)`` channels, rows ``self.rows``, width ``W`` of
+        ``out`` (C, rows, W): (path, fd, file offset, destination rows, file row bytes)."""
+        offset, (_, c, h, w) = layout
+        start, stop = self.rows
+        n, rows, width = out.shape
+        row_bytes = 4 * w  # a stored image row
+        base = offset + t * c * h * row_bytes
+        if rows == h:  # whole channels: all channels' rows follow each other in the file
+            runs = [(base, out.reshape(n * h, width))]
+        else:  # a band: one run of rows per channel
+            runs = [(base + (ch * h + start) * row_bytes, out[ch]) for ch in range(n)]
+        per_piece = max(1, PIECE_BYTES // row_bytes)
+        return [(path, fd, at + i * row_bytes, dest[i:i + per_piece], row_bytes)
+                for at, dest in runs for i in range(0, len(dest), per_piece)]
 
     def _refuse(self, k, t):
         raise DataError(f"non-finite values in {self.files[k]} at step {t} or {t + self.dt} "
                         f"(rows {self.rows[0]}:{self.rows[1]}): repair the file or remove it "
                         f"from {self.directory}")
+
+
+def raw_layout(path: str, dataset):
+    """``(byte offset, shape)`` of ``dataset``'s values in the file at ``path`` where they are plain
+    little-endian float32 bytes in C order: contiguous layout (not chunked, hence no compression
+    or other filters), stored in this file (no external storage, not virtual, not an external
+    link), allocated, and all of them inside the file. Otherwise None: read through HDF5."""
+    if (sys.byteorder != "little" or dataset.dtype != np.dtype("<f4") or dataset.chunks is not None
+            or dataset.is_virtual or dataset.external):
+        return None
+    nbytes = 4 * int(np.prod(dataset.shape, dtype=np.int64))
+    # An unallocated dataset (never written) has no storage: HDF5 would read its fill value.
+    if dataset.id.get_storage_size() != nbytes or nbytes == 0:
+        return None
+    try:
+        if not os.path.samefile(dataset.file.filename, path):
+            return None
+        offset = dataset.id.get_offset()
+        if offset is None or offset + nbytes > os.path.getsize(path):
+            return None
+    except (OSError, ValueError):
+        return None
+    return int(offset), tuple(int(s) for s in dataset.shape)
+
+
+# Bytes per piece of a batch read by offset: a piece is read and then checked for non-finite
+# values while it is still in cache; pieces are what the threads share out.
+PIECE_BYTES = 1 << 20
+# Fewer threads for small batches: a thread's wake-up costs more than copying a few MB.
+MIN_BYTES_PER_THREAD = 4 << 20
+MAX_READ_THREADS = 4
+
+
+def read_threads() -> int:
+    """Threads that read a batch in this process, the CPUs it may run on shared out.
+
+    Without loader workers (the main process reads) up to ``MAX_READ_THREADS``. In a torch
+    DataLoader worker the CPUs are shared by its ``num_workers``. In any other child process of
+    ``multiprocessing`` (``utils.batch_pool`` workers, DALI's) the number of processes reading
+    beside it is unknown, and the loader already reads in parallel across them: one thread."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    info = torch.utils.data.get_worker_info()
+    if info is not None:
+        return max(1, min(MAX_READ_THREADS, cpus // max(1, info.num_workers)))
+    if multiprocessing.parent_process() is not None:
+        return 1
+    return max(1, min(MAX_READ_THREADS, cpus))
+
+
+_pool, _pool_key = None, None
+_scratch = threading.local()
+
+
+def _thread_pool(size: int) -> ThreadPoolExecutor:
+    """This process's reader threads, created on first use after any fork (the threads of a
+    parent do not exist in its forked children)."""
+    global _pool, _pool_key
+    key = (os.getpid(), size)
+    if _pool_key != key:
+        if _pool is not None and _pool_key[0] == os.getpid():
+            _pool.shutdown(wait=False)
+        _pool, _pool_key = ThreadPoolExecutor(size, thread_name_prefix="era5-read"), key
+    return _pool
+
+
+def _raw_target(a: np.ndarray) -> bool:
+    """Whether byte reads can land in ``a``: C-contiguous, writable, native float32."""
+    return a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+
+
+def read_pieces(pieces) -> bool:
+    """Read ``pieces`` (see ``ERA5Dataset._pieces``) by offset, over up to ``read_threads()``
+    threads (this one included); whether every value read is finite."""
+    if not pieces:
+        return True
+    nbytes = sum(p[3].nbytes for p in pieces)
+    n = min(read_threads(), len(pieces), -(-nbytes // MIN_BYTES_PER_THREAD))
+    left = pieces[::-1]  # shared: each thread pops the next piece as it frees (in file order)
+    if n <= 1:
+        return _read_share(left)
+    futures = [_thread_pool(n - 1).submit(_read_share, left) for _ in range(n - 1)]
+    try:
+        finite = _read_share(left)
+    finally:
+        wait(futures)  # the threads write into the caller's buffers: never return before them
+    return all([f.result() for f in futures]) and finite
+
+
+def _read_share(left: list) -> bool:
+    """Read pieces popped from ``left`` until none is left; whether all were finite."""
+    finite = True
+    while True:
+        try:
+            path, fd, offset, dest, row_bytes = left.pop()
+        except IndexError:
+            break
+        if dest.shape[1] * 4 == row_bytes:  # whole rows: the bytes are the piece
+            _pread_into(path, fd, memoryview(dest).cast("B"), offset)
+        else:  # a cropped width: whole stored rows into a bounce buffer, then the columns
+            rows, width = dest.shape
+            buf = _scratch_buffer("rows", rows * row_bytes // 4, np.float32)
+            _pread_into(path, fd, memoryview(buf).cast("B"), offset)
+            np.copyto(dest, buf.reshape(rows, row_bytes // 4)[:, :width])
+        # Checked while the piece is still in cache; exact (no sum that could overflow).
+        finite = finite and bool(np.isfinite(dest, out=_scratch_buffer("ok", dest.size, bool)
+                                             .reshape(dest.shape)).all())
+    return finite
+
+
+def _scratch_buffer(name: str, n: int, dtype) -> np.ndarray:
+    """The first ``n`` elements of this thread's scratch array ``name`` (grown when too small)."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, PIECE_BYTES // 4), dtype)
+        setattr(_scratch, name, buf)
+    return buf[:n]
+
+
+def _pread_into(path, fd, view, offset):
+    """Fill ``view`` with the file's bytes from ``offset`` (a read may return fewer bytes)."""
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise DataError(f"{path} ends at byte {offset}, inside its dataset 'fields': the file "
+                            f"is truncated; replace or remove it")
+        view, offset = view[n:], offset + n
 
 
 def _finite_steps(a: np.ndarray) -> np.ndarray:
