@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from utils.rotations import ROTATIONS, matrix, rotate_volume
+from utils.rotations import ROTATIONS, channel_plan, matrix, rotate_in_place, rotate_volume
 
 
 def test_24_distinct_proper_rotations():
@@ -63,3 +63,34 @@ def test_vector_channels_anywhere_in_the_array():
     a = rotate_volume(x, rot, vector_channels=(2, 3, 4))
     b = rotate_volume(x[[2, 3, 4, 0, 1]], rot, vector_channels=(0, 1, 2))
     np.testing.assert_array_equal(a[[2, 3, 4, 0, 1]], b)
+
+
+@pytest.mark.parametrize("side,block", [(64, None), (8, None), (21, None), (20, 8), (21, 8),
+                                        (30, 8), (24, 8), (7, 2), (16, 4)])
+def test_rotate_in_place_equals_rotate_volume(side, block):
+    """Every rotation turned where the volume lies (channels filled from ``channel_plan``'s
+    sources first, as a reader does) equals the copy through a rotated view, for sides that the
+    blocks divide and sides they do not (a middle block of another size)."""
+    rng = np.random.default_rng(side)
+    x = rng.standard_normal((5, side, side, side)).astype(np.float32)
+    for rot in ROTATIONS:
+        source, signs = channel_plan(rot, (2, 3, 4), 5)
+        a = x[list(source)].copy()
+        assert rotate_in_place(a, rot, signs, block) is a
+        np.testing.assert_array_equal(a, rotate_volume(x, rot, (2, 3, 4)))
+    with pytest.raises(ValueError, match="turns cubes"):
+        rotate_in_place(np.zeros((1, 4, 4, 5), np.float32), ROTATIONS[3])
+
+
+def test_rotate_in_place_makes_no_second_volume():
+    """The scratch of an in-place turn is two blocks of at most an eighth of the volume each."""
+    import tracemalloc
+
+    x = np.random.default_rng(0).standard_normal((5, 64, 64, 64)).astype(np.float32)
+    for rot in ROTATIONS:
+        source, signs = channel_plan(rot, (2, 3, 4), 5)
+        tracemalloc.start()
+        rotate_in_place(x, rot, signs)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak <= x.nbytes / 4 + 64 * 1024, (rot, peak)

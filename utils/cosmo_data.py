@@ -6,10 +6,13 @@ vector channels turned as vectors. The window and the rotation are a function of
 (seed, epoch, sample index) alone, so a run is reproducible whatever the worker count, and a run
 resumed mid-epoch sees exactly the samples an uninterrupted run would.
 
-Batches are read whole (``read_batch``): an unrotated crop straight from the file into its slot of
-the caller's batch buffer; a rotated one read once and copied once, through a rotated view, into
-its slot (in memory: copied once from the stored volume). Values are as stored, float32; crops read
-from the file are checked for non-finite values once per batch (in memory: once, at load).
+Batches are read whole (``read_batch``): every crop is read from the file once, straight into its
+slot of the caller's batch buffer, each channel into the place the rotation sends it (vector
+components permuted), and a rotated crop is then turned where it lies (``rotate_in_place``: block
+by block through two scratch blocks of at most an eighth of the crop; negated components flipped in
+one contiguous pass each), with no second buffer for the crop. In memory a crop is copied once from
+the stored volume through a rotated view. Values are as stored, float32; crops read from the file
+are checked for non-finite values once per batch (in memory: once, at load).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import numpy as np
 from utils.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
                                   read_float32)
 from utils.errors import DataError
-from utils.rotations import ROTATIONS, rotate_into
+from utils.rotations import ROTATIONS, channel_plan, rotate_in_place, rotate_into
 
 
 def crop_settings(cfg) -> dict:
@@ -113,7 +116,6 @@ class CosmoCropDataset(BatchReadDataset):
         and ``y`` (B, n_out, s, s, s), float32 C-contiguous arrays the caller owns."""
         s = self.size
         nbody, hydro = self._volumes()
-        scratch = {}  # a rotated crop's read, one buffer per field for the whole batch
         corners = []
         for j, key in enumerate(keys):
             epoch, i = key if isinstance(key, tuple) else (0, key)
@@ -128,11 +130,12 @@ class CosmoCropDataset(BatchReadDataset):
                     rotate_into(field[(slice(n),) + crop], ROTATIONS[rot], vec, out)
                 elif not rot:
                     field.read_direct(out, (slice(n),) + crop)
-                else:
-                    if n not in scratch:
-                        scratch[n] = np.empty(out.shape, np.float32)
-                    field.read_direct(scratch[n], (slice(n),) + crop)
-                    rotate_into(scratch[n], ROTATIONS[rot], vec, out)
+                else:  # read into place, the channels where the rotation sends them; then turned
+                    source, signs = channel_plan(ROTATIONS[rot], vec, n)
+                    for lo, hi, first in _runs(source):
+                        field.read_direct(out, (slice(first, first + hi - lo),) + crop,
+                                          np.s_[lo:hi])
+                    rotate_in_place(out, ROTATIONS[rot], signs)
         # One reduction over the batch: a NaN or infinity anywhere makes the sum non-finite.
         # Only then are the crops looked at one by one (a huge finite sum may overflow too).
         if self._arrays is None and not finite_sums(x, y):
@@ -140,3 +143,14 @@ class CosmoCropDataset(BatchReadDataset):
                 if not (np.isfinite(x[j]).all() and np.isfinite(y[j]).all()):
                     raise DataError(f"non-finite values in {self.path} in the crop at {corner}: "
                                     f"repair the file")
+
+
+def _runs(source):
+    """``(lo, hi, first)`` for each run of output channels lo..hi-1 whose sources are the
+    consecutive channels first, first + 1, ...: one read each."""
+    runs, lo = [], 0
+    for c in range(1, len(source) + 1):
+        if c == len(source) or source[c] != source[c - 1] + 1:
+            runs.append((lo, c, source[lo]))
+            lo = c
+    return runs

@@ -7,11 +7,12 @@ exactly the samples of the serial step with the same global batch, the shards of
 disjoint, and a resumed run starts at the step it stopped at. The sampler yields (epoch, index)
 keys; datasets whose samples are random crops use the epoch to draw new crops.
 
-Batches are assembled without a collate copy: ``BatchReader`` allocates the batch's two buffers
-once (page-locked in the main process when the device is a GPU, shared memory in a worker so that
-the batch crosses to the main process without another copy) and the dataset reads every sample
-straight into its slot (``read_batch``). Samples are as stored (see each dataset); what is done to
-them on the device is the task's ``device_batch``.
+Batches are assembled in place: ``utils.batch_pool.BatchLoader`` keeps a pool of batch buffers
+(shared with its workers, page-locked on a GPU), made once, and the dataset reads every sample
+straight into its row of one (``read_batch``), in a worker process or in this one; a buffer is
+reused once the batch handed out in it is no longer referenced (on a GPU: and the device has passed
+the point where it was let go). Samples are as stored (see each dataset); what is done to them on
+the device is the task's ``device_batch``.
 """
 from __future__ import annotations
 
@@ -20,20 +21,19 @@ import functools
 import itertools
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from utils import generated_data, synthetic
+from utils.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
 from utils.config import Config, UNetConfig, ViTConfig
 from utils.cosmo_data import CosmoCropDataset, crop_settings
 from utils.era5_data import ERA5Dataset
-from utils.errors import ConfigError, UserError
-from utils.preemption import ignore_stop_signals
+from utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,10 @@ class CachedBatchLoader:
 
 
 class BatchReader(Dataset):
-    """A dataset with ``sample_shapes`` and ``read_batch(keys, x, y)`` served as whole batches:
-    the DataLoader's batch of keys goes to ``__getitems__``, which returns ``(x, y)`` tensors
-    (B, ...) that ``_as_is`` passes through unchanged."""
+    """A dataset with ``sample_shapes`` and ``read_batch(keys, x, y)`` served as whole batches
+    through torch's DataLoader (the loaders here use ``BatchLoader``; kept for DataLoader users
+    such as the benchmarks): the DataLoader's batch of keys goes to ``__getitems__``, which
+    returns ``(x, y)`` tensors (B, ...) that ``_as_is`` passes through unchanged."""
 
     def __init__(self, dataset, pin: bool):
         self.dataset, self.pin = dataset, pin
@@ -169,80 +170,28 @@ class Loaders:
     n_valid: int
 
     def close(self):
-        """End the loader worker processes now. Persistent workers otherwise live until garbage
-        collection ends their loader, which may find the loader's queues already torn down: each
-        worker then waits out torch's 5 s join timeout (measured: 65 s for 16 workers)."""
+        """End the loader worker processes now (``BatchLoader.close``: at once, their batch
+        buffers given back) rather than whenever garbage collection gets to the loaders. A torch
+        DataLoader's persistent workers are shut down through its iterator likewise."""
         for loader in (self.train, self.valid):
+            close = getattr(loader, "close", None)
+            if callable(close):
+                close()
+                continue
             iterator = getattr(loader, "_iterator", None)  # torch keeps persistent workers here
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
                 loader._iterator = None
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def exit_with_parent(parent_pid: int):
-    """Make this worker process die as soon as the training process does (even by kill -9),
-    instead of lingering until torch's own watchdog notices, seconds later. Linux only; elsewhere
-    the watchdog remains."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        os._exit(1)
-
-
-def _init_worker(parent_pid: int, worker_id: int):
-    exit_with_parent(parent_pid)
-    # Libraries that draw from numpy's global RNG get a distinct stream per worker and rank.
-    info = torch.utils.data.get_worker_info()
-    np.random.seed(info.seed % 2**32)
-    ignore_stop_signals()  # the main process stops the run (and its workers) on them
-
-
-class OneLineErrorLoader(DataLoader):
-    """A DataLoader whose workers' user errors (a bad file, say) reach the main process as they
-    would without workers: the original type and its one-line message, not torch's "Caught
-    DataError in DataLoader worker process 0" with the worker's traceback."""
-
-    def __iter__(self):
-        return _unwrap_worker_errors(super().__iter__())
-
-
-def _unwrap_worker_errors(batches):
-    try:
-        yield from batches
-    except UserError as e:
-        raise type(e)(worker_error_message(e)) from None
-
-
-def worker_error_message(e: BaseException) -> str:
-    """The message ``e`` was raised with in a loader worker (the last line of the worker's
-    traceback that torch puts in its message), or ``str(e)`` when it was not wrapped."""
-    text = str(e)
-    marker = f"{type(e).__module__}.{type(e).__qualname__}: "
-    if not text.startswith("Caught ") or marker not in text:
-        return text
-    return text.rsplit(marker, 1)[1].strip()
-
-
 def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
-    workers = cfg.num_data_workers
-    pin = device.type == "cuda"  # page-locked buffers make the async H2D copy possible
-    reuse_freed_memory()  # batches read in this process reuse the pages of earlier ones
-    return OneLineErrorLoader(
-        BatchReader(dataset, pin=pin), batch_size=batch_size, sampler=sampler,
-        collate_fn=_as_is, num_workers=workers,
-        pin_memory=pin,  # pins batches from workers; those of the main process are pinned already
-        persistent_workers=workers > 0,
-        worker_init_fn=functools.partial(_init_worker, os.getpid()) if workers else None,
-        # Worker seeds come from this generator, not from the global torch RNG, so starting an
-        # epoch's iterator does not shift the model's random stream (dropout) on resume.
-        generator=torch.Generator().manual_seed(seed),
-        prefetch_factor=cfg.prefetch_depth if workers else None,
-    )
+    """The loader of one data set: batches in a pool of shared buffers, filled by
+    ``cfg.num_data_workers`` processes (0: this one), pinned on a GPU; worker seeds come from
+    ``seed`` (not the global RNG, so starting a pass does not shift the model's random stream)."""
+    reuse_freed_memory()  # other large allocations of this process reuse freed memory
+    memory = PinnedHostMemory(device) if device.type == "cuda" else HostMemory()
+    return BatchLoader(dataset, sampler, batch_size, workers=cfg.num_data_workers,
+                       prefetch_depth=cfg.prefetch_depth, memory=memory, seed=seed)
 
 
 def era5_datasets(cfg: ViTConfig, rows=None):

@@ -1,0 +1,476 @@
+"""The pooled batch loader (utils/batch_pool.py): batches equal the datasets' reads, a batch
+stays valid for as long as it is referenced while the pool reuses the buffers of released ones
+(and, pinned, only after the device has passed its release), passes end and resume exactly,
+worker errors and deaths arrive as one line, and nothing is left in /dev/shm."""
+import multiprocessing
+import os
+import signal
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, write_era5
+from utils.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
+                              PinnedHostMemory, SlotLayout)
+from utils.config import build_config
+from utils.cosmo_data import CosmoCropDataset
+from utils.data_loader import ShardedSampler, ValidationSampler, build_loaders
+from utils.errors import DataError, TrainingError, UserError
+from utils.profiling import ranged
+
+CPU = torch.device("cpu")
+
+
+def loaders(kind, root, tmp_path, mode="lowmem", workers=0, **over):
+    if kind == "vit":
+        cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart",
+                           {"data_root": root, "expdir": str(tmp_path), "img_size": "[16,32]",
+                            "data_loader_config": mode, "limit_nsamples_val": "6",
+                            "num_data_workers": str(workers), **over})
+    else:
+        cfg = build_config(f"{ROOT}/config/UNet.yaml", "quickstart",
+                           {"data_root": root, "Nsamples": "20", "Nsamples_val": "6",
+                            "data_loader_config": mode, "num_data_workers": str(workers),
+                            **over})
+        cfg.data_size = 8  # crops of the 16^3 fixture box
+    return build_loaders(cfg, 1, 0, 4, CPU)
+
+
+def expected(loader, keys):
+    """The batch of ``keys`` read by the dataset itself into fresh arrays."""
+    sx, sy = loader.dataset.sample_shapes
+    x = np.empty((len(keys), *sx), np.float32)
+    y = np.empty((len(keys), *sy), np.float32)
+    loader.dataset.read_batch(keys, x, y)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def batch_keys(sampler, b=4):
+    keys = list(sampler)
+    return [keys[i:i + b] for i in range(0, len(keys), b)]
+
+
+def shm():
+    """The names in /dev/shm, but for files someone else made and removed meanwhile."""
+    first = set(os.listdir("/dev/shm"))
+    time.sleep(0.2)
+    return first & set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture
+def roots(tmp_path):
+    from conftest import write_cosmo_pair
+
+    return {"vit": write_era5(str(tmp_path / "era5")),
+            "unet": write_cosmo_pair(tmp_path / "cosmo")}
+
+
+# ----------------------------------------------------------------------------- same batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", ["lowmem", "inmem"])
+@pytest.mark.parametrize("kind", ["vit", "unet"])
+def test_batches_equal_the_datasets_reads(roots, tmp_path, kind, mode, workers):
+    """Three epochs of training batches and two validations (the last batch partial) equal the
+    dataset's ``read_batch`` of the sampler's keys; the engine's way of iterating (one batch at
+    a time) never makes the pool grow past its depth, and the buffers are reused."""
+    ld = loaders(kind, roots[kind], tmp_path, mode, workers)
+    seen = set()
+    for epoch in range(3):
+        ld.train_sampler.set_epoch(epoch)
+        want = batch_keys(ld.train_sampler)
+        n = 0
+        for (x, y), keys in zip(ranged(ld.train), want, strict=True):
+            ex, ey = expected(ld.train, keys)
+            assert torch.equal(x, ex) and torch.equal(y, ey)
+            seen.add(x.data_ptr())
+            n += 1
+        assert n == len(ld.train) == len(want) >= 4
+        for (x, y), keys in zip(ld.valid, batch_keys(ld.valid.sampler), strict=True):
+            ex, ey = expected(ld.valid, keys)
+            assert torch.equal(x, ex) and torch.equal(y, ey)
+        assert [len(k) for k in batch_keys(ld.valid.sampler)] == [4, 2]
+    assert len(ld.train.pool.slots) <= ld.train.depth == 2 * workers + 2
+    assert len(seen) <= ld.train.depth  # 15+ batches in at most depth buffers
+    ld.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_pass_continues_exactly(roots, tmp_path, workers):
+    """set_epoch(e, start_step) gives the batches of the uninterrupted epoch from that step on,
+    also after a pass abandoned in the middle (its queued batches dropped, its buffers back)."""
+    ld = loaders("vit", roots["vit"], tmp_path, workers=workers)
+    ld.train_sampler.set_epoch(2)
+    whole = [(x.clone(), y.clone()) for x, y in ld.train]
+    ld.train_sampler.set_epoch(5)
+    for i, _ in enumerate(ld.train):  # abandoned after 2 batches, with batches in flight
+        if i == 1:
+            break
+    for start in (1, 3):
+        ld.train_sampler.set_epoch(2, start)
+        got = list(ld.train)
+        assert len(got) == len(whole) - start
+        assert all(torch.equal(x, a) and torch.equal(y, b)
+                   for (x, y), (a, b) in zip(got, whole[start:]))
+    assert not ld.train.in_flight
+    ld.close()
+
+
+# ----------------------------------------------------------------------------- held batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_held_batch_does_not_change(roots, tmp_path, workers):
+    """A batch kept by the consumer (a view of it, or a NumPy array made from it) is not
+    written over while many more are fetched, in this pass and the next: the pool grows by the
+    batches held instead; once let go, a buffer is reused."""
+    ld = loaders("unet", roots["unet"], tmp_path, workers=workers)
+    train = ld.train
+    ld.train_sampler.set_epoch(0)
+    it = iter(train)
+    x, y = next(it)
+    want = x.clone(), y.clone()
+    tail, arr = x[1:], y.numpy()  # a view and an array: the batch tensors themselves go
+    del x, y
+    for _ in range(4):
+        next(it)
+    ld.train_sampler.set_epoch(1)
+    for _ in train:  # a whole pass more, with prefetching
+        pass
+    assert torch.equal(tail, want[0][1:]) and np.array_equal(arr, want[1].numpy())
+    assert len(train.pool.slots) <= train.depth + 1  # the held batch's buffer, out of use
+    kept = list(train)  # every batch of a pass held at once: all distinct and right
+    assert len({x.data_ptr() for x, _ in kept}) == len(kept)
+    for (x, y), keys in zip(kept, batch_keys(ld.train_sampler), strict=True):
+        ex, ey = expected(train, keys)
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    grown = len(train.pool.slots)
+    del tail, arr, kept
+    again = list(train)  # the buffers let go are used again: the pool does not grow
+    assert len(train.pool.slots) == grown and len(again) == len(train)
+    ld.close()
+
+
+def test_the_engine_and_the_throughput_report_keep_their_batches(roots, tmp_path):
+    """Used as train.py (one batch at a time through ``ranged``, validation moving each batch to
+    the device) and the throughput report (a batch cached from an abandoned pass, then fresh
+    passes) use loaders: every batch is right when used, the cached one stays right."""
+    ld = loaders("unet", roots["unet"], tmp_path, workers=2)
+    ld.train_sampler.set_epoch(9)
+    cached = next(iter(ld.train))  # throughput_report: cached = to_device(*next(pass))
+    want = cached[0].clone()
+    for epoch in range(2):
+        ld.train_sampler.set_epoch(epoch)
+        for (x, y), keys in zip(ranged(ld.train), batch_keys(ld.train_sampler)):
+            x, y = x.to(CPU, non_blocking=True), y.to(CPU, non_blocking=True)
+            assert torch.equal(x, expected(ld.train, keys)[0])
+        for x, y in ld.valid:
+            x, y = x.to(CPU), y.to(CPU)
+        assert torch.equal(cached[0], want)
+    assert len(ld.train.pool.slots) <= ld.train.depth + 1  # + the cached batch's buffer
+    ld.close()
+
+
+# ----------------------------------------------------------------------------- pinned memory
+
+
+class FakeRuntime:
+    """cudaHostRegister / cudaHostUnregister stand-ins: what was registered, and when."""
+
+    def __init__(self, fail=0):
+        self.fail, self.calls = fail, []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's spelling
+        self.calls.append(("register", ptr, size, flags))
+        return self.fail
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+class FakeEvents:
+    """CUDA events that complete when the test says so (or when waited for)."""
+
+    def __init__(self, log):
+        self.log, self.marks = log, []
+
+    def record(self):
+        mark = {"done": False, "n": len(self.marks)}
+        self.marks.append(mark)
+        return mark
+
+    def query(self, mark):
+        return mark["done"]
+
+    def synchronize(self, mark):
+        self.log.append(("wait", mark["n"]))
+        mark["done"] = True
+
+    def synchronize_all(self):
+        self.log.append(("wait all",))
+        for m in self.marks:
+            m["done"] = True
+
+
+def pinned_loader(root, workers=0, fail=0):
+    runtime = FakeRuntime(fail)
+    memory = PinnedHostMemory(CPU, runtime=runtime, events=FakeEvents(runtime.calls))
+    ds = CosmoCropDataset(os.path.join(root, "train.h5"), size=8, nsamples=40,
+                          nbody_vector_channels=(1, 2, 3), hydro_vector_channels=(2, 3, 4))
+    sampler = ShardedSampler(40, 4, 4, 0, shuffle=False)
+    return BatchLoader(ds, sampler, 4, workers=workers, prefetch_depth=1, memory=memory), runtime
+
+
+def slot_of(loader, x):
+    return next(s.index for s in loader.pool.slots if s.address == x.data_ptr())
+
+
+def test_pinned_slots_are_registered_once_and_reused_after_their_mark(roots):
+    """Everything of the GPU path but the CUDA calls: each slot registered once, in place
+    (cudaHostRegisterPortable); a released batch's slot waits for the mark taken at its release
+    (a fetch that needs it waits for that mark, a prefetch does not); close waits for the device,
+    then unregisters every slot."""
+    ld, rt = pinned_loader(roots["unet"])
+    events = ld.memory.events
+    assert ld.pin_memory and ld.depth == 3
+    it = iter(ld)
+    b0, b1 = next(it), next(it)
+    s0 = slot_of(ld, b0[0])
+    del b0
+    b2 = next(it)  # b0 released now: mark 0, not passed; a third slot is made
+    assert len(events.marks) == 1 and len(ld.pool.slots) == 3
+    s1 = slot_of(ld, b1[0])
+    del b1
+    b3 = next(it)  # b1 released (mark 1); every slot taken: waits for mark 0, reuses b0's slot
+    assert ("wait", 0) in rt.calls and ("wait", 1) not in rt.calls
+    assert slot_of(ld, b3[0]) == s0
+    events.marks[1]["done"] = True  # the device passed b1's release
+    del b2
+    b4 = next(it)
+    assert slot_of(ld, b4[0]) == s1 and ("wait", 1) not in rt.calls
+    for b, keys in ((b3, [(0, i) for i in range(12, 16)]), (b4, [(0, i) for i in range(16, 20)])):
+        assert torch.equal(b[0], expected(ld, keys)[0]) and torch.equal(b[1], expected(ld, keys)[1])
+    registered = [c for c in rt.calls if c[0] == "register"]
+    assert [c[1:] for c in registered] == [(s.address, s.layout.nbytes, 1) for s in ld.pool.slots]
+    addresses = [s.address for s in ld.pool.slots]
+    ld.close()
+    after = rt.calls[rt.calls.index(("wait all",)):]
+    assert sorted(c[1] for c in after if c[0] == "unregister") == sorted(addresses)
+    assert torch.equal(b4[0], expected(ld, [(0, i) for i in range(16, 20)])[0])  # still valid
+
+
+def test_a_prefetch_does_not_wait_for_the_device():
+    log = []
+    memory = PinnedHostMemory(CPU, runtime=FakeRuntime(), events=FakeEvents(log))
+    pool = BatchPool(SlotLayout((2, 3), (2, 1)), memory, depth=2)
+    a, b = pool.take(), pool.take()
+    held = [pool.hand_out(a, 2), pool.hand_out(b, 2)]
+    del held
+    assert pool.take(urgent=False) is None and not log  # released, mark not passed: later
+    assert pool.take(urgent=True) is a and log == [("wait", 0)]
+    pool.close()
+
+
+def test_a_failed_registration_says_so(roots):
+    ld, _ = pinned_loader(roots["unet"], fail=2)
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of a .* MiB batch buffer failed "
+                                           r"with cudaError 2"):
+        next(iter(ld))
+    ld.close()
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_and_release_after_the_copy_on_gpu(roots, workers):
+    """On a GPU batches are page-locked in place (no copy to pin them) and a buffer is reused
+    only once the asynchronous copy from it is done: with the device kept busy before each copy,
+    the host runs ahead and the pool must wait for the copies, and every copy is right."""
+    device = torch.device("cuda")
+    ds = CosmoCropDataset(os.path.join(roots["unet"], "train.h5"), size=8, nsamples=64,
+                          nbody_vector_channels=(1, 2, 3), hydro_vector_channels=(2, 3, 4))
+    sampler = ShardedSampler(64, 4, 4, 0, shuffle=False)
+    ld = BatchLoader(ds, sampler, 4, workers=workers, prefetch_depth=1,
+                     memory=PinnedHostMemory(device))
+    copies = []
+    for x, y in ld:
+        assert x.is_pinned() and y.is_pinned()
+        torch.cuda._sleep(20_000_000)  # device time queued ahead of the copy
+        copies.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+    torch.cuda.synchronize()
+    for (x, y), keys in zip(copies, batch_keys(sampler), strict=True):
+        ex, ey = expected(ld, keys)
+        assert torch.equal(x.cpu(), ex) and torch.equal(y.cpu(), ey)
+    assert len(ld.pool.slots) <= ld.depth  # the host waited for the copies instead of growing
+    held = next(iter(ld))
+    ld.close()  # unregistered (after a device synchronisation); a held batch stays readable
+    assert torch.equal(held[0], expected(ld, batch_keys(sampler)[0])[0])
+
+
+# ----------------------------------------------------------------------------- errors, ends
+
+
+def test_a_worker_error_arrives_as_one_line(tmp_path):
+    """A data error in a worker is raised in the main process as itself, its one-line message;
+    a bug as a RuntimeError with the worker's traceback."""
+    root = write_era5(str(tmp_path / "e"))
+    with h5py.File(os.path.join(root, "train", "2017.h5"), "r+") as f:
+        f["fields"][3, 5, 2, 2] = np.nan
+    ld = loaders("vit", root, tmp_path, workers=2)
+    ld.train_sampler.set_epoch(0)
+    with pytest.raises(DataError) as e:
+        list(ld.train)
+    msg = str(e.value)
+    assert "\n" not in msg and "Caught" not in msg and "loader worker" not in msg
+    assert msg.startswith("non-finite values in ") and "2017.h5" in msg
+    ld.close()
+
+    ld = loaders("unet", write_cosmo_root(tmp_path), tmp_path, workers=2)
+    ds = ld.train.dataset
+
+    def broken(keys, x, y):
+        raise ValueError("a bug")
+
+    ds.read_batch = broken  # the workers are forked at the first pass: they have it too
+    with pytest.raises(RuntimeError, match=r"(?s)Caught ValueError in loader worker \d .*"
+                                           r"Traceback.*ValueError: a bug"):
+        next(iter(ld.train))
+    ld.close()  # the workers were forked with the broken method: new ones
+    del ds.read_batch
+    assert len(list(ld.train)) == len(ld.train)
+    ld.close()
+
+
+def write_cosmo_root(tmp_path):
+    from conftest import write_cosmo_pair
+
+    return write_cosmo_pair(tmp_path / "cosmo_b")
+
+
+def test_a_killed_worker_ends_the_pass_with_one_line_and_nothing_left(roots, tmp_path):
+    """A worker killed (SIGKILL) in the middle of an epoch: the next fetch raises the one-line
+    LoaderWorkerDied (a TrainingError: train.py prints it as ``error: ...``), the other worker
+    is ended too, and no file is left in /dev/shm (the buffers are anonymous memory); a new
+    pass starts fresh workers."""
+    before = shm()
+    children = set(multiprocessing.active_children())
+    ld = loaders("unet", roots["unet"], tmp_path, workers=2, Nsamples="40", prefetch_depth="1")
+    ld.train_sampler.set_epoch(0)
+    it = iter(ld.train)
+    next(it)
+    for slot in ld.train.pool.slots:  # each buffer is anonymous shared memory, in no directory
+        (line,) = [m for m in open("/proc/self/maps")
+                   if int(m.split("-")[0], 16) == slot.address]
+        assert "/memfd:batch-slot" in line and "/dev/shm" not in line
+    pids = [w.process.pid for w in ld.train.workers]
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(LoaderWorkerDied) as e:
+        for _ in it:
+            pass
+    assert isinstance(e.value, TrainingError) and isinstance(e.value, UserError)
+    msg = str(e.value)
+    assert "\n" not in msg and f"worker 1 (pid {pids[1]}) was killed by SIGKILL" in msg
+    assert set(multiprocessing.active_children()) <= children  # both workers gone
+    assert shm() <= before
+    assert len(list(ld.train)) == len(ld.train)  # fresh workers
+    ld.close()
+    assert shm() <= before
+
+
+def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
+    before = shm()
+    children = set(multiprocessing.active_children())
+    ld = loaders("vit", roots["vit"], tmp_path, workers=2)
+    ld.train_sampler.set_epoch(0)
+    it = iter(ld.train)
+    x, _ = next(it)
+    want = x.clone()
+    next(ld.valid.__iter__())
+    t0 = time.perf_counter()
+    ld.close()
+    assert time.perf_counter() - t0 < 2
+    assert set(multiprocessing.active_children()) <= children
+    assert torch.equal(x, want)  # the buffer's memory lives as long as the batch
+    assert shm() <= before
+
+
+def test_a_failed_run_through_train_py_says_one_line(tmp_path, capsys):
+    """A loader worker killed during training: train.py ends with one ``error:`` line and exit
+    1, no traceback; its workers end and /dev/shm holds nothing new. A finished run likewise
+    leaves nothing there."""
+    import train
+    from utils.config import from_argv
+
+    root = write_era5(str(tmp_path / "e"), steps=20)
+    args = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",
+            "--num_heads", "2", "--global_batch_size", "4", "--synthesize_if_missing", "false",
+            "--data_root", root, "--num_data_workers", "2", "--checkpoint_every", "0"]
+    before = shm()
+    children = set(multiprocessing.active_children())
+    train.run(from_argv(args + ["--num_iters", "6", "--expdir", str(tmp_path / "ok")],
+                        train.DEFAULT_YAML))
+    assert set(multiprocessing.active_children()) <= children and shm() <= before
+
+    class Killing(train.Trainer):
+        def train_step(self, *a, **kw):
+            if self.iteration == 3:
+                os.kill(self.loaders.train.workers[0].process.pid, signal.SIGKILL)
+            return super().train_step(*a, **kw)
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.run(from_argv(args + ["--num_iters", "30", "--expdir", str(tmp_path / "bad")],
+                            train.DEFAULT_YAML), trainer_cls=Killing)
+    err = capsys.readouterr().err
+    assert e.value.code == 1
+    assert err.strip().splitlines()[-1].startswith("error: data loader worker 0 (pid "), err
+    assert "killed by SIGKILL" in err and "Traceback" not in err
+    assert set(multiprocessing.active_children()) <= children and shm() <= before
+
+
+def test_validation_sampler_shards_keep_their_order(roots, tmp_path):
+    """Each data-parallel rank's validation loader serves its contiguous shard, in order."""
+    ld = loaders("vit", roots["vit"], tmp_path, workers=2)
+    for rank in range(2):
+        sampler = ValidationSampler(6, 2, rank)
+        loader = BatchLoader(ld.valid.dataset, sampler, 2, workers=2)
+        for (x, _), keys in zip(loader, batch_keys(sampler, 2), strict=True):
+            assert torch.equal(x, expected(loader, keys)[0])
+        loader.close()
+    ld.close()
+
+
+def test_default_memory_is_host_memory():
+    assert not HostMemory().pinned and HostMemory().passed(HostMemory().mark())
+
+
+def test_buffers_under_a_file_size_limit(roots, tmp_path):
+    """Shared buffers are (anonymous) files, so the file-size limit (ulimit -f) applies to them:
+    with workers a buffer over it is refused in one line that names the limit; without workers
+    the buffers are the process's own memory and the limit does not matter."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    workers = loaders("vit", roots["vit"], tmp_path, workers=2)
+    alone = loaders("vit", roots["vit"], tmp_path, workers=0)
+    for ld in (workers, alone):
+        ld.train_sampler.set_epoch(0)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64_000, hard))
+    try:
+        with pytest.raises(TrainingError, match=r"could not allocate a .* MiB batch buffer in "
+                                                r"shared memory \(File too large\) \(.*ulimit -f"):
+            next(iter(workers.train))
+        x, y = next(iter(alone.train))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert torch.equal(x, expected(alone.train, batch_keys(alone.train_sampler)[0])[0])
+    workers.close()
+    alone.close()

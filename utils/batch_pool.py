@@ -1,0 +1,678 @@
+"""Batches assembled in place in a pool of shared, reused batch buffers (pinned on a GPU).
+
+``BatchLoader`` serves the batches of a dataset with ``sample_shapes`` and ``read_batch(keys, x,
+y)`` (``utils.batch_dataset``) in the order of a sampler, as torch's DataLoader did, without its
+per-batch costs: no new shared-memory file per batch, no page faults and zeroing of fresh pages,
+no copy into pinned memory.
+
+* **Slots.** A slot holds one batch's input and target in one shared mapping (an anonymous
+  ``memfd``: nothing appears in /dev/shm, and the memory goes when its last user does, whatever
+  way the processes end; without workers, memory of the main process alone). The main process
+  makes the slots, on a GPU registers each once with ``cudaHostRegister`` (page-locked where it
+  lies: ``non_blocking`` copies read it directly), and passes each worker a slot's descriptor
+  the first time it sends it work on it. Slots are
+  sized from ``sample_shapes`` and the batch size and made as needed, up to ``prefetch_depth *
+  workers + 2`` (+ 1 on a GPU), the most the engine's loop ever needs at once; more only when
+  the consumer holds on to batches (below).
+* **Workers share each batch.** A batch's keys are split over the workers, each reading its
+  samples straight into their rows of the same slot; so the first batch of an epoch (after
+  validation, say) is built by all workers together. Up to ``prefetch_depth * workers`` batches
+  are in flight. Workers are forked at the first pass and kept (persistent), die with the main
+  process (``exit_with_parent``), ignore the stop signals and Ctrl-C (the main process stops the
+  run), and send their errors back as they were raised: a ``UserError`` arrives as itself, with
+  its one-line message; anything else as a RuntimeError carrying the worker's traceback; a worker
+  that dies (killed, out of memory) ends the pass with one line (``LoaderWorkerDied``).
+  Without workers the main process reads each batch into a slot itself.
+* **Release: a batch's slot is reused only when nothing can read it any more.** A batch is
+  handed out as two tensors on a storage of its own (a fresh view of the slot's memory), and the
+  pool keeps only a weak reference to it. At every fetch the pool looks at the batches it handed
+  out: one that is no longer referenced (every tensor, view and NumPy array made from it gone)
+  is released. On a CPU its slot is free at once: the consumer can no longer read it, and CPU
+  work on it is done (CPU ops are synchronous). On a GPU a ``non_blocking`` copy from it may
+  still be queued on the device, so the pool records a CUDA event on the current stream of the
+  loader's device at the moment it finds the batch released, and reuses the slot only once that
+  event has completed: every copy the consumer queued on that stream before letting go of the
+  batch (the engine's ``to_device``, on the stream it then computes on) is then done. A batch
+  therefore stays valid for as long as it is referenced, as one from torch's DataLoader would;
+  the engine, which holds one batch at a time (the loop variable keeps batch k - 1 while batch k
+  is fetched), cycles through ``prefetch_depth * workers + 2`` slots, and a consumer that keeps
+  batches (``list(loader)``, a cached batch) makes the pool grow by what it keeps, nothing is
+  overwritten.
+* **Passes.** ``iter(loader)`` starts a pass over the sampler's current keys (``set_epoch``
+  first, as with a DataLoader, resume included); starting one ends the previous pass: its
+  batches still queued are skipped by the workers (a shared pass number) and its slots return to
+  the pool before the new pass sends any work (an iterator of an ended pass stops).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import itertools
+import mmap
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import tempfile
+import traceback
+import weakref
+from collections import deque
+from multiprocessing import connection, reduction
+
+import numpy as np
+import torch
+
+from utils.errors import TrainingError, UserError
+from utils.preemption import ignore_stop_signals
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in when mapping, not per page
+
+
+def exit_with_parent(parent_pid: int):
+    """Make this worker process die as soon as the training process does (even by kill -9),
+    instead of lingering. Linux only; elsewhere a worker ends when its pipe to the main process
+    closes."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+class LoaderWorkerDied(TrainingError):
+    """A loader worker process ended in the middle of a pass (killed, or out of memory)."""
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+class HostMemory:
+    """CPU batches: slots are plain shared memory; a released batch's slot is free at once."""
+
+    pinned = False
+
+    def register(self, address: int, nbytes: int):
+        pass
+
+    def unregister(self, address: int):
+        pass
+
+    def mark(self):
+        """A point in the device's queue of work, after everything queued so far."""
+        return None
+
+    def passed(self, mark) -> bool:
+        return True
+
+    def wait(self, mark):
+        pass
+
+    def wait_all(self):
+        pass
+
+
+class CudaEvents:
+    """Marks as CUDA events on the current stream of ``device``."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def record(self):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def query(self, event) -> bool:
+        return event.query()
+
+    def synchronize(self, event):
+        event.synchronize()
+
+    def synchronize_all(self):
+        torch.cuda.synchronize(self.device)
+
+
+class PinnedHostMemory(HostMemory):
+    """GPU batches: slots page-locked in place with ``cudaHostRegister``; a released batch's slot
+    is reused only after a mark (a CUDA event on the current stream) taken at its release has
+    passed. ``runtime`` (``torch.cuda.cudart()`` by default) and ``events`` (``CudaEvents``) are
+    the only CUDA calls: tests run everything else on a CPU with stand-ins."""
+
+    pinned = True
+    PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch does
+
+    def __init__(self, device, runtime=None, events=None):
+        self.device = device
+        self._runtime = runtime
+        self.events = events if events is not None else CudaEvents(device)
+
+    @property
+    def runtime(self):
+        if self._runtime is None:
+            self._runtime = torch.cuda.cudart()
+        return self._runtime
+
+    def _on_device(self):
+        """The loader's device current while registering (the primary context of another GPU
+        is not created for it); nothing to set for a stand-in on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def register(self, address: int, nbytes: int):
+        with self._on_device():
+            err = int(self.runtime.cudaHostRegister(address, nbytes, self.PORTABLE))
+        if err:
+            raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**20:.1f} MiB batch buffer "
+                               f"failed with cudaError {err}: pinned memory exhausted? Lower "
+                               f"--num_data_workers, --prefetch_depth or the batch size")
+
+    def unregister(self, address: int):
+        with self._on_device():
+            self.runtime.cudaHostUnregister(address)  # an error here leaves nothing to undo
+
+    def mark(self):
+        return self.events.record()
+
+    def passed(self, mark) -> bool:
+        return self.events.query(mark)
+
+    def wait(self, mark):
+        self.events.synchronize(mark)
+
+    def wait_all(self):
+        self.events.synchronize_all()
+
+
+# ----------------------------------------------------------------------------- slots
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _shared_file(nbytes: int) -> int:
+    """A descriptor of ``nbytes`` of anonymous shared memory, allocated now (so that a lack of
+    memory shows here, not as SIGBUS when a page is first touched)."""
+    try:
+        fd = os.memfd_create("batch-slot", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # no memfd: a file unlinked at once
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    try:
+        os.ftruncate(fd, nbytes)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        limit = (" (a shared-memory file counts against the file-size limit, ulimit -f: raise "
+                 "it, or use --num_data_workers 0)" if e.errno == errno.EFBIG else "")
+        raise TrainingError(f"could not allocate a {nbytes / 2**20:.1f} MiB batch buffer in "
+                            f"shared memory ({e.strerror}){limit}: lower --num_data_workers, "
+                            f"--prefetch_depth or the batch size") from None
+    return fd
+
+
+class SlotLayout:
+    """Where a batch's input (B, *x) and target (B, *y), float32, lie in a slot's bytes."""
+
+    def __init__(self, x_shape, y_shape):
+        self.x_shape, self.y_shape = tuple(x_shape), tuple(y_shape)
+        self.nx, self.ny = int(np.prod(self.x_shape)), int(np.prod(self.y_shape))
+        self.y_offset = _round_up(4 * self.nx, 64)  # bytes; cache-line aligned
+        self.nbytes = _round_up(self.y_offset + 4 * self.ny, mmap.PAGESIZE)
+
+    def arrays(self, buffer):
+        """Writable float32 ``(x, y)`` arrays over ``buffer`` (a slot's mapping)."""
+        x = np.frombuffer(buffer, np.float32, self.nx).reshape(self.x_shape)
+        y = np.frombuffer(buffer, np.float32, self.ny, self.y_offset).reshape(self.y_shape)
+        return x, y
+
+    def map(self, fd: int) -> mmap.mmap:
+        return mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+
+    def map_private(self) -> mmap.mmap:
+        """Anonymous memory of this process alone (no workers: nothing to share, no file, so no
+        file-size limit applies), kept out of forked children and on huge pages if it can."""
+        buffer = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)
+        for advice in ("MADV_DONTFORK", "MADV_HUGEPAGE"):
+            if hasattr(mmap, advice):
+                try:
+                    buffer.madvise(getattr(mmap, advice))
+                except OSError:
+                    pass
+        np.frombuffer(buffer, np.uint8)[::mmap.PAGESIZE] = 0  # its pages, faulted in now
+        return buffer
+
+
+class Slot:
+    """One batch buffer of the pool, made in the main process and registered with ``memory``
+    (pinned on a GPU): ``shared``, a mapping of an anonymous shared file (``fd`` passes it to
+    workers); else memory of this process alone (no workers)."""
+
+    def __init__(self, index: int, layout: SlotLayout, memory: HostMemory, shared: bool = True):
+        self.index, self.layout, self.memory = index, layout, memory
+        self.fd = _shared_file(layout.nbytes) if shared else -1
+        try:
+            self.buffer = layout.map(self.fd) if shared else layout.map_private()
+            self.x, self.y = layout.arrays(self.buffer)  # where the main process reads into
+            self.address = self.x.ctypes.data
+            memory.register(self.address, layout.nbytes)
+        except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)
+            raise
+        self.registered = True
+        self.handed_out = None  # weak reference to the storage's array while a batch is out
+
+    def batch(self, n: int):
+        """The first ``n`` samples as tensors on a storage of their own (a new view of the
+        slot's memory, which lives as long as any tensor made from it): ``in_use`` says whether
+        any is still referenced."""
+        whole = np.frombuffer(self.buffer, np.float32, self.layout.nbytes // 4)
+        flat = torch.from_numpy(whole)
+        lay = self.layout
+        x = flat[:lay.nx].view(lay.x_shape)[:n]
+        y = flat[lay.y_offset // 4:lay.y_offset // 4 + lay.ny].view(lay.y_shape)[:n]
+        self.handed_out = weakref.ref(whole)  # dies with the storage, i.e. its last tensor
+        return x, y
+
+    def in_use(self) -> bool:
+        return self.handed_out is not None and self.handed_out() is not None
+
+    def close(self):
+        """Unregister and drop the pool's hold on the memory; batches still referenced keep
+        their pages mapped (unpinned) until they go."""
+        if self.registered:
+            self.registered = False
+            self.memory.unregister(self.address)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.x = self.y = self.buffer = None
+
+
+class BatchPool:
+    """The slots of one loader and the state of each: free, in flight (being filled), out
+    (handed to the consumer, watched by weak reference) or releasing (no longer referenced,
+    waiting for its mark to pass: GPU only)."""
+
+    def __init__(self, layout: SlotLayout, memory: HostMemory, depth: int, shared: bool = True):
+        self.layout, self.memory, self.depth, self.shared = layout, memory, depth, shared
+        self.slots: list[Slot] = []
+        self.free: deque[Slot] = deque()
+        self.out: list[Slot] = []
+        self.releasing: deque[tuple[object, list[Slot]]] = deque()
+
+    def collect(self):
+        """Release the handed-out batches no longer referenced; free the released slots whose
+        mark has passed."""
+        gone = [s for s in self.out if not s.in_use()]
+        if gone:
+            self.out = [s for s in self.out if s.in_use()]
+            for s in gone:
+                s.handed_out = None
+            if self.memory.pinned:  # a copy from them may still be queued: free after this mark
+                self.releasing.append((self.memory.mark(), gone))
+            else:
+                self.free.extend(gone)
+        while self.releasing and self.memory.passed(self.releasing[0][0]):
+            self.free.extend(self.releasing.popleft()[1])
+
+    def take(self, urgent: bool = True) -> Slot | None:
+        """A slot to fill: a free one, a new one while fewer than ``depth`` exist, else (urgent)
+        the oldest released one once its mark has passed (waiting for it), else a new one: every
+        slot is held by the consumer. Not urgent (a prefetch): None rather than wait."""
+        self.collect()
+        if self.free:
+            return self.free.popleft()
+        if len(self.slots) >= self.depth and self.releasing:
+            if not urgent:
+                return None
+            mark, slots = self.releasing.popleft()
+            self.memory.wait(mark)
+            self.free.extend(slots)
+            return self.free.popleft()
+        slot = Slot(len(self.slots), self.layout, self.memory, self.shared)
+        self.slots.append(slot)
+        return slot
+
+    def hand_out(self, slot: Slot, n: int):
+        batch = slot.batch(n)
+        self.out.append(slot)
+        return batch
+
+    def give_back(self, slot: Slot):
+        """A slot filled for nothing (its pass ended, or its read failed)."""
+        self.free.append(slot)
+
+    def close(self):
+        if self.memory.pinned and self.slots:
+            self.memory.wait_all()  # no copy from any slot is still queued
+        for s in self.slots:
+            s.close()
+        self.slots, self.out = [], []
+        self.free.clear()
+        self.releasing.clear()
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: int, others):
+    """A worker: map the slots it is sent, fill its parts of batches, answer each part."""
+    for c in others:  # the other ends of every pipe: only the main process keeps them
+        c.close()
+    exit_with_parent(parent_pid)
+    ignore_stop_signals()  # the main process stops the run (and its workers) on them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, likewise
+    torch.set_num_threads(1)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # libraries that draw from it: a stream per worker and rank
+    torch.manual_seed(seed)
+    current_pass = np.frombuffer(control, np.int64)
+    slots = {}
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                return
+            if msg[0] == "slot":
+                _, index, x_shape, y_shape = msg
+                fd = reduction.recv_handle(conn)
+                layout = SlotLayout(x_shape, y_shape)
+                buffer = layout.map(fd)
+                os.close(fd)
+                slots[index] = layout.arrays(buffer)
+                continue
+            _, pass_id, batch, index, lo, hi, keys = msg
+            if pass_id != current_pass[0]:  # a pass that has ended: skip
+                conn.send(("skip", pass_id, batch, lo, None))
+                continue
+            x, y = slots[index]
+            try:
+                dataset.read_batch(keys, x[lo:hi], y[lo:hi])
+                conn.send(("done", pass_id, batch, lo, None))
+            except Exception as e:  # noqa: BLE001 - every error goes back to the main process
+                conn.send(("error", pass_id, batch, lo, _describe(e, worker_id)))
+    except (EOFError, OSError, KeyboardInterrupt):
+        return  # the main process went away
+
+
+def _describe(e: BaseException, worker_id: int):
+    """A worker's error as the main process raises it: a UserError as itself (one line);
+    anything else as a RuntimeError with the worker's traceback."""
+    if isinstance(e, UserError):
+        try:
+            pickle.loads(pickle.dumps(e))
+            return e
+        except Exception:  # noqa: BLE001 - an error that does not pickle: described instead
+            pass
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return RuntimeError(f"Caught {type(e).__name__} in loader worker {worker_id} "
+                        f"(pid {os.getpid()}).\nOriginal {text}")
+
+
+class _Worker:
+    def __init__(self, index, process, conn):
+        self.index, self.process, self.conn = index, process, conn
+        self.slots = set()  # slots whose descriptor it has
+
+
+class _Batch:
+    """A batch being filled: its slot, its size, the parts not answered yet, its first error."""
+
+    def __init__(self, pass_id, slot, n, parts):
+        self.pass_id, self.slot, self.n, self.waiting = pass_id, slot, n, parts
+        self.error, self.error_at = None, None
+        self.stale = False  # its pass has ended: the slot goes back once every part answered
+
+
+class _Pass:
+    """One pass over the sampler (``iter(loader)``)."""
+
+    def __init__(self, loader: BatchLoader):
+        self.loader = loader
+        self.id = loader._begin_pass(self)
+        self.keys = iter(loader.sampler)
+        self.sent = 0  # batches sent to workers (or read)
+        self.served = 0  # batches handed out
+        self.pending = None  # the keys of the next batch to send, drawn but not sent yet
+        self.exhausted = False  # the sampler has no more keys
+        self.ended = False
+        if loader.num_workers:
+            loader._send_ahead(self)  # the workers start on the first batches now
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.loader._next(self)
+
+    def next_keys(self):
+        """The keys of the next batch (drawn once), or None at the end of the pass."""
+        if self.pending is None and not self.exhausted:
+            self.pending = list(itertools.islice(self.keys, self.loader.batch_size)) or None
+            self.exhausted = self.pending is None
+        return self.pending
+
+
+class BatchLoader:
+    """Batches ``(x, y)`` of ``dataset`` for the keys of ``sampler`` in its order, ``batch_size``
+    at a time (the last one may be smaller), read by ``workers`` processes (0: this one) into
+    the slots of a ``BatchPool`` (see the module docstring). ``memory``: ``HostMemory()`` on a
+    CPU, ``PinnedHostMemory(device)`` on a GPU. Used like a DataLoader: ``len()``, ``iter()``,
+    ``.dataset``, ``.sampler``, ``.batch_size``, ``.pin_memory``; ``close()`` ends the workers."""
+
+    def __init__(self, dataset, sampler, batch_size: int, workers: int = 0,
+                 prefetch_depth: int = 2, memory: HostMemory | None = None, seed: int = 0):
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+        self.num_workers, self.prefetch_depth, self.seed = workers, max(1, prefetch_depth), seed
+        self.memory = memory if memory is not None else HostMemory()
+        self.pin_memory = self.memory.pinned
+        self.ahead = self.prefetch_depth * workers  # batches in flight
+        # The engine holds batch k - 1 while it fetches batch k: in flight + 2 slots. On a GPU
+        # one more: a released slot waits for the device to pass its mark.
+        self.depth = self.ahead + 2 + int(self.memory.pinned)
+        self.pool: BatchPool | None = None
+        self.workers: list[_Worker] | None = None
+        self.control = None  # the current pass number, shared with the workers
+        self.current: _Pass | None = None
+        self.in_flight: dict[tuple[int, int], _Batch] = {}
+        self.passes = 0
+
+    def __len__(self):
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        return _Pass(self)
+
+    # -------------------------------------------------------------- passes
+
+    def _begin_pass(self, new: _Pass) -> int:
+        if self.pool is None:
+            sx, sy = self.dataset.sample_shapes
+            layout = SlotLayout((self.batch_size, *sx), (self.batch_size, *sy))
+            self.pool = BatchPool(layout, self.memory, self.depth, shared=self.num_workers > 0)
+        if self.num_workers and self.workers is None:
+            self._start_workers()
+        self.passes += 1
+        if self.control is not None:
+            np.frombuffer(self.control, np.int64)[0] = self.passes  # older passes' parts: skipped
+        self._end_pass()
+        self.current = new
+        return self.passes
+
+    def _end_pass(self):
+        """End the current pass: its batches still in flight are dropped (their slots back to
+        the pool once their parts are answered: at once for those skipped)."""
+        if self.current is not None:
+            self.current.ended = True
+            self.current = None
+        for b in self.in_flight.values():
+            b.stale = True
+        while self.in_flight:
+            self._receive()
+
+    def _next(self, p: _Pass):
+        if p is not self.current:  # ended: run out, failed, or superseded by a newer pass
+            raise StopIteration
+        if self.num_workers == 0:
+            return self._read_here(p)
+        self._send_ahead(p)
+        if p.served == p.sent:  # nothing in flight: the keys have run out
+            self._finish(p)
+            raise StopIteration
+        b = self.in_flight[(p.id, p.served)]
+        while b.waiting:
+            self._receive()
+        del self.in_flight[(p.id, p.served)]
+        if b.error is not None:
+            self.pool.give_back(b.slot)
+            self._finish(p)
+            np.frombuffer(self.control, np.int64)[0] = -1  # the rest of this pass: skipped
+            raise b.error.with_traceback(None) from None
+        p.served += 1
+        batch = self.pool.hand_out(b.slot, b.n)
+        self._send_ahead(p)  # slots released by the device meanwhile
+        return batch
+
+    def _finish(self, p: _Pass):
+        p.ended = True
+        if self.current is p:
+            self.current = None
+
+    def _read_here(self, p: _Pass):
+        keys = p.next_keys()
+        if keys is None:
+            self._finish(p)
+            raise StopIteration
+        p.pending = None
+        slot = self.pool.take()
+        n = len(keys)
+        try:
+            self.dataset.read_batch(keys, slot.x[:n], slot.y[:n])
+        except BaseException:
+            self.pool.give_back(slot)
+            raise
+        p.sent += 1
+        p.served += 1
+        return self.pool.hand_out(slot, n)
+
+    def _send_ahead(self, p: _Pass):
+        """Send batches up to ``ahead`` past the next one to serve (that one whatever it takes;
+        the others while slots are free)."""
+        while p.sent < p.served + self.ahead and p.next_keys() is not None:
+            slot = self.pool.take(urgent=p.sent == p.served)
+            if slot is None:
+                return
+            keys, p.pending = p.pending, None
+            self._send(p, slot, keys)
+
+    def _send(self, p: _Pass, slot: Slot, keys):
+        n, w = len(keys), len(self.workers)
+        parts = min(w, n)
+        self.in_flight[(p.id, p.sent)] = _Batch(p.id, slot, n, parts)
+        for i in range(parts):
+            worker = self.workers[(p.sent * parts + i) % w]
+            lo, hi = i * n // parts, (i + 1) * n // parts
+            try:
+                if slot.index not in worker.slots:
+                    worker.conn.send(("slot", slot.index, slot.layout.x_shape,
+                                      slot.layout.y_shape))
+                    reduction.send_handle(worker.conn, slot.fd, worker.process.pid)
+                    worker.slots.add(slot.index)
+                worker.conn.send(("part", p.id, p.sent, slot.index, lo, hi, keys[lo:hi]))
+            except OSError:  # its end of the pipe is closed: the worker is gone
+                self._died(worker)
+        p.sent += 1
+
+    # -------------------------------------------------------------- workers
+
+    def _start_workers(self):
+        ctx = multiprocessing.get_context("fork")  # the dataset is inherited, not pickled
+        self.control = mmap.mmap(-1, 8)  # anonymous shared memory, inherited by the workers
+        pipes = [ctx.Pipe(duplex=True) for _ in range(self.num_workers)]
+        self.workers = []
+        for i, (here, there) in enumerate(pipes):
+            others = [c for pair in pipes for c in pair if c is not there]
+            seed = int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
+            process = ctx.Process(target=_worker_loop, daemon=True,
+                                  args=(self.dataset, there, self.control, i, os.getpid(), seed,
+                                        others),
+                                  name=f"loader-worker-{i}")
+            process.start()
+            self.workers.append(_Worker(i, process, here))
+        for _, there in pipes:
+            there.close()
+
+    def _receive(self):
+        """Wait for the next answer of any worker and account for it."""
+        by_conn = {w.conn: w for w in self.workers}
+        by_sentinel = {w.process.sentinel: w for w in self.workers}
+        ready = connection.wait(list(by_conn) + list(by_sentinel))
+        for r in ready:
+            if r in by_conn:
+                try:
+                    msg = r.recv()
+                except (EOFError, OSError):
+                    self._died(by_conn[r])
+                self._answered(*msg)
+        for r in ready:
+            if r in by_sentinel:
+                self._died(by_sentinel[r])
+
+    def _answered(self, kind, pass_id, batch, lo, error):
+        b = self.in_flight[(pass_id, batch)]
+        b.waiting -= 1
+        if kind == "error" and (b.error is None or lo < b.error_at):
+            b.error, b.error_at = error, lo  # the error of the batch's first failing sample
+        if b.stale and not b.waiting:
+            del self.in_flight[(pass_id, batch)]
+            self.pool.give_back(b.slot)
+
+    def _died(self, w: _Worker):
+        w.process.join(timeout=5)
+        code = w.process.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited (code {code})"
+        pid = w.process.pid
+        self.close()
+        raise LoaderWorkerDied(
+            f"data loader worker {w.index} (pid {pid}) {how} in the middle of a pass: most often "
+            f"the system's out-of-memory killer; lower --num_data_workers, --prefetch_depth or "
+            f"the batch size (or use data_loader_config lowmem)")
+
+    def close(self):
+        """End the workers now (SIGKILL: they hold nothing to clean up) and give back the pool;
+        batches still referenced stay valid. A later ``iter()`` starts afresh."""
+        workers, self.workers = self.workers, None
+        if self.current is not None:
+            self.current.ended = True
+        self.current = None
+        self.in_flight.clear()
+        for w in workers or ():
+            if w.process.is_alive():
+                w.process.kill()
+        for w in workers or ():
+            w.process.join()
+            w.conn.close()
+        self.control = None
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit parts of the runtime may be gone
+            pass
