@@ -101,8 +101,8 @@ def test_dry_run_lists_every_command_with_its_estimate_and_runs_nothing(tmp_path
     assert sum(c.startswith("python train_graph.py ") for c in commands) == 3
     assert any(" --throughput_report " in c and " device " in c for c in commands)
     assert any(" --profile_trace " in c for c in commands)
-    assert ("python -m pytest -q -m gpu tests/test_accelerated.py tests/test_cuda_graph.py "
-            "tests/test_dali.py tests/test_torch_support.py") in commands
+    assert ("python -m pytest -q -m gpu tests/test_accelerated.py tests/test_batch_pool.py "
+            "tests/test_cuda_graph.py tests/test_dali.py") in commands
     for batch in gpu_runs.SEARCH_BATCHES:
         assert any(f"--global_batch_size {batch} " in c for c in commands)
     make = next(line for line in printed if "python -m benchmarks.gpu_data" in line)
