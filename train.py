@@ -41,7 +41,7 @@ from utils.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
 from utils.progress import DataWait, Progress
 from utils.reference_weights import load_reference_weights
 from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header,
-                             resolve_run_num, run_dir_for, write_config)
+                             release_run_locks, resolve_run_num, run_dir_for, write_config)
 from utils.runtime import (Runtime, check_torch_version, describe_allocation_failure,
                            describe_dist_failure, setup_runtime)
 from utils.tasks import make_task
@@ -70,7 +70,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt, self.device = cfg, rt, rt.device
-        run_num_choice = resolve_run_num(cfg, rt)  # for --run_num auto (the default)
+        # Claims the run directory (--run_num auto, the default: the next free number) and locks
+        # it for this process: a run directory another process trains is refused.
+        run_num_choice = resolve_run_num(cfg, rt)
         self.run_dir = run_dir_for(cfg, rt.world_size)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         setup_logging(rt.rank, os.path.join(self.run_dir, "out.log"))
@@ -446,6 +448,7 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     if broken_group:
         if trainer is not None:
             trainer.board.close()
+        release_run_locks()  # (os._exit runs no exit hooks)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -482,6 +485,7 @@ def run(cfg, trainer_cls=Trainer):
     finally:
         if trainer is not None:
             trainer.loaders.close()
+        release_run_locks()  # the run directory is free for another process (also on errors)
         if rt is not None:
             rt.shutdown()
         stop_request.restore()

@@ -160,25 +160,27 @@ def run_synthesis_race(root, expdir):
     file) while rank 1 looks for data as soon as the training file exists: every rank must
     still wait until the whole data set is written."""
     import dataclasses
+    import glob
     import time
 
     import torch.distributed as dist
     import utils.run_setup as engine
 
     real_synthesize, real_has_data = engine.synthesize, engine.has_data
-    train, valid = os.path.join(root, "train.h5"), os.path.join(root, "valid.h5")
+    train = os.path.join(root, "train.h5")
 
-    def slow_synthesize(cfg):
-        staging = root + ".staging"
-        real_synthesize(dataclasses.replace(cfg, data_root=staging))
-        os.makedirs(root, exist_ok=True)
-        os.replace(os.path.join(staging, "train.h5"), train)
+    def slow_synthesize(cfg):  # cfg.data_root: where the set is made, renamed to root when done
+        made = root + ".made"
+        real_synthesize(dataclasses.replace(cfg, data_root=made))
+        os.makedirs(cfg.data_root, exist_ok=True)
+        os.replace(os.path.join(made, "train.h5"), os.path.join(cfg.data_root, "train.h5"))
         time.sleep(3)
-        os.replace(os.path.join(staging, "valid.h5"), valid)
+        os.replace(os.path.join(made, "valid.h5"), os.path.join(cfg.data_root, "valid.h5"))
 
-    def eager_has_data(cfg):
+    def eager_has_data(cfg):  # looks as soon as a training file is written, wherever
         deadline = time.time() + 30
-        while not os.path.exists(train) and time.time() < deadline:
+        while not glob.glob(root + ".staging-*/train.h5") and not os.path.exists(train) \
+                and time.time() < deadline:
             time.sleep(0.01)
         return real_has_data(cfg)
 

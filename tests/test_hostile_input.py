@@ -1,17 +1,24 @@
 """Hostile and conflicting input: every case ends with one line starting ``error:`` that names
 the value and the fix, exit code 2, and nothing on disk changed.
 
-The table of settings is generated from the config classes (every setting's type, range, NaN
-and infinity, and the flag without its value), so a setting added later is covered by it; the
-hand-written rows below it are the paths, conflicts and resumes. Most rows run ``from_argv``
-in-process (what ``python train.py`` runs first); the rows that need a run, and a sample of the
-others, run ``python train.py`` in a subprocess and compare the files before and after.
+The table of wrong settings is generated from the config classes: every setting of both model
+families gets every kind of wrong value that its type (from the annotation), bounds (field
+metadata min/max/above/below/length), choices (``Literal``) and path (metadata ``path``) admit,
+from the command line and from a YAML file; a setting added later is covered by it. The
+hand-written rows below it are the entry arguments, broken YAML files, conflicts and resumes.
+Most rows run ``from_argv`` in-process (what ``python train.py`` runs first); the rows that need
+a run, and a sample of the others, run ``python train.py`` in a subprocess and compare the files
+before and after.
 """
 import contextlib
 import dataclasses
+import errno
+import functools
 import hashlib
 import io
+import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -22,84 +29,211 @@ import typing
 
 import pytest
 import torch
+import yaml
 
 from conftest import ROOT, write_era5
-from utils import checkpoint
-from utils.config import CONFIG_CLASSES, field_types, from_argv, identity_fields
-from utils.errors import TrainingError
+from utils import checkpoint, run_setup
+from utils.config import (CONFIG_CLASSES, build_config, field_types, from_argv, identity_fields,
+                          to_dict)
+from utils.errors import ConfigError, DataError, TrainingError
 
 VIT_YAML = os.path.join(ROOT, "config", "ViT.yaml")
+YAML_OF = {"vit": VIT_YAML, "unet": os.path.join(ROOT, "config", "UNet.yaml")}
 TINY_VIT = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",
             "--num_heads", "2", "--global_batch_size", "4", "--base_batch_size", "4",
             "--synthesize_if_missing", "false", "--log_every", "2"]
-MODEL_ARGS = {"vit": [], "unet": ["--yaml_config", os.path.join(ROOT, "config", "UNet.yaml")]}
+MODEL_ARGS = {"vit": [], "unet": ["--yaml_config", YAML_OF["unet"]]}
 
 
-# ----------------------------------------------------------------------------- the table
+# ----------------------------------------------------------------------------- the schema
 
 
-def _plain_type(tp):
-    """(type, is_list) of a field annotation, Optional removed."""
-    if typing.get_origin(tp) is typing.Union:
+def _schema(cls, name):
+    """(scalar type or Literal, is a list, is Optional) of a setting, from its annotation."""
+    tp = field_types(cls)[name]
+    optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+    if optional:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
-    if typing.get_origin(tp) is list:
-        return typing.get_args(tp)[0], True
-    return tp, False
+    is_list = typing.get_origin(tp) is list
+    if is_list:
+        (tp,) = typing.get_args(tp)
+    if not (tp in (bool, int, float, str) or typing.get_origin(tp) is typing.Literal):
+        raise TypeError(f"{cls.__name__}.{name}: no wrong values known for {tp}: add them here")
+    return tp, is_list, optional
 
 
-def _setting_rows():
-    """(model, argv, expected substring) for every setting of every model family."""
+def _not_a(tp) -> tuple:
+    """What the error says of a value of the wrong type for ``tp``."""
+    if typing.get_origin(tp) is typing.Literal:
+        return ("is not a string", "is not one of")
+    return ({bool: "is not a boolean", int: "is not an integer", float: "is not a number",
+             str: "is not a string"}[tp],)
+
+
+def _item_values(tp, meta):
+    """(kind, value, words) of wrong values of one scalar (or list entry) of type ``tp``: command
+    line strings, and values as YAML gives them (kind "yaml ...")."""
+    out = []
+    wrong = _not_a(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        choices = typing.get_args(tp)
+        out += [("unknown choice", "nosuch", ("is not one of",)),
+                ("near choice", f"{choices[-1]}x", ("is not one of",)),
+                ("empty", "", ("is not one of",)),
+                ("yaml number", 5, ("is not one of",)),
+                ("yaml list", ["x"], wrong)]
+        return out
+    if tp is str:
+        return [("yaml list", ["x"], wrong), ("yaml mapping", {"a": 1}, wrong),
+                ("yaml boolean", True, wrong)]
+    out += [("wrong type", "abc", wrong), ("empty", "", wrong), ("yaml list", [1], wrong),
+            ("yaml mapping", {"a": 1}, wrong), ("yaml string", "abc", wrong)]
+    if tp is bool:
+        return out + [("number", "2", wrong), ("yaml number", 2, wrong)]
+    out.append(("yaml boolean", True, wrong))
+    if tp is int:
+        out += [("fraction", "1.5", wrong), ("yaml fraction", 1.5, wrong), ("nan", "nan", wrong),
+                ("yaml nan", math.nan, wrong), ("inf", "inf", wrong)]
+    else:
+        finite = ("not a finite number",)
+        out += [("nan", "nan", finite), ("inf", "inf", finite), ("-inf", "-inf", finite),
+                ("overflow", "1e999", finite), ("yaml nan", math.nan, finite),
+                ("yaml inf", math.inf, finite), ("yaml huge integer", 10**400, finite)]
+    step = 1 if tp is int else 0.5
+    bounds = []  # (kind, value, words)
+    if "min" in meta:
+        bounds.append(("below min", meta["min"] - step, "must be >="))
+        if meta["min"] >= 0:
+            bounds.append(("negative", -1, "must be >="))
+        if meta["min"] >= 1:
+            bounds.append(("zero", 0, "must be >="))
+    if "above" in meta:
+        bounds.append(("at above", meta["above"], "must be >"))
+        if meta["above"] >= 0:
+            bounds.append(("negative", -1, "must be >"))
+    for bound, words in (("max", "must be <="), ("below", "must be <")):
+        if bound in meta:
+            edge = meta[bound] + step if bound == "max" else meta[bound]
+            bounds += [(f"at {bound}" if bound == "below" else "above max", edge, words),
+                       ("huge", 10**30 if tp is int else 1e300, words)]
+    for kind, v, words in bounds:
+        v = tp(v)
+        out += [(kind, str(v), (words,)), (f"yaml {kind}", v, (words,))]
+    return out
+
+
+def bad_values(cls, f):
+    """(kind, value, words) of every kind of wrong value for setting ``f`` of ``cls``. A value
+    is a command-line string (None: the flag without its value) or, for a kind "yaml ...", the
+    value a YAML file gives; ``words``: the error holds one of them (and names the setting)."""
+    tp, is_list, optional = _schema(cls, f.name)
+    meta = f.metadata
+    out = []
+    if not (tp is bool or (typing.get_origin(tp) is typing.Literal and True in typing.get_args(tp))):
+        out.append(("no value", None, ("needs a value",)))
+    if not optional:
+        out.append(("yaml null", None, ("is not a list",) if is_list else _not_a(tp) + (
+            ("is not one of",) if typing.get_origin(tp) is typing.Literal else ())))
+    if meta.get("path") in ("dir", "out"):
+        out += [("a file", "{tmp}/afile", ("is a file, not a directory",)),
+                ("below a file", "{tmp}/afile/below", ("is a file, not a directory",))]
+    if not is_list:
+        return out + _item_values(tp, meta)
+    default = f.default_factory()
+    out += [("yaml scalar", 5, ("is not a list",)), ("yaml mapping", {"a": 1}, ("is not a list",))]
+    if "length" in meta:
+        n, words = meta["length"], (f"must have {meta['length']} entries",)
+        for kind, items in (("too short", default[:n - 1]), ("too long", default + default[:1]),
+                            ("empty list", [])):
+            out += [(kind, f"[{','.join(map(str, items))}]", words), (f"yaml {kind}", items, words)]
+    rest = default[1:]
+    for kind, v, words in _item_values(tp, meta):
+        if kind.startswith("yaml"):
+            out.append((f"{kind} entry", [v, *rest], words))
+        elif kind != "empty":  # "[]" or "[, x]": a list's own cases
+            out.append((f"{kind} entry", f"[{','.join(map(str, [v, *rest]))}]", words))
+    return out
+
+
+def _schema_rows():
     rows = []
     for model, cls in CONFIG_CLASSES.items():
-        types = field_types(cls)
         for f in dataclasses.fields(cls):
-            key = f.name
-            if key in identity_fields(cls):
-                continue
-            tp, is_list = _plain_type(types[key])
-            meta = f.metadata
-            if not _takes_a_bare_flag(tp):
-                rows.append((model, [f"--{key}"], f"--{key} needs a value"))
-            if tp is str:
-                continue
-            wrap = (lambda v: f"[{v}]") if is_list else (lambda v: v)
-            if tp is not bool:
-                rows.append((model, [f"--{key}", wrap("abc")], f"{key}"))
-            if tp is float:
-                rows.append((model, [f"--{key}", wrap("nan")], "not a finite number"))
-                rows.append((model, [f"--{key}", wrap("inf")], "not a finite number"))
-                rows.append((model, [f"--{key}", wrap("-inf")], "not a finite number"))
-            if tp in (int, float):
-                step = 1 if tp is int else 0.5
-                for bound, delta, words in (("min", -step, "must be >="), ("max", step, "must be <="),
-                                            ("above", 0, "must be >"), ("below", 0, "must be <")):
-                    if bound in meta:
-                        rows.append((model, [f"--{key}", wrap(str(meta[bound] + delta))], words))
-            if is_list and "length" in meta:
-                one = f.default_factory()[:1]  # a valid entry, one too few
-                rows.append((model, [f"--{key}", str(one)], f"must have {meta['length']} entries"))
+            if f.name not in identity_fields(cls):
+                rows += [(model, f.name, kind, value, words)
+                         for kind, value, words in bad_values(cls, f)]
     return rows
 
 
-def _takes_a_bare_flag(tp) -> bool:
-    """Whether a bare ``--key`` is a value of the setting (true for a boolean)."""
-    return tp is bool or (typing.get_origin(tp) is typing.Literal and True in typing.get_args(tp))
+SCHEMA_ROWS = _schema_rows()
+
+
+@functools.lru_cache(maxsize=None)
+def _yaml_base(model, tmp):
+    """The model's quickstart config as YAML holds it, writing under ``tmp``."""
+    base = to_dict(build_config(YAML_OF[model], "quickstart"), identity=False)
+    return dict(base, expdir=f"{tmp}/exp", data_root=f"{tmp}/era5")
+
+
+def _stat_snapshot(root) -> dict:
+    return {os.path.join(d, n): (s.st_size, s.st_mtime_ns, s.st_mode)
+            for d, dirs, files in os.walk(root) for n in dirs + files
+            for s in [os.lstat(os.path.join(d, n))]}
+
+
+@pytest.fixture(scope="module")
+def yaml_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("yaml_rows")
+
+
+@pytest.mark.parametrize("model,key,kind,value,words", SCHEMA_ROWS,
+                         ids=[f"{m}-{k}-{kind}" for m, k, kind, _, _ in SCHEMA_ROWS])
+def test_every_setting_refuses_every_kind_of_wrong_value(tmp, yaml_dir, model, key, kind, value,
+                                                         words):
+    if kind.startswith("yaml"):
+        path = yaml_dir / "bad.yaml"
+        path.write_text(yaml.safe_dump({"bad": {**_yaml_base(model, tmp), key: value}}))
+        argv = ["--yaml_config", str(path), "--config", "bad"]
+    else:
+        argv = MODEL_ARGS[model] + ["--expdir", f"{tmp}/exp", "--data_root", f"{tmp}/era5"]
+        argv += [f"--{key}"] if value is None else [f"--{key}", value.format(tmp=tmp)]
+    before = _stat_snapshot(tmp)
+    code, stderr = _error_of(argv)
+    line = stderr.strip()
+    assert code == 2 and "\n" not in line and line.startswith("error: "), stderr
+    assert re.search(rf"(?<![\w]){key}(?![\w])", line), f"the line does not name {key}: {line}"
+    assert any(w in line for w in words), f"expected one of {words}: {line}"
+    assert _stat_snapshot(tmp) == before
+
+
+def test_the_table_covers_every_setting_and_every_kind():
+    for model, cls in CONFIG_CLASSES.items():
+        covered = {key for m, key, *_ in SCHEMA_ROWS if m == model}
+        assert covered == {f.name for f in dataclasses.fields(cls)} - set(identity_fields(cls))
+    kinds = {(m, k): {kind for mm, kk, kind, _, _ in SCHEMA_ROWS if (mm, kk) == (m, k)}
+             for m, k, *_ in SCHEMA_ROWS}
+    assert {"nan", "inf", "yaml huge integer", "negative", "at above", "zero"} <= \
+        kinds["vit", "layer_norm_eps"] | kinds["vit", "lr"] | kinds["vit", "depth"]
+    assert {"zero", "negative", "above max", "huge", "wrong type", "fraction"} <= \
+        kinds["vit", "n_in_channels"]
+    assert {"unknown choice", "empty", "yaml list"} <= kinds["unet", "device_volume_dtype"]
+    assert {"too short", "too long", "empty list", "zero entry"} <= kinds["unet", "synthetic_size"]
+    assert {"a file", "below a file"} <= kinds["vit", "data_root"] & kinds["vit", "profile_trace"]
+    assert len(SCHEMA_ROWS) > 1000
+
+
+# ----------------------------------------------------------------------------- hand-written
 
 
 # Hand-written rows: (argv, expected substring); "{tmp}" is a directory the test makes, holding
-# a file "afile", an empty directory "adir" and the tiny data set "era5".
+# a file "afile", an empty directory "adir", the tiny data set "era5" and the broken YAML files
+# of BROKEN_YAML.
 CASES = [
     (["--config"], "--config needs a value"),
     (["--yaml_config"], "--yaml_config needs a value"),
     (["--yaml_config", "{tmp}/adir"], "is a directory"),
     (["--yaml_config", "{tmp}/missing.yaml"], "no such file"),
     (["--config", "nonexistent"], "no such config"),
-    (["--expdir", "{tmp}/afile"], "is a file, not a directory"),
-    (["--expdir", "{tmp}/afile/below"], "is a file, not a directory"),
-    (["--lr", "nan"], "lr='nan' is not a finite number"),
-    (["--dropout", "nan"], "dropout='nan' is not a finite number"),
-    (["--seed", "-1"], "seed=-1 must be >= 0"),
-    (["--seed", str(2**64)], "must be <= 4294967295"),
     (["--global_batch_size", "16", "--local_batch_size", "4"], "keep one"),
     (["--enable_amp", "--amp_mode", "bf16"], "--enable_amp means amp_mode=fp16 but amp_mode=bf16"),
     (["--amp_mode", "bf16", "--enable_amp"], "--enable_amp means amp_mode=fp16 but amp_mode=bf16"),
@@ -107,6 +241,23 @@ CASES = [
     (["--no_such_setting", "1"], "unknown setting 'no_such_setting'"),
     (["lr", "1e-3"], "unexpected argument 'lr'"),
 ]
+BROKEN_YAML = {  # file -> (its text, what the one line says after "--yaml_config <file>")
+    "tab.yaml": ("quickstart:\n  lr: 1e-3\n\tdepth: 2\n",
+                 " is not valid YAML: line 3, column 1: found character '\\t' that cannot start "
+                 "any token (indent with spaces, not tabs)"),
+    "bracket.yaml": ("quickstart:\n  img_size: [16, 32\n  depth: 2\n",
+                     " is not valid YAML: line 3, column 8: expected ',' or ']', but got ':' "
+                     "(while parsing a flow sequence that starts at line 2, column 13)"),
+    "tag.yaml": ("quickstart:\n  lr: !!python/object/apply:os.system ['touch {tmp}/pwned']\n",
+                 " is not valid YAML: line 2, column 7: could not determine a constructor for the "
+                 "tag 'tag:yaml.org,2002:python/object/apply:os.system' (tags such as "
+                 "!!python/object are not read: write plain values, lists and mappings)"),
+    "empty.yaml": ("", " is empty: it must map config names to their settings"),
+    "list.yaml": ("- quickstart\n- lr: 1\n", " holds a list, not a mapping of config names"),
+    "scalar.yaml": ("quickstart: 3\n", ": config 'quickstart' holds a number, not a mapping"),
+}
+CASES += [(["--yaml_config", f"{{tmp}}/{name}"], f"--yaml_config {{tmp}}/{name}{words}")
+          for name, (_, words) in BROKEN_YAML.items()]
 
 
 def _error_of(argv, model="vit"):
@@ -130,27 +281,16 @@ def tmp(tmp_path_factory):
     (base / "afile").write_text("not a directory\n")
     (base / "adir").mkdir()
     write_era5(str(base / "era5"))
+    for name, (text, _) in BROKEN_YAML.items():
+        (base / name).write_text(text.format(tmp=base))
     return str(base)
-
-
-@pytest.mark.parametrize("model,argv,expected", _setting_rows(),
-                         ids=lambda v: " ".join(v) if isinstance(v, list) else None)
-def test_every_setting_refuses_bad_values(model, argv, expected):
-    _assert_one_error_line(*_error_of(argv, model), expected)
-
-
-def test_the_setting_table_covers_every_setting():
-    keys = {argv[0][2:] for _, argv, _ in _setting_rows()}
-    for cls in CONFIG_CLASSES.values():
-        settable = {f.name for f in dataclasses.fields(cls)} - set(identity_fields(cls))
-        typed = {k for k in settable if _plain_type(field_types(cls)[k])[0] is not bool}
-        assert typed <= keys
 
 
 @pytest.mark.parametrize("argv,expected", CASES, ids=lambda v: " ".join(v) if isinstance(v, list)
                          else None)
 def test_hostile_case(tmp, argv, expected):
-    _assert_one_error_line(*_error_of([a.format(tmp=tmp) for a in argv]), expected)
+    _assert_one_error_line(*_error_of([a.format(tmp=tmp) for a in argv]), expected.format(tmp=tmp))
+    assert not os.path.exists(f"{tmp}/pwned")  # the YAML tag ran nothing
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -202,6 +342,8 @@ SUBPROCESS_CASES = [
     (["--expdir", "{tmp}/afile"], "is a file, not a directory"),
     (["--global_batch_size", "16", "--local_batch_size", "4"], "keep one"),
     (["--enable_amp", "--amp_mode", "bf16"], "--enable_amp means amp_mode=fp16"),
+    (["--yaml_config", "{tmp}/tag.yaml"], "could not determine a constructor for the tag"),
+    (["--yaml_config", "{tmp}/tab.yaml"], "line 3, column 1: found character '\\t'"),
 ]
 
 
@@ -223,6 +365,60 @@ def test_unwritable_expdir_is_refused(tmp, run_args, tmp_path):
     r = train(args + ["--expdir", str(ro / "runs")], prefix=_permissions_apply())
     _assert_one_error_line(r.returncode, r.stderr, "is not writable by this user")
     assert os.listdir(ro) == []
+
+
+@pytest.mark.parametrize("case", ["parent", "itself"])
+def test_unwritable_data_root_for_synthesis_is_refused(tmp, run_args, tmp_path, case):
+    """Synthetic data must be written where it cannot be: beside data_root (where it is made and
+    renamed into place) or into data_root itself (an existing empty directory)."""
+    args, _ = run_args
+    ro = tmp_path / "readonly"
+    ro.mkdir()
+    root = ro / "era5" if case == "parent" else ro
+    os.chmod(ro, 0o555)
+    r = train(args + ["--data_root", str(root), "--synthesize_if_missing", "true"],
+              prefix=_permissions_apply())
+    expected = {"parent": f"data_root={root}: {ro} is not writable by this user: choose a "
+                          f"--data_root in a directory you can write to",
+                "itself": f"data_root={root} is not writable by this user, and synthetic data "
+                          f"must be written there (synthesize_if_missing): choose a --data_root"}
+    _assert_one_error_line(r.returncode, r.stderr, expected[case])
+    assert "Traceback" not in r.stdout + r.stderr
+    assert os.listdir(ro) == [] and sorted(os.listdir(tmp_path)) == ["logs", "readonly"]
+
+
+@pytest.mark.parametrize("failure,error,words", [
+    (OSError(errno.EROFS, "Read-only file system"), ConfigError, "synthetic data cannot be "
+     "written there (Read-only file system: {path}): choose a --data_root in a directory you "
+     "can write to"),
+    (PermissionError(errno.EACCES, "Permission denied"), ConfigError, "(Permission denied: "
+     "{path}): choose a --data_root in a directory you can write to"),
+    (OSError(errno.ENOSPC, "No space left on device"), DataError, "writing synthetic data failed "
+     "(No space left on device: {path}): free space there or choose another --data_root; no "
+     "partial data set was left"),
+])
+def test_synthesis_that_cannot_write_is_one_line(tmp_path, monkeypatch, failure, error, words):
+    """As a read-only file system, permissions or a full disk stop the write (root ignores
+    permissions, so the failure is injected): one line naming data_root, the path and the fix;
+    no partial data set, no staging directory, no lock left."""
+    cfg = build_config(VIT_YAML, "quickstart", {"img_size": "[16,32]",
+                                                "data_root": str(tmp_path / "era5"),
+                                                "expdir": str(tmp_path / "logs")})
+    real_rename = os.rename
+
+    def rename(src, dst):  # the step that publishes the finished set
+        if os.path.basename(dst) == "era5":
+            failure.filename = dst
+            raise failure
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(error) as e:
+        run_setup.make_data_once(cfg)
+    message = str(e.value)
+    assert message.startswith(f"data_root={cfg.data_root}: ") and "\n" not in message
+    assert words.format(path=cfg.data_root) in message, message
+    assert os.listdir(tmp_path) == []
 
 
 def test_model_too_large_to_allocate_names_the_size_settings(tmp, run_args):

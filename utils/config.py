@@ -33,7 +33,9 @@ def _f(default, help, compare=True, **checks):
     """A setting: its default, a one-line description and bounds on its value (``min``/``max``
     inclusive, ``above``/``below`` exclusive; on every entry of a list) or, for a list, its
     ``length``. Its type and any choices come from the annotation (``Literal[...]``).
-    ``identity=True`` marks the fields that say where a config came from, not how to train."""
+    ``identity=True`` marks the fields that say where a config came from, not how to train;
+    ``path="dir"`` a directory (never a file), ``path="out"`` a directory the run writes into
+    (``validate`` checks both, when set)."""
     meta = {"help": help, **checks}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), compare=compare, metadata=meta)
@@ -52,7 +54,8 @@ class Config:
                         compare=False, identity=True)
     model: Literal["vit", "unet"] = _f("vit", "model family: vit (ERA5) or unet (cosmology)")
     # -- run directory and reproducibility
-    expdir: str = _f("./logs", "root of run directories: <expdir>/<config>/<world size>/<run_num>/")
+    expdir: str = _f("./logs", "root of run directories: <expdir>/<config>/<world size>/<run_num>/",
+                     path="out")
     run_num: str = _f("auto", "name of this run beside other runs of the same config; auto: "
                       "the next free number (with --resume: the run of the newest checkpoint)")
     seed: int = _f(0, "seed for weights, data order and augmentation", min=0, max=2**32 - 1)
@@ -62,7 +65,7 @@ class Config:
                                "steps and keep the fastest (false: deterministic algorithms, "
                                "bitwise-reproducible runs, slower)")
     # -- data
-    data_root: str = _f("./data", "directory holding the data set")
+    data_root: str = _f("./data", "directory holding the data set", path="dir")
     data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem",
                                 "device"] = _f(
         "lowmem", "lowmem: read each sample from disk; inmem: hold the data in memory; synthetic: "
@@ -127,7 +130,7 @@ class Config:
                                  "a cached batch (SYNTHETIC) and both (FULL) and report samples/s")
     profile_trace: str = _f("", "write a torch.profiler trace (Chrome/Perfetto JSON and a "
                             "TensorBoard profile) of a few steps of the second epoch to this "
-                            "directory (empty: none)")
+                            "directory (empty: none)", path="out")
     enable_manual_profiling: bool = _f(False, "bracket 30 steps of the second epoch with the CUDA "
                                        "profiler API (for nsys -c cudaProfilerApi)")
     # -- data parallelism
@@ -264,10 +267,49 @@ def load_yaml_configs(path: str) -> dict:
         raise ConfigError(f"--yaml_config {path} cannot be read ({e}): name a readable YAML "
                           f"file, e.g. config/ViT.yaml") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--yaml_config {path} is not valid YAML: {e}") from None
-    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
-        raise ConfigError(f"{path} must map config names to mappings of settings")
+        raise ConfigError(f"--yaml_config {path} is not valid YAML: {yaml_problem(e)}") from None
+    example = "e.g. 'quickstart:' and below it, indented, 'lr: 1e-3'"
+    if doc is None:
+        raise ConfigError(f"--yaml_config {path} is empty: it must map config names to their "
+                          f"settings, {example}")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--yaml_config {path} holds a {_yaml_kind(doc)}, not a mapping of "
+                          f"config names to their settings: {example}")
+    for name, settings in doc.items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"--yaml_config {path}: config '{name}' holds a "
+                              f"{_yaml_kind(settings)}, not a mapping of settings: {example}")
     return doc
+
+
+def _yaml_kind(value) -> str:
+    kinds = {list: "list", str: "string", int: "number", float: "number", bool: "boolean",
+             type(None): "null value"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """The parser's reason on one line, with the line and column where it found it (and where
+    the construct it was reading began): e.g. ``line 3, column 1: found character '\\t' that
+    cannot start any token (indent with spaces, not tabs)``."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        text = e.problem or e.context or "unreadable"
+        if "'\\t'" in text:
+            text += " (indent with spaces, not tabs)"
+        if isinstance(e, yaml.constructor.ConstructorError) and "tag" in text:
+            text += (" (tags such as !!python/object are not read: write plain values, lists "
+                     "and mappings)")
+        if e.context and e.problem and e.context_mark is not None:
+            text += (f" ({e.context} that starts at line {e.context_mark.line + 1}, column "
+                     f"{e.context_mark.column + 1})")
+        if e.problem_mark is not None:
+            text = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: {text}"
+    elif isinstance(e, yaml.reader.ReaderError):
+        text = (f"character {e.position + 1}: unacceptable character #x{e.character:04x} "
+                f"({e.reason}): save it as UTF-8 text")
+    else:
+        text = str(e)
+    return " ".join(text.split())
 
 
 def nearest(name: str, choices) -> str:
@@ -311,7 +353,10 @@ def _coerce_scalar(key, value, tp):
             raise ConfigError(f"{key}={value!r} is not a number")
         number = None
         if isinstance(value, (int, float)):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
         elif isinstance(value, str):  # YAML 1.1 reads 5E-4 as a string
             try:
                 number = float(value)
@@ -525,22 +570,34 @@ def _choose_batch_setting(values: dict, cli: dict):
         values["local_batch_size"] = None
 
 
-def check_writable_dir(key: str, path: str):
-    """``path`` is a directory this process can write into, or can be made as one: the nearest
-    existing ancestor is a writable directory."""
+def check_dir(key: str, path: str, fix: str = "give a directory") -> str:
+    """``path`` is a directory, or can be made as one: its nearest existing ancestor is a
+    directory (returned)."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise ConfigError(f"{key}={path}: {probe} is a file, not a directory: choose a directory")
+        raise ConfigError(f"{key}={path}: {probe} is a file, not a directory: {fix}")
+    return probe
+
+
+def check_writable_dir(key: str, path: str):
+    """``path`` is a directory this process can write into, or can be made as one: the nearest
+    existing ancestor is a writable directory."""
+    probe = check_dir(key, path, "give a directory (it is created when missing)")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}={path}: {probe} is not writable by this user: choose a "
                           f"directory you can write to")
 
 
 def validate(cfg: Config):
-    """Rules that involve more than one field, and the place runs are written to."""
-    check_writable_dir("expdir", cfg.expdir)
+    """Rules that involve more than one field, and the places runs read from and write to."""
+    for f in dataclasses.fields(cfg):
+        path = getattr(cfg, f.name)
+        if f.metadata.get("path") == "out" and path:
+            check_writable_dir(f.name, path)
+        elif f.metadata.get("path") == "dir" and path:
+            check_dir(f.name, path)
     for name in cfg.stop_signals:
         signal_number(name)  # a ConfigError unless it names a signal the run can catch
     if cfg.num_epochs is None and cfg.num_iters is None:
