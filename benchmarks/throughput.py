@@ -1,23 +1,54 @@
 """Loader and training throughput on this machine, beside the raw HDF5 read rate (the limit).
 
-    python -m benchmarks.throughput                 # everything, prints Markdown tables
-    python -m benchmarks.throughput --only loaders  # or: raw, train
+    python -m benchmarks.throughput                  # everything, prints Markdown tables
+    python -m benchmarks.throughput --only loaders   # or: raw, train, profile
+    python -m benchmarks.throughput --before none    # loaders without the older revision's
 
-Data: synthetic files in the real formats under --data (made once): ERA5 at the tutorial's
-360x720 and a 256^3 cosmology box with 64^3 crops, plus the quickstart sizes. Loader rows time
-whole batches through the project's DataLoader (workers, batch assembly, rotations), each
-beside the raw rate of the same run; "before" rows time the per-sample path the loaders had
-before (a sample read into its own array, normalised on the host for ERA5, rotated in two
-passes for the cosmology crops, stacked by the collate function). Raw rows read the same bytes
-with h5py and nothing else. Training rows time optimizer steps of the quickstart and the
+Data: synthetic files in the real formats under --data (made once): an ERA5 year of 120 steps at
+the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
+crops, plus the quickstart sizes.
+
+Loader rows: whole batches of each setting (lowmem, inmem; for the U-Net also ``device``; DALI's
+``dali-lowmem`` and ``dali-inmem`` where DALI is installed, CPU pipelines here) and worker count
+(the device loader has no workers: one row), each beside the raw read of the same bytes (h5py,
+one process, nothing else) timed in the same rounds, and beside the loaders of an older revision
+(``--before``, by default 2a51d93, the torch DataLoader path before the batch pool): that
+revision's ``utils`` is taken from git and run in a child process of its own, served batch by
+batch the same way, its measurement interleaved with this tree's. Per row: samples/s and GB/s
+delivered (input and target, float32, in the memory the step reads), the ratio to the raw read,
+and the main process's CPU time per batch while it receives batches (``time.process_time``: all
+its threads; without workers that is the whole read), also as a share of the raw read time of a
+batch. Each measurement starts a pass, skips the batches that fill the prefetch queue, times
+``--batches`` batches, then waits until the batches prefetched meanwhile are read, so that it
+does not run beside the next; ``--rounds`` rounds, the paths in a rotating order, the best round
+of each path counts.
+
+Profile (``--only profile``): the CPU time of a batch of 64^3 crops by part, in one process without
+a profiler (read from the file: the read into place, the turn, the finite check, beside the raw
+read; from memory: inmem's copy and the device loader's index and gathers), then cProfile of the
+main process and of the workers (their reads) for the crops read from the file, 2 workers.
+
+Raw rows: h5py reads alone. Training rows time optimizer steps of the quickstart and the
 tutorial's reference model sizes, on cached data (compute only) and through the loader.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import gc
+import glob
+import io
+import json
 import os
+import pstats
+import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
@@ -25,168 +56,75 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Only modules that the older revisions (--before) have as well: a child process imports this
+# file over that revision's utils package.
 from utils import synthetic  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.data_loader import build_loaders  # noqa: E402
-from utils.cosmo_data import CosmoCropDataset  # noqa: E402
-from utils.data_loader import BatchReader  # noqa: E402
-from utils.era5_data import ERA5Dataset, load_stats  # noqa: E402
-from utils.rotations import ROTATIONS  # noqa: E402
 from utils.tasks import make_task  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEFORE = "2a51d93"  # the data path before the batch pool, reads by offset and the device loader
+ERA5_STEPS = 120  # steps of the ERA5 training year: 119 pairs, 29 batches of 4 per epoch
+SETTINGS = ("lowmem", "inmem", "device", "dali-lowmem", "dali-inmem")
+GOAL_RATIO, GOAL_MAIN_SHARE = 0.9, 0.05
 
 
 def ensure_data(base):
-    era5 = os.path.join(base, "era5_360x720")
-    if not os.path.isdir(os.path.join(era5, "train")):
-        synthetic.make_era5(era5, img_size=(360, 720), steps_per_year=40, train_years=(2016,),
-                            valid_years=(2017,), test_years=(), seed=0)
+    era5 = os.path.join(base, f"era5_360x720_t{ERA5_STEPS}")
+    if not os.path.isdir(os.path.join(era5, "valid")):
+        synthetic.make_era5(era5, img_size=(360, 720), steps_per_year=ERA5_STEPS,
+                            train_years=(2016,), valid_years=(), test_years=(), seed=0)
+        # A short validation year (the loaders are built with one, never read here): its own
+        # directory, as make_era5 writes statistics from training years only.
+        with tempfile.TemporaryDirectory(dir=base) as tmp:
+            synthetic.make_era5(tmp, img_size=(360, 720), steps_per_year=8, train_years=(2015,),
+                                valid_years=(2017,), test_years=(), seed=0)
+            os.makedirs(os.path.join(era5, "valid"), exist_ok=True)
+            shutil.move(os.path.join(tmp, "valid", "2017.h5"), os.path.join(era5, "valid", "2017.h5"))
     cosmo = os.path.join(base, "cosmo_256")
     if not os.path.exists(os.path.join(cosmo, "train.h5")):
         synthetic.make_cosmo(cosmo, train_size=256, val_size=64, seed=0)
     return era5, cosmo
 
 
-def batches(loader):
-    """Batches without end: epoch after epoch."""
-    epoch = 0
+def batches(loader, epoch=0):
+    """Batches without end: epoch after epoch, from ``epoch``."""
     while True:
         loader.sampler.set_epoch(epoch)
         yield from loader
         epoch += 1
 
 
-def timed_batches(loader, n_batches, warmup=2):
-    it = batches(loader)
+def measure(loader, n_batches, warmup, epoch, ahead):
+    """One measurement of ``loader``: samples/s (``rate``), GB/s delivered (``gbs``) and the
+    main process's CPU ms per batch (``cpu_ms``) over ``n_batches`` batches of a pass started at
+    ``epoch``, after ``warmup`` batches (the prefetch queue's); then waits while the ``ahead``
+    batches prefetched meanwhile are read (at the measured rate), so that they do not run beside
+    the next measurement."""
+    it = batches(loader, epoch)
     for _ in range(warmup):
         next(it)
-    t0 = time.perf_counter()
-    n = 0
+    n = nbytes = 0
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(n_batches):
-        x, _ = next(it)
+        x, y = next(it)
         n += x.shape[0]
-    return n / (time.perf_counter() - t0)
+        nbytes += x.nbytes + y.nbytes
+        del x, y  # as the training loop: nothing holds the batch while the next one is fetched
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    it.close()
+    time.sleep(min(3.0, ahead * dt / n_batches))
+    return {"rate": n / dt, "gbs": nbytes / dt / 1e9, "cpu_ms": 1e3 * cpu / n_batches}
 
 
-class PerSampleERA5(ERA5Dataset):
-    """The ERA5 sample as the loader read it before: its own arrays, normalised in place on the
-    host, checked with one reduction; batches stacked by the default collate function."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        means, stds = load_stats(kw["data_root"], max(self.n_in, self.n_out))
-        self.means, self.inv_stds = means, (1.0 / stds).astype(np.float32)
-
-    def __getitem__(self, key):
-        k, t = self.locate(key[1] if isinstance(key, tuple) else key)
-        w, fields = self.img_size[1], self._fields(k)
-        band = slice(*self.rows) if self._arrays is None else slice(None)
-        x = np.array(fields[t, : self.n_in, band, :w], dtype=np.float32, copy=self._arrays is not None)
-        y = np.array(fields[t + self.dt, : self.n_out, band, :w], dtype=np.float32,
-                     copy=self._arrays is not None)
-        x -= self.means[: self.n_in]
-        x *= self.inv_stds[: self.n_in]
-        y -= self.means[: self.n_out]
-        y *= self.inv_stds[: self.n_out]
-        assert np.isfinite(x.sum()) and np.isfinite(y.sum())
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def rotate_two_passes(x, rot, vector_channels):
-    """The rotation as it was: a contiguous copy of the turned grid, then the vector channels
-    copied out and written back permuted and signed."""
-    perm, sign = rot
-    y = np.transpose(x, (0, 1 + perm[0], 1 + perm[1], 1 + perm[2]))
-    flip_axes = tuple(1 + i for i in range(3) if sign[i] < 0)
-    if flip_axes:
-        y = np.flip(y, axis=flip_axes)
-    y = np.ascontiguousarray(y)
-    if len(vector_channels):
-        vc = list(vector_channels)
-        comps = y[vc].copy()
-        for i in range(3):
-            y[vc[i]] = sign[i] * comps[perm[i]]
-    return y
-
-
-class PerSampleCosmo(CosmoCropDataset):
-    """The crop as the loader read it before: its own arrays, checked element by element (from
-    the file), rotated in two passes; batches stacked by the default collate function."""
-
-    def __getitem__(self, key):
-        epoch, i = key if isinstance(key, tuple) else (0, key)
-        (a, b, c), rot = self.window(epoch if self.augment else 0, i)
-        s = self.size
-        nbody, hydro = self._volumes()
-        x = np.asarray(nbody[: self.n_in, a:a + s, b:b + s, c:c + s], dtype=np.float32)
-        y = np.asarray(hydro[: self.n_out, a:a + s, b:b + s, c:c + s], dtype=np.float32)
-        assert self._arrays is not None or (np.isfinite(x).all() and np.isfinite(y).all())
-        if rot:
-            x = rotate_two_passes(x, ROTATIONS[rot], self.in_vec)
-            y = rotate_two_passes(y, ROTATIONS[rot], self.out_vec)
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def per_sample_loader(ld, workers):
-    """The loader ``ld`` on the per-sample path of before: same sampler, same samples."""
-    ds = ld.dataset.dataset if isinstance(ld.dataset, BatchReader) else ld.dataset
-    if isinstance(ds, ERA5Dataset):
-        old = PerSampleERA5(ds.directory, data_root=os.path.dirname(ds.directory.rstrip("/")),
-                            img_size=ds.img_size, dt=ds.dt, n_in=ds.n_in, n_out=ds.n_out,
-                            inmem=ds._arrays is not None, rows=ds.rows)
-        old.index = ds.index
-    else:
-        old = PerSampleCosmo(ds.path, ds.size, ds.nsamples, ds.n_in, ds.n_out, ds.in_vec,
-                             ds.out_vec, ds.augment, ds.seed, inmem=ds._arrays is not None)
-    return torch.utils.data.DataLoader(old, batch_size=ld.batch_size, sampler=ld.sampler,
-                                       num_workers=workers, persistent_workers=workers > 0)
-
-
-LOADER_CASES = [
-    ("ViT ERA5 360x720 pairs, batch 4", "ViT.yaml", "ViT ERA5 360x720 pair"),
-    ("U-Net 64^3 crops of 256^3, batch 16", "UNet.yaml", "U-Net 64^3 crop pair"),
-]
-
-
-def loader_rows(era5, cosmo, workers_list, n_batches, before=True):
-    """Samples/s of each loader and its ratio to the raw read rate of the same bytes, timed in
-    the same rounds (the machine's load changes between minutes, not within a round); with
-    ``before``, the per-sample path beside it."""
-    rows = []
-    overrides = {"ViT.yaml": {"data_root": era5, "global_batch_size": "4"},
-                 "UNet.yaml": {"data_root": cosmo, "train_file": "train.h5", "val_file": "valid.h5",
-                               "global_batch_size": "16", "Nsamples": "4096"}}
-    rng = np.random.default_rng(0)
-    for label, yaml_name, raw_label in LOADER_CASES:
-        root = era5 if yaml_name == "ViT.yaml" else cosmo
-        for setting in ("lowmem", "inmem"):
-            for w in workers_list:
-                cfg = build_config(os.path.join(ROOT, "config", yaml_name), "base",
-                                   dict(overrides[yaml_name], data_loader_config=setting,
-                                        num_data_workers=str(w)))
-                ld = build_loaders(cfg, 1, 0, cfg.global_batch_size, torch.device("cpu")).train
-                n = n_batches // 2 * cfg.global_batch_size
-                paths = {"raw": lambda: RAW[raw_label](root, n, rng)[0]}
-                if before:
-                    old = per_sample_loader(ld, w)
-                    paths["before"] = lambda: timed_batches(old, n_batches // 2)
-                paths["now"] = lambda: timed_batches(ld, n_batches // 2)
-                rate = {k: 0.0 for k in paths}
-                for _ in range(2):  # two rounds, alternating the paths; the better one counts
-                    for k, run in paths.items():
-                        rate[k] = max(rate[k], run())
-                ratio = {k: v / rate["raw"] for k, v in rate.items()}
-                rows.append((label, setting, w, rate, ratio))
-                old = f" {rate['before']:.1f} | {ratio['before']:.2f} |" if before else ""
-                print(f"| {label} | {setting} | {w} | {rate['raw']:.1f} |{old} {rate['now']:.1f} | "
-                      f"{ratio['now']:.2f} |", flush=True)
-    return rows
+# ----------------------------------------------------------------------------- raw reads
 
 
 def raw_era5(era5, n, rng):
-    """(samples/s, MB/s) of h5py reads of n whole (t, t + 1) pairs of one year file."""
-    with h5py.File(os.path.join(era5, "train", "2016.h5"), "r") as f:
+    """(samples/s, GB/s) of h5py reads of n whole (t, t + 1) pairs of the training year."""
+    path = sorted(glob.glob(os.path.join(era5, "train", "*.h5")))[0]
+    with h5py.File(path, "r") as f:
         d = f["fields"]
         t_max = d.shape[0] - 1
         t0 = time.perf_counter()
@@ -195,11 +133,11 @@ def raw_era5(era5, n, rng):
             t = int(rng.integers(0, t_max))
             nbytes += d[t].nbytes + d[t + 1].nbytes
         dt = time.perf_counter() - t0
-    return n / dt, nbytes / dt / 1e6
+    return n / dt, nbytes / dt / 1e9
 
 
 def raw_cosmo(cosmo, n, rng, s=64):
-    """(samples/s, MB/s) of h5py reads of n s^3 windows of both volumes, all channels."""
+    """(samples/s, GB/s) of h5py reads of n s^3 windows of both volumes, all channels."""
     with h5py.File(os.path.join(cosmo, "train.h5"), "r") as f:
         a, b = f["Nbody"], f["Hydro"]
         L = a.shape[1]
@@ -209,10 +147,7 @@ def raw_cosmo(cosmo, n, rng, s=64):
             i, j, k = rng.integers(0, L - s + 1, size=3)
             nbytes += a[:, i:i + s, j:j + s, k:k + s].nbytes + b[:, i:i + s, j:j + s, k:k + s].nbytes
         dt = time.perf_counter() - t0
-    return n / dt, nbytes / dt / 1e6
-
-
-RAW = {"ViT ERA5 360x720 pair": raw_era5, "U-Net 64^3 crop pair": raw_cosmo}
+    return n / dt, nbytes / dt / 1e9
 
 
 def raw_rows(era5, cosmo, n):
@@ -220,9 +155,427 @@ def raw_rows(era5, cosmo, n):
     rng = np.random.default_rng(0)
     out = {"ViT ERA5 360x720 pair": raw_era5(era5, n, rng),
            "U-Net 64^3 crop pair": raw_cosmo(cosmo, n, rng)}
-    for label, (rate, mbs) in out.items():
-        print(f"| {label} | {rate:.1f} | {mbs:.0f} |", flush=True)
+    for label, (rate, gbs) in out.items():
+        print(f"| {label} | {rate:.1f} | {gbs * 1e3:.0f} |", flush=True)
     return out
+
+
+# ----------------------------------------------------------------------------- loader cases
+
+
+@dataclass
+class Case:
+    """One data set's loaders: a config, the overrides that point it at the data, and its raw
+    read (``raw(n, rng)`` -> (samples/s, GB/s) of n samples' bytes)."""
+
+    label: str
+    yaml: str
+    config: str
+    overrides: dict
+    raw: object
+    settings: tuple = field(default=("lowmem", "inmem", "dali-lowmem", "dali-inmem"))
+
+
+def loader_cases(era5, cosmo, img_size=(360, 720), era5_batch=4, crop=64, crop_batch=16,
+                 unet_config="base"):
+    """The ViT's ERA5 pairs and the U-Net's crops, at the README's sizes by default."""
+    h, w = img_size
+    return [
+        Case(f"ViT ERA5 {h}x{w} pairs, batch {era5_batch}", "ViT.yaml", "base",
+             {"data_root": era5, "img_size": f"[{h},{w}]", "global_batch_size": str(era5_batch),
+              "limit_nsamples_val": "4"},
+             lambda n, rng: raw_era5(era5, n, rng)),
+        Case(f"U-Net {crop}^3 crops, batch {crop_batch}", "UNet.yaml", unet_config,
+             {"data_root": cosmo, "train_file": "train.h5", "val_file": "valid.h5",
+              "data_size": str(crop), "global_batch_size": str(crop_batch), "Nsamples": "4096",
+              "Nsamples_val": str(crop_batch)},
+             lambda n, rng: raw_cosmo(cosmo, n, rng, crop),
+             settings=("lowmem", "inmem", "device", "dali-lowmem", "dali-inmem")),
+    ]
+
+
+def dali_installed() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _config(case: Case, setting: str, workers: int):
+    return build_config(os.path.join(ROOT, "config", case.yaml), case.config,
+                        dict(case.overrides, data_loader_config=setting, num_data_workers=str(workers)))
+
+
+def _close(loaders):
+    """End the loaders' workers; returns None, to drop the last reference with."""
+    close = getattr(loaders, "close", None)
+    if callable(close):
+        close()
+    gc.collect()
+
+
+# ----------------------------------------------------------------------------- the older loaders
+
+
+class OldLoaders:
+    """The loaders of revision ``rev`` (its ``utils``, from git) in a child process of their own,
+    built and measured on request (``serve``), so that they run interleaved with this tree's."""
+
+    def __init__(self, rev: str, threads: int):
+        try:
+            self.rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True,
+                                      capture_output=True, text=True).stdout.strip()
+            archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "utils"], check=True,
+                                     capture_output=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", b"") or str(e)
+            detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
+            raise SystemExit(f"--before {rev}: cannot read that revision's utils from git "
+                             f"({detail.strip()}): pass --before none") from None
+        self.tree = tempfile.mkdtemp(prefix=f"loaders-{self.rev}-")
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            try:
+                tar.extractall(self.tree, filter="data")
+            except TypeError:  # a Python without extraction filters
+                tar.extractall(self.tree)
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); import utils; "
+                "from benchmarks import throughput; throughput.serve(sys.argv[1], int(sys.argv[2]))")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, self.tree, str(threads)],
+                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def _ask(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the loaders of {self.rev} ended (exit {self.proc.wait()})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"loaders of {self.rev}: {reply['error']}")
+        return reply
+
+    def build(self, case: Case, setting: str, workers: int):
+        self._ask(op="build", yaml=os.path.join(ROOT, "config", case.yaml), config=case.config,
+                  overrides=dict(case.overrides, data_loader_config=setting,
+                                 num_data_workers=str(workers)))
+
+    def measure(self, n_batches, warmup, epoch, ahead):
+        return self._ask(op="measure", batches=n_batches, warmup=warmup, epoch=epoch, ahead=ahead)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.tree, ignore_errors=True)
+
+
+def serve(tree: str, threads: int):
+    """The child process of ``OldLoaders``: this module imported over ``tree``'s utils; one JSON
+    command per line on stdin, one JSON reply per line on the original stdout (anything the
+    loaders print goes to stderr)."""
+    import utils
+
+    here = os.path.realpath(os.path.dirname(utils.__file__))
+    if not here.startswith(os.path.realpath(tree)):
+        raise SystemExit(f"utils imported from {here}, not from {tree}")
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    torch.set_num_threads(threads)
+    loaders = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "build":
+                loaders = _close(loaders)
+                cfg = build_config(cmd["yaml"], cmd["config"], cmd["overrides"])
+                loaders = build_loaders(cfg, 1, 0, cfg.global_batch_size, torch.device("cpu"))
+                reply = {}
+            else:
+                reply = measure(loaders.train, cmd["batches"], cmd["warmup"], cmd["epoch"],
+                                cmd["ahead"])
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        replies.write(json.dumps(reply) + "\n")
+    _close(loaders)
+
+
+# ----------------------------------------------------------------------------- loader rows
+
+COLUMNS = ["data", "setting", "workers", "raw read, samples/s", "raw read, GB/s",
+           "before, samples/s", "before / raw", "before, main CPU ms/batch",
+           "now, samples/s", "now, GB/s", "now / raw", "now / before", "now, main CPU ms/batch",
+           "now, main CPU / raw read of a batch", "load (1 min)"]
+
+
+def table_header() -> str:
+    return "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS)
+
+
+def _f(v, spec):
+    return "–" if v is None else format(v, spec)
+
+
+def format_row(r: dict) -> str:
+    raw, old, now = r["raw"], r["before"], r["now"]
+    cells = [r["data"], r["setting"], "–" if r["setting"] == "device" else str(r["workers"]),
+             f"{raw['rate']:.1f}", f"{raw['gbs']:.2f}",
+             _f(old and old["rate"], ".1f"), _f(old and old["rate"] / raw["rate"], ".2f"),
+             _f(old and old["cpu_ms"], ".1f"),
+             f"{now['rate']:.1f}", f"{now['gbs']:.2f}", f"{r['ratio']:.2f}",
+             _f(old and now["rate"] / old["rate"], ".2f"), f"{now['cpu_ms']:.1f}",
+             f"{r['main_share']:.1%}", _f(r.get("load"), ".1f")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS, old=None):
+    """Measure every loader setting of ``cases`` (those in ``settings``; DALI only where installed)
+    and worker count, beside the raw read (and, with ``old``, an ``OldLoaders``), interleaved
+    over ``rounds`` rounds; prints each row as it is done and returns them (dicts)."""
+    rows = []
+    have_dali = dali_installed()
+    for case in cases:
+        for setting in case.settings:
+            if setting not in settings or (setting.startswith("dali") and not have_dali):
+                continue
+            for w in ([0] if setting == "device" else workers_list):
+                cfg = _config(case, setting, w)
+                b = cfg.global_batch_size
+                loaders = build_loaders(cfg, 1, 0, b, torch.device("cpu"))
+                ahead = cfg.prefetch_depth * max(1, w)  # batches a loader reads ahead
+                warmup = ahead + 2
+                rng = np.random.default_rng(0)
+                paths = {"raw": lambda: dict(zip(("rate", "gbs"), case.raw(n_batches * b, rng)))}
+                if old is not None and setting in ("lowmem", "inmem"):
+                    old.build(case, setting, w)
+                    paths["before"] = lambda e: old.measure(n_batches, warmup, e, ahead)
+                paths["now"] = lambda e: measure(loaders.train, n_batches, warmup, e, ahead)
+                best = {}
+                names = list(paths)
+                for r in range(rounds):
+                    for k in names[r % len(names):] + names[:r % len(names)]:
+                        got = paths[k]() if k == "raw" else paths[k](r)
+                        if k not in best or got["rate"] > best[k]["rate"]:
+                            best[k] = got
+                paths.clear()
+                loaders = _close(loaders)  # None: its memory (inmem: the data) goes now
+                raw, now = best["raw"], best["now"]
+                row = {"data": case.label, "setting": setting, "workers": w, "batch": b,
+                       "raw": raw, "before": best.get("before"), "now": now,
+                       "ratio": now["rate"] / raw["rate"],
+                       "main_share": now["cpu_ms"] / (1e3 * b / raw["rate"]), "load": _load()}
+                rows.append(row)
+                print(format_row(row), flush=True)
+    return rows
+
+
+def goal_lines(rows) -> list[str]:
+    """The goals of the data path, checked on ``rows``: each loader at least GOAL_RATIO of the raw
+    read (lowmem and inmem, 0 and the most workers measured), the main process at most
+    GOAL_MAIN_SHARE of a batch's raw read time on receiving it (rows with workers), the device
+    loader faster than inmem."""
+    out = []
+    most = max((r["workers"] for r in rows), default=0)
+    for r in rows:
+        where = f"{r['data']}, {r['setting']}, {r['workers']} workers"
+        if r["setting"] in ("lowmem", "inmem") and r["workers"] in (0, most):
+            ok = r["ratio"] >= GOAL_RATIO
+            out.append(f"- {'met' if ok else 'NOT met'}: {where}: {r['ratio']:.2f} of the raw read "
+                       f"(goal {GOAL_RATIO})")
+        if r["workers"] > 0 and not r["setting"].startswith("dali"):
+            ok = r["main_share"] <= GOAL_MAIN_SHARE
+            out.append(f"- {'met' if ok else 'NOT met'}: {where}: the main process "
+                       f"{r['now']['cpu_ms']:.2f} ms CPU per batch, {r['main_share']:.1%} of a "
+                       f"batch's raw read (goal {GOAL_MAIN_SHARE:.0%})")
+    for d in [r for r in rows if r["setting"] == "device"]:
+        inmem = [r for r in rows if r["data"] == d["data"] and r["setting"] == "inmem"]
+        if inmem:
+            fastest = max(inmem, key=lambda r: r["now"]["rate"])
+            ok = d["now"]["rate"] > fastest["now"]["rate"]
+            out.append(f"- {'met' if ok else 'NOT met'}: {d['data']}: the device loader "
+                       f"{d['now']['rate']:.1f} samples/s, the fastest inmem "
+                       f"{fastest['now']['rate']:.1f} ({fastest['workers']} workers): "
+                       f"{d['now']['rate'] / fastest['now']['rate']:.2f}x")
+    return out
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+class ProfiledReads:
+    """``dataset`` with every ``read_batch`` under cProfile, per process (the loader's workers
+    inherit it when forked): each process's profile is written to ``directory`` after each read,
+    as workers end by a kill."""
+
+    def __init__(self, dataset, directory):
+        self.dataset, self.directory = dataset, directory
+        self.sample_shapes = dataset.sample_shapes
+        self.profile, self.pid = None, None
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def read_batch(self, keys, x, y):
+        if self.pid != os.getpid():
+            self.profile, self.pid = cProfile.Profile(time.process_time), os.getpid()
+        self.profile.enable()
+        try:
+            self.dataset.read_batch(keys, x, y)
+        finally:
+            self.profile.disable()
+            self.profile.dump_stats(os.path.join(self.directory, f"reads-{os.getpid()}.prof"))
+
+
+def _top(stats: pstats.Stats, per: int, top: int) -> list[str]:
+    """The ``top`` functions by own time, in ms per batch (``per`` batches)."""
+    total = stats.total_tt
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    out = ["| function | calls per batch | own CPU ms per batch | own share | with callees, ms per batch |",
+           "|---|---|---|---|---|"]
+    for (path, line, name), (_, calls, tt, ct, _) in rows:
+        where = f"{os.path.basename(path)}:{line} {name}" if line else name
+        out.append(f"| `{where}` | {calls / per:.1f} | {1e3 * tt / per:.2f} | {tt / total:.0%} | "
+                   f"{1e3 * ct / per:.2f} |")
+    return out
+
+
+def profile_rows(case: Case, workers=2, n_batches=40, top=12):
+    """cProfile of the main process while it receives ``n_batches`` batches of ``case``'s lowmem
+    loader with ``workers`` workers, and of the workers' reads of them; Markdown lines."""
+    cfg = _config(case, "lowmem", workers)
+    loaders = build_loaders(cfg, 1, 0, cfg.global_batch_size, torch.device("cpu"))
+    ahead = cfg.prefetch_depth * max(1, workers)
+    lines = []
+    with tempfile.TemporaryDirectory() as d:
+        loaders.train.dataset = ProfiledReads(loaders.train.dataset, d)  # before the workers fork
+        measure(loaders.train, 2, ahead + 2, 0, 0)  # started, warm
+        for f in glob.glob(os.path.join(d, "*.prof")):
+            os.remove(f)
+        main = cProfile.Profile(time.process_time)  # CPU time: not the waits for the workers
+        main.enable()
+        got = measure(loaders.train, n_batches, 0, 1, 0)
+        main.disable()
+        time.sleep(1.0)  # the prefetched batches' reads end before the workers do
+        _close(loaders)
+        reads = [f for f in glob.glob(os.path.join(d, "*.prof"))
+                 if not f.endswith(f"-{os.getpid()}.prof")]
+        lines.append(f"{case.label}, lowmem, {workers} workers, {n_batches} batches: "
+                     f"{got['rate']:.1f} samples/s, main process {got['cpu_ms']:.1f} ms CPU per batch")
+        lines += ["", "Main process (cProfile in CPU time, the measuring loop included):", ""]
+        lines += _top(pstats.Stats(main), n_batches, top)
+        if reads:
+            worker = pstats.Stats(*reads)
+            # Batches read by the workers in the window: those timed plus the prefetched ones.
+            n_read = worker.stats[next(k for k in worker.stats if k[2] == "read_batch"
+                                       and k[0].endswith("cosmo_data.py"))][1] / workers
+            lines += ["", f"Workers ({len(reads)} processes, cProfile in CPU time of their "
+                          f"reads: {n_read:.0f} batches, the window's and those prefetched; per "
+                          f"batch of {cfg.global_batch_size}, the workers' parts together):", ""]
+            lines += _top(worker, max(1, round(n_read)), top)
+    return lines
+
+
+def _best_cpu(parts: dict, rounds: int) -> dict:
+    """Best CPU seconds over ``rounds`` rounds of each of ``parts`` (name: callable), in turn."""
+    best = {}
+    for _ in range(rounds):
+        for name, run in parts.items():
+            c0 = time.process_time()
+            run()
+            best[name] = min(best.get(name, float("inf")), time.process_time() - c0)
+    return best
+
+
+def breakdown_rows(case: Case, n_batches=4, rounds=5):
+    """Where a batch of ``case``'s crops spends its CPU time in one process, without a profiler:
+    for the crops read from the file (lowmem), its parts beside the raw read of the same
+    windows; for the device loader, its parts beside inmem's copy of the same crops. CPU ms per
+    batch, best of ``rounds``; Markdown lines."""
+    from utils.batch_dataset import finite_sums
+    from utils.rotations import ROTATIONS, channel_plan, rotate_in_place
+
+    cfg = _config(case, "lowmem", 0)
+    b = cfg.global_batch_size
+    ds = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.dataset
+    sx, sy = ds.sample_shapes
+    x, y = np.zeros((b, *sx), np.float32), np.zeros((b, *sy), np.float32)
+    keys = [[(e, i) for i in range(b)] for e in range(n_batches)]
+    wins = [[ds.window(*k) for k in ks] for ks in keys]
+    nbody, hydro = ds._volumes()
+    s = ds.size
+    fields = ((nbody, ds.n_in, ds.in_vec, x), (hydro, ds.n_out, ds.out_vec, y))
+
+    def raw():
+        for ws in wins:
+            for (i, j, k), _ in ws:
+                for f, n, _, _ in fields:
+                    f[:n, i:i + s, j:j + s, k:k + s]
+
+    def into_place():
+        for ws in wins:
+            for m, ((i, j, k), _) in enumerate(ws):
+                for f, n, _, out in fields:
+                    f.read_direct(out[m], np.s_[:n, i:i + s, j:j + s, k:k + s])
+
+    def turn():
+        for ws in wins:
+            for m, (_, rot) in enumerate(ws):
+                for _, n, vec, out in fields:
+                    if rot:
+                        rotate_in_place(out[m], ROTATIONS[rot], channel_plan(ROTATIONS[rot], vec, n)[1])
+
+    def whole():
+        for ks in keys:
+            ds.read_batch(ks, x, y)
+
+    parts = {"raw h5py read of the same windows (new arrays, one process)": raw,
+             "read into the batch, unturned (`read_direct`)": into_place,
+             "turn the rotated crops in place (`rotate_in_place`)": turn,
+             "finite check (`finite_sums`)": lambda: [finite_sums(x, y) for _ in keys],
+             "all of `read_batch`": whole}
+    best = _best_cpu(parts, rounds)
+    rotated = sum(bool(r) for ws in wins for _, r in ws)
+    ref = best[next(iter(parts))]
+    lines = [f"{case.label} read from the file (lowmem), one process, CPU ms per batch (best of "
+             f"{rounds}, {n_batches} batches, {rotated} of {b * n_batches} crops rotated):", "",
+             "| part | CPU ms per batch | share of the raw read |", "|---|---|---|"]
+    lines += [f"| {name} | {1e3 * t / n_batches:.1f} | {t / ref:.2f} |" for name, t in best.items()]
+
+    cfg = _config(case, "inmem", 0)
+    inmem = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.dataset
+    cfg = _config(case, "device", 0)
+    gather = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.gather
+    windows = [gather.windows(ks) for ks in keys]
+    index = [gather.index(torch.from_numpy(w)) for w in windows]
+
+    def gathers():
+        for w, ix in zip(windows, index):
+            rot = torch.from_numpy(w[:, 3])
+            for flat, src, _, _ in gather.fields:
+                flat[src[rot][:, :, None, None, None], ix]
+
+    parts = {"inmem: copy through rotated views (`read_batch`)": lambda: [inmem.read_batch(ks, x, y)
+                                                                           for ks in keys],
+             "device: crop windows drawn on the host": lambda: [gather.windows(ks) for ks in keys],
+             "device: the batch's index (B, 1, s, s, s)": lambda: [gather.index(torch.from_numpy(w))
+                                                                   for w in windows],
+             "device: one gather per field": gathers,
+             "device: all of it (`gather`)": lambda: [gather.gather(w) for w in windows]}
+    best = _best_cpu(parts, rounds)
+    ref = best[next(iter(parts))]
+    lines += ["", f"{case.label} from memory, {torch.get_num_threads()} torch threads, CPU ms per "
+                  f"batch (best of {rounds}):", "",
+              "| part | CPU ms per batch | share of inmem's |", "|---|---|---|"]
+    lines += [f"| {name} | {1e3 * t / n_batches:.1f} | {t / ref:.2f} |" for name, t in best.items()]
+    return lines
+
+
+# ----------------------------------------------------------------------------- training steps
 
 
 def train_rate(yaml_name, name, overrides, steps, cached=True):
@@ -279,27 +632,66 @@ def train_rows(era5, cosmo, base):
     return rows
 
 
+def _load():
+    """The 1-minute load average (this benchmark's own processes included), None if unknown."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def load_line() -> str:
+    try:
+        return "load average " + " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1 / 5 / 15 min)"
+    except (OSError, AttributeError):
+        return "load average unknown"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bench"),
                    help="directory of the synthetic benchmark data (made when missing)")
-    p.add_argument("--only", choices=("loaders", "raw", "train"),
-                   help="run one part: the loaders, raw reads, or training steps")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2],
+    p.add_argument("--only", choices=("loaders", "raw", "train", "profile"),
+                   help="run one part: the loaders, raw reads, training steps, or the profile of "
+                        "the crops read from the file")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2],
                    help="loader worker counts to measure (default: %(default)s)")
-    p.add_argument("--batches", type=int, default=20, help="batches per measurement")
+    p.add_argument("--batches", type=int, default=20,
+                   help="batches timed per measurement, after those that fill the prefetch queue")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the interleaved measurements; the best round counts")
+    p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                   help="loader settings to measure (DALI's only where it is installed)")
+    p.add_argument("--models", nargs="+", choices=("vit", "unet"), default=["vit", "unet"],
+                   help="whose loaders to measure: the ViT's ERA5 pairs, the U-Net's crops")
+    p.add_argument("--before", default=BEFORE,
+                   help="git revision whose loaders are measured beside this tree's, in a child "
+                        "process (default: %(default)s, before the batch pool); none: skip")
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count())
     era5, cosmo = ensure_data(args.data)
-    print(f"# torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads\n")
+    print(f"# torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} "
+          f"threads, {load_line()}\n")
     if args.only in (None, "raw"):
         print("| raw h5py read | samples/s | MB/s |\n|---|---|---|")
         raw_rows(era5, cosmo, 200)
         print()
     if args.only in (None, "loaders"):
-        print("| loader | setting | workers | raw read, samples/s | before, samples/s | before, "
-              "ratio to raw | now, samples/s | now, ratio to raw |\n|---|---|---|---|---|---|---|---|")
-        loader_rows(era5, cosmo, args.workers, args.batches)
+        with contextlib.ExitStack() as stack:
+            old = None
+            if args.before.lower() != "none":
+                old = OldLoaders(args.before, torch.get_num_threads())
+                stack.callback(old.close)
+                print(f"before: the loaders of {old.rev}; now: this tree\n")
+            print(table_header())
+            cases = [c for c in loader_cases(era5, cosmo) if c.yaml[:-5].lower() in args.models]
+            rows = loader_rows(cases, args.workers, args.batches, args.rounds, args.settings, old)
+        print(f"\n{load_line()}\n\nGoals:\n")
+        print("\n".join(goal_lines(rows)))
+        print()
+    if args.only == "profile":
+        crops = loader_cases(era5, cosmo)[1]
+        print("\n".join(breakdown_rows(crops) + [""] + profile_rows(crops)))
         print()
     if args.only in (None, "train"):
         print("| training step | cached data, samples/s | through the loader, samples/s |\n|---|---|---|")

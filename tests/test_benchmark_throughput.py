@@ -1,0 +1,123 @@
+"""benchmarks/throughput.py on tiny data: every loader row (the device loader's one row, DALI's
+where installed), the main process's CPU time per batch, the goals, the older revision's loaders
+in their own process, and the profile of the crops read from the file."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from benchmarks import throughput as tp
+from conftest import ROOT, write_cosmo_pair, write_era5
+
+ERA5_SAMPLE = 2 * 20 * 16 * 32 * 4  # bytes of an input + target pair, float32
+CROP_SAMPLE = (4 + 5) * 32**3 * 4
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    era5 = write_era5(str(d / "era5"))
+    cosmo = write_cosmo_pair(d / "cosmo", side=40)
+    return tp.loader_cases(era5, cosmo, img_size=(16, 32), era5_batch=4, crop=32, crop_batch=4,
+                           unet_config="quickstart")
+
+
+def test_loader_rows_cover_every_setting_and_worker_count(cases, capsys):
+    rows = tp.loader_rows(cases, [0, 1], n_batches=2, rounds=2, settings=("lowmem", "inmem", "device"))
+    got = [(r["data"], r["setting"], r["workers"]) for r in rows]
+    era5, crops = cases[0].label, cases[1].label
+    assert got == [(era5, "lowmem", 0), (era5, "lowmem", 1), (era5, "inmem", 0), (era5, "inmem", 1),
+                   (crops, "lowmem", 0), (crops, "lowmem", 1), (crops, "inmem", 0), (crops, "inmem", 1),
+                   (crops, "device", 0)]  # the device loader: one row, no workers
+    for r in rows:
+        assert r["raw"]["rate"] > 0 and r["now"]["rate"] > 0 and r["before"] is None
+        assert r["now"]["cpu_ms"] >= 0 and r["main_share"] == pytest.approx(
+            r["now"]["cpu_ms"] / (1e3 * r["batch"] / r["raw"]["rate"]))
+        per_sample = ERA5_SAMPLE if r["data"] == era5 else CROP_SAMPLE
+        assert r["now"]["gbs"] * 1e9 / r["now"]["rate"] == pytest.approx(per_sample)
+        assert r["raw"]["gbs"] * 1e9 / r["raw"]["rate"] == pytest.approx(per_sample)
+    out = capsys.readouterr().out.splitlines()
+    device = [line for line in out if "| device |" in line]
+    assert len(device) == 1 and device[0].startswith(f"| {crops} | device | – |")
+    header = tp.table_header().splitlines()[0]
+    assert "now, main CPU ms/batch" in header and "now, GB/s" in header
+    assert all(line.count("|") == header.count("|") for line in out if line.startswith("| "))
+    lines = tp.goal_lines(rows)
+    assert any("the device loader" in line for line in lines)
+    assert sum("of the raw read" in line for line in lines) == 8  # lowmem, inmem x 0, 1 workers
+    assert sum("the main process" in line for line in lines) == 4  # the rows with workers
+
+
+def test_goals_met_and_not_met():
+    def row(setting, workers, ratio, share, rate=100.0):
+        return {"data": "d", "setting": setting, "workers": workers, "ratio": ratio,
+                "main_share": share, "now": {"rate": rate, "cpu_ms": 1.0}}
+
+    lines = tp.goal_lines([row("lowmem", 0, 0.95, 1.0), row("lowmem", 2, 0.5, 0.01),
+                           row("inmem", 1, 0.2, 0.2, rate=40.0), row("inmem", 2, 1.2, 0.08, rate=50.0),
+                           row("device", 0, 0.4, 1.0, rate=60.0)])
+    assert lines[0].startswith("- met: d, lowmem, 0 workers: 0.95")
+    assert lines[1].startswith("- NOT met: d, lowmem, 2 workers: 0.50")
+    assert lines[2].startswith("- met: d, lowmem, 2 workers: the main process")
+    assert lines[3].startswith("- NOT met: d, inmem, 1 workers: the main process")  # 1 worker: 20%
+    assert lines[4].startswith("- met: d, inmem, 2 workers: 1.20")
+    assert lines[5].startswith("- NOT met: d, inmem, 2 workers: the main process")
+    assert lines[6].startswith("- met: d: the device loader 60.0 samples/s, the fastest inmem 50.0")
+    assert len(lines) == 7
+
+
+def _has_revision(rev):
+    if shutil.which("git") is None:
+        return False
+    return subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{rev}^{{commit}}"],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _has_revision(tp.BEFORE), reason=f"needs git and commit {tp.BEFORE}")
+def test_before_rows_run_the_older_revisions_loaders(cases, capsys):
+    old = tp.OldLoaders(tp.BEFORE, 1)
+    try:
+        assert not os.path.exists(os.path.join(old.tree, "utils", "batch_pool.py"))  # before it
+        rows = tp.loader_rows(cases[:1], [0, 1], n_batches=2, rounds=1, settings=("lowmem",), old=old)
+    finally:
+        old.close()
+    assert not os.path.exists(old.tree) and old.proc.returncode == 0
+    assert [r["workers"] for r in rows] == [0, 1]
+    for r in rows:
+        before = r["before"]
+        assert before["rate"] > 0 and before["cpu_ms"] >= 0
+        assert before["gbs"] * 1e9 / before["rate"] == pytest.approx(ERA5_SAMPLE)
+    cells = capsys.readouterr().out.splitlines()[-1].split(" | ")
+    assert float(cells[5]) > 0 and float(cells[11]) > 0  # before samples/s, now / before
+
+
+def test_before_refuses_an_unknown_revision():
+    with pytest.raises(SystemExit, match="--before no-such-rev: cannot read .* pass --before none"):
+        tp.OldLoaders("no-such-rev", 1)
+
+
+def test_dali_rows(cases):
+    pytest.importorskip("nvidia.dali")
+    rows = tp.loader_rows(cases, [0], n_batches=2, rounds=1, settings=("dali-lowmem", "dali-inmem"))
+    assert [(r["setting"], r["workers"]) for r in rows] == [("dali-lowmem", 0), ("dali-inmem", 0)] * 2
+    assert all(r["now"]["rate"] > 0 and r["before"] is None for r in rows)
+
+
+def test_profile_of_the_crops_read_from_the_file(cases):
+    lines = tp.profile_rows(cases[1], workers=1, n_batches=3, top=5)
+    text = "\n".join(lines)
+    assert "Main process" in text and "Workers (1 processes" in text
+    assert "read_batch" in text or "read_direct" in text
+
+
+def test_breakdown_of_a_crop_batch(cases):
+    lines = tp.breakdown_rows(cases[1], n_batches=1, rounds=1)
+    parts = [line.split(" | ")[0][2:] for line in lines if line.startswith("| ") and "---" not in line]
+    assert [p for p in parts if p != "part"] == [
+        "raw h5py read of the same windows (new arrays, one process)",
+        "read into the batch, unturned (`read_direct`)",
+        "turn the rotated crops in place (`rotate_in_place`)", "finite check (`finite_sums`)",
+        "all of `read_batch`", "inmem: copy through rotated views (`read_batch`)",
+        "device: crop windows drawn on the host", "device: the batch's index (B, 1, s, s, s)",
+        "device: one gather per field", "device: all of it (`gather`)"]
