@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 
 from utils import generated_data, synthetic
 from utils.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
@@ -102,28 +102,6 @@ class CachedBatchLoader:
         return len(self._sizes())
 
 
-class BatchReader(Dataset):
-    """A dataset with ``sample_shapes`` and ``read_batch(keys, x, y)`` served as whole batches
-    through torch's DataLoader (the loaders here use ``BatchLoader``; kept for DataLoader users
-    such as the benchmarks): the DataLoader's batch of keys goes to ``__getitems__``, which
-    returns ``(x, y)`` tensors (B, ...) that ``_as_is`` passes through unchanged."""
-
-    def __init__(self, dataset, pin: bool):
-        self.dataset, self.pin = dataset, pin
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        return self.dataset[key]
-
-    def __getitems__(self, keys):
-        sx, sy = self.dataset.sample_shapes
-        x, y = _batch_buffer((len(keys), *sx), self.pin), _batch_buffer((len(keys), *sy), self.pin)
-        self.dataset.read_batch(keys, x.numpy(), y.numpy())
-        return x, y
-
-
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters (malloc.h)
 
 
@@ -147,19 +125,6 @@ def reuse_freed_memory() -> bool:
                 and mallopt(_M_TOP_PAD, 1 << 29))
 
 
-def _batch_buffer(shape, pin: bool) -> torch.Tensor:
-    """An uninitialised float32 batch: in a worker process in shared memory (sent to the main
-    process as a handle, not copied), else page-locked if ``pin`` (the async H2D copy reads it)."""
-    if torch.utils.data.get_worker_info() is not None:
-        storage = torch.UntypedStorage._new_shared(4 * int(np.prod(shape)))
-        return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
-    return torch.empty(shape, dtype=torch.float32, pin_memory=pin)
-
-
-def _as_is(batch):
-    return batch
-
-
 @dataclass
 class Loaders:
     train: object
@@ -171,17 +136,12 @@ class Loaders:
 
     def close(self):
         """End the loader worker processes now (``BatchLoader.close``: at once, their batch
-        buffers given back) rather than whenever garbage collection gets to the loaders. A torch
-        DataLoader's persistent workers are shut down through its iterator likewise."""
+        buffers given back) rather than whenever garbage collection gets to the loaders. Loaders
+        without workers (cached, device, DALI's) may have nothing to close."""
         for loader in (self.train, self.valid):
             close = getattr(loader, "close", None)
             if callable(close):
                 close()
-                continue
-            iterator = getattr(loader, "_iterator", None)  # torch keeps persistent workers here
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
-                loader._iterator = None
 
 
 def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
