@@ -133,12 +133,15 @@ def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_p
     weights and losses of an uninterrupted job."""
     era5 = write_era5(str(tmp_path / "era5"), years={"train": [2016, 2017], "valid": [2018]},
                       steps=40)
-    # 19 steps per epoch; 60 epochs take over 30 s of training here, longer than Slurm takes to
-    # send the warning (it checks time limits about every 30 s: 10 to 40 s into the job).
+    # Slurm checks time limits every 30 s, so the warning comes 10 to 40 s into the job; the
+    # run must still be training then on a fast machine. 19 steps per epoch; 240 epochs (4560
+    # steps) is 4x a run that once ended 14 s into its job, before the warning came.
+    epochs = 240
+    steps = 19 * epochs
     args = ["--data_root", era5, "--img_size", "[16,32]", "--patch_size", "4", "--embed_dim",
             "32", "--depth", "1", "--num_heads", "2", "--global_batch_size", "4",
             "--base_batch_size", "4", "--synthesize_if_missing", "false", "--log_every", "2",
-            "--num_epochs", "60", "--dropout", "0.1", "--num_data_workers", "1"]
+            "--num_epochs", str(epochs), "--dropout", "0.1", "--num_data_workers", "1"]
     jobs = {}
     for name, limit in (("ref", ["-t", "10"]), ("limited", ["-t", "1", "--signal=B:USR1@50"])):
         env = dict(os.environ, PYTHON=sys.executable, EXPDIR=str(tmp_path / name))
@@ -151,7 +154,7 @@ def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_p
     # Slurm holds a requeued job for about 2 minutes (its credential's lifetime); the test
     # starts it after 3 s (a credential from the same second as the requeue counts as revoked)
     # and with a longer limit, so that it runs to its end this time.
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         out = subprocess.run(["scontrol", "show", "job", limited], capture_output=True,
                              text=True).stdout
@@ -161,21 +164,21 @@ def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_p
             break
         assert "JobState=RUNNING" in out or "JobState=PENDING" in out, out
         time.sleep(1)
-    states = wait(list(jobs.values()), timeout=300)
+    states = wait(list(jobs.values()), timeout=600)
     text = (tmp_path / f"limited-{limited}.out").read_text()  # both runs: --open-mode=append
     assert states[limited] == ("COMPLETED", "0:0"), f"{states[limited]}\n{text[-4000:]}"
     assert states[jobs["ref"]] == ("COMPLETED", "0:0")
     assert "USR1 (time limit near)" in text and "requeueing (restart 1)" in text, text[-4000:]
     stop = re.search(r"Stopped on SIGUSR1 after step (\d+): checkpoint (\S+);", text)
     assert stop and f"Resumed from {stop.group(2)} at step {stop.group(1)}" in text, text[-4000:]
-    assert "Done: 1140 steps" in text and "Traceback" not in text
+    assert f"Done: {steps} steps" in text and "Traceback" not in text
     runs = {name: re.search(r"Run directory: (.*)", (tmp_path / f"{name}-{job}.out").read_text())
             .group(1) for name, job in jobs.items()}
     assert runs["limited"].endswith(f"/2/job{limited}")  # named after the job: its own run
-    a, b = (torch.load(os.path.join(runs[n], "checkpoints", "ckpt_00001140.pt"),
+    a, b = (torch.load(os.path.join(runs[n], "checkpoints", f"ckpt_{steps:08d}.pt"),
                        weights_only=True) for n in ("ref", "limited"))
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     ref, got = (scalars(os.path.join(runs[n], "tensorboard")) for n in ("ref", "limited"))
-    assert got["Loss/train"] == ref["Loss/train"] and len(ref["Loss/train"]) == 600
-    assert got["Loss/valid"] == ref["Loss/valid"] and len(ref["Loss/valid"]) == 60
+    assert got["Loss/train"] == ref["Loss/train"] and len(ref["Loss/train"]) == 10 * epochs
+    assert got["Loss/valid"] == ref["Loss/valid"] and len(ref["Loss/valid"]) == epochs
