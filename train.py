@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from utils import checkpoint, throughput_report
 from utils.config import Config, from_argv, to_dict
-from utils.data_loader import build_loaders
+from datapipe.data_loader import build_loaders
 from utils.errors import TrainingError, UserError
 from utils.flops import flops_per_sample, peak_tflops, tflops_per_device
 from utils.logging_utils import setup_logging

@@ -3,7 +3,7 @@
     python -m benchmarks.band_reads                       # tp=1, tp=4, cp=2, 4x4 at 360 x 720; tp=4 at 352 x 720
     python -m benchmarks.band_reads --layouts 1x1 2x2@352 --rounds 5
 
-Data: synthetic ERA5 year files (``utils.synthetic``) at ``--img_size`` with 20 channels, written
+Data: synthetic ERA5 year files (``datapipe.synthetic``) at ``--img_size`` with 20 channels, written
 to a temporary directory (removed at the end unless ``--data`` names a directory to keep).
 
 A layout ``TPxCP`` (optionally ``@HEIGHT``: the image cropped to that many rows, as ``img_size``
@@ -41,9 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from distributed.parallelize import token_layout  # noqa: E402
-from utils import synthetic  # noqa: E402
+from datapipe import synthetic  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.data_loader import build_loaders  # noqa: E402
+from datapipe.data_loader import build_loaders  # noqa: E402
 
 MB = 1e6
 DEFAULT_LAYOUTS = ["1x1", "4x1", "1x2", "4x4", "4x1@352"]

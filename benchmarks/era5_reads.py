@@ -3,7 +3,7 @@
     python -m benchmarks.era5_reads                      # 360 x 720, batch 4, 7 rounds
     python -m benchmarks.era5_reads --rounds 9 --data /tmp/era5_360x720   # keep the data
 
-Data: synthetic ERA5 (``utils.synthetic``) at ``--img_size``, 20 channels, two training years
+Data: synthetic ERA5 (``datapipe.synthetic``) at ``--img_size``, 20 channels, two training years
 of ``--steps`` steps (250 MB each at 360 x 720), written contiguous and uncompressed as
 ``make_era5`` writes them, read from the page cache (every file is read once before timing).
 
@@ -16,7 +16,7 @@ its checks are timed:
 * raw mmap copy: ``np.copyto`` from the files mapped into memory, every page already mapped in
   this process (a copy from the page cache without a system call or a fault; no check);
 * raw h5py: ``read_direct`` of the same hyperslabs (what h5py alone reaches, no check);
-* read_batch before: the dataset as it was (``git show HEAD:utils/era5_data.py``: h5py
+* read_batch before: the dataset as it was (``git show HEAD:datapipe/era5_data.py``: h5py
   ``read_direct`` per field, then one finite check over the batch);
 * read_batch now, N threads: reads by offset over N threads, each piece checked as it lands.
 
@@ -47,12 +47,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from utils import era5_data, synthetic  # noqa: E402
+from datapipe import era5_data, synthetic  # noqa: E402
 
 
 def old_module():
-    """utils/era5_data.py as committed (the read path before reads by offset)."""
-    src = subprocess.run(["git", "show", "HEAD:utils/era5_data.py"], cwd=ROOT, check=True,
+    """datapipe/era5_data.py as committed (the read path before reads by offset)."""
+    src = subprocess.run(["git", "show", "HEAD:datapipe/era5_data.py"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "era5_data_before.py")

@@ -6,7 +6,7 @@
 For each config: the time ``build_loaders`` takes on one rank holding the whole global batch (the
 training batch, the validation batch and, for ERA5, the normalisation statistics, which the task
 asks for at the first step), on the CPU, best of ``--rounds`` fresh processes' worth of work
-(the caches of ``utils.generated_data`` are cleared between rounds). Prints a Markdown table.
+(the caches of ``datapipe.generated_data`` are cleared between rounds). Prints a Markdown table.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from utils import generated_data  # noqa: E402
+from datapipe import generated_data  # noqa: E402
 from utils.config import ViTConfig, build_config  # noqa: E402
-from utils.data_loader import build_loaders  # noqa: E402
+from datapipe.data_loader import build_loaders  # noqa: E402
 
 DEFAULT = ["ViT:short", "UNet:short", "ViT:mp"]
 

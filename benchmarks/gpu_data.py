@@ -5,8 +5,8 @@
     python -m benchmarks.gpu_data --out data/gpu_bench --only cosmo   # the U-Net's alone
     python -m benchmarks.gpu_data --out data/gpu_bench --cosmo 256 128 --era5-steps 400 80
 
-The files are in the formats the project's loaders read (see utils/synthetic.py), with random
-values instead of utils.synthetic's physical models, which take minutes at these sizes:
+The files are in the formats the project's loaders read (see datapipe/synthetic.py), with random
+values instead of datapipe.synthetic's physical models, which take minutes at these sizes:
 
 - ``<out>/cosmo/``: config/UNet.yaml's ``train_file`` and ``val_file`` (a training box of
   side 256 and a validation box of side 128 by default), each with ``Nbody`` (4, L, L, L) and
@@ -36,8 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from elsewhere
     sys.path.insert(0, ROOT)
 
-from utils.formats import ERA5_CHANNELS  # noqa: E402
-from utils.synthetic import YEARS  # noqa: E402
+from datapipe.formats import ERA5_CHANNELS  # noqa: E402
+from datapipe.synthetic import YEARS  # noqa: E402
 
 COSMO_SIDES = (256, 128)  # the first GPU run's boxes (the tutorial's crops are 64^3)
 ERA5_STEPS = (400, 80)  # training and validation steps: 384 training samples of short + dt

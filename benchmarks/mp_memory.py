@@ -116,7 +116,7 @@ def measure(tp, cp, extra, timeout=900):
 
 def ensure_data():
     """The mp_cpu synthetic data, made once here rather than inside the first ranks."""
-    from utils.data_loader import has_data, synthesize
+    from datapipe.data_loader import has_data, synthesize
 
     cfg = build_config(YAML, "mp_cpu", {})
     if not has_data(cfg):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import gc
 import glob
 import io
 import json
@@ -56,11 +55,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Only modules that the older revisions (--before) have as well: a child process imports this
-# file over that revision's utils package.
-from utils import synthetic  # noqa: E402
+from benchmarks.loader_timing import batches, close_loaders, measure  # noqa: E402
+from datapipe import synthetic  # noqa: E402
+from datapipe.data_loader import build_loaders  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.data_loader import build_loaders  # noqa: E402
 from utils.tasks import make_task  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,36 +84,6 @@ def ensure_data(base):
     if not os.path.exists(os.path.join(cosmo, "train.h5")):
         synthetic.make_cosmo(cosmo, train_size=256, val_size=64, seed=0)
     return era5, cosmo
-
-
-def batches(loader, epoch=0):
-    """Batches without end: epoch after epoch, from ``epoch``."""
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
-def measure(loader, n_batches, warmup, epoch, ahead):
-    """One measurement of ``loader``: samples/s (``rate``), GB/s delivered (``gbs``) and the
-    main process's CPU ms per batch (``cpu_ms``) over ``n_batches`` batches of a pass started at
-    ``epoch``, after ``warmup`` batches (the prefetch queue's); then waits while the ``ahead``
-    batches prefetched meanwhile are read (at the measured rate), so that they do not run beside
-    the next measurement."""
-    it = batches(loader, epoch)
-    for _ in range(warmup):
-        next(it)
-    n = nbytes = 0
-    c0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(n_batches):
-        x, y = next(it)
-        n += x.shape[0]
-        nbytes += x.nbytes + y.nbytes
-        del x, y  # as the training loop: nothing holds the batch while the next one is fetched
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    it.close()
-    time.sleep(min(3.0, ahead * dt / n_batches))
-    return {"rate": n / dt, "gbs": nbytes / dt / 1e9, "cpu_ms": 1e3 * cpu / n_batches}
 
 
 # ----------------------------------------------------------------------------- raw reads
@@ -207,14 +175,6 @@ def _config(case: Case, setting: str, workers: int):
                         dict(case.overrides, data_loader_config=setting, num_data_workers=str(workers)))
 
 
-def _close(loaders):
-    """End the loaders' workers; returns None, to drop the last reference with."""
-    close = getattr(loaders, "close", None)
-    if callable(close):
-        close()
-    gc.collect()
-
-
 # ----------------------------------------------------------------------------- the older loaders
 
 
@@ -239,8 +199,8 @@ class OldLoaders:
                 tar.extractall(self.tree, filter="data")
             except TypeError:  # a Python without extraction filters
                 tar.extractall(self.tree)
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); import utils; "
-                "from benchmarks import throughput; throughput.serve(sys.argv[1], int(sys.argv[2]))")
+        code = ("import sys; from benchmarks import loader_timing; "
+                "loader_timing.serve(sys.argv[1], int(sys.argv[2]))")
         self.proc = subprocess.Popen([sys.executable, "-c", code, self.tree, str(threads)],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
@@ -273,36 +233,6 @@ class OldLoaders:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.tree, ignore_errors=True)
-
-
-def serve(tree: str, threads: int):
-    """The child process of ``OldLoaders``: this module imported over ``tree``'s utils; one JSON
-    command per line on stdin, one JSON reply per line on the original stdout (anything the
-    loaders print goes to stderr)."""
-    import utils
-
-    here = os.path.realpath(os.path.dirname(utils.__file__))
-    if not here.startswith(os.path.realpath(tree)):
-        raise SystemExit(f"utils imported from {here}, not from {tree}")
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    torch.set_num_threads(threads)
-    loaders = None
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            if cmd["op"] == "build":
-                loaders = _close(loaders)
-                cfg = build_config(cmd["yaml"], cmd["config"], cmd["overrides"])
-                loaders = build_loaders(cfg, 1, 0, cfg.global_batch_size, torch.device("cpu"))
-                reply = {}
-            else:
-                reply = measure(loaders.train, cmd["batches"], cmd["warmup"], cmd["epoch"],
-                                cmd["ahead"])
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        replies.write(json.dumps(reply) + "\n")
-    _close(loaders)
 
 
 # ----------------------------------------------------------------------------- loader rows
@@ -363,7 +293,7 @@ def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS, old
                         if k not in best or got["rate"] > best[k]["rate"]:
                             best[k] = got
                 paths.clear()
-                loaders = _close(loaders)  # None: its memory (inmem: the data) goes now
+                loaders = close_loaders(loaders)  # None: its memory (inmem: the data) goes now
                 raw, now = best["raw"], best["now"]
                 row = {"data": case.label, "setting": setting, "workers": w, "batch": b,
                        "raw": raw, "before": best.get("before"), "now": now,
@@ -461,7 +391,7 @@ def profile_rows(case: Case, workers=2, n_batches=40, top=12):
         got = measure(loaders.train, n_batches, 0, 1, 0)
         main.disable()
         time.sleep(1.0)  # the prefetched batches' reads end before the workers do
-        _close(loaders)
+        close_loaders(loaders)
         reads = [f for f in glob.glob(os.path.join(d, "*.prof"))
                  if not f.endswith(f"-{os.getpid()}.prof")]
         lines.append(f"{case.label}, lowmem, {workers} workers, {n_batches} batches: "
@@ -496,8 +426,8 @@ def breakdown_rows(case: Case, n_batches=4, rounds=5):
     for the crops read from the file (lowmem), its parts beside the raw read of the same
     windows; for the device loader, its parts beside inmem's copy of the same crops. CPU ms per
     batch, best of ``rounds``; Markdown lines."""
-    from utils.batch_dataset import finite_sums
-    from utils.rotations import ROTATIONS, channel_plan, rotate_in_place
+    from datapipe.batch_dataset import finite_sums
+    from datapipe.rotations import ROTATIONS, channel_plan, rotate_in_place
 
     cfg = _config(case, "lowmem", 0)
     b = cfg.global_batch_size

@@ -1,4 +1,4 @@
-"""The pooled batch loader (utils/batch_pool.py): batches equal the datasets' reads, a batch
+"""The pooled batch loader (datapipe/batch_pool.py): batches equal the datasets' reads, a batch
 stays valid for as long as it is referenced while the pool reuses the buffers of released ones
 (and, pinned, only after the device has passed its release), passes end and resume exactly,
 worker errors and deaths arrive as one line, and nothing is left in /dev/shm."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import ROOT, write_era5
-from utils.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
+from datapipe.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
                               PinnedHostMemory, SlotLayout)
 from utils.config import build_config
-from utils.cosmo_data import CosmoCropDataset
-from utils.data_loader import ShardedSampler, ValidationSampler, build_loaders
+from datapipe.cosmo_data import CosmoCropDataset
+from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from utils.errors import DataError, TrainingError, UserError
 from utils.profiling import ranged
 

@@ -61,7 +61,7 @@ def test_every_setting_is_under_a_group_header():
     assert "Data" in headers and "Optimisation" in headers and "ViT settings" in headers
 
 
-TOOLS = ["utils.synthetic", "benchmarks.throughput", "benchmarks.band_reads",
+TOOLS = ["datapipe.synthetic", "benchmarks.throughput", "benchmarks.band_reads",
          "benchmarks.memory_model", "benchmarks.mp_memory", "benchmarks.scaling",
          "benchmarks.example_runs", "benchmarks.gpu_runs", "benchmarks.gpu_data", "benchmarks.era5_reads",
          "benchmarks.generated_batches"]

@@ -24,7 +24,7 @@ import pytest
 from conftest import ROOT, write_era5
 from utils import checkpoint, run_setup
 from utils.config import build_config
-from utils.data_loader import has_data
+from datapipe.data_loader import has_data
 from utils.errors import ConfigError
 
 TINY = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "16", "--depth", "1",

@@ -11,12 +11,12 @@ import torch
 
 from conftest import ROOT, write_cosmo_pair, write_era5
 from test_training import TINY_UNET, TINY_VIT, baseline_and_val, train
-from utils import dali_loader
+from datapipe import dali_loader
 from utils.config import build_config
-from utils.dali_loader import DALILoader, EpochKeys, Handoff, handoff
-from utils.data_loader import build_loaders
+from datapipe.dali_loader import DALILoader, EpochKeys, Handoff, handoff
+from datapipe.data_loader import build_loaders
 from utils.errors import ConfigError
-from utils.rotations import ROTATIONS, matrix
+from datapipe.rotations import ROTATIONS, matrix
 
 CPU = torch.device("cpu")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,12 +79,12 @@ def test_dali_batches_equal_the_pytorch_batches(dali, cosmo_root, era5_root, mod
 
 def test_dali_rotation_turns_vector_channels(dali):
     """All 24 rotations of a hand-made volume through the DALI operators: the grid moves as
-    utils.rotations says, and a constant vector field v becomes R v (not v, as a plain array
+    datapipe.rotations says, and a constant vector field v becomes R v (not v, as a plain array
     rotation would leave it)."""
     from nvidia.dali import fn, pipeline_def
 
-    from utils.dali_loader import _rotate, rotation_arguments
-    from utils.rotations import rotate_volume
+    from datapipe.dali_loader import _rotate, rotation_arguments
+    from datapipe.rotations import rotate_volume
 
     rng = np.random.default_rng(0)
     side, vc, v = 6, (1, 2, 3), np.array([1.0, 2.0, 3.0], np.float32)

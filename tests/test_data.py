@@ -8,11 +8,11 @@ import torch
 
 from conftest import ERA5_MEANS, ERA5_STDS, era5_value, write_era5
 from utils.config import build_config
-from utils.cosmo_data import CosmoCropDataset
-from utils.data_loader import ShardedSampler, ValidationSampler, build_loaders
-from utils.era5_data import ERA5Dataset
+from datapipe.cosmo_data import CosmoCropDataset
+from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
+from datapipe.era5_data import ERA5Dataset
 from utils.errors import DataError
-from utils.rotations import ROTATIONS, rotate_volume
+from datapipe.rotations import ROTATIONS, rotate_volume
 from utils.tasks import make_task
 
 from conftest import ROOT

@@ -35,7 +35,7 @@ import torch
 from conftest import ROOT, write_cosmo, write_era5
 from distributed_harness import run_ranks
 from utils.config import build_config
-from utils.data_loader import ShardedSampler, ValidationSampler, build_loaders
+from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from utils.errors import ConfigError
 from utils.runtime import setup_runtime
 from train import Trainer

@@ -1,5 +1,5 @@
 """``data_loader_config: device``: the U-Net's volumes held on the training device, crops cut and
-rotated there (utils/device_loader.py). On a CPU the device is the CPU: the same code, the same
+rotated there (datapipe/device_loader.py). On a CPU the device is the CPU: the same code, the same
 gather."""
 import dataclasses
 import hashlib
@@ -15,13 +15,13 @@ import torch
 import train as train_script
 from conftest import ROOT, write_cosmo_pair
 from test_training import TINY_UNET, run_dir, train
-from utils import device_loader
+from datapipe import device_loader
 from utils.config import build_config, from_argv
-from utils.data_loader import build_loaders
-from utils.device_loader import VolumeNeed, check_fits, free_memory
+from datapipe.data_loader import build_loaders
+from datapipe.device_loader import VolumeNeed, check_fits, free_memory
 from utils.errors import ConfigError, DataError
 from utils.runtime import setup_runtime
-from utils.rotations import ROTATIONS
+from datapipe.rotations import ROTATIONS
 from utils.tasks import make_task
 
 CPU = torch.device("cpu")

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from conftest import write_era5
-from utils import era5_data
-from utils.era5_data import ERA5Dataset
+from datapipe import era5_data
+from datapipe.era5_data import ERA5Dataset
 from utils.errors import DataError
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import ROOT
-from utils import generated_data, synthetic
+from datapipe import generated_data, synthetic
 from utils.config import build_config
-from utils.data_loader import build_loaders, synthesize
-from utils.era5_data import load_stats
+from datapipe.data_loader import build_loaders, synthesize
+from datapipe.era5_data import load_stats
 from utils.errors import ConfigError, DataError
 from utils.tasks import make_task
 
@@ -43,7 +43,7 @@ def first(loader):
 
 
 def test_unet_batches_are_the_crops_of_the_generator_files(tmp_path):
-    """The generated boxes are those python -m utils.synthetic cosmo writes for the seed: the
+    """The generated boxes are those python -m datapipe.synthetic cosmo writes for the seed: the
     generated batches equal the batches the file loader reads from them (rotations included)."""
     cfg = unet_cfg(tmp_path / "cosmo", seed=5)
     gen = build_loaders(cfg, 1, 0, 4, CPU)

@@ -21,8 +21,8 @@ from benchmarks.gpu_runs import Run
 from conftest import ROOT
 from test_training import TINY_VIT, train
 from utils.config import build_config, from_argv
-from utils.data_loader import build_loaders
-from utils.era5_data import load_stats
+from datapipe.data_loader import build_loaders
+from datapipe.era5_data import load_stats
 from utils.logging_utils import FORMAT
 from utils.throughput_report import _modes_text, bottleneck_line
 

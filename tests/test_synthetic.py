@@ -11,9 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from utils import synthetic  # noqa: E402
-from utils.formats import latitudes  # noqa: E402
-from utils.synthetic import (  # noqa: E402
+from datapipe import synthetic  # noqa: E402
+from datapipe.formats import latitudes  # noqa: E402
+from datapipe.synthetic import (  # noqa: E402
     ERA5_CHANNELS, HYDRO_VECTOR_CHANNELS, NBODY_VECTOR_CHANNELS, R_DRY, R_EARTH,
     era5_geostrophic_factor, era5_zonal_speed, make_cosmo, make_era5)
 
@@ -308,7 +308,7 @@ def test_cosmo_velocity_is_linear_theory(cosmo):
 # ------------------------------------------------------------------------------------------ CLI
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "utils.synthetic", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "datapipe.synthetic", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

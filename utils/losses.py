@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from utils.formats import latitudes
+from datapipe.formats import latitudes
 
 
 def _sum_dtype(x: torch.Tensor) -> torch.dtype:

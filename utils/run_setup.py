@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from utils import checkpoint
 from utils.config import Config, dump
-from utils.data_loader import check_synthesis_target, has_data, synthesize
+from datapipe.data_loader import check_synthesis_target, has_data, synthesize
 from utils.errors import ConfigError, DataError, UserError
 from utils.runtime import Runtime
 

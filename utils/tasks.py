@@ -14,10 +14,10 @@ import torch
 
 from networks.unet import UNet
 from networks.vit import ViT
-from utils import generated_data
+from datapipe import generated_data
 from utils.config import Config, UNetConfig, ViTConfig
-from utils.era5_data import load_stats
-from utils.formats import ERA5_CHANNELS, HYDRO_CHANNELS
+from datapipe.era5_data import load_stats
+from datapipe.formats import ERA5_CHANNELS, HYDRO_CHANNELS
 from utils.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
 from utils.tensorboard import comparison_image
 

@@ -21,10 +21,10 @@ import os
 import h5py
 import numpy as np
 
-from utils.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
+from datapipe.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
                                   read_float32)
 from utils.errors import DataError
-from utils.rotations import ROTATIONS, channel_plan, rotate_in_place, rotate_into
+from datapipe.rotations import ROTATIONS, channel_plan, rotate_in_place, rotate_into
 
 
 def crop_settings(cfg) -> dict:
@@ -63,7 +63,7 @@ class CosmoCropDataset(BatchReadDataset):
         if not os.path.exists(self.path):
             raise DataError(f"{self.path} not found: set --data_root to the directory holding "
                             f"the cosmology files (or COSMO_DATA_ROOT), or generate synthetic "
-                            f"volumes with python -m utils.synthetic cosmo --out DIR")
+                            f"volumes with python -m datapipe.synthetic cosmo --out DIR")
         try:
             with h5py.File(self.path, "r") as f:
                 missing = [k for k in ("Nbody", "Hydro") if k not in f]

@@ -1,5 +1,5 @@
 """The data of ``--data_loader_config synthetic`` (compute only), made in memory by the synthetic
-generator (``utils.synthetic``): nothing is read from data_root and nothing is written there.
+generator (``datapipe.synthetic``): nothing is read from data_root and nothing is written there.
 
 Sample counts are the config's: ViT ``limit_nsamples`` and ``limit_nsamples_val`` (unset: one
 year of 6-hourly steps each, ``ERA5_STEPS_PER_YEAR``), U-Net ``Nsamples`` and ``Nsamples_val``.
@@ -8,12 +8,12 @@ serves for every step (``CachedBatchLoader``); the samples are those of the real
 
 - ERA5: training sample i is the state at step i of the generator's trajectory for ``seed``
   (``synthetic_steps_per_year`` steps a year, from the first training year that
-  ``python -m utils.synthetic era5`` writes) and its target the state ``dt`` steps later;
+  ``python -m datapipe.synthetic era5`` writes) and its target the state ``dt`` steps later;
   validation samples follow the last training target. Values are raw (SI-like units), like the
   files; the normalisation statistics are the mean and std of ``ERA5_STATS_STEPS`` steps spread
   over one year.
 - Cosmology: crops (rotated, for training) cut by the dataset's own code from the training and
-  validation boxes that ``python -m utils.synthetic cosmo`` writes for the seed, of side
+  validation boxes that ``python -m datapipe.synthetic cosmo`` writes for the seed, of side
   ``synthetic_size`` (at least ``data_size``).
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ import functools
 
 import numpy as np
 
-from utils import synthetic
+from datapipe import synthetic
 from utils.config import Config, UNetConfig, ViTConfig
-from utils.cosmo_data import CosmoCropDataset, crop_settings
-from utils.era5_data import check_rows
+from datapipe.cosmo_data import CosmoCropDataset, crop_settings
+from datapipe.era5_data import check_rows
 
 ERA5_STEPS_PER_YEAR = 1460  # 6-hourly steps in a year: the generated ERA5 sets' default size
 ERA5_STATS_STEPS = 8  # steps, evenly spread over a year, behind the normalisation statistics

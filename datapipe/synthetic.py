@@ -30,9 +30,9 @@ and generate in slices (time steps, channels) so that large grids fit in memory.
 
 Usage::
 
-    python -m utils.synthetic era5 --out data/era5 [--img_size H W] [--steps_per_year T]
+    python -m datapipe.synthetic era5 --out data/era5 [--img_size H W] [--steps_per_year T]
         [--train_years Y ...] [--valid_years Y ...] [--test_years Y ...] [--seed S]
-    python -m utils.synthetic cosmo --out data/cosmo [--train_size L] [--val_size L] [--seed S]
+    python -m datapipe.synthetic cosmo --out data/cosmo [--train_size L] [--val_size L] [--seed S]
 """
 import argparse
 import contextlib
@@ -41,7 +41,7 @@ import os
 import h5py
 import numpy as np
 
-from utils.formats import (  # noqa: F401 (re-exported)
+from datapipe.formats import (  # noqa: F401 (re-exported)
     ERA5_CHANNELS, HYDRO_VECTOR_CHANNELS, NBODY_VECTOR_CHANNELS, latitudes)
 
 
@@ -492,7 +492,7 @@ def _format_size(nbytes):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m utils.synthetic",
+    parser = argparse.ArgumentParser(prog="python -m datapipe.synthetic",
                                      description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True)
     era5 = sub.add_parser("era5", help="ERA5-format year files and statistics for the ViT")

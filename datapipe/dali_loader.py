@@ -1,5 +1,5 @@
 """NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of
-``utils.data_loader``, assembled by DALI pipelines.
+``datapipe.data_loader``, assembled by DALI pipelines.
 
 What a sample is and in which order samples come is not decided here: the PyTorch loaders of the
 matching mode (lowmem / inmem) are built first, and their datasets, ``ShardedSampler`` and
@@ -19,7 +19,7 @@ on CPU threads and batches are CPU tensors.
   crop is read from the file by the workers (lowmem: the HDF5 hyperslab is the crop) or cut by
   ``fn.slice`` from the volume held in memory (inmem, passed without a copy); DALI operators then
   rotate the grid (one of six transposes, flips) and turn the vector channels as vectors
-  (component i of the turned vector is sign_i times old component perm_i; see utils.rotations).
+  (component i of the turned vector is sign_i times old component perm_i; see datapipe.rotations).
 
 The epoch's keys reach the Python workers through a small shared file (``EpochKeys``): the
 engine sets the sampler's epoch after the workers started, so the workers look the keys up
@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from utils.config import Config, ViTConfig
-from utils.data_loader import Loaders, build_loaders
+from datapipe.data_loader import Loaders, build_loaders
 from utils.errors import ConfigError
-from utils.rotations import ROTATIONS
+from datapipe.rotations import ROTATIONS
 
 INSTALL = "pip install -r requirements-dali.txt"
 PLATFORMS = {("Linux", "x86_64"), ("Linux", "aarch64")}  # where nvidia-dali wheels exist

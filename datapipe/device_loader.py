@@ -14,7 +14,7 @@ device (B x 32 bytes, the only host-to-device copy), and the device does the res
   (i0, i1, i2) of crop j is the volume's voxel at linear offset ``off[j, 0, i0] + off[j, 1, i1]
   + off[j, 2, i2]`` (``off[j, k, i]``: the coordinate along old axis ``perm[k]`` times that axis's
   stride) -- a (B, s, s, s) int64 index summed from three (B, s) rows;
-- the vector channels as vectors (``utils.rotations.rotate_into``): new component i is
+- the vector channels as vectors (``datapipe.rotations.rotate_into``): new component i is
   ``sign[i]`` times old component ``perm[i]``, so the channel each output channel is taken from
   depends on the rotation: a (B, C) table of source channels;
 - ONE advanced-indexing gather per field per batch, ``volume.view(C, L^3)[src[:, :, None, None,
@@ -46,12 +46,12 @@ import h5py
 import numpy as np
 import torch
 
-from utils.batch_dataset import read_float32
+from datapipe.batch_dataset import read_float32
 from utils.config import UNetConfig
-from utils.cosmo_data import CosmoCropDataset
-from utils.data_loader import Loaders, build_loaders
+from datapipe.cosmo_data import CosmoCropDataset
+from datapipe.data_loader import Loaders, build_loaders
 from utils.errors import ConfigError, DataError
-from utils.rotations import ROTATIONS
+from datapipe.rotations import ROTATIONS
 
 log = logging.getLogger(__name__)
 

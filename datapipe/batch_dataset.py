@@ -2,7 +2,7 @@
 
 A subclass says the shapes of one sample (``sample_shapes``: input and target, without the batch
 dimension) and fills preallocated float32 batch arrays in ``read_batch(keys, x, y)``; the loader
-(``utils.batch_pool.BatchLoader``) hands it a batch's keys at once. One sample is a batch of one.
+(``datapipe.batch_pool.BatchLoader``) hands it a batch's keys at once. One sample is a batch of one.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ copy) into its slot of the caller's batch buffer, no per-sample arrays, and chec
 non-finite values (a NaN or infinity is refused with one line naming the file, steps and rows).
 
 Reads by byte offset: where ``fields`` is stored contiguous and uncompressed as little-endian
-float32 (as the tutorial data and ``utils.synthetic`` write it), a sample's values are plain
+float32 (as the tutorial data and ``datapipe.synthetic`` write it), a sample's values are plain
 bytes at a known place in the file, so they are read with ``os.preadv`` straight into the batch
 buffer (a row band is one run of bytes per channel; a cropped width goes through a small bounce
 buffer). Those reads release the GIL, so a few threads (``read_threads``) read the 1 MB pieces
@@ -41,7 +41,7 @@ import h5py
 import numpy as np
 import torch
 
-from utils.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
+from datapipe.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
                                   read_float32)
 from utils.errors import DataError
 
@@ -55,7 +55,7 @@ def load_stats(root: str, n_channels: int):
             a = np.load(path)
         except FileNotFoundError:
             raise DataError(f"{path} not found: the ERA5 stats must be in <data_root>/stats/ "
-                            f"(make them with: python -m utils.synthetic era5 --out DIR)") from None
+                            f"(make them with: python -m datapipe.synthetic era5 --out DIR)") from None
         except ValueError as e:
             raise DataError(f"{path} is not a valid .npy file ({e})") from None
         if a.ndim != 4 or a.shape[0] != 1 or a.shape[2:] != (1, 1) or a.shape[1] < n_channels:
@@ -94,7 +94,7 @@ class ERA5Dataset(BatchReadDataset):
             raise DataError(f"no ERA5 year files (*.h5) in {directory}: set --data_root to the "
                             f"directory holding train/, valid/ and stats/ (or the ERA5_DATA_ROOT "
                             f"environment variable), or generate synthetic data with "
-                            f"python -m utils.synthetic era5 --out DIR")
+                            f"python -m datapipe.synthetic era5 --out DIR")
         load_stats(data_root, max(n_in, n_out))  # refused here, before training, if missing
         # Per file: the pairs it holds, and where its values lie as plain bytes (or None: h5py).
         checked = [self._check_file(f) for f in self.files]
@@ -292,7 +292,7 @@ def read_threads() -> int:
 
     Without loader workers (the main process reads) up to ``MAX_READ_THREADS``. In a torch
     DataLoader worker the CPUs are shared by its ``num_workers``. In any other child process of
-    ``multiprocessing`` (``utils.batch_pool`` workers, DALI's) the number of processes reading
+    ``multiprocessing`` (``datapipe.batch_pool`` workers, DALI's) the number of processes reading
     beside it is unknown, and the loader already reads in parallel across them: one thread."""
     try:
         cpus = len(os.sched_getaffinity(0))

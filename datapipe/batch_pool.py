@@ -1,7 +1,7 @@
 """Batches assembled in place in a pool of shared, reused batch buffers (pinned on a GPU).
 
 ``BatchLoader`` serves the batches of a dataset with ``sample_shapes`` and ``read_batch(keys, x,
-y)`` (``utils.batch_dataset``) in the order of a sampler, as torch's DataLoader did, without its
+y)`` (``datapipe.batch_dataset``) in the order of a sampler, as torch's DataLoader did, without its
 per-batch costs: no new shared-memory file per batch, no page faults and zeroing of fresh pages,
 no copy into pinned memory.
 

@@ -7,7 +7,7 @@ exactly the samples of the serial step with the same global batch, the shards of
 disjoint, and a resumed run starts at the step it stopped at. The sampler yields (epoch, index)
 keys; datasets whose samples are random crops use the epoch to draw new crops.
 
-Batches are assembled in place: ``utils.batch_pool.BatchLoader`` keeps a pool of batch buffers
+Batches are assembled in place: ``datapipe.batch_pool.BatchLoader`` keeps a pool of batch buffers
 (shared with its workers, page-locked on a GPU), made once, and the dataset reads every sample
 straight into its row of one (``read_batch``), in a worker process or in this one; a buffer is
 reused once the batch handed out in it is no longer referenced (on a GPU: and the device has passed
@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from utils import generated_data, synthetic
-from utils.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
+from datapipe import generated_data, synthetic
+from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
 from utils.config import Config, UNetConfig, ViTConfig
-from utils.cosmo_data import CosmoCropDataset, crop_settings
-from utils.era5_data import ERA5Dataset
+from datapipe.cosmo_data import CosmoCropDataset, crop_settings
+from datapipe.era5_data import ERA5Dataset
 from utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -247,11 +247,11 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
                          f"loader reads whole volumes: pass rows=None")
     if cfg.data_loader_config.startswith("dali"):
         # DALI is an optional install: imported only when asked for (one line says how otherwise)
-        from utils.dali_loader import build_dali_loaders
+        from datapipe.dali_loader import build_dali_loaders
 
         return build_dali_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
     if cfg.data_loader_config == "device":  # U-Net volumes held on the device (it imports this)
-        from utils.device_loader import build_device_loaders
+        from datapipe.device_loader import build_device_loaders
 
         return build_device_loaders(cfg, dp_size, dp_rank, local_batch, device)
     if cfg.data_is_generated:
@@ -275,7 +275,7 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
 def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
                       rows: tuple[int, int] | None = None) -> Loaders:
     """``--data_loader_config synthetic``: the rank's first training batch and first validation
-    batch, made in memory (``utils.generated_data``) and served for every batch of their pass:
+    batch, made in memory (``datapipe.generated_data``) and served for every batch of their pass:
     the training batch from device memory (no copy in the step), the validation batch from host
     memory, copied like a loaded one (device memory stays the training run's). The samplers are
     the real ones: the same steps per epoch, shards and validation counts as a run on files."""
