@@ -410,15 +410,26 @@ def profile_rows(case: Case, workers=2, n_batches=40, top=12):
     return lines
 
 
-def _best_cpu(parts: dict, rounds: int) -> dict:
-    """Best CPU seconds over ``rounds`` rounds of each of ``parts`` (name: callable), in turn."""
+def _best_times(parts: dict, rounds: int) -> dict:
+    """Best (CPU seconds, wall seconds) over ``rounds`` rounds of each of ``parts`` (name:
+    callable), in turn; the CPU time is the process's, all its threads."""
     best = {}
     for _ in range(rounds):
         for name, run in parts.items():
-            c0 = time.process_time()
+            c0, t0 = time.process_time(), time.perf_counter()
             run()
-            best[name] = min(best.get(name, float("inf")), time.process_time() - c0)
+            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+            old = best.get(name, (float("inf"), float("inf")))
+            best[name] = (min(old[0], cpu), min(old[1], wall))
     return best
+
+
+def _part_lines(best: dict, n_batches: int, share_of: str) -> list[str]:
+    ref = next(iter(best.values()))[0]
+    return ([f"| part | CPU ms per batch | wall ms per batch | CPU, share of {share_of} |",
+             "|---|---|---|---|"]
+            + [f"| {name} | {1e3 * cpu / n_batches:.1f} | {1e3 * wall / n_batches:.1f} | "
+               f"{cpu / ref:.2f} |" for name, (cpu, wall) in best.items()])
 
 
 def breakdown_rows(case: Case, n_batches=4, rounds=5):
@@ -468,18 +479,16 @@ def breakdown_rows(case: Case, n_batches=4, rounds=5):
              "turn the rotated crops in place (`rotate_in_place`)": turn,
              "finite check (`finite_sums`)": lambda: [finite_sums(x, y) for _ in keys],
              "all of `read_batch`": whole}
-    best = _best_cpu(parts, rounds)
     rotated = sum(bool(r) for ws in wins for _, r in ws)
-    ref = best[next(iter(parts))]
-    lines = [f"{case.label} read from the file (lowmem), one process, CPU ms per batch (best of "
-             f"{rounds}, {n_batches} batches, {rotated} of {b * n_batches} crops rotated):", "",
-             "| part | CPU ms per batch | share of the raw read |", "|---|---|---|"]
-    lines += [f"| {name} | {1e3 * t / n_batches:.1f} | {t / ref:.2f} |" for name, t in best.items()]
+    lines = [f"{case.label} read from the file (lowmem), one process, ms per batch (best of "
+             f"{rounds}, {n_batches} batches, {rotated} of {b * n_batches} crops rotated):", ""]
+    lines += _part_lines(_best_times(parts, rounds), n_batches, "the raw read")
 
     cfg = _config(case, "inmem", 0)
     inmem = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.dataset
     cfg = _config(case, "device", 0)
     gather = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.gather
+    gather.method = "gather"  # the GPU's way, timed here beside the CPU's copies
     windows = [gather.windows(ks) for ks in keys]
     index = [gather.index(torch.from_numpy(w)) for w in windows]
 
@@ -495,13 +504,13 @@ def breakdown_rows(case: Case, n_batches=4, rounds=5):
              "device: the batch's index (B, 1, s, s, s)": lambda: [gather.index(torch.from_numpy(w))
                                                                    for w in windows],
              "device: one gather per field": gathers,
-             "device: all of it (`gather`)": lambda: [gather.gather(w) for w in windows]}
-    best = _best_cpu(parts, rounds)
-    ref = best[next(iter(parts))]
-    lines += ["", f"{case.label} from memory, {torch.get_num_threads()} torch threads, CPU ms per "
-                  f"batch (best of {rounds}):", "",
-              "| part | CPU ms per batch | share of inmem's |", "|---|---|---|"]
-    lines += [f"| {name} | {1e3 * t / n_batches:.1f} | {t / ref:.2f} |" for name, t in best.items()]
+             "device: all of it, one gather per field (a GPU's way)":
+                 lambda: [gather.gather(w) for w in windows],
+             "device: all of it, a copy per crop over the threads (a CPU's way)":
+                 lambda: [gather.copy(w) for w in windows]}
+    lines += ["", f"{case.label} from memory, {torch.get_num_threads()} torch threads, ms per "
+                  f"batch (best of {rounds}):", ""]
+    lines += _part_lines(_best_times(parts, rounds), n_batches, "inmem's")
     return lines
 
 

@@ -17,10 +17,16 @@ device (B x 32 bytes, the only host-to-device copy), and the device does the res
 - the vector channels as vectors (``datapipe.rotations.rotate_into``): new component i is
   ``sign[i]`` times old component ``perm[i]``, so the channel each output channel is taken from
   depends on the rotation: a (B, C) table of source channels;
-- ONE advanced-indexing gather per field per batch, ``volume.view(C, L^3)[src[:, :, None, None,
+- ONE advanced-indexing gather per field per batch (on a GPU; on a CPU see below), ``volume.view(C, L^3)[src[:, :, None, None,
   None], index[:, None]]`` -> (B, C, s, s, s) (index tensors broadcast, not materialised), then,
   only when a sample of the batch turns a vector component backwards, one multiplication by the
   (B, C) signs (in half precision storage, that multiplication or a cast makes the float32 batch).
+
+On a CPU with float32 storage (``method="copy"``) the same crops are instead copied through
+rotated views of the volume, one crop per call, over torch's intra-op threads
+(``rotate_into``, the copy ``inmem`` makes in its workers): a CPU gathers slowly (an int64
+offset per voxel, read back and followed one at a time), while each crop's copy runs along
+whole rows. Both ways give the same bits.
 
 What a sample is and in which order samples come is not decided here: the ``lowmem`` loaders are
 built first (``build_loaders`` with ``lowmem``, never iterated), and their ``CosmoCropDataset``
@@ -40,6 +46,7 @@ import itertools
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import h5py
@@ -51,7 +58,7 @@ from utils.config import UNetConfig
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import Loaders, build_loaders
 from utils.errors import ConfigError, DataError
-from datapipe.rotations import ROTATIONS
+from datapipe.rotations import ROTATIONS, rotate_into
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +213,18 @@ def _rotation_tables(vector_channels, n_channels: int):
 
 class CropGather:
     """The volumes of one split on the device, and the batch cut from them (module docstring):
-    ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation)."""
+    ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation).
+    ``method``: "gather" (one indexed gather per field), "copy" (a copy per crop through its
+    rotated view; CPU, float32 storage only), or None: "copy" where it can, else "gather"."""
 
-    def __init__(self, dataset: CosmoCropDataset, device, dtype: torch.dtype):
-        self.dataset, self.device, self.size = dataset, device, dataset.size
+    def __init__(self, dataset: CosmoCropDataset, device, dtype: torch.dtype,
+                 method: str | None = None):
+        self.dataset, self.device, self.size = dataset, torch.device(device), dataset.size
+        can_copy = self.device.type == "cpu" and dtype == torch.float32
+        if method == "copy" and not can_copy:
+            raise ValueError("CropGather: method 'copy' needs float32 volumes in host memory")
+        self.method = method or ("copy" if can_copy else "gather")
+        self._threads, self._n_threads = None, 0
         self.fields = []  # (flat volume (C, L^3), source channels (24, C), signs (24, C), host signs)
         for name, n, vec in (("Nbody", dataset.n_in, dataset.in_vec),
                              ("Hydro", dataset.n_out, dataset.out_vec)):
@@ -247,6 +262,8 @@ class CropGather:
                 + off[:, 2, None, None, :])[:, None]
 
     def gather(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.method == "copy":
+            return self.copy(windows)
         w = torch.from_numpy(windows).to(self.device, non_blocking=True)
         index, rot = self.index(w), w[:, 3]
         rots = windows[:, 3]
@@ -261,6 +278,33 @@ class CropGather:
                 crops = crops.float() if signs is None else torch.mul(crops, signs)
             out.append(crops)
         return out[0], out[1]
+
+    def copy(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``windows`` in host memory, each crop copied through its rotated view
+        (vector channels turned), the crops spread over torch's intra-op threads (numpy's copies
+        release the GIL)."""
+        s, ds = self.size, self.dataset
+        vecs = (ds.in_vec, ds.out_vec)
+        outs = [torch.empty((len(windows), v.shape[0], s, s, s)) for v in self.volumes]
+        views = [(v.numpy(), o.numpy(), vec) for v, o, vec in zip(self.volumes, outs, vecs)]
+
+        def crop(j):
+            (a, b, c), rot = windows[j, :3], ROTATIONS[int(windows[j, 3])]
+            for volume, out, vec in views:
+                rotate_into(volume[:, a:a + s, b:b + s, c:c + s], rot, vec, out[j])
+
+        threads = min(torch.get_num_threads(), len(windows))
+        if threads <= 1:
+            for j in range(len(windows)):
+                crop(j)
+        else:
+            if self._n_threads != threads:
+                if self._threads is not None:
+                    self._threads.shutdown()
+                self._threads = ThreadPoolExecutor(threads, thread_name_prefix="crops")
+                self._n_threads = threads
+            list(self._threads.map(crop, range(len(windows))))
+        return outs[0], outs[1]
 
 
 class DeviceCropLoader:

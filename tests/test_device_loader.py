@@ -1,6 +1,6 @@
 """``data_loader_config: device``: the U-Net's volumes held on the training device, crops cut and
-rotated there (datapipe/device_loader.py). On a CPU the device is the CPU: the same code, the same
-gather."""
+rotated there (datapipe/device_loader.py). On a CPU the device is the CPU: the crops are copied
+through rotated views there, and the GPU's one gather per field is tested here too."""
 import dataclasses
 import hashlib
 import os
@@ -50,16 +50,20 @@ def pairs(loaders_a, loaders_b, which="train"):
     return zip(a, b)
 
 
+@pytest.mark.parametrize("method", ["copy", "gather"])
 @pytest.mark.parametrize("dp_size", [1, 2])
-def test_device_batches_equal_lowmem_bitwise(cosmo20, tmp_path, dp_size):
+def test_device_batches_equal_lowmem_bitwise(cosmo20, tmp_path, dp_size, method):
     """Training (random corners, all 24 rotations, vector channels turned) and validation
     batches of every rank's shard equal the lowmem loader's, bit for bit, for two epochs; they
-    are float32 tensors on the device."""
+    are float32 tensors on the device. Both ways of cutting them: the CPU's copies through
+    rotated views (its default) and the GPU's one gather per field."""
     rots = set()
     for rank in range(dp_size):
         low = build_loaders(unet_cfg(cosmo20, tmp_path, "lowmem"), dp_size, rank, 3, CPU)
         dev = build_loaders(unet_cfg(cosmo20, tmp_path, "device"), dp_size, rank, 3, CPU)
         assert type(dev.train).__name__ == "DeviceCropLoader"
+        assert dev.train.gather.method == dev.valid.gather.method == "copy"  # CPU, float32
+        dev.train.gather.method = dev.valid.gather.method = method
         assert (dev.steps_per_epoch, dev.n_train, dev.n_valid) == (
             low.steps_per_epoch, low.n_train, low.n_valid)
         for epoch in range(2):
@@ -100,6 +104,7 @@ def test_half_precision_storage_is_the_volume_rounded(cosmo20, tmp_path, dtype):
     dev = build_loaders(unet_cfg(cosmo20, tmp_path, "device", device_volume_dtype=dtype), 1, 0, 4,
                         CPU)
     for split, gather in (("train.h5", dev.train.gather), ("valid.h5", dev.valid.gather)):
+        assert gather.method == "gather"  # no numpy half type to copy through
         with h5py.File(os.path.join(cosmo20, split)) as f:
             for name, held in zip(("Nbody", "Hydro"), gather.volumes):
                 stored = torch.from_numpy(f[name][:])
