@@ -26,27 +26,29 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from utils import checkpoint, throughput_report
-from utils.config import Config, from_argv, to_dict
 from datapipe.data_loader import build_loaders
-from utils.errors import TrainingError, UserError
-from utils.flops import flops_per_sample, peak_tflops, tflops_per_device
-from utils.logging_utils import setup_logging
-from utils.lr_schedule import build_scheduler, peak_lr, resumed_schedule
-from utils.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
-from utils.optimizer import build_optimizer
-from utils.parallelism import apply_parallelism
-from utils.preemption import STOPPED_EXIT_CODE, NeverStop, RunStopped, StopRequest
-from utils.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
-from utils.progress import DataWait, Progress
-from utils.reference_weights import load_reference_weights
-from utils.run_setup import (ensure_data, find_resume_checkpoint, log_run_header,
-                             release_run_locks, resolve_run_num, run_dir_for, write_config)
-from utils.runtime import (Runtime, check_torch_version, describe_allocation_failure,
-                           describe_dist_failure, setup_runtime)
-from utils.tasks import make_task
-from utils.tensorboard import Board, NullBoard
-from utils.train_state import TrainState
+from engine import checkpoint, throughput_report
+from engine.lr_schedule import build_scheduler, peak_lr, resumed_schedule
+from engine.optimizer import build_optimizer
+from engine.parallelism import apply_parallelism
+from engine.preemption import NeverStop, RunStopped, StopRequest
+from engine.run_setup import (ensure_data, find_resume_checkpoint, log_run_header,
+                              release_run_locks, resolve_run_num, run_dir_for, write_config)
+from engine.runtime import (Runtime, check_torch_version, describe_allocation_failure,
+                            describe_dist_failure, setup_runtime)
+from engine.train_state import TrainState
+from observe.flops import flops_per_sample, peak_tflops, tflops_per_device
+from observe.logging_utils import setup_logging
+from observe.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
+from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
+from observe.progress import DataWait, Progress
+from observe.tensorboard import Board, NullBoard
+from settings.cli import from_argv
+from settings.config import Config, to_dict
+from settings.errors import TrainingError, UserError
+from settings.signals import STOPPED_EXIT_CODE
+from tasks import make_task
+from tasks.reference_weights import load_reference_weights
 
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "ViT.yaml")
 log = logging.getLogger("train")

@@ -11,7 +11,7 @@ and the fused, capturable Adam update are recorded once as a ``torch.cuda.CUDAGr
 later step copies its batch into the graph's static input buffers and replays it. The learning
 rate is a device tensor the schedule fills between replays. Validation stays eager. The log
 says how long capture took and how a replayed step compares with the eager ones of the same run.
-See utils/cuda_graph.py for what capture requires of the step.
+See engine/cuda_graph.py for what capture requires of the step.
 """
 import logging
 import os
@@ -25,9 +25,9 @@ NCCL_ERROR_HANDLING_GIVEN = NCCL_ERROR_HANDLING in os.environ
 os.environ.setdefault(NCCL_ERROR_HANDLING, "0")
 
 from train import DEFAULT_YAML, Trainer, run  # noqa: E402
-from utils.config import from_argv  # noqa: E402
-from utils.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture  # noqa: E402
-from utils.memory import NullProbe  # noqa: E402
+from settings.cli import from_argv  # noqa: E402
+from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture  # noqa: E402
+from observe.memory import NullProbe  # noqa: E402
 
 log = logging.getLogger("train")
 

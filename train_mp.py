@@ -13,8 +13,8 @@ load on any layout.
 """
 import sys
 
+from settings.cli import from_argv
 from train import DEFAULT_YAML, run
-from utils.config import from_argv
 
 
 def main(argv):

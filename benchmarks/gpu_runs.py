@@ -66,11 +66,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-if __package__ in (None, ""):  # run as a script: benchmarks/ and utils/ from the repository
+if __package__ in (None, ""):  # run as a script: the packages from the repository
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpu_data  # noqa: E402
-from utils.profiling import unused_path  # noqa: E402
+from observe.profiling import unused_path  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 540.0  # one call: under the device's 10-minute command limit, with room to spare
@@ -224,7 +224,7 @@ TUTORIAL = {
 }
 
 # ---------------------------------------------------------------------------- reading logs
-# What train.py prints (log_epoch, log_memory; utils/cuda_graph.py, utils/throughput_report.py),
+# What train.py prints (log_epoch, log_memory; engine/cuda_graph.py, engine/throughput_report.py),
 # after logging_utils' "<time> - INFO - " prefix.
 _NUM = r"[\d.]+(?:e[+-]\d+)?"
 _EPOCH = re.compile(r"Epoch (\d+): [\d.]+ s for \d+ steps, ([\d.]+) samples/s")

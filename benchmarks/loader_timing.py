@@ -58,7 +58,7 @@ def serve(tree: str, threads: int):
     goes to stderr)."""
     sys.path.insert(0, tree)
     import utils
-    from utils.config import build_config
+    from settings.config import build_config
     from utils.data_loader import build_loaders
 
     here = os.path.realpath(os.path.dirname(utils.__file__))

@@ -87,7 +87,7 @@ replicated-parameter gradients are summed over cp only.
 The padded layout adds one all-gather of the head output over tp (forward) and sums the loss
 over cp only (the tp ranks then hold the same cp band).
 
-Tested against the CPU byte count (``utils.memory.MemoryProbe``) in tests/test_mp_training.py.
+Tested against the CPU byte count (``observe.memory.MemoryProbe``) in tests/test_mp_training.py.
 """
 from __future__ import annotations
 
@@ -100,9 +100,9 @@ from typing import List, Tuple
 
 from distributed.groups import ParallelGroups
 from distributed.parallelize import sequence_parallel_summary, validate_vit_layout
-from utils.config import build_config, parse_overrides
-from utils.errors import ConfigError
-from utils.runtime import batch_sizes
+from settings.config import build_config, parse_overrides
+from settings.errors import ConfigError
+from engine.runtime import batch_sizes
 
 ATTENTION = ("flash", "efficient", "math")
 MEASURE = ("cuda", "cpu")
@@ -364,7 +364,7 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
 
 
 def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda") -> Prediction:
-    """The prediction for a ``utils.config`` ViT config (its tp, cp, sequence parallelism, AMP,
+    """The prediction for a ``settings.config`` ViT config (its tp, cp, sequence parallelism, AMP,
     checkpointing, batch), as the engine runs it."""
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     local, _ = batch_sizes(cfg, data_parallel)

@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.memory_model import Shape, predict, predict_config  # noqa: E402
-from utils.config import build_config  # noqa: E402
+from settings.config import build_config  # noqa: E402
 
 GiB = 1024**3
 MiB = 1024**2
@@ -84,8 +84,8 @@ def _measure_rank(config, ov):
 
     import torch
 
-    from utils.memory import MemoryProbe, NullProbe, resident_peak_bytes, tensor_bytes
-    from utils.runtime import setup_runtime
+    from observe.memory import MemoryProbe, NullProbe, resident_peak_bytes, tensor_bytes
+    from engine.runtime import setup_runtime
     from train import Trainer
 
     start_rss = _resident_bytes()  # interpreter, torch and gloo, before the run

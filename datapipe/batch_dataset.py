@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from utils.errors import DataError
+from settings.errors import DataError
 
 # Stored types read as float32 without loss: HDF5 converts them while reading into the batch.
 # float64 values beyond float32's range become infinite and are refused by the finite check.

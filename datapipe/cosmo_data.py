@@ -21,10 +21,9 @@ import os
 import h5py
 import numpy as np
 
-from datapipe.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
-                                  read_float32)
-from utils.errors import DataError
+from datapipe.batch_dataset import BatchReadDataset, check_stored_dtype, finite_sums, read_float32
 from datapipe.rotations import ROTATIONS, channel_plan, rotate_in_place, rotate_into
+from settings.errors import DataError
 
 
 def crop_settings(cfg) -> dict:

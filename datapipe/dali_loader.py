@@ -34,6 +34,7 @@ from torch's allocator; on CPU the tensor wraps DALI's own output buffer (DLPack
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import platform
 import tempfile
@@ -43,10 +44,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from utils.config import Config, ViTConfig
-from datapipe.data_loader import Loaders, build_loaders
-from utils.errors import ConfigError
 from datapipe.rotations import ROTATIONS
+from settings.config import Config, ViTConfig
+from settings.errors import ConfigError
 
 INSTALL = "pip install -r requirements-dali.txt"
 PLATFORMS = {("Linux", "x86_64"), ("Linux", "aarch64")}  # where nvidia-dali wheels exist
@@ -310,14 +310,14 @@ def _start_method(device) -> str:
     return "spawn" if device.type == "cuda" else "fork"
 
 
-def build_dali_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
-                       rows: tuple[int, int] | None = None) -> Loaders:
-    """Loaders of one data-parallel rank with DALI pipelines; the samples, the order, ``rows``
-    and the checks are those of ``build_loaders`` in the matching PyTorch mode."""
+def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
+    """Loaders of one data-parallel rank with DALI pipelines; the samples, the order, the rows
+    and the checks are those of ``reference(host config)``, ``build_loaders`` in the matching
+    PyTorch mode (its loaders never iterated)."""
     fn, pipeline_def, types, feed = import_dali()
     host = copy.copy(cfg)
     host.data_loader_config = cfg.data_loader_config.removeprefix("dali-")
-    ref = build_loaders(host, dp_size, dp_rank, local_batch, device, rows)  # never iterated
+    ref = reference(host)
     inmem = host.data_loader_config == "inmem"
     gpu = device.type == "cuda"
     workers = 0 if inmem else cfg.num_data_workers  # in memory: a copy, no reads to overlap
@@ -368,5 +368,5 @@ def build_dali_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int
         keys = EpochKeys(-(-len(sampler) // local_batch) * local_batch)
         return DALILoader(make(dataset, keys), sampler, local_batch, keys, device, feed)
 
-    return Loaders(loader(ref.train, ref.train_sampler), loader(ref.valid, ref.valid.sampler),
-                   ref.train_sampler, ref.steps_per_epoch, ref.n_train, ref.n_valid)
+    return dataclasses.replace(ref, train=loader(ref.train, ref.train_sampler),
+                               valid=loader(ref.valid, ref.valid.sampler))

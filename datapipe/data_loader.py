@@ -30,10 +30,10 @@ from torch.utils.data import Sampler
 
 from datapipe import generated_data, synthetic
 from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
-from utils.config import Config, UNetConfig, ViTConfig
 from datapipe.cosmo_data import CosmoCropDataset, crop_settings
 from datapipe.era5_data import ERA5Dataset
-from utils.errors import ConfigError
+from settings.config import Config, UNetConfig, ViTConfig
+from settings.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -245,15 +245,18 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
     if rows is not None and not isinstance(cfg, ViTConfig):
         raise ValueError(f"rows={rows!r} selects image rows of ERA5 samples; the {cfg.model} "
                          f"loader reads whole volumes: pass rows=None")
-    if cfg.data_loader_config.startswith("dali"):
-        # DALI is an optional install: imported only when asked for (one line says how otherwise)
-        from datapipe.dali_loader import build_dali_loaders
+    if cfg.data_loader_config.startswith("dali") or cfg.data_loader_config == "device":
+        # Their samples, order and checks are those of the loaders built here for a host config
+        # (``reference``: never iterated). DALI is an optional install: imported only when asked
+        # for (one line says how otherwise).
+        def reference(host_cfg):
+            return build_loaders(host_cfg, dp_size, dp_rank, local_batch, device, rows)
 
-        return build_dali_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
-    if cfg.data_loader_config == "device":  # U-Net volumes held on the device (it imports this)
-        from datapipe.device_loader import build_device_loaders
-
-        return build_device_loaders(cfg, dp_size, dp_rank, local_batch, device)
+        if cfg.data_loader_config == "device":
+            from datapipe.device_loader import build_device_loaders as build
+        else:
+            from datapipe.dali_loader import build_dali_loaders as build
+        return build(cfg, reference, local_batch, device)
     if cfg.data_is_generated:
         return generated_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
     if isinstance(cfg, ViTConfig):

@@ -17,10 +17,11 @@ device (B x 32 bytes, the only host-to-device copy), and the device does the res
 - the vector channels as vectors (``datapipe.rotations.rotate_into``): new component i is
   ``sign[i]`` times old component ``perm[i]``, so the channel each output channel is taken from
   depends on the rotation: a (B, C) table of source channels;
-- ONE advanced-indexing gather per field per batch (on a GPU; on a CPU see below), ``volume.view(C, L^3)[src[:, :, None, None,
-  None], index[:, None]]`` -> (B, C, s, s, s) (index tensors broadcast, not materialised), then,
-  only when a sample of the batch turns a vector component backwards, one multiplication by the
-  (B, C) signs (in half precision storage, that multiplication or a cast makes the float32 batch).
+- ONE advanced-indexing gather per field per batch (on a GPU; on a CPU see below),
+  ``volume.view(C, L^3)[src[:, :, None, None, None], index[:, None]]`` -> (B, C, s, s, s)
+  (index tensors broadcast, not materialised), then, only when a sample of the batch turns a
+  vector component backwards, one multiplication by the (B, C) signs (in half precision
+  storage, that multiplication or a cast makes the float32 batch).
 
 On a CPU with float32 storage (``method="copy"``) the same crops are instead copied through
 rotated views of the volume, one crop per call, over torch's intra-op threads
@@ -42,6 +43,7 @@ naming their size, the free memory and the choices (exit 2).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import os
@@ -54,11 +56,10 @@ import numpy as np
 import torch
 
 from datapipe.batch_dataset import read_float32
-from utils.config import UNetConfig
 from datapipe.cosmo_data import CosmoCropDataset
-from datapipe.data_loader import Loaders, build_loaders
-from utils.errors import ConfigError, DataError
 from datapipe.rotations import ROTATIONS, rotate_into
+from settings.config import UNetConfig
+from settings.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -329,17 +330,17 @@ def volume_need(cfg: UNetConfig, train: CosmoCropDataset, valid: CosmoCropDatase
                       dtype=cfg.device_volume_dtype, batch=local_batch, size=cfg.data_size)
 
 
-def build_device_loaders(cfg: UNetConfig, dp_size: int, dp_rank: int, local_batch: int,
-                         device) -> Loaders:
+def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device):
     """Loaders of one data-parallel rank cutting their crops from volumes held on ``device``;
-    datasets, samplers and checks are those of the ``lowmem`` loaders."""
+    datasets, samplers and checks are those of ``reference(host config)``, the ``lowmem``
+    loaders (never iterated)."""
     if not isinstance(cfg, UNetConfig):  # (validate refuses it first)
         raise ConfigError("data_loader_config=device holds cosmology volumes (U-Net); for ERA5 "
                           "use --data_loader_config lowmem or inmem")
     device = torch.device(device)
     host = copy.copy(cfg)
     host.data_loader_config, host.num_data_workers = "lowmem", 0
-    ref = build_loaders(host, dp_size, dp_rank, local_batch, device)  # never iterated
+    ref = reference(host)
     train, valid = (getattr(d, "dataset", d) for d in (ref.train.dataset, ref.valid.dataset))
     need = volume_need(cfg, train, valid, local_batch)
     check_fits(need, free_memory(device), str(device))
@@ -349,6 +350,5 @@ def build_device_loaders(cfg: UNetConfig, dp_size: int, dp_rank: int, local_batc
     log.info(f"Device loader: training and validation volumes ({need.describe()}) held on "
              f"{device} in {cfg.device_volume_dtype}, {_gb(need.volume_bytes())}, loaded in "
              f"{time.perf_counter() - t0:.1f} s; crops cut and rotated there (no workers)")
-    return Loaders(DeviceCropLoader(gathers[0], ref.train_sampler, local_batch),
-                   DeviceCropLoader(gathers[1], ref.valid.sampler, local_batch),
-                   ref.train_sampler, ref.steps_per_epoch, ref.n_train, ref.n_valid)
+    return dataclasses.replace(ref, train=DeviceCropLoader(gathers[0], ref.train_sampler, local_batch),
+                               valid=DeviceCropLoader(gathers[1], ref.valid.sampler, local_batch))

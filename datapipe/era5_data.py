@@ -41,9 +41,8 @@ import h5py
 import numpy as np
 import torch
 
-from datapipe.batch_dataset import (BatchReadDataset, check_stored_dtype, finite_sums,
-                                  read_float32)
-from utils.errors import DataError
+from datapipe.batch_dataset import BatchReadDataset, check_stored_dtype, finite_sums, read_float32
+from settings.errors import DataError
 
 
 def load_stats(root: str, n_channels: int):

@@ -23,9 +23,9 @@ import functools
 import numpy as np
 
 from datapipe import synthetic
-from utils.config import Config, UNetConfig, ViTConfig
 from datapipe.cosmo_data import CosmoCropDataset, crop_settings
 from datapipe.era5_data import check_rows
+from settings.config import Config, UNetConfig, ViTConfig
 
 ERA5_STEPS_PER_YEAR = 1460  # 6-hourly steps in a year: the generated ERA5 sets' default size
 ERA5_STATS_STEPS = 8  # steps, evenly spread over a year, behind the normalisation statistics

@@ -41,9 +41,7 @@ import os
 import h5py
 import numpy as np
 
-from datapipe.formats import (  # noqa: F401 (re-exported)
-    ERA5_CHANNELS, HYDRO_VECTOR_CHANNELS, NBODY_VECTOR_CHANNELS, latitudes)
-
+from datapipe.formats import ERA5_CHANNELS, HYDRO_VECTOR_CHANNELS, NBODY_VECTOR_CHANNELS, latitudes  # noqa: F401 (re-exported)
 
 R_EARTH = 6.371e6  # m
 OMEGA = 7.292e-5  # Earth's rotation rate, 1/s

@@ -52,7 +52,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups | N
 
 
 # torch 2.6 added get_total_norm and clip_grads_with_norm_; torch 2.5 (the floor, see
-# utils/runtime.TORCH_FLOOR) lacks them. The fallbacks compute the same thing the same way:
+# engine/runtime.TORCH_FLOOR) lacks them. The fallbacks compute the same thing the same way:
 # one fused norm kernel per gradient, no host sync.
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -48,8 +48,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed.groups import ParallelGroups
-from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatter_bwd, all_reduce_fwd_identity_bwd,
-                                  eager_apply, identity_fwd_all_reduce_bwd, reduce_scatter_along,
+from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatter_bwd,
+                                  all_reduce_fwd_identity_bwd, eager_apply,
+                                  identity_fwd_all_reduce_bwd, reduce_scatter_along,
                                   reduce_scatter_fwd_all_gather_bwd)
 
 __all__ = ["ShardSpec", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",

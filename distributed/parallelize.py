@@ -69,9 +69,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from distributed.groups import ParallelGroups
-from distributed.layers import (ParallelBlock, ParallelPatchEmbed, ReplicatedDropout, ShardSpec, TokenShardedLayerNorm,
-                                check_divisible, load_serial_state_dict, mark_module_replicated, serial_state_dict,
-                                sharded_parameter, split_bounds, tensors_from_serial, tensors_to_serial)
+from distributed.layers import (ParallelBlock, ParallelPatchEmbed, ReplicatedDropout, ShardSpec,
+                                TokenShardedLayerNorm, check_divisible, load_serial_state_dict,
+                                mark_module_replicated, serial_state_dict, sharded_parameter,
+                                split_bounds, tensors_from_serial, tensors_to_serial)
 from distributed.mappings import all_gather_fwd_split_bwd, all_reduce_fwd_identity_bwd
 
 __all__ = ["ParallelViT", "parallelize_vit", "validate_vit_layout", "TokenLayout", "token_layout",
@@ -400,7 +401,7 @@ def sharded_loss(loss_fn, pred: torch.Tensor, target: torch.Tensor, groups: Para
                  layout: TokenLayout) -> torch.Tensor:
     """The per-sample (B,) loss ``loss_fn`` of whole images, from this rank's bands of them.
 
-    ``loss_fn`` is the task's loss (``utils.losses.PartialSumLoss``: ``partial_sums`` then
+    ``loss_fn`` is the task's loss (``tasks.losses.PartialSumLoss``: ``partial_sums`` then
     ``finish``); ``pred`` and ``target`` are this rank's bands. Each rank's per-sample partial
     sums are added over the ranks holding other bands with ``all_reduce_fwd_identity_bwd``
     (forward all-reduce, backward identity): the replica (tp x cp) with row bands, cp only

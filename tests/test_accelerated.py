@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from utils.config import build_config
-from utils.runtime import setup_runtime
+from settings.config import build_config
+from engine.runtime import setup_runtime
 from train import Trainer
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

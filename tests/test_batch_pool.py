@@ -15,11 +15,11 @@ import torch
 from conftest import ROOT, write_era5
 from datapipe.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
                               PinnedHostMemory, SlotLayout)
-from utils.config import build_config
+from settings.config import build_config
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
-from utils.errors import DataError, TrainingError, UserError
-from utils.profiling import ranged
+from settings.errors import DataError, TrainingError, UserError
+from observe.profiling import ranged
 
 CPU = torch.device("cpu")
 
@@ -407,7 +407,7 @@ def test_a_failed_run_through_train_py_says_one_line(tmp_path, capsys):
     1, no traceback; its workers end and /dev/shm holds nothing new. A finished run likewise
     leaves nothing there."""
     import train
-    from utils.config import from_argv
+    from settings.cli import from_argv
 
     root = write_era5(str(tmp_path / "e"), steps=20)
     args = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",

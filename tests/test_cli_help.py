@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from utils.config import CONFIG_CLASSES, build_config, identity_fields
-from utils.cli_help import settings_help
+from settings.config import CONFIG_CLASSES, build_config, identity_fields
+from settings.cli import settings_help
 
 
 def help_of(*args, script="train.py"):

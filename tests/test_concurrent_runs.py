@@ -22,10 +22,10 @@ import time
 import pytest
 
 from conftest import ROOT, write_era5
-from utils import checkpoint, run_setup
-from utils.config import build_config
+from engine import checkpoint, run_setup
+from settings.config import build_config
 from datapipe.data_loader import has_data
-from utils.errors import ConfigError
+from settings.errors import ConfigError
 
 TINY = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "16", "--depth", "1",
         "--num_heads", "2", "--global_batch_size", "4", "--base_batch_size", "4",
@@ -39,7 +39,7 @@ DRIVER = """
 import fcntl, os, sys, time
 sys.path.insert(0, {root!r})
 import train
-from utils.config import from_argv
+from settings.cli import from_argv
 
 
 def wait_for(path):

@@ -4,9 +4,9 @@ import sys
 import pytest
 import yaml
 
-from utils.cli_help import settings_help
-from utils.config import CONFIG_CLASSES, build_config, dump, parse_overrides, to_dict
-from utils.errors import ConfigError
+from settings.cli import settings_help
+from settings.config import CONFIG_CLASSES, build_config, dump, parse_overrides, to_dict
+from settings.errors import ConfigError
 
 from conftest import ROOT
 

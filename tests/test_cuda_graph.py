@@ -1,7 +1,7 @@
 """train_graph.py: the training step captured once as a CUDA graph and replayed.
 
 On a CPU the capture itself cannot run; everything around it does, through ``ReplayOnCPU``, a
-stand-in for ``utils.cuda_graph.CudaGraphOps`` whose replay re-runs the recorded step on the
+stand-in for ``engine.cuda_graph.CudaGraphOps`` whose replay re-runs the recorded step on the
 static buffers with the semantics of a CUDA replay (the same output tensors every time,
 gradients written afresh). So these tests check, without a GPU: the warm-up / capture / replay
 sequence and the static buffers; the optimizer a captured step needs (fused Adam, the learning
@@ -21,13 +21,13 @@ from conftest import ROOT
 from distributed_harness import run_ranks
 from train import Trainer
 from train_graph import GraphTrainer
-from utils import checkpoint
-from utils.config import build_config
-from utils.cuda_graph import (CapturedStep, CudaGraphOps, StepGraph, capture_warmup_steps,
+from engine import checkpoint
+from settings.config import build_config
+from engine.cuda_graph import (CapturedStep, CudaGraphOps, StepGraph, capture_warmup_steps,
                               check_can_capture)
-from utils.errors import ConfigError, TrainingError
-from utils.lr_schedule import lr_at
-from utils.runtime import Runtime, setup_runtime
+from settings.errors import ConfigError, TrainingError
+from engine.lr_schedule import lr_at
+from engine.runtime import Runtime, setup_runtime
 
 TINY_VIT = dict(img_size="[16,32]", patch_size="4", embed_dim="32", depth="1", num_heads="2",
                 global_batch_size="4", base_batch_size="4", lr="2e-3", warmup_steps="3",

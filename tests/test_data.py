@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import ERA5_MEANS, ERA5_STDS, era5_value, write_era5
-from utils.config import build_config
+from settings.config import build_config
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from datapipe.era5_data import ERA5Dataset
-from utils.errors import DataError
+from settings.errors import DataError
 from datapipe.rotations import ROTATIONS, rotate_volume
-from utils.tasks import make_task
+from tasks import make_task
 
 from conftest import ROOT
 
@@ -452,7 +452,7 @@ def test_a_finished_run_ends_its_loader_workers(tmp_path, era5_root):
     import multiprocessing
 
     from train import DEFAULT_YAML, run
-    from utils.config import from_argv
+    from settings.cli import from_argv
 
     before = set(multiprocessing.active_children())
     run(from_argv(["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth",

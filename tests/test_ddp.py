@@ -34,10 +34,10 @@ import torch
 
 from conftest import ROOT, write_cosmo, write_era5
 from distributed_harness import run_ranks
-from utils.config import build_config
+from settings.config import build_config
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
-from utils.errors import ConfigError
-from utils.runtime import setup_runtime
+from settings.errors import ConfigError
+from engine.runtime import setup_runtime
 from train import Trainer
 
 VIT_YAML = os.path.join(ROOT, "config", "ViT.yaml")
@@ -164,7 +164,7 @@ def run_synthesis_race(root, expdir):
     import time
 
     import torch.distributed as dist
-    import utils.run_setup as engine
+    import engine.run_setup as engine
 
     real_synthesize, real_has_data = engine.synthesize, engine.has_data
     train = os.path.join(root, "train.h5")
@@ -515,7 +515,7 @@ def test_checkpoint_from_2_ranks_resumes_on_1(ddp2, data):
     ("bs128_opt", 128, 1.41e-3), ("bs256_opt", 256, 2e-3), ("bs512_opt", 512, 2.83e-3),
     ("bs1024_opt", 1024, 4e-3), ("bs2048_opt", 2048, 5.66e-3)])
 def test_vit_scaling_configs_have_the_tutorial_peak_lr(name, batch, lr):
-    from utils.lr_schedule import peak_lr
+    from engine.lr_schedule import peak_lr
 
     c = build_config(VIT_YAML, name)
     assert c.global_batch_size == batch and c.num_iters == 30000
@@ -528,7 +528,7 @@ def test_vit_scaling_configs_have_the_tutorial_peak_lr(name, batch, lr):
     ("bs64_opt", 64, 10), ("bs256_opt", 256, 20), ("bs512_test", 512, 10),
     ("bs512_opt", 512, 40), ("bs2048_opt", 2048, 160), ("bs8192_opt", 8192, 320)])
 def test_unet_scaling_configs(name, batch, epochs):
-    from utils.lr_schedule import peak_lr
+    from engine.lr_schedule import peak_lr
 
     c = build_config(UNET_YAML, name)
     assert (c.global_batch_size, c.num_epochs, c.num_iters) == (batch, epochs, None)
@@ -547,7 +547,7 @@ def run_slow_synthesis(root, expdir):
     """Rank 0 takes longer to write the data than a collective of the default group may wait."""
     import time
 
-    import utils.run_setup as engine
+    import engine.run_setup as engine
 
     real = engine.synthesize
 

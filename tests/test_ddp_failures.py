@@ -18,7 +18,7 @@ DRIVER = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 import train
-from utils.config import from_argv
+from settings.cli import from_argv
 from train import Trainer
 
 class Failing(Trainer):

@@ -16,13 +16,14 @@ import train as train_script
 from conftest import ROOT, write_cosmo_pair
 from test_training import TINY_UNET, run_dir, train
 from datapipe import device_loader
-from utils.config import build_config, from_argv
+from settings.config import build_config
+from settings.cli import from_argv
 from datapipe.data_loader import build_loaders
 from datapipe.device_loader import VolumeNeed, check_fits, free_memory
-from utils.errors import ConfigError, DataError
-from utils.runtime import setup_runtime
+from settings.errors import ConfigError, DataError
+from engine.runtime import setup_runtime
 from datapipe.rotations import ROTATIONS
-from utils.tasks import make_task
+from tasks import make_task
 
 CPU = torch.device("cpu")
 UNET_YAML = os.path.join(ROOT, "config", "UNet.yaml")

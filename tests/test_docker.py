@@ -268,7 +268,7 @@ def test_runs_the_entry_script_as_an_unprivileged_user(dockerfile):
 def test_dockerignore_keeps_local_state_out_and_the_code_in():
     patterns = dockerignore_patterns()
     for local in (".venv", ".git", "data", "logs", "runs", "data/era5/train/2016.h5",
-                  "utils/__pycache__", "tests/__pycache__/x.pyc", ".pytest_cache",
+                  "engine/__pycache__", "tests/__pycache__/x.pyc", ".pytest_cache",
                   "slurm-dl-train-42.out"):
         assert ignored(local, patterns), local
     kept = [p for p in tracked_files() if ignored(p, patterns)]

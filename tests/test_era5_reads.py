@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import write_era5
 from datapipe import era5_data
 from datapipe.era5_data import ERA5Dataset
-from utils.errors import DataError
+from settings.errors import DataError
 
 
 def era5_ds(root, **kw):

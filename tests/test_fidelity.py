@@ -8,11 +8,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import optimizer as optimizer_module
-from utils.config import build_config
-from utils.lr_schedule import lr_at
-from utils.optimizer import build_optimizer
-from utils.tasks import make_task
+from engine import optimizer as optimizer_module
+from settings.config import build_config
+from engine.lr_schedule import lr_at
+from engine.optimizer import build_optimizer
+from tasks import make_task
 
 from conftest import ROOT
 
@@ -127,7 +127,7 @@ def test_fused_adam_on_cpu_matches_the_default():
 def test_fused_adam_falls_back_with_a_warning(monkeypatch, caplog):
     cfg = build_config(VIT, "base", {"enable_fused": "true"})
     monkeypatch.setattr(optimizer_module, "_fused_device_types", lambda: {"cuda"})
-    with caplog.at_level(logging.WARNING, logger="utils.optimizer"):
+    with caplog.at_level(logging.WARNING, logger="engine.optimizer"):
         opt, w = _step_results(cfg)
     assert not opt.defaults.get("fused") and opt.defaults["betas"] == (0.9, 0.95)
     assert any("fused Adam is not available" in r.getMessage() and "cpu" in r.getMessage()
@@ -163,7 +163,7 @@ def _trunk(model, x):
 
 
 def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
-    from utils.reference_weights import load_reference_weights
+    from tasks.reference_weights import load_reference_weights
 
     cfg = build_config(VIT, "base", {**SMALL_VIT, "n_out_channels": "3"})
     p, c = cfg.patch_size, 3
@@ -198,7 +198,7 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
 
 
 def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
-    from utils.reference_weights import load_reference_weights
+    from tasks.reference_weights import load_reference_weights
 
     cfg = build_config(UNET, "base", {**SMALL_UNET, "full_scale": "true", "data_size": "64"})
     torch.manual_seed(0)

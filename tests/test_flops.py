@@ -9,10 +9,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from utils.config import build_config
-from utils.flops import PEAK_TFLOPS, flops_per_sample, peak_tflops, tflops_per_device
-from utils.tasks import make_task
-from utils.tensorboard import NullBoard
+from settings.config import build_config
+from observe.flops import PEAK_TFLOPS, flops_per_sample, peak_tflops, tflops_per_device
+from tasks import make_task
+from observe.tensorboard import NullBoard
 
 VIT_SIZES = [  # two shapes, so that a term wrong in N, E, depth, heads or the MLP shows
     {"img_size": [16, 32], "patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2},
@@ -118,7 +118,7 @@ def h100_trainer(tmp_path, era5_root, monkeypatch):
     """A tiny bf16 ViT Trainer on a CPU whose peak lookup is given an H100's name (the GPU branch
     of the epoch's log); returns it and its config."""
     import train
-    from utils.runtime import setup_runtime
+    from engine.runtime import setup_runtime
 
     ov = {k.lstrip("-"): v for k, v in zip(TINY_VIT[::2], TINY_VIT[1::2])}
     ov.update(data_root=era5_root, expdir=str(tmp_path), num_iters="2", amp_mode="bf16")
@@ -163,7 +163,7 @@ def test_fp32_mfu_uses_the_peak_of_the_switch_that_governs_the_models_flops(
     """amp_mode none on an H100, with torch's defaults (cuDNN may use TF32, cuBLAS may not): the
     U-Net's convolutions count against the TF32 peak, the ViT's matmuls against the fp32 one."""
     import train
-    from utils.runtime import setup_runtime
+    from engine.runtime import setup_runtime
 
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
     cfg = build_config(f"{ROOT}/config/{yaml}", "quickstart",
@@ -196,7 +196,7 @@ def _tp2_rank(overrides):
     import torch.distributed as dist
 
     import train
-    from utils.runtime import setup_runtime
+    from engine.runtime import setup_runtime
 
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", overrides)
     trainer = train.Trainer(cfg, setup_runtime(cfg))

@@ -12,11 +12,11 @@ import torch
 
 from conftest import ROOT
 from datapipe import generated_data, synthetic
-from utils.config import build_config
+from settings.config import build_config
 from datapipe.data_loader import build_loaders, synthesize
 from datapipe.era5_data import load_stats
-from utils.errors import ConfigError, DataError
-from utils.tasks import make_task
+from settings.errors import ConfigError, DataError
+from tasks import make_task
 
 CPU = torch.device("cpu")
 VIT_YAML = os.path.join(ROOT, "config", "ViT.yaml")

@@ -1,7 +1,7 @@
 """benchmarks/gpu_runs.py and benchmarks/gpu_data.py without a GPU: the plan (dry run, every
 command a valid config, the calls within their budget), the data maker (files the project's
 loaders read), the parsers on train.py's real lines (CPU ones from a run, GPU ones as train.py,
-utils/throughput_report.py and utils/logging_utils.py write them), the trace check, the batch
+engine/throughput_report.py and observe/logging_utils.py write them), the trace check, the batch
 search, the goals, the table, failed, timed-out and skipped runs as rows, and the refusals."""
 import dataclasses
 import gzip
@@ -20,11 +20,12 @@ from benchmarks import gpu_data, gpu_runs
 from benchmarks.gpu_runs import Run
 from conftest import ROOT
 from test_training import TINY_VIT, train
-from utils.config import build_config, from_argv
+from settings.config import build_config
+from settings.cli import from_argv
 from datapipe.data_loader import build_loaders
 from datapipe.era5_data import load_stats
-from utils.logging_utils import FORMAT
-from utils.throughput_report import _modes_text, bottleneck_line
+from observe.logging_utils import FORMAT
+from engine.throughput_report import _modes_text, bottleneck_line
 
 CPU = torch.device("cpu")
 
@@ -71,7 +72,7 @@ def gpu_epoch(epoch: int, samples_per_s: float, tflops: float, peaks: list[float
 
 
 def report_lines(io: float, synthetic: float, full: float) -> list[str]:
-    """utils/throughput_report.py's summary lines for these means (its own formatting)."""
+    """engine/throughput_report.py's summary lines for these means (its own formatting)."""
     stats = {"IO": {"mean": io, "std": 1.0}, "SYNTHETIC": {"mean": synthetic, "std": 2.0},
              "FULL": {"mean": full, "std": 0.5}}
     return [f"Throughput (samples/s, mean +/- std of 3 rounds of 20 batches): "
@@ -264,7 +265,7 @@ def test_reads_the_lines_train_py_logs_with_mfu_and_the_wait(tmp_path, era5_root
     name), as its log file holds them."""
     import train
     from test_flops import h100_trainer
-    from utils.flops import flops_per_sample
+    from observe.flops import flops_per_sample
 
     trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch)
     val = trainer.validate()

@@ -32,10 +32,10 @@ import torch
 import yaml
 
 from conftest import ROOT, write_era5
-from utils import checkpoint, run_setup
-from utils.config import (CONFIG_CLASSES, build_config, field_types, from_argv, identity_fields,
-                          to_dict)
-from utils.errors import ConfigError, DataError, TrainingError
+from engine import checkpoint, run_setup
+from settings.config import CONFIG_CLASSES, build_config, field_types, identity_fields, to_dict
+from settings.cli import from_argv
+from settings.errors import ConfigError, DataError, TrainingError
 
 VIT_YAML = os.path.join(ROOT, "config", "ViT.yaml")
 YAML_OF = {"vit": VIT_YAML, "unet": os.path.join(ROOT, "config", "UNet.yaml")}
@@ -479,7 +479,7 @@ def test_checkpoint_into_an_unwritable_directory(tmp_path):
     state = {"model": {"w": torch.zeros(1000)}}
     checkpoint.save(str(ckpts), 1, state, keep=3)
     os.chmod(ckpts, 0o555)
-    code = ("import sys, torch; from utils import checkpoint; from utils.errors import "
+    code = ("import sys, torch; from engine import checkpoint; from settings.errors import "
             "TrainingError\ntry:\n checkpoint.save(sys.argv[1], 2, {'w': torch.zeros(1000)}, 3)\n"
             "except TrainingError as e:\n print(e)\n")
     r = subprocess.run([*_permissions_apply(), sys.executable, "-c", code, str(ckpts)], cwd=ROOT,

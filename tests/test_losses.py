@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from utils.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
-from utils.lr_schedule import build_scheduler, lr_at, peak_lr
+from tasks.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
+from engine.lr_schedule import build_scheduler, lr_at, peak_lr
 
 
 def test_weighted_rmse_by_hand():

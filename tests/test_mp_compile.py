@@ -44,8 +44,8 @@ def _eager_and_compiled_losses(data_root, expdir):
     from torch._inductor.compile_fx import compile_fx
 
     from train import Trainer
-    from utils.config import build_config
-    from utils.runtime import setup_runtime
+    from settings.config import build_config
+    from engine.runtime import setup_runtime
 
     targets = []
 

@@ -24,9 +24,9 @@ sequence parallelism: each rank's image rows are its band's, and output, loss, e
 and a few Adam steps equal the serial ones; the weights trained at cp = 4 load at tp = 2 x cp = 2
 (and serially) and give the same output.
 
-The training loss is the task's (``utils.losses``) everywhere: besides the relative L2 loss, an
+The training loss is the task's (``tasks.losses``) everywhere: besides the relative L2 loss, an
 L1 loss with a density term (``L1Rho``) and a channel-weighted MSE declared in this file give
-per-sample losses and gradients equal to the serial ones through ``utils.sharding.RowBandSharding``.
+per-sample losses and gradients equal to the serial ones through ``engine.sharding.RowBandSharding``.
 Serial-ViT options are mirrored: a head without bias, a LayerNorm eps, and the model's own
 ``activation_checkpointing``.
 
@@ -109,7 +109,7 @@ def _reference_losses(pred, tar):
 
 
 def _partial_sum_loss(name):
-    from utils.losses import L1Rho, PartialSumLoss
+    from tasks.losses import L1Rho, PartialSumLoss
 
     class ChannelWeightedMSE(PartialSumLoss):
         """sum_c w_c mean((pred_c - target_c)^2): sums [sum_c w_c sum (pred_c - target_c)^2, values
@@ -197,8 +197,8 @@ def _rank_main():
     from distributed.parallelize import (load_serial_state_dict, serial_state_dict, sharded_loss, tensors_from_serial,
                                          tensors_to_serial)
     from distributed.parallelize import parallelize_vit as _parallelize
-    from utils.losses import RelativeL2
-    from utils.sharding import RowBandSharding
+    from tasks.losses import RelativeL2
+    from engine.sharding import RowBandSharding
 
     def parallelize_vit(model, groups, activation_checkpointing=None):
         return _parallelize(model, groups, activation_checkpointing, sequence_parallel=sp)
@@ -499,7 +499,7 @@ def test_single_process_parallelize_is_serial():
     from distributed.groups import SINGLE_PROCESS, build_groups
     from distributed.layers import reduce_replicated_grads
     from distributed.parallelize import parallelize_vit, serial_state_dict, sharded_loss
-    from utils.losses import RelativeL2
+    from tasks.losses import RelativeL2
 
     groups = build_groups()
     assert groups.tp_group is SINGLE_PROCESS and groups.mp_group is SINGLE_PROCESS
@@ -537,7 +537,7 @@ def test_image_rows_of_every_rank(img, tp, cp, sp):
     batch that already is the band (a loader reading only ``image_rows()``)."""
     from distributed.parallelize import parallelize_vit
     from networks.vit import ViT
-    from utils.sharding import RowBandSharding
+    from engine.sharding import RowBandSharding
 
     serial = ViT(**{**VIT, "img_size": img})
     x = torch.randn(2, VIT["in_chans"], *img)

@@ -14,7 +14,7 @@
 * The checkpoint the tp=2 x cp=2 run writes at step 6 (serial layout) resumes on one rank with
   ``--resume_from``: the resumed model holds exactly the checkpoint's weights, and steps 7..10
   repeat the uninterrupted runs' losses (same tolerance).
-* ``benchmarks.memory_model`` predicts the engine's CPU byte count (``utils.memory.MemoryProbe``)
+* ``benchmarks.memory_model`` predicts the engine's CPU byte count (``observe.memory.MemoryProbe``)
   exactly: the tensors saved for backward, and parameters + Adam state + activations after the
   forward pass, at tp 1, 2, cp 2 and tp 2 x cp 2, and the padded and unsharded layouts above;
   plus AMP (bf16), math attention and activation checkpointing at tp 1 and 2 on the parallel
@@ -61,9 +61,9 @@ RESUME_AT = 6
 
 def _train_rank(overrides, record_start=False):
     """Build the engine from the config, run ``fit``; per-step losses and the probe's bytes."""
-    from utils.config import build_config
-    from utils.memory import NullProbe, tensor_bytes
-    from utils.runtime import setup_runtime
+    from settings.config import build_config
+    from observe.memory import NullProbe, tensor_bytes
+    from engine.runtime import setup_runtime
     from train import Trainer
 
     cfg = build_config(YAML, "quickstart", overrides)
@@ -166,7 +166,7 @@ def test_engine_logs_the_sequence_parallel_mode(runs, layout):
 
 
 def test_tp2_cp2_checkpoint_resumes_serially(runs):
-    from utils import checkpoint
+    from engine import checkpoint
 
     state, _ = checkpoint.load_file(runs["checkpoint"])
     assert state is not None and state["iteration"] == RESUME_AT and state["world_size"] == 4
@@ -182,7 +182,7 @@ def test_tp2_cp2_checkpoint_resumes_serially(runs):
 
 
 def _tiny_config(tp, cp, **extra):
-    from utils.config import build_config
+    from settings.config import build_config
 
     return build_config(YAML, "quickstart", dict(TINY, tensor_parallel=str(tp), context_parallel=str(cp), **extra))
 
@@ -217,9 +217,9 @@ def _saved_bytes_rank(tp, cp, variants, imgs=((None, True),)):
 
     from distributed.groups import build_groups
     from distributed.parallelize import parallelize_vit, sharded_loss
-    from utils.config import build_config
-    from utils.memory import MemoryProbe
-    from utils.tasks import make_task
+    from settings.config import build_config
+    from observe.memory import MemoryProbe
+    from tasks import make_task
 
     groups = build_groups(tp * cp, tp, cp)
     out = []

@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, write_era5
 from distributed_harness import find_free_port
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from utils.preemption import STOPPED_EXIT_CODE
+from settings.signals import STOPPED_EXIT_CODE
 
 # 2 years x 39 pairs // 4 = 19 steps per epoch, 57 in all; loss points every 2 steps.
 COMMON = TINY_VIT + ["--num_epochs", "3", "--dropout", "0.1", "--checkpoint_keep", "10"]
@@ -29,7 +29,7 @@ DRIVER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 import train
-from utils.config import from_argv
+from settings.cli import from_argv
 
 class Signalled(train.Trainer):
     def train_step(self, *args, **kwargs):
@@ -216,7 +216,7 @@ def test_kill_before_the_last_validation_resumes_to_it(tmp_path, data, reference
 
 
 def test_resume_and_stop_signals_settings():
-    from utils.config import build_config, parse_overrides
+    from settings.config import build_config, parse_overrides
 
     def cfg(*argv):
         return build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
@@ -236,7 +236,7 @@ def test_resume_and_stop_signals_settings():
 
 
 def test_resume_command_replaces_any_resume_argument():
-    from utils.preemption import resume_command
+    from engine.preemption import resume_command
 
     argv = ["train.py", "--config", "short", "--resume", "--run_num", "a b"]
     assert resume_command(argv, 1) == \

@@ -8,9 +8,9 @@ import torch
 
 from distributed_harness import run_ranks
 from test_training import TINY_VIT, _cfg, run_dir, train
-from utils import profiling
-from utils.errors import ConfigError
-from utils.profiling import NullTrace, TraceWindow, check_trace_dir, nvtx_range, ranged, unused_path
+from observe import profiling
+from settings.errors import ConfigError
+from observe.profiling import NullTrace, TraceWindow, check_trace_dir, nvtx_range, ranged, unused_path
 
 RANGES = ("forward", "backward", "optimizer", "data wait")
 
@@ -129,7 +129,7 @@ def test_unused_path_never_overwrites(tmp_path):
 def trace_a_short_run(era5_root, expdir, trace_dir):
     """Train 5 steps with --profile_trace (on every rank when under run_ranks)."""
     from train import Trainer
-    from utils.runtime import setup_runtime
+    from engine.runtime import setup_runtime
 
     cfg = _cfg(era5_root, expdir, num_iters="5", profile_trace=trace_dir)
     tr = Trainer(cfg, setup_runtime(cfg))

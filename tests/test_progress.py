@@ -9,11 +9,11 @@ import torch
 from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
 from train import Trainer
-from utils.config import build_config
-from utils.flops import tflops_per_device
-from utils.memory import NullProbe
-from utils.progress import DataWait, DeviceIdle, Progress, duration
-from utils.runtime import setup_runtime
+from settings.config import build_config
+from observe.flops import tflops_per_device
+from observe.memory import NullProbe
+from observe.progress import DataWait, DeviceIdle, Progress, duration
+from engine.runtime import setup_runtime
 
 
 class Clock:

@@ -9,9 +9,9 @@ from PIL import Image
 
 from conftest import ROOT, write_cosmo_pair
 from train import Trainer
-from utils.config import build_config
-from utils.runtime import setup_runtime
-from utils.tensorboard import colormap, comparison_image, text_mask
+from settings.config import build_config
+from engine.runtime import setup_runtime
+from observe.tensorboard import colormap, comparison_image, text_mask
 
 
 def test_text_mask_draws_each_character_and_blanks_unknown_ones():

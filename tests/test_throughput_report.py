@@ -16,9 +16,9 @@ import torch
 from conftest import ROOT, write_cosmo_pair, write_era5
 from distributed_harness import run_ranks
 from test_training import TINY_UNET, TINY_VIT, run_dir, tb_scalars, train
-from utils import throughput_report as tp
-from utils.config import build_config
-from utils.runtime import setup_runtime
+from engine import throughput_report as tp
+from settings.config import build_config
+from engine.runtime import setup_runtime
 from train import Trainer
 
 SUMMARY = re.compile(r"Throughput \((all \d+ ranks, )?samples/s, mean \+/- std of 3 rounds of "

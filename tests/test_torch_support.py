@@ -12,9 +12,9 @@ import torch.nn as nn
 import train
 from conftest import ROOT
 from distributed import grad_norm
-from utils.config import build_config
-from utils.errors import ConfigError
-from utils.runtime import TORCH_FLOOR, check_torch_version, choose_device, configure_cuda
+from settings.config import build_config
+from settings.errors import ConfigError
+from engine.runtime import TORCH_FLOOR, check_torch_version, choose_device, configure_cuda
 
 FLOOR = ".".join(map(str, TORCH_FLOOR))
 
@@ -101,7 +101,7 @@ def test_a_node_with_gpus_that_torch_cannot_use_is_refused_unless_the_cpu_is_ask
 
 
 def test_device_files_are_a_sign_and_hidden_gpus_are_none(tmp_path, monkeypatch):
-    import utils.runtime as runtime
+    import engine.runtime as runtime
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for v in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):

@@ -16,9 +16,9 @@ import torch
 
 from conftest import ROOT, write_cosmo, write_era5
 from train import Trainer
-from utils.config import build_config
-from utils.errors import ConfigError
-from utils.runtime import setup_runtime
+from settings.config import build_config
+from settings.errors import ConfigError
+from engine.runtime import setup_runtime
 
 TINY_VIT = dict(img_size="[16,32]", patch_size="4", embed_dim="32", depth="1", num_heads="2",
                 global_batch_size="8", base_batch_size="8", lr="1e-3", warmup_steps="0",

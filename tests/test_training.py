@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import ROOT, write_cosmo_pair, write_era5
-from utils.config import build_config
-from utils.errors import ConfigError, TrainingError
-from utils.reference_weights import vit_from_reference
-from utils.runtime import setup_runtime
+from settings.config import build_config
+from settings.errors import ConfigError, TrainingError
+from tasks.reference_weights import vit_from_reference
+from engine.runtime import setup_runtime
 from train import Trainer
 
 # The U-Net quickstart with a tiny model, on data the test writes (write_cosmo_pair, side 32).

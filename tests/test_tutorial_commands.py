@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ROOT, write_cosmo_pair, write_era5
 from train import DEFAULT_YAML
-from utils.config import from_argv
+from settings.cli import from_argv
 
 SECTION = "## Coming from the tutorial"
 TINY = {

@@ -33,9 +33,9 @@ import time
 
 import torch
 
-from utils.config import Config
-from utils.errors import ConfigError, TrainingError
-from utils.memory import NullProbe
+from observe.memory import NullProbe
+from settings.config import Config
+from settings.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
 

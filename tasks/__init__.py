@@ -12,14 +12,14 @@ import h5py
 import numpy as np
 import torch
 
-from networks.unet import UNet
-from networks.vit import ViT
 from datapipe import generated_data
-from utils.config import Config, UNetConfig, ViTConfig
 from datapipe.era5_data import load_stats
 from datapipe.formats import ERA5_CHANNELS, HYDRO_CHANNELS
-from utils.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
-from utils.tensorboard import comparison_image
+from networks.unet import UNet
+from networks.vit import ViT
+from observe.tensorboard import comparison_image
+from settings.config import Config, UNetConfig, ViTConfig
+from tasks.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
 
 
 class ERA5Task:

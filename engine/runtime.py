@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from distributed.groups import ParallelGroups, build_groups, validate_parallel_config
 from distributed.parallelize import validate_vit_layout
-from utils.config import Config, ViTConfig
-from utils.errors import ConfigError
+from settings.config import Config, ViTConfig
+from settings.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

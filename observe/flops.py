@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from utils.config import Config, UNetConfig, ViTConfig
+from settings.config import Config, UNetConfig, ViTConfig
 
 # Dense (no sparsity) peak TFLOP/s of the SXM boards, from NVIDIA's datasheets; the PCIe/NVL
 # boards run at lower clocks, so on them MFU reads high. The H200 has the H100 SXM's compute.

@@ -35,11 +35,11 @@ import time
 
 import torch.distributed as dist
 
-from utils import checkpoint
-from utils.config import Config, dump
 from datapipe.data_loader import check_synthesis_target, has_data, synthesize
-from utils.errors import ConfigError, DataError, UserError
-from utils.runtime import Runtime
+from engine import checkpoint
+from engine.runtime import Runtime
+from settings.config import Config, dump
+from settings.errors import ConfigError, DataError, UserError
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import math
 
 import torch.distributed as dist
 
-from utils import checkpoint
-from utils.config import to_dict
-from utils.errors import ConfigError, TrainingError
+from engine import checkpoint
+from settings.config import to_dict
+from settings.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import torch
 
-from utils.errors import TrainingError
+from settings.errors import TrainingError
 
 log = logging.getLogger(__name__)
 MB = 1e6

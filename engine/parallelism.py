@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.grad_norm import clip_grad_norm
 from distributed.parallelize import parallelize_vit
-from utils.config import Config
-from utils.sharding import RowBandSharding, Unsharded
-from utils.runtime import Runtime
+from engine.runtime import Runtime
+from engine.sharding import RowBandSharding, Unsharded
+from settings.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class ParallelModel:
     ``module``: the model's parameters and state (sharded under tp/cp), for the optimizer,
     checkpoints and train/eval; ``wrapped``: what a step calls (``module`` under DDP and/or
     ``torch.compile``); ``sharding``: how batches enter and leave it and how its state maps to the
-    serial layout (``utils.sharding``)."""
+    serial layout (``engine.sharding``)."""
 
     module: nn.Module
     wrapped: nn.Module

@@ -1,7 +1,8 @@
-"""``--help`` of the entry scripts: the settings of the config that would run, with its values.
+"""The entry scripts' command line: ``from_argv`` reads the settings (errors as one line, exit
+2), and ``--help`` lists the settings of the config that would run, with its values.
 
 The settings are listed in the groups the config classes declare them in (the ``# -- group``
-comments of ``utils/config.py``), each with its type or choices, the value the chosen config
+comments of ``settings/config.py``), each with its type or choices, the value the chosen config
 (and any other arguments given) resolves to, marked when it differs from the built-in default,
 and its description, wrapped to 100 columns.
 """
@@ -10,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import sys
 import textwrap
 import typing
 
-from utils.config import (CONFIG_CLASSES, FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES,
-                          Config, default_value, field_types, identity_fields, load_yaml_configs)
+from settings.config import (CONFIG_CLASSES, FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES, Config,
+                             build_config, default_value, field_types, identity_fields,
+                             load_yaml_configs, parse_overrides)
+from settings.errors import ConfigError
 
 WIDTH = 100
 
@@ -108,3 +112,25 @@ def usage(prog: str, yaml_path: str, cfg: Config) -> str:
     for (key, alias), target in VALUE_ALIASES.items():
         head.append(f"  --{key} {alias:<{max(1, 21 - len(key))}} = --{key} {target}")
     return "\n".join(head) + "\n" + settings_help(cfg)
+
+
+def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstart",
+              prog: str = "train.py") -> Config:
+    """Parse entry-script arguments; configuration errors exit with status 2 and one message."""
+    if "-h" in argv or "--help" in argv:
+        try:
+            entry, overrides = parse_overrides([a for a in argv if a not in ("-h", "--help")])
+            yaml_path = entry.get("yaml_config", default_yaml)
+            cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        print(usage(prog, yaml_path, cfg))
+        raise SystemExit(0)
+    try:
+        entry, overrides = parse_overrides(argv)
+        return build_config(entry.get("yaml_config", default_yaml),
+                            entry.get("config", default_name), overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)

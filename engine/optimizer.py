@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from utils.errors import ConfigError
+from settings.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,14 @@ import functools
 import math
 import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import yaml
 
-from utils.errors import ConfigError
-from utils.preemption import STOPPED_EXIT_CODE, signal_number
+from settings.errors import ConfigError
+from settings.signals import STOPPED_EXIT_CODE, signal_number
 
 
 def _f(default, help, compare=True, **checks):
@@ -651,27 +650,3 @@ def dump(cfg: Config, derived: Optional[dict] = None) -> str:
     notes = {"read from": cfg.yaml_path} if cfg.yaml_path else {}
     notes.update(derived or {})
     return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text
-
-
-def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstart",
-              prog: str = "train.py") -> Config:
-    """Parse entry-script arguments; configuration errors exit with status 2 and one message."""
-    if "-h" in argv or "--help" in argv:
-        from utils.cli_help import usage  # (it reads this module's classes)
-
-        try:
-            entry, overrides = parse_overrides([a for a in argv if a not in ("-h", "--help")])
-            yaml_path = entry.get("yaml_config", default_yaml)
-            cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
-        print(usage(prog, yaml_path, cfg))
-        raise SystemExit(0)
-    try:
-        entry, overrides = parse_overrides(argv)
-        return build_config(entry.get("yaml_config", default_yaml),
-                            entry.get("config", default_name), overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)

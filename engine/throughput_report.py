@@ -33,9 +33,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils import checkpoint
-from utils.optimizer import load_optimizer_state
-from utils.profiling import nvtx_range
+from engine import checkpoint
+from engine.optimizer import load_optimizer_state
+from observe.profiling import nvtx_range
 
 MODES = ("IO", "SYNTHETIC", "FULL")
 ROUNDS = 3  # repetitions of each trial: the spread of the rounds is the reported std

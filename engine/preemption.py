@@ -19,23 +19,9 @@ import signal
 import torch
 import torch.distributed as dist
 
-from utils.errors import ConfigError
+from settings.signals import STOPPED_EXIT_CODE, ignore_stop_signals, installed, signal_number
 
-STOPPED_EXIT_CODE = 3  # "stopped on a signal, resumable": distinct from 0, 1 (failure), 2 (usage)
-_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
-_installed: set[int] = set()  # signals whose handler this process replaced (workers inherit it)
 _exit_hook_registered = False
-
-
-def signal_number(name: str) -> int:
-    """``SIGTERM``, ``TERM`` or ``sigterm`` as a signal number; ConfigError when not a signal
-    that a process can catch."""
-    full = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
-    number = signal.Signals.__members__.get(full)
-    if number is None or full in _UNCATCHABLE:
-        raise ConfigError(f"stop_signals: {name!r} is not a signal a run can catch: use names "
-                          f"such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT (not SIGKILL or SIGSTOP)")
-    return int(number)
 
 
 class RunStopped(Exception):
@@ -82,7 +68,7 @@ class StopRequest:
         for name in names:
             number = signal_number(name)
             request._previous[number] = signal.signal(number, request._record)
-            _installed.add(number)
+            installed.add(number)
         global _exit_hook_registered
         if not _exit_hook_registered:
             atexit.register(_at_exit)  # runs before multiprocessing's own exit hook
@@ -132,15 +118,3 @@ def _end_loader_workers():
     for p in children:
         p.kill()
         p.join()
-
-
-def ignore_stop_signals():
-    """From now on the stop signals do nothing in this process. In a data-loader worker: they
-    are the main process's to act on; Slurm sends them to every process of the job step, and a
-    worker killed by one (torch's worker handler for SIGTERM ends it) makes the main process
-    fail with "DataLoader worker ... is killed by signal" instead of stopping cleanly (the main
-    process ends its workers itself). At exit: a late signal (submit_pm.sh repeats its warning
-    until the ranks end) must not kill the exiting process, as the default handlers that Python
-    restores while it shuts down would."""
-    for number in _installed:
-        signal.signal(number, signal.SIG_IGN)

@@ -14,7 +14,7 @@ import torch
 
 from distributed.layers import replicated_grads_comm_hook, tensors_from_serial, tensors_to_serial
 from distributed.parallelize import sharded_loss
-from utils.optimizer import load_optimizer_state
+from engine.optimizer import load_optimizer_state
 
 
 class Unsharded:

@@ -18,8 +18,8 @@ import re
 
 import torch
 
-from utils.config import Config, ViTConfig
-from utils.errors import ConfigError
+from settings.config import Config, ViTConfig
+from settings.errors import ConfigError
 
 _WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
 

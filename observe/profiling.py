@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from utils.errors import ConfigError
+from settings.errors import ConfigError
 
 try:
     import nvtx as _nvtx

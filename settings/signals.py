@@ -1,0 +1,36 @@
+"""The stop signals of a run, below everything that acts on them: their names as the
+``stop_signals`` setting gives them, the exit code of a run they stopped, and the signals whose
+handlers the run replaced (``engine.preemption.StopRequest.install`` adds them), which loader
+workers and an exiting process ignore."""
+from __future__ import annotations
+
+import signal
+
+from settings.errors import ConfigError
+
+STOPPED_EXIT_CODE = 3  # "stopped on a signal, resumable": distinct from 0, 1 (failure), 2 (usage)
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+installed: set[int] = set()  # signals whose handler this process replaced (workers inherit it)
+
+
+def signal_number(name: str) -> int:
+    """``SIGTERM``, ``TERM`` or ``sigterm`` as a signal number; ConfigError when not a signal
+    that a process can catch."""
+    full = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+    number = signal.Signals.__members__.get(full)
+    if number is None or full in _UNCATCHABLE:
+        raise ConfigError(f"stop_signals: {name!r} is not a signal a run can catch: use names "
+                          f"such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT (not SIGKILL or SIGSTOP)")
+    return int(number)
+
+
+def ignore_stop_signals():
+    """From now on the stop signals do nothing in this process. In a data-loader worker: they
+    are the main process's to act on; Slurm sends them to every process of the job step, and a
+    worker killed by one (torch's worker handler for SIGTERM ends it) makes the main process
+    fail with "DataLoader worker ... is killed by signal" instead of stopping cleanly (the main
+    process ends its workers itself). At exit: a late signal (submit_pm.sh repeats its warning
+    until the ranks end) must not kill the exiting process, as the default handlers that Python
+    restores while it shuts down would."""
+    for number in installed:
+        signal.signal(number, signal.SIG_IGN)

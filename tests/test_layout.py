@@ -1,0 +1,117 @@
+"""The house rules of the library's layout, read from the source (no imports run):
+
+- imports run one way: the entry scripts -> engine / tasks -> datapipe / observe -> settings,
+  with networks/ and distributed/ as libraries that import none of the rooms;
+- no module imports itself back through others (no cycles, function-level imports included);
+- the data and observe rooms never see a Trainer;
+- train.py takes its project imports from at most five packages.
+"""
+import ast
+import os
+
+from conftest import ROOT
+
+# What each room may import (besides itself, the standard library and third-party packages).
+ALLOWED = {
+    "engine": {"datapipe", "observe", "settings", "distributed"},
+    "tasks": {"datapipe", "observe", "settings", "networks"},
+    "datapipe": {"settings"},
+    "observe": {"settings"},
+    "settings": set(),
+    "distributed": set(),
+    "networks": set(),
+}
+ENTRIES = ("train.py", "train_mp.py", "train_graph.py")
+
+
+def modules():
+    """(module name, path) of every library module."""
+    for room in ALLOWED:
+        for name in sorted(os.listdir(os.path.join(ROOT, room))):
+            if name.endswith(".py"):
+                module = room if name == "__init__.py" else f"{room}.{name[:-3]}"
+                yield module, os.path.join(ROOT, room, name)
+
+
+def imported(path):
+    """Project modules a file imports, anywhere in it (``from a.b import c`` gives a.b.c when
+    that is a module, else a.b)."""
+    names = {m for m, _ in modules()}
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            candidates = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for c in candidates:
+            if c in names:
+                out.add(c)
+                if isinstance(node, ast.ImportFrom):
+                    break  # the imported names were modules, or the package itself counts
+    return out
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for module, path in modules():
+        room = module.split(".")[0]
+        for target in imported(path):
+            other = target.split(".")[0]
+            if other != room and other not in ALLOWED[room]:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, wrong
+
+
+def test_no_import_cycles():
+    graph = {m: imported(p) - {m} for m, p in modules()}
+    state, cycles = {}, []
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                cycles.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_data_and_observe_rooms_never_see_a_trainer():
+    seen = []
+    for module, path in modules():
+        if module.split(".")[0] not in ("datapipe", "observe"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.args + node.args.kwonlyargs:
+                    note = ast.unparse(a.annotation) if a.annotation else ""
+                    if "trainer" in a.arg.lower() or "Trainer" in note:
+                        seen.append(f"{module}.{node.name}({a.arg})")
+    assert not seen, seen
+
+
+def test_train_py_imports_from_at_most_five_packages():
+    rooms = set()
+    for entry in ENTRIES:
+        tree = ast.parse(open(os.path.join(ROOT, entry)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                top = node.module.split(".")[0]
+                if top in ALLOWED and entry == "train.py":
+                    rooms.add(top)
+    assert 0 < len(rooms) <= 5, sorted(rooms)
+
+
+def test_the_rule_tests_see_real_imports(tmp_path):
+    """The reader finds imports at any depth, in both forms."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from engine import checkpoint\n    import settings.errors\n"
+                 "from observe.progress import Progress\n")
+    assert imported(str(f)) == {"engine.checkpoint", "settings.errors", "observe.progress"}
