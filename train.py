@@ -37,7 +37,7 @@ from engine.run_setup import (ensure_data, find_resume_checkpoint, log_run_heade
 from engine.runtime import (Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.train_state import TrainState
-from observe.flops import flops_per_sample, peak_tflops, tflops_per_device
+from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import setup_logging
 from observe.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
@@ -88,7 +88,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = self.task.build_model()
         if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
-            load_reference_weights(model, cfg.init_from, cfg)
+            load_reference_weights(model, cfg.init_from, self.task.from_reference)
             log.info(f"Weights from {cfg.init_from}")
         parallel = apply_parallelism(model, cfg, rt, self.task)
         self.parallel = parallel
@@ -102,7 +102,7 @@ class Trainer:
         self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows)
         self.steps_per_epoch = self.loaders.steps_per_epoch
         self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
-        self.flops_per_sample = flops_per_sample(cfg)  # forward + backward, one sample
+        self.flops_per_sample = self.task.flops_per_sample()  # forward + backward, one sample
 
         self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
         self.optimizer = build_optimizer(self.model.parameters(), cfg, self.peak_lr, self.device,

@@ -14,12 +14,13 @@ load on any layout.
 import sys
 
 from settings.cli import from_argv
+from tasks import make_task
 from train import DEFAULT_YAML, run
 
 
 def main(argv):
     cfg = from_argv(argv, DEFAULT_YAML, prog="train_mp.py")
-    if cfg.model != "vit":
+    if not make_task(cfg).shards_model:
         print(f"error: train_mp.py shards the ViT; config '{cfg.name}' is a {cfg.model} config: "
               f"use train.py for it (data parallel)", file=sys.stderr)
         raise SystemExit(2)

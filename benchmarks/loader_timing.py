@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -57,8 +58,8 @@ def serve(tree: str, threads: int):
     per line on stdin, one JSON reply per line on the original stdout (anything the loaders print
     goes to stderr)."""
     sys.path.insert(0, tree)
-    import utils
-    from settings.config import build_config
+    import utils  # that revision's package, and its module names:
+    from utils.config import build_config
     from utils.data_loader import build_loaders
 
     here = os.path.realpath(os.path.dirname(utils.__file__))
@@ -80,6 +81,7 @@ def serve(tree: str, threads: int):
                 reply = measure(loaders.train, cmd["batches"], cmd["warmup"], cmd["epoch"],
                                 cmd["ahead"])
         except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
+            traceback.print_exc()  # to stderr, the parent's
             reply = {"error": f"{type(e).__name__}: {e}"}
         replies.write(json.dumps(reply) + "\n")
     close_loaders(loaders)

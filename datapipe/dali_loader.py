@@ -44,8 +44,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from datapipe.cosmo_data import CosmoCropDataset
+from datapipe.era5_data import ERA5Dataset
 from datapipe.rotations import ROTATIONS
-from settings.config import Config, ViTConfig
+from settings.config import Config
 from settings.errors import ConfigError
 
 INSTALL = "pip install -r requirements-dali.txt"
@@ -360,11 +362,16 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
 
         return pipe
 
-    make = era5_pipeline if isinstance(cfg, ViTConfig) else cosmo_pipeline
+    pipelines = {ERA5Dataset: era5_pipeline, CosmoCropDataset: cosmo_pipeline}
 
     def loader(torch_loader, sampler):
         dataset = torch_loader.dataset
         dataset = getattr(dataset, "dataset", dataset)  # the dataset behind a batch reader
+        make = pipelines.get(type(dataset))
+        if make is None:
+            raise ConfigError(f"data_loader_config={cfg.data_loader_config}: no DALI pipeline "
+                              f"reads {type(dataset).__name__}: use --data_loader_config lowmem "
+                              f"or inmem")
         keys = EpochKeys(-(-len(sampler) // local_batch) * local_batch)
         return DALILoader(make(dataset, keys), sampler, local_batch, keys, device, feed)
 

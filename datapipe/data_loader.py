@@ -1,11 +1,12 @@
-"""Data loaders for both model families: sharded sampling, workers, pinned memory.
+"""Data loaders for every problem: sharded sampling, workers, pinned memory.
 
 The sampler decides everything about order: in epoch e the training samples are a permutation
 drawn from (seed, e); step s takes the global batch ``perm[s*G:(s+1)*G]`` and data-parallel rank r
 its slice ``[r*b:(r+1)*b]`` of it (G = global, b = local batch). So a data-parallel step sees
 exactly the samples of the serial step with the same global batch, the shards of the ranks are
 disjoint, and a resumed run starts at the step it stopped at. The sampler yields (epoch, index)
-keys; datasets whose samples are random crops use the epoch to draw new crops.
+keys; datasets whose samples are random crops use the epoch to draw new crops. What the samples
+are is the problem's data set's (``datapipe.data_sets``).
 
 Batches are assembled in place: ``datapipe.batch_pool.BatchLoader`` keeps a pool of batch buffers
 (shared with its workers, page-locked on a GPU), made once, and the dataset reads every sample
@@ -28,11 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from datapipe import generated_data, synthetic
 from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
-from datapipe.cosmo_data import CosmoCropDataset, crop_settings
-from datapipe.era5_data import ERA5Dataset
-from settings.config import Config, UNetConfig, ViTConfig
+from datapipe.data_sets import data_set
+from settings.config import Config
 from settings.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -154,39 +153,12 @@ def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
                        prefetch_depth=cfg.prefetch_depth, memory=memory, seed=seed)
 
 
-def era5_datasets(cfg: ViTConfig, rows=None):
-    """Training and validation sets; ``rows`` limits the training samples to that band of image
-    rows (validation keeps whole images: its metrics and pictures are of the whole image)."""
-    inmem = cfg.data_loader_config == "inmem"
-    kw = dict(data_root=cfg.data_root, img_size=cfg.img_size, dt=cfg.dt, n_in=cfg.n_in_channels,
-              n_out=cfg.n_out_channels, inmem=inmem)
-    train = ERA5Dataset(os.path.join(cfg.data_root, "train"), limit_nsamples=cfg.limit_nsamples,
-                        rows=rows, **kw)
-    valid = ERA5Dataset(os.path.join(cfg.data_root, "valid"), limit_nsamples=cfg.limit_nsamples_val,
-                        **kw)
-    return train, valid
-
-
-def cosmo_datasets(cfg: UNetConfig):
-    kw = dict(crop_settings(cfg), inmem=cfg.data_loader_config == "inmem")
-    train = CosmoCropDataset(os.path.join(cfg.data_root, cfg.train_file), nsamples=cfg.Nsamples,
-                             augment=True, **kw)
-    valid = CosmoCropDataset(os.path.join(cfg.data_root, cfg.val_file),
-                             nsamples=cfg.Nsamples_val, augment=False, **kw)
-    return train, valid
-
-
 SYNTHETIC_MARK = "SYNTHETIC.txt"  # in a data_root that synthesize() made: safe to write again
 
 
 def missing_data(cfg: Config) -> list[str]:
-    """What a data set needs under data_root and is not there (ERA5: train/ and stats/; cosmology:
-    the training file)."""
-    if isinstance(cfg, ViTConfig):
-        need = [("train/", os.path.join(cfg.data_root, "train")),
-                ("stats/", os.path.join(cfg.data_root, "stats"))]
-        return [name for name, path in need if not os.path.isdir(path)]
-    return [] if os.path.exists(os.path.join(cfg.data_root, cfg.train_file)) else [cfg.train_file]
+    """What the data set of ``cfg`` needs under data_root and is not there."""
+    return data_set(cfg).missing()
 
 
 def has_data(cfg: Config) -> bool:
@@ -214,13 +186,7 @@ def synthesize(cfg: Config):
     with open(os.path.join(cfg.data_root, SYNTHETIC_MARK), "w") as f:
         f.write("Synthetic data written by this project's training run (synthesize_if_missing); "
                 "it may be regenerated here.\n")
-    if isinstance(cfg, ViTConfig):
-        synthetic.make_era5(cfg.data_root, img_size=tuple(cfg.img_size),
-                            steps_per_year=cfg.synthetic_steps_per_year, seed=cfg.seed)
-    else:
-        synthetic.make_cosmo(cfg.data_root, train_size=cfg.synthetic_size[0],
-                             val_size=cfg.synthetic_size[1], seed=cfg.seed,
-                             train_name=cfg.train_file, val_name=cfg.val_file)
+    data_set(cfg).synthesize()
 
 
 def _check_counts(n_train: int, n_valid: int, global_batch: int, dp_size: int):
@@ -242,9 +208,10 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
     W), read from disk as such; a model-parallel rank passes the band it computes on
     (``ParallelViT.image_rows()``). Validation batches stay whole images. ViT (ERA5) only.
     """
-    if rows is not None and not isinstance(cfg, ViTConfig):
-        raise ValueError(f"rows={rows!r} selects image rows of ERA5 samples; the {cfg.model} "
-                         f"loader reads whole volumes: pass rows=None")
+    data = data_set(cfg)
+    if rows is not None and not data.row_bands:
+        raise ValueError(f"rows={rows!r} selects image rows of samples; the {cfg.model} "
+                         f"loader reads whole samples: pass rows=None")
     if cfg.data_loader_config.startswith("dali") or cfg.data_loader_config == "device":
         # Their samples, order and checks are those of the loaders built here for a host config
         # (``reference``: never iterated). DALI is an optional install: imported only when asked
@@ -259,15 +226,11 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
         return build(cfg, reference, local_batch, device)
     if cfg.data_is_generated:
         return generated_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
-    if isinstance(cfg, ViTConfig):
-        train, valid = era5_datasets(cfg, rows)
-        shuffle = True
-    else:
-        train, valid = cosmo_datasets(cfg)
-        shuffle = False  # every index is already a fresh random crop
+    train, valid = data.datasets(rows)
     G = local_batch * dp_size
     _check_counts(len(train), len(valid), G, dp_size)
-    sampler = ShardedSampler(len(train), G, local_batch, dp_rank, shuffle=shuffle, seed=cfg.seed)
+    sampler = ShardedSampler(len(train), G, local_batch, dp_rank, shuffle=data.shuffle,
+                             seed=cfg.seed)
     seed = cfg.seed * 1000 + dp_rank
     train_loader = _loader(train, sampler, local_batch, cfg, device, seed)
     valid_loader = _loader(valid, ValidationSampler(len(valid), dp_size, dp_rank), local_batch,
@@ -282,20 +245,20 @@ def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int,
     the training batch from device memory (no copy in the step), the validation batch from host
     memory, copied like a loaded one (device memory stays the training run's). The samplers are
     the real ones: the same steps per epoch, shards and validation counts as a run on files."""
-    n_train, n_valid = generated_data.sample_counts(cfg)
+    data = data_set(cfg)
+    n_train, n_valid = data.generated_counts()
     G = local_batch * dp_size
     _check_counts(n_train, n_valid, G, dp_size)
-    sampler = ShardedSampler(n_train, G, local_batch, dp_rank,
-                             shuffle=isinstance(cfg, ViTConfig), seed=cfg.seed)
+    sampler = ShardedSampler(n_train, G, local_batch, dp_rank, shuffle=data.shuffle, seed=cfg.seed)
     valid_sampler = ValidationSampler(n_valid, dp_size, dp_rank)
     t0 = time.perf_counter()
-    train_batch = generated_data.batch(cfg, list(itertools.islice(sampler, local_batch)), "train",
-                                         rows)
-    valid_batch = generated_data.batch(cfg, list(itertools.islice(valid_sampler, local_batch)),
-                                         "valid")
+    train_batch = data.generated_batch(list(itertools.islice(sampler, local_batch)), "train",
+                                       rows)
+    valid_batch = data.generated_batch(list(itertools.islice(valid_sampler, local_batch)),
+                                       "valid")
     log.info(f"Generated data (data_loader_config synthetic; nothing read from data_root): one "
              f"training and one validation batch made in memory in {time.perf_counter() - t0:.1f} "
-             f"s and served for each of the {generated_data.describe_counts(cfg)}")
+             f"s and served for each of the {data.describe_generated_counts()}")
     return Loaders(CachedBatchLoader(train_batch, sampler, local_batch, device),
                    CachedBatchLoader(valid_batch, valid_sampler, local_batch, torch.device("cpu")),
                    sampler, sampler.steps, n_train, n_valid)

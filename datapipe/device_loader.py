@@ -334,14 +334,15 @@ def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device):
     """Loaders of one data-parallel rank cutting their crops from volumes held on ``device``;
     datasets, samplers and checks are those of ``reference(host config)``, the ``lowmem``
     loaders (never iterated)."""
-    if not isinstance(cfg, UNetConfig):  # (validate refuses it first)
-        raise ConfigError("data_loader_config=device holds cosmology volumes (U-Net); for ERA5 "
-                          "use --data_loader_config lowmem or inmem")
     device = torch.device(device)
     host = copy.copy(cfg)
     host.data_loader_config, host.num_data_workers = "lowmem", 0
     ref = reference(host)
     train, valid = (getattr(d, "dataset", d) for d in (ref.train.dataset, ref.valid.dataset))
+    if not isinstance(train, CosmoCropDataset):  # (the config's rules refuse it first)
+        raise ConfigError(f"data_loader_config=device holds cosmology volumes; "
+                          f"{type(train).__name__} has none: use --data_loader_config lowmem "
+                          f"or inmem")
     need = volume_need(cfg, train, valid, local_batch)
     check_fits(need, free_memory(device), str(device))
     t0 = time.perf_counter()

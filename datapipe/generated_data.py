@@ -25,29 +25,15 @@ import numpy as np
 from datapipe import synthetic
 from datapipe.cosmo_data import CosmoCropDataset, crop_settings
 from datapipe.era5_data import check_rows
-from settings.config import Config, UNetConfig, ViTConfig
+from settings.config import UNetConfig, ViTConfig
 
 ERA5_STEPS_PER_YEAR = 1460  # 6-hourly steps in a year: the generated ERA5 sets' default size
 ERA5_STATS_STEPS = 8  # steps, evenly spread over a year, behind the normalisation statistics
 
 
-def sample_counts(cfg: Config) -> tuple[int, int]:
-    """(training samples, validation samples) of the generated data set."""
-    if isinstance(cfg, ViTConfig):
-        return (cfg.limit_nsamples or ERA5_STEPS_PER_YEAR,
-                cfg.limit_nsamples_val or ERA5_STEPS_PER_YEAR)
-    return cfg.Nsamples, cfg.Nsamples_val
-
-
-def describe_counts(cfg: Config) -> str:
-    """Where ``sample_counts`` come from, for the log."""
-    n_train, n_valid = sample_counts(cfg)
-    if isinstance(cfg, ViTConfig):
-        source = ("limit_nsamples, limit_nsamples_val; unset: "
-                  f"{ERA5_STEPS_PER_YEAR}, a year of 6-hourly steps")
-    else:
-        source = "Nsamples, Nsamples_val"
-    return f"{n_train} training and {n_valid} validation samples ({source})"
+def era5_counts(cfg) -> tuple[int, int]:
+    """(training samples, validation samples) of the generated ERA5 set."""
+    return (cfg.limit_nsamples or ERA5_STEPS_PER_YEAR, cfg.limit_nsamples_val or ERA5_STEPS_PER_YEAR)
 
 
 def _era5_start(cfg: ViTConfig) -> int:
@@ -59,7 +45,7 @@ def era5_batch(cfg: ViTConfig, indices, split: str, rows=None) -> tuple[np.ndarr
     targets (B, n_out, rows, W), float32, raw values."""
     start = _era5_start(cfg)
     if split == "valid":
-        start += sample_counts(cfg)[0] + cfg.dt  # after the last training target
+        start += era5_counts(cfg)[0] + cfg.dt  # after the last training target
     t = start + np.asarray(indices, dtype=np.int64)
     steps, where = np.unique(np.concatenate([t, t + cfg.dt]), return_inverse=True)
     fields = synthetic.era5_fields(steps, cfg.img_size, cfg.synthetic_steps_per_year, cfg.seed)
@@ -100,14 +86,12 @@ def cosmo_volumes(cfg: UNetConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
 def cosmo_dataset(cfg: UNetConfig, split: str) -> CosmoCropDataset:
     """The crops of the generated ``split`` box, as the file-backed dataset would cut them."""
     return CosmoCropDataset(f"<generated {split} box>", volumes=cosmo_volumes(cfg, split),
-                            nsamples=sample_counts(cfg)[0 if split == "train" else 1],
+                            nsamples=cfg.Nsamples if split == "train" else cfg.Nsamples_val,
                             augment=split == "train", **crop_settings(cfg))
 
 
-def batch(cfg: Config, keys, split: str, rows=None) -> tuple[np.ndarray, np.ndarray]:
-    """The samples ``keys`` ((epoch, index) pairs from the loader's sampler) of ``split``."""
-    if isinstance(cfg, ViTConfig):
-        return era5_batch(cfg, [i for _, i in keys], split, rows)
+def cosmo_batch(cfg, keys, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The crops ``keys`` ((epoch, index) pairs from the loader's sampler) of ``split``."""
     dataset = cosmo_dataset(cfg, split)
     sx, sy = dataset.sample_shapes
     x, y = np.empty((len(keys), *sx), np.float32), np.empty((len(keys), *sy), np.float32)

@@ -6,6 +6,7 @@ LOCAL_RANK device), gloo joins CPU ranks. Without those variables the run is one
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import glob
 import logging
@@ -261,11 +262,6 @@ def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> s
 # torch.OutOfMemoryError is newer than the floor; torch.cuda's is the same class where both exist.
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
-# The settings that decide the size of the model, of its activations and of a batch.
-SIZE_SETTINGS = {
-    "vit": ("img_size", "patch_size", "embed_dim", "depth", "mlp_ratio", "n_in_channels"),
-    "unet": ("base_width", "max_width", "full_scale", "data_size", "n_in_channels"),
-}
 
 
 def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | None,
@@ -279,7 +275,8 @@ def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | N
     tried = re.search(r"tried to allocate ([0-9.]+ ?[a-z]*)", str(exc), re.IGNORECASE)
     size = f" ({tried.group(0)})" if tried else ""
     device = rt.device if rt is not None else cfg.device
-    settings = ", ".join(f"{k}={getattr(cfg, k)}" for k in SIZE_SETTINGS[cfg.model])
+    settings = ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                         if f.metadata.get("size"))
     batch = rt.local_batch if rt is not None else cfg.local_batch_size or cfg.global_batch_size
     where = f" {where}" if where else ""
     return (f"out of memory on {device}{where}{size}: the model or a step does not fit with "

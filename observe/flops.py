@@ -1,8 +1,9 @@
 """Model FLOPs of a training step, and the GPU peaks that turn achieved TFLOP/s into MFU.
 
-FLOPs are counted analytically from the config, a multiply-add being 2 FLOPs, for the matrix
-products and convolutions only (biases, norms, activations, softmax and the position-embedding
-add are a fraction of a percent and left out, as ``torch.utils.flop_counter`` leaves them out).
+FLOPs are counted analytically by each task from its config (``forward_flops``), a multiply-add
+being 2 FLOPs, for the matrix products and convolutions only (biases, norms, activations,
+softmax and the position-embedding add are a fraction of a percent and left out, as
+``torch.utils.flop_counter`` leaves them out).
 A training step is forward + backward, and the backward of a layer costs twice its forward (the
 gradient of its input and of its weight): 3 x forward, the usual convention, less the input
 gradient of the first layer, which autograd never computes because the batch needs no gradient.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from settings.config import Config, UNetConfig, ViTConfig
 
 # Dense (no sparsity) peak TFLOP/s of the SXM boards, from NVIDIA's datasheets; the PCIe/NVL
 # boards run at lower clocks, so on them MFU reads high. The H200 has the H100 SXM's compute.
@@ -25,55 +25,13 @@ PEAK_TFLOPS = {
 }
 
 
-def vit_forward_flops(cfg: ViTConfig) -> tuple[int, int]:
-    """(forward FLOPs of one sample, of which the patch embedding's) for networks/vit.py."""
-    h, w = cfg.img_size
-    p, e = cfg.patch_size, cfg.embed_dim
-    n = (h // p) * (w // p)  # tokens
-    hidden = int(e * cfg.mlp_ratio)
-    embed = 2 * n * e * cfg.n_in_channels * p * p  # strided p x p conv: one (C p p -> E) per token
-    block = (2 * n * e * 3 * e  # qkv
-             + 2 * n * n * e  # scores q k^T, all heads: heads x (N x hd x N)
-             + 2 * n * n * e  # attention x V
-             + 2 * n * e * e  # proj
-             + 2 * n * e * hidden * 2)  # fc1 and fc2
-    head = 2 * n * e * cfg.n_out_channels * p * p
-    return embed + cfg.depth * block + head, embed
-
-
-def unet_forward_flops(cfg: UNetConfig) -> tuple[int, int]:
-    """(forward FLOPs of one sample, of which the first convolution's) for networks/unet.py.
-
-    Every layer is a 4^3 kernel of stride 2: a Conv3d costs 2 x C_in x C_out x 64 per output
-    voxel (the output is half the input's side), a ConvTranspose3d the same per input voxel (the
-    output is twice the input's side).
-    """
-    levels = 6 if cfg.full_scale else 5
-    widths = [min(cfg.base_width * 2**i, cfg.max_width) for i in range(levels)]
-    side = [cfg.data_size // 2**(i + 1) for i in range(levels)]  # side after down block i
-    k3 = 4**3
-    down = [2 * cin * cout * k3 * s**3
-            for cin, cout, s in zip([cfg.n_in_channels] + widths[:-1], widths, side)]
-    up = 0
-    for i in reversed(range(1, levels)):  # same layers as UNet.__init__; input side is side[i]
-        cin = widths[i] if i == levels - 1 else 2 * widths[i]
-        up += 2 * cin * widths[i - 1] * k3 * side[i]**3
-    last = 2 * (2 * widths[0]) * cfg.n_out_channels * k3 * side[0]**3
-    return sum(down) + up + last, down[0]
-
-
-def flops_per_sample(cfg: Config) -> int:
-    """Training FLOPs (forward + backward) of one sample of the serial model.
+def training_flops(forward: int, first: int) -> int:
+    """Training FLOPs (forward + backward) of one sample of the serial model from its forward
+    FLOPs and those of its first layer (the task counts both: ``forward_flops``).
 
     Under tensor/context parallelism the replica's ranks share each sample's FLOPs between
     them, so the total per sample is the same.
     """
-    if isinstance(cfg, ViTConfig):
-        forward, first = vit_forward_flops(cfg)
-    elif isinstance(cfg, UNetConfig):
-        forward, first = unet_forward_flops(cfg)
-    else:
-        raise ValueError(f"no FLOP count for model={cfg.model!r}: choose vit or unet")
     return 3 * forward - first  # the first layer computes no input gradient
 
 

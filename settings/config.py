@@ -34,7 +34,8 @@ def _f(default, help, compare=True, **checks):
     ``length``. Its type and any choices come from the annotation (``Literal[...]``).
     ``identity=True`` marks the fields that say where a config came from, not how to train;
     ``path="dir"`` a directory (never a file), ``path="out"`` a directory the run writes into
-    (``validate`` checks both, when set)."""
+    (``validate`` checks both, when set); ``size=True`` a setting that decides the size of the
+    model, of its activations or of a sample (named when memory runs out)."""
     meta = {"help": help, **checks}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), compare=compare, metadata=meta)
@@ -146,23 +147,27 @@ class Config:
         read, and nothing is written there."""
         return self.data_loader_config == "synthetic"
 
+    def check(self):
+        """The rules between a family's own settings (its class says them)."""
+
+
 
 @dataclass
 class ViTConfig(Config):
     """Vision Transformer on ERA5 fields: predict the state dt steps after the input."""
 
     img_size: list[int] = _f([360, 720], "image height and width the fields are cropped to",
-                             length=2, min=1)
-    patch_size: int = _f(8, "side of the square patches", min=1)
-    embed_dim: int = _f(384, "token width", min=1)
-    depth: int = _f(12, "number of transformer blocks", min=1)
+                             length=2, min=1, size=True)
+    patch_size: int = _f(8, "side of the square patches", min=1, size=True)
+    embed_dim: int = _f(384, "token width", min=1, size=True)
+    depth: int = _f(12, "number of transformer blocks", min=1, size=True)
     num_heads: int = _f(8, "attention heads", min=1)
-    mlp_ratio: float = _f(4.0, "MLP hidden width / embed_dim", min=0.0)
+    mlp_ratio: float = _f(4.0, "MLP hidden width / embed_dim", min=0.0, size=True)
     dropout: float = _f(0.0, "dropout probability", min=0.0, max=1.0)
     layer_norm_eps: float = _f(1e-6, "epsilon added to the variance in every LayerNorm", above=0.0)
     head_bias: bool = _f(False, "give the output head (token -> patch) a bias")
     n_in_channels: int = _f(20, "input channels (the first n of the 20 ERA5 variables)", min=1,
-                            max=20)
+                            max=20, size=True)
     n_out_channels: int = _f(20, "output channels", min=1, max=20)
     dt: int = _f(1, "forecast lead in 6-hour steps", min=1)
     limit_nsamples: Optional[int] = _f(None, "use this many training pairs, spread evenly over "
@@ -179,20 +184,40 @@ class ViTConfig(Config):
     sequence_parallel: bool = _f(True, "split the LayerNorm/residual activations over the "
                                  "tensor-parallel ranks too (false: whole on each of them)")
 
+    def check(self):
+        """The rules between this family's settings (``validate`` calls it last)."""
+        if self.data_loader_config == "device":
+            raise ConfigError("data_loader_config=device holds the U-Net's cosmology volumes on "
+                              "the training device; the ViT's ERA5 data has no such loader: use "
+                              "--data_loader_config lowmem or inmem")
+        h, w = self.img_size
+        p = self.patch_size
+        if h % p or w % p:
+            raise ConfigError(f"img_size={self.img_size} is not divisible by patch_size={p}: "
+                              f"choose a patch_size that divides {h} and {w}")
+        if self.data_is_generated and (h < 2 or w < 4):
+            raise ConfigError(f"img_size={self.img_size} is too small for generated ERA5 fields "
+                              f"(the rows run from pole to pole): use at least 2 rows and 4 "
+                              f"columns")
+        if self.embed_dim % self.num_heads:
+            ok = [n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0 and n <= 64]
+            raise ConfigError(f"num_heads={self.num_heads} does not divide embed_dim="
+                              f"{self.embed_dim}: choose one of {ok}")
+
 
 @dataclass
 class UNetConfig(Config):
     """3D U-Net on cosmology volumes: N-body fields in, hydrodynamic fields out."""
 
-    base_width: int = _f(64, "channels of the first encoder level; doubled per level", min=1)
-    max_width: int = _f(512, "cap on the channels of any level", min=1)
-    full_scale: bool = _f(True, "six levels (true) or five")
+    base_width: int = _f(64, "channels of the first encoder level; doubled per level", min=1, size=True)
+    max_width: int = _f(512, "cap on the channels of any level", min=1, size=True)
+    full_scale: bool = _f(True, "six levels (true) or five", size=True)
     conv_init_std: float = _f(0.02, "std of the normal initialisation of conv weights", min=0.0)
     leaky_relu_slope: float = _f(0.01, "negative slope of the encoder's LeakyReLUs", min=0.0)
-    n_in_channels: int = _f(4, "N-body input channels", min=1)
+    n_in_channels: int = _f(4, "N-body input channels", min=1, size=True)
     n_out_channels: int = _f(5, "hydro output channels", min=1)
     lambda_rho: float = _f(0.0, "weight of the L1 term on exp(14 x) of output channel 0", min=0.0)
-    data_size: int = _f(64, "side of the cubic crops", min=2)
+    data_size: int = _f(64, "side of the cubic crops", min=2, size=True)
     Nsamples: int = _f(65536, "training crops per epoch", min=1)
     Nsamples_val: int = _f(8192, "validation crops per validation", min=1)
     train_file: str = _f("train.h5", "training volume file under data_root")
@@ -208,8 +233,26 @@ class UNetConfig(Config):
     synthetic_size: list[int] = _f([64, 64], "train and validation box sides when synthesizing "
                                    "data", length=2, min=1)
 
+    def check(self):
+        """The rules between this family's settings (``validate`` calls it last)."""
+        levels = 6 if self.full_scale else 5
+        if self.data_size % 2**levels:
+            raise ConfigError(f"data_size={self.data_size} must be divisible by 2^{levels}="
+                              f"{2**levels} for a U-Net with full_scale={self.full_scale}")
+        for key, n in (("nbody_vector_channels", self.n_in_channels),
+                       ("hydro_vector_channels", self.n_out_channels)):
+            chans = getattr(self, key)
+            if chans and (len(chans) != 3 or any(not 0 <= c < n for c in chans)):
+                raise ConfigError(f"{key}={chans} must list 3 channel indices below {n}, or be []")
+
 
 CONFIG_CLASSES = {"vit": ViTConfig, "unet": UNetConfig}
+
+
+def register_config(model: str, config_class: type):
+    """A config class for ``model: <model>`` in a YAML config (a new problem registers its own,
+    beside its task and data set)."""
+    CONFIG_CLASSES[model] = config_class
 
 # Keys the reference tutorials used that mean something here under another name.
 RENAMED = {
@@ -540,7 +583,8 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
             raise ConfigError("--model needs a value: e.g. --model unet")
         model = str(overrides["model"]).lower()
     if model not in CONFIG_CLASSES:
-        raise ConfigError(f"model={model!r} in config '{name}' is not one of vit, unet")
+        raise ConfigError(f"model={model!r} in config '{name}' is not one of "
+                          f"{', '.join(CONFIG_CLASSES)}")
     cls = CONFIG_CLASSES[model]
     values = _apply(cls, raw, f"config '{name}' in {yaml_path}")
     cli = _apply(cls, overrides or {}, "command line")
@@ -604,34 +648,7 @@ def validate(cfg: Config):
     if cfg.num_epochs is not None and cfg.num_iters is not None:
         raise ConfigError(f"both num_epochs={cfg.num_epochs} and num_iters={cfg.num_iters} are set:"
                           f" keep one (set the other to null)")
-    if isinstance(cfg, ViTConfig):
-        if cfg.data_loader_config == "device":
-            raise ConfigError("data_loader_config=device holds the U-Net's cosmology volumes on "
-                              "the training device; the ViT's ERA5 data has no such loader: use "
-                              "--data_loader_config lowmem or inmem")
-        h, w = cfg.img_size
-        p = cfg.patch_size
-        if h % p or w % p:
-            raise ConfigError(f"img_size={cfg.img_size} is not divisible by patch_size={p}: "
-                              f"choose a patch_size that divides {h} and {w}")
-        if cfg.data_is_generated and (h < 2 or w < 4):
-            raise ConfigError(f"img_size={cfg.img_size} is too small for generated ERA5 fields "
-                              f"(the rows run from pole to pole): use at least 2 rows and 4 "
-                              f"columns")
-        if cfg.embed_dim % cfg.num_heads:
-            ok = [n for n in range(1, cfg.embed_dim + 1) if cfg.embed_dim % n == 0 and n <= 64]
-            raise ConfigError(f"num_heads={cfg.num_heads} does not divide embed_dim="
-                              f"{cfg.embed_dim}: choose one of {ok}")
-    if isinstance(cfg, UNetConfig):
-        levels = 6 if cfg.full_scale else 5
-        if cfg.data_size % 2**levels:
-            raise ConfigError(f"data_size={cfg.data_size} must be divisible by 2^{levels}="
-                              f"{2**levels} for a U-Net with full_scale={cfg.full_scale}")
-        for key, n in (("nbody_vector_channels", cfg.n_in_channels),
-                       ("hydro_vector_channels", cfg.n_out_channels)):
-            chans = getattr(cfg, key)
-            if chans and (len(chans) != 3 or any(not 0 <= c < n for c in chans)):
-                raise ConfigError(f"{key}={chans} must list 3 channel indices below {n}, or be []")
+    cfg.check()
 
 
 def to_dict(cfg: Config, identity: bool = True) -> dict:

@@ -18,7 +18,6 @@ import re
 
 import torch
 
-from settings.config import Config, ViTConfig
 from settings.errors import ConfigError
 
 _WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
@@ -61,10 +60,10 @@ def unet_from_reference(sd: dict, levels: int) -> dict:
     return out
 
 
-def load_reference_weights(model: torch.nn.Module, path: str, cfg: Config) -> None:
-    """Copy the weights of a tutorial model saved at ``path`` into the serial ``model`` built
-    from ``cfg`` (before any sharding). Every parameter must be matched: a missing, extra or
-    differently shaped tensor is a ``ConfigError`` naming it."""
+def load_reference_weights(model: torch.nn.Module, path: str, from_reference) -> None:
+    """Copy the weights of a tutorial model saved at ``path`` into the serial ``model`` (before
+    any sharding), renamed by ``from_reference(sd, model)`` (the task's). Every parameter must be
+    matched: a missing, extra or differently shaped tensor is a ``ConfigError`` naming it."""
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -79,10 +78,7 @@ def load_reference_weights(model: torch.nn.Module, path: str, cfg: Config) -> No
         if isinstance(sd.get(key), dict):
             sd = sd[key]
     sd = {_strip(k): v for k, v in sd.items()}
-    if isinstance(cfg, ViTConfig):
-        sd = vit_from_reference(sd, cfg.patch_size, cfg.n_out_channels)
-    else:
-        sd = unet_from_reference(sd, model.levels)
+    sd = from_reference(sd, model)
     own = model.state_dict()
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
     shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own[k].shape)})"

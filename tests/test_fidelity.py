@@ -181,7 +181,7 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
 
     torch.manual_seed(1)
     dst = make_task(cfg).build_model()
-    load_reference_weights(dst, str(tmp_path / "vit.pt"), cfg)
+    load_reference_weights(dst, str(tmp_path / "vit.pt"), make_task(cfg).from_reference)
     x = torch.randn(2, 20, 16, 32)
     with torch.no_grad():
         want = _tutorial_vit_output({"head.weight": sd["module.head.weight"]}, src, x, p, c)
@@ -191,10 +191,11 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
     with_bias = build_config(VIT, "base", {**SMALL_VIT, "n_out_channels": "3", "head_bias": "true"})
     with pytest.raises(ValueError, match="has no bias: set head_bias false"):
         load_reference_weights(make_task(with_bias).build_model(), str(tmp_path / "vit.pt"),
-                               with_bias)
+                               make_task(with_bias).from_reference)
     wider = build_config(VIT, "base", {**SMALL_VIT, "embed_dim": "64", "n_out_channels": "3"})
     with pytest.raises(ValueError, match="does not fit this model: .*pos_embed"):
-        load_reference_weights(make_task(wider).build_model(), str(tmp_path / "vit.pt"), wider)
+        load_reference_weights(make_task(wider).build_model(), str(tmp_path / "vit.pt"),
+                               make_task(wider).from_reference)
 
 
 def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
@@ -214,9 +215,9 @@ def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
     torch.save(sd, tmp_path / "unet.pt")
     torch.manual_seed(1)
     dst = make_task(cfg).build_model()
-    load_reference_weights(dst, str(tmp_path / "unet.pt"), cfg)
+    load_reference_weights(dst, str(tmp_path / "unet.pt"), make_task(cfg).from_reference)
     x = torch.randn(1, 4, 64, 64, 64)
     with torch.no_grad():
         assert torch.equal(dst(x), src(x))
     with pytest.raises(ValueError, match="init_from=.*: no such file"):
-        load_reference_weights(dst, str(tmp_path / "none.pt"), cfg)
+        load_reference_weights(dst, str(tmp_path / "none.pt"), make_task(cfg).from_reference)

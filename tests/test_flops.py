@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
 from settings.config import build_config
-from observe.flops import PEAK_TFLOPS, flops_per_sample, peak_tflops, tflops_per_device
+from observe.flops import PEAK_TFLOPS, peak_tflops, tflops_per_device
 from tasks import make_task
 from observe.tensorboard import NullBoard
 
@@ -50,24 +50,24 @@ def test_counter_sees_attention_in_the_math_form():
 @pytest.mark.parametrize("size", VIT_SIZES)
 def test_vit_flops_match_the_counter(size):
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "base", size)
-    assert flops_per_sample(cfg) == pytest.approx(counted_flops(cfg), rel=0.02)
+    assert make_task(cfg).flops_per_sample() == pytest.approx(counted_flops(cfg), rel=0.02)
 
 
 @pytest.mark.parametrize("size", UNET_SIZES)
 def test_unet_flops_match_the_counter(size):
     cfg = build_config(f"{ROOT}/config/UNet.yaml", "base", size)
-    assert flops_per_sample(cfg) == pytest.approx(counted_flops(cfg), rel=0.02)
+    assert make_task(cfg).flops_per_sample() == pytest.approx(counted_flops(cfg), rel=0.02)
 
 
 def test_flops_grow_with_the_model_as_expected():
     base = build_config(f"{ROOT}/config/ViT.yaml", "base", VIT_SIZES[0])
     deeper = build_config(f"{ROOT}/config/ViT.yaml", "base", dict(VIT_SIZES[0], depth=4))
-    one_block = (flops_per_sample(deeper) - flops_per_sample(base)) / 2
+    one_block = (make_task(deeper).flops_per_sample() - make_task(base).flops_per_sample()) / 2
     n, e = 4 * 8, 32
     assert one_block == 3 * (24 * n * e * e + 4 * n * n * e)  # qkv+proj+MLP, scores+PV
     # The tutorial's models: 1.44e12 (ViT) and 8.05e10 (U-Net) training FLOPs per sample.
-    vit = flops_per_sample(build_config(f"{ROOT}/config/ViT.yaml", "base"))
-    unet = flops_per_sample(build_config(f"{ROOT}/config/UNet.yaml", "base"))
+    vit = make_task(build_config(f"{ROOT}/config/ViT.yaml", "base")).flops_per_sample()
+    unet = make_task(build_config(f"{ROOT}/config/UNet.yaml", "base")).flops_per_sample()
     assert vit == pytest.approx(1.443e12, rel=1e-3) and unet == pytest.approx(8.046e10, rel=1e-3)
 
 
@@ -100,7 +100,7 @@ def test_epoch_logs_tflops(tmp_path, era5_root):
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart",
                        {"img_size": [16, 32], "patch_size": 4, "embed_dim": 32, "depth": 1,
                         "num_heads": 2})
-    expected = tflops_per_device(flops_per_sample(cfg), sps, 1)
+    expected = tflops_per_device(make_task(cfg).flops_per_sample(), sps, 1)
     assert acc.Scalars("Performance/TFLOPs per sec")[0].value == pytest.approx(expected, rel=1e-4)
 
 
@@ -137,7 +137,7 @@ def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch)
     trainer.board = RecordingBoard()
     stats = train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10, samples_per_s=8.0, data_wait=0.25)
     trainer.log_epoch(stats, trainer.validate(), 0.1)
-    tflops = flops_per_sample(cfg) * 2.0 * 4 / 1e12  # 2 steps/s of 4 samples on 1 device
+    tflops = make_task(cfg).flops_per_sample() * 2.0 * 4 / 1e12  # 2 steps/s of 4 samples on 1 device
     got = trainer.board.scalars
     assert got["Performance/TFLOPs per sec"] == pytest.approx(tflops)
     assert got["Performance/MFU"] == pytest.approx(tflops / 989.0)
@@ -216,4 +216,4 @@ def test_tensor_parallel_ranks_share_each_sample(tmp_path, era5_root):
     scalars = run_ranks(_tp2_rank, 2, ov, timeout=120)[0]
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
     sps = scalars["Avg samples per sec"]  # the replica's (the job's) samples/s
-    assert scalars["Performance/TFLOPs per sec"] == pytest.approx(flops_per_sample(cfg) * sps / 2 / 1e12)
+    assert scalars["Performance/TFLOPs per sec"] == pytest.approx(make_task(cfg).flops_per_sample() * sps / 2 / 1e12)

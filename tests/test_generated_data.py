@@ -14,6 +14,7 @@ from conftest import ROOT
 from datapipe import generated_data, synthetic
 from settings.config import build_config
 from datapipe.data_loader import build_loaders, synthesize
+from datapipe.data_sets import data_set
 from datapipe.era5_data import load_stats
 from settings.errors import ConfigError, DataError
 from tasks import make_task
@@ -120,7 +121,7 @@ def test_epochs_shards_resume_and_validation_counts(tmp_path):
     joined = np.concatenate([first(loaders.train)[0] for loaders in ranks])
     np.testing.assert_array_equal(joined, first(serial.train)[0])
     defaults = vit_cfg(tmp_path / "none", limit_nsamples="null", limit_nsamples_val="null")
-    assert generated_data.sample_counts(defaults) == (1460, 1460)
+    assert data_set(defaults).generated_counts() == (1460, 1460)
 
 
 def test_settings_generated_data_cannot_serve_refused(tmp_path):

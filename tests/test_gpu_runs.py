@@ -265,7 +265,7 @@ def test_reads_the_lines_train_py_logs_with_mfu_and_the_wait(tmp_path, era5_root
     name), as its log file holds them."""
     import train
     from test_flops import h100_trainer
-    from observe.flops import flops_per_sample
+    from tasks import make_task
 
     trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch)
     val = trainer.validate()
@@ -275,7 +275,7 @@ def test_reads_the_lines_train_py_logs_with_mfu_and_the_wait(tmp_path, era5_root
                                            samples_per_s=8.0e5, steady_samples_per_s=9.0e5,
                                            data_wait=wait), val, 0.1)
     log = open(os.path.join(trainer.run_dir, "out.log")).read()
-    tflops = flops_per_sample(cfg) * 2.0e5 * 4 / 1e12  # 2e5 steps/s of 4 samples on 1 device
+    tflops = make_task(cfg).flops_per_sample() * 2.0e5 * 4 / 1e12  # 2e5 steps/s of 4 samples on 1 device
     got = gpu_runs.read_log(log)
     assert got["samples_per_s"] == 8e5 and got["wait_pct"] == 25.0  # the second epoch's
     assert got["steady_per_s"] == 9e5

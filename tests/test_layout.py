@@ -115,3 +115,20 @@ def test_the_rule_tests_see_real_imports(tmp_path):
     f.write_text("def g():\n    from engine import checkpoint\n    import settings.errors\n"
                  "from observe.progress import Progress\n")
     assert imported(str(f)) == {"engine.checkpoint", "settings.errors", "observe.progress"}
+
+
+def test_nothing_outside_the_tasks_branches_on_the_model_family():
+    """The engine, the data and observe rooms and the entry scripts ask the task (or the data set
+    registered for the config's class); they never test which family a config is."""
+    import re
+
+    family = re.compile(r"isinstance\([^)]*(ViTConfig|UNetConfig)|\.model\s*[!=]=|\[\s*\w*cfg\.model\s*\]"
+                        r"|\[\s*config\.model\s*\]")
+    found = []
+    paths = [p for m, p in modules() if not m.startswith("tasks")]
+    paths += [os.path.join(ROOT, e) for e in ENTRIES]
+    for path in paths:
+        for n, line in enumerate(open(path), 1):
+            if family.search(line):
+                found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert not found, found

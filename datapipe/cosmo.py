@@ -1,0 +1,53 @@
+"""The cosmology problem's data (the U-Net): an N-body and a hydro volume per HDF5 file
+(``train_file``, ``val_file``), cut into randomly placed and rotated crops
+(``datapipe.cosmo_data``); synthetic boxes of the same format (``datapipe.synthetic``); and,
+for ``data_loader_config: synthetic``, the same crops cut from boxes made in memory
+(``datapipe.generated_data``). Registered for ``UNetConfig``."""
+from __future__ import annotations
+
+import os
+
+from datapipe import generated_data, synthetic
+from datapipe.cosmo_data import CosmoCropDataset, crop_settings
+from datapipe.data_sets import register
+from settings.config import UNetConfig
+
+
+class CosmoData:
+    shuffle = False  # every index is already a fresh random crop
+    row_bands = False
+
+    def __init__(self, cfg: UNetConfig):
+        self.cfg = cfg
+
+    def missing(self) -> list[str]:
+        c = self.cfg
+        return [] if os.path.exists(os.path.join(c.data_root, c.train_file)) else [c.train_file]
+
+    def synthesize(self):
+        c = self.cfg
+        synthetic.make_cosmo(c.data_root, train_size=c.synthetic_size[0],
+                             val_size=c.synthetic_size[1], seed=c.seed,
+                             train_name=c.train_file, val_name=c.val_file)
+
+    def datasets(self, rows=None):
+        c = self.cfg
+        kw = dict(crop_settings(c), inmem=c.data_loader_config == "inmem")
+        train = CosmoCropDataset(os.path.join(c.data_root, c.train_file), nsamples=c.Nsamples,
+                                 augment=True, **kw)
+        valid = CosmoCropDataset(os.path.join(c.data_root, c.val_file),
+                                 nsamples=c.Nsamples_val, augment=False, **kw)
+        return train, valid
+
+    def generated_counts(self) -> tuple[int, int]:
+        return self.cfg.Nsamples, self.cfg.Nsamples_val
+
+    def describe_generated_counts(self) -> str:
+        n_train, n_valid = self.generated_counts()
+        return f"{n_train} training and {n_valid} validation samples (Nsamples, Nsamples_val)"
+
+    def generated_batch(self, keys, split: str, rows=None):
+        return generated_data.cosmo_batch(self.cfg, keys, split)
+
+
+register(UNetConfig, CosmoData)

@@ -1,0 +1,34 @@
+"""Each science problem's data behind one interface that the loaders use, found by the class of
+the run's config (``register(config_class, data_class)``, done by the module that knows the data:
+``datapipe/era5.py``, ``datapipe/cosmo.py``, or a new problem's own file).
+
+A data class is made from the config (``data_class(cfg)``) and answers:
+
+- ``shuffle``: whether the sampler permutes the training indices (False where every index is a
+  fresh random sample anyway, such as a random crop);
+- ``row_bands``: whether training samples can be cut to a band of image rows (``rows``), as a
+  model-parallel rank of the ViT reads them;
+- ``missing()``: what ``data_root`` lacks of a data set (empty: it is there);
+- ``synthesize()``: write synthetic files of the real format under ``data_root``;
+- ``datasets(rows)``: the (training, validation) datasets read from the files;
+- ``generated_counts()``, ``describe_generated_counts()``, ``generated_batch(keys, split, rows)``:
+  ``data_loader_config: synthetic``, batches made in memory (numpy, float32, raw values).
+"""
+from __future__ import annotations
+
+from settings.errors import ConfigError
+
+_DATA = {}
+
+
+def register(config_class: type, data_class: type):
+    _DATA[config_class] = data_class
+
+
+def data_set(cfg):
+    """The data of ``cfg``'s problem (the class registered for its config class or a base)."""
+    for klass in type(cfg).__mro__:
+        if klass in _DATA:
+            return _DATA[klass](cfg)
+    raise ConfigError(f"model={cfg.model}: no data set is registered for {type(cfg).__name__}: "
+                      f"register one with datapipe.data_sets.register")

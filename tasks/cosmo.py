@@ -1,0 +1,125 @@
+"""The cosmology problem: the 3D U-Net maps N-body fields to hydrodynamic fields."""
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import torch
+
+from datapipe import generated_data
+from datapipe.formats import HYDRO_CHANNELS
+from networks.unet import UNet
+from observe.flops import training_flops
+from observe.tensorboard import comparison_image
+from settings.config import UNetConfig
+from tasks.losses import L1Rho
+from tasks.registry import register
+from tasks.reference_weights import unet_from_reference
+
+
+class CosmoTask:
+    """N-body to hydro: L1 loss (plus the density term), predict-the-mean baseline."""
+
+    baseline_name = "predict-the-mean"
+
+    def __init__(self, cfg: UNetConfig):
+        self.cfg = cfg
+        self._mean = None
+        self.channels = HYDRO_CHANNELS[: cfg.n_out_channels]
+        self.loss = L1Rho(cfg.lambda_rho)  # per-sample; loss(pred, y) or partial sums of sub-volumes
+
+    def device_batch(self, x, y):
+        """Crops are used as stored: nothing to do on the device."""
+        return x, y
+
+    def fp32_in_tf32(self) -> bool:
+        """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by
+        default in torch, unlike cuBLAS's)."""
+        return torch.backends.cudnn.allow_tf32
+
+    def build_model(self):
+        c = self.cfg
+        return UNet(in_chans=c.n_in_channels, out_chans=c.n_out_channels, base_width=c.base_width,
+                    max_width=c.max_width, full_scale=c.full_scale, conv_init_std=c.conv_init_std,
+                    leaky_relu_slope=c.leaky_relu_slope)
+
+    def metric_sums(self, pred, y) -> torch.Tensor:
+        """Mean absolute error per channel summed over the batch: (C,)."""
+        return (pred.float() - y.float()).abs().mean(dim=(2, 3, 4)).sum(dim=0)
+
+    def target_mean(self) -> np.ndarray:
+        """Per-channel mean of the training targets, from an evenly strided subsample."""
+        if self._mean is None:
+            c = self.cfg
+            if c.data_is_generated:
+                self._mean = _strided_mean(generated_data.cosmo_volumes(c, "train")[1],
+                                           c.n_out_channels)
+            else:
+                with h5py.File(os.path.join(c.data_root, c.train_file), "r") as f:
+                    self._mean = _strided_mean(f["Hydro"], c.n_out_channels)
+        return self._mean
+
+    def baseline_pred(self, x, y):
+        m = torch.as_tensor(self.target_mean(), dtype=y.dtype, device=y.device)
+        return m.view(1, -1, 1, 1, 1).expand_as(y)
+
+    def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
+        def named(values):
+            return ", ".join(f"{n} {v:.4e}" for n, v in zip(self.channels, values))
+        line = "  Val L1 per channel: " + named(metrics)
+        return [line] + ([f"  Predict-the-mean L1 per channel: {named(base)}"]
+                         if base is not None else [])
+
+    def metric_scalars(self, metrics: np.ndarray) -> dict:
+        return {f"L1({n})/valid": float(v) for n, v in zip(self.channels, metrics)}
+
+    def picture(self, x, y, pred) -> np.ndarray:
+        """Middle slice of the gas density of the first validation crop."""
+        k = y.shape[-1] // 2
+        return comparison_image(y[0, 0, :, :, k].float().cpu().numpy(),
+                                pred[0, 0, :, :, k].float().cpu().numpy(),
+                                scale=max(1, 192 // y.shape[-2]),
+                                title=f"{self.channels[0]} (log gas density), z slice {k}")
+
+    # -- what else the engine asks
+
+    shards_model = False
+
+    def forward_flops(self) -> tuple[int, int]:
+        """(forward FLOPs of one sample, of which the first convolution's) for networks/unet.py.
+
+        Every layer is a 4^3 kernel of stride 2: a Conv3d costs 2 x C_in x C_out x 64 per output
+        voxel (the output is half the input's side), a ConvTranspose3d the same per input voxel (the
+        output is twice the input's side).
+        """
+        cfg = self.cfg
+        levels = 6 if cfg.full_scale else 5
+        widths = [min(cfg.base_width * 2**i, cfg.max_width) for i in range(levels)]
+        side = [cfg.data_size // 2**(i + 1) for i in range(levels)]  # side after down block i
+        k3 = 4**3
+        down = [2 * cin * cout * k3 * s**3
+                for cin, cout, s in zip([cfg.n_in_channels] + widths[:-1], widths, side)]
+        up = 0
+        for i in reversed(range(1, levels)):  # same layers as UNet.__init__; input side is side[i]
+            cin = widths[i] if i == levels - 1 else 2 * widths[i]
+            up += 2 * cin * widths[i - 1] * k3 * side[i]**3
+        last = 2 * (2 * widths[0]) * cfg.n_out_channels * k3 * side[0]**3
+        return sum(down) + up + last, down[0]
+
+    def flops_per_sample(self) -> int:
+        return training_flops(*self.forward_flops())
+
+    def from_reference(self, sd: dict, model) -> dict:
+        """The tutorial model's weights ``sd`` under this model's names and layouts."""
+        return unet_from_reference(sd, model.levels)
+
+
+def _strided_mean(hydro, n: int) -> np.ndarray:
+    """Per-channel mean of the first n channels of a (C, L, L, L) volume (array or HDF5 dataset)
+    over every s-th voxel along each axis, s = L // 64 (at most 64^3 voxels read)."""
+    s = max(1, hydro.shape[1] // 64)
+    return np.asarray(hydro[:n, ::s, ::s, ::s], dtype=np.float64).mean(axis=(1, 2, 3))
+
+
+register(UNetConfig, CosmoTask)

@@ -1,0 +1,112 @@
+"""The ERA5 problem: the ViT forecasts the state of the atmosphere ``dt`` steps ahead."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from datapipe import generated_data
+from datapipe.era5_data import load_stats
+from datapipe.formats import ERA5_CHANNELS
+from networks.vit import ViT
+from observe.flops import training_flops
+from observe.tensorboard import comparison_image
+from settings.config import ViTConfig
+from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
+from tasks.registry import register
+from tasks.reference_weights import vit_from_reference
+
+
+class ERA5Task:
+    """One-step forecast: relative L2 loss, latitude-weighted RMSE per channel, persistence."""
+
+    baseline_name = "persistence"
+
+    def __init__(self, cfg: ViTConfig):
+        self.cfg = cfg
+        self.channels = ERA5_CHANNELS[: cfg.n_out_channels]
+        self.weights = latitude_weights(cfg.img_size[0])
+        self.loss = RelativeL2()  # per-sample; loss(pred, y) or partial sums of image bands
+        self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
+
+    def device_batch(self, x, y):
+        """Normalise a batch as delivered by the loader (raw values, on the device already) with
+        the global means and stds: the first operation of the step, on the device."""
+        if x.device not in self._stats:
+            c = self.cfg
+            means, stds = (generated_data.era5_stats(c) if c.data_is_generated
+                           else load_stats(c.data_root, max(c.n_in_channels, c.n_out_channels)))
+            mean = torch.from_numpy(means).unsqueeze(0).to(x.device)  # (1, C, 1, 1)
+            inv_std = torch.from_numpy(1.0 / stds).unsqueeze(0).to(x.device)
+            self._stats[x.device] = (mean[:, : c.n_in_channels], inv_std[:, : c.n_in_channels],
+                                     mean[:, : c.n_out_channels], inv_std[:, : c.n_out_channels])
+        mean_in, inv_std_in, mean_out, inv_std_out = self._stats[x.device]
+        return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
+
+    def fp32_in_tf32(self) -> bool:
+        """Whether fp32 FLOPs run in TF32: the ViT's are matmuls (cuBLAS's switch)."""
+        return torch.backends.cuda.matmul.allow_tf32
+
+    def build_model(self):
+        c = self.cfg
+        return ViT(img_size=c.img_size, patch_size=c.patch_size, in_chans=c.n_in_channels,
+                   out_chans=c.n_out_channels, embed_dim=c.embed_dim, depth=c.depth,
+                   num_heads=c.num_heads, mlp_ratio=c.mlp_ratio, dropout=c.dropout,
+                   layer_norm_eps=c.layer_norm_eps, head_bias=c.head_bias,
+                   activation_checkpointing=c.activation_checkpointing)
+
+    def metric_sums(self, pred, y) -> torch.Tensor:
+        """Per-channel latitude-weighted RMSE summed over the batch: (C,)."""
+        return weighted_rmse(pred, y, self.weights).sum(dim=0)
+
+    def baseline_pred(self, x, y):
+        """Persistence: tomorrow's weather is today's (needs the input channels to cover the output)."""
+        return x[:, : y.shape[1]] if x.shape[1] >= y.shape[1] else None
+
+    def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
+        parts = [f"{n} {v:.4f}" for n, v in zip(self.channels, metrics)]
+        lines = ["  Val lat-weighted RMSE (normalised units): " + ", ".join(parts)]
+        if base is not None:
+            lines.append("  Persistence RMSE: " + ", ".join(
+                f"{n} {v:.4f}" for n, v in zip(self.channels, base)))
+        return lines
+
+    def metric_scalars(self, metrics: np.ndarray) -> dict:
+        return {f"RMSE({n}m)/valid" if n in ("u10", "v10") else f"RMSE({n})/valid": float(v)
+                for n, v in zip(self.channels, metrics)}
+
+    def picture(self, x, y, pred) -> np.ndarray:
+        """u10 of the first validation sample: target | prediction | error."""
+        return comparison_image(y[0, 0].float().cpu().numpy(), pred[0, 0].float().cpu().numpy(),
+                                scale=max(1, 256 // y.shape[-1]),
+                                title=f"{self.channels[0]} one step ahead",
+                                units="(normalised units)")
+
+    # -- what else the engine asks
+
+    shards_model = True  # train_mp.py can split it over tensor/context-parallel ranks
+
+    def forward_flops(self) -> tuple[int, int]:
+        """(forward FLOPs of one sample, of which the patch embedding's) for networks/vit.py."""
+        cfg = self.cfg
+        h, w = cfg.img_size
+        p, e = cfg.patch_size, cfg.embed_dim
+        n = (h // p) * (w // p)  # tokens
+        hidden = int(e * cfg.mlp_ratio)
+        embed = 2 * n * e * cfg.n_in_channels * p * p  # strided p x p conv: one (C p p -> E) per token
+        block = (2 * n * e * 3 * e  # qkv
+                 + 2 * n * n * e  # scores q k^T, all heads: heads x (N x hd x N)
+                 + 2 * n * n * e  # attention x V
+                 + 2 * n * e * e  # proj
+                 + 2 * n * e * hidden * 2)  # fc1 and fc2
+        head = 2 * n * e * cfg.n_out_channels * p * p
+        return embed + cfg.depth * block + head, embed
+
+    def flops_per_sample(self) -> int:
+        return training_flops(*self.forward_flops())
+
+    def from_reference(self, sd: dict, model) -> dict:
+        """The tutorial model's weights ``sd`` under this model's names and layouts."""
+        return vit_from_reference(sd, self.cfg.patch_size, self.cfg.n_out_channels)
+
+
+register(ViTConfig, ERA5Task)
