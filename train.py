@@ -470,6 +470,7 @@ def run(cfg, trainer_cls=Trainer):
         trainer = trainer_cls(cfg, rt)
         trainer.stop_request = stop_request
         trainer.fit()
+        rt.barrier()  # every rank has finished before any tears its process groups down
     except RunStopped as e:
         log.info(e.message(sys.argv, rt.world_size))
         raise SystemExit(STOPPED_EXIT_CODE) from None

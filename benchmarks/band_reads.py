@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 
 from distributed.parallelize import token_layout  # noqa: E402
 from datapipe import synthetic  # noqa: E402
-from settings.config import build_config  # noqa: E402
+from settings.parse import build_config  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
 
 MB = 1e6

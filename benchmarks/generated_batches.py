@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from datapipe import generated_data  # noqa: E402
-from settings.config import ViTConfig, build_config  # noqa: E402
+from settings.config import ViTConfig  # noqa: E402
+from settings.parse import build_config  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
 
 DEFAULT = ["ViT:short", "UNet:short", "ViT:mp"]

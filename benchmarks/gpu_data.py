@@ -48,7 +48,7 @@ KINDS = ("cosmo", "era5")
 
 def cosmo_file_names() -> tuple[str, str]:
     """config/UNet.yaml's ``train_file`` and ``val_file``: the names its configs read."""
-    from settings.config import build_config
+    from settings.parse import build_config
 
     cfg = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "short", {})
     return cfg.train_file, cfg.val_file

@@ -100,7 +100,7 @@ from typing import List, Tuple
 
 from distributed.groups import ParallelGroups
 from distributed.parallelize import sequence_parallel_summary, validate_vit_layout
-from settings.config import build_config, parse_overrides
+from settings.parse import build_config, parse_overrides
 from settings.errors import ConfigError
 from engine.runtime import batch_sizes
 

@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.memory_model import Shape, predict, predict_config  # noqa: E402
-from settings.config import build_config  # noqa: E402
+from settings.parse import build_config  # noqa: E402
 
 GiB = 1024**3
 MiB = 1024**2

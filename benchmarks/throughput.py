@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.loader_timing import batches, close_loaders, measure  # noqa: E402
 from datapipe import synthetic  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
-from settings.config import build_config  # noqa: E402
+from settings.parse import build_config  # noqa: E402
 from tasks import make_task  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

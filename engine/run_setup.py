@@ -38,7 +38,8 @@ import torch.distributed as dist
 from datapipe.data_loader import check_synthesis_target, has_data, synthesize
 from engine import checkpoint
 from engine.runtime import Runtime
-from settings.config import Config, dump
+from settings.config import Config
+from settings.parse import dump
 from settings.errors import ConfigError, DataError, UserError
 
 log = logging.getLogger(__name__)

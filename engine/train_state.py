@@ -8,33 +8,27 @@ together with every rank's RNG streams; ``load_state_dict`` puts it back.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
 import torch.distributed as dist
 
 from engine import checkpoint
-from settings.config import to_dict
+from settings.config import CONFIG_CLASSES, to_dict
 from settings.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
 
 
-# Settings a resumed run may change: how long to train, how often to log and checkpoint, how the
-# data is loaded, how the work is laid out over the ranks and split into micro-batches, and where
-# the run was started from.
-# Every other setting (the model, the optimisation, the batch, the data, the seed, the precision)
-# makes a different run: a resume with another value is refused.
-MAY_CHANGE_ON_RESUME = frozenset({
-    "name", "yaml_path", "expdir", "run_num", "resume", "resume_from", "init_from", "stop_signals",
-    "device", "cudnn_benchmark", "num_epochs", "num_iters", "log_every", "checkpoint_every",
-    "checkpoint_keep", "num_data_workers", "prefetch_depth", "data_loader_config",
-    "synthesize_if_missing", "throughput_report", "profile_trace", "enable_manual_profiling",
-    "enable_jit", "enable_fused", "dist_timeout_s", "bucket_cap_mb", "disable_broadcast_buffers",
-    "tensor_parallel", "context_parallel", "parallel_order", "activation_checkpointing",
-    "sequence_parallel", "local_batch_size", "global_batch_size", "grad_accum_steps",
-    "graph_warmup_steps",
-})
+# Settings a resumed run may change (``resume=True`` in their field's metadata): how long to
+# train, how often to log and checkpoint, how the data is loaded, how the work is laid out over
+# the ranks and split into micro-batches, and where the run was started from. Every other setting
+# (the model, the optimisation, the batch, the data, the seed, the precision) makes a different
+# run: a resume with another value is refused.
+def may_change_on_resume() -> frozenset:
+    return frozenset(f.name for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)
+                     if f.metadata.get("resume"))
 
 
 def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
@@ -42,11 +36,11 @@ def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     ``"key old -> new"``. Settings one side does not know (added in another version) are skipped,
     and so are those that say how the run was resumed. The batch fields may differ as long as the
     global batch they give is the same (``TrainState.check_settings``)."""
-    allowed, refused = [], []
+    allowed, refused, may_change = [], [], may_change_on_resume()
     for key in sorted(saved.keys() & current.keys() - {"resume", "resume_from"}):
         if saved[key] != current[key]:
             change = f"{key} {saved[key]} -> {current[key]}"
-            (allowed if key in MAY_CHANGE_ON_RESUME else refused).append(change)
+            (allowed if key in may_change else refused).append(change)
     return allowed, refused
 
 

@@ -1,43 +1,37 @@
 """The entry scripts' command line: ``from_argv`` reads the settings (errors as one line, exit
 2), and ``--help`` lists the settings of the config that would run, with its values.
 
-The settings are listed in the groups the config classes declare them in (the ``# -- group``
-comments of ``settings/config.py``), each with its type or choices, the value the chosen config
+The settings are listed in the groups the config classes declare them in (``_group`` in
+``settings/config.py``), each with its type or choices, the value the chosen config
 (and any other arguments given) resolves to, marked when it differs from the built-in default,
 and its description, wrapped to 100 columns.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
 import sys
 import textwrap
 import typing
 
-from settings.config import (CONFIG_CLASSES, FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES, Config,
-                             build_config, default_value, field_types, identity_fields,
-                             load_yaml_configs, parse_overrides)
+from settings.config import CONFIG_CLASSES, Config, default_value, field_types, identity_fields
+from settings.parse import (FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES, build_config,
+                            load_yaml_configs, parse_overrides)
 from settings.errors import ConfigError
 
 WIDTH = 100
 
 
 def _groups(cls) -> dict:
-    """Field name -> the ``# -- group`` comment above it in the class bodies (base class first)."""
+    """Field name -> its ``--help`` group: the one it was declared under (``_group``), else its
+    class's name ("ViT settings")."""
     group_of = {}
     for klass in reversed(cls.__mro__):
         if not (isinstance(klass, type) and issubclass(klass, Config)):
             continue
-        current = klass.__name__.replace("Config", " settings") if klass is not Config else ""
-        for line in inspect.getsource(klass).splitlines():
-            m = re.match(r"\s+# -- ([^:]+)", line)
-            if m:
-                current = m.group(1).strip()
-                continue
-            m = re.match(r"\s+(\w+): ", line)
-            if m and m.group(1) not in group_of:
-                group_of[m.group(1)] = current
+        own = klass.__name__.replace("Config", " settings") if klass is not Config else ""
+        for f in dataclasses.fields(klass):
+            if f.name not in group_of:
+                group_of[f.name] = f.metadata.get("group") or own
     return group_of
 
 

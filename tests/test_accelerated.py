@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from settings.config import build_config
+from settings.parse import build_config
 from engine.runtime import setup_runtime
 from train import Trainer
 

@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, write_era5
 from datapipe.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
                               PinnedHostMemory, SlotLayout)
-from settings.config import build_config
+from settings.parse import build_config
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from settings.errors import DataError, TrainingError, UserError

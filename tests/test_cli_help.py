@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from settings.config import CONFIG_CLASSES, build_config, identity_fields
+from settings.config import CONFIG_CLASSES, identity_fields
+from settings.parse import build_config
 from settings.cli import settings_help
 
 

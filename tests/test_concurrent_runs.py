@@ -23,7 +23,7 @@ import pytest
 
 from conftest import ROOT, write_era5
 from engine import checkpoint, run_setup
-from settings.config import build_config
+from settings.parse import build_config
 from datapipe.data_loader import has_data
 from settings.errors import ConfigError
 

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from settings.cli import settings_help
-from settings.config import CONFIG_CLASSES, build_config, dump, parse_overrides, to_dict
+from settings.config import CONFIG_CLASSES, to_dict
+from settings.parse import build_config, dump, parse_overrides
 from settings.errors import ConfigError
 
 from conftest import ROOT

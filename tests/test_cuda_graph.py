@@ -22,7 +22,7 @@ from distributed_harness import run_ranks
 from train import Trainer
 from train_graph import GraphTrainer
 from engine import checkpoint
-from settings.config import build_config
+from settings.parse import build_config
 from engine.cuda_graph import (CapturedStep, CudaGraphOps, StepGraph, capture_warmup_steps,
                               check_can_capture)
 from settings.errors import ConfigError, TrainingError

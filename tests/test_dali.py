@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, write_cosmo_pair, write_era5
 from test_training import TINY_UNET, TINY_VIT, baseline_and_val, train
 from datapipe import dali_loader
-from settings.config import build_config
+from settings.parse import build_config
 from datapipe.dali_loader import DALILoader, EpochKeys, Handoff, handoff
 from datapipe.data_loader import build_loaders
 from settings.errors import ConfigError

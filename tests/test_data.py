@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import ERA5_MEANS, ERA5_STDS, era5_value, write_era5
-from settings.config import build_config
+from settings.parse import build_config
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from datapipe.era5_data import ERA5Dataset

@@ -34,7 +34,7 @@ import torch
 
 from conftest import ROOT, write_cosmo, write_era5
 from distributed_harness import run_ranks
-from settings.config import build_config
+from settings.parse import build_config
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from settings.errors import ConfigError
 from engine.runtime import setup_runtime

@@ -16,7 +16,7 @@ import train as train_script
 from conftest import ROOT, write_cosmo_pair
 from test_training import TINY_UNET, run_dir, train
 from datapipe import device_loader
-from settings.config import build_config
+from settings.parse import build_config
 from settings.cli import from_argv
 from datapipe.data_loader import build_loaders
 from datapipe.device_loader import VolumeNeed, check_fits, free_memory

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine import optimizer as optimizer_module
-from settings.config import build_config
+from settings.parse import build_config
 from engine.lr_schedule import lr_at
 from engine.optimizer import build_optimizer
 from tasks import make_task

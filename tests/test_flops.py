@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from settings.config import build_config
+from settings.parse import build_config
 from observe.flops import PEAK_TFLOPS, peak_tflops, tflops_per_device
 from tasks import make_task
 from observe.tensorboard import NullBoard

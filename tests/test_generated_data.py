@@ -12,7 +12,7 @@ import torch
 
 from conftest import ROOT
 from datapipe import generated_data, synthetic
-from settings.config import build_config
+from settings.parse import build_config
 from datapipe.data_loader import build_loaders, synthesize
 from datapipe.data_sets import data_set
 from datapipe.era5_data import load_stats

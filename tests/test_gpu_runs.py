@@ -20,7 +20,7 @@ from benchmarks import gpu_data, gpu_runs
 from benchmarks.gpu_runs import Run
 from conftest import ROOT
 from test_training import TINY_VIT, train
-from settings.config import build_config
+from settings.parse import build_config
 from settings.cli import from_argv
 from datapipe.data_loader import build_loaders
 from datapipe.era5_data import load_stats

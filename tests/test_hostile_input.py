@@ -33,7 +33,8 @@ import yaml
 
 from conftest import ROOT, write_era5
 from engine import checkpoint, run_setup
-from settings.config import CONFIG_CLASSES, build_config, field_types, identity_fields, to_dict
+from settings.config import CONFIG_CLASSES, field_types, identity_fields, to_dict
+from settings.parse import build_config
 from settings.cli import from_argv
 from settings.errors import ConfigError, DataError, TrainingError
 

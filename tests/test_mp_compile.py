@@ -44,7 +44,7 @@ def _eager_and_compiled_losses(data_root, expdir):
     from torch._inductor.compile_fx import compile_fx
 
     from train import Trainer
-    from settings.config import build_config
+    from settings.parse import build_config
     from engine.runtime import setup_runtime
 
     targets = []

@@ -61,7 +61,7 @@ RESUME_AT = 6
 
 def _train_rank(overrides, record_start=False):
     """Build the engine from the config, run ``fit``; per-step losses and the probe's bytes."""
-    from settings.config import build_config
+    from settings.parse import build_config
     from observe.memory import NullProbe, tensor_bytes
     from engine.runtime import setup_runtime
     from train import Trainer
@@ -182,7 +182,7 @@ def test_tp2_cp2_checkpoint_resumes_serially(runs):
 
 
 def _tiny_config(tp, cp, **extra):
-    from settings.config import build_config
+    from settings.parse import build_config
 
     return build_config(YAML, "quickstart", dict(TINY, tensor_parallel=str(tp), context_parallel=str(cp), **extra))
 
@@ -217,7 +217,7 @@ def _saved_bytes_rank(tp, cp, variants, imgs=((None, True),)):
 
     from distributed.groups import build_groups
     from distributed.parallelize import parallelize_vit, sharded_loss
-    from settings.config import build_config
+    from settings.parse import build_config
     from observe.memory import MemoryProbe
     from tasks import make_task
 

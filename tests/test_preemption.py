@@ -216,7 +216,7 @@ def test_kill_before_the_last_validation_resumes_to_it(tmp_path, data, reference
 
 
 def test_resume_and_stop_signals_settings():
-    from settings.config import build_config, parse_overrides
+    from settings.parse import build_config, parse_overrides
 
     def cfg(*argv):
         return build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",

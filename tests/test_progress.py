@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
 from train import Trainer
-from settings.config import build_config
+from settings.parse import build_config
 from observe.flops import tflops_per_device
 from observe.memory import NullProbe
 from observe.progress import DataWait, DeviceIdle, Progress, duration

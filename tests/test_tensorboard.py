@@ -9,7 +9,7 @@ from PIL import Image
 
 from conftest import ROOT, write_cosmo_pair
 from train import Trainer
-from settings.config import build_config
+from settings.parse import build_config
 from engine.runtime import setup_runtime
 from observe.tensorboard import colormap, comparison_image, text_mask
 

@@ -17,7 +17,7 @@ from conftest import ROOT, write_cosmo_pair, write_era5
 from distributed_harness import run_ranks
 from test_training import TINY_UNET, TINY_VIT, run_dir, tb_scalars, train
 from engine import throughput_report as tp
-from settings.config import build_config
+from settings.parse import build_config
 from engine.runtime import setup_runtime
 from train import Trainer
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import train
 from conftest import ROOT
 from distributed import grad_norm
-from settings.config import build_config
+from settings.parse import build_config
 from settings.errors import ConfigError
 from engine.runtime import TORCH_FLOOR, check_torch_version, choose_device, configure_cuda
 

@@ -11,6 +11,7 @@ import os
 from typing import Literal
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
@@ -18,7 +19,8 @@ from datapipe import data_sets
 from datapipe.batch_dataset import BatchReadDataset
 from distributed_harness import run_ranks
 from engine.runtime import setup_runtime
-from settings.config import Config, build_config, register_config
+from settings.config import Config, register_config
+from settings.parse import build_config
 from tasks import register
 
 WIDTH = 6
@@ -130,9 +132,23 @@ class ToyTask:
         return sd
 
 
-register_config("toy", ToyConfig)
-data_sets.register(ToyConfig, ToyData)
-register(ToyConfig, ToyTask)
+def register_toy():
+    """Register the toy problem in this process (the config family, its data set, its task)."""
+    register_config("toy", ToyConfig)
+    data_sets.register(ToyConfig, ToyData)
+    register(ToyConfig, ToyTask)
+
+
+@pytest.fixture(autouse=True)
+def toy_registered(monkeypatch):
+    """Registered for the test only: the other tests' walks over the config families do not
+    meet it."""
+    from settings.config import CONFIG_CLASSES
+    from tasks.registry import _TASKS
+
+    monkeypatch.setitem(CONFIG_CLASSES, "toy", ToyConfig)
+    monkeypatch.setitem(data_sets._DATA, ToyConfig, ToyData)
+    monkeypatch.setitem(_TASKS, ToyConfig, ToyTask)
 
 
 def write_yaml(tmp):
@@ -162,6 +178,7 @@ def train_toy(tmp, **over):
 
 
 def rank_toy(tmp):
+    register_toy()  # a fresh process
     return train_toy(tmp)
 
 
@@ -181,8 +198,6 @@ def test_the_third_task_is_its_own_config_family(tmp_path):
     generated batches."""
     cfg = toy_config(write_yaml(str(tmp_path)), width=3)
     assert isinstance(cfg, ToyConfig) and cfg.width == 3
-    import pytest
-
     from settings.errors import ConfigError
     with pytest.raises(ConfigError, match="width"):
         toy_config(str(tmp_path), width=0)

@@ -16,7 +16,7 @@ import torch
 
 from conftest import ROOT, write_cosmo, write_era5
 from train import Trainer
-from settings.config import build_config
+from settings.parse import build_config
 from settings.errors import ConfigError
 from engine.runtime import setup_runtime
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, write_cosmo_pair, write_era5
-from settings.config import build_config
+from settings.parse import build_config
 from settings.errors import ConfigError, TrainingError
 from tasks.reference_weights import vit_from_reference
 from engine.runtime import setup_runtime

@@ -34,7 +34,7 @@ RANKS_PER_NODE = 4  # submit_pm.sh's --ntasks-per-node
 def table():
     text = open(os.path.join(ROOT, "README.md")).read()
     assert SECTION in text, f"README.md has no section {SECTION!r}"
-    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     rows = []
     for line in section.splitlines():
         if not line.startswith("| `"):

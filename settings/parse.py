@@ -1,0 +1,369 @@
+"""Reading settings: a named config of a YAML file, the command line's overrides on top, each
+value coerced to its setting's type and checked against its bounds (``settings.config`` says
+both), the tutorial's spellings accepted, and the result validated; and ``dump``, the resolved
+config as YAML that reads back the same."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import typing
+from typing import Any, Literal, Optional
+
+import yaml
+
+from settings.config import (CONFIG_CLASSES, Config, default_value, field_types,
+                             identity_fields, to_dict, validate)
+from settings.errors import ConfigError
+
+RENAMED = {
+    "lr_schedule": "lr, end_lr, warmup_steps and lr_scaling",
+    "start_lr": "lr",
+    "warmup": "warmup_steps",
+    "N_out_channels": "n_out_channels",
+    "ngf": "base_width",
+}
+# Command-line flags kept from the tutorials, as (key, value) they set.
+FLAG_ALIASES = {
+    "enable_amp": ("amp_mode", "fp16"),
+    "enable_apex": ("enable_fused", True),
+    "enable_benchy": ("throughput_report", True),
+}
+# Settings and values kept from the tutorials under their names there.
+SETTING_ALIASES = {"row_parallel_size": "tensor_parallel"}
+VALUE_ALIASES = {("data_loader_config", "dali"): "dali-lowmem"}
+ENTRY_ARGS = ("yaml_config", "config")
+
+
+# ----------------------------------------------------------------------------- YAML loading
+
+
+_ENV = re.compile(r"\$\{(\w+)(:-([^}]*))?\}|\$(\w+)")
+
+
+def expand_env(value: str) -> str:
+    """Expand $VAR, ${VAR} and ${VAR:-default}; an unset variable without default is an error."""
+
+    def sub(m):
+        name = m.group(1) or m.group(4)
+        if name in os.environ and (os.environ[name] or m.group(2) is None):
+            return os.environ[name]
+        if m.group(2) is not None:
+            return m.group(3)
+        raise ConfigError(f"environment variable ${name} is not set (used in '{value}'): "
+                          f"export it, or override the value on the command line")
+
+    return _ENV.sub(sub, value)
+
+
+def load_yaml_configs(path: str) -> dict:
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--yaml_config {path}: no such file; the configs live in config/ViT.yaml "
+                          f"and config/UNet.yaml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--yaml_config {path} is a directory: name a YAML file in it, e.g. "
+                          f"config/ViT.yaml") from None
+    except (OSError, UnicodeDecodeError) as e:  # unreadable: permissions, a binary file, ...
+        raise ConfigError(f"--yaml_config {path} cannot be read ({e}): name a readable YAML "
+                          f"file, e.g. config/ViT.yaml") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--yaml_config {path} is not valid YAML: {yaml_problem(e)}") from None
+    example = "e.g. 'quickstart:' and below it, indented, 'lr: 1e-3'"
+    if doc is None:
+        raise ConfigError(f"--yaml_config {path} is empty: it must map config names to their "
+                          f"settings, {example}")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--yaml_config {path} holds a {_yaml_kind(doc)}, not a mapping of "
+                          f"config names to their settings: {example}")
+    for name, settings in doc.items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"--yaml_config {path}: config '{name}' holds a "
+                              f"{_yaml_kind(settings)}, not a mapping of settings: {example}")
+    return doc
+
+
+def _yaml_kind(value) -> str:
+    kinds = {list: "list", str: "string", int: "number", float: "number", bool: "boolean",
+             type(None): "null value"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """The parser's reason on one line, with the line and column where it found it (and where
+    the construct it was reading began): e.g. ``line 3, column 1: found character '\\t' that
+    cannot start any token (indent with spaces, not tabs)``."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        text = e.problem or e.context or "unreadable"
+        if "'\\t'" in text:
+            text += " (indent with spaces, not tabs)"
+        if isinstance(e, yaml.constructor.ConstructorError) and "tag" in text:
+            text += (" (tags such as !!python/object are not read: write plain values, lists "
+                     "and mappings)")
+        if e.context and e.problem and e.context_mark is not None:
+            text += (f" ({e.context} that starts at line {e.context_mark.line + 1}, column "
+                     f"{e.context_mark.column + 1})")
+        if e.problem_mark is not None:
+            text = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: {text}"
+    elif isinstance(e, yaml.reader.ReaderError):
+        text = (f"character {e.position + 1}: unacceptable character #x{e.character:04x} "
+                f"({e.reason}): save it as UTF-8 text")
+    else:
+        text = str(e)
+    return " ".join(text.split())
+
+
+def nearest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(choices))}"
+
+
+# ----------------------------------------------------------------------------- coercion
+
+
+def _coerce_scalar(key, value, tp):
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not an integer: give a whole number, e.g. {key}=4")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a number")
+        number = None
+        if isinstance(value, (int, float)):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads 5E-4 as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is None:
+            raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
+        if not math.isfinite(number):  # nan and inf parse as floats but are never a setting
+            raise ConfigError(f"{key}={value!r} is not a finite number: give e.g. {key}=1e-3")
+        return number
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return expand_env(str(value))
+        raise ConfigError(f"{key}={value!r} is not a string")
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _check_bounds(key, v, meta):
+    if "min" in meta and v < meta["min"]:
+        raise ConfigError(f"{key}={v} must be >= {meta['min']}")
+    if "max" in meta and v > meta["max"]:
+        raise ConfigError(f"{key}={v} must be <= {meta['max']}")
+    if "above" in meta and v <= meta["above"]:
+        raise ConfigError(f"{key}={v} must be > {meta['above']}")
+    if "below" in meta and v >= meta["below"]:
+        raise ConfigError(f"{key}={v} must be < {meta['below']}")
+
+
+def _coerce_mixed_choice(key, value, choices):
+    """``value`` as the first of ``choices``' types that reads it as a choice (e.g. ``resume``:
+    false, true or "auto"; "yes" reads as true, "auto" as the string)."""
+    for tp in dict.fromkeys(type(c) for c in choices):
+        try:
+            v = _coerce_scalar(key, value, tp)
+        except ConfigError:
+            continue
+        if v in choices:
+            return v
+    return value
+
+
+def _coerce_item(key, value, tp, meta):
+    """One value of type ``tp`` (a scalar type or ``Literal[...]``), checked against ``meta``."""
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        v = _coerce_mixed_choice(key, value, choices) if len({type(c) for c in choices}) > 1 \
+            else _coerce_scalar(key, value, type(choices[0]))
+        if v not in choices:
+            raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(str, choices))}: "
+                              f"{nearest(str(v), [str(c) for c in choices])}")
+        return v
+    v = _coerce_scalar(key, value, tp)
+    _check_bounds(key, v, meta)
+    return v
+
+
+def coerce(cls, key: str, value: Any):
+    """``value`` (from YAML or the command line) as the type of ``cls``'s field ``key``, checked."""
+    tp = field_types(cls)[key]
+    meta = {f.name: f for f in dataclasses.fields(cls)}[key].metadata
+    if typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp):  # Optional
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value if value.strip().startswith("[") else f"[{value}]")
+            except yaml.YAMLError:
+                pass
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} is not a list: give e.g. {key}=[1,2]")
+        (item,) = typing.get_args(tp)
+        out = [_coerce_item(f"{key}[{i}]", v, item, meta) for i, v in enumerate(value)]
+        if "length" in meta and len(out) != meta["length"]:
+            raise ConfigError(f"{key}={out} must have {meta['length']} entries, e.g. "
+                              f"{key}={default_value(cls, key)}")
+        return out
+    return _coerce_item(key, value, tp, meta)
+
+
+def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
+    """Split ``--key value``, ``--key=value`` and bare ``--flag`` arguments.
+
+    Returns (entry arguments, overrides) in command-line order; values stay strings (or True
+    for a bare flag) and are typed later against the config class.
+    """
+    entry, overrides = {}, {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument '{arg}': settings are given as --key value")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                val = argv[i + 1]
+                i += 1
+            else:
+                val = True
+        key = key.replace("-", "_") if key.replace("-", "_") in ENTRY_ARGS else key
+        if key in ENTRY_ARGS and val is True:
+            example = "config/ViT.yaml" if key == "yaml_config" else "quickstart"
+            raise ConfigError(f"--{key} needs a value: e.g. --{key} {example}")
+        (entry if key in ENTRY_ARGS else overrides)[key] = val
+        i += 1
+    return entry, overrides
+
+
+def _apply(cls, values: dict, source: str) -> dict:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    aliased = {}  # setting -> the flag alias that set it
+    for key, val in values.items():
+        key = SETTING_ALIASES.get(key, key)
+        if isinstance(val, str):
+            val = VALUE_ALIASES.get((key, val), val)
+        if key in FLAG_ALIASES:
+            target, alias_val = FLAG_ALIASES[key]
+            if _coerce_scalar(key, val, bool):
+                out[target] = coerce(cls, target, alias_val)
+                aliased[target] = key
+            continue
+        if key in identity_fields(cls):
+            raise ConfigError(f"'{key}' is not a setting ({source}): the config's name and file are "
+                              f"chosen with --config and --yaml_config; remove '{key}'")
+        if key not in fields:
+            if key in RENAMED and RENAMED[key]:
+                hint = f"use {RENAMED[key]}"
+            else:
+                hint = nearest(key, fields - set(identity_fields(cls)))
+            raise ConfigError(f"unknown setting '{key}' ({source}): {hint}")
+        out[key] = _coerce_given(cls, key, val, source)
+    for target, alias in aliased.items():
+        _check_alias(cls, alias, target, values.get(target), source)
+    return out
+
+
+def _coerce_given(cls, key, val, source):
+    """``coerce``, saying so when a command-line setting was given without its value (a bare
+    ``--lr`` reads as true)."""
+    try:
+        return coerce(cls, key, val)
+    except ConfigError:
+        if val is True and source == "command line":
+            raise ConfigError(f"--{key} needs a value: e.g. --{key} {default_value(cls, key)}") from None
+        raise
+
+
+def _check_alias(cls, alias, target, given, source):
+    """A flag alias (``--enable_amp``) and its setting (``--amp_mode bf16``) given together must
+    agree: which one should win is not for the program to guess."""
+    if given is not None and coerce(cls, target, given) != coerce(cls, target,
+                                                                  FLAG_ALIASES[alias][1]):
+        raise ConfigError(f"--{alias} means {target}={FLAG_ALIASES[alias][1]} but {target}="
+                          f"{given} is also given ({source}): keep one of them")
+
+
+def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) -> Config:
+    """The named config of the YAML file with overrides applied, typed and validated."""
+    configs = load_yaml_configs(yaml_path)
+    if name not in configs:
+        raise ConfigError(f"--config {name}: no such config in {yaml_path}: {nearest(name, configs)} "
+                          f"(available: {', '.join(configs)})")
+    raw = dict(configs[name])
+    model = str(raw.get("model", "vit")).lower()
+    if isinstance(overrides, dict) and "model" in overrides:
+        if overrides["model"] is True:  # a bare --model
+            raise ConfigError("--model needs a value: e.g. --model unet")
+        model = str(overrides["model"]).lower()
+    if model not in CONFIG_CLASSES:
+        raise ConfigError(f"model={model!r} in config '{name}' is not one of "
+                          f"{', '.join(CONFIG_CLASSES)}")
+    cls = CONFIG_CLASSES[model]
+    values = _apply(cls, raw, f"config '{name}' in {yaml_path}")
+    cli = _apply(cls, overrides or {}, "command line")
+    # num_epochs and num_iters are alternatives: the one given on the command line wins.
+    if "num_epochs" in cli and "num_iters" not in cli:
+        values.pop("num_iters", None)
+    if "num_iters" in cli and "num_epochs" not in cli:
+        values.pop("num_epochs", None)
+    _choose_batch_setting(values, cli)
+    values.update(cli)
+    cfg = cls(name=name, yaml_path=yaml_path, **values)
+    validate(cfg)
+    return cfg
+
+
+def _choose_batch_setting(values: dict, cli: dict):
+    """global_batch_size and local_batch_size are alternatives: the one given on the command line
+    wins over the config's; both on the command line are refused (local_batch_size, when set,
+    decides the global batch: local x data-parallel ranks)."""
+    if "global_batch_size" in cli and cli.get("local_batch_size") is not None:
+        raise ConfigError(f"both --global_batch_size {cli['global_batch_size']} and "
+                          f"--local_batch_size {cli['local_batch_size']} are given: keep one "
+                          f"(local_batch_size sets the global batch to local x data-parallel "
+                          f"ranks); for larger steps than fit in memory use --grad_accum_steps")
+    if "global_batch_size" in cli and "local_batch_size" not in cli:
+        values["local_batch_size"] = None
+
+
+def dump(cfg: Config, derived: Optional[dict] = None) -> str:
+    """The resolved config as YAML that ``--yaml_config`` reads back under the same name.
+
+    The settings go under the config's name; the file it was read from and the ``derived``
+    values (the per-rank batch, the peak lr, ...) are comment lines above them."""
+    text = yaml.safe_dump({cfg.name: to_dict(cfg, identity=False)}, sort_keys=False,
+                          default_flow_style=None)
+    notes = {"read from": cfg.yaml_path} if cfg.yaml_path else {}
+    notes.update(derived or {})
+    return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text
