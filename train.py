@@ -105,7 +105,8 @@ class Trainer:
         self.flops_per_sample = self.task.flops_per_sample()  # forward + backward, one sample
 
         self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.peak_lr, self.device,
+        self.optimizer = build_optimizer(self.model.parameters(), self.peak_lr, cfg.adam_betas,
+                                         cfg.enable_fused, self.device,
                                          for_cuda_graph=self.captures_step)
         self.scheduler = build_scheduler(self.optimizer, self.peak_lr, cfg.end_lr,
                                          cfg.warmup_steps, self.total_steps)

@@ -39,7 +39,7 @@ import os
 import platform
 import tempfile
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -47,8 +47,10 @@ import torch
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.era5_data import ERA5Dataset
 from datapipe.rotations import ROTATIONS
-from settings.config import Config
 from settings.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import Config
 
 INSTALL = "pip install -r requirements-dali.txt"
 PLATFORMS = {("Linux", "x86_64"), ("Linux", "aarch64")}  # where nvidia-dali wheels exist

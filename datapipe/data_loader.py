@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,8 +32,10 @@ from torch.utils.data import Sampler
 
 from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
 from datapipe.data_sets import data_set
-from settings.config import Config
 from settings.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import Config
 
 log = logging.getLogger(__name__)
 

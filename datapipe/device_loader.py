@@ -50,6 +50,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -58,8 +59,10 @@ import torch
 from datapipe.batch_dataset import read_float32
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.rotations import ROTATIONS, rotate_into
-from settings.config import UNetConfig
 from settings.errors import ConfigError, DataError
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import UNetConfig
 
 log = logging.getLogger(__name__)
 

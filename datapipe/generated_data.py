@@ -19,13 +19,16 @@ serves for every step (``CachedBatchLoader``); the samples are those of the real
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from datapipe import synthetic
 from datapipe.cosmo_data import CosmoCropDataset, crop_settings
 from datapipe.era5_data import check_rows
-from settings.config import UNetConfig, ViTConfig
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import UNetConfig, ViTConfig
 
 ERA5_STEPS_PER_YEAR = 1460  # 6-hourly steps in a year: the generated ERA5 sets' default size
 ERA5_STATS_STEPS = 8  # steps, evenly spread over a year, behind the normalisation statistics

@@ -52,6 +52,7 @@ from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatte
                                   all_reduce_fwd_identity_bwd, eager_apply,
                                   identity_fwd_all_reduce_bwd, reduce_scatter_along,
                                   reduce_scatter_fwd_all_gather_bwd)
+from networks.vit import patch_grid
 
 __all__ = ["ShardSpec", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
            "TokenShardedLayerNorm", "ParallelBlock", "ParallelPatchEmbed", "ReplicatedDropout",
@@ -726,18 +727,15 @@ class ParallelPatchEmbed(nn.Module):
                  band_axes: Sequence[str] = ("cp", "tp"), reduce_over: Optional[Sequence[str]] = None, dtype=None,
                  device=None):
         super().__init__()
-        h, w = img_size
-        if h % patch_size or w % patch_size:
-            raise ValueError(f"img_size={list(img_size)} is not divisible by patch_size={patch_size}")
         self.band_axes = tuple(band_axes)
-        self.grid = (h // patch_size, w // patch_size)
+        self.grid = patch_grid(img_size, patch_size)
         chunks, index = axes_index(groups, self.band_axes)
         if chunks > self.grid[0]:
             names = " x ".join(f"{'context_parallel' if a == 'cp' else 'tensor_parallel'}={groups.size(a)}"
                                for a in self.band_axes)
-            raise ValueError(f"{names} = {chunks} bands exceed the {self.grid[0]} patch rows (img height {h} / "
-                             f"patch_size {patch_size}): every band needs a whole patch row; use at most "
-                             f"{self.grid[0]} bands")
+            raise ValueError(f"{names} = {chunks} bands exceed the {self.grid[0]} patch rows "
+                             f"(img height {img_size[0]} / patch_size {patch_size}): every band needs a "
+                             f"whole patch row; use at most {self.grid[0]} bands")
         self.patch_size, self.chunks = patch_size, chunks
         self.rows = split_bounds(self.grid[0], chunks, index)  # this rank's patch rows [start, stop)
         self.local_grid = (self.rows[1] - self.rows[0], self.grid[1])

@@ -74,16 +74,11 @@ from distributed.layers import (ParallelBlock, ParallelPatchEmbed, ReplicatedDro
                                 mark_module_replicated, serial_state_dict, sharded_parameter,
                                 split_bounds, tensors_from_serial, tensors_to_serial)
 from distributed.mappings import all_gather_fwd_split_bwd, all_reduce_fwd_identity_bwd
+from networks.vit import patch_grid
 
 __all__ = ["ParallelViT", "parallelize_vit", "validate_vit_layout", "TokenLayout", "token_layout",
            "sequence_parallel_summary", "sharded_loss", "serial_state_dict", "load_serial_state_dict",
            "tensors_to_serial", "tensors_from_serial"]
-
-
-def _patch_rows(img_size, patch_size: int) -> int:
-    if img_size[0] % patch_size or img_size[1] % patch_size:
-        raise ValueError(f"img_size={list(img_size)} is not divisible by patch_size={patch_size}")
-    return img_size[0] // patch_size
 
 
 @dataclass(frozen=True)
@@ -181,7 +176,7 @@ def token_layout(img_size, patch_size: int, tp: int, cp: int, sequence_parallel:
     ``sequence_parallel=False``: split over cp only, every tp rank of a cp rank holds the same
     tokens (plain Megatron tensor parallelism).
     """
-    rows = _patch_rows(img_size, patch_size)
+    rows = patch_grid(img_size, patch_size)[0]
     if cp > rows:
         raise ValueError(
             f"context_parallel={cp} exceeds the {rows} patch rows (img height {img_size[0]} / patch_size "

@@ -30,12 +30,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from observe.memory import NullProbe
-from settings.config import Config
 from settings.errors import ConfigError, TrainingError
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ def fused_unavailable(params: list, device: torch.device) -> str:
     return ""
 
 
-def build_optimizer(params, cfg, lr: float, device: torch.device,
+def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
                     for_cuda_graph: bool = False) -> torch.optim.Adam:
-    """Adam over ``params`` with learning rate ``lr`` and betas ``cfg.adam_betas``, no weight decay.
+    """Adam over ``params`` with learning rate ``lr`` and ``betas``, no weight decay.
 
-    ``cfg.enable_fused`` asks for the fused kernel (one launch for all parameters); where it is
+    ``fused`` (the setting ``enable_fused``) asks for the fused kernel (one launch for all parameters); where it is
     unavailable the default implementation runs instead, after a warning. Both give the same
     updates up to rounding.
 
@@ -48,14 +48,14 @@ def build_optimizer(params, cfg, lr: float, device: torch.device,
     its step counts on the device; torch offers that on GPUs only, so elsewhere (tests on a CPU)
     the same optimizer is built without it."""
     params = list(params)
-    kw = dict(lr=lr, betas=tuple(cfg.adam_betas))
+    kw = dict(lr=lr, betas=tuple(betas))
     if for_cuda_graph:
         why = fused_unavailable(params, device)
         if why:
             raise ConfigError(f"train_graph.py needs the fused Adam kernel ({why}): use train.py")
         kw["lr"] = torch.tensor(float(lr), device=device)
         return torch.optim.Adam(params, fused=True, capturable=device.type == "cuda", **kw)
-    if cfg.enable_fused:
+    if fused:
         why = fused_unavailable(params, device)
         if not why:
             return torch.optim.Adam(params, fused=True, **kw)

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,7 +30,9 @@ from distributed.grad_norm import clip_grad_norm
 from distributed.parallelize import parallelize_vit
 from engine.runtime import Runtime
 from engine.sharding import RowBandSharding, Unsharded
-from settings.config import Config
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import Config
 
 log = logging.getLogger(__name__)
 

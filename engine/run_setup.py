@@ -32,15 +32,18 @@ import shutil
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from datapipe.data_loader import check_synthesis_target, has_data, synthesize
 from engine import checkpoint
 from engine.runtime import Runtime
-from settings.config import Config
 from settings.parse import dump
 from settings.errors import ConfigError, DataError, UserError
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,17 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from distributed.groups import ParallelGroups, build_groups, validate_parallel_config
 from distributed.parallelize import validate_vit_layout
-from settings.config import Config, ViTConfig
 from settings.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import Config, ViTConfig
 
 log = logging.getLogger(__name__)
 

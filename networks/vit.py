@@ -10,18 +10,21 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+def patch_grid(img_size, patch_size: int) -> tuple[int, int]:
+    """(rows, columns) of p x p patches of an image: ValueError unless p divides both sides."""
+    h, w = img_size
+    if h % patch_size or w % patch_size:
+        raise ValueError(f"img_size={list(img_size)} is not divisible by patch_size={patch_size}: "
+                         f"choose a patch_size that divides both {h} and {w}")
+    return h // patch_size, w // patch_size
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping p x p patches, each projected to ``embed_dim`` by a strided convolution."""
 
     def __init__(self, img_size, patch_size, in_chans, embed_dim):
         super().__init__()
-        h, w = img_size
-        if h % patch_size or w % patch_size:
-            raise ValueError(
-                f"img_size={list(img_size)} is not divisible by patch_size={patch_size}: "
-                f"choose a patch_size that divides both {h} and {w}"
-            )
-        self.grid = (h // patch_size, w // patch_size)
+        self.grid = patch_grid(img_size, patch_size)
         self.num_patches = self.grid[0] * self.grid[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 

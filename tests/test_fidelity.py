@@ -54,7 +54,8 @@ def test_vit_base_has_the_tutorial_norms_head_and_betas():
     assert len(norms) == 2 * 2 + 1 and {m.eps for m in norms} == {1e-6}
     assert model.head.bias is None and "head.bias" not in model.state_dict()
     assert all(torch.isfinite(p).all() for p in model.parameters())  # initialised without a bias
-    opt = build_optimizer(model.parameters(), cfg, 1e-3, torch.device("cpu"))
+    opt = build_optimizer(model.parameters(), 1e-3, cfg.adam_betas, cfg.enable_fused,
+                          torch.device("cpu"))
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0
     # head_bias / layer_norm_eps as settings
     other = make_task(build_config(VIT, "base", {**SMALL_VIT, "head_bias": "true",
@@ -106,7 +107,8 @@ def test_activation_checkpointing_gives_the_same_output_and_gradients(dropout):
 def _step_results(opt_kwargs_cfg, monkeypatch=None):
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(5, 3))
-    opt = build_optimizer([w], opt_kwargs_cfg, 1e-2, torch.device("cpu"))
+    opt = build_optimizer([w], 1e-2, opt_kwargs_cfg.adam_betas, opt_kwargs_cfg.enable_fused,
+                          torch.device("cpu"))
     for _ in range(3):
         opt.zero_grad()
         (w ** 3).sum().backward()
@@ -140,7 +142,7 @@ def test_fused_adam_falls_back_with_a_warning(monkeypatch, caplog):
 def test_fused_adam_refused_for_unsupported_parameters():
     cfg = build_config(VIT, "base", {"enable_fused": "true"})
     meta = nn.Parameter(torch.zeros(3, device="meta"))  # a device without fused kernels
-    opt = build_optimizer([meta], cfg, 1e-3, torch.device("cpu"))
+    opt = build_optimizer([meta], 1e-3, cfg.adam_betas, cfg.enable_fused, torch.device("cpu"))
     assert not opt.defaults.get("fused")
 
 

@@ -1,7 +1,8 @@
 """The house rules of the library's layout, read from the source (no imports run):
 
 - imports run one way: the entry scripts -> engine / tasks -> datapipe / observe -> settings,
-  with networks/ and distributed/ as libraries that import none of the rooms;
+  with networks/ and distributed/ as libraries that import none of the rooms (distributed/
+  uses networks/: it turns the serial ViT into its sharded form);
 - no module imports itself back through others (no cycles, function-level imports included);
 - the data and observe rooms never see a Trainer;
 - train.py takes its project imports from at most five packages.
@@ -18,7 +19,7 @@ ALLOWED = {
     "datapipe": {"settings"},
     "observe": {"settings"},
     "settings": set(),
-    "distributed": set(),
+    "distributed": {"networks"},
     "networks": set(),
 }
 ENTRIES = ("train.py", "train_mp.py", "train_graph.py")
@@ -132,3 +133,31 @@ def test_nothing_outside_the_tasks_branches_on_the_model_family():
             if family.search(line):
                 found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
     assert not found, found
+
+
+def runtime_imports(path):
+    """Modules a file imports when it runs: ``if TYPE_CHECKING:`` blocks (annotations) skipped."""
+    tree = ast.parse(open(path).read(), path)
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                   "typing.TYPE_CHECKING"):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_few_library_files_depend_on_the_settings_schema():
+    """Outside settings/, the schema (settings.config) is imported by at most 8 library files:
+    those that declare or register a config family, or read all settings of one. The rest get
+    the config as an object, or the values they use."""
+    users = sorted(os.path.relpath(p, ROOT) for m, p in modules()
+                   if not m.startswith("settings") and "settings.config" in runtime_imports(p))
+    assert len(users) <= 8, users
