@@ -443,7 +443,6 @@ class _Pass:
         self.served = 0  # batches handed out
         self.pending = None  # the keys of the next batch to send, drawn but not sent yet
         self.exhausted = False  # the sampler has no more keys
-        self.ended = False
         if loader.num_workers:
             loader._send_ahead(self)  # the workers start on the first batches now
 
@@ -510,9 +509,7 @@ class BatchLoader:
     def _end_pass(self):
         """End the current pass: its batches still in flight are dropped (their slots back to
         the pool once their parts are answered: at once for those skipped)."""
-        if self.current is not None:
-            self.current.ended = True
-            self.current = None
+        self.current = None
         for b in self.in_flight.values():
             b.stale = True
         while self.in_flight:
@@ -542,7 +539,6 @@ class BatchLoader:
         return batch
 
     def _finish(self, p: _Pass):
-        p.ended = True
         if self.current is p:
             self.current = None
 
@@ -656,8 +652,6 @@ class BatchLoader:
         """End the workers now (SIGKILL: they hold nothing to clean up) and give back the pool;
         batches still referenced stay valid. A later ``iter()`` starts afresh."""
         workers, self.workers = self.workers, None
-        if self.current is not None:
-            self.current.ended = True
         self.current = None
         self.in_flight.clear()
         for w in workers or ():

@@ -16,19 +16,8 @@ A data class is made from the config (``data_class(cfg)``) and answers:
 """
 from __future__ import annotations
 
-from settings.errors import ConfigError
+from settings.registry import ByConfigClass
 
-_DATA = {}
-
-
-def register(config_class: type, data_class: type):
-    _DATA[config_class] = data_class
-
-
-def data_set(cfg):
-    """The data of ``cfg``'s problem (the class registered for its config class or a base)."""
-    for klass in type(cfg).__mro__:
-        if klass in _DATA:
-            return _DATA[klass](cfg)
-    raise ConfigError(f"model={cfg.model}: no data set is registered for {type(cfg).__name__}: "
-                      f"register one with datapipe.data_sets.register")
+_DATA = ByConfigClass("data set", "datapipe.data_sets.register")
+register = _DATA.register
+data_set = _DATA.make  # the data of ``cfg``'s problem

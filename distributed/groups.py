@@ -96,14 +96,6 @@ def rank_coords(rank: int, sizes: Dict[str, int], order: Sequence[str]) -> Dict[
     return coords
 
 
-def _rank_of(coords: Dict[str, int], sizes: Dict[str, int], order: Sequence[str]) -> int:
-    rank, stride = 0, 1
-    for name in order:
-        rank += coords[name] * stride
-        stride *= sizes[name]
-    return rank
-
-
 def group_ranks(world_size: int, tensor_parallel: int = 1, context_parallel: int = 1,
                 parallel_order: Union[str, Sequence[str]] = "tp-cp-dp") -> Dict[str, List[List[int]]]:
     """Rank lists of every group, without creating process groups.

@@ -147,8 +147,8 @@ def toy_registered(monkeypatch):
     from tasks.registry import _TASKS
 
     monkeypatch.setitem(CONFIG_CLASSES, "toy", ToyConfig)
-    monkeypatch.setitem(data_sets._DATA, ToyConfig, ToyData)
-    monkeypatch.setitem(_TASKS, ToyConfig, ToyTask)
+    monkeypatch.setitem(data_sets._DATA.classes, ToyConfig, ToyData)
+    monkeypatch.setitem(_TASKS.classes, ToyConfig, ToyTask)
 
 
 def write_yaml(tmp):
