@@ -32,8 +32,9 @@ from engine.lr_schedule import build_scheduler, peak_lr, resumed_schedule
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
 from engine.preemption import NeverStop, RunStopped, StopRequest
-from engine.run_setup import (ensure_data, find_resume_checkpoint, log_run_header,
-                              release_run_locks, resolve_run_num, run_dir_for, write_config)
+from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_checkpoint,
+                              log_run_header, release_run_locks, resolve_run_num, run_dir_for,
+                              write_config)
 from engine.runtime import (Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.train_state import TrainState
@@ -452,6 +453,8 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
         if trainer is not None:
             trainer.board.close()
         release_run_locks()  # (os._exit runs no exit hooks)
+        if trainer is None:
+            discard_unstarted_run()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -490,6 +493,8 @@ def run(cfg, trainer_cls=Trainer):
         if trainer is not None:
             trainer.loaders.close()
         release_run_locks()  # the run directory is free for another process (also on errors)
+        if trainer is None:  # the start failed in set-up: it leaves no run behind
+            discard_unstarted_run()
         if rt is not None:
             rt.shutdown()
         stop_request.restore()

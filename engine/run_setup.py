@@ -84,10 +84,15 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
 
 def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
     """(run name, how it was chosen) of the run directory this process now holds the lock of."""
+    _created.clear()
+    _created_run[0] = None
     if cfg.run_num != AUTO:
         run_dir = run_dir_for(cfg, world_size)
+        existed = os.path.isdir(run_dir)
         _make_dirs(cfg, run_dir)
         note = lock_run_dir(run_dir)
+        if not existed:
+            _created_run[0] = os.path.abspath(run_dir)
         return cfg.run_num, f"--run_num {cfg.run_num}: {note}" if note else ""
     parent = os.path.dirname(run_dir_for(cfg, world_size))
     runs = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
@@ -123,15 +128,48 @@ def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
         except RunInUse:  # a run started with --run_num <number> locked it first
             number += 1
             continue
+        _created.append(os.path.abspath(run_dir))
+        _created_run[0] = os.path.abspath(run_dir)
         return str(number), (f"--run_num auto: the next free number under {parent}"
                              + (f"; {note}" if note else ""))
 
 
 def _make_dirs(cfg: Config, path: str):
+    """``os.makedirs``, noting the directories it creates (``discard_unstarted_run``)."""
+    missing, probe = [], os.path.abspath(path)
+    while not os.path.exists(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise _cannot_create(cfg, path, e) from None
+    _created.extend(reversed(missing))
+
+
+# The directories this process created for the run it is starting, outermost first: a start that
+# fails in set-up removes them again, so that it leaves no run behind (nor uses up its number).
+_created: list[str] = []
+_created_run: list[str | None] = [None]  # the run directory itself, when this process made it
+
+
+def discard_unstarted_run():
+    """After a start that failed before training (in set-up): remove the run directory this
+    process created for it (its out.log and lock with it) and the parents it created, when they
+    are empty. A run directory that existed before (a named run, a resumed one) stays."""
+    root = logging.getLogger()
+    for path in reversed(_created):
+        for h in list(root.handlers):  # out.log: closed before its directory goes
+            if isinstance(h, logging.FileHandler) and h.baseFilename.startswith(path + os.sep):
+                root.removeHandler(h)
+                h.close()
+        if path == _created_run[0] and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # only when empty: another run may have come meanwhile
+    _created.clear()
+    _created_run[0] = None
 
 
 def _cannot_create(cfg: Config, path: str, e: OSError) -> ConfigError:
