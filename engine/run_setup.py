@@ -48,8 +48,16 @@ if TYPE_CHECKING:  # annotations only: the settings are read by name
 log = logging.getLogger(__name__)
 
 
+COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the config's real runs
+
+
 def run_dir_for(cfg: Config, world_size: int) -> str:
-    return os.path.join(cfg.expdir, cfg.name, str(world_size), str(cfg.run_num))
+    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (``data_loader_config
+    synthetic``: compute-only timing, its losses those of one repeated batch) under
+    ``<config>-synthetic``, so that neither TensorBoard's run list nor a bare ``--resume`` takes
+    it for a run of the config."""
+    name = cfg.name + (COMPUTE_ONLY if cfg.data_is_generated else "")
+    return os.path.join(cfg.expdir, name, str(world_size), str(cfg.run_num))
 
 
 AUTO = "auto"

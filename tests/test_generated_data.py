@@ -165,6 +165,16 @@ def test_trains_without_data_and_leaves_data_root_alone(tmp_path, model):
     losses = [float(v) for v in
               re.findall(r"step \d+/\d+ \(\d+%\): .*train loss ([0-9.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0], out[-2000:]  # one batch: it is learnt
+    # kept apart from the config's real runs: its own name, never picked by a bare --resume
+    name = "quickstart"
+    assert os.listdir(tmp_path / "logs") == [f"{name}-synthetic"], os.listdir(tmp_path / "logs")
+    assert (tmp_path / "logs" / f"{name}-synthetic" / "1" / "0" / "checkpoints").is_dir()
+    r = subprocess.run([sys.executable, "train.py", *args, *common[2:], "--resume"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--resume: no run under" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "train.py", *args, *common, "--resume", "--num_iters",
+                        "12"], cwd=ROOT, capture_output=True, text=True)  # asked for: resumed
+    assert r.returncode == 0 and "Resumed from" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_start_up_benchmark_times_both_models():
