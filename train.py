@@ -408,6 +408,7 @@ class Trainer:
 
     def fit(self):
         log.info("Starting training loop...")
+        t_start = time.time()
         validated = False
         # step_in_epoch > 0 at the end: a stop or a kill came after the last step's checkpoint
         # but before that epoch's validation, which is then run here (train_epoch takes no step).
@@ -432,6 +433,21 @@ class Trainer:
         self.board.close()
         self.loaders.close()
         log.info(f"Done: {self.iteration} steps, checkpoints in {self.ckpt_dir}")
+        for line in self.summary(time.time() - t_start, validated):
+            log.info(line)
+
+    def summary(self, wall_s: float, validated: bool) -> list[str]:
+        """The closing lines: the final validation loss beside the baseline, the wall time, where
+        the run is and how to look at it."""
+        lines = [f"Summary: {self.cfg.name} run {self.cfg.run_num}, {wall_s:.1f} s of training "
+                 f"and validation"]
+        val = self.last_val if validated else None
+        if val is not None:
+            lines.append(f"  Final validation loss {val['loss']:.6g} ({self.task.baseline_name} "
+                         f"baseline {val['baseline_loss']:.6g}) after {self.iteration} steps")
+        lines.append(f"  Run directory: {self.run_dir}")
+        lines.append(f"  Look at it: tensorboard --logdir {self.cfg.expdir}")
+        return lines
 
 
 # ---------------------------------------------------------------------- entry point

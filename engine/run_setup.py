@@ -596,10 +596,10 @@ def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
     """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml``
     (a resumed run keeps the file of the run it continues)."""
     path = os.path.join(run_dir, "config.yaml")
-    log.info("Resolved config:\n" + dump(cfg, derived))
     if not resumed or not os.path.exists(path):
         with open(path, "w") as f:
             f.write(dump(cfg, derived))
+    log.info(f"Resolved config: {path} (all settings; python train.py --help lists them)")
 
 
 def log_run_header(model, rt: Runtime, loaders, total_steps: int, layout_summary: str | None):

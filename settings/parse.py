@@ -318,8 +318,10 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
     """The named config of the YAML file with overrides applied, typed and validated."""
     configs = load_yaml_configs(yaml_path)
     if name not in configs:
-        raise ConfigError(f"--config {name}: no such config in {yaml_path}: {nearest(name, configs)} "
-                          f"(available: {', '.join(configs)})")
+        close = difflib.get_close_matches(name, list(configs), n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"--config {name}: no such config in {yaml_path}: {hint}choose one of "
+                          f"{', '.join(configs)}")
     raw = dict(configs[name])
     model = str(raw.get("model", "vit")).lower()
     if isinstance(overrides, dict) and "model" in overrides:
@@ -358,12 +360,20 @@ def _choose_batch_setting(values: dict, cli: dict):
 
 
 def dump(cfg: Config, derived: Optional[dict] = None) -> str:
-    """The resolved config as YAML that ``--yaml_config`` reads back under the same name.
+    """The resolved config as YAML that ``--yaml_config`` reads back under the same name: read
+    back, it starts a new run with the same settings (``run_num``, ``resume`` and ``resume_from``
+    at their defaults: how this run was started, not what it trains).
 
-    The settings go under the config's name; the file it was read from and the ``derived``
-    values (the per-rank batch, the peak lr, ...) are comment lines above them."""
-    text = yaml.safe_dump({cfg.name: to_dict(cfg, identity=False)}, sort_keys=False,
-                          default_flow_style=None)
+    The settings go under the config's name; the file it was read from, the run's name and the
+    ``derived`` values (the per-rank batch, the peak lr, ...) are comment lines above them."""
+    settings = to_dict(cfg, identity=False)
+    run = settings.get("run_num")
+    for key in ("run_num", "resume", "resume_from"):
+        if key in settings:
+            settings[key] = default_value(type(cfg), key)
+    text = yaml.safe_dump({cfg.name: settings}, sort_keys=False, default_flow_style=None)
     notes = {"read from": cfg.yaml_path} if cfg.yaml_path else {}
+    if run not in (None, settings.get("run_num")):
+        notes["run"] = run
     notes.update(derived or {})
     return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text

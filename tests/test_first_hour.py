@@ -1,0 +1,44 @@
+"""What a newcomer meets in the first runs: the run's config.yaml repeats it with the README's
+command, a run ends with a short summary, the resolved config is a file (one line in the log
+says where), and a wrong config name lists the valid ones once."""
+import os
+import re
+
+import yaml
+
+from conftest import write_era5
+from test_training import TINY_VIT, run_dir, train
+
+
+def test_config_yaml_repeats_the_run_and_the_run_ends_with_a_summary(tmp_path):
+    exp, data = str(tmp_path / "logs"), write_era5(str(tmp_path / "era5"), steps=12)
+    first = train(["--data_root", data, "--expdir", exp, *TINY_VIT, "--num_iters", "2"]).stdout
+    saved = os.path.join(run_dir(exp), "config.yaml")
+    # the summary: final validation loss beside the baseline, the wall time, where it is, and how
+    # to look at it
+    summary = first[first.index("Summary: "):]
+    assert re.search(r"Summary: quickstart run 0, [0-9.]+ s of training and validation", summary)
+    assert re.search(r"Final validation loss [0-9.e+-]+ \(persistence baseline [0-9.e+-]+\) "
+                     r"after 2 steps", summary)
+    assert f"Run directory: {run_dir(exp)}" in summary
+    assert f"Look at it: tensorboard --logdir {exp}" in summary
+    # the resolved config is in the run's file, not printed at every start
+    assert f"Resolved config: {saved}" in first and "\n  lr: " not in first
+    settings = yaml.safe_load(open(saved))["quickstart"]
+    assert settings["run_num"] == "auto" and settings["resume"] is False
+    assert "# run: 0" in open(saved).read()
+    # the README's command repeats the run: a new run with the same settings and losses
+    again = train(["--yaml_config", saved, "--config", "quickstart"]).stdout
+    assert f"Run directory: {os.path.join(os.path.dirname(run_dir(exp)), '1')}" in again
+
+    def losses(text):
+        return re.findall(r"Avg (?:train|val) loss=([0-9.e+-]+)", text)
+
+    assert losses(again) == losses(first) and losses(first)
+
+
+def test_a_wrong_config_name_lists_the_configs_once(tmp_path):
+    r = train(["--config", "shrt", "--expdir", str(tmp_path)], check=False)
+    line = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in line, r.stderr
+    assert "did you mean 'short'?" in line and line.count("quickstart") == 1, line
