@@ -305,8 +305,8 @@ class Trainer:
             return
         fwd = ", ".join(f"{a:.3f}" for a, _, _ in everyone)
         peak = ", ".join(f"{b:.3f}" for _, b, _ in everyone)
-        log.info(f"Memory after forward pass (GB, per rank): {fwd}; peak: {peak} "
-                 f"[{probe.method()}]")
+        log.info(f"Memory after forward pass (GB, per rank): {fwd}; peak: {peak}")
+        log.info(f"  (measured as: {probe.method()})")
         if self.device.type == "cpu":
             log.info("  Process resident peak (GB, per rank): "
                      + ", ".join(f"{c:.2f}" for _, _, c in everyone))

@@ -3,7 +3,7 @@
 import numpy as np
 
 # ERA5 channels of `fields` (T, C, H, W), in file order.
-ERA5_CHANNELS = ("u10", "v10", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
+ERA5_CHANNELS = ("u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
                  "v850", "z850", "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv")
 
 # Cosmology: channels that are the (x, y, z) components of a velocity; component k lies along

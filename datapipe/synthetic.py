@@ -275,7 +275,7 @@ class _Era5Model:
             rh[level] = 100.0 / (1.0 + np.exp(-(offset + moist_bias + q - 0.07 * t_anom)))
         tcwv = 3.0 * rh[850] / 100.0 * _magnus(t850)  # kg/m^2, Clausius-Clapeyron scaling
 
-        out = {"u10": 0.7 * u[1000], "v10": 0.7 * v[1000], "t2m": t2m, "sp": sp, "msl": msl,
+        out = {"u10m": 0.7 * u[1000], "v10m": 0.7 * v[1000], "t2m": t2m, "sp": sp, "msl": msl,
                "t850": t850, "u1000": u[1000], "v1000": v[1000], "z1000": z[1000],
                "u850": u[850], "v850": v[850], "z850": z[850], "u500": u[500], "v500": v[500],
                "z500": z[500], "t500": t500, "z50": z[50], "r500": rh[500], "r850": rh[850],

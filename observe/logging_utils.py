@@ -25,3 +25,16 @@ def setup_logging(rank: int = 0, log_file: str | None = None):
         fh = logging.FileHandler(log_file, mode="a")  # a resumed run continues the same file
         fh.setFormatter(fmt)
         root.addHandler(fh)
+
+
+def wrapped(head: str, items: list[str], width: int = 100, indent: str = "    ") -> list[str]:
+    """``head`` and the comma-separated ``items`` as lines of at most ``width`` characters
+    (after the log's own prefix): the head on the first line, the items on the lines below it."""
+    lines, line = [head], indent
+    for k, item in enumerate(items):
+        piece = item + ("," if k < len(items) - 1 else "")
+        if line.strip() and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = indent
+        line += ("" if line == indent else " ") + piece
+    return lines + ([line] if line.strip() else [])

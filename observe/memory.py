@@ -107,5 +107,4 @@ class MemoryProbe:
     def method(self) -> str:
         if self.device.type == "cuda":
             return "torch.cuda allocator statistics"
-        return ("CPU count of parameters, gradients, optimizer state and tensors saved for backward"
-                "; VmHWM = process resident peak")
+        return "a count of parameters, gradients, optimizer state and saved activations"

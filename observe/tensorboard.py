@@ -6,6 +6,8 @@ Tags follow the tutorials, so runs compare against their example logs: ``Loss/tr
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
@@ -47,10 +49,15 @@ class Board(NullBoard):
         self.writer.add_text("Config", "    " + "\n    ".join(lines), 0)  # a code block
         plain = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                  for k, v in settings.items()}
-        for summary in hparams(plain, {"Loss/valid": 0.0, "Loss/train": 0.0}):
+        for summary in _hparams(plain, {"Loss/valid": 0.0, "Loss/train": 0.0}):
             self.writer.file_writer.add_summary(summary)  # in this run, beside its scalars
-        self.writer.add_custom_scalars({"Loss": {"train, valid and baseline": [
-            "Multiline", ["Loss/train", "Loss/valid", baseline_tag]]}})
+        # One chart per model (its title names the model and its baseline, so that runs of both
+        # models in one log directory give two charts), its tags anchored regexes.
+        model = settings.get("model", "")
+        tags = ["Loss/train", "Loss/valid", baseline_tag]
+        self.writer.add_custom_scalars({"Loss": {
+            f"{model}: train, valid and {baseline_tag.split('_', 1)[-1]} baseline":
+                ["Multiline", [f"^{re.escape(t)}$" for t in tags]]}})
 
     def flush(self):
         self.writer.flush()
@@ -59,16 +66,42 @@ class Board(NullBoard):
         self.writer.close()
 
 
+def _hparams(values: dict, metrics: dict):
+    """torch's ``hparams`` summaries with booleans as booleans (torch files them as numbers,
+    because it tests for int first: the HPARAMS tab then shows 1.0 for true)."""
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+    summaries = hparams(values, metrics)
+    flags = {k for k, v in values.items() if isinstance(v, bool)}
+    for summary in summaries:
+        for value in summary.value:
+            data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+            if data.HasField("session_start_info"):
+                for k in flags:
+                    data.session_start_info.hparams[k].bool_value = values[k]
+            elif data.HasField("experiment"):
+                for info in data.experiment.hparam_infos:
+                    if info.name in flags:
+                        info.type = api_pb2.DATA_TYPE_BOOL
+            value.metadata.plugin_data.content = data.SerializeToString()
+    return summaries
+
+
 # A perceptually ordered colour map (dark blue -> teal -> yellow), interpolated from 5 anchors.
 _ANCHORS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
                     dtype=np.float32)
 
 
-def colormap(a: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    t = np.clip((a - lo) / (hi - lo + 1e-12), 0, 1) * (len(_ANCHORS) - 1)
-    i = np.minimum(t.astype(int), len(_ANCHORS) - 2)
+# A diverging map for signed errors: blue (negative) -> white (zero) -> red (positive).
+_DIVERGING = np.array([[33, 102, 172], [146, 197, 222], [247, 247, 247], [244, 165, 130],
+                       [178, 24, 43]], dtype=np.float32)
+
+
+def colormap(a: np.ndarray, lo: float, hi: float, anchors: np.ndarray = _ANCHORS) -> np.ndarray:
+    t = np.clip((a - lo) / (hi - lo + 1e-12), 0, 1) * (len(anchors) - 1)
+    i = np.minimum(t.astype(int), len(anchors) - 2)
     f = (t - i)[..., None]
-    return ((1 - f) * _ANCHORS[i] + f * _ANCHORS[i + 1]).astype(np.uint8)
+    return ((1 - f) * anchors[i] + f * anchors[i + 1]).astype(np.uint8)
 
 
 # A 3 x 5 pixel font for the captions drawn into pictures (TensorBoard shows images without
@@ -115,22 +148,22 @@ def comparison_image(target: np.ndarray, pred: np.ndarray, scale: int = 1,
     """Target | prediction | error (prediction - target) side by side, (H', W', 3) uint8.
 
     Each panel is titled and has its colour bar underneath, labelled with the values at its
-    ends; target and prediction share a colour scale (the target's range), the error's is
-    centred on zero with half that range. ``title`` (e.g. the variable and its units) heads the
-    picture."""
+    ends; target and prediction share a colour scale (the target's range), the error's is a
+    diverging one centred on zero (white; blue below, red above) with half that range.
+    ``title`` (e.g. the variable and its units) heads the picture."""
     lo, hi = float(target.min()), float(target.max())
     half = (hi - lo) / 2
-    fields = [(target, "target", lo, hi), (pred, "prediction", lo, hi),
-              (pred - target, "error", -half, half)]
+    fields = [(target, "target", lo, hi, _ANCHORS), (pred, "prediction", lo, hi, _ANCHORS),
+              (pred - target, "error", -half, half, _DIVERGING)]
     width = target.shape[1] * scale
     size = 2 if width >= 240 else 1  # font pixels per image pixel
     bar_h = 4 * size
     columns = []
-    for field, name, a, b in fields:
-        panel = colormap(field, a, b)
+    for field, name, a, b, anchors in fields:
+        panel = colormap(field, a, b, anchors)
         if scale > 1:
             panel = panel.repeat(scale, axis=0).repeat(scale, axis=1)
-        bar = colormap(np.linspace(a, b, width), a, b)[None].repeat(bar_h, axis=0)
+        bar = colormap(np.linspace(a, b, width), a, b, anchors)[None].repeat(bar_h, axis=0)
         columns.append(np.concatenate([_caption(width, size, name), panel, bar,
                                        _caption(width, size, f"{a:.3g}", f"{b:.3g}")]))
     gap = np.full((columns[0].shape[0], 2 * size + 2, 3), 255, np.uint8)

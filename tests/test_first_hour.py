@@ -35,6 +35,10 @@ def test_config_yaml_repeats_the_run_and_the_run_ends_with_a_summary(tmp_path):
         return re.findall(r"Avg (?:train|val) loss=([0-9.e+-]+)", text)
 
     assert losses(again) == losses(first) and losses(first)
+    # every line fits a terminal, the log's time stamp included (the 20 variables' RMSE wrap;
+    # paths counted as a short one)
+    longest = max(first.replace(str(tmp_path), "/tmp/x").splitlines(), key=len)
+    assert len(longest) <= 150, longest
 
 
 def test_a_wrong_config_name_lists_the_configs_once(tmp_path):

@@ -188,8 +188,8 @@ def test_era5_winds_are_geostrophic(train_fields):
         u, v = x[:, ch("u" + level)], x[:, ch("v" + level)]
         assert corr(u[:, 2:-2], u_fd[:, 1:-1]) > 0.95, level  # interior rows 2..H-3
         assert corr(v[:, 2:-2], v_fd) > 0.95, level
-    np.testing.assert_allclose(x[:, ch("u10")], 0.7 * x[:, ch("u1000")], rtol=1e-4, atol=1e-3)
-    np.testing.assert_allclose(x[:, ch("v10")], 0.7 * x[:, ch("v1000")], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(x[:, ch("u10m")], 0.7 * x[:, ch("u1000")], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(x[:, ch("v10m")], 0.7 * x[:, ch("v1000")], rtol=1e-4, atol=1e-3)
 
 
 def test_era5_temperature_and_moisture_relations(train_fields):

@@ -37,6 +37,7 @@ def test_comparison_image_has_titles_and_colour_bars_with_their_ranges():
     assert np.array_equal(drawn, title)
     # each panel's name above it, its colour bar and range below it
     bar_row = strip + strip + 16 * 8
+    diverging = np.array([[33, 102, 172], [247, 247, 247], [178, 24, 43]])  # -, 0, +
     for i, (name, lo, hi) in enumerate([("target", -2, 6), ("prediction", -2, 6),
                                         ("error", -4, 4)]):
         x0 = i * (width + 2 * size + 2)
@@ -44,8 +45,11 @@ def test_comparison_image_has_titles_and_colour_bars_with_their_ranges():
         head = (img[strip + size:strip + 6 * size, x0:x0 + mask.shape[1]] == 0).all(axis=2)
         assert np.array_equal(head, mask), name
         bar = img[bar_row, x0:x0 + width]
-        np.testing.assert_array_equal(bar[0], colormap(np.array(lo), lo, hi))
-        np.testing.assert_array_equal(bar[-1], colormap(np.array(hi), lo, hi))
+        if name == "error":  # diverging, centred on 0: blue, white in the middle, red
+            np.testing.assert_allclose(bar[[0, width // 2, -1]], diverging, atol=2)
+        else:
+            np.testing.assert_array_equal(bar[0], colormap(np.array(lo), lo, hi))
+            np.testing.assert_array_equal(bar[-1], colormap(np.array(hi), lo, hi))
         foot = img[bar_row + 4 * size + size:bar_row + 4 * size + 6 * size, x0:x0 + width]
         left = text_mask(f"{lo:.3g}", size)
         assert np.array_equal((foot[:, :left.shape[1]] == 0).all(axis=2), left)
@@ -88,8 +92,14 @@ def test_unet_run_names_its_fields_and_describes_itself(tmp_path):
     assert hp["lr"].number_value == pytest.approx(3e-3) and hp["model"].string_value == "unet"
     assert hp["global_batch_size"].number_value == cfg.global_batch_size
     assert "steps_per_epoch" in hp and "lambda_rho: " in text and "base_width: 4" in text
-    chart = layout.category[0].chart[0].multiline.tag
-    assert list(chart) == ["Loss/train", "Loss/valid", "Loss/valid_predict-the-mean"]
+    chart = layout.category[0].chart[0]
+    assert chart.title == "unet: train, valid and predict-the-mean baseline"
+    assert list(chart.multiline.tag) == ["^Loss/train$", "^Loss/valid$",
+                                         "^Loss/valid_predict\\-the\\-mean$"]
+    flags = {k: v for k, v in hp.items() if k in ("enable_fused", "full_scale", "noddp")}
+    assert set(flags) == {"enable_fused", "full_scale", "noddp"}
+    assert all(v.WhichOneof("kind") == "bool_value" for v in flags.values()), flags
+    assert flags["full_scale"].bool_value is False
     assert picture is not None and picture.shape[0] > 32 and (picture == 0).all(axis=2).any()
     log = open(f"{tr.run_dir}/out.log").read()
-    assert "Val L1 per channel: log_rho " in log
+    assert "Val L1 per channel, model / predict-the-mean:\n" in log and "    log_rho " in log
