@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from datapipe.data_loader import check_synthesis_target, has_data, synthesize
+from datapipe.data_loader import SYNTHETIC_MARK, check_synthesis_target, has_data, synthesize
 from engine import checkpoint
 from engine.runtime import Runtime
 from settings.parse import dump
@@ -424,8 +424,14 @@ SYNTHESIS_WAIT = datetime.timedelta(hours=24)
 def ensure_data(cfg: Config, rt: Runtime):
     """Synthesise small data under data_root when the config asks for it and none is there (not
     for generated batches, which need no data): once, however many runs need it at the same time
-    (``make_data_once``)."""
-    if not cfg.synthesize_if_missing or cfg.data_is_generated:
+    (``make_data_once``). A run on synthetic data made earlier says so, as the first run did."""
+    if cfg.data_is_generated:
+        return
+    if has_data(cfg) and os.path.exists(os.path.join(cfg.data_root, SYNTHETIC_MARK)):
+        log.info(f"Data: the synthetic {cfg.model} data under {cfg.data_root} (made by an "
+                 f"earlier run: not real data)")
+        return
+    if not cfg.synthesize_if_missing:
         return
     # Every rank checks that synthesis would not write over a user's files (so all stop alike);
     # rank 0 alone writes, and decides for everyone whether it does.

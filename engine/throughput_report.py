@@ -152,8 +152,9 @@ def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
     return out
 
 
-def bottleneck_line(io: float, synthetic: float, full: float) -> str:
-    """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC."""
+def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0) -> str:
+    """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC; the advice
+    fits the run's ``workers`` (its num_data_workers)."""
     if io >= synthetic:
         text = (f"the loader keeps up (IO {io:.1f} >= SYNTHETIC {synthetic:.1f} samples/s): "
                 f"the model's step bounds FULL")
@@ -162,8 +163,11 @@ def bottleneck_line(io: float, synthetic: float, full: float) -> str:
                 f"samples/s): more --num_data_workers or a DALI loader")
     share = full / min(io, synthetic)
     if share < 0.8:
+        why = ("no loader workers: try --num_data_workers" if workers == 0 else
+               f"{workers} loader worker{'s' if workers > 1 else ''} and the model share too few "
+               f"cores, or too few workers")
         text += (f"; FULL is {share:.0%} of the slower one: loading is not hidden behind "
-                 f"compute (no --num_data_workers, or workers and model share too few cores)")
+                 f"compute ({why})")
     return "Bottleneck: " + text
 
 
@@ -200,7 +204,8 @@ def run(tr) -> dict | None:
         "aggregate": total,
         "per_rank": [{"rank": i, **{m: dict(_mean_std(r[m]), rounds=r[m]) for m in MODES}}
                      for i, r in enumerate(per_rank)],
-        "bottleneck": bottleneck_line(*(total[m]["mean"] for m in MODES)),
+        "bottleneck": bottleneck_line(*(total[m]["mean"] for m in MODES),
+                                      workers=tr.cfg.num_data_workers),
     }
     who = f"all {rt.world_size} ranks, " if rt.distributed else ""
     log.info(f"Throughput ({who}samples/s, mean +/- std of {ROUNDS} rounds of {timed} batches): "

@@ -46,3 +46,13 @@ def test_a_wrong_config_name_lists_the_configs_once(tmp_path):
     line = r.stderr.strip()
     assert r.returncode == 2 and "\n" not in line, r.stderr
     assert "did you mean 'short'?" in line and line.count("quickstart") == 1, line
+
+
+def test_a_rerun_on_synthetic_data_says_so(tmp_path):
+    args = ["--data_root", str(tmp_path / "era5"), "--expdir", str(tmp_path / "logs"),
+            *TINY_VIT, "--synthesize_if_missing", "true", "--num_iters", "1"]
+    first = train(args).stdout
+    assert "generating synthetic vit data" in first and "made by an earlier run" not in first
+    again = train(args).stdout
+    assert f"Data: the synthetic vit data under {tmp_path / 'era5'} (made by an earlier run: " \
+           f"not real data)" in again and "generating synthetic" not in again

@@ -86,6 +86,9 @@ def test_bottleneck_rule():
     assert "the loader keeps up" in keeps_up and "not hidden" not in keeps_up
     serial = tp.bottleneck_line(300, 200, 120)  # loading and compute one after the other
     assert "the loader keeps up" in serial and "60% of the slower one" in serial
+    assert "no loader workers: try --num_data_workers" in serial
+    one = tp.bottleneck_line(300, 200, 120, workers=1)  # the advice fits the run
+    assert "1 loader worker and the model share too few cores" in one and "no loader" not in one
 
 
 # ----------------------------------------------------------------------------- train.py runs
