@@ -492,6 +492,7 @@ def run(cfg, trainer_cls=Trainer):
         trainer.fit()
         rt.barrier()  # every rank has finished before any tears its process groups down
     except RunStopped as e:
+        rt.barrier()  # all ranks stopped at the same step: none tears down while one still works
         log.info(e.message(sys.argv, rt.world_size))
         raise SystemExit(STOPPED_EXIT_CODE) from None
     except UserError as e:
