@@ -56,3 +56,21 @@ def test_a_rerun_on_synthetic_data_says_so(tmp_path):
     again = train(args).stdout
     assert f"Data: the synthetic vit data under {tmp_path / 'era5'} (made by an earlier run: " \
            f"not real data)" in again and "generating synthetic" not in again
+
+
+def test_the_job_scripts_variable_table_names_every_variable_it_reads():
+    """Every variable submit_pm.sh's header lists as its environment (what a user exports
+    before sbatch) has a row in docs/parallelism.md's table."""
+    from conftest import ROOT
+
+    header = open(os.path.join(ROOT, "submit_pm.sh")).read().split("# Environment", 1)[1]
+    names = set()
+    for line in header.splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        names.update(re.findall(r"^#   ([A-Z][A-Z0-9_]+)\b", line))
+    doc = open(os.path.join(ROOT, "docs", "parallelism.md")).read()
+    rows = "\n".join(line for line in doc.splitlines() if line.startswith("| `"))
+    assert {"PODMAN_IMAGE", "PODMAN_ARGS", "SCRIPT", "PYTHON"} <= names, names
+    missing = sorted(n for n in names if f"`{n}" not in rows)
+    assert not missing, missing
