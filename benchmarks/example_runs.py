@@ -7,7 +7,8 @@ that show what the tutorial's chapters discuss, and the picture of their loss cu
 
 Groups (each a directory of ``--out``, runs laid out as train.py lays them out):
 
-- ``quickstart``: the two quickstarts (ViT and U-Net) as the README's first commands run them.
+- ``quickstart``: the two quickstarts (ViT and U-Net) as the README's first commands run them
+  (runs ``vit`` and ``unet``: both configs are named quickstart).
 - ``large_batch``: the ViT quickstart at global batch 16 and 64 for the same number of epochs
   (a quarter of the steps at 64): 64 with lr_scaling none, sqrt and linear, warmed up over 5
   steps (the quickstart's 20 steps of batch 16, in samples), and linear without warm-up. Run
@@ -40,8 +41,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 # group -> [(run name, launcher prefix, arguments)]
 RUNS = {
     "quickstart": [
-        ("ViT", [], ["--expdir", "{out}/ViT"]),
-        ("U-Net", [], UNET + ["--expdir", "{out}/UNet"]),
+        ("ViT", [], ["--run_num", "vit"]),
+        ("U-Net", [], UNET + ["--run_num", "unet"]),
     ],
     "large_batch": [
         ("batch 16", [], ["--run_num", "bs16"]),

@@ -274,7 +274,7 @@ def test_dockerignore_keeps_local_state_out_and_the_code_in():
     kept = [p for p in tracked_files() if ignored(p, patterns)]
     assert not kept, f".dockerignore drops files of the repository: {kept}"
     context = build_context(patterns)
-    assert "train.py" in context and "example_logs/quickstart/ViT/quickstart/1/0/config.yaml" in context
+    assert "train.py" in context and "example_logs/quickstart/quickstart/1/vit/config.yaml" in context
     assert sum(context.values()) < 20e6, sorted(context.items(), key=lambda kv: -kv[1])[:5]
 
 

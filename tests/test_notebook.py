@@ -17,7 +17,7 @@ nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (re
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (requirements-test.txt)")
 
 EXAMPLE_RUN = os.path.join("ViT", "quickstart", "1", "0")  # where a user's run sits in the log root
-EXAMPLE_SOURCE = os.path.join("quickstart", "ViT", "quickstart", "1", "0")  # in example_logs/
+EXAMPLE_SOURCE = os.path.join("quickstart", "quickstart", "1", "vit")  # in example_logs/
 
 
 def free_port():
@@ -122,8 +122,8 @@ def test_serves_the_users_run_beside_the_examples_and_changes_neither(repo, tmp_
     assert f"https://hub.example.org/user/alice/gpu/proxy/{port}/" in text
     runs = probed(text, "runs")
     assert f"runs/{EXAMPLE_RUN}/tensorboard" in runs
-    assert {"examples/quickstart/ViT/quickstart/1/0/tensorboard",
-            "examples/quickstart/UNet/quickstart/1/0/tensorboard",
+    assert {"examples/quickstart/quickstart/1/vit/tensorboard",
+            "examples/quickstart/quickstart/1/unet/tensorboard",
             "examples/data_parallel/quickstart/4/0/tensorboard",
             "examples/model_parallel/mp_cpu/2/0/tensorboard"} <= set(runs)
     flags = probed(text, "environment")["debug"]["flags"]
