@@ -67,6 +67,15 @@ class EpochStats:
     data_wait: float | None = None  # share of elapsed_s the step waited for data (DataWait)
 
 
+def finished(state: dict, cfg: Config) -> bool:
+    """Whether the run of checkpoint ``state`` has nothing left to do under ``cfg``: every step
+    taken and the last epoch's validation done."""
+    if "steps_per_epoch" not in state:
+        return False
+    total = cfg.num_iters or cfg.num_epochs * state["steps_per_epoch"]
+    return state["iteration"] >= total and state["step_in_epoch"] == 0
+
+
 class Trainer:
     captures_step = False  # True in train_graph.py: the step is replayed as a CUDA graph
     stop_request: StopRequest = NeverStop()  # run() installs the one its signal handlers set
@@ -82,6 +91,11 @@ class Trainer:
         if run_num_choice:
             log.info(f"Run {cfg.run_num} ({run_num_choice})")
         resume = find_resume_checkpoint(cfg, self.run_dir, rt.world_size)  # (state, path) or None
+        self.nothing_to_do = resume is not None and finished(resume[0], cfg)
+        if self.nothing_to_do:  # said before the start-up lines, which follow as for any resume
+            log.info(f"Nothing to do: run {cfg.run_num} has finished its {resume[0]['iteration']} "
+                     f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
+                     f"(the learning-rate schedule then spans the new total)")
         ensure_data(cfg, rt)
         self.task = make_task(cfg)
 
@@ -424,10 +438,6 @@ class Trainer:
         # from it knows there is nothing left to do.
         if validated or not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
             self.save_checkpoint()
-        if self.resumed and not validated:
-            log.info(f"Nothing to do: run {self.cfg.run_num} has finished its {self.total_steps} "
-                     f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
-                     f"(the learning-rate schedule then spans the new total)")
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)
         self.board.close()

@@ -153,6 +153,7 @@ def test_a_rerun_is_the_next_run_and_an_existing_run_is_not_overwritten(tmp_path
     assert "Run 1 (--run_num auto with --resume: the run with the newest checkpoint)" in r.stdout
     assert "Nothing to do: run 1 has finished its 3 steps" in r.stdout
     assert "--num_iters" in r.stdout.split("Nothing to do")[1]
+    assert r.stdout.index("Nothing to do") < r.stdout.index("Device ")  # before start-up lines
     # training longer: the schedule spans the new end, and the log says what the lr becomes
     r = train(common[:-1] + ["5", "--resume"])
     assert "resume: num_iters 3 -> 5" in r.stdout
