@@ -57,6 +57,7 @@ def repo(tmp_path, monkeypatch):
     shutil.copy(os.path.join(ROOT, "start_tensorboard.ipynb"), work)
     shutil.copytree(os.path.join(ROOT, "example_logs"), work / "example_logs")
     for var in ("EXPDIR", "SCRATCH", "TENSORBOARD_PORT", "TENSORBOARD_BIND_ALL",
+                "TENSORBOARD_MODEL", "TENSORBOARD_EXAMPLES",
                 "JUPYTERHUB_SERVICE_PREFIX", "JUPYTERHUB_PUBLIC_URL", "JUPYTERHUB_HOST"):
         monkeypatch.delenv(var, raising=False)
     return work
@@ -106,6 +107,8 @@ def test_serves_the_users_run_beside_the_examples_and_changes_neither(repo, tmp_
     log_root = scratch / "dl-at-scale" / "logs"
     existing_run(log_root)
     monkeypatch.setenv("SCRATCH", str(scratch))  # the job script's log root on Perlmutter
+    monkeypatch.setenv("TENSORBOARD_MODEL", "all")  # every model's runs,
+    monkeypatch.setenv("TENSORBOARD_EXAMPLES", "1")  # and the examples beside them
     monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/alice/gpu/")
     monkeypatch.setenv("JUPYTERHUB_PUBLIC_URL", "https://hub.example.org/")
     before_runs, before_examples = snapshot(log_root), snapshot(repo / "example_logs")
@@ -170,5 +173,27 @@ def test_log_root_is_the_job_scripts(repo, tmp_path, monkeypatch, env, expected)
     existing_run(tmp_path / "exp")
     existing_run(tmp_path / "scratch" / "dl-at-scale" / "logs")
     existing_run(repo / "logs")
+    monkeypatch.setenv("TENSORBOARD_MODEL", "all")
     text = execute(repo, cells=1)
     assert f"your runs: 1 run(s) under {expected}\n    {EXAMPLE_RUN}\n" in text
+
+
+def test_by_default_one_models_runs_and_no_examples(repo, tmp_path, monkeypatch):
+    """The ViT's runs (the UNet's when asked), the examples only when asked."""
+    monkeypatch.setenv("EXPDIR", str(tmp_path / "exp"))
+    existing_run(tmp_path / "exp")  # a ViT run
+    unet = tmp_path / "exp" / "UNet" / "quickstart" / "1" / "0"
+    shutil.copytree(tmp_path / "exp" / EXAMPLE_RUN, unet)
+    nb = nbformat.read(repo / "start_tensorboard.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    spec = code[1].source.split("def logdir_spec", 1)[1].split("\n\n\n", 1)[0]
+    code[0].source += f"\n\n\ndef logdir_spec{spec}\n\n\nprint('SPEC', logdir_spec())"
+    nbformat.write(nb, repo / "start_tensorboard.ipynb")
+    text = execute(repo, cells=1)  # the listing and what TensorBoard would read; none started
+    vit = tmp_path / "exp" / "ViT"
+    assert f"your ViT runs: 1 run(s) under {vit}\n    quickstart/1/0\n" in text
+    assert "examples:" not in text and "set EXAMPLES = True to show them too" in text
+    assert f"SPEC runs:{vit}\n" in text  # no examples in what TensorBoard reads
+    monkeypatch.setenv("TENSORBOARD_MODEL", "UNet")
+    text = execute(repo, cells=1)
+    assert f"your UNet runs: 1 run(s) under {tmp_path / 'exp' / 'UNet'}" in text
