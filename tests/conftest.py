@@ -73,3 +73,19 @@ def write_cosmo_pair(root, side=16, dtype=np.float32) -> str:
 @pytest.fixture
 def cosmo_root(tmp_path):
     return write_cosmo_pair(tmp_path / "cosmo")
+
+
+# ----------------------------------------------------------------------------- the quick tier
+
+SLOW_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``-m quick``: every test but those listed in slow_tests.txt and the Slurm, compile and
+    GPU ones (a few minutes on 2 cores instead of a quarter of an hour)."""
+    with open(SLOW_TESTS) as f:
+        slow = {line.split("#", 1)[0].strip() for line in f} - {""}
+    for item in items:
+        if item.nodeid in slow or any(item.get_closest_marker(m) for m in ("slurm", "compile", "gpu")):
+            continue
+        item.add_marker(pytest.mark.quick)

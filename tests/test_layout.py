@@ -161,3 +161,11 @@ def test_few_library_files_depend_on_the_settings_schema():
     users = sorted(os.path.relpath(p, ROOT) for m, p in modules()
                    if not m.startswith("settings") and "settings.config" in runtime_imports(p))
     assert len(users) <= 8, users
+
+
+def test_every_library_module_imports():
+    """Every module of the rooms imports on its own (the quick tier touches each of them)."""
+    import importlib
+
+    for module, _ in modules():
+        importlib.import_module(module)
