@@ -84,8 +84,10 @@ def pytest_collection_modifyitems(config, items):
     """``-m quick``: every test but those listed in slow_tests.txt and the Slurm, compile and
     GPU ones (a few minutes on 2 cores instead of a quarter of an hour)."""
     with open(SLOW_TESTS) as f:
-        slow = {line.split("#", 1)[0].strip() for line in f} - {""}
+        slow = {line.split("  #", 1)[0].strip() for line in f if not line.startswith("#")} - {""}
+    modules = {entry for entry in slow if entry.endswith(".py")}  # whole files
     for item in items:
-        if item.nodeid in slow or any(item.get_closest_marker(m) for m in ("slurm", "compile", "gpu")):
+        if (item.nodeid in slow or item.nodeid.split("::")[0] in modules
+                or any(item.get_closest_marker(m) for m in ("slurm", "compile", "gpu"))):
             continue
         item.add_marker(pytest.mark.quick)
