@@ -38,3 +38,13 @@ def wrapped(head: str, items: list[str], width: int = 100, indent: str = "    ")
             line = indent
         line += ("" if line == indent else " ") + piece
     return lines + ([line] if line.strip() else [])
+
+
+def channel_lines(head: str, names, values, base=None, base_name: str = "",
+                  spec: str = ".4f") -> list[str]:
+    """One value per channel (``name value``, or ``name value / baseline`` beside the
+    ``base_name`` baseline's), under ``head``, wrapped to fit a terminal."""
+    if base is None:
+        return wrapped(f"{head}:", [f"{n} {v:{spec}}" for n, v in zip(names, values)])
+    return wrapped(f"{head}, model / {base_name}:",
+                   [f"{n} {v:{spec}} / {b:{spec}}" for n, v, b in zip(names, values, base)])

@@ -11,7 +11,7 @@ from datapipe import generated_data
 from datapipe.formats import HYDRO_CHANNELS
 from networks.unet import UNet
 from observe.flops import training_flops
-from observe.logging_utils import wrapped
+from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import UNetConfig
 from tasks.losses import L1Rho
@@ -66,12 +66,8 @@ class CosmoTask:
         return m.view(1, -1, 1, 1, 1).expand_as(y)
 
     def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
-        if base is None:
-            return wrapped("  Val L1 per channel:",
-                           [f"{n} {v:.4e}" for n, v in zip(self.channels, metrics)])
-        return wrapped("  Val L1 per channel, model / predict-the-mean:",
-                       [f"{n} {v:.4e} / {b:.4e}"
-                        for n, v, b in zip(self.channels, metrics, base)])
+        return channel_lines("  Val L1 per channel", self.channels, metrics, base,
+                             "predict-the-mean", ".4e")
 
     def metric_scalars(self, metrics: np.ndarray) -> dict:
         return {f"L1({n})/valid": float(v) for n, v in zip(self.channels, metrics)}

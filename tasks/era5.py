@@ -9,7 +9,7 @@ from datapipe.era5_data import load_stats
 from datapipe.formats import ERA5_CHANNELS
 from networks.vit import ViT
 from observe.flops import training_flops
-from observe.logging_utils import wrapped
+from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import ViTConfig
 from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
@@ -64,12 +64,8 @@ class ERA5Task:
         return x[:, : y.shape[1]] if x.shape[1] >= y.shape[1] else None
 
     def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
-        if base is None:
-            return wrapped("  Val lat-weighted RMSE (normalised units):",
-                           [f"{n} {v:.4f}" for n, v in zip(self.channels, metrics)])
-        return wrapped("  Val lat-weighted RMSE (normalised units), model / persistence:",
-                       [f"{n} {v:.4f} / {b:.4f}"
-                        for n, v, b in zip(self.channels, metrics, base)])
+        return channel_lines("  Val lat-weighted RMSE (normalised units)", self.channels, metrics, base,
+                             "persistence", ".4f")
 
     def metric_scalars(self, metrics: np.ndarray) -> dict:
         return {f"RMSE({n})/valid": float(v) for n, v in zip(self.channels, metrics)}
