@@ -41,6 +41,7 @@ from engine.train_state import TrainState
 from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import setup_logging
 from observe.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
+from observe.startup import StartClock, use_compile_cache_dir
 from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
 from observe.progress import DataWait, Progress
 from observe.tensorboard import Board, NullBoard
@@ -82,6 +83,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt, self.device = cfg, rt, rt.device
+        self.start_clock = StartClock()  # the start's parts, logged after the first step
+        self.start_clock.mark("imports and set-up")
         # Claims the run directory (--run_num auto, the default: the next free number) and locks
         # it for this process: a run directory another process trains is refused.
         run_num_choice = resolve_run_num(cfg, rt)
@@ -97,6 +100,7 @@ class Trainer:
                      f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
                      f"(the learning-rate schedule then spans the new total)")
         ensure_data(cfg, rt)
+        self.start_clock.mark("data")
         self.task = make_task(cfg)
 
         # The model: the serial model from the seed on every rank, then parallelised in one place.
@@ -105,6 +109,8 @@ class Trainer:
         if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
             load_reference_weights(model, cfg.init_from, self.task.from_reference)
             log.info(f"Weights from {cfg.init_from}")
+        if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
+            self.start_clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
         parallel = apply_parallelism(model, cfg, rt, self.task)
         self.parallel = parallel
         self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
@@ -114,7 +120,9 @@ class Trainer:
 
         # A model-parallel rank reads only the image rows it computes on (training batches).
         rows = self.model.image_rows() if rt.groups is not None else None
+        self.start_clock.mark("model")
         self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows)
+        self.start_clock.mark("loaders")
         self.steps_per_epoch = self.loaders.steps_per_epoch
         self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
         self.flops_per_sample = self.task.flops_per_sample()  # forward + backward, one sample
@@ -132,6 +140,7 @@ class Trainer:
                                                enabled=amp is not None,
                                                cache_enabled=not self.captures_step)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp_mode == "fp16")
+        self.kernels = self.task.forward_kernels(self.device, amp or torch.float32)
 
         self.state = TrainState(self.model, self.sharding, self.optimizer, self.scaler,
                                 self.scheduler, rt, cfg, self.steps_per_epoch)
@@ -165,6 +174,7 @@ class Trainer:
                                 f"Loss/valid_{self.task.baseline_name}")
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)())
+        self.start_clock.mark("optimizer and logs")
 
     @property
     def iteration(self) -> int:
@@ -204,7 +214,7 @@ class Trainer:
             for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
                 # DDP all-reduces the gradients in the backward of the last micro-batch only.
                 with self.parallel.no_sync() if i < k - 1 else contextlib.nullcontext():
-                    with nvtx_range("forward"), self.autocast():
+                    with nvtx_range("forward"), self.autocast(), self.kernels():
                         pred = self.wrapped_model(xm)
                         loss = self.sharding.loss(pred, ym).sum() / n  # its part of the mean
                     if i == 0:
@@ -239,10 +249,15 @@ class Trainer:
                 break
             self.profiler.step(st.iteration)
             probe = self.probe if steps_run == 0 else NullProbe()  # first step of each epoch
+            first_of_run = self.start_clock is not None
+            if first_of_run:
+                self.start_clock.mark("first batch")
             self.data_wait.step_begins()
             with nvtx_range(f"step {st.iteration}"):
                 loss, grad_norm = self.train_step(*self.to_device(x, y), probe)
             self.data_wait.step_ends()
+            if first_of_run:
+                self.log_start()
             if steps_run == 0:
                 self.log_memory(probe)
                 t_first = self.progress.clock()  # the steady state is timed from here
@@ -278,6 +293,15 @@ class Trainer:
         avg = (total + st.epoch_loss_carry) / max(st.step_in_epoch, 1)
         return EpochStats(avg, elapsed, steps_run, samples_per_s, steady,
                           self.data_wait.share(elapsed) if steps_run else None)
+
+    def log_start(self):
+        """After the run's first step (waited for, once): how long the start took, by part."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.start_clock.mark("first step")
+        for line in self.start_clock.lines():
+            log.info(line)
+        self.start_clock = None
 
     def stop_if_requested(self, epoch_sum: torch.Tensor):
         """When a stop signal reached any rank: every rank writes this step's checkpoint and
@@ -335,7 +359,7 @@ class Trainer:
         sums = picture = None
         for x, y in self.loaders.valid:
             x, y = self.to_device(x, y)
-            with self.autocast():
+            with self.autocast(), self.kernels():
                 pred = self.wrapped_model(self.sharding.local_batch(x, y)[0])
             pred = self.sharding.whole_output(pred)
             metrics = self.task.metric_sums(pred, y).float()

@@ -116,6 +116,10 @@ class Config:
     amp_mode: Literal["none", "fp16", "bf16"] = _f("none", "automatic mixed precision: none, fp16 "
                                                    "(GPU, with a gradient scaler) or bf16")
     enable_jit: bool = _f(False, "compile the model with torch.compile", resume=True)
+    compile_cache_dir: str = _f("", "where torch.compile keeps its caches, for later runs to "
+                                "reuse (empty: $TORCHINDUCTOR_CACHE_DIR, else torch's "
+                                "/tmp/torchinductor_<user>); on $SCRATCH shared by every rank "
+                                "and job", resume=True)
     enable_fused: bool = _f(False, "use the fused Adam kernel where the device supports it",
     resume=True)
     graph_warmup_steps: int = _f(3, "train_graph.py: eager steps on a side stream before the step "
@@ -185,6 +189,11 @@ class ViTConfig(Config):
     dropout: float = _f(0.0, "dropout probability", min=0.0, max=1.0)
     layer_norm_eps: float = _f(1e-6, "epsilon added to the variance in every LayerNorm", above=0.0)
     head_bias: bool = _f(False, "give the output head (token -> patch) a bias")
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = _f(
+        "auto", "kernel of the attention (torch's scaled_dot_product_attention): auto takes "
+        "cuDNN's first on Hopper GPUs in bf16/fp16 (the fastest measured there, "
+        "docs/performance.md), torch's own choice elsewhere; a named one is refused where it has "
+        "no kernel", resume=True)
     n_in_channels: int = _f(20, "input channels (the first n of the 20 ERA5 variables)", min=1,
                             max=20, size=True)
     n_out_channels: int = _f(20, "output channels", min=1, max=20)

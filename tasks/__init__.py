@@ -12,6 +12,8 @@ config's class) and answers:
   prints beside them; ``picture(x, y, pred)``: the validation picture for TensorBoard;
 - ``forward_flops()``, ``flops_per_sample()``: model FLOPs (``observe.flops``);
   ``fp32_in_tf32()``: whether its fp32 FLOPs run in TF32 (the peak MFU divides by);
+- ``forward_kernels(device, dtype)``: a factory of the context the forward pass runs under (the
+  ViT's attention kernel, ``tasks.attention``; a do-nothing context for the U-Net);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);
 - ``shards_model``: whether train_mp.py can split the model over tensor/context-parallel ranks.
 

@@ -1,6 +1,7 @@
 """The cosmology problem: the 3D U-Net maps N-body fields to hydrodynamic fields."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import h5py
@@ -33,6 +34,10 @@ class CosmoTask:
     def device_batch(self, x, y):
         """Crops are used as stored: nothing to do on the device."""
         return x, y
+
+    def forward_kernels(self, device: torch.device, dtype: torch.dtype):
+        """The context the forward pass runs under: nothing to choose (cuDNN autotunes)."""
+        return contextlib.nullcontext
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by

@@ -12,6 +12,7 @@ from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import ViTConfig
+from tasks import attention
 from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
 from tasks.registry import register
 from tasks.reference_weights import vit_from_reference
@@ -42,6 +43,11 @@ class ERA5Task:
                                      mean[:, : c.n_out_channels], inv_std[:, : c.n_out_channels])
         mean_in, inv_std_in, mean_out, inv_std_out = self._stats[x.device]
         return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
+
+    def forward_kernels(self, device: torch.device, dtype: torch.dtype):
+        """The context the forward pass runs under: the attention's kernel (tasks.attention)."""
+        c = self.cfg
+        return attention.kernels(c.attention_backend, device, dtype, c.embed_dim // c.num_heads)
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the ViT's are matmuls (cuBLAS's switch)."""

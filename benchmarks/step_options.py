@@ -1,0 +1,301 @@
+"""Options that keep a model's numbers but change its step's speed, timed on one GPU: the
+attention kernels of the ViT and whole compute-only steps of both models.
+
+    python -m benchmarks.step_options --dry-run          # the variants and their time limits
+    python -m benchmarks.step_options                    # everything (about 4 minutes on an H200)
+    python -m benchmarks.step_options --only attention   # or: vit, unet
+
+``attention``: ``scaled_dot_product_attention`` alone at the ViT's shapes (the tutorial's short
+config: batch 16, 8 heads of 48, 45 x 90 = 4050 tokens), each backend that torch has (flash,
+cuDNN, memory-efficient, math) in bf16 and fp16, forward and forward + backward; q, k and v as
+the model makes them (strided views of the fused QKV projection, ``qkv``) and as contiguous
+tensors (``contig``); the fastest forward + backward in bf16 is the "fastest" of the compiled
+ViT variants. Milliseconds per call (median of timed rounds, CUDA events) and TFLOP/s
+of the attention's own FLOPs (4 N^2 d per head forward, 2.5x that for forward + backward).
+
+``vit`` and ``unet``: compute-only training steps (a batch on the GPU reused, bf16 autocast,
+fused Adam, the task's loss) of the short configs' models, one variant per child process
+(compile caches off, so each compile is timed from cold), in this order: the ViT eager per
+attention backend; the U-Net in the default layout and in ``channels_last_3d``, eager and
+compiled; the ViT compiled with the fastest attention (default mode and
+``max-autotune-no-cudagraphs``). Per variant: milliseconds per step (median of timed
+rounds), samples/s, TFLOP/s and MFU (the task's model FLOPs), and the seconds to the first step
+(model, compile, autotuning). A variant that fails prints its error's last line; one that runs
+past its limit says so. The table is printed last; ``--json`` also writes it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BACKENDS = ("flash", "cudnn", "efficient", "math")
+# (name, config args, per-variant options); the options a child understands are in child().
+# In the order they run: the eager variants first, so a short budget still compares them.
+VIT = [(f"{b} eager", {"attention": b, "compile": "eager"}) for b in ("flash", "cudnn", "efficient")]
+UNET = [(f"{fmt} {mode}", {"layout": fmt, "compile": mode})
+        for mode in ("eager", "default") for fmt in ("contiguous", "channels_last")]
+VIT_COMPILED = [(f"fastest ({mode})", {"attention": "best", "compile": mode})
+                for mode in ("default", "max-autotune-no-cudagraphs")]
+LIMIT_S = {"eager": 60, "default": 150, "max-autotune-no-cudagraphs": 200}
+
+
+# ------------------------------------------------------------------------- in a child process
+
+def time_calls(fn, rounds: int = 5, calls: int = 10) -> float:
+    """Median milliseconds of one call of ``fn`` over ``rounds`` rounds of ``calls`` calls (CUDA
+    events on a GPU, the wall clock elsewhere)."""
+    import torch
+    times = []
+    for _ in range(rounds):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1000 / calls)
+    return statistics.median(times)
+
+
+def sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def attention_rows(batch=16, heads=8, tokens=4050, head_dim=48) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    rows = []
+    flops_fwd = 4 * batch * heads * tokens * tokens * head_dim
+    for dtype in (torch.bfloat16, torch.float16):
+        qkv = torch.randn(batch, tokens, 3, heads, head_dim, device="cuda", dtype=dtype,
+                          requires_grad=True)
+        for layout in ("qkv", "contig"):
+            def inputs():
+                q, k, v = qkv.permute(2, 0, 3, 1, 4)
+                if layout == "contig":
+                    q, k, v = (t.contiguous() for t in (q, k, v))
+                return q, k, v
+            for name in BACKENDS:
+                row = {"dtype": str(dtype).split(".")[-1], "layout": layout, "backend": name}
+                try:
+                    with sdpa_kernel([sdpa_backend(name)]):
+                        def fwd():
+                            with torch.no_grad():
+                                F.scaled_dot_product_attention(*inputs())
+
+                        def fwd_bwd():
+                            F.scaled_dot_product_attention(*inputs()).sum().backward()
+                        fwd()
+                        fwd_bwd()
+                        rounds = (2, 2) if name == "math" else (5, 10)
+                        row["fwd_ms"] = time_calls(fwd, *rounds)
+                        row["fwd_bwd_ms"] = time_calls(fwd_bwd, *rounds)
+                    row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+                    row["fwd_bwd_tflops"] = 3.5 * flops_fwd / row["fwd_bwd_ms"] / 1e9
+                except Exception as e:  # no kernel for this shape or dtype
+                    row["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+                qkv.grad = None
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def step_row(model_name: str, opts: dict, steps: int) -> dict:
+    """One compute-only variant: its step time, rate, FLOPs and time to the first step.
+    ``opts["overrides"]``: settings over the short config's (smaller models for a test); on a
+    machine without CUDA the step runs on the CPU."""
+    t0 = time.perf_counter()
+    import contextlib
+
+    import torch
+    from torch.nn.attention import sdpa_kernel
+
+    from engine.optimizer import build_optimizer
+    from observe.flops import peak_tflops
+    from settings.parse import build_config
+    from tasks import make_task
+    torch.backends.cudnn.benchmark = True
+    yaml = {"vit": "config/ViT.yaml", "unet": "config/UNet.yaml"}[model_name]
+    cfg = build_config(yaml, "short", {"amp_mode": "bf16", **opts.get("overrides", {})})
+    task = make_task(cfg)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = task.build_model().to(device)
+    fmt = torch.channels_last_3d if opts.get("layout") == "channels_last" else \
+        torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    batch = cfg.global_batch_size
+    if model_name == "vit":
+        x = torch.randn(batch, cfg.n_in_channels, *cfg.img_size, device=device)
+        y = torch.randn(batch, cfg.n_out_channels, *cfg.img_size, device=device)
+    else:
+        side = cfg.data_size
+        x = torch.randn(batch, cfg.n_in_channels, side, side, side, device=device)
+        y = torch.randn(batch, cfg.n_out_channels, side, side, side, device=device)
+        x, y = x.contiguous(memory_format=fmt), y.contiguous(memory_format=fmt)
+    optimizer = build_optimizer(model.parameters(), 1e-4, (0.9, 0.95), True, device)
+    attention = opts.get("attention")
+    kernels = (lambda: sdpa_kernel([sdpa_backend(attention)])) if attention in BACKENDS \
+        else contextlib.nullcontext
+    step_model = model
+    if opts["compile"] != "eager":
+        step_model = torch.compile(model, mode=None if opts["compile"] == "default"
+                                   else opts["compile"])
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16), kernels():
+            loss = task.loss(step_model(x), y).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for _ in range(3):
+        step()
+    ms = time_calls(step, rounds=3, calls=steps)
+    rate = batch * 1000 / ms
+    tflops = task.flops_per_sample() * rate / 1e12
+    peak = peak_tflops(device, "bf16")
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {"model": model_name, "ms": ms, "samples_per_s": rate, "tflops": tflops,
+            "mfu": 100 * tflops / peak if peak else None, "first_step_s": first_s,
+            "peak_gb": peak_gb}
+
+
+def child(argv):
+    kind = argv[0]
+    if kind == "attention":
+        attention_rows()
+        return
+    opts = json.loads(argv[2])
+    if opts.get("attention") == "best":
+        opts["attention"] = argv[3]
+    print(json.dumps(step_row(argv[1], opts, int(argv[4]) if len(argv) > 4 else 10)), flush=True)
+
+
+# ------------------------------------------------------------------------- the parent
+
+def run_child(args: list[str], limit: float) -> tuple[list[dict], str]:
+    env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "benchmarks.step_options", "--child", *args]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return [], f"over its {limit:g} s limit"
+    rows = []
+    for line in p.stdout.splitlines():
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+    if p.returncode and not rows:
+        last = [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        return [], f"exit {p.returncode}: {last[0][:200]}"
+    return rows, ""
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        child(argv[1:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=["attention", "vit", "unet"],
+                   default=["attention", "vit", "unet"])
+    p.add_argument("--budget", type=float, default=300.0,
+                   help="seconds for all variants; the rest are skipped (default: %(default)g)")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    p.add_argument("--dry-run", action="store_true", help="list the variants, run nothing")
+    a = p.parse_args(argv)
+    plan = []
+    if "attention" in a.only:
+        plan.append(("attention", ["attention"], 90))
+    for name, variants in (("vit", VIT), ("unet", UNET), ("vit", VIT_COMPILED)):
+        if name in a.only:
+            plan += [(f"{name} {label}", ["step", name, json.dumps(o)], LIMIT_S[o["compile"]])
+                     for label, o in variants]
+    if a.dry_run:
+        for label, args, limit in plan:
+            print(f"{label}: limit {limit} s")
+        print(f"budget {a.budget:g} s")
+        return
+    t_end = time.monotonic() + a.budget
+    out = {"attention": [], "steps": []}
+    best = "flash"
+    for label, args, limit in plan:
+        left = t_end - time.monotonic()
+        if left < 15:
+            out["steps"].append({"variant": label, "failed": "skipped: budget spent"})
+            continue
+        if args[0] == "step" and args[1] == "vit":
+            args = args + [best]
+        rows, why = run_child(args, min(limit, left))
+        if args[0] == "attention":
+            out["attention"] = rows
+            ok = [r for r in rows if "failed" not in r and r["dtype"] == "bfloat16"
+                  and r["layout"] == "qkv"]
+            if ok:
+                best = min(ok, key=lambda r: r["fwd_bwd_ms"])["backend"]
+            if why:
+                print(f"attention: {why}", flush=True)
+            continue
+        row = rows[0] if rows else {"failed": why}
+        row["variant"] = label
+        out["steps"].append(row)
+        print(json.dumps(row), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(table(out))
+
+
+def table(out: dict) -> str:
+    lines = []
+    if out["attention"]:
+        lines += ["| dtype | q, k, v | backend | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
+                  "fwd+bwd TFLOP/s |", "|---|---|---|---:|---:|---:|---:|"]
+        for r in out["attention"]:
+            if "failed" in r:
+                lines.append(f"| {r['dtype']} | {r['layout']} | {r['backend']} | "
+                             f"{r['failed']} | | | |")
+            else:
+                lines.append(f"| {r['dtype']} | {r['layout']} | {r['backend']} | "
+                             f"{r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.2f} "
+                             f"| {r['fwd_bwd_tflops']:.0f} |")
+        lines.append("")
+    if out["steps"]:
+        lines += ["| step variant (bf16, fused Adam, compute only) | ms/step | samples/s | "
+                  "TFLOP/s | MFU % | first step s | peak GB |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in out["steps"]:
+            if "failed" in r:
+                lines.append(f"| {r['variant']} | failed: {r['failed']} | | | | | |")
+            else:
+                lines.append(f"| {r['variant']} | {r['ms']:.2f} | {r['samples_per_s']:.1f} | "
+                             f"{r['tflops']:.0f} | {fmt(r['mfu'], '.1f')} | "
+                             f"{r['first_step_s']:.1f} | {fmt(r['peak_gb'], '.1f')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Which kernel computes the ViT's attention (the setting ``attention_backend``).
+
+torch's ``scaled_dot_product_attention`` has several kernels (backends) and picks the first of a
+fixed priority list that supports the inputs; that list has changed between torch releases
+(cuDNN's kernel was first on Hopper in 2.5.0, behind FlashAttention in 2.5.1, first again by
+2.11). Measured on an H200 at the tutorial's shapes (batch 16, 8 heads of 48, 4050 tokens, bf16
+and fp16; ``benchmarks/step_options.py``, docs/performance.md), forward + backward: cuDNN 5.25 ms,
+FlashAttention 8.27 ms, memory-efficient 17.7 ms, math 71.6 ms; the whole eager step 118, 152
+and 266 ms with the first three. So ``auto`` puts cuDNN first on Hopper (compute capability 9)
+in half precision, whatever the torch release, and leaves torch's choice alone elsewhere; a named
+backend is the only one allowed, and refused at the start where it has no kernel.
+
+The choice is a context the engine runs the forward pass under (``kernels()``): the backward of
+each attention is that of the kernel its forward ran, a compiled model bakes the kernel in when
+it is traced, and a CUDA graph captures it.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable, ContextManager
+
+import torch
+import torch.nn.functional as F
+
+from settings.errors import ConfigError
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover  (torch < 2.3; the project needs 2.5)
+    SDPBackend = sdpa_kernel = None
+
+BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+            "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+HOPPER_ORDER = ("cudnn", "flash", "efficient", "math")  # fastest first, measured (above)
+# Whether sdpa_kernel can set the priority of the backends it allows (torch >= 2.6).
+_CAN_ORDER = sdpa_kernel is not None and "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+def _backend(name: str):
+    return getattr(SDPBackend, BACKENDS[name])
+
+
+def auto_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...] | None:
+    """The backends ``auto`` allows, first preferred, or None for torch's own choice."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not _CAN_ORDER:
+        return None
+    major, _ = torch.cuda.get_device_capability(device)
+    return HOPPER_ORDER if major == 9 else None
+
+
+def kernels(choice: str, device: torch.device, dtype: torch.dtype,
+            head_dim: int) -> Callable[[], ContextManager]:
+    """A factory of the context the forward pass runs under for ``attention_backend=choice``,
+    with attention computed in ``dtype`` on ``device``. A named backend is tried once here on a
+    small input of the model's head size: where it has no kernel, ConfigError (one line)."""
+    order = auto_order(device, dtype) if choice == "auto" else (choice,)
+    if order is None:
+        return contextlib.nullcontext
+    backends = [_backend(name) for name in order]
+
+    def context():
+        return sdpa_kernel(backends, set_priority=True) if len(backends) > 1 \
+            else sdpa_kernel(backends)
+    q = torch.zeros(1, 1, 8, head_dim, device=device, dtype=dtype)
+    try:
+        with context():
+            F.scaled_dot_product_attention(q, q, q)
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"attention_backend={choice} has no kernel for {str(dtype).split('.')[-1]} attention "
+            f"with heads of {head_dim} on {device.type} ({reason[:160]}): use --attention_backend "
+            f"auto") from None
+    return context

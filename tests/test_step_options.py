@@ -1,0 +1,35 @@
+"""benchmarks/step_options.py without a GPU: a compute-only step of each model runs on the CPU
+(the ViT with a named attention kernel, the U-Net in channels-last), the plan keeps the eager
+variants first, and the table shows failed variants as rows."""
+import pytest
+
+from benchmarks import step_options
+
+TINY_VIT = {"img_size": [16, 32], "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2,
+            "global_batch_size": 2}
+TINY_UNET = {"data_size": 32, "full_scale": False, "base_width": 4, "global_batch_size": 2}
+
+
+def test_a_step_of_each_model_is_timed_on_the_cpu():
+    rows = []
+    for model, opts in [("vit", {"compile": "eager", "attention": "math",
+                                 "overrides": TINY_VIT}),
+                        ("unet", {"compile": "eager", "layout": "channels_last",
+                                  "overrides": TINY_UNET})]:
+        row = step_options.step_row(model, opts, steps=1)
+        assert row["model"] == model and row["ms"] > 0 and row["first_step_s"] > 0
+        assert row["samples_per_s"] == pytest.approx(2 * 1000 / row["ms"])
+        assert row["mfu"] is None and row["peak_gb"] is None  # a CPU has no peak, no CUDA memory
+        rows.append({**row, "variant": model})
+    rows.append({"variant": "unet channels_last default", "failed": "over its 150 s limit"})
+    text = step_options.table({"attention": [], "steps": rows})
+    assert text.count("\n| ") == 3 and "| unet channels_last default | failed: over" in text
+
+
+def test_the_eager_variants_run_before_the_compiled_ones(capsys):
+    step_options.main(["--dry-run"])
+    names = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()[:-1]]
+    assert names[0] == "attention"
+    compiled = [i for i, n in enumerate(names) if "eager" not in n and n != "attention"]
+    eager = [i for i, n in enumerate(names) if "eager" in n]
+    assert max(eager) < min(compiled)
