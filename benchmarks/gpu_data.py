@@ -40,7 +40,7 @@ from datapipe.formats import ERA5_CHANNELS  # noqa: E402
 from datapipe.synthetic import YEARS  # noqa: E402
 
 COSMO_SIDES = (256, 128)  # the first GPU run's boxes (the tutorial's crops are 64^3)
-ERA5_STEPS = (400, 80)  # training and validation steps: 384 training samples of short + dt
+ERA5_STEPS = (200, 48)  # training and validation steps: 192 training samples of short + dt
 ERA5_SIZE = (360, 720)  # the tutorial's img_size
 BLOCK = 8  # steps of the repeated ERA5 block
 KINDS = ("cosmo", "era5")

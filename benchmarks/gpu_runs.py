@@ -1,51 +1,55 @@
-"""The tutorial's single-GPU chapter on a real GPU: its sequence of switches for the U-Net and the
-ViT, the device loader, CUDA graphs, the throughput report, a profiler trace and the GPU tests,
-run and tabulated beside the tutorial's A100 figures and the issue's goals.
+"""The tutorial's single-GPU chapter on a real GPU, in one device call of under 9 minutes: its
+baselines and its optimised configs for the U-Net and the ViT (the device loader, compile, the
+throughput report, the time to the first step, a second run on warm compile caches), CUDA graphs
+at a small batch, a profiler trace with its top kernels and the GPU tests, tabulated beside the
+tutorial's A100 figures and the goals.
 
-    python -m benchmarks.gpu_runs --dry-run                          # the plan: commands, estimates
-    python -m benchmarks.gpu_runs --make-data --only unet            # device call 1 (~8 min, H100)
-    python -m benchmarks.gpu_runs --make-data --only vit graphs profile tests   # call 2 (~8 min)
+    python -m benchmarks.gpu_runs --dry-run              # the plan: commands, estimates
+    python -m benchmarks.gpu_runs --make-data            # the device call (~8 min on an H200)
+    python -m benchmarks.gpu_runs --make-data --only largest   # the ViT's largest batch (~2 min)
 
-Each call fits in one 10-minute device command: ``--budget`` (540 s) bounds the whole call, data
-making included. A run gets a timeout of twice its estimate and 30 s (``--timeout`` sets one
-for all), cut to what is left of the budget; a run that would start with less than half its
-estimate left is a ``skipped`` row. After every run the table is written again, so a call
-stopped from outside keeps what it measured.
+``--budget`` (540 s) bounds the whole call, data making included. A run gets a timeout of
+twice its estimate and 30 s (``--timeout`` sets one for all), cut to what is left of the
+budget; a run that would start with less than half its estimate left is a ``skipped`` row.
+After every run the table is written again, so a call stopped from outside keeps what it
+measured.
 
 ``--make-data`` writes the data under ``--data`` first, in seconds (benchmarks/gpu_data.py):
-a 256^3 training and a 128^3 validation cosmology box, ERA5 files of 400 and 80 steps of
-360 x 720 (8.3 + 1.7 GB) with their statistics; only what the chosen series read, and data
+a 256^3 training and a 128^3 validation cosmology box, ERA5 files of 200 and 48 steps of
+360 x 720 (4.1 + 1.0 GB) with their statistics; only what the chosen series read, and data
 already there is kept. Without it, missing data stops the call before any run.
 
 Series (``--only``; rows in this order, each a short training of real size):
 
-- ``unet``: U-Net ``short`` (3 epochs of 1536 crops of 64^3, batch 64, as the first GPU run):
-  baseline fp32 (2 loader workers) -> 8 workers -> AMP bf16 -> AMP fp16 with the gradient
-  scaler instead -> fused Adam -> torch.compile (``short_opt``, with ``--throughput_report``)
-  -> CUDA graphs instead of compile (``train_graph.py``); then the device loader
-  (``--data_loader_config device``, volumes in GPU memory) in bf16 with fused Adam (with
-  ``--throughput_report``), and the same through ``train_graph.py``;
-- ``vit``: ViT ``short`` (fp32, no workers, 48 steps of 16), ``short_opt`` in bf16 (8 workers,
-  fused, compile, 96 steps, with ``--throughput_report``), and the largest batch that trains:
-  ``--global_batch_size`` doubled from 32 (bf16, fused, eager, no workers: 6 steps each) until
-  the one-line out-of-memory error (exit 2) of train.py, or 256;
+- ``unet``: U-Net ``short`` (fp32, 2 loader workers; 2 epochs of 512 crops of 64^3, batch 64),
+  then ``short_opt`` (fp16 with the scaler, fused Adam, compile, the memory format's default)
+  with the device loader (volumes in GPU memory; 3 epochs of 1536 crops) and
+  ``--throughput_report``, then the same again, which finds the compile caches of the run
+  before: its first epoch against its steady ones;
+- ``vit``: ViT ``short`` (fp32, no workers, 24 steps of 16 on 192 samples), ``short_opt`` in
+  bf16 (8 workers, fused, compile, the attention kernel's default; 48 steps, with
+  ``--throughput_report``), and the same again on warm caches;
+- ``tests``: ``pytest -m gpu`` over the test files that need a GPU (the others import packages a
+  GPU node may lack);
 - ``graphs``: ``train_graph.py`` at batch 8 (device loader, bf16, fused): replayed against eager
   steps, where launch overheads show;
-- ``profile``: ``--profile_trace`` over a few U-Net steps, then the Chrome/Perfetto JSON checked
-  (it parses, holds traceEvents, CUDA kernels among them); copied to the out dir, gzipped;
-- ``tests``: ``pytest -m gpu`` over the test files that need a GPU (the others import packages a
-  GPU node may lack).
+- ``profile``: ``--profile_trace`` over a few ViT steps (bf16, compute only), the Chrome/Perfetto
+  JSON checked (it parses, holds traceEvents, CUDA kernels among them), its top kernels by GPU
+  time listed, and the trace copied to the out dir, gzipped;
+- ``largest`` (not in the default call): the ViT's largest batch that trains,
+  ``--global_batch_size`` doubled from 32 (bf16, fused, eager, no workers: 6 steps each) until
+  the one-line out-of-memory error (exit 2) of train.py, or 256.
 
 The table (``--out-dir``: $OUT when set, else benchmarks/; GPU.md, a new name beside an existing
 one, with gpu_runs.log holding every run's command and output, and gpu_runs.json the parsed
 numbers): per run samples/s (train.py's epoch figure: the epoch's samples over its wall time,
 median of the epochs after the first) and the share of the epoch the GPU waited for data; the
 speed-up over the row before and over the series' first row; TFLOP/s, MFU and peak memory from
-train.py's lines; the tutorial's A100 figure where it has one, and the ratio; then the
-throughput reports (IO, SYNTHETIC, FULL), the goals with the measured figure, and the device,
-driver, torch and CUDA versions. A run that fails, times out or logs no epoch is a row saying
-so. Exit status 1 when any row failed or was skipped (and nothing is written when none
-succeeded).
+train.py's lines; the tutorial's A100 figure where it has one, and the ratio; the start's
+seconds, the first epoch's and the compile caches' hits; then the throughput reports (IO,
+SYNTHETIC, FULL), the top kernels, the goals with the measured figure, and the device, driver,
+torch and CUDA versions. A run that fails, times out or logs no epoch is a row saying so. Exit
+status 1 when any row failed or was skipped (and nothing is written when none succeeded).
 """
 from __future__ import annotations
 
@@ -77,15 +81,18 @@ BUDGET_S = 540.0  # one call: under the device's 10-minute command limit, with r
 MIN_RUN_S = 20.0  # no run starts with less than this left of the budget
 
 # ---------------------------------------------------------------------------- the estimates
-# From the first GPU run (H100 80GB, notes gpu-first-run.md): a quickstart took 18 s end to end;
-# wall-clock samples/s of the U-Net at batch 64: fp32 2 workers 135, 8 workers 223, bf16 215,
-# fp16 + fused + compile 243, train_graph.py 178, compute only with cuDNN autotuning 1467;
-# ViT at batch 16: fp32 no workers 17.3, bf16 + fused + compile with 8 workers 50.
-START_S = 20.0  # process start to the first step: imports, CUDA context, model, loader, cuDNN
-COMPILE_S = 45.0  # torch.compile's first steps (not timed by the first run: a guess)
+# From the GPU runs on an H200 (notes gpu-second-run.md and the step options of 2026-11-26):
+# a process's start to its first step about 15 s (imports, CUDA context, model, loaders), cuDNN's
+# autotuning of the U-Net's convolutions 15-40 s more on a first step; wall-clock samples/s of
+# the U-Net at batch 64: fp32 2 workers 135, the device loader ~1500-1900; ViT at batch 16: fp32
+# no workers 17, bf16 + fused + compile with 8 workers 150; compile 20-40 s.
+START_S = 15.0  # process start to the first step: imports, CUDA context, model, loader
+AUTOTUNE_S = 20.0  # cuDNN's autotuning of the U-Net's convolutions on a first step
+COMPILE_S = 35.0  # torch.compile's first steps, caches cold
+WARM_COMPILE_S = 10.0  # the same with the caches of an earlier run
 CAPTURE_S = 5.0  # train_graph.py's warm-up and capture
-UNET_SAMPLES = 3 * (1536 + 256)  # 3 epochs of training and validation crops
-VIT_SAMPLES = 79  # the 80-step validation file's pairs, per validation
+REPORT_S = 25.0  # --throughput_report's 3 modes x 3 rounds of 20 batches, and its set-up
+VIT_VALID = 47  # the 48-step validation file's pairs, per validation
 
 
 def est(samples: float, rate: float, extra: float = 0.0) -> float:
@@ -99,9 +106,10 @@ def est(samples: float, rate: float, extra: float = 0.0) -> float:
 class Run:
     """One row. ``key`` is "series/name" (the goals and the tutorial figures refer to it);
     ``script``: train.py, train_graph.py, a Python file, or "pytest"; ``kind``: "train",
-    "trace" (a train run with --profile_trace, its trace checked), "search" (``args`` without
-    the batch, run at each of ``SEARCH_BATCHES``) or "pytest"; ``data``: the data set it reads
-    under --data ("cosmo", "era5" or None); ``est_s``: seconds on an H100."""
+    "trace" (a train run with --profile_trace, its trace checked and its top kernels listed),
+    "search" (``args`` without the batch, run at each of ``SEARCH_BATCHES``) or "pytest";
+    ``data``: the data set it reads under --data ("cosmo", "era5" or None); ``est_s``: seconds
+    on an H200."""
 
     key: str
     label: str
@@ -116,86 +124,85 @@ class Run:
         return self.key.split("/")[0]
 
 
-UNET = ("--yaml_config", "config/UNet.yaml", "--config", "short", "--num_epochs", "3",
-        "--Nsamples", "1536", "--Nsamples_val", "256")
-W8 = ("--num_data_workers", "8")
-FP16 = W8 + ("--amp_mode", "fp16", "--enable_fused")
+UNET_SMALL = ("--yaml_config", "config/UNet.yaml", "--config", "short", "--num_epochs", "2",
+              "--Nsamples", "512", "--Nsamples_val", "64")
+UNET_OPT = ("--yaml_config", "config/UNet.yaml", "--config", "short_opt", "--num_epochs", "3",
+            "--Nsamples", "1536", "--Nsamples_val", "256", "--data_loader_config", "device")
 DEVICE = ("--data_loader_config", "device", "--amp_mode", "bf16", "--enable_fused")
-VIT = ("--config", "short", "--limit_nsamples", "384")
+VIT_SHORT = ("--config", "short", "--limit_nsamples", "192", "--num_iters", "24")
+VIT_OPT = ("--config", "short_opt", "--limit_nsamples", "192", "--num_iters", "48",
+           "--amp_mode", "bf16")
 REPORT = ("--throughput_report",)
-SEARCH_BATCHES = (32, 64, 128, 256)  # 16 is short_opt's; 384 training samples cap it at 256
+SEARCH_BATCHES = (32, 64, 128, 256)  # 16 is short_opt's; 192 training samples cap it at 64
 # The test files that hold gpu-marked tests, named to pytest: the others import packages a bare
 # GPU node may lack (nbclient).
 GPU_TESTS = tuple(sorted(f"tests/{name}" for name in os.listdir(os.path.join(ROOT, "tests"))
                          if name.startswith("test_") and name.endswith(".py")
                          and "pytest.mark.gpu" in open(os.path.join(ROOT, "tests", name)).read()))
 
-
-def _unet(key, label, script, args, rate, extra=0.0):
-    return Run(f"unet/{key}", label, script, UNET + args, est(UNET_SAMPLES, rate, extra),
-               data="cosmo")
-
-
 SERIES: dict[str, list[Run]] = {
     "unet": [
-        _unet("baseline", "baseline: fp32, 2 loader workers (short)", "train.py", (), 135),
-        _unet("workers", "+ 8 loader workers", "train.py", W8, 223),
-        _unet("bf16", "+ AMP bf16", "train.py", W8 + ("--amp_mode", "bf16"), 215),
-        _unet("fp16", "AMP fp16 with the gradient scaler (instead of bf16)", "train.py",
-              W8 + ("--amp_mode", "fp16"), 215),
-        _unet("fused", "+ fused Adam", "train.py", FP16, 230),
-        _unet("compile", "+ torch.compile (= short_opt), + throughput report", "train.py",
-              FP16 + ("--enable_jit",) + REPORT, 243, COMPILE_S + 35),
-        _unet("graphs", "+ CUDA graphs instead of compile (train_graph.py)", "train_graph.py",
-              FP16, 178, CAPTURE_S),
-        _unet("device", "device loader, bf16, fused, + throughput report", "train.py",
-              DEVICE + REPORT, 1000, 10),
-        _unet("device_graphs", "device loader + CUDA graphs (train_graph.py)", "train_graph.py",
-              DEVICE, 1000, CAPTURE_S),
+        Run("unet/baseline", "baseline: short, fp32, 2 loader workers", "train.py", UNET_SMALL,
+            est(2 * 576, 135, AUTOTUNE_S), data="cosmo"),
+        Run("unet/short_opt", "short_opt (fp16, fused Adam, compile, memory format auto) with the "
+            "device loader, + throughput report", "train.py", UNET_OPT + REPORT,
+            est(3 * 1792, 1500, AUTOTUNE_S + COMPILE_S + REPORT_S), data="cosmo"),
+        Run("unet/short_opt_again", "the same again: the compile caches of the run before",
+            "train.py", UNET_OPT, est(3 * 1792, 1500, AUTOTUNE_S + WARM_COMPILE_S), data="cosmo"),
     ],
     "vit": [
-        Run("vit/short", "short: fp32, no loader workers", "train.py", VIT + ("--num_iters", "48"),
-            est(48 * 16 + 2 * VIT_SAMPLES, 17.3), data="era5"),
-        Run("vit/short_opt", "short_opt in bf16: 8 workers, fused, compile, + throughput report",
-            "train.py", ("--config", "short_opt", "--limit_nsamples", "384", "--num_iters", "96",
-                         "--amp_mode", "bf16") + REPORT,
-            est(96 * 16 + 4 * VIT_SAMPLES, 50, COMPILE_S + 47), data="era5"),
-        Run("vit/largest", "largest batch: short, bf16, fused, eager, no workers", "train.py",
-            ("--config", "short", "--amp_mode", "bf16", "--enable_fused", "--num_iters", "6"),
-            0, kind="search", data="era5"),
+        Run("vit/short", "short: fp32, no loader workers", "train.py", VIT_SHORT,
+            est(24 * 16 + 2 * VIT_VALID, 17), data="era5"),
+        Run("vit/short_opt", "short_opt in bf16: 8 workers, fused Adam, compile, attention auto, "
+            "+ throughput report", "train.py", VIT_OPT + REPORT,
+            est(48 * 16 + 4 * VIT_VALID, 150, COMPILE_S + REPORT_S), data="era5"),
+        Run("vit/short_opt_again", "the same again: the compile caches of the run before",
+            "train.py", VIT_OPT, est(48 * 16 + 4 * VIT_VALID, 150, WARM_COMPILE_S), data="era5"),
+    ],
+    "tests": [
+        Run("tests/gpu", "pytest -m gpu", "pytest", ("-q", "-m", "gpu") + GPU_TESTS, 45,
+            kind="pytest"),
     ],
     "graphs": [
         Run("graphs/b8", "CUDA graphs at batch 8: train_graph.py, device loader, bf16, fused",
-            "train_graph.py", UNET[:4] + ("--num_epochs", "2", "--Nsamples", "512",
-                                          "--Nsamples_val", "64", "--global_batch_size", "8",
-                                          "--graph_warmup_steps", "6") + DEVICE,
-            est(2 * 576, 270, CAPTURE_S), data="cosmo"),
+            "train_graph.py", UNET_SMALL[:4] + ("--num_epochs", "2", "--Nsamples", "512",
+                                                "--Nsamples_val", "64", "--global_batch_size",
+                                                "8", "--graph_warmup_steps", "6") + DEVICE,
+            est(2 * 576, 270, CAPTURE_S + AUTOTUNE_S), data="cosmo"),
     ],
     "profile": [
-        Run("profile/trace", "torch.profiler trace (U-Net, device loader, bf16, fused)",
-            "train.py", UNET[:4] + ("--num_epochs", "2", "--Nsamples", "640", "--Nsamples_val",
-                                    "128") + DEVICE,
-            est(2 * 768, 1000, 5), kind="trace", data="cosmo"),
+        Run("profile/vit", "torch.profiler trace: ViT short, bf16, fused, compute only",
+            "train.py", ("--config", "short", "--amp_mode", "bf16", "--enable_fused",
+                         "--data_loader_config", "synthetic", "--limit_nsamples", "64",
+                         "--limit_nsamples_val", "16", "--num_iters", "12"),
+            est(12 * 16 + 2 * 16, 130, 5), kind="trace"),
     ],
-    "tests": [
-        Run("tests/gpu", "pytest -m gpu", "pytest", ("-q", "-m", "gpu") + GPU_TESTS, 90,
-            kind="pytest"),
+    "largest": [
+        Run("largest/vit", "largest ViT batch: short, bf16, fused, eager, no workers",
+            "train.py", ("--config", "short", "--amp_mode", "bf16", "--enable_fused",
+                         "--num_iters", "6"), 0, kind="search", data="era5"),
     ],
 }
-# Two device calls of under 9 minutes each (estimates in --dry-run).
-CALLS = (("unet",), ("vit", "graphs", "profile", "tests"))
+# One device call of under 9 minutes (estimates in --dry-run): every series but the batch
+# search, which a second call can run (--only largest).
+CALLS = (("unet", "vit", "tests", "graphs", "profile"), ("largest",))
+
+
+def default_series() -> list[str]:
+    """What a call without --only runs: every series but those of the later calls."""
+    return [s for s in SERIES if not any(s in call for call in CALLS[1:])]
 
 
 def search_args(run: Run, batch: int) -> list[str]:
-    """A batch-search run at ``batch``: 3 steps per epoch (two epochs), on at most the 384
+    """A batch-search run at ``batch``: 3 steps per epoch (two epochs), on at most the 192
     training samples of the ERA5 file."""
     return list(run.args) + ["--global_batch_size", str(batch),
-                             "--limit_nsamples", str(min(3 * batch, 384))]
+                             "--limit_nsamples", str(min(3 * batch, 192))]
 
 
 def search_est(batch: int) -> float:
     """Seconds of one batch-search run: no workers read ~60 samples/s of 360 x 720."""
-    return est(2 * (min(3 * batch, 384) + VIT_SAMPLES), 60)
+    return est(2 * (min(3 * batch, 192) + VIT_VALID), 60)
 
 
 def run_timeout(est_s: float) -> float:
@@ -214,10 +221,8 @@ def run_est(run: Run) -> float:
 # (seeds/001), config short, batch 16, 4 epochs.
 TUTORIAL = {
     "unet/baseline": (85.2, "SC22, baseline (2 workers): epochs 2-3 83.96, 86.52 ('about 85')"),
-    "unet/workers": (271.1, "SC22, 8 workers: 268.01, 274.16 ('around 270')"),
-    "unet/fp16": (500.8, "SC22, DALI + AMP (fp16 with the scaler): 488.81, 512.87"),
-    "unet/fused": (510.5, "SC22, DALI + AMP + APEX FusedAdam: 486.97, 534.08"),
-    "unet/compile": (519.2, "SC22, DALI + AMP + APEX + JIT (TorchScript): 496.45, 542.01"),
+    "unet/short_opt": (519.2, "SC22's fastest single-GPU run, DALI + AMP + APEX + JIT "
+                              "(TorchScript): 496.45, 542.01"),
     "vit/short": (8.80, "DL4SCI25, baseline (no workers, fp32): epochs 2-4 9.22, 8.63, 8.80"),
     "vit/short_opt": (42.84, "SC23, DALI + AMP bf16 + fused Adam + torch.compile: "
                              "42.74, 42.85, 42.84 (DL4SCI25, 8 workers, fp16: 41.67)"),
@@ -227,11 +232,13 @@ TUTORIAL = {
 # What train.py prints (log_epoch, log_memory; engine/cuda_graph.py, engine/throughput_report.py),
 # after logging_utils' "<time> - INFO - " prefix.
 _NUM = r"[\d.]+(?:e[+-]\d+)?"
-_EPOCH = re.compile(r"Epoch (\d+): [\d.]+ s for \d+ steps, ([\d.]+) samples/s")
+_EPOCH = re.compile(r"Epoch (\d+): ([\d.]+) s for \d+ steps, ([\d.]+) samples/s")
 _WAIT = re.compile(r"Waited for data (\d+)% of the epoch(?: \([^)]*\))?"
                    r"(?:; steady state \(after step 1\) ([\d.]+) samples/s)?")
-_TFLOPS = re.compile(rf"Model ({_NUM}) TFLOP/s per device \([^)]*GFLOP per sample\)"
-                     rf"(?:, MFU ([\d.]+)% of)?")
+_TFLOPS = re.compile(rf"Model ({_NUM}) TFLOP/s per device \(({_NUM}) GFLOP per sample\)"
+                     rf"(?:, MFU ([\d.]+)% of ({_NUM}) TFLOP/s)?")
+_START = re.compile(r"Start: ([\d.]+) s to the end of the first step: .*first step ([\d.]+) s")
+_CACHES = re.compile(r"compile caches .*: (\d+) hits, (\d+) misses")
 _PEAK = re.compile(r"Memory after forward pass \(GB, per rank\): [^;]*; "
                    r"peak: ([\d.]+(?:, [\d.]+)*)")
 _GRAPH = re.compile(r"CUDA graph: step ([\d.]+) ms replayed, ([\d.]+) ms eager.*?: ([\d.]+)x")
@@ -247,11 +254,14 @@ def read_log(text: str) -> dict:
     """A run's numbers: samples/s, the data-wait share (%) and the steady-state rate (medians
     over the epochs after the first, or the only one); TFLOP/s and MFU of the last epoch; peak
     memory (GB, max over ranks and epochs); the CUDA-graph line and its speed-up; the
-    throughput report (IO, SYNTHETIC, FULL means) and its bottleneck line."""
-    rates, waits, steady = [], [], []
+    throughput report (IO, SYNTHETIC, FULL means) and its bottleneck line; the epochs' seconds;
+    the start's seconds to the end of the first step (and the first step's own) and the compile
+    caches' hits and misses."""
+    rates, seconds, waits, steady = [], [], [], []
     for line in text.splitlines():
         if m := _EPOCH.search(line):
-            rates.append(float(m.group(2)))
+            seconds.append(float(m.group(2)))
+            rates.append(float(m.group(3)))
             waits.append(None)
             steady.append(None)
         elif (m := _WAIT.search(line)) and rates and waits[-1] is None:
@@ -268,13 +278,21 @@ def read_log(text: str) -> dict:
     graph = _GRAPH.search(text)
     report = _THROUGHPUT.search(text)
     bottleneck = _BOTTLENECK.search(text.split("Throughput (")[-1]) if report else None
+    start = _START.search(text)
+    caches = _CACHES.search(text)
     return {
         "samples_per_s": median_after_first(rates),
         "epochs": rates,
+        "epoch_s": seconds,
+        "start_s": float(start.group(1)) if start else None,
+        "first_step_s": float(start.group(2)) if start else None,
+        "cache_hits": (int(caches.group(1)), int(caches.group(2))) if caches else None,
         "wait_pct": median_after_first(waits),
         "steady_per_s": median_after_first(steady),
         "tflops": float(flops[-1][0]) if flops else None,
-        "mfu": float(flops[-1][1]) if flops and flops[-1][1] else None,
+        "gflop_per_sample": float(flops[-1][1]) if flops else None,
+        "mfu": float(flops[-1][2]) if flops and flops[-1][2] else None,
+        "peak_tflops": float(flops[-1][3]) if flops and flops[-1][3] else None,
         "peak_gb": max(peaks) if peaks else None,
         "graph": graph.group(0) if graph else None,
         "graph_x": float(graph.group(3)) if graph else None,
@@ -409,7 +427,33 @@ def check_trace(directory: str) -> dict:
             f"events, {kernels} CUDA kernels, ranges {', '.join(ranges) or 'none'}")
     if not kernels:
         return {"failed": f"{what}: no CUDA kernel events"}
-    return {"trace": what, "path": path}
+    return {"trace": what, "path": path, "kernels": top_kernels(events)}
+
+
+def top_kernels(events: list, n: int = 12) -> list[tuple[str, float, int, float]]:
+    """The CUDA kernels that took the most GPU time in a trace's events: (name, milliseconds in
+    all, calls, share of all kernels' time), most first."""
+    total, calls = {}, {}
+    for e in events:
+        if isinstance(e, dict) and e.get("cat") == "kernel" and isinstance(e.get("dur"), (int, float)):
+            name = str(e.get("name", "?"))
+            total[name] = total.get(name, 0.0) + e["dur"] / 1000  # microseconds -> ms
+            calls[name] = calls.get(name, 0) + 1
+    whole = sum(total.values()) or 1.0
+    ranked = sorted(total, key=total.get, reverse=True)[:n]
+    return [(name, total[name], calls[name], total[name] / whole) for name in ranked]
+
+
+def kernels_table(rows: list[tuple[Run, dict]]) -> str:
+    out = []
+    for run, r in rows:
+        if r.get("kernels"):
+            out += [f"{run.label} (the trace's steps):", "",
+                    "| kernel | ms | calls | share of kernel time |", "|---|---:|---:|---:|"]
+            out += [f"| {_cell(name[:110])} | {ms:.1f} | {calls} | {100 * share:.1f}% |"
+                    for name, ms, calls, share in r["kernels"]]
+            out.append("")
+    return "\n".join(out).strip()
 
 
 # ---------------------------------------------------------------------------- the budget
@@ -449,6 +493,12 @@ def notes(r: dict) -> str:
     out = []
     if r.get("note"):
         out.append(r["note"])
+    if r.get("start_s") is not None:
+        out.append(f"start {r['start_s']:.0f} s (first step {r['first_step_s']:.0f} s)")
+    if r.get("epoch_s"):
+        out.append(f"first epoch {r['epoch_s'][0]:.1f} s")
+    if r.get("cache_hits"):
+        out.append(f"compile caches {r['cache_hits'][0]} hits, {r['cache_hits'][1]} misses")
     if r.get("graph_x") is not None:
         out.append(f"graph {r['graph_x']:.2f}x eager")
     if r.get("throughput"):
@@ -515,22 +565,42 @@ def _ratio(r, goal):
     return (f"FULL {t['FULL']:.1f} / SYNTHETIC {t['SYNTHETIC']:.1f} = {x:.2f}", x >= goal)
 
 
-def _sequence(rows_by_key, keys):
-    unet = [k for k in keys if k.startswith("unet/")]
-    first, last = rows_by_key.get(unet[0], {}), rows_by_key.get(unet[-1], {})
-    if not first.get("samples_per_s") or not last.get("samples_per_s"):
+def _rate(r, goal):
+    x = r.get("samples_per_s")
+    return (f"{x:.1f} samples/s", x >= goal) if x is not None else None
+
+
+def _speedup(by, fast, slow, goal):
+    a, b = by.get(fast, {}).get("samples_per_s"), by.get(slow, {}).get("samples_per_s")
+    if not a or not b:
         return None
-    x = last["samples_per_s"] / first["samples_per_s"]
-    best = max((k for k in unet if rows_by_key.get(k, {}).get("samples_per_s")),
-               key=lambda k: rows_by_key[k]["samples_per_s"])
-    text = (f"{last['samples_per_s']:.1f} / {first['samples_per_s']:.1f} = {x:.2f}x "
-            f"({unet[-1]}; fastest {best}: "
-            f"{rows_by_key[best]['samples_per_s'] / first['samples_per_s']:.2f}x)")
-    return text, x >= 6.0
+    return f"{a:.1f} / {b:.1f} = {a / b:.2f}x", a / b >= goal
 
 
-def _mfu(r):
-    return (f"MFU {r['mfu']:.1f}%", r["mfu"] >= 35.0) if r.get("mfu") is not None else None
+def _synthetic_mfu(r, goal):
+    """MFU of the throughput report's SYNTHETIC rate (the step alone, compute only)."""
+    t, gflop, peak = r.get("throughput"), r.get("gflop_per_sample"), r.get("peak_tflops")
+    if not t or not gflop or not peak:
+        return None
+    mfu = 100 * t["SYNTHETIC"] * gflop / 1e3 / peak
+    return f"SYNTHETIC {t['SYNTHETIC']:.1f} samples/s x {gflop:g} GFLOP = MFU {mfu:.1f}%", \
+        mfu >= goal
+
+
+def _first_epoch(r):
+    """A run's first epoch against its steady epochs: at most twice the median of the others
+    plus 5 s."""
+    seconds = r.get("epoch_s") or []
+    if len(seconds) < 2:
+        return None
+    steady = statistics.median(seconds[1:])
+    limit = 2 * steady + 5
+    start = f"; start {r['start_s']:.0f} s, first step {r['first_step_s']:.0f} s" \
+        if r.get("start_s") is not None else ""
+    hits = f"; compile caches {r['cache_hits'][0]} hits, {r['cache_hits'][1]} misses" \
+        if r.get("cache_hits") else ""
+    return (f"first epoch {seconds[0]:.1f} s, steady {steady:.2f} s: limit {limit:.1f} s"
+            f"{start}{hits}", seconds[0] <= limit)
 
 
 def _graph(r):
@@ -540,31 +610,34 @@ def _graph(r):
 
 # (goal, the rows it reads: all must be in the plan, how it is measured from their results)
 GOALS = [
-    ("U-Net short sequence ends at >= 6x its baseline", ("unet/baseline", "unet/device_graphs"),
-     lambda by, keys: _sequence(by, keys)),
-    ("ViT short_opt >= 35% MFU (bf16)", ("vit/short_opt",),
-     lambda by, keys: _mfu(by.get("vit/short_opt", {}))),
-    ("CUDA graphs >= 1.1x eager, U-Net at batch 8", ("graphs/b8",),
-     lambda by, keys: _graph(by.get("graphs/b8", {}))),
-    ("U-Net, device loader: FULL >= 0.9 SYNTHETIC", ("unet/device",),
-     lambda by, keys: _ratio(by.get("unet/device", {}), 0.9)),
-    ("U-Net, lowmem + 8 workers (short_opt): FULL >= 0.6 SYNTHETIC", ("unet/compile",),
-     lambda by, keys: _ratio(by.get("unet/compile", {}), 0.6)),
+    ("U-Net short_opt, device loader: >= 2500 samples/s", ("unet/short_opt",),
+     lambda by: _rate(by.get("unet/short_opt", {}), 2500)),
+    ("U-Net, device loader: FULL >= 0.9 SYNTHETIC", ("unet/short_opt",),
+     lambda by: _ratio(by.get("unet/short_opt", {}), 0.9)),
+    ("U-Net short_opt >= 6x the short baseline", ("unet/baseline", "unet/short_opt"),
+     lambda by: _speedup(by, "unet/short_opt", "unet/baseline", 6.0)),
+    ("ViT compute only (short_opt's SYNTHETIC) >= 35% MFU (bf16)", ("vit/short_opt",),
+     lambda by: _synthetic_mfu(by.get("vit/short_opt", {}), 35.0)),
     ("ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC", ("vit/short_opt",),
-     lambda by, keys: _ratio(by.get("vit/short_opt", {}), 0.9)),
+     lambda by: _ratio(by.get("vit/short_opt", {}), 0.9)),
+    ("CUDA graphs >= 1.1x eager, U-Net at batch 8", ("graphs/b8",),
+     lambda by: _graph(by.get("graphs/b8", {}))),
+    ("U-Net, a second run: first epoch <= 2 x steady + 5 s", ("unet/short_opt_again",),
+     lambda by: _first_epoch(by.get("unet/short_opt_again", {}))),
+    ("ViT, a second run: first epoch <= 2 x steady + 5 s", ("vit/short_opt_again",),
+     lambda by: _first_epoch(by.get("vit/short_opt_again", {}))),
 ]
 
 
 def goals(rows: list[tuple[Run, dict]]) -> list[tuple[str, str, str]]:
     """(goal, measured, "reached" / "not reached" / "not measured") for each goal whose rows
     this call ran."""
-    keys = [run.key for run, _ in rows]
     by = {run.key: r for run, r in rows}
     out = []
     for text, needs, measure in GOALS:
         if not all(k in by for k in needs):
             continue
-        got = measure(by, keys)
+        got = measure(by)
         if got is None:
             why = next((by[k].get("failed") or by[k].get("skipped") for k in needs
                         if "failed" in by[k] or "skipped" in by[k]), "no figure in its log")
@@ -579,6 +652,9 @@ def document(header: list[str], rows: list[tuple[Run, dict]]) -> str:
     through = throughput_table(rows)
     if through:
         parts += ["## Data path (--throughput_report, samples/s)", through]
+    kernels = kernels_table(rows)
+    if kernels:
+        parts += ["## Where the GPU's time goes (torch.profiler, top kernels)", kernels]
     reached = goals(rows)
     if reached:
         parts += ["## Goals", "| goal | measured | result |\n|---|---|---|\n" + "\n".join(
@@ -688,15 +764,16 @@ def dry_run(runs: list[Run], a, data_dir: str, budget: float):
                 print("    then: the trace parses as JSON, holds traceEvents and CUDA kernels")
         total += run_est(run)
     over = "" if total <= budget else ": more than one call's, see the calls below"
-    print(f"estimated: {total:.0f} s for a {budget:g} s --budget{over} (on an H100, from the "
-          f"first GPU run's figures; compile time is a guess)")
-    if a.only is None or set(a.only) == set(SERIES):
+    print(f"estimated: {total:.0f} s for a {budget:g} s --budget{over} (on an H200, from its "
+          f"earlier runs' figures)")
+    if a.only is None:
         for i, call in enumerate(CALLS, 1):
             calls = [run for s in call for run in SERIES[s]]
             t = sum(map(run_est, calls)) + gpu_data.estimate_s(data_kinds(calls), a.cosmo,
                                                                 a.era5_steps)
-            print(f"device call {i}: python -m benchmarks.gpu_runs --make-data --only "
-                  f"{' '.join(call)}  (est {t:.0f} s)")
+            only = "" if list(call) == default_series() else f" --only {' '.join(call)}"
+            print(f"device call {i}: python -m benchmarks.gpu_runs --make-data{only}  "
+                  f"(est {t:.0f} s)")
 
 
 class Writer:
@@ -765,7 +842,7 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
         if "failed" in checked:
             result = {"failed": "trace: " + checked["failed"]}
         else:
-            result["trace"] = checked["trace"]
+            result["trace"], result["kernels"] = checked["trace"], checked["kernels"]
             kept = unused_path(os.path.join(writer.out_dir, "profile_trace.json.gz"))
             with open(checked["path"], "rb") as src, gzip.open(kept, "wb") as dst:
                 shutil.copyfileobj(src, dst)
@@ -828,7 +905,7 @@ def main(argv=None):
         p.error("--timeout must be a positive number of seconds")
     if a.budget <= 0:
         p.error("--budget must be a positive number of seconds")
-    runs = [run for s in (a.only or SERIES) for run in SERIES[s]]
+    runs = [run for s in (a.only or default_series()) for run in SERIES[s]]
     data_dir = os.path.abspath(a.data)
     out_dir = a.out_dir or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks")
     if a.dry_run:

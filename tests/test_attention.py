@@ -83,3 +83,23 @@ def test_train_py_refuses_it_in_one_line_and_leaves_no_run(tmp_path):
     assert "Traceback" not in r.stderr
     runs = [f for _, _, files in os.walk(exp) for f in files if f.endswith(".pt")]
     assert runs == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_this_gpu_runs_and_matches_the_math_kernel():
+    cuda = torch.device("cuda")
+    task = tiny_task(embed_dim=96, num_heads=2)  # heads of 48, as the tutorial's
+    torch.manual_seed(0)
+    model = task.build_model().to(cuda)
+    x = torch.randn(4, 20, 16, 32, device=cuda)
+    outs = []
+    for name in ("auto", "math"):
+        context = tiny_task(embed_dim=96, num_heads=2, attention_backend=name).forward_kernels(
+            cuda, torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16), context():
+            outs.append(model(x).float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    major = torch.cuda.get_device_capability()[0]
+    assert (attention.auto_order(cuda, torch.bfloat16) == attention.HOPPER_ORDER) == (
+        major == 9 and attention._CAN_ORDER)

@@ -84,6 +84,10 @@ def all_runs():
     return [run for series in gpu_runs.SERIES.values() for run in series]
 
 
+def default_runs():
+    return [run for series in gpu_runs.default_series() for run in gpu_runs.SERIES[series]]
+
+
 # ------------------------------------------------------------------------------ the plan
 
 def test_dry_run_lists_every_command_with_its_estimate_and_runs_nothing(tmp_path, capsys,
@@ -93,30 +97,41 @@ def test_dry_run_lists_every_command_with_its_estimate_and_runs_nothing(tmp_path
     gpu_runs.main(["--dry-run", "--data", str(data)])
     printed = capsys.readouterr().out.splitlines()
     rows = [line for line in printed if line.startswith("[")]
-    searches = sum(run.kind == "search" for run in all_runs())
-    assert len(rows) == len(all_runs()) + searches * (len(gpu_runs.SEARCH_BATCHES) - 1)
+    assert len(rows) == len(default_runs())  # the default call: no batch search
     assert all(re.search(r": est \d+ s, timeout \d+ s$", line) for line in rows)
     commands = [line.strip() for line in printed if line.startswith("    python ")]
     assert len(commands) == len(rows)
-    for run in all_runs():  # every row, by its label, and its script in a command
+    for run in default_runs():  # every row, by its label, and its script in a command
         assert any(line.startswith(f"[{run.series}] {run.label}") for line in rows), run.label
-    assert sum(c.startswith("python train_graph.py ") for c in commands) == 3
-    assert any(" --throughput_report " in c and " device " in c for c in commands)
+    assert sum(c.startswith("python train_graph.py ") for c in commands) == 1
+    assert any(" --throughput_report " in c and " device " in c and " short_opt " in c
+               for c in commands)
     assert any(" --profile_trace " in c for c in commands)
-    assert ("python -m pytest -q -m gpu tests/test_accelerated.py tests/test_batch_pool.py "
-            "tests/test_cuda_graph.py tests/test_dali.py") in commands
-    for batch in gpu_runs.SEARCH_BATCHES:
-        assert any(f"--global_batch_size {batch} " in c for c in commands)
+    pytest_line = next(c for c in commands if c.startswith("python -m pytest -q -m gpu "))
+    assert "tests/test_attention.py" in pytest_line and "tests/test_cuda_graph.py" in pytest_line
+    # a second run of each optimised config, the same command but for its run directory
+    for model in ("unet", "vit"):
+        opt = [c for r, c in zip(rows, commands) if r.startswith(f"[{model}] ")
+               and "short_opt" in c]
+        assert len(opt) == 2
+        strip = [re.sub(r" --throughput_report| --expdir \S+", "", c) for c in opt]
+        assert strip[0] == strip[1]
     make = next(line for line in printed if "python -m benchmarks.gpu_data" in line)
-    assert "--cosmo 256 128 --era5-steps 400 80 --era5-size 360 720" in make
-    # The plan's two device calls each fit the budget, and together they run every series.
+    assert "--cosmo 256 128 --era5-steps 200 48 --era5-size 360 720" in make
+    # The default device call fits the budget; the batch search is a call of its own, and
+    # together they run every series.
     calls = [line for line in printed if line.startswith("device call ")]
-    assert len(calls) == 2
+    assert calls[0].startswith("device call 1: python -m benchmarks.gpu_runs --make-data  ")
+    assert len(calls) == 2 and "--only largest" in calls[1]
     for line in calls:
         assert float(re.search(r"est (\d+) s", line).group(1)) < gpu_runs.BUDGET_S <= 540
     assert sorted(s for call in gpu_runs.CALLS for s in call) == sorted(gpu_runs.SERIES)
     assert not data.exists() and not (tmp_path / "out").exists()  # nothing made or written
     assert not any("DDP" in line or "NCCL" in line for line in printed)
+    gpu_runs.main(["--dry-run", "--data", str(data), "--only", "largest"])
+    commands = [line for line in capsys.readouterr().out.splitlines() if "--global_batch" in line]
+    for batch in gpu_runs.SEARCH_BATCHES:
+        assert any(f"--global_batch_size {batch} " in c for c in commands)
 
 
 def test_every_train_command_is_a_valid_config_for_its_script(tmp_path):
@@ -132,32 +147,31 @@ def test_every_train_command_is_a_valid_config_for_its_script(tmp_path):
             assert script in ("train.py", "train_graph.py") and os.path.exists(
                 os.path.join(ROOT, script))
             cfg = from_argv(cmd[2:], f"{ROOT}/config/ViT.yaml", prog=script)
-            model = {"cosmo": "unet", "era5": "vit"}[run.data]
-            assert cfg.model == model and cfg.data_root == str(tmp_path / run.data)
+            model = {"cosmo": "unet", "era5": "vit", None: "vit"}[run.data]
+            assert cfg.model == model
+            assert cfg.data_is_generated if run.data is None else \
+                cfg.data_root == str(tmp_path / run.data)
             assert cfg.expdir == str(tmp_path / f"run{i}")
             assert cfg.throughput_report == ("--throughput_report" in run.args)
             assert bool(cfg.profile_trace) == (run.kind == "trace")
             if batch:
-                assert cfg.global_batch_size == batch and cfg.limit_nsamples <= 384
+                assert cfg.global_batch_size == batch and cfg.limit_nsamples <= 192
                 assert cfg.num_data_workers == 0 and not cfg.enable_jit
-            if model == "unet" and run.series == "unet":  # the first GPU run's epochs
+            if run.key.startswith("unet/short_opt"):  # the GPU runs' epochs
                 assert (cfg.Nsamples, cfg.num_epochs, cfg.global_batch_size) == (1536, 3, 64)
             seen.add((run.key, cfg.amp_mode, cfg.data_loader_config, cfg.enable_fused,
                       cfg.enable_jit, cfg.num_data_workers, script))
     got = {key: rest for key, *rest in seen}
-    # The tutorial's sequence, one switch a row.
+    # The tutorial's baselines, then its optimised configs (the U-Net's with the device loader).
     assert got["unet/baseline"] == ["none", "lowmem", False, False, 2, "train.py"]
-    assert got["unet/workers"] == ["none", "lowmem", False, False, 8, "train.py"]
-    assert got["unet/bf16"] == ["bf16", "lowmem", False, False, 8, "train.py"]
-    assert got["unet/fp16"] == ["fp16", "lowmem", False, False, 8, "train.py"]
-    assert got["unet/fused"] == ["fp16", "lowmem", True, False, 8, "train.py"]
-    assert got["unet/compile"] == ["fp16", "lowmem", True, True, 8, "train.py"]
-    assert got["unet/graphs"] == ["fp16", "lowmem", True, False, 8, "train_graph.py"]
-    assert got["unet/device"][:3] == ["bf16", "device", True]
-    assert got["unet/device_graphs"][:3] + got["unet/device_graphs"][-1:] == [
+    assert got["unet/short_opt"] == got["unet/short_opt_again"] == [
+        "fp16", "device", True, True, 8, "train.py"]
+    assert got["graphs/b8"][:3] + got["graphs/b8"][-1:] == [
         "bf16", "device", True, "train_graph.py"]
     assert got["vit/short"] == ["none", "lowmem", False, False, 0, "train.py"]
-    assert got["vit/short_opt"] == ["bf16", "lowmem", True, True, 8, "train.py"]
+    assert got["vit/short_opt"] == got["vit/short_opt_again"] == [
+        "bf16", "lowmem", True, True, 8, "train.py"]
+    assert got["profile/vit"][:2] == ["bf16", "synthetic"]
     # short_opt is the config of its name, but in bf16.
     opt = build_config(f"{ROOT}/config/UNet.yaml", "short_opt", {})
     assert (opt.amp_mode, opt.enable_fused, opt.enable_jit, opt.num_data_workers) == (
@@ -381,31 +395,40 @@ def plan_rows(results: dict) -> list:
 def test_goals_on_synthetic_results():
     rows = plan_rows({
         "unet/baseline": result(135.0),
-        "unet/compile": result(250.0, throughput={"IO": 290.0, "SYNTHETIC": 1000.0,
-                                                  "FULL": 300.0}),
-        "unet/device": result(950.0, throughput={"IO": 9000.0, "SYNTHETIC": 1000.0,
-                                                 "FULL": 950.0}),
-        "unet/device_graphs": result(900.0),
-        "vit/short_opt": result(50.0, mfu=30.2, throughput={"IO": 55.0, "SYNTHETIC": 160.0,
-                                                            "FULL": 50.0}),
+        "unet/short_opt": result(2600.0, throughput={"IO": 9000.0, "SYNTHETIC": 2800.0,
+                                                     "FULL": 2600.0}),
+        "unet/short_opt_again": result(2600.0, epoch_s=[3.5, 0.6, 0.59], start_s=20.0,
+                                       first_step_s=8.0, cache_hits=(6, 0)),
+        "vit/short_opt": result(150.0, gflop_per_sample=1442.9, peak_tflops=989.0,
+                                throughput={"IO": 455.0, "SYNTHETIC": 166.0, "FULL": 150.0}),
+        "vit/short_opt_again": result(150.0, epoch_s=[9.0, 1.3, 1.3]),
         "graphs/b8": result(300.0, graph_x=1.15, graph="CUDA graph: step 2.00 ms replayed, "
                                                          "2.30 ms eager (5 warm-up steps): 1.15x"),
     })
     got = {g: (m, v) for g, m, v in gpu_runs.goals(rows)}
-    assert got["U-Net short sequence ends at >= 6x its baseline"] == (
-        "900.0 / 135.0 = 6.67x (unet/device_graphs; fastest unet/device: 7.04x)", "reached")
-    assert got["ViT short_opt >= 35% MFU (bf16)"] == ("MFU 30.2%", "not reached")
+    assert got["U-Net short_opt, device loader: >= 2500 samples/s"] == (
+        "2600.0 samples/s", "reached")
+    assert got["U-Net, device loader: FULL >= 0.9 SYNTHETIC"] == (
+        "FULL 2600.0 / SYNTHETIC 2800.0 = 0.93", "reached")
+    assert got["U-Net short_opt >= 6x the short baseline"] == (
+        "2600.0 / 135.0 = 19.26x", "reached")
+    # 166 samples/s x 1442.9 GFLOP = 239.5 TFLOP/s of 989: 24.2%
+    assert got["ViT compute only (short_opt's SYNTHETIC) >= 35% MFU (bf16)"] == (
+        "SYNTHETIC 166.0 samples/s x 1442.9 GFLOP = MFU 24.2%", "not reached")
+    assert got["ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC"] == (
+        "FULL 150.0 / SYNTHETIC 166.0 = 0.90", "reached")
     assert got["CUDA graphs >= 1.1x eager, U-Net at batch 8"] == (
         "step 2.00 ms replayed, 2.30 ms eager (5 warm-up steps): 1.15x", "reached")
-    assert got["U-Net, device loader: FULL >= 0.9 SYNTHETIC"] == (
-        "FULL 950.0 / SYNTHETIC 1000.0 = 0.95", "reached")
-    assert got["U-Net, lowmem + 8 workers (short_opt): FULL >= 0.6 SYNTHETIC"][1] == "not reached"
-    assert got["ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC"] == (
-        "FULL 50.0 / SYNTHETIC 160.0 = 0.31", "not reached")
+    assert got["U-Net, a second run: first epoch <= 2 x steady + 5 s"] == (
+        "first epoch 3.5 s, steady 0.59 s: limit 6.2 s; start 20 s, first step 8 s; compile "
+        "caches 6 hits, 0 misses", "reached")
+    assert got["ViT, a second run: first epoch <= 2 x steady + 5 s"] == (
+        "first epoch 9.0 s, steady 1.30 s: limit 7.6 s", "not reached")
     # A goal's row that failed is "not measured"; goals of rows not in this call are left out.
     rows = plan_rows({"vit/short_opt": {"failed": "exit 2: error: out of memory"}})
     assert gpu_runs.goals(rows) == [
-        ("ViT short_opt >= 35% MFU (bf16)", "- (exit 2: error: out of memory)", "not measured"),
+        ("ViT compute only (short_opt's SYNTHETIC) >= 35% MFU (bf16)",
+         "- (exit 2: error: out of memory)", "not measured"),
         ("ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC", "- (exit 2: error: out of memory)",
          "not measured")]
 
@@ -413,20 +436,23 @@ def test_goals_on_synthetic_results():
 def test_table_speed_ups_tutorial_ratio_and_special_rows():
     rows = plan_rows({
         "unet/baseline": result(170.4, wait_pct=60.0, tflops=40.1, mfu=8.1, peak_gb=20.5),
-        "unet/workers": {"failed": "exit 1: a|b"},
-        "unet/bf16": result(340.8),
+        "unet/short_opt": {"failed": "exit 1: a|b"},
+        "unet/short_opt_again": result(1704.0, start_s=12.4, first_step_s=5.2,
+                                       epoch_s=[2.0, 1.0], cache_hits=(3, 0)),
         "vit/short": result(10.0),
         "vit/short_opt": result(40.0),
-        "vit/largest": result(60.0, note="largest batch 64 (tried 32, 64, 128; 128: out of "
+        "largest/vit": result(60.0, note="largest batch 64 (tried 32, 64, 128; 128: out of "
                                          "memory)"),
         "tests/gpu": {"tests": "5 passed"},
     })
     lines = gpu_runs.table(rows).splitlines()
     cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
-    assert cells[0] == ["unet", "baseline: fp32, 2 loader workers (short)", "170.4", "-",
+    assert cells[0] == ["unet", "baseline: short, fp32, 2 loader workers", "170.4", "-",
                         "1.00x", "60%", "40.1", "8.1%", "20.50", "85.2", "2.00x", ""]
     assert cells[1][2] == "failed: exit 1: a\\|b" and cells[1][3:] == ["-"] * 9
-    assert cells[2][2:5] == ["340.8", "-", "2.00x"]  # the row before failed: no 'vs prev'
+    assert cells[2][2:5] == ["1704.0", "-", "10.00x"]  # the row before failed: no 'vs prev'
+    assert cells[2][-1] == ("start 12 s (first step 5 s); first epoch 2.0 s; compile caches 3 "
+                            "hits, 0 misses")
     assert cells[4][2:5] == ["40.0", "4.00x", "4.00x"] and cells[4][9:11] == ["42.8", "0.93x"]
     assert cells[5][2:5] == ["60.0", "-", "-"] and cells[5][-1].startswith("largest batch 64")
     assert cells[6][2] == "-" and cells[6][-1] == "5 passed"
@@ -484,13 +510,13 @@ def test_failed_timed_out_and_skipped_runs_are_rows_saying_why(tmp_path, fake_gp
     doc = (out / "GPU_2.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| tiny |")]
     assert rows[0] == ("| tiny | replayed | 400.0 | - | 1.00x | 41% | 47.3 | 9.6% | 21.50 | - | - "
-                       "| FULL/SYNTHETIC 0.80 |")
+                       "| first epoch 6.3 s; FULL/SYNTHETIC 0.80 |")
     assert rows[1] == ("| tiny | crashes | failed: exit 1: RuntimeError: CUDA error: an illegal "
                        "memory access |" + " - |" * 9)
     assert rows[2] == ("| tiny | hangs | failed: timed out after 3 s; last line: loading the data "
                        "|" + " - |" * 9)
     assert rows[3].startswith("| tiny | largest batch | 400.0 | - | - |")
-    assert "| largest batch 64 (tried 32, 64, 128; 128: out of memory); FULL/" in rows[3]
+    assert "| largest batch 64 (tried 32, 64, 128; 128: out of memory); first epoch 6.3 s; FULL/" in rows[3]
     assert re.match(r"\| tiny \| long \| not run: \d+ s left of the 540 s --budget, about 10000 s "
                     r"needed \|", rows[4])
     assert "| tiny: replayed | 450.0 | 500.0 | 400.0 | 0.80 | the loader is the bottleneck" in doc
@@ -549,7 +575,7 @@ def test_make_data_then_run(tmp_path, fake_gpu, monkeypatch, capsys):
 TRACER = """import json, os, sys
 d = sys.argv[sys.argv.index("--profile_trace") + 1]
 os.makedirs(d)
-events = [{"ph": "X", "cat": "kernel", "name": "gemm"}, {"ph": "X", "name": "backward"}]
+events = [{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 250}, {"ph": "X", "name": "backward"}]
 json.dump({"traceEvents": events}, open(os.path.join(d, "trace_rank0_step12.json"), "w"))
 sys.stdout.write(open(sys.argv[1]).read())
 """
@@ -574,6 +600,22 @@ def test_trace_row_checks_and_keeps_the_trace(tmp_path, fake_gpu, monkeypatch):
                     rows[1])
     with gzip.open(out / "profile_trace.json.gz") as f:
         assert json.load(f)["traceEvents"][0]["cat"] == "kernel"
+    doc = (out / "GPU.md").read_text()
+    assert "## Where the GPU's time goes (torch.profiler, top kernels)" in doc
+    assert "| gemm | 0.2 | 1 | 100.0% |" in doc
+
+
+def test_top_kernels_sum_each_kernels_time_over_its_calls():
+    events = [{"cat": "kernel", "name": "gemm", "dur": 300.0},
+              {"cat": "kernel", "name": "attn", "dur": 500.0},
+              {"cat": "kernel", "name": "gemm", "dur": 300.0},
+              {"cat": "cpu_op", "name": "aten::mm", "dur": 9000.0},  # not a kernel
+              {"cat": "kernel", "name": "copy", "dur": 100.0}, "junk"]
+    assert gpu_runs.top_kernels(events, n=2) == [("gemm", 0.6, 2, pytest.approx(0.5)),
+                                                 ("attn", 0.5, 1, pytest.approx(0.5 / 1.2))]
+    rows = [(Run("profile/x", "x", "train.py", (), 1, kind="trace"),
+             {"kernels": gpu_runs.top_kernels(events)})]
+    assert gpu_runs.kernels_table(rows).splitlines()[-1] == "| copy | 0.1 | 1 | 8.3% |"
 
 
 TERMINATOR = """import os, signal, sys, time
