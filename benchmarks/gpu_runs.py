@@ -26,7 +26,7 @@ Series (``--only``; rows in this order, each a short training of real size):
   with the device loader (volumes in GPU memory; 3 epochs of 1536 crops) and
   ``--throughput_report``, then the same again, which finds the compile caches of the run
   before: its first epoch against its steady ones;
-- ``vit``: ViT ``short`` (fp32, no workers, 24 steps of 16 on 192 samples), ``short_opt`` in
+- ``vit``: ViT ``short`` (fp32, no workers, 12 steps of 16 on 96 samples), ``short_opt`` in
   bf16 (8 workers, fused, compile, the attention kernel's default; 48 steps, with
   ``--throughput_report``), and the same again on warm caches;
 - ``tests``: ``pytest -m gpu`` over the test files that need a GPU (the others import packages a
@@ -129,7 +129,8 @@ UNET_SMALL = ("--yaml_config", "config/UNet.yaml", "--config", "short", "--num_e
 UNET_OPT = ("--yaml_config", "config/UNet.yaml", "--config", "short_opt", "--num_epochs", "3",
             "--Nsamples", "1536", "--Nsamples_val", "256", "--data_loader_config", "device")
 DEVICE = ("--data_loader_config", "device", "--amp_mode", "bf16", "--enable_fused")
-VIT_SHORT = ("--config", "short", "--limit_nsamples", "192", "--num_iters", "24")
+VIT_SHORT = ("--config", "short", "--limit_nsamples", "96", "--limit_nsamples_val", "32",
+             "--num_iters", "12")
 VIT_OPT = ("--config", "short_opt", "--limit_nsamples", "192", "--num_iters", "48",
            "--amp_mode", "bf16")
 REPORT = ("--throughput_report",)
@@ -152,7 +153,7 @@ SERIES: dict[str, list[Run]] = {
     ],
     "vit": [
         Run("vit/short", "short: fp32, no loader workers", "train.py", VIT_SHORT,
-            est(24 * 16 + 2 * VIT_VALID, 17), data="era5"),
+            est(12 * 16 + 2 * 32, 17), data="era5"),
         Run("vit/short_opt", "short_opt in bf16: 8 workers, fused Adam, compile, attention auto, "
             "+ throughput report", "train.py", VIT_OPT + REPORT,
             est(48 * 16 + 4 * VIT_VALID, 150, COMPILE_S + REPORT_S), data="era5"),

@@ -9,8 +9,9 @@ attention kernels of the ViT and whole compute-only steps of both models.
 config: batch 16, 8 heads of 48, 45 x 90 = 4050 tokens), each backend that torch has (flash,
 cuDNN, memory-efficient, math) in bf16 and fp16, forward and forward + backward; q, k and v as
 the model makes them (strided views of the fused QKV projection, ``qkv``) and as contiguous
-tensors (``contig``); the fastest forward + backward in bf16 is the "fastest" of the compiled
-ViT variants. Milliseconds per call (median of timed rounds, CUDA events) and TFLOP/s
+tensors (``contig``), and padded with zeros to heads of 64 (``pad64``: the same scores and
+output, for kernels tuned for 64); the fastest forward + backward in bf16 of the model's own
+layout is the "fastest" of the compiled ViT variants. Milliseconds per call (median of timed rounds, CUDA events) and TFLOP/s
 of the attention's own FLOPs (4 N^2 d per head forward, 2.5x that for forward + backward).
 
 ``vit`` and ``unet``: compute-only training steps (a batch on the GPU reused, bf16 autocast,
@@ -18,7 +19,9 @@ fused Adam, the task's loss) of the short configs' models, one variant per child
 (compile caches off, so each compile is timed from cold), in this order: the ViT eager per
 attention backend; the U-Net in the default layout and in ``channels_last_3d``, eager and
 compiled; the ViT compiled with the fastest attention (default mode and
-``max-autotune-no-cudagraphs``). Per variant: milliseconds per step (median of timed
+``max-autotune-no-cudagraphs``). ``heuristics`` (not in the default): the U-Net eager in both
+layouts with cuDNN's heuristics instead of its autotuning (``cudnn.benchmark`` off): what the
+autotuning costs at the start and gains per step. Per variant: milliseconds per step (median of timed
 rounds), samples/s, TFLOP/s and MFU (the task's model FLOPs), and the seconds to the first step
 (model, compile, autotuning). A variant that fails prints its error's last line; one that runs
 past its limit says so. The table is printed last; ``--json`` also writes it.
@@ -41,6 +44,9 @@ BACKENDS = ("flash", "cudnn", "efficient", "math")
 VIT = [(f"{b} eager", {"attention": b, "compile": "eager"}) for b in ("flash", "cudnn", "efficient")]
 UNET = [(f"{fmt} {mode}", {"layout": fmt, "compile": mode})
         for mode in ("eager", "default") for fmt in ("contiguous", "channels_last")]
+HEURISTICS = [(f"{fmt} eager, cuDNN's heuristics (no autotuning)",
+               {"layout": fmt, "compile": "eager", "cudnn_benchmark": False})
+              for fmt in ("contiguous", "channels_last")]
 VIT_COMPILED = [(f"fastest ({mode})", {"attention": "best", "compile": mode})
                 for mode in ("default", "max-autotune-no-cudagraphs")]
 LIMIT_S = {"eager": 60, "default": 150, "max-autotune-no-cudagraphs": 200}
@@ -76,31 +82,36 @@ def sdpa_backend(name: str):
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
 
 
-def attention_rows(batch=16, heads=8, tokens=4050, head_dim=48) -> list[dict]:
+def attention_rows(batch=16, heads=8, tokens=4050, head_dim=48, device="cuda") -> list[dict]:
+    """One row per dtype, layout and backend (a backend without a kernel: its error)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
     rows = []
     flops_fwd = 4 * batch * heads * tokens * tokens * head_dim
     for dtype in (torch.bfloat16, torch.float16):
-        qkv = torch.randn(batch, tokens, 3, heads, head_dim, device="cuda", dtype=dtype,
+        qkv = torch.randn(batch, tokens, 3, heads, head_dim, device=device, dtype=dtype,
                           requires_grad=True)
-        for layout in ("qkv", "contig"):
-            def inputs():
+        for layout in ("qkv", "contig", "pad64"):
+            def attend():
                 q, k, v = qkv.permute(2, 0, 3, 1, 4)
                 if layout == "contig":
                     q, k, v = (t.contiguous() for t in (q, k, v))
-                return q, k, v
-            for name in BACKENDS:
+                if layout == "pad64":  # zeros to a head of 64: the same scores, the same output
+                    q, k, v = (F.pad(t, (0, 64 - head_dim)) for t in (q, k, v))
+                    return F.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5)[
+                        ..., :head_dim]
+                return F.scaled_dot_product_attention(q, k, v)
+            for name in BACKENDS if layout != "pad64" else BACKENDS[:3]:
                 row = {"dtype": str(dtype).split(".")[-1], "layout": layout, "backend": name}
                 try:
                     with sdpa_kernel([sdpa_backend(name)]):
                         def fwd():
                             with torch.no_grad():
-                                F.scaled_dot_product_attention(*inputs())
+                                attend()
 
                         def fwd_bwd():
-                            F.scaled_dot_product_attention(*inputs()).sum().backward()
+                            attend().sum().backward()
                         fwd()
                         fwd_bwd()
                         rounds = (2, 2) if name == "math" else (5, 10)
@@ -130,7 +141,7 @@ def step_row(model_name: str, opts: dict, steps: int) -> dict:
     from observe.flops import peak_tflops
     from settings.parse import build_config
     from tasks import make_task
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = opts.get("cudnn_benchmark", True)
     yaml = {"vit": "config/ViT.yaml", "unet": "config/UNet.yaml"}[model_name]
     cfg = build_config(yaml, "short", {"amp_mode": "bf16", **opts.get("overrides", {})})
     task = make_task(cfg)
@@ -221,8 +232,10 @@ def main(argv=None):
         child(argv[1:])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=["attention", "vit", "unet"],
-                   default=["attention", "vit", "unet"])
+    p.add_argument("--only", nargs="+", choices=["attention", "vit", "unet", "heuristics"],
+                   default=["attention", "vit", "unet"],
+                   help="groups of variants (default: %(default)s; heuristics: the U-Net eager "
+                        "without cuDNN's autotuning)")
     p.add_argument("--budget", type=float, default=300.0,
                    help="seconds for all variants; the rest are skipped (default: %(default)g)")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
@@ -231,8 +244,10 @@ def main(argv=None):
     plan = []
     if "attention" in a.only:
         plan.append(("attention", ["attention"], 90))
-    for name, variants in (("vit", VIT), ("unet", UNET), ("vit", VIT_COMPILED)):
-        if name in a.only:
+    for group, name, variants in (("vit", "vit", VIT), ("unet", "unet", UNET),
+                                  ("heuristics", "unet", HEURISTICS),
+                                  ("vit", "vit", VIT_COMPILED)):
+        if group in a.only:
             plan += [(f"{name} {label}", ["step", name, json.dumps(o)], LIMIT_S[o["compile"]])
                      for label, o in variants]
     if a.dry_run:
