@@ -12,8 +12,8 @@ the model makes them (strided views of the fused QKV projection, ``qkv``) and as
 tensors (``contig``), and padded with zeros to heads of 64 (``pad64``: the same scores and
 output, for kernels tuned for 64); the fastest forward + backward in bf16 of the model's own
 layout is the "fastest" of the compiled ViT variants. Milliseconds per call (median of timed
-rounds, CUDA events) and TFLOP/s of the attention's own FLOPs (4 N^2 d per head forward, 2.5x
-that for forward + backward).
+rounds, CUDA events) and TFLOP/s of the attention's own FLOPs (4 N^2 d per head forward;
+forward + backward 3.5x that, the backward counted as FlashAttention's papers count it).
 
 ``vit`` and ``unet``: compute-only training steps (a batch on the GPU reused, bf16 autocast,
 fused Adam, the task's loss) of the short configs' models, one variant per child process
