@@ -58,6 +58,9 @@
 #   ERA5_DATA_ROOT    ERA5 directory the ViT configs read ($SCRATCH/era5, else /data/era5)
 #   COSMO_DATA_ROOT   cosmology directory the U-Net configs read ($SCRATCH/cosmo, else /data/cosmo)
 #   EXPDIR            root of the run directories ($SCRATCH/dl-at-scale/logs, else ./logs)
+#   TORCHINDUCTOR_CACHE_DIR  torch.compile's caches, shared by the job's ranks and later jobs
+#                     ($SCRATCH/dl-at-scale/torchinductor; else torch's /tmp/torchinductor_$USER,
+#                     one per node)
 #   SHIFTER_IMAGE     run every rank in this shifter image, e.g. nersc/pytorch:24.06.01
 #   SHIFTER_MODULES   shifter modules for it: gpu,nccl-plugin on GPU nodes unless set (the
 #                     driver libraries and NCCL's Slingshot plugin, see below); none: no module
@@ -102,6 +105,11 @@ if [[ -z ${EXPDIR:-} ]]; then
     if [[ -n ${SCRATCH:-} ]]; then EXPDIR=$SCRATCH/dl-at-scale/logs; else EXPDIR=./logs; fi
 fi
 export EXPDIR
+# torch.compile's caches on the shared file system: every rank and every later job of a config
+# finds what the first compiled (docs/performance.md, "Seconds to the first step")
+if [[ -z ${TORCHINDUCTOR_CACHE_DIR:-} && -n ${SCRATCH:-} ]]; then
+    export TORCHINDUCTOR_CACHE_DIR=$SCRATCH/dl-at-scale/torchinductor
+fi
 export PYTHONUNBUFFERED=1  # the job's output file follows the run as it goes
 # Every rank opens the same read-only HDF5 files; file locking on Lustre/NFS scratch fails or
 # serializes the opens, so it is off unless set otherwise.

@@ -91,7 +91,7 @@ PRINT_ARGS = """import json, os, sys
 rank = os.environ.get("RANK")
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
         "EXPDIR", "ERA5_DATA_ROOT", "COSMO_DATA_ROOT", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
-        "CUDA_DEVICE_ORDER", "DDP_GPU_ORDER")
+        "CUDA_DEVICE_ORDER", "DDP_GPU_ORDER", "TORCHINDUCTOR_CACHE_DIR")
 with open(os.path.join(os.environ["STUB_OUT"], f"rank{rank}.json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}, f)
 """
@@ -170,6 +170,7 @@ def test_submit_cpu_cluster_defaults(stubs):
     assert env["OMP_NUM_THREADS"] == "3" and env["CUDA_VISIBLE_DEVICES"] == ""
     assert env["EXPDIR"] == "./logs" and env["ERA5_DATA_ROOT"] == "/data/era5"
     assert env["COSMO_DATA_ROOT"] == "/data/cosmo" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] is None  # no $SCRATCH: torch's own, per node
     opts = (stubs["out"] / "srun.opts").read_text().split()
     assert "--cpus-per-task=3" in opts and not any(o.startswith("--gpu") for o in opts)
 
@@ -184,6 +185,9 @@ def test_submit_gpu_allocation(stubs):
     assert env["CUDA_VISIBLE_DEVICES"] is None  # all of the node's GPUs; rank picks LOCAL_RANK
     assert env["EXPDIR"] == "/pscratch/u/dl-at-scale/logs"
     assert env["ERA5_DATA_ROOT"] == "/pscratch/u/era5"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/pscratch/u/dl-at-scale/torchinductor"
+    r = submit(stubs, [], SCRATCH="/pscratch/u", TORCHINDUCTOR_CACHE_DIR="/mine")  # kept
+    assert rank_record(stubs, 0)["env"]["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
     assert "4 GPU(s) per node" in r.stdout
     # GPUS_PER_NODE=0 runs CPU ranks on the same allocation
     r = submit(stubs, [], SLURM_GPUS_ON_NODE="4", GPUS_PER_NODE="0")
