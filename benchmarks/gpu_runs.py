@@ -24,11 +24,11 @@ Series (``--only``; rows in this order, each a short training of real size):
 - ``unet``: U-Net ``short`` (fp32, 2 loader workers; 2 epochs of 512 crops of 64^3, batch 64),
   then ``short_opt`` (fp16 with the scaler, fused Adam, compile, the memory format's default)
   with the device loader (volumes in GPU memory; 3 epochs of 1536 crops) and
-  ``--throughput_report``, then the same again, which finds the compile caches of the run
-  before: its first epoch against its steady ones;
+  ``--throughput_report``;
 - ``vit``: ViT ``short`` (fp32, no workers, 12 steps of 16 on 96 samples), ``short_opt`` in
   bf16 (8 workers, fused, compile, the attention kernel's default; 48 steps, with
-  ``--throughput_report``), and the same again on warm caches;
+  ``--throughput_report``), and the same again, which finds the compile caches of the run
+  before: its first epoch against its steady ones;
 - ``tests``: ``pytest -m gpu`` over the test files that need a GPU (the others import packages a
   GPU node may lack);
 - ``graphs``: ``train_graph.py`` at batch 8 (device loader, bf16, fused): replayed against eager
@@ -148,8 +148,6 @@ SERIES: dict[str, list[Run]] = {
         Run("unet/short_opt", "short_opt (fp16, fused Adam, compile, memory format auto) with the "
             "device loader, + throughput report", "train.py", UNET_OPT + REPORT,
             est(3 * 1792, 1500, AUTOTUNE_S + COMPILE_S + REPORT_S), data="cosmo"),
-        Run("unet/short_opt_again", "the same again: the compile caches of the run before",
-            "train.py", UNET_OPT, est(3 * 1792, 1500, AUTOTUNE_S + WARM_COMPILE_S), data="cosmo"),
     ],
     "vit": [
         Run("vit/short", "short: fp32, no loader workers", "train.py", VIT_SHORT,
@@ -623,8 +621,6 @@ GOALS = [
      lambda by: _ratio(by.get("vit/short_opt", {}), 0.9)),
     ("CUDA graphs >= 1.1x eager, U-Net at batch 8", ("graphs/b8",),
      lambda by: _graph(by.get("graphs/b8", {}))),
-    ("U-Net, a second run: first epoch <= 2 x steady + 5 s", ("unet/short_opt_again",),
-     lambda by: _first_epoch(by.get("unet/short_opt_again", {}))),
     ("ViT, a second run: first epoch <= 2 x steady + 5 s", ("vit/short_opt_again",),
      lambda by: _first_epoch(by.get("vit/short_opt_again", {}))),
 ]
