@@ -99,13 +99,19 @@ class Trainer:
         ensure_data(cfg, rt)
         self.task = make_task(cfg)
 
+        # The layout of the weights and batches on the device (the task's choice: channels-last
+        # for the U-Net on a GPU); the numbers are the same either way.
+        self.memory_format, why = self.task.memory_format(self.device)
+        if why:
+            log.info(f"Memory format: {str(self.memory_format).removeprefix('torch.')} ({why})")
+
         # The model: the serial model from the seed on every rank, then parallelised in one place.
         torch.manual_seed(cfg.seed)
         model = self.task.build_model()
         if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
             load_reference_weights(model, cfg.init_from, self.task.from_reference)
             log.info(f"Weights from {cfg.init_from}")
-        parallel = apply_parallelism(model, cfg, rt, self.task)
+        parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)
         self.parallel = parallel
         self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
         self.wrapped_model = parallel.wrapped  # what the step calls: under DDP / torch.compile
@@ -114,7 +120,8 @@ class Trainer:
 
         # A model-parallel rank reads only the image rows it computes on (training batches).
         rows = self.model.image_rows() if rt.groups is not None else None
-        self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows)
+        self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows,
+                                     self.memory_format)
         self.steps_per_epoch = self.loaders.steps_per_epoch
         self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
         self.flops_per_sample = self.task.flops_per_sample()  # forward + backward, one sample
@@ -179,8 +186,11 @@ class Trainer:
                 "total_steps": self.total_steps, "device": str(self.device)}
 
     def to_device(self, x, y):
-        # non_blocking overlaps the copy with compute when the batch sits in pinned memory
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        # non_blocking overlaps the copy with compute when the batch sits in pinned memory; the
+        # copy keeps the host layout, so a channels-last run converts once, on the device (a
+        # no-op for the device loader's and the cached synthetic batches, made in that layout)
+        x, y = (t.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+                for t in (x, y))
         return self.task.device_batch(x, y)  # e.g. ERA5 normalisation, on the device
 
     # ------------------------------------------------------------------ one optimizer step

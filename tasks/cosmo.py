@@ -14,9 +14,17 @@ from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import UNetConfig
+from settings.errors import ConfigError
 from tasks.losses import L1Rho
 from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
+
+
+# Whether torch.compile of the channels-last U-Net works (forward and backward). False: its
+# backward failed on an H200 (torch 2.11: "expected size 512==512, stride 64==1 at dim=1" in the
+# fake kernel of aten.convolution_backward); auto then keeps the default layout under enable_jit
+# and an explicit channels_last with enable_jit is refused (``CosmoTask.memory_format``).
+COMPILE_CHANNELS_LAST = False
 
 
 class CosmoTask:
@@ -33,6 +41,33 @@ class CosmoTask:
     def device_batch(self, x, y):
         """Crops are used as stored: nothing to do on the device."""
         return x, y
+
+    def memory_format(self, device: torch.device) -> tuple[torch.memory_format, str]:
+        """The layout of the model's weights, its batches and the loss (``memory_format``), and
+        why, for the log. Channels-last (``torch.channels_last_3d``: a voxel's channels side by
+        side) is what cuDNN's fastest 3D convolutions read and write: a compute-only step took
+        33.0 ms instead of 39.5 ms on an H200 (docs/performance.md). ``auto`` takes it on a GPU
+        unless the model is compiled (torch.compile fails on its backward: see
+        ``COMPILE_CHANNELS_LAST``); on a CPU the default layout."""
+        choice = self.cfg.memory_format
+        if choice == "contiguous":
+            return torch.contiguous_format, ""
+        if choice == "channels_last":
+            if self.cfg.enable_jit and not COMPILE_CHANNELS_LAST:
+                raise ConfigError(
+                    "memory_format=channels_last with enable_jit: torch.compile fails on the "
+                    "channels-last U-Net's backward; channels-last without enable_jit was the "
+                    "faster of the two on an H200 (docs/performance.md): drop --enable_jit, or "
+                    "use --memory_format auto")
+            return torch.channels_last_3d, "memory_format channels_last"
+        if device.type != "cuda":
+            return torch.contiguous_format, ""
+        if self.cfg.enable_jit and not COMPILE_CHANNELS_LAST:
+            return torch.contiguous_format, (
+                "memory_format auto with enable_jit: torch.compile fails on the channels-last "
+                "U-Net's backward, so the default layout (channels-last without enable_jit "
+                "measured faster on an H200: docs/performance.md)")
+        return torch.channels_last_3d, "memory_format auto on a GPU"
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by

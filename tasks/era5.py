@@ -43,6 +43,11 @@ class ERA5Task:
         mean_in, inv_std_in, mean_out, inv_std_out = self._stats[x.device]
         return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
 
+    def memory_format(self, device: torch.device) -> tuple[torch.memory_format, str]:
+        """The ViT's tensors stay in the default layout (its convolutions are two patch
+        projections; ``memory_format`` is a U-Net setting)."""
+        return torch.contiguous_format, ""
+
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the ViT's are matmuls (cuBLAS's switch)."""
         return torch.backends.cuda.matmul.allow_tf32
