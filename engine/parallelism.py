@@ -84,7 +84,9 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         sharding = RowBandSharding(task, model, rt.groups)
     else:
         sharding = Unsharded(task)
-    model = model.to(rt.device, memory_format=memory_format)  # 3.
+    model = model.to(rt.device)  # 3.
+    if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
+        model = model.to(memory_format=memory_format)
     wrapped = model
     if rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
@@ -101,5 +103,5 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         # disables its mapping helpers), so dynamo breaks the graph at each collective instead
         # of tracing it into functional collectives: the compiled graphs hold per-rank compute
         # only, and the collectives run as in an eager step (tests/test_mp_compile.py).
-        wrapped = torch.compile(wrapped)
+        wrapped = torch.compile(wrapped, options=task.compile_options(memory_format) or None)
     return ParallelModel(model, wrapped, sharding, rt)

@@ -12,6 +12,7 @@ config's class) and answers:
   prints beside them; ``picture(x, y, pred)``: the validation picture for TensorBoard;
 - ``memory_format(device)``: the layout of the model's weights and of the batches on the
   device (``torch.contiguous_format`` or ``torch.channels_last_3d``), and why (for the log);
+  ``compile_options(memory_format)``: the options torch.compile (``enable_jit``) is given;
 - ``forward_flops()``, ``flops_per_sample()``: model FLOPs (``observe.flops``);
   ``fp32_in_tf32()``: whether its fp32 FLOPs run in TF32 (the peak MFU divides by);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);

@@ -20,11 +20,14 @@ from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
 
 
-# Whether torch.compile of the channels-last U-Net works (forward and backward). False: its
-# backward failed on an H200 (torch 2.11: "expected size 512==512, stride 64==1 at dim=1" in the
-# fake kernel of aten.convolution_backward); auto then keeps the default layout under enable_jit
-# and an explicit channels_last with enable_jit is refused (``CosmoTask.memory_format``).
-COMPILE_CHANNELS_LAST = False
+# torch.compile of the channels-last U-Net. None while it fails: on an H200 with torch 2.11 the
+# compiled backward stopped with "expected size 512==512, stride 64==1 at dim=1" in
+# aten.convolution_backward (the strides torch's fake kernel predicted for a convolution's
+# gradient were not those cuDNN returned); auto then keeps the default layout under enable_jit,
+# and channels_last with enable_jit is refused. A dict: the torch.compile options (inductor
+# settings; {} for none) under which it compiles and trains the eager step's numbers, as
+# benchmarks/channels_last_compile.py finds them on a GPU.
+CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
 
 
 class CosmoTask:
@@ -48,26 +51,33 @@ class CosmoTask:
         side) is what cuDNN's fastest 3D convolutions read and write: a compute-only step took
         33.0 ms instead of 39.5 ms on an H200 (docs/performance.md). ``auto`` takes it on a GPU
         unless the model is compiled (torch.compile fails on its backward: see
-        ``COMPILE_CHANNELS_LAST``); on a CPU the default layout."""
+        ``CHANNELS_LAST_COMPILE_OPTIONS``); on a CPU the default layout."""
         choice = self.cfg.memory_format
         if choice == "contiguous":
             return torch.contiguous_format, ""
         if choice == "channels_last":
-            if self.cfg.enable_jit and not COMPILE_CHANNELS_LAST:
+            if self.cfg.enable_jit and CHANNELS_LAST_COMPILE_OPTIONS is None:
                 raise ConfigError(
                     "memory_format=channels_last with enable_jit: torch.compile fails on the "
-                    "channels-last U-Net's backward; channels-last without enable_jit was the "
-                    "faster of the two on an H200 (docs/performance.md): drop --enable_jit, or "
-                    "use --memory_format auto")
+                    "channels-last U-Net's backward; channels-last eager is the faster of the "
+                    "two on an H200 (33.0 ms per compute-only step, the default layout compiled "
+                    "about 37 ms: docs/performance.md): drop --enable_jit, or use "
+                    "--memory_format auto")
             return torch.channels_last_3d, "memory_format channels_last"
         if device.type != "cuda":
             return torch.contiguous_format, ""
-        if self.cfg.enable_jit and not COMPILE_CHANNELS_LAST:
+        if self.cfg.enable_jit and CHANNELS_LAST_COMPILE_OPTIONS is None:
             return torch.contiguous_format, (
                 "memory_format auto with enable_jit: torch.compile fails on the channels-last "
-                "U-Net's backward, so the default layout (channels-last without enable_jit "
-                "measured faster on an H200: docs/performance.md)")
+                "U-Net's backward, so the default layout; channels-last without enable_jit is "
+                "faster on an H200: docs/performance.md")
         return torch.channels_last_3d, "memory_format auto on a GPU"
+
+    def compile_options(self, memory_format: torch.memory_format) -> dict:
+        """Options for torch.compile of the model in ``memory_format``."""
+        if memory_format == torch.channels_last_3d:
+            return CHANNELS_LAST_COMPILE_OPTIONS or {}
+        return {}
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by

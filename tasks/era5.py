@@ -48,6 +48,10 @@ class ERA5Task:
         projections; ``memory_format`` is a U-Net setting)."""
         return torch.contiguous_format, ""
 
+    def compile_options(self, memory_format: torch.memory_format) -> dict:
+        """Options for torch.compile: torch's defaults."""
+        return {}
+
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the ViT's are matmuls (cuBLAS's switch)."""
         return torch.backends.cuda.matmul.allow_tf32

@@ -96,7 +96,7 @@ def assert_same_weights(a, b, rtol, atol):
 @pytest.mark.parametrize("choice,device,jit,expect", [
     ("auto", "cpu", False, torch.contiguous_format),
     ("auto", "cuda", False, CL),
-    ("auto", "cuda", True, torch.contiguous_format),  # torch.compile: see COMPILE_CHANNELS_LAST
+    ("auto", "cuda", True, torch.contiguous_format),  # see CHANNELS_LAST_COMPILE_OPTIONS
     ("channels_last", "cpu", False, CL),
     ("contiguous", "cuda", False, torch.contiguous_format),
 ])
@@ -112,14 +112,19 @@ def test_channels_last_with_compile_is_refused_in_one_line(tmp_path, monkeypatch
     cfg = unet_cfg(str(tmp_path), tmp_path, memory_format="channels_last", enable_jit=True)
     with pytest.raises(ConfigError, match="drop --enable_jit, or use --memory_format auto"):
         make_task(cfg).memory_format(CPU)
-    monkeypatch.setattr(cosmo, "COMPILE_CHANNELS_LAST", True)  # a torch whose compile works
+    assert make_task(cfg).compile_options(CL) == {}
+    # once options are known under which it compiles: taken, and given to torch.compile
+    monkeypatch.setattr(cosmo, "CHANNELS_LAST_COMPILE_OPTIONS", {"size_asserts": True})
     assert make_task(cfg).memory_format(torch.device("cuda"))[0] == CL
     cfg = dataclasses.replace(cfg, memory_format="auto")
     assert make_task(cfg).memory_format(torch.device("cuda"))[0] == CL
+    assert make_task(cfg).compile_options(CL) == {"size_asserts": True}
+    assert make_task(cfg).compile_options(torch.contiguous_format) == {}
 
 
 def test_the_vit_has_no_memory_format(tmp_path):
-    with pytest.raises(ConfigError, match="memory_format"):
+    with pytest.raises(ConfigError, match="unknown setting 'memory_format' .*: a setting of "
+                                          "unet configs, not of vit ones: remove it"):
         build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
                      {"memory_format": "channels_last", "expdir": str(tmp_path)})
     vit = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
