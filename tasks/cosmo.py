@@ -26,7 +26,8 @@ from tasks.reference_weights import unet_from_reference
 # gradient were not those cuDNN returned); auto then keeps the default layout under enable_jit,
 # and channels_last with enable_jit is refused. A dict: the torch.compile options (inductor
 # settings; {} for none) under which it compiles and trains the eager step's numbers, as
-# benchmarks/channels_last_compile.py finds them on a GPU.
+# benchmarks/channels_last_compile.py finds them on a GPU. (On a CPU it compiles and trains the
+# eager numbers, torch 2.11 and 2.13: the CPU's convolutions take another path.)
 CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
 
 
@@ -50,13 +51,15 @@ class CosmoTask:
         why, for the log. Channels-last (``torch.channels_last_3d``: a voxel's channels side by
         side) is what cuDNN's fastest 3D convolutions read and write: a compute-only step took
         33.0 ms instead of 39.5 ms on an H200 (docs/performance.md). ``auto`` takes it on a GPU
-        unless the model is compiled (torch.compile fails on its backward: see
-        ``CHANNELS_LAST_COMPILE_OPTIONS``); on a CPU the default layout."""
+        unless the model is compiled (torch.compile fails on its backward there: see
+        ``CHANNELS_LAST_COMPILE_OPTIONS``; on a CPU it compiles); on a CPU the default layout."""
         choice = self.cfg.memory_format
         if choice == "contiguous":
             return torch.contiguous_format, ""
+        compile_fails = (self.cfg.enable_jit and device.type == "cuda"
+                         and CHANNELS_LAST_COMPILE_OPTIONS is None)
         if choice == "channels_last":
-            if self.cfg.enable_jit and CHANNELS_LAST_COMPILE_OPTIONS is None:
+            if compile_fails:
                 raise ConfigError(
                     "memory_format=channels_last with enable_jit: torch.compile fails on the "
                     "channels-last U-Net's backward; channels-last eager is the faster of the "
@@ -66,7 +69,7 @@ class CosmoTask:
             return torch.channels_last_3d, "memory_format channels_last"
         if device.type != "cuda":
             return torch.contiguous_format, ""
-        if self.cfg.enable_jit and CHANNELS_LAST_COMPILE_OPTIONS is None:
+        if compile_fails:
             return torch.contiguous_format, (
                 "memory_format auto with enable_jit: torch.compile fails on the channels-last "
                 "U-Net's backward, so the default layout; channels-last without enable_jit is "

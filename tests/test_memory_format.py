@@ -111,7 +111,8 @@ def test_the_layout_each_choice_gives(tmp_path, choice, device, jit, expect):
 def test_channels_last_with_compile_is_refused_in_one_line(tmp_path, monkeypatch):
     cfg = unet_cfg(str(tmp_path), tmp_path, memory_format="channels_last", enable_jit=True)
     with pytest.raises(ConfigError, match="drop --enable_jit, or use --memory_format auto"):
-        make_task(cfg).memory_format(CPU)
+        make_task(cfg).memory_format(torch.device("cuda"))
+    assert make_task(cfg).memory_format(CPU)[0] == CL  # compiles on a CPU
     assert make_task(cfg).compile_options(CL) == {}
     # once options are known under which it compiles: taken, and given to torch.compile
     monkeypatch.setattr(cosmo, "CHANNELS_LAST_COMPILE_OPTIONS", {"size_asserts": True})
@@ -150,6 +151,17 @@ def test_channels_last_trains_as_the_default_layout(cosmo32, tmp_path, amp):
     torch.testing.assert_close(cl.losses, ref.losses, rtol=rtol, atol=atol)
     assert_same_weights(cl, ref, rtol=rtol, atol=atol if amp == "none" else 1e-3)
     assert cl.last_val["loss"] == pytest.approx(ref.last_val["loss"], rel=rtol)
+
+
+@pytest.mark.compile
+def test_compiled_channels_last_trains_as_eager_on_a_cpu(cosmo32, tmp_path):
+    """torch.compile of the channels-last U-Net works on a CPU (not on a GPU: see
+    ``CHANNELS_LAST_COMPILE_OPTIONS``)."""
+    eager = run(cosmo32, tmp_path / "eager", steps=2, memory_format="channels_last")
+    jit = run(cosmo32, tmp_path / "jit", steps=2, memory_format="channels_last", enable_jit=True)
+    assert jit.batch_layouts == {(True, True)}
+    torch.testing.assert_close(jit.losses, eager.losses, rtol=1e-4, atol=1e-6)
+    assert_same_weights(jit, eager, rtol=1e-3, atol=1e-5)
 
 
 def test_resume_across_formats_and_checkpoints_in_the_default_layout(cosmo32, tmp_path):
