@@ -277,9 +277,9 @@ class CropGather:
         rots = windows[:, 3]
         out = []
         for flat, src, mul, host_mul in self.fields:
-            if self.memory_format == torch.channels_last_3d:  # (B, s, s, s, C) in memory, seen as (B, C, s, s, s)
-                crops = flat[src[rot][:, None, None, None, :],
-                             index.view(*index.shape[:1], *index.shape[2:], 1)
+            if self.memory_format == torch.channels_last_3d:  # (B, s, s, s, C) in memory, as
+                # a (B, C, s, s, s) view: channels-last
+                crops = flat[src[rot][:, None, None, None, :], index[:, 0, ..., None]
                              ].permute(0, 4, 1, 2, 3)
             else:
                 crops = flat[src[rot][:, :, None, None, None], index]  # (B, C, s, s, s): one gather
