@@ -230,3 +230,25 @@ def test_other_batches_are_converted_once_on_the_device(cosmo32, tmp_path):
     assert x.is_contiguous()
     x1, y1 = train_script.Trainer.to_device(fake, x, y)
     assert channels_last(x1) and channels_last(y1) and torch.equal(x1, x)
+
+
+# ---------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@test_cuda_graph.needs_gpu
+def test_on_a_gpu_auto_is_channels_last_eager_and_captured(cosmo32, tmp_path):
+    """auto on a GPU: channels-last weights and batches (the device loader's gather), the losses
+    of the default layout (to TF32 and cuDNN's algorithm choice), and a captured step
+    (train_graph.py, the real CUDA graph) on channels-last static buffers."""
+    kw = dict(steps=5, data_loader_config="device")
+    ref = run(cosmo32, tmp_path / "contiguous", memory_format="contiguous", **kw)
+    cl = run(cosmo32, tmp_path / "auto", **kw)
+    assert cl.device.type == "cuda" and cl.memory_format == CL
+    assert cl.batch_layouts == {(True, True)} and ref.batch_layouts == {(False, False)}
+    torch.testing.assert_close(cl.losses, ref.losses, rtol=1e-2, atol=1e-4)
+    cfg = unet_cfg(cosmo32, tmp_path / "graph", num_iters=5, data_loader_config="device")
+    graph = NotingGraphTrainer(cfg, setup_runtime(cfg))  # the real CudaGraphOps
+    graph.fit()
+    assert graph.step_graph.captured and all(channels_last(t) for t in graph.step_graph.static)
+    torch.testing.assert_close(graph.losses, cl.losses, rtol=1e-2, atol=1e-4)
