@@ -53,6 +53,8 @@ VARIANTS = {
                                    "stride checks off (only of use if the numbers agree)"),
     "cl-compile-no-layout-opt": ("channels_last", True, "no_layout_opt", "inductor's "
                                  "layout_optimization off"),
+    "cl-compile-aot-eager": ("channels_last", True, "aot_eager", "backend aot_eager: the same "
+                             "traced graphs without inductor (fake kernels or inductor?)"),
 }
 
 
@@ -104,7 +106,7 @@ def run_variant(name: str, batch: int, steps: int, lock_path: str, device: str =
         if extra == "bottom_eager":
             for blk in (model.down[-1], model.up[0]):
                 blk.forward = torch.compiler.disable(blk.forward)
-        run = torch.compile(model)
+        run = torch.compile(model, backend="aot_eager" if extra == "aot_eager" else "inductor")
     t0 = time.perf_counter()
     try:
         loss, grad = step(run, opt, grads=True)
