@@ -20,6 +20,11 @@ convolution's gradient were not those cuDNN returned. The variants tell where it
 (autocast's weight copies, the 1^3 bottom level whose channels-last and contiguous strides
 coincide, the input's layout) and which way round it: a variant that "works" at the speed of
 ``cl-eager`` or better is the one to take (tasks/cosmo.py, ``CHANNELS_LAST_COMPILE_OPTIONS``).
+The first suspect is the bottom level: a channels-last (B, 512, 1, 1, 1) tensor has the strides
+of a contiguous one, (512, 1, 1, 1, 1), and inductor lays out a 3D convolution's input and
+weight in the stride order of its output, so the convolution into the 1^3 level gets its input
+and weight in the default layout while the traced graph has them channels-last (seen with
+torch 2.11's fake tensors on a CPU; the CPU's own convolutions take another path and compile).
 """
 from __future__ import annotations
 
