@@ -150,7 +150,8 @@ def test_channels_last_trains_as_the_default_layout(cosmo32, tmp_path, amp):
     rtol, atol = (1e-5, 1e-7) if amp == "none" else (2e-2, 1e-4)
     torch.testing.assert_close(cl.losses, ref.losses, rtol=rtol, atol=atol)
     assert_same_weights(cl, ref, rtol=rtol, atol=atol if amp == "none" else 1e-3)
-    assert cl.last_val["loss"] == pytest.approx(ref.last_val["loss"], rel=rtol)
+    for key in ("loss", "metrics", "baseline_loss", "baseline_metrics"):  # validation
+        assert cl.last_val[key] == pytest.approx(ref.last_val[key], rel=rtol), key
 
 
 @pytest.mark.compile
