@@ -103,6 +103,12 @@ class Trainer:
         self.start_clock.mark("data")
         self.task = make_task(cfg)
 
+        # The layout of the weights and batches on the device (the task's choice: channels-last
+        # for the U-Net on a GPU); the numbers are the same either way.
+        self.memory_format, why = self.task.memory_format(self.device)
+        if why:
+            log.info(f"Memory format: {str(self.memory_format).removeprefix('torch.')} ({why})")
+
         # The model: the serial model from the seed on every rank, then parallelised in one place.
         torch.manual_seed(cfg.seed)
         model = self.task.build_model()
@@ -111,7 +117,7 @@ class Trainer:
             log.info(f"Weights from {cfg.init_from}")
         if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
             self.start_clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
-        parallel = apply_parallelism(model, cfg, rt, self.task)
+        parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)
         self.parallel = parallel
         self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
         self.wrapped_model = parallel.wrapped  # what the step calls: under DDP / torch.compile
@@ -121,7 +127,8 @@ class Trainer:
         # A model-parallel rank reads only the image rows it computes on (training batches).
         rows = self.model.image_rows() if rt.groups is not None else None
         self.start_clock.mark("model")
-        self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows)
+        self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows,
+                                     self.memory_format)
         self.start_clock.mark("loaders")
         self.steps_per_epoch = self.loaders.steps_per_epoch
         self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
@@ -189,8 +196,11 @@ class Trainer:
                 "total_steps": self.total_steps, "device": str(self.device)}
 
     def to_device(self, x, y):
-        # non_blocking overlaps the copy with compute when the batch sits in pinned memory
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        # non_blocking overlaps the copy with compute when the batch sits in pinned memory; the
+        # copy keeps the host layout, so a channels-last run converts once, on the device (a
+        # no-op for the device loader's and the cached synthetic batches, made in that layout)
+        x, y = (t.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+                for t in (x, y))
         return self.task.device_batch(x, y)  # e.g. ERA5 normalisation, on the device
 
     # ------------------------------------------------------------------ one optimizer step

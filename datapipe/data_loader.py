@@ -84,11 +84,13 @@ class ValidationSampler(Sampler):
 
 
 class CachedBatchLoader:
-    """One batch kept on ``device`` and served for every batch of a pass of ``sampler`` (the
-    last one cut to the samples left): compute-only timing, nothing read."""
+    """One batch kept on ``device`` in ``memory_format`` and served for every batch of a pass of
+    ``sampler`` (the last one cut to the samples left): compute-only timing, nothing read."""
 
-    def __init__(self, batch, sampler, batch_size: int, device):
-        self.batch = tuple(torch.as_tensor(a).to(device) for a in batch)
+    def __init__(self, batch, sampler, batch_size: int, device,
+                 memory_format: torch.memory_format = torch.contiguous_format):
+        self.batch = tuple(torch.as_tensor(a).to(device).contiguous(memory_format=memory_format)
+                           for a in batch)
         self.sampler, self.batch_size = sampler, batch_size
 
     def _sizes(self) -> list[int]:
@@ -204,12 +206,16 @@ def _check_counts(n_train: int, n_valid: int, global_batch: int, dp_size: int):
 
 
 def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
-                  rows: tuple[int, int] | None = None) -> Loaders:
+                  rows: tuple[int, int] | None = None,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> Loaders:
     """Loaders of one data-parallel rank (see the module docstring).
 
     ``rows=(start, stop)``: the training batches hold only those image rows, (B, C, stop - start,
     W), read from disk as such; a model-parallel rank passes the band it computes on
     (``ParallelViT.image_rows()``). Validation batches stay whole images. ViT (ERA5) only.
+    ``memory_format``: the layout of the batches on the device (the task's ``memory_format``):
+    the device loader cuts its crops in it and the synthetic training batch is kept in it; the
+    other loaders' batches keep the host layout and ``Trainer.to_device`` converts them.
     """
     data = data_set(cfg)
     if rows is not None and not data.row_bands:
@@ -223,12 +229,12 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
             return build_loaders(host_cfg, dp_size, dp_rank, local_batch, device, rows)
 
         if cfg.data_loader_config == "device":
-            from datapipe.device_loader import build_device_loaders as build
-        else:
-            from datapipe.dali_loader import build_dali_loaders as build
-        return build(cfg, reference, local_batch, device)
+            from datapipe.device_loader import build_device_loaders
+            return build_device_loaders(cfg, reference, local_batch, device, memory_format)
+        from datapipe.dali_loader import build_dali_loaders
+        return build_dali_loaders(cfg, reference, local_batch, device)
     if cfg.data_is_generated:
-        return generated_loaders(cfg, dp_size, dp_rank, local_batch, device, rows)
+        return generated_loaders(cfg, dp_size, dp_rank, local_batch, device, rows, memory_format)
     train, valid = data.datasets(rows)
     G = local_batch * dp_size
     _check_counts(len(train), len(valid), G, dp_size)
@@ -242,7 +248,8 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
 
 
 def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
-                      rows: tuple[int, int] | None = None) -> Loaders:
+                      rows: tuple[int, int] | None = None,
+                      memory_format: torch.memory_format = torch.contiguous_format) -> Loaders:
     """``--data_loader_config synthetic``: the rank's first training batch and first validation
     batch, made in memory (``datapipe.generated_data``) and served for every batch of their pass:
     the training batch from device memory (no copy in the step), the validation batch from host
@@ -262,6 +269,6 @@ def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int,
     log.info(f"Generated data (data_loader_config synthetic; nothing read from data_root): one "
              f"training and one validation batch made in memory in {time.perf_counter() - t0:.1f} "
              f"s and served for each of the {data.describe_generated_counts()}")
-    return Loaders(CachedBatchLoader(train_batch, sampler, local_batch, device),
+    return Loaders(CachedBatchLoader(train_batch, sampler, local_batch, device, memory_format),
                    CachedBatchLoader(valid_batch, valid_sampler, local_batch, torch.device("cpu")),
                    sampler, sampler.steps, n_train, n_valid)

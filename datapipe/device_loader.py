@@ -219,11 +219,15 @@ class CropGather:
     """The volumes of one split on the device, and the batch cut from them (module docstring):
     ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation).
     ``method``: "gather" (one indexed gather per field), "copy" (a copy per crop through its
-    rotated view; CPU, float32 storage only), or None: "copy" where it can, else "gather"."""
+    rotated view; CPU, float32 storage only), or None: "copy" where it can, else "gather".
+    ``memory_format``: the layout the batches are written in (``torch.channels_last_3d``: the
+    gather's index runs over (B, s, s, s, C), whose (B, C, s, s, s) view is channels-last)."""
 
     def __init__(self, dataset: CosmoCropDataset, device, dtype: torch.dtype,
-                 method: str | None = None):
+                 method: str | None = None,
+                 memory_format: torch.memory_format = torch.contiguous_format):
         self.dataset, self.device, self.size = dataset, torch.device(device), dataset.size
+        self.memory_format = memory_format
         can_copy = self.device.type == "cpu" and dtype == torch.float32
         if method == "copy" and not can_copy:
             raise ValueError("CropGather: method 'copy' needs float32 volumes in host memory")
@@ -273,14 +277,19 @@ class CropGather:
         rots = windows[:, 3]
         out = []
         for flat, src, mul, host_mul in self.fields:
-            crops = flat[src[rot][:, :, None, None, None], index]  # (B, C, s, s, s): one gather
+            if self.memory_format == torch.channels_last_3d:  # (B, s, s, s, C) in memory, as
+                # a (B, C, s, s, s) view: channels-last
+                crops = flat[src[rot][:, None, None, None, :], index[:, 0, ..., None]
+                             ].permute(0, 4, 1, 2, 3)
+            else:
+                crops = flat[src[rot][:, :, None, None, None], index]  # (B, C, s, s, s): one gather
             signs = mul[rot][:, :, None, None, None] if (host_mul[rots] < 0).any() else None
             if crops.dtype == torch.float32:
                 if signs is not None:  # some vector component turned backwards
                     crops.mul_(signs)
             else:  # half precision storage: float32 batches
                 crops = crops.float() if signs is None else torch.mul(crops, signs)
-            out.append(crops)
+            out.append(crops.contiguous(memory_format=self.memory_format))  # (already is)
         return out[0], out[1]
 
     def copy(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +298,8 @@ class CropGather:
         release the GIL)."""
         s, ds = self.size, self.dataset
         vecs = (ds.in_vec, ds.out_vec)
-        outs = [torch.empty((len(windows), v.shape[0], s, s, s)) for v in self.volumes]
+        outs = [torch.empty((len(windows), v.shape[0], s, s, s), memory_format=self.memory_format)
+                for v in self.volumes]
         views = [(v.numpy(), o.numpy(), vec) for v, o, vec in zip(self.volumes, outs, vecs)]
 
         def crop(j):
@@ -333,10 +343,11 @@ def volume_need(cfg: UNetConfig, train: CosmoCropDataset, valid: CosmoCropDatase
                       dtype=cfg.device_volume_dtype, batch=local_batch, size=cfg.data_size)
 
 
-def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device):
-    """Loaders of one data-parallel rank cutting their crops from volumes held on ``device``;
-    datasets, samplers and checks are those of ``reference(host config)``, the ``lowmem``
-    loaders (never iterated)."""
+def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device,
+                         memory_format: torch.memory_format = torch.contiguous_format):
+    """Loaders of one data-parallel rank cutting their crops from volumes held on ``device``, in
+    ``memory_format``; datasets, samplers and checks are those of ``reference(host config)``,
+    the ``lowmem`` loaders (never iterated)."""
     device = torch.device(device)
     host = copy.copy(cfg)
     host.data_loader_config, host.num_data_workers = "lowmem", 0
@@ -350,7 +361,8 @@ def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device):
     check_fits(need, free_memory(device), str(device))
     t0 = time.perf_counter()
     dtype = DTYPES[cfg.device_volume_dtype]
-    gathers = CropGather(train, device, dtype), CropGather(valid, device, dtype)
+    gathers = tuple(CropGather(d, device, dtype, memory_format=memory_format)
+                    for d in (train, valid))
     log.info(f"Device loader: training and validation volumes ({need.describe()}) held on "
              f"{device} in {cfg.device_volume_dtype}, {_gb(need.volume_bytes())}, loaded in "
              f"{time.perf_counter() - t0:.1f} s; crops cut and rotated there (no workers)")

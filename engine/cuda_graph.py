@@ -161,7 +161,7 @@ class StepGraph:
         return out
 
     def _copy_in(self, x, y):
-        if self.static is None:
+        if self.static is None:  # in the batches' memory format (channels-last or not)
             self.static = (torch.empty_like(x), torch.empty_like(y))
         for buf, t, name in zip(self.static, (x, y), ("input", "target")):
             if t.shape != buf.shape or t.dtype != buf.dtype or t.device != buf.device:

@@ -74,7 +74,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     and the kind of its hyperparameters: a learning rate held as a device tensor (which a CUDA
     graph reads) stays that same tensor, filled with the saved value; a saved tensor becomes a
     float for an optimizer that holds floats. Step counts go where the implementation wants them
-    (on the parameter's device for capturable or fused Adam, on the CPU otherwise)."""
+    (on the parameter's device for capturable or fused Adam, on the CPU otherwise); the moments
+    take their parameter's memory layout."""
     own = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, before in zip(optimizer.param_groups, own):
@@ -90,5 +91,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
         on_device = group.get("capturable") or group.get("fused")
         for p in group["params"]:
             st = optimizer.state.get(p, {})
+            for key, t in st.items():  # moments in the parameter's layout (memory_format), as
+                # fused and foreach kernels want them; the checkpoint's may be another
+                if torch.is_tensor(t) and t.shape == p.shape and t.stride() != p.stride():
+                    st[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
             if torch.is_tensor(st.get("step")):
                 st["step"] = st["step"].to(p.device if on_device else "cpu", torch.float32)

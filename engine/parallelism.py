@@ -5,7 +5,8 @@
    a sharded run starts where a serial run with the same seed starts;
 2. activation checkpointing, an option of the model itself (chosen when the task builds it;
    the sharded ViT keeps the serial model's choice);
-3. the move to the run's device;
+3. the move to the run's device, in the task's memory format (channels-last weights for the
+   U-Net on a GPU: ``memory_format``);
 4. DistributedDataParallel over the data-parallel ranks (with model parallelism, its
    communication hook also sums the gradients of parameters replicated over tp/cp);
 5. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
@@ -73,15 +74,19 @@ def _buffer_sync_kwargs(disable: bool) -> dict:
     return {"broadcast_buffers": False}
 
 
-def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task) -> ParallelModel:
+def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
+                      memory_format: torch.memory_format = torch.contiguous_format
+                      ) -> ParallelModel:
     """``model``: the serial model, built on the CPU with the same seed on every rank (a sharded
-    model never lives whole on a GPU)."""
+    model never lives whole on a GPU); ``memory_format``: the layout of its 5-D weights there."""
     if rt.groups is not None:  # 1. tensor / context parallel
         model = parallelize_vit(model, rt.groups, sequence_parallel=cfg.sequence_parallel)
         sharding = RowBandSharding(task, model, rt.groups)
     else:
         sharding = Unsharded(task)
     model = model.to(rt.device)  # 3.
+    if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
+        model = model.to(memory_format=memory_format)
     wrapped = model
     if rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
@@ -98,5 +103,5 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task) -> Paral
         # disables its mapping helpers), so dynamo breaks the graph at each collective instead
         # of tracing it into functional collectives: the compiled graphs hold per-rank compute
         # only, and the collectives run as in an eager step (tests/test_mp_compile.py).
-        wrapped = torch.compile(wrapped)
+        wrapped = torch.compile(wrapped, options=task.compile_options(memory_format) or None)
     return ParallelModel(model, wrapped, sharding, rt)

@@ -39,7 +39,9 @@ class Unsharded:
         """Extra gradient reductions beyond DDP's data-parallel average (none here)."""
 
     def to_serial(self, model, tensors: dict) -> dict:
-        return {k: t.detach().clone() for k, t in tensors.items()}
+        # in torch's default layout whatever the model's memory_format: the same checkpoint
+        return {k: t.detach().clone(memory_format=torch.contiguous_format)
+                for k, t in tensors.items()}
 
     def from_serial(self, model, tensors: dict) -> dict:
         return tensors

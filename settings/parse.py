@@ -283,8 +283,14 @@ def _apply(cls, values: dict, source: str) -> dict:
             raise ConfigError(f"'{key}' is not a setting ({source}): the config's name and file are "
                               f"chosen with --config and --yaml_config; remove '{key}'")
         if key not in fields:
+            family = {c: m for m, c in CONFIG_CLASSES.items()}
+            others = [m for c, m in family.items()
+                      if c is not cls and key in {f.name for f in dataclasses.fields(c)}]
             if key in RENAMED and RENAMED[key]:
                 hint = f"use {RENAMED[key]}"
+            elif others:  # e.g. the U-Net's memory_format given to a ViT config
+                hint = (f"a setting of {' and '.join(others)} configs, not of "
+                        f"{family.get(cls, cls.__name__)} ones: remove it")
             else:
                 hint = nearest(key, fields - set(identity_fields(cls)))
             raise ConfigError(f"unknown setting '{key}' ({source}): {hint}")

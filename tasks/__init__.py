@@ -12,10 +12,18 @@ config's class) and answers:
   prints beside them; ``picture(x, y, pred)``: the validation picture for TensorBoard;
 - ``forward_flops()``, ``flops_per_sample()``: model FLOPs (``observe.flops``);
   ``fp32_in_tf32()``: whether its fp32 FLOPs run in TF32 (the peak MFU divides by);
-- ``forward_kernels(device, dtype)``: a factory of the context the forward pass runs under (the
-  ViT's attention kernel, ``tasks.attention``; a do-nothing context for the U-Net);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);
 - ``shards_model``: whether train_mp.py can split the model over tensor/context-parallel ranks.
+
+and, where its problem has something to say (``tasks.base.Task``, which every task derives from,
+answers with torch's defaults):
+
+- ``memory_format(device)``: the layout of the model's weights and of the batches on the
+  device (``torch.contiguous_format`` or ``torch.channels_last_3d``: the U-Net's on a GPU), and
+  why (for the log); ``compile_options(memory_format)``: the options torch.compile
+  (``enable_jit``) is given;
+- ``forward_kernels(device, dtype)``: a factory of the context the forward pass runs under (the
+  ViT's attention kernel, ``tasks.attention``).
 
 Its data is the data room's (``datapipe.data_sets``, registered for the same config class), and
 its settings are its config class's (``settings.config``: fields, bounds and ``check()``). A new

@@ -1,7 +1,6 @@
 """The cosmology problem: the 3D U-Net maps N-body fields to hydrodynamic fields."""
 from __future__ import annotations
 
-import contextlib
 import os
 
 import h5py
@@ -15,12 +14,25 @@ from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import UNetConfig
+from settings.errors import ConfigError
+from tasks.base import Task
 from tasks.losses import L1Rho
 from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
 
 
-class CosmoTask:
+# torch.compile of the channels-last U-Net. None while it fails: on an H200 with torch 2.11 the
+# compiled backward stopped with "expected size 512==512, stride 64==1 at dim=1" in
+# aten.convolution_backward (the strides torch's fake kernel predicted for a convolution's
+# gradient were not those cuDNN returned); auto then keeps the default layout under enable_jit,
+# and channels_last with enable_jit is refused. A dict: the torch.compile options (inductor
+# settings; {} for none) under which it compiles and trains the eager step's numbers, as
+# benchmarks/channels_last_compile.py finds them on a GPU. (On a CPU it compiles and trains the
+# eager numbers, torch 2.11 and 2.13: the CPU's convolutions take another path.)
+CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
+
+
+class CosmoTask(Task):
     """N-body to hydro: L1 loss (plus the density term), predict-the-mean baseline."""
 
     baseline_name = "predict-the-mean"
@@ -35,9 +47,41 @@ class CosmoTask:
         """Crops are used as stored: nothing to do on the device."""
         return x, y
 
-    def forward_kernels(self, device: torch.device, dtype: torch.dtype):
-        """The context the forward pass runs under: nothing to choose (cuDNN autotunes)."""
-        return contextlib.nullcontext
+    def memory_format(self, device: torch.device) -> tuple[torch.memory_format, str]:
+        """The layout of the model's weights, its batches and the loss (``memory_format``), and
+        why, for the log. Channels-last (``torch.channels_last_3d``: a voxel's channels side by
+        side) is what cuDNN's fastest 3D convolutions read and write: a compute-only step took
+        33.0 ms instead of 39.5 ms on an H200 (docs/performance.md). ``auto`` takes it on a GPU
+        unless the model is compiled (torch.compile fails on its backward there: see
+        ``CHANNELS_LAST_COMPILE_OPTIONS``; on a CPU it compiles); on a CPU the default layout."""
+        choice = self.cfg.memory_format
+        if choice == "contiguous":
+            return torch.contiguous_format, ""
+        compile_fails = (self.cfg.enable_jit and device.type == "cuda"
+                         and CHANNELS_LAST_COMPILE_OPTIONS is None)
+        if choice == "channels_last":
+            if compile_fails:
+                raise ConfigError(
+                    "memory_format=channels_last with enable_jit: torch.compile fails on the "
+                    "channels-last U-Net's backward; channels-last eager is the faster of the "
+                    "two on an H200 (33.0 ms per compute-only step, the default layout compiled "
+                    "about 37 ms: docs/performance.md): drop --enable_jit, or use "
+                    "--memory_format auto")
+            return torch.channels_last_3d, "memory_format channels_last"
+        if device.type != "cuda":
+            return torch.contiguous_format, ""
+        if compile_fails:
+            return torch.contiguous_format, (
+                "memory_format auto with enable_jit: torch.compile fails on the channels-last "
+                "U-Net's backward, so the default layout; channels-last without enable_jit is "
+                "faster on an H200: docs/performance.md")
+        return torch.channels_last_3d, "memory_format auto on a GPU"
+
+    def compile_options(self, memory_format: torch.memory_format) -> dict:
+        """Options for torch.compile of the model in ``memory_format``."""
+        if memory_format == torch.channels_last_3d:
+            return CHANNELS_LAST_COMPILE_OPTIONS or {}
+        return {}
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by

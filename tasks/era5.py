@@ -13,12 +13,13 @@ from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import ViTConfig
 from tasks import attention
+from tasks.base import Task
 from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
 from tasks.registry import register
 from tasks.reference_weights import vit_from_reference
 
 
-class ERA5Task:
+class ERA5Task(Task):
     """One-step forecast: relative L2 loss, latitude-weighted RMSE per channel, persistence."""
 
     baseline_name = "persistence"

@@ -208,7 +208,8 @@ def test_batches_on_the_device_are_not_copied_by_to_device(cosmo20, tmp_path):
     cfg = unet_cfg(cosmo20, tmp_path, "device")
     dev = build_loaders(cfg, 1, 0, 3, CPU)
     x, y = next(iter(dev.train))
-    fake = types.SimpleNamespace(device=CPU, task=make_task(cfg))
+    fake = types.SimpleNamespace(device=CPU, task=make_task(cfg),
+                                 memory_format=torch.contiguous_format)
     x1, y1 = train_script.Trainer.to_device(fake, x, y)
     assert x1 is x and y1 is y
 

@@ -6,7 +6,6 @@ serial run's weights: the same global batches, the gradients averaged).
 The problem: recover a fixed linear map from noisy samples, y = W x + noise, x a vector of
 ``width`` values; the model is one linear layer, the loss the per-sample mean squared error.
 """
-import contextlib
 import dataclasses
 import os
 from typing import Literal
@@ -23,6 +22,7 @@ from engine.runtime import setup_runtime
 from settings.config import Config, register_config
 from settings.parse import build_config
 from tasks import register
+from tasks.base import Task
 
 WIDTH = 6
 
@@ -91,7 +91,7 @@ class MSE(nn.Module):
         return ((pred - y) ** 2).mean(dim=1)  # per sample
 
 
-class ToyTask:
+class ToyTask(Task):
     baseline_name = "predict zero"
     shards_model = False
 
@@ -125,9 +125,6 @@ class ToyTask:
 
     def flops_per_sample(self):
         return 3 * self.forward_flops()[0] - self.forward_flops()[1]
-
-    def forward_kernels(self, device, dtype):
-        return contextlib.nullcontext
 
     def fp32_in_tf32(self):
         return torch.backends.cuda.matmul.allow_tf32

@@ -1,0 +1,22 @@
+"""What a task answers where its problem has nothing of its own to say: the defaults every task
+inherits (``class MyTask(Task)``), so that a new problem writes only what differs."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Task:
+    def forward_kernels(self, device: torch.device, dtype: torch.dtype):
+        """A factory of the context the forward pass runs under: torch's own kernel choices."""
+        return contextlib.nullcontext
+
+    def memory_format(self, device: torch.device) -> tuple[torch.memory_format, str]:
+        """The layout of the model's weights, its batches and the loss, and why (for the log;
+        empty: nothing to say): the default layout."""
+        return torch.contiguous_format, ""
+
+    def compile_options(self, memory_format: torch.memory_format) -> dict:
+        """Options for torch.compile of the model in ``memory_format``: torch's defaults."""
+        return {}
