@@ -86,11 +86,14 @@ def stall_message(waited: str, timeout_s: float, advice: str) -> str:
 class DataWaits:
     """The fetches of one run: ``stop_request`` (its handlers call ``signal_came``) and
     ``timeout_s`` (0: none). ``advice()``: what the stall line ends with (the checkpoint kept);
-    ``hard_exit(message)``: ends the process from the watchdog thread."""
+    ``hard_exit(message)``: ends the process from the watchdog thread, ``watchdog_grace_s``
+    after the timeout."""
 
-    def __init__(self, stop_request, timeout_s: float, advice=lambda: "", hard_exit=None):
+    def __init__(self, stop_request, timeout_s: float, advice=lambda: "", hard_exit=None,
+                 watchdog_grace_s: float = WATCHDOG_GRACE_S):
         self.stop_request, self.timeout_s, self.advice = stop_request, timeout_s, advice
         self.hard_exit = hard_exit or _print_and_exit
+        self.watchdog_grace_s = watchdog_grace_s
         self._waiting = None  # (what it waits for as a callable, its timeout deadline) or None
         self._signal_deadline = math.inf
         self._watchdog = None
@@ -176,12 +179,12 @@ class DataWaits:
             self._watchdog.start()
 
     def _watch(self):
-        """Every second: a wait past its timeout by ``WATCHDOG_GRACE_S`` is one whose handlers
+        """Every second: a wait past its timeout by ``watchdog_grace_s`` is one whose handlers
         cannot run (C code that never returns to Python); end the process with its line."""
         while True:
-            time.sleep(1.0)
+            time.sleep(min(1.0, self.watchdog_grace_s))
             waiting = self._waiting
-            if waiting is not None and time.monotonic() > waiting[1] + WATCHDOG_GRACE_S:
+            if waiting is not None and time.monotonic() > waiting[1] + self.watchdog_grace_s:
                 self.hard_exit(stall_message(waiting[0](), self.timeout_s, self.advice()))
                 return
 

@@ -335,3 +335,30 @@ def test_data_wait_ends_on_a_signal_and_on_its_timeout(monkeypatch):
         assert list(waits.batches([1, 2], "training", 0)) == [1, 2]
     finally:
         request.restore()
+
+
+def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
+    """A wait in C code that never returns to Python (here: the main thread blocks the timer's
+    signal, as such code keeps it from running a handler) is ended by the watchdog thread with
+    the same line, ``watchdog_grace_s`` after the timeout."""
+    from engine.data_waits import DataWaits, LoaderStalled
+    from engine.preemption import NeverStop
+
+    said = []
+    waits = DataWaits(NeverStop(), 0.5, lambda: "advice", said.append, watchdog_grace_s=0.5)
+
+    class Deaf:
+        def __iter__(self):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            try:
+                time.sleep(3)  # one call in C: the signal goes to another thread, no handler runs
+                assert said
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})  # the timer's turn
+            yield 1
+
+    with pytest.raises(LoaderStalled):
+        next(iter(waits.batches(Deaf(), "training", 0)))
+    (line,) = said
+    assert line.startswith("no batch came for 0.5 s (loader_timeout_s): the training loader "
+                           "(Deaf: epoch 1, batch 1).") and line.endswith(" advice"), line
