@@ -204,6 +204,25 @@ def test_stop_signal_while_waiting_for_data(tmp_path, workdir, reference, sig, w
     assert_same_as_reference(reference, run_dir(exp))
 
 
+def test_stop_signal_while_the_throughput_report_waits(tmp_path, workdir):
+    """The report's passes (after the final checkpoint, epochs past the run's) are data waits
+    too: blocked in its second round, the run stops with the final checkpoint as it was."""
+    exp, marker = tmp_path / "exp", tmp_path / "blocked"
+    p = start(workdir, args(workdir, exp, "--throughput_report", "--stall_split", "train",
+                            "--stall_epoch", EPOCHS + 2, "--stall_sample",
+                            sample_of_step(0, EPOCHS + 2), "--stall_marker", marker))
+    wait_for(marker, [p])
+    final = os.path.join(run_dir(exp), "checkpoints", FINAL)
+    written = os.stat(final).st_mtime_ns
+    os.killpg(p.pid, signal.SIGUSR1)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == STOPPED_EXIT_CODE, out[-3000:] + err[-3000:]
+    assert f"Stopped on SIGUSR1 after step {STEPS_PER_EPOCH * EPOCHS}: checkpoint {final}" in out
+    assert os.stat(final).st_mtime_ns == written and "Throughput (" not in out
+    r = run(workdir, args(workdir, exp, "--resume", "auto"))
+    assert r.returncode == 0 and "Nothing to do" in r.stdout, r.stdout[-3000:] + r.stderr
+
+
 def test_stalled_loader_ends_the_run_with_one_line(tmp_path, workdir):
     """Blocked at step 9 with loader_timeout_s 2: exit 1 after about 2 s, one line naming the
     loader, the batch and the setting; the checkpoints as they were."""
@@ -362,3 +381,74 @@ def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
     (line,) = said
     assert line.startswith("no batch came for 0.5 s (loader_timeout_s): the training loader "
                            "(Deaf: epoch 1, batch 1).") and line.endswith(" advice"), line
+
+
+def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):
+    """A seeded stress test of the wait's invariants, over fetches whose batches come late or
+    never, stop signals sent at random moments from another thread, and timeouts: a fetch ends
+    with its batch, Interrupted (only after a signal, and no earlier than its grace) or
+    LoaderStalled (only with a timeout, and no earlier than it); one that waits forever ends by
+    the nearer of the two deadlines; after every fetch no timer is left armed and the handlers
+    are those from before."""
+    import random
+    import threading
+
+    from engine import data_waits
+    from engine.data_waits import DataWaits, Interrupted, LoaderStalled
+    from engine.preemption import StopRequest
+
+    grace, slack = 0.2, 0.4
+    monkeypatch.setattr(data_waits, "SIGNAL_GRACE_S", grace)
+    rng = random.Random(7)
+    request = StopRequest.install(["SIGUSR2"])
+    alarm = signal.getsignal(signal.SIGALRM)
+    waits = DataWaits(request, 0)
+
+    class Late:
+        def __init__(self, delay):
+            self.delay = delay
+
+        def __iter__(self):
+            time.sleep(self.delay)  # (a batch that never comes: longer than any deadline)
+            yield "batch"
+
+    outcomes = set()
+    try:
+        for _ in range(40):
+            request.signum = 0  # the engine stopped on an earlier one
+            waits.timeout_s = rng.choice([0, 0.3, 0.6])
+            delay = rng.choice([0.0, 0.1, 0.5, 5.0])
+            signal_at = rng.choice([None, 0.0, 0.05, 0.25])
+            if delay == 5.0 and signal_at is None:
+                waits.timeout_s = waits.timeout_s or 0.3  # (timeout 0 waits for it: 5 s)
+            timer = None
+            if signal_at is not None:
+                timer = threading.Timer(signal_at, os.kill, (os.getpid(), signal.SIGUSR2))
+            t0 = time.monotonic()
+            if timer:
+                timer.start()
+            try:
+                got = next(iter(waits.batches(Late(delay), "training", 0)))
+            except Interrupted:
+                got = "interrupted"
+            except LoaderStalled:
+                got = "stalled"
+            took = time.monotonic() - t0
+            if timer:
+                timer.join()
+            outcomes.add(got)
+            case = (waits.timeout_s, delay, signal_at, got, round(took, 3))
+            assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), case
+            assert signal.getsignal(signal.SIGALRM) is alarm and request.while_waiting is None
+            if got == "interrupted":
+                assert signal_at is not None and took >= signal_at + grace - 0.05, case
+            elif got == "stalled":
+                assert waits.timeout_s and took >= waits.timeout_s - 0.05, case
+            else:
+                assert got == "batch", case
+            if delay == 5.0:  # waited forever: ends by the nearer deadline
+                deadlines = [waits.timeout_s or 99, 99 if signal_at is None else signal_at + grace]
+                assert got != "batch" and took < min(deadlines) + slack, case
+        assert outcomes == {"batch", "interrupted", "stalled"}
+    finally:
+        request.restore()
