@@ -371,7 +371,7 @@ class Trainer:
                 # they leave together (a collective per validation batch, tp/cp only).
                 interrupted = self.stop_request.at_boundary(interrupted, False, True,
                                                             groups.mp_group, self.device)
-            if batch is None:
+            if batch is None or interrupted:
                 break
             x, y = self.to_device(*batch)
             with self.autocast():

@@ -115,6 +115,26 @@ def start(workdir, argv, **more):
                             text=True, start_new_session=True)
 
 
+def communicate(p, timeout):
+    """``p.communicate``; a process still running after ``timeout`` is killed with its group
+    (a hang fails the test instead of outliving it)."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"still running after {timeout} s: {out[-2000:]} {err[-2000:]}")
+
+
+def communicate_all(procs, timeout):
+    try:
+        return [communicate(p, timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 def run(workdir, argv):
     r = subprocess.run([sys.executable, str(workdir / "driver.py"), *argv], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=240)
@@ -137,9 +157,13 @@ def sample_of_step(step_in_epoch, epoch, rank=0, ranks=1):
 def wait_for(path, procs, seconds=120):
     deadline = time.time() + seconds
     while not os.path.exists(path):
-        for p in procs:
-            assert p.poll() is None, p.communicate()
-        assert time.time() < deadline, f"no read blocked in {seconds} s"
+        ended = [p for p in procs if p.poll() is not None]
+        if ended or time.time() > deadline:
+            try:
+                outs = communicate_all(procs, 1)  # (and ended)
+            except AssertionError as e:
+                outs = e
+            raise AssertionError(f"{path} not made in {seconds} s, or a process ended: {outs}")
         time.sleep(0.05)
     time.sleep(0.5)  # the rank is in its wait for the blocked batch now
 
@@ -190,7 +214,7 @@ def test_stop_signal_while_waiting_for_data(tmp_path, workdir, reference, sig, w
     wait_for(marker, [p])
     t0 = time.time()
     os.killpg(p.pid, sig)
-    out, err = p.communicate(timeout=60)
+    out, err = communicate(p, 60)
     took = time.time() - t0
     assert p.returncode == STOPPED_EXIT_CODE, out[-3000:] + err[-3000:]
     assert took < 10, took
@@ -215,7 +239,7 @@ def test_stop_signal_while_the_throughput_report_waits(tmp_path, workdir):
     final = os.path.join(run_dir(exp), "checkpoints", FINAL)
     written = os.stat(final).st_mtime_ns
     os.killpg(p.pid, signal.SIGUSR1)
-    out, err = p.communicate(timeout=60)
+    out, err = communicate(p, 60)
     assert p.returncode == STOPPED_EXIT_CODE, out[-3000:] + err[-3000:]
     assert f"Stopped on SIGUSR1 after step {STEPS_PER_EPOCH * EPOCHS}: checkpoint {final}" in out
     assert os.stat(final).st_mtime_ns == written and "Throughput (" not in out
@@ -234,7 +258,7 @@ def test_stalled_loader_ends_the_run_with_one_line(tmp_path, workdir):
                             "--checkpoint_every", 4))
     wait_for(os.path.join(ckpts, "ckpt_00000008.pt"), [p])  # written before step 9 blocks
     before = {f: os.stat(os.path.join(ckpts, f)).st_mtime_ns for f in os.listdir(ckpts)}
-    out, err = p.communicate(timeout=60)
+    out, err = communicate(p, 60)
     assert p.returncode == 1, out[-3000:] + err[-3000:]
     assert os.path.exists(marker)
     assert before == {f: os.stat(os.path.join(ckpts, f)).st_mtime_ns
@@ -292,7 +316,7 @@ def test_two_ranks_stop_at_the_same_step_while_one_waits_for_data(tmp_path, work
     t0 = time.time()
     for p in procs:  # as Slurm signals every task of the job step
         os.killpg(p.pid, signal.SIGTERM)
-    outs = [p.communicate(timeout=60) for p in procs]
+    outs = communicate_all(procs, 60)
     assert time.time() - t0 < 10
     assert [p.returncode for p in procs] == [STOPPED_EXIT_CODE] * 2, outs
     assert "Stopped on SIGTERM after step 9:" in outs[0][0], outs[0]
@@ -300,7 +324,7 @@ def test_two_ranks_stop_at_the_same_step_while_one_waits_for_data(tmp_path, work
     assert os.listdir(os.path.join(stopped, "checkpoints")) == ["ckpt_00000009.pt"]
     for directory, more in ((exp, ["--resume", "auto", "--stall_sample", -1]), (ref, [])):
         procs = launch_two_ranks(workdir, args(workdir, directory, *more))
-        outs = [p.communicate(timeout=240) for p in procs]
+        outs = communicate_all(procs, 240)
         assert [p.returncode for p in procs] == [0, 0], outs
     assert_same_as_reference(run_dir(ref, ws=2), stopped)
 
@@ -310,7 +334,7 @@ def test_two_ranks_end_when_one_loader_stalls(tmp_path, workdir):
     through the dead-peer path (exit 1)."""
     exp, marker = tmp_path / "exp", tmp_path / "blocked"
     procs = stalled_rank_1(workdir, exp, marker, "--loader_timeout_s", 2)
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = communicate_all(procs, 120)
     assert [p.returncode for p in procs] == [1, 1], outs
     assert outs[1][1].strip().splitlines()[-1].startswith(
         "[rank 1] error: no batch came for 2 s (loader_timeout_s): the training loader"), outs[1]
@@ -452,3 +476,50 @@ def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):
         assert outcomes == {"batch", "interrupted", "stalled"}
     finally:
         request.restore()
+
+
+TP_DRIVER = f"""
+import os, sys, time
+sys.path[:0] = [{ROOT!r}, {TESTS!r}]
+import train
+import datapipe.era5_data as era5
+from settings.cli import from_argv
+
+read = era5.ERA5Dataset.read_batch
+
+def read_batch(self, keys, x, y):  # rank 1's first validation read blocks forever
+    if os.environ["RANK"] == "1" and self.directory.rstrip("/").endswith("valid"):
+        open(os.environ["STALL_MARKER"], "w").close()
+        while True:
+            time.sleep(3600)
+    return read(self, keys, x, y)
+
+era5.ERA5Dataset.read_batch = read_batch
+train.run(from_argv(sys.argv[1:], train.DEFAULT_YAML))
+"""
+
+
+def test_tensor_parallel_ranks_leave_validation_together(tmp_path):
+    """tensor_parallel 2: the two ranks of the model replica share every validation batch and
+    its forward's collectives; rank 1's validation read blocks, rank 0 has its batch. On the
+    signal both leave the validation at its first batch and stop after the epoch's last step."""
+    from conftest import write_era5
+    from test_training import TINY_VIT
+
+    data = write_era5(str(tmp_path / "era5"))  # 2 x 11 pairs: 5 steps of 4 per epoch
+    (tmp_path / "driver.py").write_text(TP_DRIVER)
+    marker, port = tmp_path / "blocked", find_free_port()
+    argv = TINY_VIT + ["--data_root", data, "--expdir", str(tmp_path / "exp"), "--num_epochs",
+                       "2", "--tensor_parallel", "2"]
+    procs = [subprocess.Popen(
+        [sys.executable, str(tmp_path / "driver.py"), *argv], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        env=env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), STALL_MARKER=str(marker))) for r in range(2)]
+    wait_for(marker, procs)
+    for p in procs:
+        os.killpg(p.pid, signal.SIGTERM)
+    outs = communicate_all(procs, 60)
+    assert [p.returncode for p in procs] == [STOPPED_EXIT_CODE] * 2, outs
+    assert "Stopped on SIGTERM after step 5:" in outs[0][0], outs[0]
+    assert "Avg val loss" not in outs[0][0]
