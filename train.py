@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from datapipe.data_loader import build_loaders
 from engine import checkpoint, throughput_report
+from engine.data_waits import DataWaits, LoaderStalled, next_batch
 from engine.lr_schedule import build_scheduler, peak_lr, resumed_schedule
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
@@ -41,8 +42,8 @@ from engine.train_state import TrainState
 from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import setup_logging
 from observe.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
+from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range
 from observe.startup import StartClock, use_compile_cache_dir
-from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range, ranged
 from observe.progress import DataWait, Progress
 from observe.tensorboard import Board, NullBoard
 from settings.cli import from_argv
@@ -172,6 +173,13 @@ class Trainer:
                                          self.steps_per_epoch, self.total_steps)
         self.progress = Progress(self.steps_per_epoch, rt.global_batch, rt.is_main)
         self.data_wait = DataWait.for_device(self.device)
+        # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait (run() hands
+        # it the stop request whose handlers it installed).
+        self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.kept_checkpoints,
+                               lambda message: _fail(rt, message, 1, self, broken_group=True))
+        self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
+        self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
+        self.window_steps = 0
         self._baseline = None  # the naive baseline's validation loss, computed once
 
         log.info(f"Run directory: {self.run_dir}")
@@ -245,18 +253,34 @@ class Trainer:
         cfg, rt, st = self.cfg, self.rt, self.state
         self.loaders.train_sampler.set_epoch(st.epoch, st.step_in_epoch)
         self.model.train()
-        epoch_sum = torch.zeros((), device=self.device)  # sum over steps of dp-mean losses
-        window = torch.zeros(2, device=self.device)  # [loss, grad norm] summed since the last log
-        window_steps = steps_run = 0
+        # sum over steps of dp-mean losses; [loss, grad norm] summed since the last log point
+        self.epoch_sum = epoch_sum = torch.zeros((), device=self.device)
+        *carried, self.window_steps = st.window_carry  # a stop between log points: its window
+        st.window_carry = (0.0, 0.0, 0)
+        self.window = window = torch.tensor(carried, device=self.device)
+        steps_run = 0
         self.progress.start_epoch(st.epoch, st.step_in_epoch, last=min(
             self.steps_per_epoch, st.step_in_epoch + self.total_steps - st.iteration))
         self.data_wait.start_epoch()
         t_first = None
         self.trace.step(st.iteration)  # the torch.profiler window may start here
-        # each wait for a batch as a range, and timed
-        for x, y in ranged(self.loaders.train, "data wait", self.data_wait.fetching):
-            if st.iteration >= self.total_steps:
+        # each wait for a batch as a range, and timed; a stop signal or a stall ends it
+        batches = self.waits.batches(self.loaders.train, "training", st.epoch, st.step_in_epoch,
+                                     self.data_wait.fetching)
+        while True:
+            batch, interrupted = next_batch(batches)
+            # Collective (host, once per step when distributed): every rank stops here, at the
+            # last finished step, on a signal that ended a wait for data on any rank, or after a
+            # log point's step on any signal (a resumed run's loss points are then those of an
+            # uninterrupted run).
+            log_point = steps_run > 0 and st.iteration % cfg.log_every == 0
+            signum = self.stop_request.at_boundary(interrupted, log_point, rt.distributed,
+                                                   rt.host_group)
+            if signum:
+                self.stop_here(signum)
+            if batch is None or st.iteration >= self.total_steps:
                 break
+            x, y = batch
             self.profiler.step(st.iteration)
             probe = self.probe if steps_run == 0 else NullProbe()  # first step of each epoch
             first_of_run = self.start_clock is not None
@@ -273,23 +297,23 @@ class Trainer:
                 t_first = self.progress.clock()  # the steady state is timed from here
             epoch_sum += loss / rt.dp_size
             window += torch.stack([loss, grad_norm])
-            window_steps += 1
+            self.window_steps += 1
             steps_run += 1
             st.iteration += 1
             st.step_in_epoch += 1
             if st.iteration % cfg.log_every == 0:
-                self.log_train_window(window, window_steps)
+                self.log_train_window(window, self.window_steps)
                 window.zero_()
-                window_steps = 0
+                self.window_steps = 0
             else:
                 self.progress.step(st.step_in_epoch)  # a line if 30 s passed since the last
             if cfg.checkpoint_every and st.iteration % cfg.checkpoint_every == 0:
                 self.save_checkpoint(epoch_sum)
-            if st.iteration % cfg.log_every == 0:
-                self.stop_if_requested(epoch_sum)
             self.trace.step(st.iteration)  # ends this step's range in the torch.profiler trace
-        if window_steps:
-            self.log_train_window(window, window_steps)
+        if self.window_steps:
+            self.log_train_window(window, self.window_steps)
+            window.zero_()
+            self.window_steps = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the epoch time must include the queued kernels
         # The progress lines' definition: the job's samples over the wall time since the epoch
@@ -313,18 +337,23 @@ class Trainer:
             log.info(line)
         self.start_clock = None
 
-    def stop_if_requested(self, epoch_sum: torch.Tensor):
-        """When a stop signal reached any rank: every rank writes this step's checkpoint and
-        raises RunStopped. Called at log points only: there the host waits for the device anyway
-        (on GPUs, reading the ranks' agreed flag would be one more host-device sync per step),
-        and a resumed run's training-loss points are then those of an uninterrupted run."""
-        signum = self.stop_request.agreed(self.rt.distributed, self.device)
-        if not signum:
-            return
+    def stop_here(self, signum: int):
+        """Every rank writes the checkpoint of the last finished step and raises RunStopped.
+        Reached from ``StopRequest.at_boundary`` after a fetch: at a log point (the host waits
+        for the device there anyway), or where a signal ended a wait for data."""
         cfg = self.cfg
-        if not (cfg.checkpoint_every and self.iteration % cfg.checkpoint_every == 0):
-            self.save_checkpoint(epoch_sum)  # (unless this step's periodic one is written)
+        if not (cfg.checkpoint_every and self.iteration % cfg.checkpoint_every == 0
+                and self.iteration):
+            self.save_checkpoint(self.epoch_sum)  # (unless this step's periodic one is written)
         raise RunStopped(signum, self.iteration, checkpoint.path_for(self.ckpt_dir, self.iteration))
+
+    def kept_checkpoints(self) -> str:
+        """For the line of a run that ends without writing: what it leaves to resume from."""
+        kept = checkpoint.list_checkpoints(self.ckpt_dir)
+        if not kept:
+            return "Nothing was written; the run has no checkpoint yet"
+        return (f"Nothing was written: the newest checkpoint, {kept[0]}, is kept (continue with "
+                f"--resume auto)")
 
     def log_train_window(self, window: torch.Tensor, steps: int):
         # Host sync at the log interval: mean loss of the last `steps` steps over the dp ranks.
@@ -367,8 +396,18 @@ class Trainer:
         self.model.eval()
         want_base = self._baseline is None
         sums = picture = None
-        for x, y in self.loaders.valid:
-            x, y = self.to_device(x, y)
+        rt, groups = self.rt, self.rt.groups
+        batches = self.waits.batches(self.loaders.valid, "validation", self.state.epoch)
+        while True:
+            batch, interrupted = next_batch(batches)
+            if groups is not None and groups.mp_size > 1:
+                # The ranks of a model replica share each batch and its forward's collectives:
+                # they leave together (a collective per validation batch, tp/cp only).
+                interrupted = self.stop_request.at_boundary(interrupted, False, True,
+                                                            groups.mp_group, self.device)
+            if batch is None or interrupted:
+                break
+            x, y = self.to_device(*batch)
             with self.autocast(), self.kernels():
                 pred = self.wrapped_model(self.sharding.local_batch(x, y)[0])
             pred = self.sharding.whole_output(pred)
@@ -386,6 +425,12 @@ class Trainer:
             if picture is None and self.rt.is_main:
                 picture = self.task.picture(x, y, pred)
         self.model.train()
+        # Collective (host, once per validation): a wait for data that a stop signal ended, on
+        # any rank, stops every rank before the validation's sums are combined.
+        signum = self.stop_request.at_boundary(interrupted, False, rt.distributed,
+                                               rt.host_group)
+        if signum:
+            self.stop_here(signum)
         if sums is None:
             raise TrainingError("the validation set is empty: check the validation data")
         sums = self.rt.dp_sum(sums).cpu().numpy()  # one collective per validation
@@ -447,7 +492,7 @@ class Trainer:
         """Collective on all ranks; rank 0 writes. ``epoch_sum``: this rank's summed step losses
         of the epoch so far (None at an epoch's end)."""
         carried = 0.0 if epoch_sum is None else self.rt.dp_sum(epoch_sum.clone().float()).item()
-        state = self.state.state_dict(carried)
+        state = self.state.state_dict(carried, (*self.window.tolist(), self.window_steps))
         if state is not None:
             path = checkpoint.save(self.ckpt_dir, self.iteration, state, self.cfg.checkpoint_keep)
             log.info(f"Checkpoint written: {path}")
@@ -499,9 +544,11 @@ class Trainer:
 def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     """End the process with one line on stderr (and in the run's out.log, on rank 0).
 
-    ``broken_group``: a collective failed (a peer died or hangs). The process group cannot be
-    shut down cleanly then (gloo's destructors may abort the process while a peer is still
-    connected), so the logs and TensorBoard events are flushed and the process exits at once.
+    ``broken_group``: a collective failed (a peer died or hangs), or a loader stalled (its peers
+    wait in a collective; its workers in reads that even SIGKILL may not end soon, so joining
+    them could hang). The process group cannot be shut down cleanly then (gloo's destructors may
+    abort the process while a peer is still connected), so the logs and TensorBoard events are
+    flushed and the process exits at once (loader workers end with it: exit_with_parent).
     """
     prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed else ""
     record = logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None)
@@ -532,13 +579,15 @@ def run(cfg, trainer_cls=Trainer):
         check_torch_version()
         rt = setup_runtime(cfg)
         trainer = trainer_cls(cfg, rt)
-        trainer.stop_request = stop_request
+        trainer.stop_request = trainer.waits.stop_request = stop_request
         trainer.fit()
         rt.barrier()  # every rank has finished before any tears its process groups down
     except RunStopped as e:
         rt.barrier()  # all ranks stopped at the same step: none tears down while one still works
         log.info(e.message(sys.argv, rt.world_size))
         raise SystemExit(STOPPED_EXIT_CODE) from None
+    except LoaderStalled as e:  # at once: its peers wait in a collective, its workers in a read
+        _fail(rt, str(e), e.exit_code, trainer, broken_group=True)
     except UserError as e:
         _fail(rt, str(e), e.exit_code)
     except (RuntimeError, MemoryError) as e:  # includes torch.distributed.DistError

@@ -658,7 +658,7 @@ class BatchLoader:
             if w.process.is_alive():
                 w.process.kill()
         for w in workers or ():
-            w.process.join()
+            w.process.join(timeout=10)  # killed; one in an uninterruptible read dies after it
             w.conn.close()
         self.control = None
         if self.pool is not None:

@@ -121,7 +121,7 @@ class CosmoCropDataset(BatchReadDataset):
             if not self.augment:
                 epoch = 0  # validation crops are the same at every validation
             (a, b, c), rot = self.window(epoch, i)
-            corners.append((a, b, c))
+            corners.append((int(a), int(b), int(c)))  # printed as plain numbers
             crop = np.s_[a:a + s, b:b + s, c:c + s]
             for field, n, vec, out in ((nbody, self.n_in, self.in_vec, x[j]),
                                        (hydro, self.n_out, self.out_vec, y[j])):

@@ -55,8 +55,9 @@ def load_stats(root: str, n_channels: int):
         except FileNotFoundError:
             raise DataError(f"{path} not found: the ERA5 stats must be in <data_root>/stats/ "
                             f"(make them with: python -m datapipe.synthetic era5 --out DIR)") from None
-        except ValueError as e:
-            raise DataError(f"{path} is not a valid .npy file ({e})") from None
+        except (ValueError, EOFError, OSError) as e:
+            raise DataError(f"{path} is not a valid .npy file ({_npy_problem(e)}): write it "
+                            f"again with numpy.save of a float array") from None
         if a.ndim != 4 or a.shape[0] != 1 or a.shape[2:] != (1, 1) or a.shape[1] < n_channels:
             raise DataError(f"{path} has shape {a.shape}; expected (1, C, 1, 1) with C >= "
                             f"{n_channels}")
@@ -65,6 +66,17 @@ def load_stats(root: str, n_channels: int):
     if not np.all(np.isfinite(means)) or not np.all(np.isfinite(stds)) or np.any(stds <= 0):
         raise DataError(f"{root}/stats holds non-finite means or non-positive stds")
     return means, stds
+
+
+def _npy_problem(exc: BaseException) -> str:
+    """Why ``np.load`` refused a file, without numpy's advice to unpickle it (a statistics file
+    holds numbers: a file that is no array, or an array of objects, is damaged or another file)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "pickle" in text:
+        return "it holds no array of numbers: damaged, or not a .npy array file"
+    if isinstance(exc, EOFError):
+        return "it is empty or cut short"
+    return text
 
 
 def check_rows(rows, height: int) -> tuple[int, int]:

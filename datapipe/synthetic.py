@@ -37,6 +37,7 @@ Usage::
 import argparse
 import contextlib
 import os
+import re
 
 import h5py
 import numpy as np
@@ -489,22 +490,42 @@ def _format_size(nbytes):
         nbytes /= 1024.0
 
 
+def _ints(parser, name: str, values: list[str], length: int | None = None) -> list[int]:
+    """A list option given as ``352 720`` (argparse's way), ``'[352,720]'`` or ``352,720`` (the
+    way train.py's list settings are written): its integers; a wrong one is parser.error's
+    one line."""
+    tokens = [t for t in re.split(r"[\s,\[\]]+", " ".join(values)) if t]
+    try:
+        out = [int(t) for t in tokens]
+    except ValueError:
+        parser.error(f"--{name} {' '.join(values)}: give whole numbers, e.g. --{name} 32 64 or "
+                     f"--{name} '[32,64]'")
+    if length is not None and len(out) != length:
+        parser.error(f"--{name} {' '.join(values)}: give {length} numbers, e.g. --{name} 32 64 "
+                     f"or --{name} '[32,64]'")
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m datapipe.synthetic",
                                      description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True)
     era5 = sub.add_parser("era5", help="ERA5-format year files and statistics for the ViT")
     era5.add_argument("--out", required=True, help="directory to write the files into")
-    era5.add_argument("--img_size", type=int, nargs=2, default=[32, 64], metavar=("H", "W"),
-                      help="latitude x longitude grid (default: %(default)s)")
+    lists = " (a list: 1 2 3, '[1,2,3]' or 1,2,3)"
+    era5.add_argument("--img_size", nargs="+", default=["32", "64"], metavar="H W",
+                      help="latitude x longitude grid, e.g. 32 64 or '[32,64]' (default: 32 64)")
     era5.add_argument("--steps_per_year", type=int, default=256,
                       help="time steps in each year file (default: %(default)s)")
-    era5.add_argument("--train_years", type=int, nargs="+", default=list(YEARS["train"]),
-                      help="years written under train/ (default: %(default)s)")
-    era5.add_argument("--valid_years", type=int, nargs="*", default=list(YEARS["valid"]),
-                      help="years written under valid/ (default: %(default)s)")
-    era5.add_argument("--test_years", type=int, nargs="*", default=list(YEARS["test"]),
-                      help="years written under test/ (default: %(default)s)")
+    era5.add_argument("--train_years", nargs="+", default=[str(y) for y in YEARS["train"]],
+                      help=f"years written under train/{lists} (default: "
+                      f"{' '.join(map(str, YEARS['train']))})")
+    era5.add_argument("--valid_years", nargs="*", default=[str(y) for y in YEARS["valid"]],
+                      help=f"years written under valid/{lists} (default: "
+                      f"{' '.join(map(str, YEARS['valid']))})")
+    era5.add_argument("--test_years", nargs="*", default=[str(y) for y in YEARS["test"]],
+                      help=f"years written under test/{lists} (default: "
+                      f"{' '.join(map(str, YEARS['test']))})")
     era5.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     cosmo = sub.add_parser("cosmo", help="N-body / hydro boxes for the 3D U-Net")
     cosmo.add_argument("--out", required=True, help="directory to write the files into")
@@ -514,6 +535,10 @@ def main(argv=None):
                        help="side in voxels of the validation box (default: %(default)s)")
     cosmo.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.kind == "era5":
+        args.img_size = _ints(era5, "img_size", args.img_size, length=2)
+        for name in ("train_years", "valid_years", "test_years"):
+            setattr(args, name, _ints(era5, name, getattr(args, name)))
 
     try:
         if args.kind == "era5":

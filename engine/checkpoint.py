@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 
 import numpy as np
 import torch
@@ -98,15 +99,29 @@ def _write_failure(directory: str, final: str, state: dict, exc: BaseException) 
 def load_file(path: str, map_location="cpu"):
     """(state, path) if the file loads and holds every expected entry, else (None, None)."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated or corrupt file
-        log.warning(f"skipping unreadable checkpoint {path}: {type(e).__name__}: {e}")
+        log.warning(f"skipping unreadable checkpoint {path}: {_unreadable(e)}")
         return None, None
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         log.warning(f"skipping checkpoint {path}: missing {missing}")
         return None, None
     return state, path
+
+
+def _unreadable(exc: Exception) -> str:
+    """Why a file did not load, in one line. torch's own text may run to paragraphs (for bytes
+    that are no checkpoint, the weights-only unpickler's advice to load untrusted files with
+    ``weights_only=False`` and to file an issue): only its first sentence is kept, and none of
+    that advice."""
+    what = "it is not a complete checkpoint (damaged, cut short, or not written by torch.save)"
+    text = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(exc)).strip()
+    if not text or "weights only load failed" in text.lower():
+        return f"{what}: {type(exc).__name__}"
+    return f"{what}: {type(exc).__name__}: {text.splitlines()[0].split('. ')[0][:160]}"
 
 
 def load_latest(directory: str, map_location="cpu"):

@@ -4,8 +4,11 @@
 SIGUSR1, the signals Slurm sends before a time limit and on preemption) with one that only
 records the signal: no Python code runs in between a step's operations, nothing is written from
 a handler, and a second signal (even during the checkpoint write) merely records it again.
-The training loop asks ``agreed(...)`` at its log points; with several ranks one all-reduce
-(MAX) makes every rank stop at the same step, even when only one of them got the signal. The
+After every fetch of a batch the training loop asks ``at_boundary(...)``; with several ranks one
+all-reduce (MAX, on the host) makes every rank stop at the same step, even when only one of them
+got the signal: at a log point on any signal received; anywhere when a signal ended a rank's
+wait for data (``engine.data_waits``: a rank blocked on its loader leaves its wait within
+seconds, and the others, which fetched their batches, wait for it in this all-reduce). The
 run then writes a checkpoint and ends with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns
 into a requeue.
 """
@@ -61,6 +64,7 @@ class StopRequest:
     def __init__(self):
         self.signum = 0
         self._previous = {}  # signal number -> the handler before install
+        self.while_waiting = None  # set by ``DataWaits.fetch`` while the rank waits for data
 
     @classmethod
     def install(cls, names: list[str]) -> StopRequest:
@@ -82,22 +86,33 @@ class StopRequest:
 
     def _record(self, signum, frame):
         self.signum = signum  # nothing else: the loop acts on it at a step boundary
+        waiting = self.while_waiting
+        if waiting is not None:  # a wait for data: it ends if the batch does not come soon
+            waiting()
 
-    def agreed(self, distributed: bool, device: torch.device) -> int:
-        """The signal every rank stops on (0: go on). Collective when ``distributed``: all ranks
-        call it at the same steps."""
-        if not distributed:
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+    def at_boundary(self, interrupted: int, log_point: bool, distributed: bool, group=None,
+                    device: torch.device | None = None) -> int:
+        """The signal every rank stops on now (0: go on), asked after each fetch of a batch:
+        one that ended a wait for data on any rank (``interrupted``: this rank's, 0 when its
+        batch came), or, at a log point, one that any rank received. Collective when
+        ``distributed``: every rank asks after each of the same fetches, so a rank whose wait a
+        signal ended meets the others at the same step. ``group``: a gloo group (host memory:
+        no device sync per step); None is the default group. ``device``: where the flags lie
+        for a group of another backend (NCCL: a device sync)."""
+        flags = [interrupted, self.signum if log_point else 0]
+        if distributed:
+            t = torch.tensor(flags, dtype=torch.int32, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # once per step, on the host
+            flags = t.tolist()
+        return flags[0] or flags[1]
 
 
 class NeverStop(StopRequest):
     """For trainers driven without the entry point (tests, benchmarks): never asks to stop and
     never takes part in a collective."""
 
-    def agreed(self, distributed: bool, device: torch.device) -> int:
+    def at_boundary(self, interrupted: int, log_point: bool, distributed: bool, group=None,
+                    device: torch.device | None = None) -> int:
         return 0
 
 
@@ -117,4 +132,5 @@ def _end_loader_workers():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for p in children:
         p.kill()
-        p.join()
+    for p in children:
+        p.join(timeout=10)  # a worker in an uninterruptible read dies when it returns

@@ -38,6 +38,7 @@ class Runtime:
     dp_size: int = 1
     dp_group: object = None  # the data-parallel process group; None is torch's default (world) group
     groups: ParallelGroups | None = None  # the tp x cp x dp groups when tensor/context parallel
+    host_group: object = None  # all ranks, for collectives on host tensors (gloo); None: default
     local_batch: int = 1
     global_batch: int = 1
 
@@ -224,6 +225,11 @@ def setup_runtime(cfg: Config) -> Runtime:
     if sharded:
         rt.groups = build_groups(world, tp, cp, cfg.parallel_order)
         rt.dp_group, rt.dp_rank, rt.dp_size = rt.groups.dp_group, rt.groups.dp_rank, rt.groups.dp_size
+    if world > 1 and dist.get_backend() != "gloo":
+        # The per-step stop agreement (StopRequest.at_boundary) runs on the host: on
+        # NCCL it would be one more host-device sync per step.
+        rt.host_group = dist.new_group(backend="gloo",
+                                       timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
     rt.local_batch, rt.global_batch = local_batch, global_batch
     return rt
 

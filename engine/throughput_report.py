@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from engine import checkpoint
+from engine.data_waits import next_batch
+from engine.preemption import RunStopped
 from engine.optimizer import load_optimizer_state
 from observe.profiling import nvtx_range
 
@@ -102,9 +104,21 @@ def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
 
 
 def _loader_pass(tr, epoch: int):
-    """A fresh pass of the training loader, as epoch ``epoch`` of its sampler."""
+    """A fresh pass of the training loader, as epoch ``epoch`` of its sampler: each fetch a
+    data wait (``Trainer.waits``), after which the ranks agree whether a stop signal came."""
     tr.loaders.train_sampler.set_epoch(epoch, 0)
-    return iter(tr.loaders.train)
+    batches = tr.waits.batches(tr.loaders.train, "training (throughput report)", epoch)
+    while True:
+        batch, interrupted = next_batch(batches)
+        # Collective (host, per batch when distributed): a stop signal on any rank, recorded or
+        # ending its wait, ends the report on every rank; the final checkpoint is written.
+        signum = tr.stop_request.at_boundary(interrupted, True, tr.rt.distributed,
+                                             tr.rt.host_group)
+        if signum:
+            raise RunStopped(signum, tr.iteration, checkpoint.path_for(tr.ckpt_dir, tr.iteration))
+        if batch is None:
+            return
+        yield batch
 
 
 def measure(tr) -> dict[str, list[float]]:

@@ -53,26 +53,34 @@ class TrainState:
         self.epoch = 0  # epochs completed
         self.step_in_epoch = 0  # steps taken in the current epoch
         self.epoch_loss_carry = 0.0  # the current epoch's summed step losses before a resume
+        # This rank's [loss, grad norm] sums and steps since the last log point, from the
+        # checkpoint (a stop between log points): the next log point then averages the same
+        # steps as an uninterrupted run's.
+        self.window_carry = (0.0, 0.0, 0)
 
     def next_epoch(self):
         self.epoch += 1
         self.step_in_epoch = 0
         self.epoch_loss_carry = 0.0
 
-    def state_dict(self, epoch_loss_sum: float) -> dict | None:
-        """Collective on all ranks (RNG states are gathered, sharded tensors reassembled); the
-        checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``: this epoch's summed
-        step losses (over data-parallel ranks) so far, so a resumed epoch reports the same mean."""
+    def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0)) -> dict | None:
+        """Collective on all ranks (RNG states and loss windows are gathered, sharded tensors
+        reassembled); the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``:
+        this epoch's summed step losses (over data-parallel ranks) so far, so a resumed epoch
+        reports the same mean; ``window``: this rank's (loss sum, grad norm sum, steps) since the
+        last log point."""
         rt = self.rt
         carried = self.epoch_loss_carry + epoch_loss_sum
         if not math.isfinite(carried):
             raise TrainingError(f"the training loss is not finite at step {self.iteration}; not "
                                 f"writing a checkpoint. Lower lr or check the data; earlier "
                                 f"checkpoints are kept")
-        rngs = [checkpoint.rng_state()]
+        mine = (checkpoint.rng_state(), tuple(window))
+        per_rank = [mine]
         if rt.distributed:
-            rngs = [None] * rt.world_size
-            dist.all_gather_object(rngs, checkpoint.rng_state())  # every rank's dropout stream
+            per_rank = [None] * rt.world_size
+            dist.all_gather_object(per_rank, mine)  # every rank's dropout stream and window
+        rngs = [rng for rng, _ in per_rank]
         model_state = self.sharding.model_state(self.model)
         optimizer_state = self.sharding.optimizer_state(self.model, self.optimizer)
         if not rt.is_main:
@@ -88,6 +96,7 @@ class TrainState:
             "epoch_loss_sum": carried,
             "steps_per_epoch": self.steps_per_epoch,
             "rng": rngs,
+            "loss_window": [w for _, w in per_rank],
             "config": to_dict(self.cfg),
             "world_size": rt.world_size,
             "global_batch": rt.global_batch,
@@ -131,5 +140,8 @@ class TrainState:
         self.epoch_loss_carry = state["epoch_loss_sum"]
         rngs = state["rng"]
         checkpoint.set_rng_state(rngs[self.rt.rank % len(rngs)])
+        windows = state.get("loss_window", [])
+        if len(windows) == self.rt.world_size:  # (on other ranks: the next point averages less)
+            self.window_carry = tuple(windows[self.rt.rank])
         log.info(f"Resumed from {path} at step {self.iteration} (epoch {self.epoch + 1}, step "
                  f"{self.step_in_epoch} of {self.steps_per_epoch})")

@@ -89,7 +89,9 @@ def usage(prog: str, yaml_path: str, cfg: Config) -> str:
         *textwrap.wrap(
             f"Shows what would run: config '{cfg.name}' of {yaml_path} ({cfg.model}), with the "
             f"values below (* = differs from the built-in default). Any setting is overridden "
-            f"with --key value or --key=value; a bare --flag sets a boolean to true. "
+            f"with --key value or --key=value; a bare --flag sets a boolean to true; a list "
+            f"setting is written either way: --img_size 352 720 or --img_size '[352,720]' "
+            f"(or 352,720). "
             f"'python {prog} --config NAME --help' shows another config.", WIDTH),
         "",
         *textwrap.wrap(f"Configs in {yaml_path}: {', '.join(names)}", WIDTH,

@@ -91,6 +91,9 @@ class Config:
                                "process); with DALI, its reader threads", min=0, resume=True)
     prefetch_depth: int = _f(2, "batches each loader prepares ahead (per worker for the PyTorch "
                              "loader, the queue depth of a DALI pipeline)", min=1, resume=True)
+    loader_timeout_s: int = _f(600, "seconds a rank waits for its next batch before the run "
+                               "stops with one line saying what the loader is stuck on (exit 1, "
+                               "checkpoints kept; 0: wait forever)", min=0, resume=True)
     synthesize_if_missing: bool = _f(False, "generate small synthetic data under data_root when "
                                      "it holds none", resume=True)
     _group("optimisation")
@@ -140,7 +143,8 @@ class Config:
         False, "continue from the newest valid checkpoint of this run directory; auto: continue "
         "when it holds checkpoints, start fresh otherwise (a requeued job)", resume=True)
     stop_signals: list[str] = _f(
-        ["SIGTERM", "SIGUSR1"], "signals that stop the run cleanly at the next log point: "
+        ["SIGTERM", "SIGUSR1"], "signals that stop the run cleanly at the next log point (or, when a rank "
+        "waits for data, within a few seconds at the last finished step): "
         f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable)", resume=True)
     resume_from: str = _f("", "continue from this checkpoint file, or the newest in this run "
                           "directory (e.g. one written with another number of ranks)", resume=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import math
 import os
 import re
@@ -238,10 +239,12 @@ def coerce(cls, key: str, value: Any):
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
-    """Split ``--key value``, ``--key=value`` and bare ``--flag`` arguments.
+    """Split ``--key value``, ``--key=value``, ``--key value value ...`` (a list setting, as
+    argparse's lists are written: the same as ``--key '[value,value]'``) and bare ``--flag``
+    arguments.
 
-    Returns (entry arguments, overrides) in command-line order; values stay strings (or True
-    for a bare flag) and are typed later against the config class.
+    Returns (entry arguments, overrides) in command-line order; values stay strings, lists of
+    strings (several values) or True (a bare flag), and are typed later against the config class.
     """
     entry, overrides = {}, {}
     i = 0
@@ -251,12 +254,12 @@ def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
             raise ConfigError(f"unexpected argument '{arg}': settings are given as --key value")
         key, eq, val = arg[2:].partition("=")
         if not eq:
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                val = argv[i + 1]
-                i += 1
-            else:
-                val = True
+            values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1:]))
+            val = True if not values else values[0] if len(values) == 1 else values
+            i += len(values)
         key = key.replace("-", "_") if key.replace("-", "_") in ENTRY_ARGS else key
+        if key in ENTRY_ARGS and isinstance(val, list):
+            raise ConfigError(f"unexpected argument '{val[1]}': --{key} takes one value")
         if key in ENTRY_ARGS and val is True:
             example = "config/ViT.yaml" if key == "yaml_config" else "quickstart"
             raise ConfigError(f"--{key} needs a value: e.g. --{key} {example}")
@@ -300,9 +303,18 @@ def _apply(cls, values: dict, source: str) -> dict:
     return out
 
 
+def _is_list(cls, key) -> bool:
+    tp = field_types(cls)[key]
+    return typing.get_origin(tp) is list or any(typing.get_origin(a) is list
+                                                for a in typing.get_args(tp))
+
+
 def _coerce_given(cls, key, val, source):
     """``coerce``, saying so when a command-line setting was given without its value (a bare
-    ``--lr`` reads as true)."""
+    ``--lr`` reads as true), or with several values for a setting that takes one."""
+    if isinstance(val, list) and source == "command line" and not _is_list(cls, key):
+        raise ConfigError(f"--{key} takes one value, not {len(val)} ({' '.join(val)}): quote a "
+                          f"value that holds spaces")
     try:
         return coerce(cls, key, val)
     except ConfigError:

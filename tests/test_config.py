@@ -34,6 +34,22 @@ def test_command_line_overrides_are_typed():
     assert c.limit_nsamples is None and c.num_data_workers == 4
 
 
+def test_list_settings_are_written_either_way():
+    """``--img_size 64 128`` (argparse's way, as datapipe.synthetic writes it), '[64,128]' and
+    64,128 are the same; several values for a setting that takes one are refused."""
+    for argv in (["--img_size", "64", "128"], ["--img_size", "[64,128]"], ["--img_size=64,128"],
+                 ["--adam_betas", "0.8", "0.9", "--img_size", "64", "128", "--enable_jit"]):
+        c = build_config(VIT, "base", parse_overrides(argv)[1])
+        assert c.img_size == [64, 128], argv
+    assert c.adam_betas == [0.8, 0.9] and c.enable_jit is True
+    with pytest.raises(ConfigError, match=r"--lr takes one value, not 2 \(0.1 0.2\)"):
+        build_config(VIT, "base", parse_overrides(["--lr", "0.1", "0.2"])[1])
+    with pytest.raises(ConfigError, match="img_size=\\[64, 128, 3\\] must have 2 entries"):
+        build_config(VIT, "base", parse_overrides(["--img_size", "64", "128", "3"])[1])
+    with pytest.raises(ConfigError, match="unexpected argument 'b': --config takes one value"):
+        parse_overrides(["--config", "a", "b"])
+
+
 def test_reference_flags():
     _, ov = parse_overrides(["--enable_amp", "--enable_apex", "--num_epochs", "3"])
     c = build_config(UNET, "base", ov)

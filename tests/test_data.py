@@ -1,5 +1,6 @@
 import collections
 import os
+import re
 
 import h5py
 import numpy as np
@@ -194,7 +195,14 @@ def test_missing_and_malformed_files(tmp_path, era5_root):
     os.remove(bad)
     with pytest.raises(DataError, match="smaller than the model needs"):
         era5_ds(era5_root, img_size=(32, 32))
-    os.remove(os.path.join(era5_root, "stats", "global_stds.npy"))
+    stds = os.path.join(era5_root, "stats", "global_stds.npy")
+    for content in (os.urandom(300), b"", b"\x93NUMPY\x01\x00" + os.urandom(100)):
+        with open(stds, "wb") as f:
+            f.write(content)
+        with pytest.raises(DataError, match=r"global_stds.npy is not a valid .npy file") as e:
+            era5_ds(era5_root)
+        assert "pickle" not in str(e.value) and len(str(e.value).splitlines()) == 1, e.value
+    os.remove(stds)
     with pytest.raises(DataError, match="global_stds.npy not found"):
         era5_ds(era5_root)
     with pytest.raises(DataError, match="not found"):
@@ -370,7 +378,9 @@ def test_nan_in_a_batch_names_its_sample(tmp_path, cosmo_root):
     hit = [i for i in range(64) if all(a <= 5 < a + 8 for a in cs.window(0, i)[0])]
     assert hit
     x, y = np.empty((2, 4, 8, 8, 8), np.float32), np.empty((2, 5, 8, 8, 8), np.float32)
-    with pytest.raises(DataError, match=r"non-finite values in .*train.h5 in the crop at"):
+    corner = tuple(int(a) for a in cs.window(0, hit[0])[0])
+    with pytest.raises(DataError, match=r"non-finite values in .*train.h5 in the crop at "
+                       + re.escape(str(corner)) + ": "):  # plain numbers, not np.int64(...)
         cs.read_batch([(0, (hit[0] + 1) % 64), (0, hit[0])], x, y)
     with pytest.raises(DataError, match="holds non-finite values"):
         CosmoCropDataset(path, size=8, nsamples=4, inmem=True)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import typing
+import warnings
 
 import pytest
 import torch
@@ -496,6 +497,30 @@ def test_state_size_estimates_the_first_checkpoint(tmp_path):
     (tmp_path / "afile").write_text("a file where the checkpoint directory would go\n")
     with pytest.raises(TrainingError, match=r"needs about 1\.0 MB.*no earlier checkpoint"):
         checkpoint.save(str(tmp_path / "afile" / "ckpts"), 1, state, 3)
+
+
+def test_newest_checkpoint_of_random_bytes_is_skipped_with_one_line(tmp_path, caplog):
+    """Bytes that are no checkpoint (random, zip of something else, cut short): the warning is
+    one line naming the file, without torch's advice to unpickle it or to file an issue."""
+    ckpts = str(tmp_path / "ckpts")
+    state = {k: 0 for k in checkpoint.REQUIRED}
+    checkpoint.save(ckpts, 1, state, keep=9)
+    good = open(checkpoint.path_for(ckpts, 1), "rb").read()
+    for i, content in enumerate((os.urandom(4096), b"\x80\x02" + os.urandom(4096),
+                                 good[:len(good) // 2], b""), start=2):
+        with open(checkpoint.path_for(ckpts, i), "wb") as f:
+            f.write(content)
+        caplog.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's own warnings are kept out too
+            loaded, path = checkpoint.load_latest(ckpts)
+        assert path == checkpoint.path_for(ckpts, 1) and loaded["iteration"] == 0
+        (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+        text = record.getMessage()
+        assert text.startswith(f"skipping unreadable checkpoint {checkpoint.path_for(ckpts, i)}: "
+                               f"it is not a complete checkpoint"), text
+        assert "\n" not in text and "issue" not in text and "weights_only" not in text, text
+        os.remove(checkpoint.path_for(ckpts, i))
 
 
 # ----------------------------------------------------------------------------- loader workers

@@ -329,8 +329,21 @@ def test_cli_writes_era5_and_cosmo(tmp_path):
     assert read(str(tmp_path / "cosmo" / "valid.h5"), "Hydro").shape == (5, 8, 8, 8)
 
 
+def test_cli_lists_are_written_either_way(tmp_path):
+    """As train.py's list settings ('[8,16]', 8,16) or as argparse's (8 16)."""
+    proc = run_cli("era5", "--out", str(tmp_path / "era5"), "--img_size", "[8,16]",
+                   "--steps_per_year", "4", "--train_years", "2001,2002", "--valid_years",
+                   "[2003]", "--test_years")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path / "era5" / "train")) == ["2001.h5", "2002.h5"]
+    assert read(str(tmp_path / "era5" / "valid" / "2003.h5")).shape == (4, 20, 8, 16)
+    assert not os.listdir(tmp_path / "era5" / "test")  # no test years
+
+
 @pytest.mark.parametrize("args, needle", [
     (("era5", "--img_size", "0", "64"), "0 64"),
+    (("era5", "--img_size", "[8]"), "--img_size [8]: give 2 numbers"),
+    (("era5", "--img_size", "8", "x"), "--img_size 8 x: give whole numbers"),
     (("era5", "--steps_per_year", "1"), "steps_per_year"),
     (("cosmo", "--train_size", "4"), "train_size must be at least 8 voxels, got 4"),
 ])

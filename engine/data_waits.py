@@ -1,0 +1,205 @@
+"""Waiting for data with a way out: the stop signals and a timeout reach a rank blocked on its
+loader.
+
+The engine fetches every batch (training, validation, the throughput report's passes) inside
+``DataWaits.fetch``. In it:
+
+- a stop signal (``stop_signals``) is recorded as everywhere (``StopRequest``) and, when the
+  batch has not come ``SIGNAL_GRACE_S`` seconds later, ends the wait: ``Interrupted`` is raised
+  inside it, and the engine stops at the last finished step (a batch that comes within the grace
+  keeps today's stop at the next log point). A signal recorded before the fetch began gives the
+  fetch the same grace;
+- after ``loader_timeout_s`` seconds without the batch, ``LoaderStalled`` ends the run with one
+  line: which loader, which pass and batch, what it waits on (the loader's own ``waiting_for()``
+  where it has one), and what to do.
+
+Both are raised by Python signal handlers: the stop signal's, which re-arms a one-shot timer
+(``ITIMER_REAL``) to the grace, and the timer's (``SIGALRM``), which raises. Python runs a
+handler in the main thread during any blocking wait of its own (pipe reads, ``select``, lock
+acquisitions, sleeps: PEP 475 retries them only after the handlers ran), and a handler that
+raises unwinds the wait. Only a wait inside C code that retries by itself and never returns to
+Python (DALI's executor) defers the handlers until it returns: for that a watchdog thread ends
+the process with the same one line ``WATCHDOG_GRACE_S`` seconds after the timeout (exit 1,
+nothing written).
+
+Outside the main thread (a trainer driven from another thread) no handler can be set: fetches
+there wait as the loader does.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+from observe.profiling import nvtx_range
+from settings.errors import TrainingError
+
+SIGNAL_GRACE_S = 2.0  # how long a fetch may still take once a stop signal came
+WATCHDOG_GRACE_S = 30.0  # after the timeout, for a wait that no signal handler can end
+
+
+class Interrupted(BaseException):
+    """A stop signal ended a wait for data. A BaseException, as KeyboardInterrupt: no loader's
+    or data set's ``except Exception`` may keep it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _TimedOut(BaseException):
+    """Raised by the timer inside the wait; ``fetch`` turns it into ``LoaderStalled``."""
+
+
+class LoaderStalled(TrainingError):
+    """A rank waited ``loader_timeout_s`` for its next batch."""
+
+
+def describe_wait(loader, what: str, epoch: int, batch: int) -> str:
+    """What ``loader`` is waiting for: its own ``waiting_for()`` (the batch pool's: the pass,
+    the batch, its workers alive or dead, the parts outstanding) where it has one and it
+    answers, else the loader's class, the epoch and the batch."""
+    waiting_for = getattr(loader, "waiting_for", None)
+    if callable(waiting_for):
+        try:
+            return f"{type(loader).__name__}: {waiting_for()}"
+        except Exception:  # noqa: BLE001 - a description must not hide the stall it describes
+            pass
+    workers = getattr(loader, "num_workers", None)
+    with_workers = f", {workers} worker process{'es' if workers > 1 else ''}" if workers else ""
+    return f"{type(loader).__name__}{with_workers}: epoch {epoch + 1}, batch {batch + 1}"
+
+
+def stall_message(waited: str, timeout_s: float, advice: str) -> str:
+    return (f"no batch came for {timeout_s:g} s (loader_timeout_s): {waited}. The data's file "
+            f"system stopped answering or a read hangs: check the file system, see where a "
+            f"read waits with py-spy dump --pid <a worker's pid; this process is "
+            f"{os.getpid()}>, or raise --loader_timeout_s if reads are legitimately this slow. "
+            f"{advice}")
+
+
+class DataWaits:
+    """The fetches of one run: ``stop_request`` (its handlers call ``signal_came``) and
+    ``timeout_s`` (0: none). ``advice()``: what the stall line ends with (the checkpoint kept);
+    ``hard_exit(message)``: ends the process from the watchdog thread, ``watchdog_grace_s``
+    after the timeout."""
+
+    def __init__(self, stop_request, timeout_s: float, advice=lambda: "", hard_exit=None,
+                 watchdog_grace_s: float = WATCHDOG_GRACE_S):
+        self.stop_request, self.timeout_s, self.advice = stop_request, timeout_s, advice
+        self.hard_exit = hard_exit or _print_and_exit
+        self.watchdog_grace_s = watchdog_grace_s
+        self._waiting = None  # (what it waits for as a callable, its timeout deadline) or None
+        self._signal_deadline = math.inf
+        self._watchdog = None
+
+    def batches(self, loader, what: str, epoch: int, first: int = 0,
+                around=contextlib.nullcontext):
+        """The batches of a pass of ``loader`` (the pass's start included) fetched in data waits
+        (``fetch``), each inside ``nvtx_range("data wait")`` and ``around()`` (e.g. a context that
+        times it); ``first``: the index of the pass's first batch (a resumed epoch's step)."""
+        it = None
+        for i in itertools.count(first):
+            with nvtx_range("data wait"), around(), self.fetch(loader, what, epoch, i):
+                try:
+                    it = iter(loader) if it is None else it  # a new pass may wait for the last
+                    item = next(it)
+                except StopIteration:
+                    return
+            yield item
+
+    @contextlib.contextmanager
+    def fetch(self, loader, what: str, epoch: int, batch: int):
+        """A wait for ``loader``'s next batch (``what``: "training", "validation", ...; the
+        ``epoch`` and ``batch`` it is, 0-based). Raises ``Interrupted`` (a stop signal) or
+        ``LoaderStalled`` (the timeout) out of the wait."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        now = time.monotonic()
+        deadline = now + self.timeout_s if self.timeout_s else math.inf
+
+        def waited():
+            return f"the {what} loader ({describe_wait(loader, what, epoch, batch)})"
+
+        previous = signal.signal(signal.SIGALRM, self._alarm)
+        self._waiting = (waited, deadline)
+        self._signal_deadline = now + SIGNAL_GRACE_S if self.stop_request.signum else math.inf
+        self.stop_request.while_waiting = self.signal_came
+        self._arm()
+        if self.timeout_s:
+            self._start_watchdog()
+        try:
+            yield
+        except _TimedOut:
+            raise LoaderStalled(stall_message(waited(), self.timeout_s, self.advice())) from None
+        finally:
+            self._waiting = None
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self.stop_request.while_waiting = None
+            signal.signal(signal.SIGALRM, previous)
+
+    def signal_came(self):
+        """Called by the stop-signal handler during a wait: the batch has the grace to come."""
+        if self._waiting is not None and self._signal_deadline == math.inf:
+            self._signal_deadline = time.monotonic() + SIGNAL_GRACE_S
+            self._arm()
+
+    def _arm(self):
+        """The timer, to the nearer of the timeout and the signal's grace."""
+        if self._waiting is None:
+            return
+        due = min(self._waiting[1], self._signal_deadline)
+        if due < math.inf:
+            signal.setitimer(signal.ITIMER_REAL, max(due - time.monotonic(), 1e-3))
+
+    def _alarm(self, signum, frame):
+        if self._waiting is None:  # came just as the wait ended
+            return
+        now = time.monotonic()
+        if now >= self._signal_deadline - 1e-3 and self.stop_request.signum:
+            self._waiting = None
+            raise Interrupted(self.stop_request.signum)
+        if now >= self._waiting[1] - 1e-3:
+            self._waiting = None
+            raise _TimedOut()
+        self._arm()  # early: again for what is left
+
+    # ---------------------------------------------------------------- waits no handler ends
+
+    def _start_watchdog(self):
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="data-wait-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
+
+    def _watch(self):
+        """Every second: a wait past its timeout by ``watchdog_grace_s`` is one whose handlers
+        cannot run (C code that never returns to Python); end the process with its line."""
+        while True:
+            time.sleep(min(1.0, self.watchdog_grace_s))
+            waiting = self._waiting
+            if waiting is not None and time.monotonic() > waiting[1] + self.watchdog_grace_s:
+                self.hard_exit(stall_message(waiting[0](), self.timeout_s, self.advice()))
+                return
+
+
+def next_batch(batches) -> tuple[object, int]:
+    """(the next item of ``batches``, or None at the pass's end; the stop signal that ended the
+    wait for it, or 0)."""
+    try:
+        return next(batches), 0
+    except StopIteration:
+        return None, 0
+    except Interrupted as e:
+        return None, e.signum
+
+
+def _print_and_exit(message: str):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
