@@ -42,6 +42,18 @@ no copy into pinned memory.
   first, as with a DataLoader, resume included); starting one ends the previous pass: its
   batches still queued are skipped by the workers (a shared pass number) and its slots return to
   the pool before the new pass sends any work (an iterator of an ended pass stops).
+
+Invariants (the stress test, tests/test_batch_pool_stress.py, checks each after every operation;
+other tests named where they check one more closely):
+
+1. **Every part sent is answered once, and only parts are waited for.** A batch in flight
+   (``in_flight``) lists its parts not yet answered (``_Batch.out``); each wait
+   (``_receive``) returns on an answer or a worker's end, and the loops around it end when the
+   parts they need are answered. Ending a pass waits for the parts still out and then gives
+   back every slot in flight: a batch whose parts were all answered before its pass ended (a
+   batch of 4 shared by 4 of 8 workers is often complete while an earlier one is awaited) gets
+   no further answer, and once waiting for one more answer for it hung the next ``iter()``
+   (test_a_new_pass_after_one_abandoned_with_batches_complete).
 """
 from __future__ import annotations
 
@@ -56,6 +68,8 @@ import pickle
 import random
 import signal
 import tempfile
+import threading
+import time
 import traceback
 import weakref
 from collections import deque
@@ -71,14 +85,20 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in when mapping, not per page
 
 
+try:  # looked up here, in the main process: a forked child calls it before anything else
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
 def exit_with_parent(parent_pid: int):
     """Make this worker process die as soon as the training process does (even by kill -9),
-    instead of lingering. Linux only; elsewhere a worker ends when its pipe to the main process
-    closes."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    instead of lingering. The first thing a worker does: nothing before it can block (a lock
+    held by another thread of the parent at the fork). The death signal comes when the thread
+    that forked the worker ends, so workers are forked by the main thread only. Linux only;
+    elsewhere a worker ends when its pipe to the main process closes."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
 
@@ -130,7 +150,8 @@ class CudaEvents:
         return event.query()
 
     def synchronize(self, event):
-        event.synchronize()
+        while not event.query():  # polled: a signal handler runs (and may raise) meanwhile
+            time.sleep(0.0002)
 
     def synchronize_all(self):
         torch.cuda.synchronize(self.device)
@@ -365,9 +386,9 @@ class BatchPool:
 
 def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: int, others):
     """A worker: map the slots it is sent, fill its parts of batches, answer each part."""
+    exit_with_parent(parent_pid)
     for c in others:  # the other ends of every pipe: only the main process keeps them
         c.close()
-    exit_with_parent(parent_pid)
     ignore_stop_signals()  # the main process stops the run (and its workers) on them
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, likewise
     torch.set_num_threads(1)
@@ -424,12 +445,13 @@ class _Worker:
 
 
 class _Batch:
-    """A batch being filled: its slot, its size, the parts not answered yet, its first error."""
+    """A batch being filled: its slot, its keys, its parts not answered yet (``out``: first row
+    -> (worker, end row)), its first error."""
 
-    def __init__(self, pass_id, slot, n, parts):
-        self.pass_id, self.slot, self.n, self.waiting = pass_id, slot, n, parts
+    def __init__(self, index, slot, keys):
+        self.index, self.slot, self.keys, self.n = index, slot, keys, len(keys)
+        self.out: dict[int, tuple[_Worker, int]] = {}
         self.error, self.error_at = None, None
-        self.stale = False  # its pass has ended: the slot goes back once every part answered
 
 
 class _Pass:
@@ -445,6 +467,7 @@ class _Pass:
         self.exhausted = False  # the sampler has no more keys
         if loader.num_workers:
             loader._send_ahead(self)  # the workers start on the first batches now
+        loader.in_doubt = False
 
     def __iter__(self):
         return self
@@ -465,7 +488,8 @@ class BatchLoader:
     at a time (the last one may be smaller), read by ``workers`` processes (0: this one) into
     the slots of a ``BatchPool`` (see the module docstring). ``memory``: ``HostMemory()`` on a
     CPU, ``PinnedHostMemory(device)`` on a GPU. Used like a DataLoader: ``len()``, ``iter()``,
-    ``.dataset``, ``.sampler``, ``.batch_size``, ``.pin_memory``; ``close()`` ends the workers."""
+    ``.dataset``, ``.sampler``, ``.batch_size``, ``.pin_memory``; ``close()`` ends the workers;
+    ``waiting_for()`` says what a blocked fetch waits for."""
 
     def __init__(self, dataset, sampler, batch_size: int, workers: int = 0,
                  prefetch_depth: int = 2, memory: HostMemory | None = None, seed: int = 0):
@@ -483,6 +507,8 @@ class BatchLoader:
         self.current: _Pass | None = None
         self.in_flight: dict[tuple[int, int], _Batch] = {}
         self.passes = 0
+        self.in_doubt = False  # an exception left a pass's exchange with the workers half done
+        self.awaited = None  # what the main process waits for now: (pass, batch index) or None
 
     def __len__(self):
         return -(-len(self.sampler) // self.batch_size)
@@ -493,6 +519,9 @@ class BatchLoader:
     # -------------------------------------------------------------- passes
 
     def _begin_pass(self, new: _Pass) -> int:
+        if self.in_doubt:  # the last pass was interrupted: fresh workers and slots
+            self.close()
+        self.in_doubt = True  # until the new pass has sent its first batches
         if self.pool is None:
             sx, sy = self.dataset.sample_shapes
             layout = SlotLayout((self.batch_size, *sx), (self.batch_size, *sy))
@@ -507,57 +536,63 @@ class BatchLoader:
         return self.passes
 
     def _end_pass(self):
-        """End the current pass: its batches still in flight are dropped (their slots back to
-        the pool once their parts are answered: at once for those skipped)."""
+        """End the current pass: wait for the parts still out (the workers skip those they have
+        not begun), then give back the slot of every batch in flight, complete or not."""
         self.current = None
-        for b in self.in_flight.values():
-            b.stale = True
-        while self.in_flight:
+        self.awaited = (self.passes - 1, None)
+        while any(b.out for b in self.in_flight.values()):
             self._receive()
+        for b in self.in_flight.values():
+            self.pool.give_back(b.slot)
+        self.in_flight.clear()
+        self.awaited = None
 
     def _next(self, p: _Pass):
-        if p is not self.current:  # ended: run out, failed, or superseded by a newer pass
-            raise StopIteration
-        if self.num_workers == 0:
-            return self._read_here(p)
-        self._send_ahead(p)
-        if p.served == p.sent:  # nothing in flight: the keys have run out
+        if p is not self.current or self.in_doubt:  # ended (run out, failed, superseded) or
+            raise StopIteration                      # interrupted: see the module docstring
+        self.in_doubt = True  # cleared below, unless an exception leaves in the middle
+        b = self._read_here(p) if self.num_workers == 0 else self._wait_for_next(p)
+        self.in_doubt = False
+        if b is None:
             self._finish(p)
             raise StopIteration
-        b = self.in_flight[(p.id, p.served)]
-        while b.waiting:
-            self._receive()
-        del self.in_flight[(p.id, p.served)]
         if b.error is not None:
             self.pool.give_back(b.slot)
             self._finish(p)
             np.frombuffer(self.control, np.int64)[0] = -1  # the rest of this pass: skipped
             raise b.error.with_traceback(None) from None
+        return self.pool.hand_out(b.slot, b.n)
+
+    def _wait_for_next(self, p: _Pass) -> _Batch | None:
+        """The next batch of ``p`` once filled (None at the end of its keys); batches sent ahead."""
+        self._send_ahead(p)
+        if p.served == p.sent:  # nothing in flight: the keys have run out
+            return None
+        self.awaited = (p.id, p.served)
+        b = self.in_flight[self.awaited]
+        while b.out:
+            self._receive()
+        del self.in_flight[self.awaited]
+        self.awaited = None
         p.served += 1
-        batch = self.pool.hand_out(b.slot, b.n)
-        self._send_ahead(p)  # slots released by the device meanwhile
-        return batch
+        if b.error is None:
+            self._send_ahead(p)  # slots released by the device meanwhile
+        return b
 
     def _finish(self, p: _Pass):
         if self.current is p:
             self.current = None
 
-    def _read_here(self, p: _Pass):
+    def _read_here(self, p: _Pass) -> _Batch | None:
         keys = p.next_keys()
         if keys is None:
-            self._finish(p)
-            raise StopIteration
+            return None
         p.pending = None
-        slot = self.pool.take()
-        n = len(keys)
-        try:
-            self.dataset.read_batch(keys, slot.x[:n], slot.y[:n])
-        except BaseException:
-            self.pool.give_back(slot)
-            raise
+        b = _Batch(p.sent, self.pool.take(), keys)
+        self.dataset.read_batch(keys, b.slot.x[:b.n], b.slot.y[:b.n])
         p.sent += 1
         p.served += 1
-        return self.pool.hand_out(slot, n)
+        return b
 
     def _send_ahead(self, p: _Pass):
         """Send batches up to ``ahead`` past the next one to serve (that one whatever it takes;
@@ -570,12 +605,13 @@ class BatchLoader:
             self._send(p, slot, keys)
 
     def _send(self, p: _Pass, slot: Slot, keys):
-        n, w = len(keys), len(self.workers)
-        parts = min(w, n)
-        self.in_flight[(p.id, p.sent)] = _Batch(p.id, slot, n, parts)
+        b = self.in_flight[(p.id, p.sent)] = _Batch(p.sent, slot, keys)
+        w = len(self.workers)
+        parts = min(w, b.n)
         for i in range(parts):
             worker = self.workers[(p.sent * parts + i) % w]
-            lo, hi = i * n // parts, (i + 1) * n // parts
+            lo, hi = i * b.n // parts, (i + 1) * b.n // parts
+            b.out[lo] = (worker, hi)
             try:
                 if slot.index not in worker.slots:
                     worker.conn.send(("slot", slot.index, slot.layout.x_shape,
@@ -590,6 +626,10 @@ class BatchLoader:
     # -------------------------------------------------------------- workers
 
     def _start_workers(self):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("a BatchLoader with workers starts them from the main thread "
+                               "(a worker dies with the thread that forked it): iterate it "
+                               "first in the main thread, or use workers=0")
         ctx = multiprocessing.get_context("fork")  # the dataset is inherited, not pickled
         self.control = mmap.mmap(-1, 8)  # anonymous shared memory, inherited by the workers
         pipes = [ctx.Pipe(duplex=True) for _ in range(self.num_workers)]
@@ -607,29 +647,23 @@ class BatchLoader:
             there.close()
 
     def _receive(self):
-        """Wait for the next answer of any worker and account for it."""
+        """Wait for the next answer of any worker, or the end of one, and account for it."""
         by_conn = {w.conn: w for w in self.workers}
         by_sentinel = {w.process.sentinel: w for w in self.workers}
         ready = connection.wait(list(by_conn) + list(by_sentinel))
         for r in ready:
             if r in by_conn:
                 try:
-                    msg = r.recv()
+                    kind, pass_id, batch, lo, error = r.recv()
                 except (EOFError, OSError):
                     self._died(by_conn[r])
-                self._answered(*msg)
+                b = self.in_flight[(pass_id, batch)]
+                del b.out[lo]
+                if kind == "error" and (b.error is None or lo < b.error_at):
+                    b.error, b.error_at = error, lo  # the error of its first failing sample
         for r in ready:
             if r in by_sentinel:
                 self._died(by_sentinel[r])
-
-    def _answered(self, kind, pass_id, batch, lo, error):
-        b = self.in_flight[(pass_id, batch)]
-        b.waiting -= 1
-        if kind == "error" and (b.error is None or lo < b.error_at):
-            b.error, b.error_at = error, lo  # the error of the batch's first failing sample
-        if b.stale and not b.waiting:
-            del self.in_flight[(pass_id, batch)]
-            self.pool.give_back(b.slot)
 
     def _died(self, w: _Worker):
         w.process.join(timeout=5)
@@ -648,22 +682,48 @@ class BatchLoader:
             f"the system's out-of-memory killer; lower --num_data_workers, --prefetch_depth or "
             f"the batch size (or use data_loader_config lowmem)")
 
+    def waiting_for(self) -> str:
+        """What this loader waits for, in one line: the pass and batch, the workers alive and
+        dead, the parts outstanding (worker, batch, rows, keys). Reads plain state only, never
+        blocks: safe in a signal handler that interrupts a fetch."""
+        if self.awaited is None:
+            return f"batch loader: waits for nothing (pass {self.passes})"
+        pass_id, batch = self.awaited
+        what = (f"pass {pass_id} waits for batch {batch}" if batch is not None
+                else f"pass {pass_id + 1} waits for the parts of earlier passes still out")
+        workers = list(self.workers or ())
+        try:
+            dead = set(connection.wait([w.process.sentinel for w in workers], timeout=0))
+        except (OSError, ValueError):  # closed meanwhile
+            dead = set()
+        alive = [str(w.process.pid) for w in workers if w.process.sentinel not in dead]
+        gone = [f"{w.process.pid} (worker {w.index})" for w in workers
+                if w.process.sentinel in dead]
+        parts = [f"worker {w.index} (pid {w.process.pid}) batch {pass_}:{b.index} rows "
+                 f"{lo}:{hi} keys {b.keys[lo]!r}..{b.keys[hi - 1]!r}"
+                 for (pass_, _), b in list(self.in_flight.items())
+                 for lo, (w, hi) in list(b.out.items())]
+        more = f" and {len(parts) - 4} more" if len(parts) > 4 else ""
+        return (f"batch loader: {what}; workers alive: pids {', '.join(alive) or 'none'}; dead: "
+                f"{', '.join(gone) or 'none'}; parts outstanding: "
+                f"{', '.join(parts[:4]) or 'none'}{more}")
+
     def close(self):
         """End the workers now (SIGKILL: they hold nothing to clean up) and give back the pool;
-        batches still referenced stay valid. A later ``iter()`` starts afresh."""
-        workers, self.workers = self.workers, None
-        self.current = None
+        batches still referenced stay valid. A later ``iter()`` starts afresh. Safe to repeat
+        (after an exception raised inside it, say)."""
+        self.current, self.awaited = None, None
         self.in_flight.clear()
-        for w in workers or ():
-            if w.process.is_alive():
-                w.process.kill()
-        for w in workers or ():
+        for w in self.workers or ():
+            w.process.kill()
+        for w in self.workers or ():
             w.process.join()
             w.conn.close()
-        self.control = None
+        self.workers = self.control = None
         if self.pool is not None:
-            pool, self.pool = self.pool, None
-            pool.close()
+            self.pool.close()
+            self.pool = None
+        self.in_doubt = False
 
     def __del__(self):
         try:

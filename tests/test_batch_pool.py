@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, write_era5
+from loader_harness import Deadline, KeyedDataset, deadline
 from datapipe.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
                               PinnedHostMemory, SlotLayout)
 from settings.parse import build_config
@@ -383,6 +384,27 @@ def test_a_killed_worker_ends_the_pass_with_one_line_and_nothing_left(roots, tmp
     assert len(list(ld.train)) == len(ld.train)  # fresh workers
     ld.close()
     assert shm() <= before
+
+
+@pytest.mark.parametrize("workers", [2, 8])
+def test_a_new_pass_after_one_abandoned_with_batches_complete(workers):
+    """A pass abandoned while later batches of it are complete (every part answered while the
+    first batch was awaited: a batch of 4 is shared by 4 of 8 workers) hands over to the next
+    pass at once: ending it waits only for parts still outstanding."""
+    slow_first = KeyedDataset(32, delay=lambda keys: 0.3 if 0 in keys else 0.0)
+    ld = BatchLoader(slow_first, list(range(32)), 4, workers=workers)
+    x, y = next(iter(ld))
+    assert KeyedDataset.keys_of(x, y) == [0, 1, 2, 3]
+    try:
+        with deadline(5, "iter() after a pass abandoned with complete batches"):
+            it = iter(ld)
+    except Deadline:
+        ld.close()
+        raise
+    got = [KeyedDataset.keys_of(x, y) for x, y in it]
+    assert got == [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    assert not ld.in_flight
+    ld.close()
 
 
 def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
