@@ -407,6 +407,35 @@ def test_a_new_pass_after_one_abandoned_with_batches_complete(workers):
     ld.close()
 
 
+@pytest.mark.parametrize("workers", [0, 1, 2, 8])
+def test_training_then_the_throughput_report_finishes_20_of_20_times(tmp_path, workers):
+    """The shape of the run that once hung (a batch of 4, 8 workers, training and validation,
+    then the throughput report's pass abandoned after one batch and fresh passes): in process,
+    one tiny run to its end, then its report's passes 19 times more, each within a deadline."""
+    from engine import throughput_report as tp
+    from engine.runtime import setup_runtime
+    from test_throughput_report import tiny_vit_cfg
+    from train import Trainer
+
+    data = write_era5(str(tmp_path / "era5"), steps=20, h=8, w=16)
+    cfg = tiny_vit_cfg(data, str(tmp_path / "exp"), num_iters=8, limit_nsamples=32,
+                       limit_nsamples_val=8, img_size="[8,16]", embed_dim=8, num_heads=1,
+                       num_data_workers=workers, throughput_report="true", enable_fused="true",
+                       amp_mode="none", checkpoint_every=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the model is tiny: the loader's hand-overs are what is tested
+    tr = Trainer(cfg, setup_runtime(cfg))
+    try:
+        with deadline(60, f"the run with {workers} workers"):
+            tr.fit()
+        for i in range(19):
+            with deadline(30, f"the throughput report's passes, time {i + 2}, {workers} workers"):
+                tp.measure(tr)
+    finally:
+        torch.set_num_threads(threads)
+        tr.loaders.close()
+
+
 def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
     before = shm()
     children = set(multiprocessing.active_children())
