@@ -43,17 +43,43 @@ no copy into pinned memory.
   batches still queued are skipped by the workers (a shared pass number) and its slots return to
   the pool before the new pass sends any work (an iterator of an ended pass stops).
 
-Invariants (the stress test, tests/test_batch_pool_stress.py, checks each after every operation;
-other tests named where they check one more closely):
+Invariants. The stress test (tests/test_batch_pool_stress.py, "stress" below) checks each after
+every step of random sequences of passes, fetches, held batches, slow and failing reads, killed
+workers, interrupts and ``close()``; the tests named check one case more closely.
 
-1. **Every part sent is answered once, and only parts are waited for.** A batch in flight
-   (``in_flight``) lists its parts not yet answered (``_Batch.out``); each wait
-   (``_receive``) returns on an answer or a worker's end, and the loops around it end when the
-   parts they need are answered. Ending a pass waits for the parts still out and then gives
-   back every slot in flight: a batch whose parts were all answered before its pass ended (a
-   batch of 4 shared by 4 of 8 workers is often complete while an earlier one is awaited) gets
-   no further answer, and once waiting for one more answer for it hung the next ``iter()``
-   (test_a_new_pass_after_one_abandoned_with_batches_complete).
+1. **Only parts not yet answered are waited for, and each is answered once.** A batch in
+   flight (``in_flight``) lists its parts not answered yet (``_Batch.out``), and every loop
+   around a wait (``_receive``) ends when the parts it needs are answered. Ending a pass waits
+   for the parts still out, then gives back the slot of every batch in flight, complete or not.
+   (It once waited for an answer for each batch in flight; a batch whose parts had all been
+   answered before its pass ended - often, when a batch of 4 is shared by 4 of 8 workers and
+   read while an earlier one is awaited - got none, and the next ``iter()`` hung.) Stress: every
+   step within a deadline; test_a_new_pass_after_one_abandoned_with_batches_complete,
+   test_training_then_the_throughput_report_finishes_20_of_20_times.
+2. **A batch holds exactly the samples its keys name.** A slot is in one state at a time (free,
+   in flight, handed out, releasing) and each row of a batch in flight is written by one worker.
+   Stress: every batch's samples against its keys; test_batches_equal_the_datasets_reads.
+3. **A batch handed out does not change while it is referenced** (Release, above). Stress: held
+   batches compared after every step; test_a_held_batch_does_not_change.
+4. **Every wait returns on an answer or on a worker's end, and a signal handler can interrupt
+   it:** ``connection.wait`` on the pipes and the workers' sentinels (a dead worker ends the
+   pass with ``LoaderWorkerDied``), ``Process.join`` after SIGKILL, and on a GPU a polled CUDA
+   event; the one C-level wait is the device synchronisation in ``close()``, bounded by the work
+   queued on the GPU. ``waiting_for()`` says what a wait is for. Stress: killed workers, and a
+   signal handler that raises while ``next()`` or ``iter()`` waits.
+5. **An exception at any point leaves a loader that ``close()`` and the next pass recover.** An
+   exception raised in the middle of an exchange with the workers (by a signal handler: a stop
+   request, a stall timeout) may leave a message half sent or half read: ``in_doubt`` stays set,
+   that pass ends (its iterator stops), and the next ``iter()`` starts with ``close()``: fresh
+   workers and slots (batches still referenced stay valid). ``close()`` can be repeated after
+   being interrupted itself; workers are forked with Python's signal handlers deferred, so none
+   is ever left out of ``workers``. Stress: the interrupt rules, then fetches, passes, close().
+6. **Nothing outlives ``close()`` or the main process**: the workers are killed and joined; the
+   slots are anonymous memory (nothing in /dev/shm); a worker's first act is to ask for SIGKILL
+   when the main process dies (``exit_with_parent``). Stress: after every close(); the test of a
+   killed parent, test_workers_die_with_their_parent.
+7. **An iterator of an ended pass stops** (superseded, run out, failed, interrupted, closed).
+   Stress: every ended pass's iterator, after every step.
 """
 from __future__ import annotations
 
@@ -389,6 +415,8 @@ def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: 
     exit_with_parent(parent_pid)
     for c in others:  # the other ends of every pipe: only the main process keeps them
         c.close()
+    for number, handler in _deferred.items():  # the parent's, as they were before the fork
+        signal.signal(number, handler)
     ignore_stop_signals()  # the main process stops the run (and its workers) on them
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, likewise
     torch.set_num_threads(1)
@@ -422,6 +450,29 @@ def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: 
                 conn.send(("error", pass_id, batch, lo, _describe(e, worker_id)))
     except (EOFError, OSError, KeyboardInterrupt):
         return  # the main process went away
+
+
+_deferred: dict = {}  # while forking: the handlers that _signal_handlers_deferred replaced
+
+
+@contextlib.contextmanager
+def _signal_handlers_deferred():
+    """Python signal handlers run after the body, not inside it: a handler that raises (a stop
+    request) can then neither leave a forked worker out of the list that ``close()`` ends, nor
+    run inside the fork's own hooks (and leave logging's lock taken, say). Main thread only."""
+    caught = []
+    _deferred.update({n: h for n in signal.valid_signals() if callable(h := signal.getsignal(n))})
+    for number in _deferred:
+        signal.signal(number, lambda n, frame: caught.append((n, frame)))
+    try:
+        yield
+    finally:
+        handlers = dict(_deferred)
+        _deferred.clear()
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        for number, frame in caught:
+            handlers[number](number, frame)
 
 
 def _describe(e: BaseException, worker_id: int):
@@ -634,17 +685,18 @@ class BatchLoader:
         self.control = mmap.mmap(-1, 8)  # anonymous shared memory, inherited by the workers
         pipes = [ctx.Pipe(duplex=True) for _ in range(self.num_workers)]
         self.workers = []
-        for i, (here, there) in enumerate(pipes):
-            others = [c for pair in pipes for c in pair if c is not there]
-            seed = int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
-            process = ctx.Process(target=_worker_loop, daemon=True,
-                                  args=(self.dataset, there, self.control, i, os.getpid(), seed,
-                                        others),
-                                  name=f"loader-worker-{i}")
-            process.start()
-            self.workers.append(_Worker(i, process, here))
-        for _, there in pipes:
-            there.close()
+        with _signal_handlers_deferred():
+            for i, (here, there) in enumerate(pipes):
+                others = [c for pair in pipes for c in pair if c is not there]
+                seed = int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
+                process = ctx.Process(target=_worker_loop, daemon=True,
+                                      args=(self.dataset, there, self.control, i, os.getpid(),
+                                            seed, others),
+                                      name=f"loader-worker-{i}")
+                process.start()
+                self.workers.append(_Worker(i, process, here))
+            for _, there in pipes:
+                there.close()
 
     def _receive(self):
         """Wait for the next answer of any worker, or the end of one, and account for it."""

@@ -49,12 +49,13 @@ class Deadline(Exception):
 
 
 @contextlib.contextmanager
-def deadline(seconds: float, what: str):
+def deadline(seconds: float, what: str, describe=None):
     """Run the body with a time limit: past it, SIGALRM raises ``Deadline`` wherever the main
     thread is (a wait on a pipe included: Python runs the handler between retries), so a hang
-    fails the test with ``what`` instead of hanging the suite."""
+    fails the test with ``what`` (and what ``describe()`` says then) instead of hanging."""
     def expired(signum, frame):
-        raise Deadline(f"{what}: still running after {seconds} s (a hang)")
+        said = f": {describe()}" if describe is not None else ""
+        raise Deadline(f"{what}: still running after {seconds} s (a hang){said}")
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -87,5 +88,18 @@ def wait_gone(pids, seconds: float) -> list[int]:
 def shm_names() -> set[str]:
     """The names in /dev/shm, but for files someone else made and removed meanwhile."""
     first = set(os.listdir("/dev/shm"))
-    time.sleep(0.05)
+    time.sleep(0.02)
     return first & set(os.listdir("/dev/shm"))
+
+
+def in_shm() -> list[str]:
+    """What this process has open or mapped in /dev/shm."""
+    found = [m.split()[-1] for m in open("/proc/self/maps") if "/dev/shm/" in m]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("/dev/shm/"):
+            found.append(target)
+    return found
