@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, write_era5
-from loader_harness import Deadline, KeyedDataset, deadline
+from loader_harness import Deadline, KeyedDataset, alive, deadline
 from datapipe.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
                               PinnedHostMemory, SlotLayout)
 from settings.parse import build_config
@@ -434,6 +434,73 @@ def test_training_then_the_throughput_report_finishes_20_of_20_times(tmp_path, w
     finally:
         torch.set_num_threads(threads)
         tr.loaders.close()
+
+
+PARENT = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from datapipe.batch_pool import BatchLoader
+from loader_harness import KeyedDataset
+ld = BatchLoader(KeyedDataset(64, delay=lambda keys: 0.001), list(range(64)), 4, workers=2)
+for i in range(10**6):
+    for j, _ in enumerate(ld):
+        if i == 0 and j == 0:
+            print("ready", flush=True)
+        if j == i % 5:
+            break
+    if i % 3 == 0:
+        ld.close()  # new workers forked at the next pass: the parent may die while forking
+"""
+
+
+def marked(mark: str) -> list[int]:
+    """The live processes whose environment holds ``mark`` (a parent and all it forked)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read().split(b"\0") and alive(int(pid)):
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_workers_die_with_their_parent():
+    """A training process killed (SIGKILL) at random moments, while it iterates, abandons passes
+    and forks new workers: every worker it forked is gone within a second."""
+    import random
+    import subprocess
+    import sys
+
+    script = PARENT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    for trial in range(6):
+        mark = f"BATCH_POOL_PARENT_TEST={os.getpid()}.{trial}"
+        env = dict(os.environ, BATCH_POOL_PARENT_TEST=mark.split("=")[1], OMP_NUM_THREADS="1")
+        parent = subprocess.Popen([sys.executable, "-c", script], env=env,
+                                  stdout=subprocess.PIPE, text=True)
+        assert parent.stdout.readline() == "ready\n"
+        time.sleep(random.uniform(0, 0.3))
+        parent.kill()
+        parent.wait()
+        end = time.monotonic() + 1.0
+        while marked(mark) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not marked(mark), f"trial {trial}: workers outlived their parent"
+
+
+def test_workers_are_started_from_the_main_thread():
+    """A worker dies with the thread that forked it: a first pass in another thread says so."""
+    import threading
+
+    ld = BatchLoader(KeyedDataset(8), list(range(8)), 4, workers=1)
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, list, ld)))
+    t.start()
+    t.join()
+    assert "main thread" in str(errors[0].value)
+    assert KeyedDataset.keys_of(*next(iter(ld))) == [0, 1, 2, 3]  # from the main thread: works
+    ld.close()
 
 
 def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
