@@ -737,11 +737,11 @@ class BatchLoader:
     def waiting_for(self) -> str:
         """What this loader waits for, in one line: the pass and batch, the workers alive and
         dead, the parts outstanding (worker, batch, rows, keys). Reads plain state only, never
-        blocks: safe in a signal handler that interrupts a fetch."""
-        if self.awaited is None:
-            return f"batch loader: waits for nothing (pass {self.passes})"
-        pass_id, batch = self.awaited
-        what = (f"pass {pass_id} waits for batch {batch}" if batch is not None
+        blocks: safe in a signal handler that interrupts a fetch. After a wait interrupted by
+        an exception, what it waited for then (until the next pass or ``close()``)."""
+        pass_id, batch = self.awaited or (self.passes, None)
+        what = (f"pass {pass_id} waits for nothing" if self.awaited is None
+                else f"pass {pass_id} waits for batch {batch}" if batch is not None
                 else f"pass {pass_id + 1} waits for the parts of earlier passes still out")
         workers = list(self.workers or ())
         try:

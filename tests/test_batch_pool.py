@@ -503,6 +503,49 @@ def test_workers_are_started_from_the_main_thread():
     ld.close()
 
 
+def test_a_fetch_interrupted_by_a_signal_handler_and_what_it_waited_for():
+    """A signal handler raises while ``next()`` waits (the engine's stop request or stall
+    timeout): ``waiting_for()``, called in the handler, says in one line which pass and batch,
+    which workers and which parts; the pass ends there; ``close()`` ends the workers, a new pass
+    serves the right batches; a dead worker is named as such."""
+    ld = BatchLoader(KeyedDataset(16, delay=lambda keys: 0.5 if 4 in keys else 0.0),
+                     list(range(16)), 4, workers=2, prefetch_depth=1)
+    it = iter(ld)
+    assert KeyedDataset.keys_of(*next(it)) == [0, 1, 2, 3]
+    said = []
+
+    def stall(signum, frame):
+        said.append(ld.waiting_for())
+        raise Deadline("stalled")
+
+    previous = signal.signal(signal.SIGALRM, stall)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(Deadline):
+            next(it)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    pids = [w.process.pid for w in ld.workers]
+    (line,) = said
+    assert line.startswith(f"batch loader: pass 1 waits for batch 1; workers alive: pids "
+                           f"{pids[0]}, {pids[1]}; dead: none; parts outstanding: worker 0 "
+                           f"(pid {pids[0]}) batch 1:1 rows 0:2 keys 4..5"), line
+    assert "\n" not in line and ld.waiting_for() == line  # still what the wait was for
+    with pytest.raises(StopIteration):
+        next(it)  # the interrupted pass ended
+    t0 = time.perf_counter()
+    ld.close()
+    assert time.perf_counter() - t0 < 2 and not [p for p in pids if alive(p)]
+    assert [KeyedDataset.keys_of(x, y) for x, y in ld] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                            [8, 9, 10, 11], [12, 13, 14, 15]]
+    victim = ld.workers[1].process
+    os.kill(victim.pid, signal.SIGKILL)
+    while alive(victim.pid):
+        time.sleep(0.01)
+    assert f"dead: {victim.pid} (worker 1)" in ld.waiting_for()
+    ld.close()
+
+
 def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
     before = shm()
     children = set(multiprocessing.active_children())
