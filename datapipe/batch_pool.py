@@ -42,6 +42,44 @@ no copy into pinned memory.
   first, as with a DataLoader, resume included); starting one ends the previous pass: its
   batches still queued are skipped by the workers (a shared pass number) and its slots return to
   the pool before the new pass sends any work (an iterator of an ended pass stops).
+
+Invariants. The stress test (tests/test_batch_pool_stress.py, "stress" below) checks each after
+every step of random sequences of passes, fetches, held batches, slow and failing reads, killed
+workers, interrupts and ``close()``; the tests named check one case more closely.
+
+1. **Only parts not yet answered are waited for, and each is answered once.** A batch in
+   flight (``in_flight``) lists its parts not answered yet (``_Batch.out``), and every loop
+   around a wait (``_receive``) ends when the parts it needs are answered. Ending a pass waits
+   for the parts still out, then gives back the slot of every batch in flight, complete or not.
+   (It once waited for an answer for each batch in flight; a batch whose parts had all been
+   answered before its pass ended - often, when a batch of 4 is shared by 4 of 8 workers and
+   read while an earlier one is awaited - got none, and the next ``iter()`` hung.) Stress: every
+   step within a deadline; test_a_new_pass_after_one_abandoned_with_batches_complete,
+   test_training_then_the_throughput_report_finishes_20_of_20_times.
+2. **A batch holds exactly the samples its keys name.** A slot is in one state at a time (free,
+   in flight, handed out, releasing) and each row of a batch in flight is written by one worker.
+   Stress: every batch's samples against its keys; test_batches_equal_the_datasets_reads.
+3. **A batch handed out does not change while it is referenced** (Release, above). Stress: held
+   batches compared after every step; test_a_held_batch_does_not_change.
+4. **Every wait returns on an answer or on a worker's end, and a signal handler can interrupt
+   it:** ``connection.wait`` on the pipes and the workers' sentinels (a dead worker ends the
+   pass with ``LoaderWorkerDied``), ``Process.join`` after SIGKILL, and on a GPU a polled CUDA
+   event; the one C-level wait is the device synchronisation in ``close()``, bounded by the work
+   queued on the GPU. ``waiting_for()`` says what a wait is for. Stress: killed workers, and a
+   signal handler that raises while ``next()`` or ``iter()`` waits.
+5. **An exception at any point leaves a loader that ``close()`` and the next pass recover.** An
+   exception raised in the middle of an exchange with the workers (by a signal handler: a stop
+   request, a stall timeout) may leave a message half sent or half read: ``in_doubt`` stays set,
+   that pass ends (its iterator stops), and the next ``iter()`` starts with ``close()``: fresh
+   workers and slots (batches still referenced stay valid). ``close()`` can be repeated after
+   being interrupted itself; workers are forked with Python's signal handlers deferred, so none
+   is ever left out of ``workers``. Stress: the interrupt rules, then fetches, passes, close().
+6. **Nothing outlives ``close()`` or the main process**: the workers are killed and joined; the
+   slots are anonymous memory (nothing in /dev/shm); a worker's first act is to ask for SIGKILL
+   when the main process dies (``exit_with_parent``). Stress: after every close(); the test of a
+   killed parent, test_workers_die_with_their_parent.
+7. **An iterator of an ended pass stops** (superseded, run out, failed, interrupted, closed).
+   Stress: every ended pass's iterator, after every step.
 """
 from __future__ import annotations
 
@@ -56,6 +94,8 @@ import pickle
 import random
 import signal
 import tempfile
+import threading
+import time
 import traceback
 import weakref
 from collections import deque
@@ -71,14 +111,20 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in when mapping, not per page
 
 
+try:  # looked up here, in the main process: a forked child calls it before anything else
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
 def exit_with_parent(parent_pid: int):
     """Make this worker process die as soon as the training process does (even by kill -9),
-    instead of lingering. Linux only; elsewhere a worker ends when its pipe to the main process
-    closes."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    instead of lingering. The first thing a worker does: nothing before it can block (a lock
+    held by another thread of the parent at the fork). The death signal comes when the thread
+    that forked the worker ends, so workers are forked by the main thread only. Linux only;
+    elsewhere a worker ends when its pipe to the main process closes."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
 
@@ -130,7 +176,8 @@ class CudaEvents:
         return event.query()
 
     def synchronize(self, event):
-        event.synchronize()
+        while not event.query():  # polled: a signal handler runs (and may raise) meanwhile
+            time.sleep(0.0002)
 
     def synchronize_all(self):
         torch.cuda.synchronize(self.device)
@@ -365,9 +412,11 @@ class BatchPool:
 
 def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: int, others):
     """A worker: map the slots it is sent, fill its parts of batches, answer each part."""
+    exit_with_parent(parent_pid)
     for c in others:  # the other ends of every pipe: only the main process keeps them
         c.close()
-    exit_with_parent(parent_pid)
+    for number, handler in _deferred.items():  # the parent's, as they were before the fork
+        signal.signal(number, handler)
     ignore_stop_signals()  # the main process stops the run (and its workers) on them
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, likewise
     torch.set_num_threads(1)
@@ -403,6 +452,29 @@ def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: 
         return  # the main process went away
 
 
+_deferred: dict = {}  # while forking: the handlers that _signal_handlers_deferred replaced
+
+
+@contextlib.contextmanager
+def _signal_handlers_deferred():
+    """Python signal handlers run after the body, not inside it: a handler that raises (a stop
+    request) can then neither leave a forked worker out of the list that ``close()`` ends, nor
+    run inside the fork's own hooks (and leave logging's lock taken, say). Main thread only."""
+    caught = []
+    _deferred.update({n: h for n in signal.valid_signals() if callable(h := signal.getsignal(n))})
+    for number in _deferred:
+        signal.signal(number, lambda n, frame: caught.append((n, frame)))
+    try:
+        yield
+    finally:
+        handlers = dict(_deferred)
+        _deferred.clear()
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        for number, frame in caught:
+            handlers[number](number, frame)
+
+
 def _describe(e: BaseException, worker_id: int):
     """A worker's error as the main process raises it: a UserError as itself (one line);
     anything else as a RuntimeError with the worker's traceback."""
@@ -424,12 +496,13 @@ class _Worker:
 
 
 class _Batch:
-    """A batch being filled: its slot, its size, the parts not answered yet, its first error."""
+    """A batch being filled: its slot, its keys, its parts not answered yet (``out``: first row
+    -> (worker, end row)), its first error."""
 
-    def __init__(self, pass_id, slot, n, parts):
-        self.pass_id, self.slot, self.n, self.waiting = pass_id, slot, n, parts
+    def __init__(self, index, slot, keys):
+        self.index, self.slot, self.keys, self.n = index, slot, keys, len(keys)
+        self.out: dict[int, tuple[_Worker, int]] = {}
         self.error, self.error_at = None, None
-        self.stale = False  # its pass has ended: the slot goes back once every part answered
 
 
 class _Pass:
@@ -445,6 +518,7 @@ class _Pass:
         self.exhausted = False  # the sampler has no more keys
         if loader.num_workers:
             loader._send_ahead(self)  # the workers start on the first batches now
+        loader.in_doubt = False
 
     def __iter__(self):
         return self
@@ -465,7 +539,8 @@ class BatchLoader:
     at a time (the last one may be smaller), read by ``workers`` processes (0: this one) into
     the slots of a ``BatchPool`` (see the module docstring). ``memory``: ``HostMemory()`` on a
     CPU, ``PinnedHostMemory(device)`` on a GPU. Used like a DataLoader: ``len()``, ``iter()``,
-    ``.dataset``, ``.sampler``, ``.batch_size``, ``.pin_memory``; ``close()`` ends the workers."""
+    ``.dataset``, ``.sampler``, ``.batch_size``, ``.pin_memory``; ``close()`` ends the workers;
+    ``waiting_for()`` says what a blocked fetch waits for."""
 
     def __init__(self, dataset, sampler, batch_size: int, workers: int = 0,
                  prefetch_depth: int = 2, memory: HostMemory | None = None, seed: int = 0):
@@ -483,6 +558,8 @@ class BatchLoader:
         self.current: _Pass | None = None
         self.in_flight: dict[tuple[int, int], _Batch] = {}
         self.passes = 0
+        self.in_doubt = False  # an exception left a pass's exchange with the workers half done
+        self.awaited = None  # what the main process waits for now: (pass, batch index) or None
 
     def __len__(self):
         return -(-len(self.sampler) // self.batch_size)
@@ -493,6 +570,9 @@ class BatchLoader:
     # -------------------------------------------------------------- passes
 
     def _begin_pass(self, new: _Pass) -> int:
+        if self.in_doubt:  # the last pass was interrupted: fresh workers and slots
+            self.close()
+        self.in_doubt = True  # until the new pass has sent its first batches
         if self.pool is None:
             sx, sy = self.dataset.sample_shapes
             layout = SlotLayout((self.batch_size, *sx), (self.batch_size, *sy))
@@ -507,57 +587,63 @@ class BatchLoader:
         return self.passes
 
     def _end_pass(self):
-        """End the current pass: its batches still in flight are dropped (their slots back to
-        the pool once their parts are answered: at once for those skipped)."""
+        """End the current pass: wait for the parts still out (the workers skip those they have
+        not begun), then give back the slot of every batch in flight, complete or not."""
         self.current = None
-        for b in self.in_flight.values():
-            b.stale = True
-        while self.in_flight:
+        self.awaited = (self.passes - 1, None)
+        while any(b.out for b in self.in_flight.values()):
             self._receive()
+        for b in self.in_flight.values():
+            self.pool.give_back(b.slot)
+        self.in_flight.clear()
+        self.awaited = None
 
     def _next(self, p: _Pass):
-        if p is not self.current:  # ended: run out, failed, or superseded by a newer pass
-            raise StopIteration
-        if self.num_workers == 0:
-            return self._read_here(p)
-        self._send_ahead(p)
-        if p.served == p.sent:  # nothing in flight: the keys have run out
+        if p is not self.current or self.in_doubt:  # ended (run out, failed, superseded) or
+            raise StopIteration                      # interrupted: see the module docstring
+        self.in_doubt = True  # cleared below, unless an exception leaves in the middle
+        b = self._read_here(p) if self.num_workers == 0 else self._wait_for_next(p)
+        self.in_doubt = False
+        if b is None:
             self._finish(p)
             raise StopIteration
-        b = self.in_flight[(p.id, p.served)]
-        while b.waiting:
-            self._receive()
-        del self.in_flight[(p.id, p.served)]
         if b.error is not None:
             self.pool.give_back(b.slot)
             self._finish(p)
             np.frombuffer(self.control, np.int64)[0] = -1  # the rest of this pass: skipped
             raise b.error.with_traceback(None) from None
+        return self.pool.hand_out(b.slot, b.n)
+
+    def _wait_for_next(self, p: _Pass) -> _Batch | None:
+        """The next batch of ``p`` once filled (None at the end of its keys); batches sent ahead."""
+        self._send_ahead(p)
+        if p.served == p.sent:  # nothing in flight: the keys have run out
+            return None
+        self.awaited = (p.id, p.served)
+        b = self.in_flight[self.awaited]
+        while b.out:
+            self._receive()
+        del self.in_flight[self.awaited]
+        self.awaited = None
         p.served += 1
-        batch = self.pool.hand_out(b.slot, b.n)
-        self._send_ahead(p)  # slots released by the device meanwhile
-        return batch
+        if b.error is None:
+            self._send_ahead(p)  # slots released by the device meanwhile
+        return b
 
     def _finish(self, p: _Pass):
         if self.current is p:
             self.current = None
 
-    def _read_here(self, p: _Pass):
+    def _read_here(self, p: _Pass) -> _Batch | None:
         keys = p.next_keys()
         if keys is None:
-            self._finish(p)
-            raise StopIteration
+            return None
         p.pending = None
-        slot = self.pool.take()
-        n = len(keys)
-        try:
-            self.dataset.read_batch(keys, slot.x[:n], slot.y[:n])
-        except BaseException:
-            self.pool.give_back(slot)
-            raise
+        b = _Batch(p.sent, self.pool.take(), keys)
+        self.dataset.read_batch(keys, b.slot.x[:b.n], b.slot.y[:b.n])
         p.sent += 1
         p.served += 1
-        return self.pool.hand_out(slot, n)
+        return b
 
     def _send_ahead(self, p: _Pass):
         """Send batches up to ``ahead`` past the next one to serve (that one whatever it takes;
@@ -570,12 +656,13 @@ class BatchLoader:
             self._send(p, slot, keys)
 
     def _send(self, p: _Pass, slot: Slot, keys):
-        n, w = len(keys), len(self.workers)
-        parts = min(w, n)
-        self.in_flight[(p.id, p.sent)] = _Batch(p.id, slot, n, parts)
+        b = self.in_flight[(p.id, p.sent)] = _Batch(p.sent, slot, keys)
+        w = len(self.workers)
+        parts = min(w, b.n)
         for i in range(parts):
             worker = self.workers[(p.sent * parts + i) % w]
-            lo, hi = i * n // parts, (i + 1) * n // parts
+            lo, hi = i * b.n // parts, (i + 1) * b.n // parts
+            b.out[lo] = (worker, hi)
             try:
                 if slot.index not in worker.slots:
                     worker.conn.send(("slot", slot.index, slot.layout.x_shape,
@@ -590,46 +677,45 @@ class BatchLoader:
     # -------------------------------------------------------------- workers
 
     def _start_workers(self):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("a BatchLoader with workers starts them from the main thread "
+                               "(a worker dies with the thread that forked it): iterate it "
+                               "first in the main thread, or use workers=0")
         ctx = multiprocessing.get_context("fork")  # the dataset is inherited, not pickled
         self.control = mmap.mmap(-1, 8)  # anonymous shared memory, inherited by the workers
         pipes = [ctx.Pipe(duplex=True) for _ in range(self.num_workers)]
         self.workers = []
-        for i, (here, there) in enumerate(pipes):
-            others = [c for pair in pipes for c in pair if c is not there]
-            seed = int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
-            process = ctx.Process(target=_worker_loop, daemon=True,
-                                  args=(self.dataset, there, self.control, i, os.getpid(), seed,
-                                        others),
-                                  name=f"loader-worker-{i}")
-            process.start()
-            self.workers.append(_Worker(i, process, here))
-        for _, there in pipes:
-            there.close()
+        with _signal_handlers_deferred():
+            for i, (here, there) in enumerate(pipes):
+                others = [c for pair in pipes for c in pair if c is not there]
+                seed = int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
+                process = ctx.Process(target=_worker_loop, daemon=True,
+                                      args=(self.dataset, there, self.control, i, os.getpid(),
+                                            seed, others),
+                                      name=f"loader-worker-{i}")
+                process.start()
+                self.workers.append(_Worker(i, process, here))
+            for _, there in pipes:
+                there.close()
 
     def _receive(self):
-        """Wait for the next answer of any worker and account for it."""
+        """Wait for the next answer of any worker, or the end of one, and account for it."""
         by_conn = {w.conn: w for w in self.workers}
         by_sentinel = {w.process.sentinel: w for w in self.workers}
         ready = connection.wait(list(by_conn) + list(by_sentinel))
         for r in ready:
             if r in by_conn:
                 try:
-                    msg = r.recv()
+                    kind, pass_id, batch, lo, error = r.recv()
                 except (EOFError, OSError):
                     self._died(by_conn[r])
-                self._answered(*msg)
+                b = self.in_flight[(pass_id, batch)]
+                del b.out[lo]
+                if kind == "error" and (b.error is None or lo < b.error_at):
+                    b.error, b.error_at = error, lo  # the error of its first failing sample
         for r in ready:
             if r in by_sentinel:
                 self._died(by_sentinel[r])
-
-    def _answered(self, kind, pass_id, batch, lo, error):
-        b = self.in_flight[(pass_id, batch)]
-        b.waiting -= 1
-        if kind == "error" and (b.error is None or lo < b.error_at):
-            b.error, b.error_at = error, lo  # the error of the batch's first failing sample
-        if b.stale and not b.waiting:
-            del self.in_flight[(pass_id, batch)]
-            self.pool.give_back(b.slot)
 
     def _died(self, w: _Worker):
         w.process.join(timeout=5)
@@ -648,22 +734,48 @@ class BatchLoader:
             f"the system's out-of-memory killer; lower --num_data_workers, --prefetch_depth or "
             f"the batch size (or use data_loader_config lowmem)")
 
+    def waiting_for(self) -> str:
+        """What this loader waits for, in one line: the pass and batch, the workers alive and
+        dead, the parts outstanding (worker, batch, rows, keys). Reads plain state only, never
+        blocks: safe in a signal handler that interrupts a fetch. After a wait interrupted by
+        an exception, what it waited for then (until the next pass or ``close()``)."""
+        pass_id, batch = self.awaited or (self.passes, None)
+        what = (f"pass {pass_id} waits for nothing" if self.awaited is None
+                else f"pass {pass_id} waits for batch {batch}" if batch is not None
+                else f"pass {pass_id + 1} waits for the parts of earlier passes still out")
+        workers = list(self.workers or ())
+        try:
+            dead = set(connection.wait([w.process.sentinel for w in workers], timeout=0))
+        except (OSError, ValueError):  # closed meanwhile
+            dead = set()
+        alive = [str(w.process.pid) for w in workers if w.process.sentinel not in dead]
+        gone = [f"{w.process.pid} (worker {w.index})" for w in workers
+                if w.process.sentinel in dead]
+        parts = [f"worker {w.index} (pid {w.process.pid}) batch {pass_}:{b.index} rows "
+                 f"{lo}:{hi} keys {b.keys[lo]!r}..{b.keys[hi - 1]!r}"
+                 for (pass_, _), b in list(self.in_flight.items())
+                 for lo, (w, hi) in list(b.out.items())]
+        more = f" and {len(parts) - 4} more" if len(parts) > 4 else ""
+        return (f"batch loader: {what}; workers alive: pids {', '.join(alive) or 'none'}; dead: "
+                f"{', '.join(gone) or 'none'}; parts outstanding: "
+                f"{', '.join(parts[:4]) or 'none'}{more}")
+
     def close(self):
         """End the workers now (SIGKILL: they hold nothing to clean up) and give back the pool;
-        batches still referenced stay valid. A later ``iter()`` starts afresh."""
-        workers, self.workers = self.workers, None
-        self.current = None
+        batches still referenced stay valid. A later ``iter()`` starts afresh. Safe to repeat
+        (after an exception raised inside it, say)."""
+        self.current, self.awaited = None, None
         self.in_flight.clear()
-        for w in workers or ():
-            if w.process.is_alive():
-                w.process.kill()
-        for w in workers or ():
+        for w in self.workers or ():
+            w.process.kill()
+        for w in self.workers or ():
             w.process.join(timeout=10)  # killed; one in an uninterruptible read dies after it
             w.conn.close()
-        self.control = None
+        self.workers = self.control = None
         if self.pool is not None:
-            pool, self.pool = self.pool, None
-            pool.close()
+            self.pool.close()
+            self.pool = None
+        self.in_doubt = False
 
     def __del__(self):
         try:

@@ -300,13 +300,22 @@ class DALILoader:
         self.open = False
 
     def __iter__(self):
-        n = self._start_epoch()
-        for step in range(len(self)):
-            plan = handoff(self.device, self.pipe.exec_dynamic)
-            x, y = (to_torch(o, self.device, plan, self.feed) for o in self.pipe.run(plan.run_stream))
-            keep = min(self.b, n - step * self.b)
-            yield x[:keep], y[:keep]  # views: no copy
-        self._finish()
+        try:
+            n = self._start_epoch()
+            for step in range(len(self)):
+                plan = handoff(self.device, self.pipe.exec_dynamic)
+                x, y = (to_torch(o, self.device, plan, self.feed)
+                        for o in self.pipe.run(plan.run_stream))
+                keep = min(self.b, n - step * self.b)
+                yield x[:keep], y[:keep]  # views: no copy
+            self._finish()
+        except GeneratorExit:  # abandoned between batches: the pipeline is as it should be
+            raise
+        except BaseException:
+            # Raised inside DALI's calls (by a signal handler: a stop request, a stall timeout),
+            # the pipeline may be half built or half run: the next pass builds a new one.
+            self.pipe, self.open, self.dali_epoch = None, False, 0
+            raise
 
 
 def _start_method(device) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, write_era5
+from loader_harness import Deadline, KeyedDataset, alive, deadline
 from datapipe.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
                               PinnedHostMemory, SlotLayout)
 from settings.parse import build_config
@@ -383,6 +384,166 @@ def test_a_killed_worker_ends_the_pass_with_one_line_and_nothing_left(roots, tmp
     assert len(list(ld.train)) == len(ld.train)  # fresh workers
     ld.close()
     assert shm() <= before
+
+
+@pytest.mark.parametrize("workers", [2, 8])
+def test_a_new_pass_after_one_abandoned_with_batches_complete(workers):
+    """A pass abandoned while later batches of it are complete (every part answered while the
+    first batch was awaited: a batch of 4 is shared by 4 of 8 workers) hands over to the next
+    pass at once: ending it waits only for parts still outstanding."""
+    slow_first = KeyedDataset(32, delay=lambda keys: 0.3 if 0 in keys else 0.0)
+    ld = BatchLoader(slow_first, list(range(32)), 4, workers=workers)
+    x, y = next(iter(ld))
+    assert KeyedDataset.keys_of(x, y) == [0, 1, 2, 3]
+    try:
+        with deadline(5, "iter() after a pass abandoned with complete batches"):
+            it = iter(ld)
+    except Deadline:
+        ld.close()
+        raise
+    got = [KeyedDataset.keys_of(x, y) for x, y in it]
+    assert got == [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    assert not ld.in_flight
+    ld.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 8])
+def test_training_then_the_throughput_report_finishes_20_of_20_times(tmp_path, workers):
+    """The shape of the run that once hung (a batch of 4, 8 workers, training and validation,
+    then the throughput report's pass abandoned after one batch and fresh passes): in process,
+    one tiny run to its end, then its report's passes 19 times more, each within a deadline."""
+    from engine import throughput_report as tp
+    from engine.runtime import setup_runtime
+    from test_throughput_report import tiny_vit_cfg
+    from train import Trainer
+
+    data = write_era5(str(tmp_path / "era5"), steps=20, h=8, w=16)
+    cfg = tiny_vit_cfg(data, str(tmp_path / "exp"), num_iters=8, limit_nsamples=32,
+                       limit_nsamples_val=8, img_size="[8,16]", embed_dim=8, num_heads=1,
+                       num_data_workers=workers, throughput_report="true", enable_fused="true",
+                       amp_mode="none", checkpoint_every=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the model is tiny: the loader's hand-overs are what is tested
+    tr = Trainer(cfg, setup_runtime(cfg))
+    try:
+        with deadline(60, f"the run with {workers} workers"):
+            tr.fit()
+        for i in range(19):
+            with deadline(30, f"the throughput report's passes, time {i + 2}, {workers} workers"):
+                tp.measure(tr)
+    finally:
+        torch.set_num_threads(threads)
+        tr.loaders.close()
+
+
+PARENT = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from datapipe.batch_pool import BatchLoader
+from loader_harness import KeyedDataset
+ld = BatchLoader(KeyedDataset(64, delay=lambda keys: 0.001), list(range(64)), 4, workers=2)
+for i in range(10**6):
+    for j, _ in enumerate(ld):
+        if i == 0 and j == 0:
+            print("ready", flush=True)
+        if j == i % 5:
+            break
+    if i % 3 == 0:
+        ld.close()  # new workers forked at the next pass: the parent may die while forking
+"""
+
+
+def marked(mark: str) -> list[int]:
+    """The live processes whose environment holds ``mark`` (a parent and all it forked)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read().split(b"\0") and alive(int(pid)):
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_workers_die_with_their_parent():
+    """A training process killed (SIGKILL) at random moments, while it iterates, abandons passes
+    and forks new workers: every worker it forked is gone within a second."""
+    import random
+    import subprocess
+    import sys
+
+    script = PARENT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    for trial in range(6):
+        mark = f"BATCH_POOL_PARENT_TEST={os.getpid()}.{trial}"
+        env = dict(os.environ, BATCH_POOL_PARENT_TEST=mark.split("=")[1], OMP_NUM_THREADS="1")
+        parent = subprocess.Popen([sys.executable, "-c", script], env=env,
+                                  stdout=subprocess.PIPE, text=True)
+        assert parent.stdout.readline() == "ready\n"
+        time.sleep(random.uniform(0, 0.3))
+        parent.kill()
+        parent.wait()
+        end = time.monotonic() + 1.0
+        while marked(mark) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not marked(mark), f"trial {trial}: workers outlived their parent"
+
+
+def test_workers_are_started_from_the_main_thread():
+    """A worker dies with the thread that forked it: a first pass in another thread says so."""
+    import threading
+
+    ld = BatchLoader(KeyedDataset(8), list(range(8)), 4, workers=1)
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, list, ld)))
+    t.start()
+    t.join()
+    assert "main thread" in str(errors[0].value)
+    assert KeyedDataset.keys_of(*next(iter(ld))) == [0, 1, 2, 3]  # from the main thread: works
+    ld.close()
+
+
+def test_a_fetch_interrupted_by_a_signal_handler_and_what_it_waited_for():
+    """A signal handler raises while ``next()`` waits (the engine's stop request or stall
+    timeout): ``waiting_for()``, called in the handler, says in one line which pass and batch,
+    which workers and which parts; the pass ends there; ``close()`` ends the workers, a new pass
+    serves the right batches; a dead worker is named as such."""
+    ld = BatchLoader(KeyedDataset(16, delay=lambda keys: 0.5 if 4 in keys else 0.0),
+                     list(range(16)), 4, workers=2, prefetch_depth=1)
+    it = iter(ld)
+    assert KeyedDataset.keys_of(*next(it)) == [0, 1, 2, 3]
+    said = []
+
+    def stall(signum, frame):
+        said.append(ld.waiting_for())
+        raise Deadline("stalled")
+
+    previous = signal.signal(signal.SIGALRM, stall)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(Deadline):
+            next(it)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    pids = [w.process.pid for w in ld.workers]
+    (line,) = said
+    assert line.startswith(f"batch loader: pass 1 waits for batch 1; workers alive: pids "
+                           f"{pids[0]}, {pids[1]}; dead: none; parts outstanding: worker 0 "
+                           f"(pid {pids[0]}) batch 1:1 rows 0:2 keys 4..5"), line
+    assert "\n" not in line and ld.waiting_for() == line  # still what the wait was for
+    with pytest.raises(StopIteration):
+        next(it)  # the interrupted pass ended
+    t0 = time.perf_counter()
+    ld.close()
+    assert time.perf_counter() - t0 < 2 and not [p for p in pids if alive(p)]
+    assert [KeyedDataset.keys_of(x, y) for x, y in ld] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                            [8, 9, 10, 11], [12, 13, 14, 15]]
+    victim = ld.workers[1].process
+    os.kill(victim.pid, signal.SIGKILL)
+    while alive(victim.pid):
+        time.sleep(0.01)
+    assert f"dead: {victim.pid} (worker 1)" in ld.waiting_for()
+    ld.close()
 
 
 def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
