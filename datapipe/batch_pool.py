@@ -604,12 +604,12 @@ class BatchLoader:
         self.in_doubt = True  # cleared below, unless an exception leaves in the middle
         b = self._read_here(p) if self.num_workers == 0 else self._wait_for_next(p)
         self.in_doubt = False
-        if b is None:
-            self._finish(p)
+        if b is None:  # the end of the pass
+            self.current = None
             raise StopIteration
         if b.error is not None:
             self.pool.give_back(b.slot)
-            self._finish(p)
+            self.current = None
             np.frombuffer(self.control, np.int64)[0] = -1  # the rest of this pass: skipped
             raise b.error.with_traceback(None) from None
         return self.pool.hand_out(b.slot, b.n)
@@ -629,10 +629,6 @@ class BatchLoader:
         if b.error is None:
             self._send_ahead(p)  # slots released by the device meanwhile
         return b
-
-    def _finish(self, p: _Pass):
-        if self.current is p:
-            self.current = None
 
     def _read_here(self, p: _Pass) -> _Batch | None:
         keys = p.next_keys()

@@ -31,6 +31,7 @@ import faulthandler
 import mmap
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -433,7 +434,8 @@ class ReferenceMachine(LoaderMachine):
         from settings.parse import build_config
         import tempfile
 
-        root = write_cosmo_pair(os.path.join(tempfile.mkdtemp(prefix="stress-"), "cosmo"))
+        self.tmp = tempfile.mkdtemp(prefix="stress-")
+        root = write_cosmo_pair(os.path.join(self.tmp, "cosmo"))
 
         def loaders(mode):
             cfg = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "quickstart",
@@ -465,6 +467,7 @@ class ReferenceMachine(LoaderMachine):
         if self.loader is not None:
             for ld in (self.loaders, self.reference):
                 ld.close()
+            shutil.rmtree(self.tmp)
 
 
 class DeviceMachine(ReferenceMachine):
