@@ -7,6 +7,10 @@ the partial gradients of replicated parameters over the axes in ``reduce_over``)
 the same gradient, so each rank adds ``|grad|^2 / copies`` of its parameters and one all-reduce
 over the replica gives the serial squared norm, identical on every rank. Gradients are already
 averaged over data-parallel ranks at that point, so dp needs no reduction.
+
+Under FSDP (``fsdp``) each rank holds a slice of every averaged gradient, as a DTensor sharded
+over the data-parallel mesh: the norm of the DTensors is a partial one (this rank's slices), and
+``full_tensor()`` sums the squares over the data-parallel ranks in one all-reduce of a scalar.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from distributed.groups import ParallelGroups
 
@@ -28,7 +33,10 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None = None) -> torch.T
     if groups is None or groups.mp_size == 1:
         if not grads:
             return torch.zeros((), device=next(model.parameters()).device)
-        return total_norm(grads).float()
+        norm = total_norm(grads).float()
+        if isinstance(norm, DTensor):  # FSDP: one all-reduce of a scalar over the dp ranks
+            norm = norm.full_tensor()
+        return norm
     sq = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     for p in model.parameters():
         if p.grad is None:

@@ -4,6 +4,9 @@
 ``RowBandSharding`` (tensor/context-parallel ViT): each rank holds slices of the weights and
 computes on a band of image rows; the task's loss is summed over the bands' owners
 (``distributed.parallelize.sharded_loss``) and whole outputs are gathered for validation.
+``FullyShardedSharding`` (``fsdp``): every rank computes the whole model on its own samples, but
+holds 1/N of each parameter, gradient and Adam moment as a DTensor sharded over the
+data-parallel ranks.
 
 Both save the model and the optimizer in the serial layout keyed by parameter name, so a
 checkpoint loads on any number of ranks and any tp/cp layout.
@@ -11,6 +14,13 @@ checkpoint loads on any number of ranks and any tp/cp layout.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:  # FSDP2: public from torch 2.6; torch 2.5 (the floor) has the same API under _composable
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
+except ImportError:  # pragma: no cover (torch 2.5)
+    from torch.distributed._composable.fsdp import (  # noqa: F401
+        FSDPModule, MixedPrecisionPolicy, fully_shard)
 
 from distributed.layers import replicated_grads_comm_hook, tensors_from_serial, tensors_to_serial
 from distributed.parallelize import sharded_loss
@@ -131,3 +141,46 @@ class RowBandSharding(Unsharded):
 
     def from_serial(self, model, tensors):
         return tensors_from_serial(model, self.groups, tensors)
+
+
+class FullyShardedSharding(Unsharded):
+    """FSDP2 (``fully_shard``): parameters and optimizer state are DTensors sharded over the
+    data-parallel mesh; batches and outputs pass as they are. The serial layout is each
+    DTensor's whole tensor (an all-gather over the data-parallel ranks, every rank calls it in the
+    same order) and back (each rank keeps its slice of the whole tensor it was given)."""
+
+    def model_state(self, model) -> dict:
+        return super().model_state(resharded(model))
+
+    def load_model_state(self, model, state: dict):
+        super().load_model_state(resharded(model), state)
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        return super().optimizer_state(resharded(model), optimizer)
+
+    def load_optimizer_state(self, model, optimizer, saved: dict):
+        super().load_optimizer_state(resharded(model), optimizer, saved)
+
+    def to_serial(self, model, tensors):
+        return {k: t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+                for k, t in tensors.items()}
+
+    def from_serial(self, model, tensors):
+        like = dict(model.named_parameters())
+        out = {}
+        for name, t in tensors.items():
+            p = like[name]
+            if isinstance(p, DTensor):
+                t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements)
+            out[name] = t
+        return out
+
+
+def resharded(model):
+    """``model`` with every FSDP unit's sharded parameters in place: the root unit keeps its
+    gathered weights after a forward pass without a backward (validation), and the module then
+    holds those instead of the DTensors the optimizer updates."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return model

@@ -15,6 +15,8 @@ config's class) and answers:
 - ``forward_kernels(device, dtype)``: a factory of the context the forward pass runs under (the
   ViT's attention kernel, ``tasks.attention``; a do-nothing context for the U-Net);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);
+- ``shard_blocks(model)``: the submodules sharded as units under ``fsdp`` (their weights are
+  gathered together just before they run);
 - ``shards_model``: whether train_mp.py can split the model over tensor/context-parallel ranks.
 
 Its data is the data room's (``datapipe.data_sets``, registered for the same config class), and
