@@ -314,7 +314,7 @@ class Trainer:
         cfg = self.cfg
         if not (cfg.checkpoint_every and self.iteration % cfg.checkpoint_every == 0):
             self.save_checkpoint(epoch_sum)  # (unless this step's periodic one is written)
-        raise RunStopped(signum, self.iteration, checkpoint.path_for(self.ckpt_dir, self.iteration))
+        raise RunStopped(signum, self.iteration, checkpoint.written_for(self.ckpt_dir, self.iteration))
 
     def log_train_window(self, window: torch.Tensor, steps: int):
         # Host sync at the log interval: mean loss of the last `steps` steps over the dp ranks.
@@ -434,12 +434,12 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, epoch_sum: torch.Tensor | None = None):
-        """Collective on all ranks; rank 0 writes. ``epoch_sum``: this rank's summed step losses
-        of the epoch so far (None at an epoch's end)."""
+        """Collective on all ranks; rank 0 writes (under FSDP every rank writes its shards).
+        ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
+        end)."""
         carried = 0.0 if epoch_sum is None else self.rt.dp_sum(epoch_sum.clone().float()).item()
-        state = self.state.state_dict(carried)
-        if state is not None:
-            path = checkpoint.save(self.ckpt_dir, self.iteration, state, self.cfg.checkpoint_keep)
+        path = self.state.save(self.ckpt_dir, self.cfg.checkpoint_keep, carried)
+        if path is not None:
             log.info(f"Checkpoint written: {path}")
 
     # ------------------------------------------------------------------ the loop
@@ -460,7 +460,7 @@ class Trainer:
             validated = True
         # Written after the last validation (over a periodic one of the same step), so a resume
         # from it knows there is nothing left to do.
-        if validated or not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
+        if validated or checkpoint.written_for(self.ckpt_dir, self.iteration) is None:
             self.save_checkpoint()
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)

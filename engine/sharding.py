@@ -8,12 +8,18 @@ computes on a band of image rows; the task's loss is summed over the bands' owne
 holds 1/N of each parameter, gradient and Adam moment as a DTensor sharded over the
 data-parallel ranks.
 
-Both save the model and the optimizer in the serial layout keyed by parameter name, so a
-checkpoint loads on any number of ranks and any tp/cp layout.
+``Unsharded`` and ``RowBandSharding`` save the model and the optimizer in the serial layout keyed
+by parameter name (one file, rank 0), so a checkpoint loads on any number of ranks and any tp/cp
+layout; ``FullyShardedSharding`` saves its shards with torch's distributed checkpoint (each rank
+its own), keyed by the same names, which DCP reads onto any other sharding (``engine.checkpoint``).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 try:  # FSDP2: public from torch 2.6; torch 2.5 (the floor) has the same API under _composable
@@ -24,11 +30,14 @@ except ImportError:  # pragma: no cover (torch 2.5)
 
 from distributed.layers import replicated_grads_comm_hook, tensors_from_serial, tensors_to_serial
 from distributed.parallelize import sharded_loss
+from engine import checkpoint
 from engine.optimizer import load_optimizer_state
 
 
 class Unsharded:
     """The whole model on every rank of the replica (a replica of one rank)."""
+
+    writes_shards = False  # checkpoints: one file in the serial layout, written by rank 0
 
     def __init__(self, task):
         self.task = task
@@ -89,6 +98,11 @@ class Unsharded:
                   for g in optimizer.param_groups]
         return {"state": state, "param_groups": groups}
 
+    def read_checkpoint(self, model, optimizer, path: str) -> dict:
+        """The model and optimizer state of the DCP checkpoint ``path`` (an FSDP run's) in the
+        serial layout: every rank reads all of it, as it reads a ``.pt`` checkpoint."""
+        return checkpoint.read_tensors(path)
+
     def load_optimizer_state(self, model, optimizer, saved: dict):
         names = {id(p): n for n, p in model.named_parameters()}
         current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
@@ -143,11 +157,34 @@ class RowBandSharding(Unsharded):
         return tensors_from_serial(model, self.groups, tensors)
 
 
+# Every rank holds the whole tensor (it read the checkpoint): each keeps its slice, without the
+# scatter from rank 0 that distribute_tensor does by default (torch >= 2.7 can skip it).
+_KEEP_LOCAL_SLICE = {"src_data_rank": None} \
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
+
+
 class FullyShardedSharding(Unsharded):
     """FSDP2 (``fully_shard``): parameters and optimizer state are DTensors sharded over the
     data-parallel mesh; batches and outputs pass as they are. The serial layout is each
     DTensor's whole tensor (an all-gather over the data-parallel ranks, every rank calls it in the
-    same order) and back (each rank keeps its slice of the whole tensor it was given)."""
+    same order) and back (each rank keeps its slice of the whole tensor it was given).
+    Checkpoints hold the shards (DCP), keyed by parameter name: a rank never holds the whole
+    model to save or to load one."""
+
+    writes_shards = True
+
+    def sharded_state(self, model, optimizer) -> dict:
+        """This rank's shards of the weights and of the Adam state, keyed by parameter name
+        (torch's distributed state dict: the layout DCP saves and reads)."""
+        model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def read_checkpoint(self, model, optimizer, path: str) -> dict:
+        """Collective: each rank reads its own shards of a DCP checkpoint written on any number
+        of ranks (by an FSDP run; a ``.pt`` checkpoint goes through ``from_serial``)."""
+        state = self.sharded_state(model, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        return state
 
     def model_state(self, model) -> dict:
         return super().model_state(resharded(model))
@@ -170,8 +207,9 @@ class FullyShardedSharding(Unsharded):
         out = {}
         for name, t in tensors.items():
             p = like[name]
-            if isinstance(p, DTensor):
-                t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements)
+            if isinstance(p, DTensor) and not isinstance(t, DTensor):  # (shards read by DCP pass)
+                t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                      **_KEEP_LOCAL_SLICE)
             out[name] = t
         return out
 

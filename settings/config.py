@@ -142,8 +142,9 @@ class Config:
     stop_signals: list[str] = _f(
         ["SIGTERM", "SIGUSR1"], "signals that stop the run cleanly at the next log point: "
         f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable)", resume=True)
-    resume_from: str = _f("", "continue from this checkpoint file, or the newest in this run "
-                          "directory (e.g. one written with another number of ranks)", resume=True)
+    resume_from: str = _f("", "continue from this checkpoint (a ckpt_<step>.pt file or an FSDP "
+                          "run's ckpt_<step>.dcp directory), or the newest in this run directory "
+                          "(e.g. one written with another number of ranks)", resume=True)
     init_from: str = _f("", "start from the weights of a model of the tutorial's own code, saved "
                         "with torch.save(model.state_dict()) (empty: fresh weights)", resume=True)
     throughput_report: bool = _f(False, "after training, time the loader alone (IO), the model on "

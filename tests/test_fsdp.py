@@ -1,0 +1,212 @@
+"""Sharded data parallelism (--fsdp, FSDP2) on real gloo ranks against the serial run, and
+checkpoints that resume on another number of ranks and across DDP and FSDP.
+
+Each world size is spawned once and runs its scenarios in a row; the serial references run in
+this process. The tiny ViT takes 6 steps of 2 micro-batches each with the gradient clipped to a
+norm below its own (every step clips), checkpoints at steps 2, 4 and 6; the tiny U-Net takes 2
+plain steps. Resumes:
+
+- 4 -> 2 -> 1: the 4-rank FSDP run's step-2 checkpoint continued by 2 FSDP ranks, whose step-4
+  checkpoint is continued by one process;
+- 1 -> 2: the serial run's step-2 checkpoint continued by 2 FSDP ranks;
+- FSDP -> DDP and DDP -> FSDP: the 4-rank FSDP checkpoint continued by 2 DDP ranks, and a 2-rank
+  DDP run's step-2 checkpoint continued by 2 FSDP ranks.
+
+Each resumed run must hold exactly the weights and optimizer state that were saved (read back
+in the serial layout, every rank taking part) and then take the serial run's steps.
+
+Tolerances: float32 sums in another order (the reduce-scatter adds the ranks' gradients in
+another order than one process adds the samples): losses and gradient norms to 1e-5 relative,
+weights after 6 Adam steps to 1e-5 relative (+2e-6 absolute, for weights near zero).
+"""
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from distributed_harness import run_ranks
+from engine import checkpoint
+from engine.checkpoint_convert import convert
+from engine.runtime import setup_runtime
+from test_ddp import CLIP, Recording, assert_close, unet_cfg, vit_cfg
+from test_ddp import data as data_fixture  # noqa: F401  (the fixture "data": tiny ERA5 and cosmology files)
+
+STEPS = 6
+VIT = dict(num_iters=STEPS, checkpoint_every=2, grad_accum_steps=2, max_grad_norm=CLIP)
+
+
+def ckpt(run_dir, step):
+    """The checkpoint of ``step``: a DCP directory from an FSDP run, a file from the others."""
+    path = checkpoint.written_for(os.path.join(run_dir, "checkpoints"), step)
+    assert path is not None, f"no checkpoint of step {step} in {run_dir}"
+    return path
+
+
+def run_vit(data, expdir, fsdp, resume_from=""):
+    cfg = vit_cfg(data, expdir, fsdp=fsdp, resume_from=resume_from, **VIT)
+    tr = Recording(cfg, setup_runtime(cfg))
+    # what each rank of the resumed run holds, in the serial layout (collective), copied (Adam's
+    # step counts go on counting)
+    start = copy.deepcopy(dict(model=tr.sharding.model_state(tr.model), iteration=tr.iteration,
+                               optimizer=tr.sharding.optimizer_state(tr.model, tr.optimizer)))
+    tr.fit()
+    return dict(losses=tr.step_losses, norms=tr.step_norms, run_dir=tr.run_dir,
+                start=start if resume_from else None,
+                final=tr.sharding.model_state(tr.model), kind=type(tr.model).__name__)
+
+
+def run_unet(data, expdir, fsdp):
+    cfg = unet_cfg(data, expdir, fsdp=fsdp, num_iters=2)
+    tr = Recording(cfg, setup_runtime(cfg))
+    tr.fit()
+    return dict(losses=tr.step_losses, final=tr.sharding.model_state(tr.model))
+
+
+def rank_scenarios(era5, cosmo, exp, resumes):
+    """Every rank of one spawn: the FSDP runs, then the resumes ``{name: checkpoint}``."""
+    out = {"vit": run_vit(era5, os.path.join(exp, "vit"), True),
+           "unet": run_unet(cosmo, os.path.join(exp, "unet"), True)}
+    for name, path in resumes.items():
+        fsdp = name != "ddp_from_fsdp"
+        out[name] = run_vit(era5, os.path.join(exp, name), fsdp, path)
+    return out
+
+
+def rank_ddp_then_fsdp(era5, exp):
+    """A 2-rank DDP run, and its step-2 checkpoint continued by the same ranks under FSDP."""
+    ddp = run_vit(era5, os.path.join(exp, "ddp"), False)
+    return dict(ddp=ddp, fsdp_from_ddp=run_vit(era5, os.path.join(exp, "fsdp_from_ddp"), True,
+                                               ckpt(ddp["run_dir"], 2)))
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def serial(data):
+    exp = str(data["base"] / "serial")
+    torch.manual_seed(0)
+    return dict(vit=run_vit(data["era5"], os.path.join(exp, "vit"), False),
+                unet=run_unet(data["cosmo"], os.path.join(exp, "unet"), False))
+
+
+@pytest.fixture(scope="module")
+def fsdp4(data):
+    exp = str(data["base"] / "ws4")
+    return run_ranks(rank_scenarios, 4, data["era5"], data["cosmo"], exp, {}, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def fsdp2(data, serial, fsdp4):
+    exp = str(data["base"] / "ws2")
+    resumes = {"from4": ckpt(fsdp4[0]["vit"]["run_dir"], 2),
+               "from1": ckpt(serial["vit"]["run_dir"], 2),
+               "ddp_from_fsdp": ckpt(fsdp4[0]["vit"]["run_dir"], 2)}
+    ranks = run_ranks(rank_scenarios, 2, data["era5"], data["cosmo"], exp, resumes, timeout=400)
+    mixed = run_ranks(rank_ddp_then_fsdp, 2, data["era5"], str(data["base"] / "mixed"),
+                      timeout=300)
+    for r, m in zip(ranks, mixed):
+        r.update(m)
+    return ranks
+
+
+@pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
+def fsdp(request):
+    return request.getfixturevalue(f"fsdp{request.param}")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def assert_same_state(got: dict, saved: dict, what: str):
+    """Weights and optimizer state (per-parameter tensors, step counts, hyperparameters) equal."""
+    assert_close(got["model"], saved["model"], 0, 0, f"{what}: weight")
+    g, s = got["optimizer"], saved["optimizer"]
+    assert g["state"].keys() == s["state"].keys()
+    for name in s["state"]:
+        assert_close(g["state"][name], s["state"][name], 0, 0, f"{what}: Adam state of {name}")
+    assert g["param_groups"] == s["param_groups"], what
+    assert got["iteration"] == saved["iteration"]
+
+
+def mean_losses(ranks, key):
+    return np.mean([r[key]["losses"] for r in ranks], axis=0)
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+
+def test_ranks_hold_fsdp_shards(fsdp):
+    assert all(r["vit"]["kind"] == "FSDPViT" for r in fsdp)
+
+
+def test_fsdp_vit_with_accumulation_and_clipping_equals_serial(fsdp, serial):
+    ser = serial["vit"]
+    assert min(ser["norms"]) > CLIP and ser["losses"][-1] < ser["losses"][0]  # every step clipped
+    np.testing.assert_allclose(mean_losses(fsdp, "vit"), ser["losses"], rtol=1e-5)
+    for r in fsdp:  # the norm of the whole gradient, the same on every rank
+        np.testing.assert_allclose(r["vit"]["norms"], ser["norms"], rtol=1e-5)
+        assert_close(r["vit"]["final"], ser["final"], 1e-5, 2e-6, "ViT weight after 6 steps")
+
+
+def test_fsdp_unet_equals_serial(fsdp, serial):
+    ser = serial["unet"]
+    np.testing.assert_allclose(mean_losses(fsdp, "unet"), ser["losses"], rtol=1e-5)
+    for r in fsdp:
+        assert_close(r["unet"]["final"], ser["final"], 1e-5, 2e-6, "U-Net weight after 2 steps")
+
+
+def test_every_rank_writes_its_shards_of_the_checkpoints(fsdp):
+    ckpts = os.path.join(fsdp[0]["vit"]["run_dir"], "checkpoints")
+    assert sorted(os.listdir(ckpts)) == [f"ckpt_{s:08d}.dcp" for s in (2, 4, 6)]
+    files = sorted(os.listdir(os.path.join(ckpts, "ckpt_00000006.dcp")))
+    assert files == sorted([".metadata", "train_state.pt"]
+                           + [f"__{r}_0.distcp" for r in range(len(fsdp))])
+
+
+# ----------------------------------------------------------------------------- resharding
+
+
+def saved(path):
+    """A checkpoint's contents in the serial layout: a DCP directory through the converter."""
+    if os.path.isdir(path):
+        out = path.rstrip(os.sep) + ".converted.pt"
+        if not os.path.exists(out):
+            convert(path, out)
+        path = out
+    return torch.load(path, weights_only=True)
+
+
+def test_fsdp_4_ranks_resume_on_2_then_on_1(fsdp4, fsdp2, serial, data):
+    ser = serial["vit"]
+    first = ckpt(fsdp4[0]["vit"]["run_dir"], 2)
+    for r in fsdp2:
+        assert_same_state(r["from4"]["start"], saved(first), "4 -> 2 ranks")
+    np.testing.assert_allclose(mean_losses(fsdp2, "from4"), ser["losses"][2:], rtol=1e-5)
+    second = ckpt(fsdp2[0]["from4"]["run_dir"], 4)
+    one = run_vit(data["era5"], str(data["base"] / "ws1"), True, second)
+    assert_same_state(one["start"], saved(second), "2 -> 1 rank")
+    np.testing.assert_allclose(one["losses"], ser["losses"][4:], rtol=1e-5)
+    assert_close(one["final"], ser["final"], 1e-5, 2e-6, "weight after 4 -> 2 -> 1 ranks")
+
+
+def test_serial_checkpoint_resumes_on_2_fsdp_ranks(fsdp2, serial):
+    ser = serial["vit"]
+    for r in fsdp2:
+        assert_same_state(r["from1"]["start"], saved(ckpt(ser["run_dir"], 2)), "1 -> 2 ranks")
+        assert_close(r["from1"]["final"], ser["final"], 1e-5, 2e-6, "weight after 1 -> 2 ranks")
+    np.testing.assert_allclose(mean_losses(fsdp2, "from1"), ser["losses"][2:], rtol=1e-5)
+
+
+def test_fsdp_and_ddp_checkpoints_load_into_each_others_runs(fsdp4, fsdp2, serial):
+    ser = serial["vit"]
+    for r in fsdp2:
+        assert r["ddp_from_fsdp"]["kind"] == "ViT" and r["fsdp_from_ddp"]["kind"] == "FSDPViT"
+        assert_same_state(r["ddp_from_fsdp"]["start"], saved(ckpt(fsdp4[0]["vit"]["run_dir"], 2)),
+                          "FSDP -> DDP")
+        assert_same_state(r["fsdp_from_ddp"]["start"], saved(ckpt(r["ddp"]["run_dir"], 2)),
+                          "DDP -> FSDP")
+    for key in ("ddp_from_fsdp", "fsdp_from_ddp"):
+        np.testing.assert_allclose(mean_losses(fsdp2, key), ser["losses"][2:], rtol=1e-5)
