@@ -78,8 +78,10 @@ model counts a rank of the first, longest band (N/cp and H/cp above rounded up t
   (cuBLAS, attention kernels), allocator fragmentation and the CUDA context are not counted.
 
 * FSDP (``--fsdp``, data parallel over ``--data_parallel`` ranks; tp = cp = 1): parameters,
-  gradients and both Adam moments are split over the dp ranks (1/dp each; the 4-byte ``step``
-  tensors are not); on top of that a rank holds the gathered weights of the model outside its
+  gradients and both Adam moments are split over the dp ranks (1/dp each, dim 0 padded to a
+  multiple of dp: ``pos_embed``, of shape (1, N, E), takes its whole size on every rank, and its
+  Adam moments, unpadded, are rank 0's alone: the model counts rank 0, the largest; the 4-byte
+  ``step`` tensors are not split); on top of that a rank holds the gathered weights of the model outside its
   blocks (patch embedding, ``pos_embed``, final LayerNorm, head: the root unit, gathered through
   the whole forward and backward) and of one block at a time, in the compute dtype of the
   mixed-precision policy (bf16 under AMP, fp32 otherwise), and in the backward pass that block's
@@ -175,6 +177,19 @@ class Prediction:
     collectives: List[dict] = field(default_factory=list)
     fsdp: bool = False
     gathered: int = 0  # FSDP: the root's and the largest block's gathered weights
+
+
+def fsdp_shard(name: str, numel: int, s: Shape, dp: int) -> int:
+    """Elements of one rank's FSDP shard of a parameter: FSDP splits dim 0, padded to a multiple
+    of dp (``pos_embed``, of shape (1, N, E), is whole on every rank, padding on all but one)."""
+    if name == "pos_embed":
+        dim0 = 1
+    elif name.endswith(".weight") and not name.split(".")[-2].startswith("norm"):
+        dim0 = {"qkv": 3 * s.embed, "fc1": s.hidden, "head": s.cout * s.patch * s.patch}.get(
+            name.split(".")[-2], s.embed)  # out features (channels of the patch embedding)
+    else:
+        dim0 = numel  # biases and LayerNorm weights
+    return math.ceil(dim0 / dp) * (numel // dim0)
 
 
 def fsdp_gathered(rows, amp: bool) -> Tuple[int, int]:
@@ -372,7 +387,7 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
     rows = parameters(s, tp, cp, lay)
     params = f * sum(numel for _, numel, _ in rows)
     if fsdp:  # every rank keeps 1/dp of each parameter, gradient and moment
-        params = math.ceil(params / dp)
+        params = f * sum(fsdp_shard(name, numel, s, dp) for name, numel, _ in rows)
     adam = 2 * params + 4 * len(rows)
     items = activations(s, tp, cp, amp, attention, checkpointing, measure, lay)
     acts = sum(v for _, v in items)

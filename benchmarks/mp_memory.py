@@ -181,7 +181,8 @@ def run_fsdp(results):
         pr = r["predicted"]
         print(f"| {r['ranks']} | {fmt_mib(got)} / {fmt_mib(pr['params'] + pr['grads'] + pr['adam'])} "
               f"| {fmt_mib(whole / r['ranks'])} | {got / (whole / r['ranks']):.1%} "
-              f"| {fmt_mib(m['gathered'])} / {fmt_mib(pr['gathered'])} |")
+              + (f"| {fmt_mib(m['gathered'])} / {fmt_mib(pr['gathered'])} |" if r["ranks"] > 1
+                 else "| - (nothing sharded) |"))
     results["fsdp"] = rows
     return rows
 

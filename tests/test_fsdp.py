@@ -21,17 +21,22 @@ weights after 6 Adam steps to 1e-5 relative (+2e-6 absolute, for weights near ze
 """
 import copy
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import ROOT
 from distributed_harness import run_ranks
 from engine import checkpoint
 from engine.checkpoint_convert import convert
 from engine.runtime import setup_runtime
-from test_ddp import CLIP, Recording, assert_close, unet_cfg, vit_cfg
-from test_ddp import data as data_fixture  # noqa: F401  (the fixture "data": tiny ERA5 and cosmology files)
+from engine.sharding import resharded
+from observe.memory import tensor_bytes
+from test_ddp import CLIP, Recording, assert_close, unet_cfg, vit_cfg, write_data
 
 STEPS = 6
 VIT = dict(num_iters=STEPS, checkpoint_every=2, grad_accum_steps=2, max_grad_norm=CLIP)
@@ -44,15 +49,18 @@ def ckpt(run_dir, step):
     return path
 
 
-def run_vit(data, expdir, fsdp, resume_from=""):
-    cfg = vit_cfg(data, expdir, fsdp=fsdp, resume_from=resume_from, **VIT)
+def run_vit(data, expdir, fsdp, resume_from="", **kw):
+    cfg = vit_cfg(data, expdir, fsdp=fsdp, resume_from=resume_from, **(VIT | kw))
     tr = Recording(cfg, setup_runtime(cfg))
     # what each rank of the resumed run holds, in the serial layout (collective), copied (Adam's
     # step counts go on counting)
     start = copy.deepcopy(dict(model=tr.sharding.model_state(tr.model), iteration=tr.iteration,
                                optimizer=tr.sharding.optimizer_state(tr.model, tr.optimizer)))
     tr.fit()
-    return dict(losses=tr.step_losses, norms=tr.step_norms, run_dir=tr.run_dir,
+    resharded(tr.model)
+    held = dict(params=tensor_bytes(tr.model.parameters()), adam=tensor_bytes(
+        v for st in tr.optimizer.state.values() for v in st.values() if torch.is_tensor(v)))
+    return dict(losses=tr.step_losses, norms=tr.step_norms, run_dir=tr.run_dir, held=held,
                 start=start if resume_from else None,
                 final=tr.sharding.model_state(tr.model), kind=type(tr.model).__name__)
 
@@ -71,6 +79,11 @@ def rank_scenarios(era5, cosmo, exp, resumes):
     for name, path in resumes.items():
         fsdp = name != "ddp_from_fsdp"
         out[name] = run_vit(era5, os.path.join(exp, name), fsdp, path)
+    if resumes:  # (the 2-rank spawn) activation checkpointing, and bf16 weights for compute
+        out["checkpointed"] = run_vit(era5, os.path.join(exp, "ac"), True, num_iters=2,
+                                      activation_checkpointing="true")
+        out["bf16"] = run_vit(era5, os.path.join(exp, "bf16"), True, num_iters=2,
+                              amp_mode="bf16")
     return out
 
 
@@ -82,6 +95,11 @@ def rank_ddp_then_fsdp(era5, exp):
 
 
 # ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("fsdp_data"))
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +169,36 @@ def test_fsdp_vit_with_accumulation_and_clipping_equals_serial(fsdp, serial):
         assert_close(r["vit"]["final"], ser["final"], 1e-5, 2e-6, "ViT weight after 6 steps")
 
 
+def test_fsdp_with_activation_checkpointing_equals_serial(fsdp2, serial):
+    np.testing.assert_allclose(mean_losses(fsdp2, "checkpointed"), serial["vit"]["losses"][:2],
+                               rtol=1e-5)
+
+
+def test_fsdp_in_bf16_keeps_fp32_shards_and_follows_fp32(fsdp2, serial):
+    """Weights are gathered in bf16 for compute; the shards, and so the checkpoints, stay fp32."""
+    for r in fsdp2:
+        assert all(t.dtype == torch.float32 for t in r["bf16"]["final"].values())
+    np.testing.assert_allclose(mean_losses(fsdp2, "bf16"), serial["vit"]["losses"][:2], rtol=2e-2)
+
+
 def test_fsdp_unet_equals_serial(fsdp, serial):
     ser = serial["unet"]
     np.testing.assert_allclose(mean_losses(fsdp, "unet"), ser["losses"], rtol=1e-5)
     for r in fsdp:
         assert_close(r["unet"]["final"], ser["final"], 1e-5, 2e-6, "U-Net weight after 2 steps")
+
+
+def test_memory_model_predicts_each_ranks_shards(fsdp, data):
+    """Parameters and Adam state on each rank: benchmarks.memory_model's FSDP prediction."""
+    from benchmarks.memory_model import predict_config
+
+    n = len(fsdp)
+    p = predict_config(vit_cfg(data["era5"], "/tmp", fsdp="true", **VIT), n, "flash", "cpu")
+    assert all(r["vit"]["held"]["params"] == p.params for r in fsdp)
+    # Adam's moments are the unpadded shards: pos_embed's on rank 0 alone, the largest rank
+    assert max(r["vit"]["held"]["adam"] for r in fsdp) == fsdp[0]["vit"]["held"]["adam"] == p.adam
+    whole = predict_config(vit_cfg(data["era5"], "/tmp", **VIT), 1, "flash", "cpu")
+    assert p.params < whole.params / n * 1.1  # 1/N, plus pos_embed's padding
 
 
 def test_every_rank_writes_its_shards_of_the_checkpoints(fsdp):
@@ -210,3 +253,80 @@ def test_fsdp_and_ddp_checkpoints_load_into_each_others_runs(fsdp4, fsdp2, seria
                           "DDP -> FSDP")
     for key in ("ddp_from_fsdp", "fsdp_from_ddp"):
         np.testing.assert_allclose(mean_losses(fsdp2, key), ser["losses"][2:], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- stops and kills
+
+
+def test_fsdp_stop_signal_saves_shards_exits_3_and_resumes_exactly(tmp_path, data):
+    """A stop signal on one rank: both write the step's sharded checkpoint and exit 3; the
+    resumed run ends with the uninterrupted run's weights and losses."""
+    from test_preemption import launch_two_ranks
+    from test_training import TINY_VIT, run_dir, tb_scalars
+
+    args = TINY_VIT + ["--data_root", data["era5"], "--num_iters", "8", "--dropout", "0.1",
+                       "--num_data_workers", "0", "--fsdp", "true"]
+    ref_exp, exp = str(tmp_path / "ref"), str(tmp_path / "stopped")
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
+                                   SIGNAL_RANK="1")
+    assert codes == [3, 3], outs
+    assert "Stopped on SIGUSR1 after step 4: checkpoint " in outs[0][0]
+    assert "ckpt_00000004.dcp" in outs[0][0]
+    ckpts = os.path.join(run_dir(exp, ws=2), "checkpoints")
+    assert os.listdir(ckpts) == ["ckpt_00000004.dcp"]
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp, "--resume", "auto"])
+    assert codes == [0, 0], outs
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", ref_exp])
+    assert codes == [0, 0], outs
+    a, b = (saved(ckpt(run_dir(e, ws=2), 8)) for e in (ref_exp, exp))
+    assert_same_state(b, a, "resumed after a stop")
+    ref_tb, got_tb = (tb_scalars(os.path.join(run_dir(e, ws=2), "tensorboard"))
+                      for e in (ref_exp, exp))
+    assert [e.value for e in got_tb.Scalars("Loss/train")] == \
+        [e.value for e in ref_tb.Scalars("Loss/train")]
+
+
+def test_partial_and_damaged_sharded_checkpoints_fall_back(fsdp4, tmp_path):
+    """A directory still being written (.tmp, as a kill -9 leaves it) is never a checkpoint;
+    one whose shard file was cut short is skipped for the previous one."""
+    src = os.path.dirname(ckpt(fsdp4[0]["vit"]["run_dir"], 6))
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(src, ckpts)
+    shutil.copytree(ckpts / "ckpt_00000006.dcp", ckpts / "ckpt_00000008.dcp.tmp")
+    assert checkpoint.load_latest(str(ckpts))[1].endswith("ckpt_00000006.dcp")
+    shard = ckpts / "ckpt_00000006.dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    state, path = checkpoint.load_latest(str(ckpts))
+    assert path.endswith("ckpt_00000004.dcp") and state["iteration"] == 4
+    os.remove(ckpts / "ckpt_00000004.dcp" / "train_state.pt")
+    assert checkpoint.load_latest(str(ckpts))[1].endswith("ckpt_00000002.dcp")
+
+
+def test_convert_command(fsdp4, tmp_path):
+    run_ckpts = os.path.dirname(ckpt(fsdp4[0]["vit"]["run_dir"], 6))
+    out = tmp_path / "newest.pt"
+    p = subprocess.run([sys.executable, "-m", "engine.checkpoint_convert", run_ckpts, str(out)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert f"{out}: step 6" in p.stdout
+    whole = torch.load(out, weights_only=True)
+    assert whole["iteration"] == 6 and whole["world_size"] == 4
+    assert_close(whole["model"], fsdp4[0]["vit"]["final"], 0, 0, "converted weight")
+    for bad in (str(out), str(tmp_path / "missing")):
+        p = subprocess.run([sys.executable, "-m", "engine.checkpoint_convert", bad,
+                            str(tmp_path / "x.pt")], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+        assert p.stderr.startswith("error: ") and bad in p.stderr
+
+
+def rank_compiled(era5, exp):
+    return run_vit(era5, exp, True, num_iters=2, enable_jit="true")
+
+
+@pytest.mark.compile
+def test_compiled_fsdp_equals_serial(data, serial):
+    """torch.compile of the sharded model (compiled after fully_shard)."""
+    ranks = run_ranks(rank_compiled, 2, data["era5"], str(data["base"] / "compiled"), timeout=900)
+    assert ranks[0]["kind"] == "FSDPViT"
+    np.testing.assert_allclose(np.mean([r["losses"] for r in ranks], axis=0),
+                               serial["vit"]["losses"][:2], rtol=1e-4)
