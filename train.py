@@ -223,6 +223,7 @@ class Trainer:
                         self.scaler.scale(loss).backward()  # DDP's all-reduce overlaps it
                 loss_sum += loss.detach()
             with nvtx_range("optimizer"):
+                self.parallel.reduce_replicated_grads()  # (FSDP x tp/cp: sums over tp/cp)
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients (fp16: unscaled)
                 grad_norm = self.parallel.clip_grad_norm(self.cfg.max_grad_norm)
                 self.scaler.step(self.optimizer)

@@ -375,8 +375,9 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
     """``sequence_parallel``: as the engine's config key (False: off); ``fsdp``: parameters,
     gradients and Adam state sharded over the ``dp`` ranks (tp = cp = 1)."""
     if fsdp and tp * cp > 1:
-        raise ValueError(f"fsdp with tensor_parallel={tp} x context_parallel={cp}: the engine "
-                         f"refuses the combination; model fsdp with tp = cp = 1")
+        raise ValueError(f"fsdp with tensor_parallel={tp} x context_parallel={cp}: this model "
+                         f"counts FSDP alone (tp = cp = 1); for the combination, divide the tp/cp "
+                         f"layout's parameters, gradients and Adam state by data_parallel")
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: choose {', '.join(ATTENTION)}")
     if measure not in MEASURE:

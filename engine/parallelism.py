@@ -66,6 +66,11 @@ class ParallelModel:
         ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)  # under torch.compile
         return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
 
+    def reduce_replicated_grads(self):
+        """After the backward passes, under FSDP with tp/cp: the gradient sums over tp/cp that
+        DDP's communication hook does otherwise (nothing to do in any other run)."""
+        self.sharding.reduce_replicated_grads(self.module)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0."""
         return clip_grad_norm(self.module, max_norm, self.rt.groups)
@@ -92,17 +97,27 @@ def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Runtime) -> nn.Module:
+def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Runtime,
+                mesh=None) -> nn.Module:
     """``fully_shard`` each block, then the whole model (what is left: embeddings, head, norms)
-    over a one-dimensional data-parallel mesh. The blocks are the units whose weights are
-    gathered together: one all-gather per block in the forward (and again in the backward), one
-    reduce-scatter of its gradients; peak memory holds the largest gathered block on top of the
-    shards."""
-    mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
+    over a one-dimensional data-parallel mesh: ``mesh``, the dp dimension of the tp x cp x dp
+    mesh of a tensor/context-parallel model (whose slices FSDP shards further), or one over
+    every rank. The blocks are the units whose weights are gathered together: one all-gather
+    per block in the forward (and again in the backward), one reduce-scatter of its gradients;
+    peak memory holds the largest gathered block on top of the shards."""
+    if mesh is None:
+        mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
     policy = mixed_precision_policy(amp_mode)
+    # The tp/cp layers' marks on their parameters (how each is cut from the serial one, over
+    # which axes its copies' gradients are summed), for the DTensor parameters FSDP puts in place.
+    marks = {name: {k: getattr(p, k) for k in ("shard_spec", "reduce_over") if hasattr(p, k)}
+             for name, p in model.named_parameters()}
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    for name, p in model.named_parameters():
+        for k, v in marks[name].items():
+            setattr(p, k, v)
     largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     log.info(f"FSDP: {len(blocks)} blocks and the rest of the model sharded over {rt.dp_size} "
              f"data-parallel ranks; the largest block gathers {largest / 1e6:.3g} M parameters"
@@ -131,13 +146,15 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task) -> Paral
         sharding = Unsharded(task)
     model = model.to(rt.device)  # 3.
     wrapped = model
-    if cfg.fsdp and rt.distributed:  # 4. sharded data parallel
-        # (tp/cp, noddp and fp16 with fsdp are refused with the settings)
-        model = shard_fully(model, task.shard_blocks(model), cfg.amp_mode, rt)
-        sharding = FullyShardedSharding(task)
+    if cfg.fsdp and rt.dp_size > 1:  # 4. sharded data parallel
+        # (noddp and fp16 with fsdp are refused with the settings)
+        mesh = rt.groups.mesh["dp"] if rt.groups is not None else None
+        model = shard_fully(model, task.shard_blocks(model), cfg.amp_mode, rt, mesh)
+        sharding = FullyShardedSharding(task, sharding)
         wrapped = model
     elif cfg.fsdp:
-        log.info("fsdp on one rank: nothing to shard, the model trains whole")
+        log.info("fsdp on one data-parallel rank: nothing to shard over, the replica trains as "
+                 "it is")
     elif rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
                     "synchronised (for compute-only scaling measurements)")

@@ -28,7 +28,8 @@ except ImportError:  # pragma: no cover (torch 2.5)
     from torch.distributed._composable.fsdp import (  # noqa: F401
         FSDPModule, MixedPrecisionPolicy, fully_shard)
 
-from distributed.layers import replicated_grads_comm_hook, tensors_from_serial, tensors_to_serial
+from distributed.layers import (reduce_replicated_grad_shards, replicated_grads_comm_hook,
+                               tensors_from_serial, tensors_to_serial)
 from distributed.parallelize import sharded_loss
 from engine import checkpoint
 from engine.optimizer import load_optimizer_state
@@ -56,6 +57,9 @@ class Unsharded:
 
     def register_grad_hooks(self, ddp_model):
         """Extra gradient reductions beyond DDP's data-parallel average (none here)."""
+
+    def reduce_replicated_grads(self, model):
+        """Gradient sums left after the backward passes (none: DDP, or nothing, did them)."""
 
     def to_serial(self, model, tensors: dict) -> dict:
         return {k: t.detach().clone() for k, t in tensors.items()}
@@ -145,6 +149,10 @@ class RowBandSharding(Unsharded):
     def whole_output(self, pred):
         return self.model.gather_image(pred)
 
+    def reduce_replicated_grads(self, model):
+        # (under FSDP, which has no communication hook): the sums over tp/cp of the hook below
+        reduce_replicated_grad_shards(model, self.groups)
+
     def register_grad_hooks(self, ddp_model):
         # DDP averages over dp; the hook also sums the gradients of parameters replicated over
         # tp/cp (each rank saw only its own tokens).
@@ -164,27 +172,34 @@ _KEEP_LOCAL_SLICE = {"src_data_rank": None} \
 
 
 class FullyShardedSharding(Unsharded):
-    """FSDP2 (``fully_shard``): parameters and optimizer state are DTensors sharded over the
-    data-parallel mesh; batches and outputs pass as they are. The serial layout is each
+    """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner``: the whole model
+    (``Unsharded``) or the tensor/context-parallel ViT (``RowBandSharding``, whose plain slices
+    FSDP shards further over dp). Parameters and optimizer state are DTensors sharded over the
+    data-parallel mesh; batches, losses and outputs are ``inner``'s. The serial layout is each
     DTensor's whole tensor (an all-gather over the data-parallel ranks, every rank calls it in the
-    same order) and back (each rank keeps its slice of the whole tensor it was given).
-    Checkpoints hold the shards (DCP), keyed by parameter name: a rank never holds the whole
-    model to save or to load one."""
+    same order), put together over tp/cp by ``inner``, and back (each rank keeps its slice).
+    Checkpoints of FSDP alone hold the shards (DCP), keyed by parameter name: a rank never holds
+    the whole model to save or to load one; with tp/cp they go through the serial layout (the
+    tp/cp slices are no DTensors that DCP could place)."""
 
-    writes_shards = True
+    def __init__(self, task, inner: Unsharded):
+        super().__init__(task)
+        self.inner = inner
+        self.writes_shards = type(inner) is Unsharded
 
-    def sharded_state(self, model, optimizer) -> dict:
-        """This rank's shards of the weights and of the Adam state, keyed by parameter name
-        (torch's distributed state dict: the layout DCP saves and reads)."""
-        model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
+    def local_batch(self, x, y):
+        return self.inner.local_batch(x, y)
 
-    def read_checkpoint(self, model, optimizer, path: str) -> dict:
-        """Collective: each rank reads its own shards of a DCP checkpoint written on any number
-        of ranks (by an FSDP run; a ``.pt`` checkpoint goes through ``from_serial``)."""
-        state = self.sharded_state(model, optimizer)
-        dcp.load(state, checkpoint_id=path)
-        return state
+    def loss(self, pred, y):
+        return self.inner.loss(pred, y)
+
+    def whole_output(self, pred):
+        return self.inner.whole_output(pred)
+
+    def reduce_replicated_grads(self, model):
+        """After the backward passes: the tp/cp sums of replicated parameters' gradients (DDP's
+        communication hook does them without FSDP)."""
+        self.inner.reduce_replicated_grads(model)
 
     def model_state(self, model) -> dict:
         return super().model_state(resharded(model))
@@ -198,13 +213,33 @@ class FullyShardedSharding(Unsharded):
     def load_optimizer_state(self, model, optimizer, saved: dict):
         super().load_optimizer_state(resharded(model), optimizer, saved)
 
+    def sharded_state(self, model, optimizer) -> dict:
+        """This rank's shards of the weights and of the Adam state, keyed by parameter name
+        (torch's distributed state dict: the layout DCP saves and reads)."""
+        model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def read_checkpoint(self, model, optimizer, path: str) -> dict:
+        """Collective: each rank reads its own shards of a DCP checkpoint written on any number
+        of ranks (by an FSDP run; a ``.pt`` checkpoint goes through ``from_serial``); with
+        tp/cp, the whole tensors, as for a ``.pt`` checkpoint."""
+        if not self.writes_shards:
+            return super().read_checkpoint(model, optimizer, path)
+        state = self.sharded_state(model, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        return state
+
     def to_serial(self, model, tensors):
-        return {k: t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-                for k, t in tensors.items()}
+        whole = {k: t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+                 for k, t in tensors.items()}
+        return self.inner.to_serial(model, whole)
 
     def from_serial(self, model, tensors):
         like = dict(model.named_parameters())
         out = {}
+        tensors = self.inner.from_serial(model, {k: t for k, t in tensors.items()
+                                                 if not isinstance(t, DTensor)}) \
+            | {k: t for k, t in tensors.items() if isinstance(t, DTensor)}
         for name, t in tensors.items():
             p = like[name]
             if isinstance(p, DTensor) and not isinstance(t, DTensor):  # (shards read by DCP pass)

@@ -162,8 +162,9 @@ class Config:
     resume=True)
     fsdp: bool = _f(False, "shard the parameters, gradients and Adam state over the "
                     "data-parallel ranks (FSDP2, torch's fully_shard) instead of replicating them "
-                    "(DDP): each rank keeps 1/N and gathers a block's weights just before using "
-                    "it; checkpoints load either way", resume=True)
+                    "(DDP): each rank keeps 1/N (of its tensor/context-parallel slices, with "
+                    "those) and gathers a block's weights just before using it; checkpoints load "
+                    "either way", resume=True)
     bucket_cap_mb: float = _f(25.0, "DistributedDataParallel gradient bucket size in MB", min=0.0,
     resume=True)
     dist_timeout_s: int = _f(600, "seconds a collective waits for a missing rank before failing",
@@ -235,11 +236,6 @@ class ViTConfig(Config):
             raise ConfigError(f"img_size={self.img_size} is too small for generated ERA5 fields "
                               f"(the rows run from pole to pole): use at least 2 rows and 4 "
                               f"columns")
-        if self.fsdp and self.tensor_parallel * self.context_parallel > 1:
-            raise ConfigError(f"fsdp with tensor_parallel={self.tensor_parallel} x "
-                              f"context_parallel={self.context_parallel}: the hand-written tp/cp "
-                              f"layers do not compose with fully_shard yet (docs/parallelism.md): "
-                              f"use --fsdp on its own, or tp/cp with DDP (drop --fsdp)")
         if self.embed_dim % self.num_heads:
             ok = [n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0 and n <= 64]
             raise ConfigError(f"num_heads={self.num_heads} does not divide embed_dim="

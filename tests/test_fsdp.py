@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -79,12 +80,24 @@ def rank_scenarios(era5, cosmo, exp, resumes):
     for name, path in resumes.items():
         fsdp = name != "ddp_from_fsdp"
         out[name] = run_vit(era5, os.path.join(exp, name), fsdp, path)
-    if resumes:  # (the 2-rank spawn) activation checkpointing, and bf16 weights for compute
+    if not resumes:  # (the 4-rank spawn) FSDP over dp = 2 of a tp = 2 and of a cp = 2 model
+        out["tp_dp"] = run_vit(era5, os.path.join(exp, "tp_dp"), True, tensor_parallel=2)
+        out["cp_dp"] = run_vit(era5, os.path.join(exp, "cp_dp"), True, context_parallel=2)
+    else:  # (the 2-rank spawn) activation checkpointing, and bf16 weights for compute
         out["checkpointed"] = run_vit(era5, os.path.join(exp, "ac"), True, num_iters=2,
                                       activation_checkpointing="true")
         out["bf16"] = run_vit(era5, os.path.join(exp, "bf16"), True, num_iters=2,
                               amp_mode="bf16")
     return out
+
+
+def rank_3d(era5, exp, dcp_checkpoint):
+    """FSDP over dp = 2 of a tp = 2 x cp = 2 model (8 ranks), fresh and from a sharded checkpoint
+    of FSDP alone."""
+    layout = dict(tensor_parallel=2, context_parallel=2)
+    return dict(tp_cp_dp=run_vit(era5, os.path.join(exp, "fresh"), True, **layout),
+                dcp_to_tp_cp=run_vit(era5, os.path.join(exp, "resumed"), True, dcp_checkpoint,
+                                     **layout))
 
 
 def rank_ddp_then_fsdp(era5, exp):
@@ -121,13 +134,20 @@ def fsdp2(data, serial, fsdp4):
     exp = str(data["base"] / "ws2")
     resumes = {"from4": ckpt(fsdp4[0]["vit"]["run_dir"], 2),
                "from1": ckpt(serial["vit"]["run_dir"], 2),
-               "ddp_from_fsdp": ckpt(fsdp4[0]["vit"]["run_dir"], 2)}
+               "ddp_from_fsdp": ckpt(fsdp4[0]["vit"]["run_dir"], 2),
+               "from_tp_dp": ckpt(fsdp4[0]["tp_dp"]["run_dir"], 2)}
     ranks = run_ranks(rank_scenarios, 2, data["era5"], data["cosmo"], exp, resumes, timeout=400)
     mixed = run_ranks(rank_ddp_then_fsdp, 2, data["era5"], str(data["base"] / "mixed"),
                       timeout=300)
     for r, m in zip(ranks, mixed):
         r.update(m)
     return ranks
+
+
+@pytest.fixture(scope="module")
+def fsdp8(data, fsdp4):
+    return run_ranks(rank_3d, 8, data["era5"], str(data["base"] / "ws8"),
+                     ckpt(fsdp4[0]["vit"]["run_dir"], 2), timeout=600)
 
 
 @pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
@@ -167,6 +187,37 @@ def test_fsdp_vit_with_accumulation_and_clipping_equals_serial(fsdp, serial):
     for r in fsdp:  # the norm of the whole gradient, the same on every rank
         np.testing.assert_allclose(r["vit"]["norms"], ser["norms"], rtol=1e-5)
         assert_close(r["vit"]["final"], ser["final"], 1e-5, 2e-6, "ViT weight after 6 steps")
+
+
+@pytest.mark.parametrize("key", ["tp_dp", "cp_dp"])
+def test_fsdp_over_tensor_or_context_parallel_model_equals_serial(fsdp4, serial, key):
+    """FSDP over dp = 2 of the hand-written tp = 2 (or cp = 2) layers: the serial run, with
+    accumulation and clipping (the ranks of a replica report the replica's loss)."""
+    ser = serial["vit"]
+    assert all(r[key]["kind"] == "FSDPParallelViT" for r in fsdp4)
+    np.testing.assert_allclose(mean_losses(fsdp4, key), ser["losses"], rtol=1e-5)
+    for r in fsdp4:
+        np.testing.assert_allclose(r[key]["norms"], ser["norms"], rtol=1e-5)
+        assert_close(r[key]["final"], ser["final"], 1e-5, 2e-6, f"{key} weight after 6 steps")
+
+
+def test_fsdp_x_tp_x_cp_equals_serial_and_reads_sharded_checkpoints(fsdp8, fsdp4, serial):
+    ser = serial["vit"]
+    np.testing.assert_allclose(mean_losses(fsdp8, "tp_cp_dp"), ser["losses"], rtol=1e-5)
+    for r in fsdp8:
+        np.testing.assert_allclose(r["tp_cp_dp"]["norms"], ser["norms"], rtol=1e-5)
+        assert_close(r["tp_cp_dp"]["final"], ser["final"], 1e-5, 2e-6, "tp x cp x dp weight")
+        assert_same_state(r["dcp_to_tp_cp"]["start"], saved(ckpt(fsdp4[0]["vit"]["run_dir"], 2)),
+                          "FSDP on 4 ranks -> FSDP x tp x cp on 8")
+    np.testing.assert_allclose(mean_losses(fsdp8, "dcp_to_tp_cp"), ser["losses"][2:], rtol=1e-5)
+
+
+def test_fsdp_x_tp_checkpoint_resumes_on_fsdp_alone(fsdp2, fsdp4, serial):
+    for r in fsdp2:
+        assert_same_state(r["from_tp_dp"]["start"], saved(ckpt(fsdp4[0]["tp_dp"]["run_dir"], 2)),
+                          "FSDP x tp -> FSDP")
+    np.testing.assert_allclose(mean_losses(fsdp2, "from_tp_dp"), serial["vit"]["losses"][2:],
+                               rtol=1e-5)
 
 
 def test_fsdp_with_activation_checkpointing_equals_serial(fsdp2, serial):
@@ -215,10 +266,10 @@ def test_every_rank_writes_its_shards_of_the_checkpoints(fsdp):
 def saved(path):
     """A checkpoint's contents in the serial layout: a DCP directory through the converter."""
     if os.path.isdir(path):
-        out = path.rstrip(os.sep) + ".converted.pt"
-        if not os.path.exists(out):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "converted.pt")
             convert(path, out)
-        path = out
+            return torch.load(out, weights_only=True)
     return torch.load(path, weights_only=True)
 
 

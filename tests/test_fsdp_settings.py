@@ -19,8 +19,6 @@ VIT_YAML = os.path.join(ROOT, "config", "ViT.yaml")
 @pytest.mark.parametrize("overrides,words", [
     (dict(noddp="true"), "drop one of --fsdp and --noddp"),
     (dict(amp_mode="fp16"), "use --amp_mode bf16"),
-    (dict(tensor_parallel="2"), "use --fsdp on its own, or tp/cp with DDP"),
-    (dict(context_parallel="2"), "context_parallel=2"),
 ])
 def test_fsdp_combinations_refused_with_the_fix(overrides, words):
     with pytest.raises(ConfigError, match=words):
@@ -46,3 +44,8 @@ def test_mixed_precision_policy_follows_amp_mode():
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
     none = mixed_precision_policy("none")
     assert none.param_dtype is None and none.reduce_dtype is None
+
+
+def test_mp_fsdp_config_is_fsdp_over_tensor_parallel_in_bf16():
+    c = build_config(VIT_YAML, "mp_fsdp")
+    assert (c.fsdp, c.tensor_parallel, c.amp_mode, c.embed_dim) == (True, 2, "bf16", 1536)
