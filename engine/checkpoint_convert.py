@@ -15,6 +15,8 @@ import argparse
 import os
 import sys
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from engine import checkpoint
 
 
@@ -47,7 +49,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         whole = convert(args.src, args.out)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, CheckpointException) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     n = sum(t.numel() for t in whole["model"].values())

@@ -10,8 +10,10 @@
    parallelism, its communication hook also sums the gradients of parameters replicated over
    tp/cp), or, with ``fsdp``, torch's FSDP2 (``fully_shard``): each of the task's blocks
    (``task.shard_blocks(model)``) and then the whole model are sharded over a one-dimensional
-   data-parallel ``DeviceMesh``, so that every rank keeps 1/N of each parameter, its gradient and
-   its Adam state as DTensors and gathers a block's weights just before the block runs;
+   data-parallel ``DeviceMesh`` (under tp/cp the ``dp`` dimension of the tp x cp x dp mesh, so
+   FSDP shards the tp/cp slices further), so that every rank keeps 1/N of each parameter, its
+   gradient and its Adam state as DTensors and gathers a block's weights just before the block
+   runs;
 5. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
    sharded layers' collectives stay out of the compiled graphs: each is a graph break and runs
    eagerly (``distributed.mappings.eager_apply``), the compute between them is compiled.
@@ -146,15 +148,15 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task) -> Paral
         sharding = Unsharded(task)
     model = model.to(rt.device)  # 3.
     wrapped = model
+    if cfg.fsdp and rt.dp_size == 1:
+        log.info("fsdp with one data-parallel rank: nothing to shard over, the replica trains as "
+                 "without fsdp")
     if cfg.fsdp and rt.dp_size > 1:  # 4. sharded data parallel
         # (noddp and fp16 with fsdp are refused with the settings)
         mesh = rt.groups.mesh["dp"] if rt.groups is not None else None
         model = shard_fully(model, task.shard_blocks(model), cfg.amp_mode, rt, mesh)
         sharding = FullyShardedSharding(task, sharding)
         wrapped = model
-    elif cfg.fsdp:
-        log.info("fsdp on one data-parallel rank: nothing to shard over, the replica trains as "
-                 "it is")
     elif rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
                     "synchronised (for compute-only scaling measurements)")

@@ -149,10 +149,6 @@ class RowBandSharding(Unsharded):
     def whole_output(self, pred):
         return self.model.gather_image(pred)
 
-    def reduce_replicated_grads(self, model):
-        # (under FSDP, which has no communication hook): the sums over tp/cp of the hook below
-        reduce_replicated_grad_shards(model, self.groups)
-
     def register_grad_hooks(self, ddp_model):
         # DDP averages over dp; the hook also sums the gradients of parameters replicated over
         # tp/cp (each rank saw only its own tokens).
@@ -198,8 +194,9 @@ class FullyShardedSharding(Unsharded):
 
     def reduce_replicated_grads(self, model):
         """After the backward passes: the tp/cp sums of replicated parameters' gradients (DDP's
-        communication hook does them without FSDP)."""
-        self.inner.reduce_replicated_grads(model)
+        communication hook, ``RowBandSharding.register_grad_hooks``, does them without FSDP)."""
+        if isinstance(self.inner, RowBandSharding):
+            reduce_replicated_grad_shards(model, self.inner.groups)
 
     def model_state(self, model) -> dict:
         return super().model_state(resharded(model))

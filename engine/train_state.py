@@ -13,6 +13,7 @@ import logging
 import math
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from engine import checkpoint
 from settings.config import CONFIG_CLASSES, to_dict
@@ -136,7 +137,7 @@ class TrainState:
                                                               state["dcp"])
             self.sharding.load_model_state(self.model, state["model"])
             self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        except (KeyError, ValueError, RuntimeError) as e:
+        except (KeyError, ValueError, RuntimeError, CheckpointException) as e:
             raise ConfigError(f"{path} does not fit this model ({type(e).__name__}: {e}): resume "
                               f"with the config that wrote it") from None
         self.scaler.load_state_dict(state["scaler"])

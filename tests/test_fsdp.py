@@ -83,7 +83,10 @@ def rank_scenarios(era5, cosmo, exp, resumes):
     if not resumes:  # (the 4-rank spawn) FSDP over dp = 2 of a tp = 2 and of a cp = 2 model
         out["tp_dp"] = run_vit(era5, os.path.join(exp, "tp_dp"), True, tensor_parallel=2)
         out["cp_dp"] = run_vit(era5, os.path.join(exp, "cp_dp"), True, context_parallel=2)
-    else:  # (the 2-rank spawn) activation checkpointing, and bf16 weights for compute
+    else:  # (the 2-rank spawn) activation checkpointing, bf16 weights for compute, tp = 2
+        # with one data-parallel rank (nothing for FSDP to shard over: DDP's hook sums over tp)
+        out["tp_only"] = run_vit(era5, os.path.join(exp, "tp"), True, num_iters=2,
+                                 tensor_parallel=2)
         out["checkpointed"] = run_vit(era5, os.path.join(exp, "ac"), True, num_iters=2,
                                       activation_checkpointing="true")
         out["bf16"] = run_vit(era5, os.path.join(exp, "bf16"), True, num_iters=2,
@@ -218,6 +221,14 @@ def test_fsdp_x_tp_checkpoint_resumes_on_fsdp_alone(fsdp2, fsdp4, serial):
                           "FSDP x tp -> FSDP")
     np.testing.assert_allclose(mean_losses(fsdp2, "from_tp_dp"), serial["vit"]["losses"][2:],
                                rtol=1e-5)
+
+
+def test_fsdp_with_one_data_parallel_rank_under_tp_equals_serial(fsdp2, serial):
+    assert fsdp2[0]["tp_only"]["kind"] == "ParallelViT"
+    np.testing.assert_allclose(mean_losses(fsdp2, "tp_only"), serial["vit"]["losses"][:2],
+                               rtol=1e-5)
+    for r in fsdp2:
+        np.testing.assert_allclose(r["tp_only"]["norms"], serial["vit"]["norms"][:2], rtol=1e-5)
 
 
 def test_fsdp_with_activation_checkpointing_equals_serial(fsdp2, serial):
