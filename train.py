@@ -241,6 +241,7 @@ class Trainer:
                         self.scaler.scale(loss).backward()  # DDP's all-reduce overlaps it
                 loss_sum += loss.detach()
             with nvtx_range("optimizer"):
+                self.parallel.reduce_replicated_grads()  # (FSDP x tp/cp: sums over tp/cp)
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients (fp16: unscaled)
                 grad_norm = self.parallel.clip_grad_norm(self.cfg.max_grad_norm)
                 self.scaler.step(self.optimizer)
@@ -345,7 +346,8 @@ class Trainer:
         if not (cfg.checkpoint_every and self.iteration % cfg.checkpoint_every == 0
                 and self.iteration):
             self.save_checkpoint(self.epoch_sum)  # (unless this step's periodic one is written)
-        raise RunStopped(signum, self.iteration, checkpoint.path_for(self.ckpt_dir, self.iteration))
+        raise RunStopped(signum, self.iteration,
+                         checkpoint.written_for(self.ckpt_dir, self.iteration))
 
     def kept_checkpoints(self) -> str:
         """For the line of a run that ends without writing: what it leaves to resume from."""
@@ -489,12 +491,13 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, epoch_sum: torch.Tensor | None = None):
-        """Collective on all ranks; rank 0 writes. ``epoch_sum``: this rank's summed step losses
-        of the epoch so far (None at an epoch's end)."""
+        """Collective on all ranks; rank 0 writes (under FSDP every rank writes its shards).
+        ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
+        end)."""
         carried = 0.0 if epoch_sum is None else self.rt.dp_sum(epoch_sum.clone().float()).item()
-        state = self.state.state_dict(carried, (*self.window.tolist(), self.window_steps))
-        if state is not None:
-            path = checkpoint.save(self.ckpt_dir, self.iteration, state, self.cfg.checkpoint_keep)
+        path = self.state.save(self.ckpt_dir, self.cfg.checkpoint_keep, carried,
+                               (*self.window.tolist(), self.window_steps))
+        if path is not None:
             log.info(f"Checkpoint written: {path}")
 
     # ------------------------------------------------------------------ the loop
@@ -515,7 +518,7 @@ class Trainer:
             validated = True
         # Written after the last validation (over a periodic one of the same step), so a resume
         # from it knows there is nothing left to do.
-        if validated or not os.path.exists(checkpoint.path_for(self.ckpt_dir, self.iteration)):
+        if validated or checkpoint.written_for(self.ckpt_dir, self.iteration) is None:
             self.save_checkpoint()
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)

@@ -5,6 +5,7 @@
     python -m benchmarks.memory_model --config mp --img_size '[352,720]' --tensor_parallel 4 \\
         --local_batch_size 16 --data_parallel 4 --attention flash --activation_checkpointing
     python -m benchmarks.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
+    python -m benchmarks.memory_model --config mp --amp_mode bf16 --data_parallel 8 --fsdp
 
 Any config key can be overridden (``--key value``, as for train.py). The model's own options:
 ``--data_parallel`` (dp; default 1, world = tp x cp x dp; the local batch is
@@ -75,6 +76,16 @@ model counts a rank of the first, longest band (N/cp and H/cp above rounded up t
   block input a.B.nc.E when tp > 1 with sequence parallelism, and one recomputed block under
   checkpointing). Workspaces
   (cuBLAS, attention kernels), allocator fragmentation and the CUDA context are not counted.
+
+* FSDP (``--fsdp``, data parallel over ``--data_parallel`` ranks; tp = cp = 1): parameters,
+  gradients and both Adam moments are split over the dp ranks (1/dp each, dim 0 padded to a
+  multiple of dp: ``pos_embed``, of shape (1, N, E), takes its whole size on every rank, and its
+  Adam moments, unpadded, are rank 0's alone: the model counts rank 0, the largest; the 4-byte
+  ``step`` tensors are not split); on top of that a rank holds the gathered weights of the model outside its
+  blocks (patch embedding, ``pos_embed``, final LayerNorm, head: the root unit, gathered through
+  the whole forward and backward) and of one block at a time, in the compute dtype of the
+  mixed-precision policy (bf16 under AMP, fp32 otherwise), and in the backward pass that block's
+  whole gradient (fp32) until it is reduce-scattered. There are no DDP buckets.
 
 Collectives (per rank per training step): the size of the full (gathered / reduced) tensor of
 one call, and the bytes a rank sends with ring algorithms: (g-1)/g of it for all-gather and
@@ -164,6 +175,35 @@ class Prediction:
     peak: int = 0
     activation_items: List[Tuple[str, int]] = field(default_factory=list)
     collectives: List[dict] = field(default_factory=list)
+    fsdp: bool = False
+    gathered: int = 0  # FSDP: the root's and the largest block's gathered weights
+
+
+def fsdp_shard(name: str, numel: int, s: Shape, dp: int) -> int:
+    """Elements of one rank's FSDP shard of a parameter: FSDP splits dim 0, padded to a multiple
+    of dp (``pos_embed``, of shape (1, N, E), is whole on every rank, padding on all but one)."""
+    if name == "pos_embed":
+        dim0 = 1
+    elif name.endswith(".weight") and not name.split(".")[-2].startswith("norm"):
+        dim0 = {"qkv": 3 * s.embed, "fc1": s.hidden, "head": s.cout * s.patch * s.patch}.get(
+            name.split(".")[-2], s.embed)  # out features (channels of the patch embedding)
+    else:
+        dim0 = numel  # biases and LayerNorm weights
+    return math.ceil(dim0 / dp) * (numel // dim0)
+
+
+def fsdp_gathered(rows, amp: bool) -> Tuple[int, int]:
+    """(root weights, largest block's weights) in bytes of FSDP's compute dtype."""
+    a = 2 if amp else 4
+    blocks = {}
+    root = 0
+    for name, numel, _ in rows:
+        if name.startswith("blocks."):
+            key = name.split(".")[1]
+            blocks[key] = blocks.get(key, 0) + numel
+        else:
+            root += numel
+    return a * root, a * max(blocks.values(), default=0)
 
 
 def check_layout(s: Shape, tp: int, cp: int, sequence_parallel: bool = True):
@@ -331,8 +371,13 @@ def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: b
 
 def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attention: str = "flash",
             checkpointing: bool = False, measure: str = "cuda", bucket_cap_mb: float = 25.0,
-            sequence_parallel: bool = True) -> Prediction:
-    """``sequence_parallel``: as the engine's config key (False: off)."""
+            sequence_parallel: bool = True, fsdp: bool = False) -> Prediction:
+    """``sequence_parallel``: as the engine's config key (False: off); ``fsdp``: parameters,
+    gradients and Adam state sharded over the ``dp`` ranks (tp = cp = 1)."""
+    if fsdp and tp * cp > 1:
+        raise ValueError(f"fsdp with tensor_parallel={tp} x context_parallel={cp}: this model "
+                         f"counts FSDP alone (tp = cp = 1); for the combination, divide the tp/cp "
+                         f"layout's parameters, gradients and Adam state by data_parallel")
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: choose {', '.join(ATTENTION)}")
     if measure not in MEASURE:
@@ -342,25 +387,55 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
     f, a = 4, 2 if amp else 4
     rows = parameters(s, tp, cp, lay)
     params = f * sum(numel for _, numel, _ in rows)
+    if fsdp:  # every rank keeps 1/dp of each parameter, gradient and moment
+        params = f * sum(fsdp_shard(name, numel, s, dp) for name, numel, _ in rows)
     adam = 2 * params + 4 * len(rows)
     items = activations(s, tp, cp, amp, attention, checkpointing, measure, lay)
     acts = sum(v for _, v in items)
     p = Prediction(tp, cp, dp, s.batch, params, params, adam, acts, activation_items=items, sequence_parallel=sp,
-                   padding=lay.pad)
+                   padding=lay.pad, fsdp=fsdp)
+    if fsdp and dp > 1:
+        root, block = fsdp_gathered(rows, amp)
+        p.gathered = root + block
+        p.extra["FSDP gathered weights (root + one block)"] = p.gathered
+        p.transient += f * block // (2 if amp else 4)  # the block's whole gradient before its reduce-scatter
     if measure == "cuda":
         _, nc, band_rows = s.split(tp, cp, lay)
         F = s.hidden // tp
-        if tp * cp * dp > 1:  # DDP wraps every model-parallel or multi-rank run
+        if tp * cp * dp > 1 and not fsdp:  # DDP wraps every other model-parallel or multi-rank run
             p.extra["DDP gradient buckets"] = params
         batch_bytes = f * s.batch * (s.cin + s.cout) * band_rows * s.img[1]
         p.extra["batch on the device (x and y, the rank's rows)"] = batch_bytes
-        p.transient = 2 * a * s.batch * nc * F + (a * s.batch * nc * s.embed if tp > 1 and sp else 0)
+        p.transient += 2 * a * s.batch * nc * F + (a * s.batch * nc * s.embed if tp > 1 and sp else 0)
         if checkpointing:
             p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, lay)
     p.after_forward = params + adam + acts + sum(p.extra.values())
     p.peak = p.after_forward + p.grads + p.transient
     p.collectives = collectives(s, tp, cp, dp, amp, checkpointing, rows, bucket_cap_mb, lay)
+    if fsdp:
+        p.collectives = [r for r in p.collectives if r["group"] != "dp"] + fsdp_collectives(
+            rows, dp, amp, checkpointing)
     return p
+
+
+def fsdp_collectives(rows, dp: int, amp: bool, checkpointing: bool) -> List[dict]:
+    """FSDP's per-step collectives over dp: each block's weights all-gathered in the forward and
+    again in the backward (its gradient then reduce-scattered in fp32); the root's gathered once."""
+    if dp < 2:
+        return []
+    root, block = fsdp_gathered(rows, amp)
+    depth = len({name.split(".")[1] for name, _, _ in rows if name.startswith("blocks.")})
+    share = (dp - 1) / dp
+    a = 2 if amp else 4
+    out = []
+    for what, kind, calls, nbytes in (
+            ("block weights (forward, again in backward)", "all-gather", 2 * depth, block),
+            ("root weights (forward)", "all-gather", 1, root),
+            ("block gradients (fp32)", "reduce-scatter", depth, 4 * block // a),
+            ("root gradients (fp32)", "reduce-scatter", 1, 4 * root // a)):
+        out.append(dict(what=what, kind=kind, group="dp", size=dp, calls=calls,
+                        bytes_per_call=int(nbytes), bytes_per_step=int(round(share * nbytes * calls))))
+    return out
 
 
 def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda") -> Prediction:
@@ -369,7 +444,7 @@ def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measur
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     local, _ = batch_sizes(cfg, data_parallel)
     return predict(Shape.from_config(cfg, local), tp, cp, data_parallel, cfg.amp_mode != "none", attention,
-                   cfg.activation_checkpointing, measure, cfg.bucket_cap_mb, cfg.sequence_parallel)
+                   cfg.activation_checkpointing, measure, cfg.bucket_cap_mb, cfg.sequence_parallel, cfg.fsdp)
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -389,7 +464,8 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
         lines.append(f"config {cfg.name}: img {cfg.img_size}, patch {cfg.patch_size}, embed {cfg.embed_dim}, depth "
                      f"{cfg.depth}, heads {cfg.num_heads}, amp {cfg.amp_mode}, activation_checkpointing "
                      f"{cfg.activation_checkpointing}")
-    lines.append(f"layout tp={p.tp} x cp={p.cp} x dp={p.dp} (world {p.tp * p.cp * p.dp}), local batch "
+    lines.append(f"layout tp={p.tp} x cp={p.cp} x dp={p.dp}{' (FSDP)' if p.fsdp else ''} "
+                 f"(world {p.tp * p.cp * p.dp}), local batch "
                  f"{p.local_batch}, attention {attention}, measured as {measure}")
     if cfg is not None and p.tp > 1:
         lines.append(sequence_parallel_summary(cfg.img_size, cfg.patch_size, p.tp, p.cp, p.sequence_parallel))
@@ -449,8 +525,9 @@ def main(argv=None):
     own, rest = ap.parse_known_args(argv)
     try:
         _, overrides = parse_overrides(rest)
-        if overrides.get("activation_checkpointing") is True:
-            overrides["activation_checkpointing"] = "true"
+        for flag in ("activation_checkpointing", "fsdp"):  # given without a value
+            if overrides.get(flag) is True:
+                overrides[flag] = "true"
         cfg = build_config(own.yaml_config, own.config, overrides)
         if cfg.model != "vit":
             raise ConfigError(f"config '{cfg.name}' is a {cfg.model} config: the model covers the ViT")

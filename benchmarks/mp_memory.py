@@ -5,6 +5,7 @@
                                                       # entries of measured.json, keeps the others)
     python -m benchmarks.mp_memory --engine_log       # also run train_mp.py under torchrun (tp=4)
                                                       # and read its "Memory after forward pass" line
+    python -m benchmarks.mp_memory --only fsdp        # FSDP on 1, 2 and 4 data-parallel ranks
 
 Measured: the ``mp_cpu`` config (the mp model's shape scaled down for a CPU: 96 x 192 image,
 patch 8, embed 768, depth 4, heads 8, batch 4) at tp = 1, 2, 4, cp = 2 and tp = 2 x cp = 2
@@ -29,6 +30,14 @@ model's prediction for the full ``mp`` config on 80 GB GPUs (fp16, flash attenti
 16 as in the reference runs, dp = 4): 360 x 720 as configured (45 patch rows: padded sequence
 parallelism at tp = 4), 352 x 720 (44 rows: row bands), and 360 x 720 with sequence parallelism
 off for comparison.
+
+FSDP (``--only fsdp``): the same ``mp_cpu`` model with ``--fsdp`` on 2 and 4 gloo ranks (dp = 2,
+4; tp = cp = 1) beside one process (no sharding). Each rank takes a warm-up step and then one
+forward/backward/Adam update without clearing the gradients, and counts the storage of its
+parameters, gradients and Adam state (each storage once: this rank's shards of the DTensors) and
+the most weight bytes held gathered at once (read in each block's forward, while that block is
+gathered: the gathered block and the root unit). Predicted: ``benchmarks.memory_model`` with
+``fsdp`` (1/N of the serial figure plus the root and the largest block).
 
 Results are written to benchmarks/mp_memory/measured.json; RESULTS.md holds the tables.
 """
@@ -105,6 +114,77 @@ def _measure_rank(config, ov):
     return dict(after_forward=probe.after_forward, peak=probe.peak, params=params, adam=adam,
                 saved=probe.after_forward - params - adam, vmhwm=resident_peak_bytes(), start_rss=start_rss,
                 model=type(trainer.model).__name__)
+
+
+def _measure_fsdp_rank(config, ov):
+    """On one rank of an FSDP run: a warm-up step, then one update without clearing the
+    gradients; bytes of this rank's parameters, gradients and Adam state, and the most weight
+    bytes gathered at once."""
+    import contextlib
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from engine.runtime import setup_runtime
+    from engine.sharding import resharded
+    from observe.memory import tensor_bytes
+    from train import Trainer
+
+    cfg = build_config(YAML, config, ov)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        trainer = Trainer(cfg, setup_runtime(cfg))
+    model = trainer.model
+    gathered = [0]
+
+    def note_gathered(module, args):  # inside a block: its weights (and the root's) are gathered
+        gathered[0] = max(gathered[0], sum(p.numel() * p.element_size() for p in model.parameters()
+                                           if not isinstance(p, DTensor)))
+
+    for block in trainer.task.shard_blocks(model):
+        next(block.children()).register_forward_pre_hook(note_gathered)
+    trainer.loaders.train_sampler.set_epoch(0)
+    model.train()
+    batches = iter(trainer.loaders.train)
+    trainer.train_step(*trainer.to_device(*next(batches)))
+    trainer.update(*trainer.to_device(*next(batches)))  # the gradients stay for the count
+    resharded(model)
+    params = tensor_bytes(model.parameters())
+    grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    adam = tensor_bytes(v for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    return dict(params=params, grads=grads, adam=adam, gathered=gathered[0], model=type(model).__name__)
+
+
+def run_fsdp(results):
+    """FSDP on 1 (no sharding), 2 and 4 ranks: measured per-rank state beside the prediction."""
+    from tests.distributed_harness import run_ranks
+
+    rows = []
+    for n in (1, 2, 4):
+        print(f"[fsdp] {n} rank(s) ...", flush=True)
+        with tempfile.TemporaryDirectory(prefix="mp_memory-fsdp-") as tmp:
+            ov = {"fsdp": "true", "expdir": tmp, "num_iters": "2", "device": "cpu", "log_every": "1000"}
+            ranks = run_ranks(_measure_fsdp_rank, n, "mp_cpu", ov, timeout=900)
+        cfg = build_config(YAML, "mp_cpu", ov)
+        p = predict_config(cfg, n, "flash", "cpu")
+        rows.append(dict(ranks=n, measured=ranks, predicted=dict(params=p.params, grads=p.grads, adam=p.adam,
+                                                                 gathered=p.gathered)))
+    serial = rows[0]["measured"][0]
+    whole = serial["params"] + serial["grads"] + serial["adam"]
+    print("\n### FSDP: per-rank parameters + gradients + Adam state (MiB), measured (max over ranks) vs "
+          "predicted, and the weights held gathered at once\n")
+    print("| ranks | params + grads + Adam meas. / pred. | serial / N | meas. / (serial / N) "
+          "| gathered at once meas. / pred. |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        m = max(r["measured"], key=lambda x: x["params"] + x["grads"] + x["adam"])
+        got = m["params"] + m["grads"] + m["adam"]
+        pr = r["predicted"]
+        print(f"| {r['ranks']} | {fmt_mib(got)} / {fmt_mib(pr['params'] + pr['grads'] + pr['adam'])} "
+              f"| {fmt_mib(whole / r['ranks'])} | {got / (whole / r['ranks']):.1%} "
+              + (f"| {fmt_mib(m['gathered'])} / {fmt_mib(pr['gathered'])} |" if r["ranks"] > 1
+                 else "| - (nothing sharded) |"))
+    results["fsdp"] = rows
+    return rows
 
 
 def measure(tp, cp, extra, timeout=900):
@@ -229,7 +309,7 @@ def gpu_predictions():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=sorted(VARIANTS) + ["gpu"], action="append",
+    ap.add_argument("--only", choices=sorted(VARIANTS) + ["gpu", "fsdp"], action="append",
                     help="measure this variant only (repeatable); the others in --out are kept")
     ap.add_argument("--engine_log", action="store_true",
                     help="also run train_mp.py (tp=4) and compare its logged memory line")
@@ -240,10 +320,13 @@ def main(argv=None):
     results = {}
     if args.only and os.path.exists(args.out):  # update the variants run now, keep the others
         with open(args.out) as f:
-            results = {k: v for k, v in json.load(f).items() if k in VARIANTS or k.startswith("engine")}
+            results = {k: v for k, v in json.load(f).items()
+                       if k in VARIANTS or k.startswith("engine") or k == "fsdp"}
     for name, (extra, layouts) in VARIANTS.items():
         if not args.only or name in args.only:
             run_variant(name, extra, layouts, results)
+    if not args.only or "fsdp" in args.only:
+        run_fsdp(results)
     results["gpu_model"] = gpu_predictions()
     if args.engine_log:
         fwd, peak = engine_log(4, 1)

@@ -7,6 +7,12 @@ the partial gradients of replicated parameters over the axes in ``reduce_over``)
 the same gradient, so each rank adds ``|grad|^2 / copies`` of its parameters and one all-reduce
 over the replica gives the serial squared norm, identical on every rank. Gradients are already
 averaged over data-parallel ranks at that point, so dp needs no reduction.
+
+Under FSDP (``fsdp``) each rank holds a slice of every averaged gradient, as a DTensor sharded
+over the data-parallel mesh: the norm of the DTensors is a partial one (this rank's slices), and
+``full_tensor()`` sums the squares over the data-parallel ranks in one all-reduce of a scalar.
+Under FSDP with tp/cp, each rank's sum over its slices goes through the tp x cp all-reduce above
+and then one over dp.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from distributed.groups import ParallelGroups
 
@@ -28,15 +35,24 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None = None) -> torch.T
     if groups is None or groups.mp_size == 1:
         if not grads:
             return torch.zeros((), device=next(model.parameters()).device)
-        return total_norm(grads).float()
+        norm = total_norm(grads).float()
+        if isinstance(norm, DTensor):  # FSDP: one all-reduce of a scalar over the dp ranks
+            norm = norm.full_tensor()
+        return norm
     sq = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
+    over_dp = False
     for p in model.parameters():
         if p.grad is None:
             continue
         shards = math.prod(groups.size(a) for a in p.shard_spec.axes)
         copies = groups.mp_size // shards
-        sq += p.grad.float().pow(2).sum() / copies
+        grad = p.grad
+        if isinstance(grad, DTensor):  # FSDP: this rank's slice of the dp-averaged gradient
+            grad, over_dp = grad.to_local(), True
+        sq += grad.float().pow(2).sum() / copies
     dist.all_reduce(sq, group=groups.mp_group)  # one scalar over the tp x cp replica
+    if over_dp:  # and over the dp ranks, which hold the other slices (FSDP)
+        dist.all_reduce(sq, group=groups.dp_group)
     return sq.sqrt()
 
 

@@ -325,6 +325,15 @@ def reduce_replicated_grads(model: nn.Module, groups: ParallelGroups, average_dp
         _all_reduce_coalesced([p.grad for p in params], groups.dp_group, scale=1.0 / groups.dp_size)
 
 
+def reduce_replicated_grad_shards(model: nn.Module, groups: ParallelGroups):
+    """The tp/cp sums of ``reduce_replicated_grads`` on gradients that FSDP has reduce-scattered
+    over dp (DTensors): every tp/cp copy of a replicated parameter holds the same dp slice of it,
+    so the slices are summed as the whole gradients would be. The dp average is FSDP's."""
+    pairs = [(p, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+             for p in unwrap(model).parameters() if p.grad is not None]
+    _reduce_marked(pairs, groups)
+
+
 def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: sum marked gradients over tp/cp, then average the bucket over dp.
 

@@ -1,9 +1,21 @@
 """Checkpoints written atomically, the newest K kept, loaded with ``weights_only=True``.
 
-A checkpoint is written to a temporary file in the same directory, flushed to disk, and renamed
-into place: a crash mid-write leaves at worst a stray ``.tmp`` file, never a file under a
-checkpoint name that loads wrongly. Loading walks from the newest checkpoint to older ones and
-takes the first that loads and holds every expected entry.
+Two forms, each loading into any run (any number of ranks, DDP, FSDP or tp/cp):
+
+- ``ckpt_<step>.pt``: one file holding the whole state in the serial layout (parameters and
+  Adam state keyed by parameter name), written by rank 0: every run but FSDP writes these.
+- ``ckpt_<step>.dcp/``: a directory in torch's distributed-checkpoint format (DCP), written by
+  an FSDP run: each rank writes its own shards of the parameters and the Adam state (no rank
+  gathers the whole model), rank 0 the metadata and ``train_state.pt`` (the rest: step, epoch,
+  schedule, RNG streams, config). DCP reads the shards onto another number of ranks; a run
+  without FSDP reads the whole tensors. ``python -m engine.checkpoint_convert`` turns one into
+  a ``.pt`` file.
+
+A checkpoint is written under a temporary name in the same directory, flushed to disk, and
+renamed into place: a crash mid-write leaves at worst a stray ``.tmp`` file or directory, never
+a checkpoint name that loads wrongly. Loading walks from the newest checkpoint to older ones
+and takes the first that loads and holds every expected entry (a directory: its metadata, its
+``train_state.pt`` and shard files of the sizes the metadata names).
 """
 from __future__ import annotations
 
@@ -17,32 +29,68 @@ import warnings
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from settings.errors import TrainingError
 
 log = logging.getLogger(__name__)
 MB = 1e6
 
-_NAME = re.compile(r"ckpt_(\d{8})\.pt$")
+_NAME = re.compile(r"ckpt_(\d{8})\.(pt|dcp)$")
 REQUIRED = ("model", "optimizer", "scaler", "scheduler", "iteration", "epoch", "step_in_epoch",
             "rng", "config")
+TENSORS = ("model", "optimizer")  # what a DCP directory holds in shards; the rest is TRAIN_STATE
+TRAIN_STATE = "train_state.pt"
+DCP_METADATA = ".metadata"
 
 
-def path_for(directory: str, iteration: int) -> str:
-    return os.path.join(directory, f"ckpt_{iteration:08d}.pt")
+def path_for(directory: str, iteration: int, sharded: bool = False) -> str:
+    return os.path.join(directory, f"ckpt_{iteration:08d}.{'dcp' if sharded else 'pt'}")
+
+
+def written_for(directory: str, iteration: int) -> str | None:
+    """The checkpoint of ``iteration`` in ``directory``, of either form, or None."""
+    for sharded in (False, True):
+        if os.path.exists(path_for(directory, iteration, sharded)):
+            return path_for(directory, iteration, sharded)
+    return None
+
+
+def is_sharded(path: str) -> bool:
+    """Whether ``path`` names a DCP checkpoint directory (``ckpt_<step>.dcp``)."""
+    return os.path.isdir(path) and path.rstrip(os.sep).endswith(".dcp") \
+        and bool(_NAME.search(path.rstrip(os.sep)))
 
 
 def list_checkpoints(directory: str) -> list[str]:
-    """Checkpoint files, newest (highest iteration) first."""
-    files = [f for f in glob.glob(os.path.join(directory, "ckpt_*.pt")) if _NAME.search(f)]
-    return sorted(files, key=lambda f: int(_NAME.search(f).group(1)), reverse=True)
+    """Checkpoints (files and DCP directories), newest (highest iteration) first."""
+    found = [f for f in glob.glob(os.path.join(directory, "ckpt_*")) if _NAME.search(f)]
+    return sorted(found, key=lambda f: int(_NAME.search(f).group(1)), reverse=True)
 
 
-def save(directory: str, iteration: int, state: dict, keep: int) -> str:
-    """Write ``state`` as the checkpoint of ``iteration`` and drop all but the newest ``keep``.
-    A failed write (full disk, quota, an unwritable directory) raises TrainingError naming the
-    path and the space needed, and leaves the existing checkpoints as they were."""
-    final = path_for(directory, iteration)
+def _remove(path: str):
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def _fsync_dir(directory: str):
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make a rename in it durable
+    finally:
+        os.close(dir_fd)
+
+
+def write_file(final: str, state: dict):
+    """``torch.save(state)`` to ``final`` through a temporary file beside it, flushed to disk and
+    renamed into place: ``final`` is whole or absent, never part-written."""
+    directory = os.path.dirname(os.path.abspath(final))
     tmp = f"{final}.{os.getpid()}.tmp"
     try:
         os.makedirs(directory, exist_ok=True)
@@ -51,18 +99,57 @@ def save(directory: str, iteration: int, state: dict, keep: int) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)  # atomic on POSIX file systems
-    except (OSError, RuntimeError) as e:  # torch's serializer reports a failed write as either
-        raise TrainingError(_write_failure(directory, final, state, e)) from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    dir_fd = os.open(directory, os.O_RDONLY)
+    _fsync_dir(directory)
+
+
+def save(directory: str, iteration: int, state: dict, keep: int) -> str:
+    """Write ``state`` as the checkpoint of ``iteration`` and drop all but the newest ``keep``.
+    A failed write (full disk, quota, an unwritable directory) raises TrainingError naming the
+    path and the space needed, and leaves the existing checkpoints as they were."""
+    final = path_for(directory, iteration)
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+        write_file(final, state)
+    except (OSError, RuntimeError) as e:  # torch's serializer reports a failed write as either
+        raise TrainingError(_write_failure(directory, final, state, e)) from None
     for old in list_checkpoints(directory)[keep:]:
-        os.remove(old)
+        _remove(old)
+    return final
+
+
+def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | None, keep: int,
+                 is_main: bool) -> str:
+    """Collective on every rank: write ``tensors`` (``{"model": ..., "optimizer": ...}``, this
+    rank's DTensor shards keyed by parameter name) with DCP, each rank its own file, and ``rest``
+    (rank 0's; None elsewhere) as ``train_state.pt``, into ``ckpt_<iteration>.dcp``. Every rank
+    returns once the checkpoint is whole and in place. A failed write raises TrainingError on
+    every rank that saw it and leaves the existing checkpoints as they were."""
+    final = path_for(directory, iteration, sharded=True)
+    tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
+    try:
+        if is_main:
+            os.makedirs(directory, exist_ok=True)
+            if os.path.exists(tmp):  # left by a run killed while writing it
+                shutil.rmtree(tmp)
+        dist.barrier()  # the temporary directory is clean before any rank writes into it
+        # Each rank writes its shards (fsynced), then rank 0 the metadata: collectives inside.
+        dcp.save(tensors, checkpoint_id=tmp)
+        if is_main:
+            write_file(os.path.join(tmp, TRAIN_STATE), rest)
+            old = f"{final}.old"
+            if os.path.exists(final):  # the same step written again (after its validation)
+                os.replace(final, old)
+            os.replace(tmp, final)  # atomic on POSIX file systems
+            _fsync_dir(directory)
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            for stale in list_checkpoints(directory)[keep:]:
+                _remove(stale)
+    except (OSError, RuntimeError) as e:
+        raise TrainingError(_write_failure(directory, final, tensors, e)) from None
+    dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
     return final
 
 
@@ -81,7 +168,7 @@ def _write_failure(directory: str, final: str, state: dict, exc: BaseException) 
     """One line: what failed, the space a checkpoint needs and the space there is, the newest
     checkpoint that is kept, and what to do."""
     previous = list_checkpoints(directory) if os.path.isdir(directory) else []
-    need = os.path.getsize(previous[0]) if previous else state_nbytes(state)
+    need = _size(previous[0]) if previous else state_nbytes(state)
     try:
         free = f"{shutil.disk_usage(directory).free / MB:.1f} MB free there"
     except OSError:
@@ -96,8 +183,22 @@ def _write_failure(directory: str, final: str, state: dict, exc: BaseException) 
             f"--expdir, then {then}")
 
 
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    return os.path.getsize(path)
+
+
 def load_file(path: str, map_location="cpu"):
-    """(state, path) if the file loads and holds every expected entry, else (None, None)."""
+    """(state, path) if the checkpoint loads and holds every expected entry, else (None, None).
+    For a DCP directory the state holds ``train_state.pt`` and ``"dcp": path`` in place of the
+    tensors, which ``read_tensors`` or the sharded load (``engine.sharding``) read later."""
+    if os.path.isdir(path):
+        return _load_dcp_dir(path, map_location)
+    return _load_checked(path, map_location, REQUIRED)
+
+
+def _load_checked(path: str, map_location, required) -> tuple:
     try:
         with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
             warnings.simplefilter("ignore")
@@ -105,7 +206,7 @@ def load_file(path: str, map_location="cpu"):
     except Exception as e:  # truncated or corrupt file
         log.warning(f"skipping unreadable checkpoint {path}: {_unreadable(e)}")
         return None, None
-    missing = [k for k in REQUIRED if k not in state]
+    missing = [k for k in required if k not in state]
     if missing:
         log.warning(f"skipping checkpoint {path}: missing {missing}")
         return None, None
@@ -122,6 +223,38 @@ def _unreadable(exc: Exception) -> str:
     if not text or "weights only load failed" in text.lower():
         return f"{what}: {type(exc).__name__}"
     return f"{what}: {type(exc).__name__}: {text.splitlines()[0].split('. ')[0][:160]}"
+
+
+def _load_dcp_dir(path: str, map_location):
+    """The ``train_state.pt`` of a DCP checkpoint whose shard files are all there, whole."""
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+        ends = {}  # each shard file's length, as the metadata says
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                           info.offset + info.length)
+        short = [f for f, n in ends.items() if not os.path.isfile(os.path.join(path, f))
+                 or os.path.getsize(os.path.join(path, f)) < n]
+        if short:
+            raise OSError(f"shard files missing or cut short: {sorted(short)}")
+    except Exception as e:  # an unreadable or incomplete directory
+        log.warning(f"skipping unreadable checkpoint {path}: {_unreadable(e)}")
+        return None, None
+    state, _ = _load_checked(os.path.join(path, TRAIN_STATE), map_location,
+                             [k for k in REQUIRED if k not in TENSORS])
+    if state is None:
+        return None, None
+    return state | {"dcp": path}, path
+
+
+def read_tensors(path: str) -> dict:
+    """The whole tensors of a DCP checkpoint, in this process alone (every rank reads all of
+    them): ``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``, the
+    serial layout of a ``.pt`` checkpoint."""
+    tensors = {}
+    _load_state_dict(tensors, storage_reader=FileSystemReader(path),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return tensors
 
 
 def load_latest(directory: str, map_location="cpu"):

@@ -80,6 +80,11 @@ def check_can_capture(cfg: Config, device: torch.device, model_parallel: bool):
         raise ConfigError(f"train_graph.py trains data-parallel only; tensor_parallel="
                           f"{cfg.tensor_parallel} x context_parallel={cfg.context_parallel}: use "
                           f"train_mp.py")
+    if cfg.fsdp:
+        raise ConfigError("train_graph.py does not capture an FSDP step (its per-block "
+                          "all-gathers and reduce-scatters allocate, free and wait on other "
+                          "streams, which a CUDA graph cannot hold): run train.py with --fsdp, or "
+                          "train_graph.py without --fsdp (DDP)")
     if cfg.enable_jit:
         raise ConfigError("train_graph.py captures the eager step; enable_jit (torch.compile) "
                           "is not combined with it: drop --enable_jit, or use train.py for "

@@ -7,8 +7,14 @@
    the sharded ViT keeps the serial model's choice);
 3. the move to the run's device, in the task's memory format (channels-last weights for the
    U-Net on a GPU: ``memory_format``);
-4. DistributedDataParallel over the data-parallel ranks (with model parallelism, its
-   communication hook also sums the gradients of parameters replicated over tp/cp);
+4. data parallelism over the data-parallel ranks: DistributedDataParallel (with model
+   parallelism, its communication hook also sums the gradients of parameters replicated over
+   tp/cp), or, with ``fsdp``, torch's FSDP2 (``fully_shard``): each of the task's blocks
+   (``task.shard_blocks(model)``) and then the whole model are sharded over a one-dimensional
+   data-parallel ``DeviceMesh`` (under tp/cp the ``dp`` dimension of the tp x cp x dp mesh, so
+   FSDP shards the tp/cp slices further), so that every rank keeps 1/N of each parameter, its
+   gradient and its Adam state as DTensors and gathers a block's weights just before the block
+   runs;
 5. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
    sharded layers' collectives stay out of the compiled graphs: each is a graph break and runs
    eagerly (``distributed.mappings.eager_apply``), the compute between them is compiled.
@@ -25,12 +31,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.grad_norm import clip_grad_norm
 from distributed.parallelize import parallelize_vit
 from engine.runtime import Runtime
-from engine.sharding import RowBandSharding, Unsharded
+from engine.sharding import (FSDPModule, FullyShardedSharding, MixedPrecisionPolicy,
+                             RowBandSharding, Unsharded, fully_shard)
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config
@@ -53,14 +61,71 @@ class ParallelModel:
     rt: Runtime
 
     def no_sync(self):
-        """Inside: backward passes accumulate gradients without DDP's all-reduce (the inner
-        micro-batches of gradient accumulation); a do-nothing context without DDP."""
+        """Inside: backward passes accumulate gradients without DDP's all-reduce or FSDP's
+        reduce-scatter (the inner micro-batches of gradient accumulation); a do-nothing context
+        without data parallelism."""
+        if isinstance(self.module, FSDPModule):
+            return _fsdp_no_sync(self.module)
         ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)  # under torch.compile
         return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
+
+    def reduce_replicated_grads(self):
+        """After the backward passes, under FSDP with tp/cp: the gradient sums over tp/cp that
+        DDP's communication hook does otherwise (nothing to do in any other run)."""
+        self.sharding.reduce_replicated_grads(self.module)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0."""
         return clip_grad_norm(self.module, max_norm, self.rt.groups)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module):
+    """FSDP2 keeps the unsharded gradients of the micro-batches inside and reduce-scatters their
+    sum in the backward of the first micro-batch after it."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
+    """FSDP2's casts matching ``amp_mode``: the gathered parameters in bf16 for the forward and
+    backward (the engine's autocast still picks each op's precision), the gradients
+    reduce-scattered in fp32 and the sharded parameters and Adam state kept in fp32. fp16 is
+    refused with fsdp (``settings.config.validate``)."""
+    if amp_mode == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Runtime,
+                mesh=None) -> nn.Module:
+    """``fully_shard`` each block, then the whole model (what is left: embeddings, head, norms)
+    over a one-dimensional data-parallel mesh: ``mesh``, the dp dimension of the tp x cp x dp
+    mesh of a tensor/context-parallel model (whose slices FSDP shards further), or one over
+    every rank. The blocks are the units whose weights are gathered together: one all-gather
+    per block in the forward (and again in the backward), one reduce-scatter of its gradients;
+    peak memory holds the largest gathered block on top of the shards."""
+    if mesh is None:
+        mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
+    policy = mixed_precision_policy(amp_mode)
+    # The tp/cp layers' marks on their parameters (how each is cut from the serial one, over
+    # which axes its copies' gradients are summed), for the DTensor parameters FSDP puts in place.
+    marks = {name: {k: getattr(p, k) for k in ("shard_spec", "reduce_over") if hasattr(p, k)}
+             for name, p in model.named_parameters()}
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for name, p in model.named_parameters():
+        for k, v in marks[name].items():
+            setattr(p, k, v)
+    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    log.info(f"FSDP: {len(blocks)} blocks and the rest of the model sharded over {rt.dp_size} "
+             f"data-parallel ranks; the largest block gathers {largest / 1e6:.3g} M parameters"
+             + (f" in {amp_mode}" if amp_mode == "bf16" else ""))
+    return model
 
 
 def _buffer_sync_kwargs(disable: bool) -> dict:
@@ -88,7 +153,16 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
     if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
         model = model.to(memory_format=memory_format)
     wrapped = model
-    if rt.distributed and cfg.noddp:
+    if cfg.fsdp and rt.dp_size == 1:
+        log.info("fsdp with one data-parallel rank: nothing to shard over, the replica trains as "
+                 "without fsdp")
+    if cfg.fsdp and rt.dp_size > 1:  # 4. sharded data parallel
+        # (noddp and fp16 with fsdp are refused with the settings)
+        mesh = rt.groups.mesh["dp"] if rt.groups is not None else None
+        model = shard_fully(model, task.shard_blocks(model), cfg.amp_mode, rt, mesh)
+        sharding = FullyShardedSharding(task, sharding)
+        wrapped = model
+    elif rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
                     "synchronised (for compute-only scaling measurements)")
     elif rt.distributed and (rt.dp_size > 1 or rt.groups is not None):  # 4. data parallel

@@ -388,10 +388,10 @@ def find_resume_checkpoint(cfg: Config, run_dir: str, world_size: int):
         src = cfg.resume_from
         if os.path.isdir(os.path.join(src, "checkpoints")):
             src = os.path.join(src, "checkpoints")
-        if os.path.isdir(src):
-            state, path = checkpoint.load_latest(src)
-        elif os.path.isfile(src):
+        if os.path.isfile(src) or checkpoint.is_sharded(src):
             state, path = checkpoint.load_file(src)
+        elif os.path.isdir(src):
+            state, path = checkpoint.load_latest(src)
         else:
             raise ConfigError(f"--resume_from {src}: no such file or directory")
         if state is None:

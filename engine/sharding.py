@@ -4,21 +4,41 @@
 ``RowBandSharding`` (tensor/context-parallel ViT): each rank holds slices of the weights and
 computes on a band of image rows; the task's loss is summed over the bands' owners
 (``distributed.parallelize.sharded_loss``) and whole outputs are gathered for validation.
+``FullyShardedSharding`` (``fsdp``): every rank computes the whole model on its own samples, but
+holds 1/N of each parameter, gradient and Adam moment as a DTensor sharded over the
+data-parallel ranks.
 
-Both save the model and the optimizer in the serial layout keyed by parameter name, so a
-checkpoint loads on any number of ranks and any tp/cp layout.
+``Unsharded`` and ``RowBandSharding`` save the model and the optimizer in the serial layout keyed
+by parameter name (one file, rank 0), so a checkpoint loads on any number of ranks and any tp/cp
+layout; ``FullyShardedSharding`` saves its shards with torch's distributed checkpoint (each rank
+its own), keyed by the same names, which DCP reads onto any other sharding (``engine.checkpoint``).
 """
 from __future__ import annotations
 
-import torch
+import inspect
 
-from distributed.layers import replicated_grads_comm_hook, tensors_from_serial, tensors_to_serial
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:  # FSDP2: public from torch 2.6; torch 2.5 (the floor) has the same API under _composable
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
+except ImportError:  # pragma: no cover (torch 2.5)
+    from torch.distributed._composable.fsdp import (  # noqa: F401
+        FSDPModule, MixedPrecisionPolicy, fully_shard)
+
+from distributed.layers import (reduce_replicated_grad_shards, replicated_grads_comm_hook,
+                               tensors_from_serial, tensors_to_serial)
 from distributed.parallelize import sharded_loss
+from engine import checkpoint
 from engine.optimizer import load_optimizer_state
 
 
 class Unsharded:
     """The whole model on every rank of the replica (a replica of one rank)."""
+
+    writes_shards = False  # checkpoints: one file in the serial layout, written by rank 0
 
     def __init__(self, task):
         self.task = task
@@ -37,6 +57,9 @@ class Unsharded:
 
     def register_grad_hooks(self, ddp_model):
         """Extra gradient reductions beyond DDP's data-parallel average (none here)."""
+
+    def reduce_replicated_grads(self, model):
+        """Gradient sums left after the backward passes (none: DDP, or nothing, did them)."""
 
     def to_serial(self, model, tensors: dict) -> dict:
         # in torch's default layout whatever the model's memory_format: the same checkpoint
@@ -80,6 +103,11 @@ class Unsharded:
                   | {"params": [names[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         return {"state": state, "param_groups": groups}
+
+    def read_checkpoint(self, model, optimizer, path: str) -> dict:
+        """The model and optimizer state of the DCP checkpoint ``path`` (an FSDP run's) in the
+        serial layout: every rank reads all of it, as it reads a ``.pt`` checkpoint."""
+        return checkpoint.read_tensors(path)
 
     def load_optimizer_state(self, model, optimizer, saved: dict):
         names = {id(p): n for n, p in model.named_parameters()}
@@ -133,3 +161,98 @@ class RowBandSharding(Unsharded):
 
     def from_serial(self, model, tensors):
         return tensors_from_serial(model, self.groups, tensors)
+
+
+# Every rank holds the whole tensor (it read the checkpoint): each keeps its slice, without the
+# scatter from rank 0 that distribute_tensor does by default (torch >= 2.7 can skip it).
+_KEEP_LOCAL_SLICE = {"src_data_rank": None} \
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
+
+
+class FullyShardedSharding(Unsharded):
+    """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner``: the whole model
+    (``Unsharded``) or the tensor/context-parallel ViT (``RowBandSharding``, whose plain slices
+    FSDP shards further over dp). Parameters and optimizer state are DTensors sharded over the
+    data-parallel mesh; batches, losses and outputs are ``inner``'s. The serial layout is each
+    DTensor's whole tensor (an all-gather over the data-parallel ranks, every rank calls it in the
+    same order), put together over tp/cp by ``inner``, and back (each rank keeps its slice).
+    Checkpoints of FSDP alone hold the shards (DCP), keyed by parameter name: a rank never holds
+    the whole model to save or to load one; with tp/cp they go through the serial layout (the
+    tp/cp slices are no DTensors that DCP could place)."""
+
+    def __init__(self, task, inner: Unsharded):
+        super().__init__(task)
+        self.inner = inner
+        self.writes_shards = type(inner) is Unsharded
+
+    def local_batch(self, x, y):
+        return self.inner.local_batch(x, y)
+
+    def loss(self, pred, y):
+        return self.inner.loss(pred, y)
+
+    def whole_output(self, pred):
+        return self.inner.whole_output(pred)
+
+    def reduce_replicated_grads(self, model):
+        """After the backward passes: the tp/cp sums of replicated parameters' gradients (DDP's
+        communication hook, ``RowBandSharding.register_grad_hooks``, does them without FSDP)."""
+        if isinstance(self.inner, RowBandSharding):
+            reduce_replicated_grad_shards(model, self.inner.groups)
+
+    def model_state(self, model) -> dict:
+        return super().model_state(resharded(model))
+
+    def load_model_state(self, model, state: dict):
+        super().load_model_state(resharded(model), state)
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        return super().optimizer_state(resharded(model), optimizer)
+
+    def load_optimizer_state(self, model, optimizer, saved: dict):
+        super().load_optimizer_state(resharded(model), optimizer, saved)
+
+    def sharded_state(self, model, optimizer) -> dict:
+        """This rank's shards of the weights and of the Adam state, keyed by parameter name
+        (torch's distributed state dict: the layout DCP saves and reads)."""
+        model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def read_checkpoint(self, model, optimizer, path: str) -> dict:
+        """Collective: each rank reads its own shards of a DCP checkpoint written on any number
+        of ranks (by an FSDP run; a ``.pt`` checkpoint goes through ``from_serial``); with
+        tp/cp, the whole tensors, as for a ``.pt`` checkpoint."""
+        if not self.writes_shards:
+            return super().read_checkpoint(model, optimizer, path)
+        state = self.sharded_state(model, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        return state
+
+    def to_serial(self, model, tensors):
+        whole = {k: t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+                 for k, t in tensors.items()}
+        return self.inner.to_serial(model, whole)
+
+    def from_serial(self, model, tensors):
+        like = dict(model.named_parameters())
+        out = {}
+        tensors = self.inner.from_serial(model, {k: t for k, t in tensors.items()
+                                                 if not isinstance(t, DTensor)}) \
+            | {k: t for k, t in tensors.items() if isinstance(t, DTensor)}
+        for name, t in tensors.items():
+            p = like[name]
+            if isinstance(p, DTensor) and not isinstance(t, DTensor):  # (shards read by DCP pass)
+                t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                      **_KEEP_LOCAL_SLICE)
+            out[name] = t
+        return out
+
+
+def resharded(model):
+    """``model`` with every FSDP unit's sharded parameters in place: the root unit keeps its
+    gathered weights after a forward pass without a backward (validation), and the module then
+    holds those instead of the DTensors the optimizer updates."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return model

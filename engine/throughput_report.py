@@ -115,7 +115,8 @@ def _loader_pass(tr, epoch: int):
         signum = tr.stop_request.at_boundary(interrupted, True, tr.rt.distributed,
                                              tr.rt.host_group)
         if signum:
-            raise RunStopped(signum, tr.iteration, checkpoint.path_for(tr.ckpt_dir, tr.iteration))
+            raise RunStopped(signum, tr.iteration,
+                             checkpoint.written_for(tr.ckpt_dir, tr.iteration))
         if batch is None:
             return
         yield batch

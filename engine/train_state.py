@@ -13,6 +13,7 @@ import logging
 import math
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from engine import checkpoint
 from settings.config import CONFIG_CLASSES, to_dict
@@ -63,12 +64,29 @@ class TrainState:
         self.step_in_epoch = 0
         self.epoch_loss_carry = 0.0
 
-    def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0)) -> dict | None:
+    def save(self, directory: str, keep: int, epoch_loss_sum: float,
+             window=(0.0, 0.0, 0)) -> str | None:
+        """Collective on all ranks: write this step's checkpoint into ``directory`` (the newest
+        ``keep`` kept); its path on rank 0. Under FSDP each rank writes its shards (DCP), else
+        rank 0 writes the whole state in the serial layout. ``epoch_loss_sum`` and ``window``:
+        as ``state_dict`` takes them."""
+        if self.sharding.writes_shards:
+            rest = self.state_dict(epoch_loss_sum, window, tensors=False)
+            shards = self.sharding.sharded_state(self.model, self.optimizer)
+            path = checkpoint.save_sharded(directory, self.iteration, shards, rest, keep,
+                                           self.rt.is_main)
+            return path if self.rt.is_main else None
+        state = self.state_dict(epoch_loss_sum, window)
+        return None if state is None else checkpoint.save(directory, self.iteration, state, keep)
+
+    def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
+                   tensors: bool = True) -> dict | None:
         """Collective on all ranks (RNG states and loss windows are gathered, sharded tensors
         reassembled); the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``:
         this epoch's summed step losses (over data-parallel ranks) so far, so a resumed epoch
         reports the same mean; ``window``: this rank's (loss sum, grad norm sum, steps) since the
-        last log point."""
+        last log point. ``tensors`` false: without the model and the optimizer (saved in shards
+        beside it)."""
         rt = self.rt
         carried = self.epoch_loss_carry + epoch_loss_sum
         if not math.isfinite(carried):
@@ -81,13 +99,12 @@ class TrainState:
             per_rank = [None] * rt.world_size
             dist.all_gather_object(per_rank, mine)  # every rank's dropout stream and window
         rngs = [rng for rng, _ in per_rank]
-        model_state = self.sharding.model_state(self.model)
-        optimizer_state = self.sharding.optimizer_state(self.model, self.optimizer)
+        if tensors:
+            saved = {"model": self.sharding.model_state(self.model),
+                     "optimizer": self.sharding.optimizer_state(self.model, self.optimizer)}
         if not rt.is_main:
             return None
-        return {
-            "model": model_state,
-            "optimizer": optimizer_state,
+        return (saved if tensors else {}) | {
             "scaler": self.scaler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "iteration": self.iteration,
@@ -127,9 +144,12 @@ class TrainState:
                               f"epoch but this run has {self.steps_per_epoch}: resume with the "
                               f"same data and global batch size")
         try:
+            if "dcp" in state:  # a directory of shards: read onto this run's layout
+                state = state | self.sharding.read_checkpoint(self.model, self.optimizer,
+                                                              state["dcp"])
             self.sharding.load_model_state(self.model, state["model"])
             self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        except (KeyError, ValueError, RuntimeError) as e:
+        except (KeyError, ValueError, RuntimeError, CheckpointException) as e:
             raise ConfigError(f"{path} does not fit this model ({type(e).__name__}: {e}): resume "
                               f"with the config that wrote it") from None
         self.scaler.load_state_dict(state["scaler"])

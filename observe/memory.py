@@ -4,8 +4,9 @@ GPU: what the caching allocator hands out, ``torch.cuda.memory_allocated()`` rig
 forward pass and ``torch.cuda.max_memory_allocated()`` over the step.
 
 CPU: there are no allocator statistics, so the probe counts bytes: parameters, gradients and
-optimizer state that exist, plus every tensor the forward pass saves for backward (caught with
-``torch.autograd.graph.saved_tensors_hooks``, each storage counted once, parameters excluded).
+optimizer state that exist (this rank's shards under FSDP), plus every tensor the forward pass
+saves for backward (caught with ``torch.autograd.graph.saved_tensors_hooks``, each storage
+counted once, parameters excluded).
 The peak adds the gradients the backward pass creates. Temporaries that live inside one
 operation are not counted; the process's resident high-water mark (VmHWM) is reported beside it
 as an upper bound that includes the Python interpreter and libraries.
@@ -15,11 +16,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 GB = 1024**3
 
 
 def _storage_key(t: torch.Tensor):
+    """(address, bytes) of the storage behind ``t``; of this rank's shard for a DTensor (FSDP)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
 

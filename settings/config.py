@@ -146,8 +146,9 @@ class Config:
         ["SIGTERM", "SIGUSR1"], "signals that stop the run cleanly at the next log point (or, when a rank "
         "waits for data, within a few seconds at the last finished step): "
         f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable)", resume=True)
-    resume_from: str = _f("", "continue from this checkpoint file, or the newest in this run "
-                          "directory (e.g. one written with another number of ranks)", resume=True)
+    resume_from: str = _f("", "continue from this checkpoint (a ckpt_<step>.pt file or an FSDP "
+                          "run's ckpt_<step>.dcp directory), or the newest in this run directory "
+                          "(e.g. one written with another number of ranks)", resume=True)
     init_from: str = _f("", "start from the weights of a model of the tutorial's own code, saved "
                         "with torch.save(model.state_dict()) (empty: fresh weights)", resume=True)
     throughput_report: bool = _f(False, "after training, time the loader alone (IO), the model on "
@@ -163,6 +164,11 @@ class Config:
                      "the replicas drift apart)")
     disable_broadcast_buffers: bool = _f(False, "do not broadcast module buffers every step",
     resume=True)
+    fsdp: bool = _f(False, "shard the parameters, gradients and Adam state over the "
+                    "data-parallel ranks (FSDP2, torch's fully_shard) instead of replicating them "
+                    "(DDP): each rank keeps 1/N (of its tensor/context-parallel slices, with "
+                    "those) and gathers a block's weights just before using it; checkpoints load "
+                    "either way", resume=True)
     bucket_cap_mb: float = _f(25.0, "DistributedDataParallel gradient bucket size in MB", min=0.0,
     resume=True)
     dist_timeout_s: int = _f(600, "seconds a collective waits for a missing rank before failing",
@@ -347,6 +353,14 @@ def validate(cfg: Config):
             check_dir(f.name, path)
     for name in cfg.stop_signals:
         signal_number(name)  # a ConfigError unless it names a signal the run can catch
+    if cfg.fsdp and cfg.noddp:
+        raise ConfigError("fsdp shards the model over the data-parallel ranks and reduces the "
+                          "gradients onto the shards; noddp turns that reduction off: drop one of "
+                          "--fsdp and --noddp")
+    if cfg.fsdp and cfg.amp_mode == "fp16":
+        raise ConfigError("amp_mode=fp16 is not combined with fsdp (its gradient scaler would "
+                          "skip steps on some ranks' shards only): use --amp_mode bf16, or DDP "
+                          "(drop --fsdp) for fp16")
     if cfg.num_epochs is None and cfg.num_iters is None:
         raise ConfigError("neither num_epochs nor num_iters is set: give one, e.g. --num_epochs 3")
     if cfg.num_epochs is not None and cfg.num_iters is not None:

@@ -13,6 +13,8 @@ config's class) and answers:
 - ``forward_flops()``, ``flops_per_sample()``: model FLOPs (``observe.flops``);
   ``fp32_in_tf32()``: whether its fp32 FLOPs run in TF32 (the peak MFU divides by);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);
+- ``shard_blocks(model)``: the submodules sharded as units under ``fsdp`` (their weights are
+  gathered together just before they run);
 - ``shards_model``: whether train_mp.py can split the model over tensor/context-parallel ranks.
 
 and, where its problem has something to say (``tasks.base.Task``, which every task derives from,

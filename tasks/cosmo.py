@@ -94,6 +94,11 @@ class CosmoTask(Task):
                     max_width=c.max_width, full_scale=c.full_scale, conv_init_std=c.conv_init_std,
                     leaky_relu_slope=c.leaky_relu_slope)
 
+    def shard_blocks(self, model) -> list:
+        """The submodules whose weights FSDP gathers together (``fsdp``): the encoder's and the
+        decoder's stages (the last transposed convolution stays with the whole model)."""
+        return [*model.down, *model.up]
+
     def metric_sums(self, pred, y) -> torch.Tensor:
         """Mean absolute error per channel summed over the batch: (C,)."""
         return (pred.float() - y.float()).abs().mean(dim=(2, 3, 4)).sum(dim=0)

@@ -62,6 +62,10 @@ class ERA5Task(Task):
                    layer_norm_eps=c.layer_norm_eps, head_bias=c.head_bias,
                    activation_checkpointing=c.activation_checkpointing)
 
+    def shard_blocks(self, model) -> list:
+        """The submodules whose weights FSDP gathers together (``fsdp``): the transformer blocks."""
+        return list(model.blocks)
+
     def metric_sums(self, pred, y) -> torch.Tensor:
         """Per-channel latitude-weighted RMSE summed over the batch: (C,)."""
         return weighted_rmse(pred, y, self.weights).sum(dim=0)

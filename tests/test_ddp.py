@@ -228,14 +228,18 @@ def rank_scenarios(era5, cosmo, exp, resume_from):
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ddp_data")
+def write_data(base) -> dict:
+    """Tiny ERA5 and cosmology files under ``base`` (a pathlib.Path)."""
     era5 = write_era5(str(base / "era5"), steps=40)  # 78 training pairs: 9 steps of 8
     cosmo = base / "cosmo"
     write_cosmo(str(cosmo / "train.h5"), side=32, seed=0)
     write_cosmo(str(cosmo / "valid.h5"), side=32, seed=1)
     return dict(era5=era5, cosmo=str(cosmo), base=base)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("ddp_data"))
 
 
 @pytest.fixture(scope="module")

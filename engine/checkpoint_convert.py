@@ -1,0 +1,61 @@
+"""Turn a sharded checkpoint (a ``ckpt_<step>.dcp`` directory an FSDP run wrote with torch's
+distributed checkpoint) into one ``.pt`` file of the single-file format: the whole weights and
+Adam state in the serial layout, keyed by parameter name, with the step, schedule, RNG streams
+and config. The file resumes any run (``--resume_from``) and serves inference or sharing
+(``torch.load(path, weights_only=True)["model"]`` is the model's state dict).
+
+    python -m engine.checkpoint_convert logs/ViT/quickstart/4/0/checkpoints/ckpt_00000100.dcp ckpt.pt
+
+Runs in one process on a CPU and reads every shard: it needs memory for the whole model and its
+optimizer state. Bad input is one ``error:`` line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from engine import checkpoint
+
+
+def convert(src: str, out: str) -> dict:
+    """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one file
+    ``out``; returns what was written. Raises ValueError naming the problem."""
+    if os.path.isdir(src) and not checkpoint.is_sharded(src):
+        found = [p for p in checkpoint.list_checkpoints(src) if os.path.isdir(p)]
+        if not found:
+            raise ValueError(f"{src} holds no sharded checkpoint (ckpt_<step>.dcp): give one")
+        src = found[0]
+    if not os.path.isdir(src):
+        raise ValueError(f"{src} is not a sharded checkpoint directory (ckpt_<step>.dcp); a .pt "
+                         f"checkpoint is a single file already")
+    state, path = checkpoint.load_file(src)
+    if state is None:
+        raise ValueError(f"{src} does not load (incomplete or corrupt; the log line above says "
+                         f"why): convert an earlier checkpoint")
+    whole = {k: v for k, v in state.items() if k != "dcp"} | checkpoint.read_tensors(path)
+    checkpoint.write_file(out, whole)
+    return whole
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m engine.checkpoint_convert",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="a ckpt_<step>.dcp directory, or a checkpoints directory "
+                                    "(its newest sharded checkpoint)")
+    parser.add_argument("out", help="the .pt file to write")
+    args = parser.parse_args(argv)
+    try:
+        whole = convert(args.src, args.out)
+    except (ValueError, OSError, CheckpointException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    n = sum(t.numel() for t in whole["model"].values())
+    print(f"{args.out}: step {whole['iteration']}, {n / 1e6:.3g} M parameters, "
+          f"{checkpoint.state_nbytes(whole) / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
