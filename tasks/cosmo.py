@@ -51,7 +51,7 @@ class CosmoTask(Task):
         """The layout of the model's weights, its batches and the loss (``memory_format``), and
         why, for the log. Channels-last (``torch.channels_last_3d``: a voxel's channels side by
         side) is what cuDNN's fastest 3D convolutions read and write: a compute-only step took
-        33.0 ms instead of 39.5 ms on an H200 (docs/performance.md). ``auto`` takes it on a GPU
+        32.5 ms instead of 39.4 ms on an H200 (benchmarks/GPU.md). ``auto`` takes it on a GPU
         unless the model is compiled (torch.compile fails on its backward there: see
         ``CHANNELS_LAST_COMPILE_OPTIONS``; on a CPU it compiles); on a CPU the default layout."""
         choice = self.cfg.memory_format
@@ -64,8 +64,8 @@ class CosmoTask(Task):
                 raise ConfigError(
                     "memory_format=channels_last with enable_jit: torch.compile fails on the "
                     "channels-last U-Net's backward; channels-last eager is the faster of the "
-                    "two on an H200 (33.0 ms per compute-only step, the default layout compiled "
-                    "about 37 ms: docs/performance.md): drop --enable_jit, or use "
+                    "two on an H200 (32.5 ms per compute-only step, the default layout compiled "
+                    "36.3 ms: benchmarks/GPU.md): drop --enable_jit, or use "
                     "--memory_format auto")
             return torch.channels_last_3d, "memory_format channels_last"
         if device.type != "cuda":
