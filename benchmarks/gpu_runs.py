@@ -236,7 +236,7 @@ _WAIT = re.compile(r"Waited for data (\d+)% of the epoch(?: \([^)]*\))?"
                    r"(?:; steady state \(after step 1\) ([\d.]+) samples/s)?")
 _TFLOPS = re.compile(rf"Model ({_NUM}) TFLOP/s per device \(({_NUM}) GFLOP per sample\)"
                      rf"(?:, MFU ([\d.]+)% of ({_NUM}) TFLOP/s)?")
-_START = re.compile(r"Start: ([\d.]+) s to the end of the first step: .*first step ([\d.]+) s")
+_START = re.compile(r"Start: ([\d.]+) s to the end of the first step(?:.|\n)*?first step ([\d.]+) s")
 _CACHES = re.compile(r"compile caches .*: (\d+) hits, (\d+) misses")
 _PEAK = re.compile(r"Memory after forward pass \(GB, per rank\): [^;]*; "
                    r"peak: ([\d.]+(?:, [\d.]+)*)")

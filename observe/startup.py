@@ -1,11 +1,12 @@
 """How long a run took to start: the seconds from the process's start to the end of its first
 step, by part, as one log line after that step:
 
-    Start: 31.4 s to the end of the first step: imports and set-up 6.2 s, data 2.1 s, model 1.4 s,
-      loaders 0.2 s, optimizer and logs 0.1 s, first batch 0.3 s, first step 21.1 s
-      compile caches /tmp/torchinductor_alice: 12 hits, 0 misses
+    Start: 31.4 s to the end of the first step, by part:
+      imports and set-up 6.2 s, data 2.1 s, model 1.4 s, loaders 0.2 s, optimizer and logs 0.1 s,
+      first batch 0.3 s, first step 21.1 s
+      compile caches /tmp/torchinductor_alice: 12 hits, 0 misses (a later run ...)
 
-(one line each, the second only when the model is compiled).
+(the parts wrapped to fit a terminal; the last line only when the model is compiled).
 The process's start is the kernel's record of it (``/proc/self/stat``), so the imports before
 any of the project's code ran are counted; elsewhere the clock starts when this module is
 imported. The first step's time includes what a first step does once: compiling the model,
@@ -96,10 +97,17 @@ class StartClock:
             t = end
         return out
 
-    def lines(self) -> list[str]:
+    def lines(self, width: int = 100) -> list[str]:
+        """The log's lines: the total, then the parts, wrapped at ``width`` characters (so that a
+        line with its time stamp fits a terminal)."""
         total = (self.marks[-1][1] if self.marks else self.clock()) - self.start
-        out = [f"Start: {total:.1f} s to the end of the first step: " + ", ".join(
-            f"{name} {seconds:.1f} s" for name, seconds in self.parts())]
+        out = [f"Start: {total:.1f} s to the end of the first step, by part:"]
+        for name, seconds in self.parts():
+            item = f"{name} {seconds:.1f} s"
+            if len(out) > 1 and len(out[-1]) + 2 + len(item) <= width:
+                out[-1] += f", {item}"
+            else:
+                out.append(f"  {item}")
         if self.compile_dir is not None:
             hits, misses = compile_cache_counts()
             out.append(f"  compile caches {self.compile_dir}: {hits} hits, {misses} misses (a "
