@@ -13,8 +13,6 @@ config's class) and answers:
 - ``forward_flops()``, ``flops_per_sample()``: model FLOPs (``observe.flops``);
   ``fp32_in_tf32()``: whether its fp32 FLOPs run in TF32 (the peak MFU divides by);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);
-- ``shard_blocks(model)``: the submodules sharded as units under ``fsdp`` (their weights are
-  gathered together just before they run);
 - ``shards_model``: whether train_mp.py can split the model over tensor/context-parallel ranks.
 
 and, where its problem has something to say (``tasks.base.Task``, which every task derives from,
@@ -25,7 +23,10 @@ answers with torch's defaults):
   why (for the log); ``compile_options(memory_format)``: the options torch.compile
   (``enable_jit``) is given;
 - ``forward_kernels(device, dtype)``: a factory of the context the forward pass runs under (the
-  ViT's attention kernel, ``tasks.attention``).
+  ViT's attention kernel, ``tasks.attention``);
+- ``shard_blocks(model)``: the submodules sharded as units under ``fsdp``, their weights
+  gathered together just before they run (the ViT's transformer blocks, the U-Net's encoder and
+  decoder stages; by default none: the whole model is one unit).
 
 Its data is the data room's (``datapipe.data_sets``, registered for the same config class), and
 its settings are its config class's (``settings.config``: fields, bounds and ``check()``). A new

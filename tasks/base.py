@@ -20,3 +20,8 @@ class Task:
     def compile_options(self, memory_format: torch.memory_format) -> dict:
         """Options for torch.compile of the model in ``memory_format``: torch's defaults."""
         return {}
+
+    def shard_blocks(self, model) -> list:
+        """The submodules whose weights FSDP gathers together (``fsdp``): none, so the whole
+        model is one unit, gathered at once."""
+        return []
