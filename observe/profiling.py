@@ -40,20 +40,6 @@ def nvtx_range(name: str):
         yield
 
 
-def ranged(iterable, name: str = "data wait", around=contextlib.nullcontext):
-    """Yield the items of ``iterable``, each fetch (``next``) inside ``nvtx_range(name)``: the
-    time a step waits for its batch shows as its own range. ``around()``: a context entered
-    around each fetch too (e.g. one that times it)."""
-    it = iter(iterable)
-    while True:
-        with nvtx_range(name), around():
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-        yield item
-
-
 class ProfilerWindow:
     """Starts the CUDA profiler at step ``start`` and stops it ``length`` steps later."""
 

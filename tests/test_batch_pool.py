@@ -20,7 +20,6 @@ from settings.parse import build_config
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from settings.errors import DataError, TrainingError, UserError
-from observe.profiling import ranged
 
 CPU = torch.device("cpu")
 
@@ -85,7 +84,7 @@ def test_batches_equal_the_datasets_reads(roots, tmp_path, kind, mode, workers):
         ld.train_sampler.set_epoch(epoch)
         want = batch_keys(ld.train_sampler)
         n = 0
-        for (x, y), keys in zip(ranged(ld.train), want, strict=True):
+        for (x, y), keys in zip(ld.train, want, strict=True):
             ex, ey = expected(ld.train, keys)
             assert torch.equal(x, ex) and torch.equal(y, ey)
             seen.add(x.data_ptr())
@@ -157,7 +156,7 @@ def test_a_held_batch_does_not_change(roots, tmp_path, workers):
 
 
 def test_the_engine_and_the_throughput_report_keep_their_batches(roots, tmp_path):
-    """Used as train.py (one batch at a time through ``ranged``, validation moving each batch to
+    """Used as train.py (one batch at a time, validation moving each batch to
     the device) and the throughput report (a batch cached from an abandoned pass, then fresh
     passes) use loaders: every batch is right when used, the cached one stays right."""
     ld = loaders("unet", roots["unet"], tmp_path, workers=2)
@@ -166,7 +165,7 @@ def test_the_engine_and_the_throughput_report_keep_their_batches(roots, tmp_path
     want = cached[0].clone()
     for epoch in range(2):
         ld.train_sampler.set_epoch(epoch)
-        for (x, y), keys in zip(ranged(ld.train), batch_keys(ld.train_sampler)):
+        for (x, y), keys in zip(ld.train, batch_keys(ld.train_sampler)):
             x, y = x.to(CPU, non_blocking=True), y.to(CPU, non_blocking=True)
             assert torch.equal(x, expected(ld.train, keys)[0])
         for x, y in ld.valid:

@@ -10,7 +10,7 @@ from distributed_harness import run_ranks
 from test_training import TINY_VIT, _cfg, run_dir, train
 from observe import profiling
 from settings.errors import ConfigError
-from observe.profiling import NullTrace, TraceWindow, check_trace_dir, nvtx_range, ranged, unused_path
+from observe.profiling import NullTrace, TraceWindow, check_trace_dir, nvtx_range, unused_path
 
 RANGES = ("forward", "backward", "optimizer", "data wait")
 
@@ -109,9 +109,11 @@ def test_ranges_without_the_nvtx_package(monkeypatch):
     assert [e.name for e in prof.events()].count("forward") == 1
 
 
-def test_ranged_wraps_each_fetch_and_keeps_items():
+def test_each_fetch_of_a_pass_is_a_data_wait_range_and_items_are_kept():
+    from engine.data_waits import DataWaits
+    from engine.preemption import NeverStop
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        items = list(ranged(iter([1, 2, 3]), "data wait"))
+        items = list(DataWaits(NeverStop(), 0).batches([1, 2, 3], "training", 0))
     assert items == [1, 2, 3]
     # one range per item and one for the fetch that ends the iteration
     assert sum(e.name == "data wait" for e in prof.events()) == 4
