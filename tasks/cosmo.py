@@ -51,9 +51,11 @@ class CosmoTask(Task):
         """The layout of the model's weights, its batches and the loss (``memory_format``), and
         why, for the log. Channels-last (``torch.channels_last_3d``: a voxel's channels side by
         side) is what cuDNN's fastest 3D convolutions read and write: a compute-only step took
-        32.5 ms instead of 39.4 ms on an H200 (benchmarks/GPU.md). ``auto`` takes it on a GPU
-        unless the model is compiled (torch.compile fails on its backward there: see
-        ``CHANNELS_LAST_COMPILE_OPTIONS``; on a CPU it compiles); on a CPU the default layout."""
+        32.5 ms instead of 39.4 ms on an H200 in bf16 (benchmarks/GPU.md). ``auto`` takes it on
+        a GPU in bf16 or fp16 unless the model is compiled (torch.compile fails on its backward
+        there: see ``CHANNELS_LAST_COMPILE_OPTIONS``; on a CPU it compiles); in fp32 and on a CPU
+        the default layout (in fp32 its gain is unmeasured and its cuDNN autotuning took 55 s of
+        the loader-bound baseline's start)."""
         choice = self.cfg.memory_format
         if choice == "contiguous":
             return torch.contiguous_format, ""
@@ -70,12 +72,14 @@ class CosmoTask(Task):
             return torch.channels_last_3d, "memory_format channels_last"
         if device.type != "cuda":
             return torch.contiguous_format, ""
+        if self.cfg.amp_mode == "none":
+            return torch.contiguous_format, ""
         if compile_fails:
             return torch.contiguous_format, (
                 "memory_format auto with enable_jit: torch.compile fails on the channels-last "
                 "U-Net's backward, so the default layout; channels-last without enable_jit is "
                 "faster on an H200: docs/performance.md")
-        return torch.channels_last_3d, "memory_format auto on a GPU"
+        return torch.channels_last_3d, f"memory_format auto: {self.cfg.amp_mode} on a GPU"
 
     def compile_options(self, memory_format: torch.memory_format) -> dict:
         """Options for torch.compile of the model in ``memory_format``."""

@@ -93,19 +93,24 @@ def assert_same_weights(a, b, rtol, atol):
 # ---------------------------------------------------------------------- the choice
 
 
-@pytest.mark.parametrize("choice,device,jit,expect", [
-    ("auto", "cpu", False, torch.contiguous_format),
-    ("auto", "cuda", False, CL),
-    ("auto", "cuda", True, torch.contiguous_format),  # see CHANNELS_LAST_COMPILE_OPTIONS
-    ("channels_last", "cpu", False, CL),
-    ("contiguous", "cuda", False, torch.contiguous_format),
+@pytest.mark.parametrize("choice,device,jit,amp,expect", [
+    ("auto", "cpu", False, "bf16", torch.contiguous_format),
+    ("auto", "cuda", False, "bf16", CL),
+    ("auto", "cuda", False, "fp16", CL),
+    ("auto", "cuda", False, "none", torch.contiguous_format),  # fp32: gain unmeasured
+    ("auto", "cuda", True, "bf16", torch.contiguous_format),  # see CHANNELS_LAST_COMPILE_OPTIONS
+    ("channels_last", "cpu", False, "none", CL),
+    ("channels_last", "cuda", False, "none", CL),
+    ("contiguous", "cuda", False, "bf16", torch.contiguous_format),
 ])
-def test_the_layout_each_choice_gives(tmp_path, choice, device, jit, expect):
-    cfg = unet_cfg(str(tmp_path), tmp_path, memory_format=choice, enable_jit=jit)
+def test_the_layout_each_choice_gives(tmp_path, choice, device, jit, amp, expect):
+    cfg = unet_cfg(str(tmp_path), tmp_path, memory_format=choice, enable_jit=jit, amp_mode=amp)
     fmt, why = make_task(cfg).memory_format(torch.device(device))
     assert fmt == expect
     if choice == "auto" and jit:
         assert "torch.compile fails" in why
+    if fmt == CL and choice == "auto":
+        assert why == f"memory_format auto: {amp} on a GPU"
 
 
 def test_channels_last_with_compile_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -117,7 +122,7 @@ def test_channels_last_with_compile_is_refused_in_one_line(tmp_path, monkeypatch
     # once options are known under which it compiles: taken, and given to torch.compile
     monkeypatch.setattr(cosmo, "CHANNELS_LAST_COMPILE_OPTIONS", {"size_asserts": True})
     assert make_task(cfg).memory_format(torch.device("cuda"))[0] == CL
-    cfg = dataclasses.replace(cfg, memory_format="auto")
+    cfg = dataclasses.replace(cfg, memory_format="auto", amp_mode="bf16")
     assert make_task(cfg).memory_format(torch.device("cuda"))[0] == CL
     assert make_task(cfg).compile_options(CL) == {"size_asserts": True}
     assert make_task(cfg).compile_options(torch.contiguous_format) == {}
@@ -238,17 +243,18 @@ def test_other_batches_are_converted_once_on_the_device(cosmo32, tmp_path):
 
 @pytest.mark.gpu
 @test_cuda_graph.needs_gpu
-def test_on_a_gpu_auto_is_channels_last_eager_and_captured(cosmo32, tmp_path):
-    """auto on a GPU: channels-last weights and batches (the device loader's gather), the losses
-    of the default layout (to TF32 and cuDNN's algorithm choice), and a captured step
+def test_on_a_gpu_channels_last_eager_and_captured(cosmo32, tmp_path):
+    """channels_last on a GPU: channels-last weights and batches (the device loader's gather),
+    the losses of the default layout (to TF32 and cuDNN's algorithm choice), and a captured step
     (train_graph.py, the real CUDA graph) on channels-last static buffers."""
     kw = dict(steps=5, data_loader_config="device")
     ref = run(cosmo32, tmp_path / "contiguous", memory_format="contiguous", **kw)
-    cl = run(cosmo32, tmp_path / "auto", **kw)
+    cl = run(cosmo32, tmp_path / "channels_last", memory_format="channels_last", **kw)
     assert cl.device.type == "cuda" and cl.memory_format == CL
     assert cl.batch_layouts == {(True, True)} and ref.batch_layouts == {(False, False)}
     torch.testing.assert_close(cl.losses, ref.losses, rtol=1e-2, atol=1e-4)
-    cfg = unet_cfg(cosmo32, tmp_path / "graph", num_iters=5, data_loader_config="device")
+    cfg = unet_cfg(cosmo32, tmp_path / "graph", num_iters=5, data_loader_config="device",
+                   memory_format="channels_last")
     graph = NotingGraphTrainer(cfg, setup_runtime(cfg))  # the real CudaGraphOps
     graph.fit()
     assert graph.step_graph.captured and all(channels_last(t) for t in graph.step_graph.static)
