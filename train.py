@@ -80,10 +80,12 @@ def finished(state: dict, cfg: Config) -> bool:
 
 class Trainer:
     captures_step = False  # True in train_graph.py: the step is replayed as a CUDA graph
-    stop_request: StopRequest = NeverStop()  # run() installs the one its signal handlers set
 
-    def __init__(self, cfg: Config, rt: Runtime):
+    def __init__(self, cfg: Config, rt: Runtime, stop_request: StopRequest | None = None):
+        """``stop_request``: what the stop signals' handlers set (``run`` installs them); by
+        default none stops the run."""
         self.cfg, self.rt, self.device = cfg, rt, rt.device
+        self.stop_request = stop_request or NeverStop()
         self.start_clock = StartClock()  # the start's parts, logged after the first step
         self.start_clock.mark("imports and set-up")
         # Claims the run directory (--run_num auto, the default: the next free number) and locks
@@ -173,8 +175,7 @@ class Trainer:
                                          self.steps_per_epoch, self.total_steps)
         self.progress = Progress(self.steps_per_epoch, rt.global_batch, rt.is_main)
         self.data_wait = DataWait.for_device(self.device)
-        # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait (run() hands
-        # it the stop request whose handlers it installed).
+        # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.
         self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.kept_checkpoints,
                                lambda message: _fail(rt, message, 1, self, broken_group=True))
         self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
@@ -581,8 +582,7 @@ def run(cfg, trainer_cls=Trainer):
     try:
         check_torch_version()
         rt = setup_runtime(cfg)
-        trainer = trainer_cls(cfg, rt)
-        trainer.stop_request = trainer.waits.stop_request = stop_request
+        trainer = trainer_cls(cfg, rt, stop_request=stop_request)
         trainer.fit()
         rt.barrier()  # every rank has finished before any tears its process groups down
     except RunStopped as e:
