@@ -21,10 +21,12 @@ weights after 6 Adam steps to 1e-5 relative (+2e-6 absolute, for weights near ze
 """
 import copy
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -328,10 +330,12 @@ def test_fsdp_and_ddp_checkpoints_load_into_each_others_runs(fsdp4, fsdp2, seria
 # ----------------------------------------------------------------------------- stops and kills
 
 
-def test_fsdp_stop_signal_saves_shards_exits_3_and_resumes_exactly(tmp_path, data):
-    """A stop signal on one rank: both write the step's sharded checkpoint and exit 3; the
-    resumed run ends with the uninterrupted run's weights and losses."""
-    from test_preemption import launch_two_ranks
+def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
+    """A stop signal on one rank: both write the step's sharded checkpoint and exit 3. kill -9 of
+    both ranks while they write a sharded checkpoint every step. Each resumed run ends with the
+    uninterrupted run's weights, Adam state and losses."""
+    from distributed_harness import find_free_port
+    from test_preemption import driver, launch_two_ranks
     from test_training import TINY_VIT, run_dir, tb_scalars
 
     args = TINY_VIT + ["--data_root", data["era5"], "--num_iters", "8", "--dropout", "0.1",
@@ -352,6 +356,35 @@ def test_fsdp_stop_signal_saves_shards_exits_3_and_resumes_exactly(tmp_path, dat
     assert_same_state(b, a, "resumed after a stop")
     ref_tb, got_tb = (tb_scalars(os.path.join(run_dir(e, ws=2), "tensorboard"))
                       for e in (ref_exp, exp))
+    assert [e.value for e in got_tb.Scalars("Loss/train")] == \
+        [e.value for e in ref_tb.Scalars("Loss/train")]
+
+    killed = str(tmp_path / "killed")
+    ckpts = os.path.join(run_dir(killed, ws=2), "checkpoints")
+    port = find_free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, driver(tmp_path), *args, "--expdir", killed, "--checkpoint_every", "1"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+        for r in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.path.isdir(ckpts) and os.listdir(ckpts)):  # the first write has begun
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(random.uniform(0, 0.3))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    written = os.listdir(ckpts)
+    assert "ckpt_00000008.dcp" not in written, f"the run finished before it was killed: {written}"
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", killed, "--checkpoint_every",
+                                                     "1", "--resume", "auto"])
+    assert codes == [0, 0], outs
+    assert_same_state(saved(ckpt(run_dir(killed, ws=2), 8)), a, f"resumed after kill -9 {written}")
+    got_tb = tb_scalars(os.path.join(run_dir(killed, ws=2), "tensorboard"))
     assert [e.value for e in got_tb.Scalars("Loss/train")] == \
         [e.value for e in ref_tb.Scalars("Loss/train")]
 
