@@ -107,10 +107,15 @@ class Trainer:
         self.task = make_task(cfg)
 
         # The layout of the weights and batches on the device (the task's choice: channels-last
-        # for the U-Net on a GPU); the numbers are the same either way.
+        # for the U-Net on a GPU in half precision); the numbers are the same either way.
         self.memory_format, why = self.task.memory_format(self.device)
         if why:
             log.info(f"Memory format: {str(self.memory_format).removeprefix('torch.')} ({why})")
+
+        # The loaders before the model, their first training pass begun: the loader workers read
+        # its first batches while the model is built. A model-parallel rank reads only the image
+        # rows it computes on, which its model knows: its loaders follow the model.
+        self.loaders = self.start_loaders(resume) if rt.groups is None else None
 
         # The model: the serial model from the seed on every rank, then parallelised in one place.
         torch.manual_seed(cfg.seed)
@@ -127,12 +132,9 @@ class Trainer:
         self.sharding = parallel.sharding  # how batches and state map to this rank's model
         torch.manual_seed(cfg.seed + 1 + rt.rank)  # per-rank stream for dropout
 
-        # A model-parallel rank reads only the image rows it computes on (training batches).
-        rows = self.model.image_rows() if rt.groups is not None else None
         self.start_clock.mark("model")
-        self.loaders = build_loaders(cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device, rows,
-                                     self.memory_format)
-        self.start_clock.mark("loaders")
+        if self.loaders is None:
+            self.loaders = self.start_loaders(resume, self.model.image_rows())
         self.steps_per_epoch = self.loaders.steps_per_epoch
         self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
         self.flops_per_sample = self.task.flops_per_sample()  # forward + backward, one sample
@@ -191,6 +193,19 @@ class Trainer:
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)())
         self.start_clock.mark("optimizer and logs")
+
+    def start_loaders(self, resume, rows=None):
+        """The training and validation loaders (``rows``: the image rows this rank reads, None
+        for all), the training pass the run starts with begun (where ``resume``, the checkpoint
+        and its path or None, left off)."""
+        rt = self.rt
+        loaders = build_loaders(self.cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device,
+                                rows, self.memory_format)
+        if not self.nothing_to_do:
+            state = resume[0] if resume is not None else {}
+            loaders.begin_training_pass(state.get("epoch", 0), state.get("step_in_epoch", 0))
+        self.start_clock.mark("loaders")
+        return loaders
 
     @property
     def iteration(self) -> int:
@@ -267,8 +282,9 @@ class Trainer:
         t_first = None
         self.trace.step(st.iteration)  # the torch.profiler window may start here
         # each wait for a batch as a range, and timed; a stop signal or a stall ends it
+        begun = self.loaders.begun_training_pass(st.epoch, st.step_in_epoch)  # (the run's first)
         batches = self.waits.batches(self.loaders.train, "training", st.epoch, st.step_in_epoch,
-                                     self.data_wait.fetching)
+                                     self.data_wait.fetching, begun)
         while True:
             batch, interrupted = next_batch(batches)
             # Collective (host, once per step when distributed): every rank stops here, at the

@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -137,6 +137,23 @@ class Loaders:
     steps_per_epoch: int
     n_train: int
     n_valid: int
+    _begun: tuple | None = field(default=None, repr=False)  # (epoch, first, loader, pass)
+
+    def begin_training_pass(self, epoch: int, first: int = 0):
+        """Begin the training pass of ``epoch`` from its batch ``first`` now: a loader with
+        workers sends them its first batches at once (one without workers reads in ``next``),
+        so they read while the caller goes on (the trainer builds its model). The caller takes
+        the pass with ``begun_training_pass``."""
+        self.train_sampler.set_epoch(epoch, first)
+        self._begun = (epoch, first, self.train, iter(self.train))
+
+    def begun_training_pass(self, epoch: int, first: int):
+        """The pass ``begin_training_pass`` began, once, if it is of ``epoch`` from its batch
+        ``first`` and ``train`` is still the loader it began on; else None."""
+        begun, self._begun = self._begun, None
+        if begun is None or begun[:3] != (epoch, first, self.train):
+            return None
+        return begun[3]
 
     def close(self):
         """End the loader worker processes now (``BatchLoader.close``: at once, their batch

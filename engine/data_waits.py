@@ -99,11 +99,12 @@ class DataWaits:
         self._watchdog = None
 
     def batches(self, loader, what: str, epoch: int, first: int = 0,
-                around=contextlib.nullcontext):
+                around=contextlib.nullcontext, begun=None):
         """The batches of a pass of ``loader`` (the pass's start included) fetched in data waits
         (``fetch``), each inside ``nvtx_range("data wait")`` and ``around()`` (e.g. a context that
-        times it); ``first``: the index of the pass's first batch (a resumed epoch's step)."""
-        it = None
+        times it); ``first``: the index of the pass's first batch (a resumed epoch's step);
+        ``begun``: the pass, already begun (``Loaders.begin_training_pass``), or None."""
+        it = begun
         for i in itertools.count(first):
             with nvtx_range("data wait"), around(), self.fetch(loader, what, epoch, i):
                 try:

@@ -2,7 +2,7 @@
 step, by part, as one log line after that step:
 
     Start: 31.4 s to the end of the first step, by part:
-      imports and set-up 6.2 s, data 2.1 s, model 1.4 s, loaders 0.2 s, optimizer and logs 0.1 s,
+      imports and set-up 6.2 s, data 2.1 s, loaders 0.2 s, model 1.4 s, optimizer and logs 0.1 s,
       first batch 0.3 s, first step 21.1 s
       compile caches /tmp/torchinductor_alice: 12 hits, 0 misses (a later run ...)
 

@@ -435,6 +435,85 @@ def test_training_then_the_throughput_report_finishes_20_of_20_times(tmp_path, w
         tr.loaders.close()
 
 
+def test_the_first_training_pass_is_begun_before_the_model_is_built(tmp_path, monkeypatch):
+    """The trainer builds its loaders before its model and begins the run's first training pass
+    there, at the position a resume takes up: the workers have the first batches to read while
+    the model is built, and the first epoch takes that pass. A run with nothing left to do
+    begins none."""
+    import train
+    from engine.runtime import setup_runtime
+    from test_throughput_report import tiny_vit_cfg
+
+    events = []
+    send_ahead = BatchLoader._send_ahead
+
+    def noting_send_ahead(self, p):
+        send_ahead(self, p)
+        events.append(("sent", len(self.in_flight)))
+
+    make_task = train.make_task
+
+    def noting_make_task(cfg):
+        task = make_task(cfg)
+        build_model = task.build_model
+        task.build_model = lambda: events.append(("model", 0)) or build_model()
+        return task
+
+    monkeypatch.setattr(BatchLoader, "_send_ahead", noting_send_ahead)
+    monkeypatch.setattr(train, "make_task", noting_make_task)
+    data = write_era5(str(tmp_path / "era5"), steps=20, h=16, w=32)
+    exp = str(tmp_path / "exp")
+
+    def trainer(num_iters, **kw):  # 32 samples in batches of 4: 8 steps an epoch
+        cfg = tiny_vit_cfg(data, exp, num_iters=num_iters, limit_nsamples=32,
+                           limit_nsamples_val=8, num_data_workers=2, checkpoint_every=6, **kw)
+        events.clear()
+        return train.Trainer(cfg, setup_runtime(cfg))
+
+    step6 = os.path.join(exp, "quickstart", "1", "0", "checkpoints", "ckpt_00000006.pt")
+    for num_iters, kw, position in ((8, {}, (0, 0)), (10, {"resume_from": step6}, (0, 6))):
+        tr = trainer(num_iters, **kw)
+        try:
+            model = events.index(("model", 0))
+            assert model > 0 and events[0][0] == "sent" and events[0][1] > 0, events
+            epoch, first, _, begun = tr.loaders._begun
+            assert (epoch, first) == position == (tr.state.epoch, tr.state.step_in_epoch)
+            tr.fit()
+            assert tr.loaders._begun is None  # taken by the first epoch, whose steps it served
+            assert begun.served >= min(8, num_iters) - first > 0
+        finally:
+            tr.loaders.close()
+    tr = trainer(10, resume="true", run_num=1)  # the resumed run, finished: nothing to do
+    try:
+        assert tr.nothing_to_do and tr.loaders._begun is None and tr.loaders.train.workers is None
+    finally:
+        tr.loaders.close()
+
+
+def test_a_begun_pass_is_taken_once_and_only_at_its_position(tmp_path):
+    data = write_era5(str(tmp_path / "era5"), steps=20, h=16, w=32)
+    for workers in (0, 2):
+        ld = loaders("vit", data, tmp_path, workers=workers)
+        try:
+            ld.begin_training_pass(1, 2)
+            assert (ld.train_sampler.epoch, ld.train_sampler.start_step) == (1, 2)
+            if workers:
+                assert ld.train.in_flight  # sent to the workers before the first next()
+            assert ld.begun_training_pass(1, 3) is None and ld.begun_training_pass(1, 2) is None
+            ld.begin_training_pass(1, 2)
+            begun = ld.begun_training_pass(1, 2)
+            keys = batch_keys(ld.train_sampler)
+            for got, k in zip(begun, keys):
+                torch.testing.assert_close(got, expected(ld.train, k), rtol=0, atol=0)
+            assert begun.served == len(keys) and ld.begun_training_pass(1, 2) is None
+            ld.begin_training_pass(1, 2)
+            train, ld.train = ld.train, iter([])  # replaced (a test's wrapper): not its pass
+            assert ld.begun_training_pass(1, 2) is None
+            ld.train = train
+        finally:
+            ld.close()
+
+
 PARENT = """
 import sys
 sys.path[:0] = [{root!r}, {tests!r}]

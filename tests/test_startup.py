@@ -54,7 +54,7 @@ def test_train_py_says_how_long_the_start_took_once(tmp_path):
     total = float(found[0][0])
     parts = ", ".join(line.split(" INFO -   ", 1)[1] for line in found[0][1].splitlines())
     seconds = {name: float(v) for name, v in re.findall(r"([a-z -]+?) ([\d.]+) s(?:, |$)", parts)}
-    assert list(seconds) == ["imports and set-up", "data", "model", "loaders",
+    assert list(seconds) == ["imports and set-up", "data", "loaders", "model",
                              "optimizer and logs", "first batch", "first step"]
     assert sum(seconds.values()) == pytest.approx(total, abs=0.1 * len(seconds))
     assert seconds["imports and set-up"] > 0.2  # torch's import at least: counted from the exec
