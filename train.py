@@ -290,10 +290,12 @@ class Trainer:
             # Collective (host, once per step when distributed): every rank stops here, at the
             # last finished step, on a signal that ended a wait for data on any rank, or after a
             # log point's step on any signal (a resumed run's loss points are then those of an
-            # uninterrupted run).
+            # uninterrupted run). With a loader that never waits no rank can be held in a fetch:
+            # the ranks then agree at log points only.
             log_point = steps_run > 0 and st.iteration % cfg.log_every == 0
-            signum = self.stop_request.at_boundary(interrupted, log_point, rt.distributed,
-                                                   rt.host_group)
+            agree = log_point or self.waits.agree_after_each_fetch(self.loaders.train)
+            signum = self.stop_request.at_boundary(interrupted, log_point,
+                                                   rt.distributed and agree, rt.host_group)
             if signum:
                 self.stop_here(signum)
             if batch is None or st.iteration >= self.total_steps:

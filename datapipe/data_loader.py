@@ -87,6 +87,8 @@ class CachedBatchLoader:
     """One batch kept on ``device`` in ``memory_format`` and served for every batch of a pass of
     ``sampler`` (the last one cut to the samples left): compute-only timing, nothing read."""
 
+    never_waits = True  # makes each batch in this process, at once: no data wait (engine)
+
     def __init__(self, batch, sampler, batch_size: int, device,
                  memory_format: torch.memory_format = torch.contiguous_format):
         self.batch = tuple(torch.as_tensor(a).to(device).contiguous(memory_format=memory_format)

@@ -325,6 +325,8 @@ class DeviceCropLoader:
     """Batches (x, y) of the crops of ``sampler``'s keys, ``batch_size`` at a time (the last one
     possibly smaller), cut on the device: like a DataLoader over the same sampler."""
 
+    never_waits = True  # cuts each batch in this process, from memory: no data wait (engine)
+
     def __init__(self, gather: CropGather, sampler, batch_size: int):
         self.gather, self.sampler, self.batch_size = gather, sampler, batch_size
 

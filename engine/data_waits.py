@@ -22,6 +22,13 @@ Python (DALI's executor) defers the handlers until it returns: for that a watchd
 the process with the same one line ``WATCHDOG_GRACE_S`` seconds after the timeout (exit 1,
 nothing written).
 
+A loader that makes each batch in this process from memory (``never_waits``: the device
+loader's crops, the cached batch of ``data_loader_config synthetic``) has nothing to wait for: its
+fetches are plain calls, no stop signal ends them, and a rank never waits on it while its peers
+step on. The ranks' stop agreement (``StopRequest.at_boundary``) is then needed at log points
+only (``DataWaits.agree_after_each_fetch``), which spares those runs, the fastest steps, a host
+collective per step.
+
 Outside the main thread (a trainer driven from another thread) no handler can be set: fetches
 there wait as the loader does.
 """
@@ -83,6 +90,12 @@ def stall_message(waited: str, timeout_s: float, advice: str) -> str:
             f"{advice}")
 
 
+@contextlib.contextmanager
+def _no_wait(loader, what: str, epoch: int, batch: int):
+    """A fetch from a loader that never waits: a plain call."""
+    yield
+
+
 class DataWaits:
     """The fetches of one run: ``stop_request`` (its handlers call ``signal_came``) and
     ``timeout_s`` (0: none). ``advice()``: what the stall line ends with (the checkpoint kept);
@@ -105,14 +118,21 @@ class DataWaits:
         times it); ``first``: the index of the pass's first batch (a resumed epoch's step);
         ``begun``: the pass, already begun (``Loaders.begin_training_pass``), or None."""
         it = begun
+        fetch = self.fetch if self.agree_after_each_fetch(loader) else _no_wait
         for i in itertools.count(first):
-            with nvtx_range("data wait"), around(), self.fetch(loader, what, epoch, i):
+            with nvtx_range("data wait"), around(), fetch(loader, what, epoch, i):
                 try:
                     it = iter(loader) if it is None else it  # a new pass may wait for the last
                     item = next(it)
                 except StopIteration:
                     return
             yield item
+
+    @staticmethod
+    def agree_after_each_fetch(loader) -> bool:
+        """Whether the ranks must agree on stopping after each fetch from ``loader`` (a rank may
+        be held in a wait for it that a signal ends), or at log points only (``never_waits``)."""
+        return not getattr(loader, "never_waits", False)
 
     @contextlib.contextmanager
     def fetch(self, loader, what: str, epoch: int, batch: int):

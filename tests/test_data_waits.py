@@ -380,6 +380,35 @@ def test_data_wait_ends_on_a_signal_and_on_its_timeout(monkeypatch):
         request.restore()
 
 
+def test_a_loader_that_never_waits_is_fetched_without_a_data_wait(tmp_path):
+    """The device loader and the cached batch make each batch in this process: their fetches
+    arm no timer and no handler (a stop signal waits for the next log point), and the ranks
+    need not agree after each of them; every loader that reads does."""
+    from datapipe.batch_pool import BatchLoader
+    from datapipe.dali_loader import DALILoader
+    from datapipe.data_loader import CachedBatchLoader
+    from datapipe.device_loader import DeviceCropLoader
+    from engine.data_waits import DataWaits
+    from engine.preemption import NeverStop
+
+    assert [DataWaits.agree_after_each_fetch(cls.__new__(cls)) for cls in
+            (BatchLoader, DALILoader, CachedBatchLoader, DeviceCropLoader)] == \
+        [True, True, False, False]
+    waits = DataWaits(NeverStop(), 600)
+    alarm = signal.getsignal(signal.SIGALRM)
+
+    class Noting(list):
+        def __iter__(self):
+            for x in super().__iter__():
+                yield x, signal.getsignal(signal.SIGALRM) is alarm
+
+    class NeverWaits(Noting):
+        never_waits = True
+
+    assert [kept for _, kept in waits.batches(NeverWaits([1, 2]), "training", 0)] == [True] * 2
+    assert [kept for _, kept in waits.batches(Noting([1, 2]), "training", 0)] == [False] * 2
+
+
 def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
     """A wait in C code that never returns to Python (here: the main thread blocks the timer's
     signal, as such code keeps it from running a handler) is ended by the watchdog thread with

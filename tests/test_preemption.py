@@ -26,12 +26,24 @@ STOP_LINE = re.compile(r"Stopped on (SIG\w+) after step (\d+): checkpoint (\S+);
 # train.py's run() with a Trainer that signals its own process at a chosen step (and, if asked,
 # again while writing the stop checkpoint), or dies like kill -9 before a chosen validation.
 DRIVER = """
-import os, signal, sys
+import atexit, os, signal, sys
 sys.path.insert(0, {root!r})
 import train
 from settings.cli import from_argv
 
 class Signalled(train.Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if os.environ.get("COUNT_AGREEMENTS"):  # the ranks' stop agreements (host collectives)
+            count, at_boundary = [0], self.stop_request.at_boundary
+
+            def counted(interrupted, log_point, distributed, *rest, **kw):
+                count[0] += bool(distributed)
+                return at_boundary(interrupted, log_point, distributed, *rest, **kw)
+
+            self.stop_request.at_boundary = counted
+            atexit.register(lambda: print(f"stop agreements: {{count[0]}}", flush=True))
+
     def train_step(self, *args, **kwargs):
         if str(self.iteration) == os.environ.get("SIGNAL_AT_STEP") and \\
                 str(self.rt.rank) == os.environ.get("SIGNAL_RANK", "0"):
@@ -182,6 +194,22 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
                       for e in (ref_exp, exp))
     assert [e.value for e in got_tb.Scalars("Loss/train")] == \
         [e.value for e in ref_tb.Scalars("Loss/train")]
+
+
+@pytest.mark.parametrize("loader,agreements", [("lowmem", 5), ("synthetic", 2)])
+def test_ranks_agree_after_each_fetch_unless_the_loader_never_waits(tmp_path, data, loader,
+                                                                     agreements):
+    """A signal on rank 1 at step 3: both ranks stop after the log point of step 4. With a loader
+    that reads (lowmem) they agree after each of the 5 fetches; with one that never waits (the
+    cached batch of synthetic) only at the log points of steps 2 and 4."""
+    args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--num_data_workers", "0",
+                       "--data_loader_config", loader, "--expdir", str(tmp_path / "exp")]
+    codes, outs = launch_two_ranks(tmp_path, args, SIGNAL_AT_STEP="3", SIGNAL_RANK="1",
+                                   COUNT_AGREEMENTS="1")
+    assert codes == [STOPPED_EXIT_CODE] * 2, outs
+    assert "Stopped on SIGUSR1 after step 4:" in outs[0][0]
+    for out, _ in outs:
+        assert f"stop agreements: {agreements}\n" in out, out[-2000:]
 
 
 def test_resume_auto_starts_fresh_then_continues_and_never_reruns_a_finished_run(tmp_path,
