@@ -316,6 +316,7 @@ srun_pid=$!
 echo "command:$(printf ' %q' "${profiler[@]}" "$PYTHON" "$SCRIPT" "${run_name[@]}" "$@" \
     "${resume[@]}")"
 announced=0
+poll=0.1  # doubled up to 2 s: a job that ends at once is not held for a whole poll
 while kill -0 "$srun_pid" 2>/dev/null; do
     if ((stop_requested)); then
         if ((!announced)); then
@@ -324,8 +325,9 @@ while kill -0 "$srun_pid" 2>/dev/null; do
         fi
         kill -USR1 "$srun_pid" 2>/dev/null || true
     fi
-    sleep 2 &
+    sleep "$poll" &
     wait $! || true  # a USR1 ends this wait at once
+    case $poll in 0.1) poll=0.2 ;; 0.2) poll=0.5 ;; 0.5) poll=1 ;; *) poll=2 ;; esac
 done
 status=0
 wait "$srun_pid" || status=$?
