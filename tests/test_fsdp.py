@@ -106,18 +106,10 @@ def rank_3d(era5, exp, dcp_checkpoint):
 
 
 def rank_ddp_then_fsdp(era5, exp):
-    """A 2-rank DDP run, and its step-2 checkpoint continued by the same ranks under FSDP; again
-    as torch < 2.7 does it (``distribute_tensor`` without ``src_data_rank``: each shard scattered
-    from rank 0's copy)."""
-    from engine import sharding
-
+    """A 2-rank DDP run, and its step-2 checkpoint continued by the same ranks under FSDP."""
     ddp = run_vit(era5, os.path.join(exp, "ddp"), False)
-    out = dict(ddp=ddp, fsdp_from_ddp=run_vit(era5, os.path.join(exp, "fsdp_from_ddp"), True,
-                                              ckpt(ddp["run_dir"], 2)))
-    sharding._KEEP_LOCAL_SLICE = {}
-    out["fsdp_from_ddp_scattered"] = run_vit(era5, os.path.join(exp, "scattered"), True,
-                                             ckpt(ddp["run_dir"], 2))
-    return out
+    return dict(ddp=ddp, fsdp_from_ddp=run_vit(era5, os.path.join(exp, "fsdp_from_ddp"), True,
+                                               ckpt(ddp["run_dir"], 2)))
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -321,9 +313,9 @@ def test_fsdp_and_ddp_checkpoints_load_into_each_others_runs(fsdp4, fsdp2, seria
         assert r["ddp_from_fsdp"]["kind"] == "ViT" and r["fsdp_from_ddp"]["kind"] == "FSDPViT"
         assert_same_state(r["ddp_from_fsdp"]["start"], saved(ckpt(fsdp4[0]["vit"]["run_dir"], 2)),
                           "FSDP -> DDP")
-        for key in ("fsdp_from_ddp", "fsdp_from_ddp_scattered"):
-            assert_same_state(r[key]["start"], saved(ckpt(r["ddp"]["run_dir"], 2)), key)
-    for key in ("ddp_from_fsdp", "fsdp_from_ddp", "fsdp_from_ddp_scattered"):
+        assert_same_state(r["fsdp_from_ddp"]["start"], saved(ckpt(r["ddp"]["run_dir"], 2)),
+                          "DDP -> FSDP")
+    for key in ("ddp_from_fsdp", "fsdp_from_ddp"):
         np.testing.assert_allclose(mean_losses(fsdp2, key), ser["losses"][2:], rtol=1e-5)
 
 
