@@ -380,7 +380,7 @@ def test_data_wait_ends_on_a_signal_and_on_its_timeout(monkeypatch):
         request.restore()
 
 
-def test_a_loader_that_never_waits_is_fetched_without_a_data_wait(tmp_path):
+def test_a_loader_that_never_waits_is_fetched_without_a_data_wait():
     """The device loader and the cached batch make each batch in this process: their fetches
     arm no timer and no handler (a stop signal waits for the next log point), and the ranks
     need not agree after each of them; every loader that reads does."""
