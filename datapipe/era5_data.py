@@ -55,7 +55,7 @@ def load_stats(root: str, n_channels: int):
         except FileNotFoundError:
             raise DataError(f"{path} not found: the ERA5 stats must be in <data_root>/stats/ "
                             f"(make them with: python -m datapipe.synthetic era5 --out DIR)") from None
-        except (ValueError, EOFError, OSError) as e:
+        except Exception as e:  # numpy's parse of a damaged header raises many kinds
             raise DataError(f"{path} is not a valid .npy file ({_npy_problem(e)}): write it "
                             f"again with numpy.save of a float array") from None
         if a.ndim != 4 or a.shape[0] != 1 or a.shape[2:] != (1, 1) or a.shape[1] < n_channels:
