@@ -293,7 +293,7 @@ class Trainer:
             # uninterrupted run). With a loader that never waits no rank can be held in a fetch:
             # the ranks then agree at log points only.
             log_point = steps_run > 0 and st.iteration % cfg.log_every == 0
-            agree = log_point or self.waits.agree_after_each_fetch(self.loaders.train)
+            agree = self.waits.agree_now(self.loaders.train, log_point)
             signum = self.stop_request.at_boundary(interrupted, log_point,
                                                    rt.distributed and agree, rt.host_group)
             if signum:

@@ -134,6 +134,11 @@ class DataWaits:
         be held in a wait for it that a signal ends), or at log points only (``never_waits``)."""
         return not getattr(loader, "never_waits", False)
 
+    def agree_now(self, loader, log_point: bool) -> bool:
+        """Whether the ranks agree on stopping after this fetch from ``loader``: at every log
+        point, and after each fetch from a loader that may wait."""
+        return log_point or self.agree_after_each_fetch(loader)
+
     @contextlib.contextmanager
     def fetch(self, loader, what: str, epoch: int, batch: int):
         """A wait for ``loader``'s next batch (``what``: "training", "validation", ...; the

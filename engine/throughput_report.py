@@ -109,12 +109,11 @@ def _loader_pass(tr, epoch: int):
     training: after every ``log_every`` fetches only with a loader that never waits)."""
     tr.loaders.train_sampler.set_epoch(epoch, 0)
     batches = tr.waits.batches(tr.loaders.train, "training (throughput report)", epoch)
-    each_fetch = tr.waits.agree_after_each_fetch(tr.loaders.train)
     for i in itertools.count(1):
         batch, interrupted = next_batch(batches)
         # Collective (host, per batch when distributed): a stop signal on any rank, recorded or
         # ending its wait, ends the report on every rank; the final checkpoint is written.
-        agree = each_fetch or i % tr.cfg.log_every == 0
+        agree = tr.waits.agree_now(tr.loaders.train, i % tr.cfg.log_every == 0)
         signum = tr.stop_request.at_boundary(interrupted, agree, tr.rt.distributed and agree,
                                              tr.rt.host_group)
         if signum:
