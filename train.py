@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from datapipe.data_loader import build_loaders
+from datapipe.data_loader import build_loaders, validation_batch_sizes
 from engine import checkpoint, throughput_report
-from engine.data_waits import DataWaits, LoaderStalled, next_batch
+from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
+from engine.exits import arm_hard_exit
 from engine.lr_schedule import build_scheduler, peak_lr, resumed_schedule
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
@@ -36,6 +37,7 @@ from engine.preemption import NeverStop, RunStopped, StopRequest
 from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_checkpoint,
                               log_run_header, release_run_locks, resolve_run_num, run_dir_for,
                               write_config)
+from engine.stop_agreement import StopAgreement
 from engine.runtime import (Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.train_state import TrainState
@@ -96,7 +98,7 @@ class Trainer:
         setup_logging(rt.rank, os.path.join(self.run_dir, "out.log"))
         if run_num_choice:
             log.info(f"Run {cfg.run_num} ({run_num_choice})")
-        resume = find_resume_checkpoint(cfg, self.run_dir, rt.world_size)  # (state, path) or None
+        resume = find_resume_checkpoint(cfg, self.run_dir, rt)  # (state, path) or None
         self.nothing_to_do = resume is not None and finished(resume[0], cfg)
         if self.nothing_to_do:  # said before the start-up lines, which follow as for any resume
             log.info(f"Nothing to do: run {cfg.run_num} has finished its {resume[0]['iteration']} "
@@ -180,6 +182,9 @@ class Trainer:
         # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.
         self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.kept_checkpoints,
                                lambda message: _fail(rt, message, 1, self, broken_group=True))
+        # When and how the ranks agree to stop (a host collective, never waited for per step)
+        self.agreement = StopAgreement(self.stop_request, rt.distributed, rt.host_group,
+                                       every=cfg.log_every)
         self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
         self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
         self.window_steps = 0
@@ -246,7 +251,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         with probe.step():
             for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
-                # DDP all-reduces the gradients in the backward of the last micro-batch only.
+                # DDP all-reduces the gradients in the backward of the last micro-batch only;
+                # FSDP reduce-scatters each micro-batch's (fsdp_reduce_each_microbatch).
                 with self.parallel.no_sync() if i < k - 1 else contextlib.nullcontext():
                     with nvtx_range("forward"), self.autocast(), self.kernels():
                         pred = self.wrapped_model(xm)
@@ -285,17 +291,13 @@ class Trainer:
         begun = self.loaders.begun_training_pass(st.epoch, st.step_in_epoch)  # (the run's first)
         batches = self.waits.batches(self.loaders.train, "training", st.epoch, st.step_in_epoch,
                                      self.data_wait.fetching, begun)
+        # Each step's batch is fetched a step ahead, and the ranks' stop proposals after each
+        # fetch are combined while the step before runs (engine.stop_agreement).
+        batch = self.fetch_ahead(batches, st.iteration, first=True)
         while True:
-            batch, interrupted = next_batch(batches)
-            # Collective (host, once per step when distributed): every rank stops here, at the
-            # last finished step, on a signal that ended a wait for data on any rank, or after a
-            # log point's step on any signal (a resumed run's loss points are then those of an
-            # uninterrupted run). With a loader that never waits no rank can be held in a fetch:
-            # the ranks then agree at log points only.
-            log_point = steps_run > 0 and st.iteration % cfg.log_every == 0
-            agree = self.waits.agree_now(self.loaders.train, log_point)
-            signum = self.stop_request.at_boundary(interrupted, log_point,
-                                                   rt.distributed and agree, rt.host_group)
+            # Every rank stops here, after the same step: on a signal that any rank proposed
+            # after fetching this step's batch (a signal recorded, or one that ended its wait).
+            signum = self.agreement.decision()
             if signum:
                 self.stop_here(signum)
             if batch is None or st.iteration >= self.total_steps:
@@ -306,6 +308,9 @@ class Trainer:
             first_of_run = self.start_clock is not None
             if first_of_run:
                 self.start_clock.mark("first batch")
+            # the next step's batch (none past the run's last step), its proposal launched
+            batch = self.fetch_ahead(batches, st.iteration + 1,
+                                     more=st.iteration + 1 < self.total_steps)
             self.data_wait.step_begins()
             with nvtx_range(f"step {st.iteration}"):
                 loss, grad_norm = self.train_step(*self.to_device(x, y), probe)
@@ -327,8 +332,8 @@ class Trainer:
                 self.window_steps = 0
             else:
                 self.progress.step(st.step_in_epoch)  # a line if 30 s passed since the last
-            if cfg.checkpoint_every and st.iteration % cfg.checkpoint_every == 0:
-                self.save_checkpoint(epoch_sum)
+            if self.checkpoint_due() and not self.validation_next():
+                self.save_checkpoint(epoch_sum)  # (the epoch's last step: after its validation)
             self.trace.step(st.iteration)  # ends this step's range in the torch.profiler trace
         if self.window_steps:
             self.log_train_window(window, self.window_steps)
@@ -357,13 +362,31 @@ class Trainer:
             log.info(line)
         self.start_clock = None
 
+    def fetch_ahead(self, batches, index: int, more: bool = True, first: bool = False):
+        """The batch of step ``index`` from ``batches`` (None at the pass's end, when a stop
+        signal ended the wait for it, or without ``more``), then this rank's stop proposal
+        (when due: the same fetches on every rank), decided before that step. ``first``: the
+        pass's first fetch, whose proposal holds no recorded signal (an epoch takes a step)."""
+        batch, interrupted = next_batch(batches) if more else (None, 0)
+        self.agreement.after_fetch(self.loaders.train, index, interrupted, recorded=not first)
+        return batch
+
+    def checkpoint_due(self) -> bool:
+        """Whether ``checkpoint_every`` asks for the checkpoint of the step just taken."""
+        every = self.cfg.checkpoint_every
+        return bool(every and self.iteration and self.iteration % every == 0)
+
+    def validation_next(self) -> bool:
+        """Whether the step just taken ends its epoch or the run: a validation follows, and the
+        step's checkpoint is written after it (once), recording the validation as done."""
+        return self.state.step_in_epoch == self.steps_per_epoch \
+            or self.iteration >= self.total_steps
+
     def stop_here(self, signum: int):
         """Every rank writes the checkpoint of the last finished step and raises RunStopped.
-        Reached from ``StopRequest.at_boundary`` after a fetch: at a log point (the host waits
-        for the device there anyway), or where a signal ended a wait for data."""
-        cfg = self.cfg
-        if not (cfg.checkpoint_every and self.iteration % cfg.checkpoint_every == 0
-                and self.iteration):
+        Reached when the ranks' stop agreement says so, the same on every rank: between two
+        steps, or after a validation that a stop signal cut short."""
+        if not (self.checkpoint_due() and not self.validation_next()):
             self.save_checkpoint(self.epoch_sum)  # (unless this step's periodic one is written)
         raise RunStopped(signum, self.iteration,
                          checkpoint.written_for(self.ckpt_dir, self.iteration))
@@ -413,22 +436,39 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """Loss and metrics over the whole validation set (all ranks), and the naive baseline's."""
+        """Loss and metrics over the whole validation set (all ranks), and the naive baseline's.
+
+        Every data-parallel rank runs as many forwards as the largest shard has batches: a rank
+        whose shard ends sooner, or whose wait for a batch a stop signal ended, runs the rest on
+        a stand-in (its first batch, cut to the size its model-parallel peers have) and drops
+        the results, so the forwards' collectives (FSDP's weight gathers, tp/cp's activations)
+        always meet their peers'; the sums are those of the real batches alone."""
         self.model.eval()
         want_base = self._baseline is None
-        sums = picture = None
-        rt, groups = self.rt, self.rt.groups
-        batches = self.waits.batches(self.loaders.valid, "validation", self.state.epoch)
-        while True:
-            batch, interrupted = next_batch(batches)
-            if groups is not None and groups.mp_size > 1:
-                # The ranks of a model replica share each batch and its forward's collectives:
-                # they leave together (a collective per validation batch, tp/cp only).
-                interrupted = self.stop_request.at_boundary(interrupted, False, True,
-                                                            groups.mp_group, self.device)
-            if batch is None or interrupted:
-                break
+        sums = picture = stand_in = None
+        rt, valid = self.rt, self.loaders.valid
+        batches = self.waits.batches(valid, "validation", self.state.epoch)
+        sizes = validation_batch_sizes(self.loaders.n_valid, rt.dp_size, rt.dp_rank,
+                                       rt.local_batch)
+        interrupted = 0
+        for i, size in enumerate(sizes):
+            batch = None
+            if size and not interrupted:
+                batch, interrupted = next_batch(batches)
+            if i == 0 and may_wait(valid):
+                # Collective (host, once per validation): a rank whose first wait a stop signal
+                # ended has no stand-in; every rank then leaves before any forward.
+                interrupted = self.agreement.now(interrupted, recorded=False)
+                if interrupted:
+                    break
+            if batch is None:  # no batch for this forward: the stand-in's, results dropped
+                x = stand_in[:size] if size else stand_in
+                with self.autocast(), self.kernels():
+                    self.sharding.whole_output(self.wrapped_model(
+                        self.sharding.local_batch(x, x)[0]))
+                continue
             x, y = self.to_device(*batch)
+            stand_in = x if stand_in is None else stand_in
             with self.autocast(), self.kernels():
                 pred = self.wrapped_model(self.sharding.local_batch(x, y)[0])
             pred = self.sharding.whole_output(pred)
@@ -448,8 +488,7 @@ class Trainer:
         self.model.train()
         # Collective (host, once per validation): a wait for data that a stop signal ended, on
         # any rank, stops every rank before the validation's sums are combined.
-        signum = self.stop_request.at_boundary(interrupted, False, rt.distributed,
-                                               rt.host_group)
+        signum = self.agreement.now(interrupted, recorded=False)
         if signum:
             self.stop_here(signum)
         if sums is None:
@@ -471,8 +510,12 @@ class Trainer:
         """The epoch's lines in the log and its points in TensorBoard."""
         it, board = self.iteration, self.board
         steps_per_s = stats.samples_per_s / self.rt.global_batch
-        log.info(f"Epoch {self.state.epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} steps, "
-                 f"{stats.samples_per_s:.2f} samples/s ({steps_per_s:.2f} steps/s)")
+        if stats.steps:
+            log.info(f"Epoch {self.state.epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} "
+                     f"steps, {stats.samples_per_s:.2f} samples/s ({steps_per_s:.2f} steps/s)")
+        else:  # resumed from a stop during this epoch's validation
+            log.info(f"Epoch {self.state.epoch + 1}: its steps ran before the resume; its "
+                     f"validation is run now")
         if stats.steps:
             # Who sets the pace: the loader when the step waited for data much of the epoch.
             steady = stats.steady_samples_per_s
@@ -535,10 +578,13 @@ class Trainer:
             self.last_val = val
             self.state.next_epoch()
             validated = True
-        # Written after the last validation (over a periodic one of the same step), so a resume
-        # from it knows there is nothing left to do.
-        if validated or checkpoint.written_for(self.ckpt_dir, self.iteration) is None:
-            self.save_checkpoint()
+            # The checkpoint of an epoch's last step, and of the run's, is written after the
+            # validation (train_epoch leaves it here): once, and a resume from it knows the
+            # validation is done.
+            if self.checkpoint_due() or self.iteration >= self.total_steps:
+                self.save_checkpoint()
+        if not validated and checkpoint.written_for(self.ckpt_dir, self.iteration) is None:
+            self.save_checkpoint()  # (a run with no step to take)
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)
         self.board.close()
@@ -570,8 +616,13 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     wait in a collective; its workers in reads that even SIGKILL may not end soon, so joining
     them could hang). The process group cannot be shut down cleanly then (gloo's destructors may
     abort the process while a peer is still connected), so the logs and TensorBoard events are
-    flushed and the process exits at once (loader workers end with it: exit_with_parent).
+    flushed and the process exits at once (loader workers end with it: exit_with_parent). That
+    cleanup writes to file systems that may have stalled too: a timer armed before any of it
+    ends the process with ``exit_code`` after ``engine.exits.HARD_EXIT_AFTER_S`` seconds even if
+    a write never returns.
     """
+    if broken_group:
+        arm_hard_exit(exit_code)
     prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed else ""
     record = logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:  # keep the reason in the run's out.log

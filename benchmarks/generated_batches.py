@@ -55,7 +55,7 @@ def main(argv=None):
     for item in args.configs:
         yaml_name, name = item.split(":")
         best, shape = min(seconds(yaml_name, name) for _ in range(args.rounds))
-        print(f"| {yaml_name} {name} | {shape} | {best:.1f} |", flush=True)
+        print(f"| {yaml_name} {name} | {shape} | {best:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

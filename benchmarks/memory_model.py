@@ -86,6 +86,13 @@ model counts a rank of the first, longest band (N/cp and H/cp above rounded up t
   the whole forward and backward) and of one block at a time, in the compute dtype of the
   mixed-precision policy (bf16 under AMP, fp32 otherwise), and in the backward pass that block's
   whole gradient (fp32) until it is reduce-scattered. There are no DDP buckets.
+  With gradient accumulation (``grad_accum_steps`` k > 1) every micro-batch's backward
+  reduce-scatters its gradients onto the shards (the default), so the above holds and the
+  reduce-scatters run k times per step; with ``--fsdp_reduce_each_microbatch false`` FSDP2 keeps
+  every parameter's whole unsharded gradient (fp32, the reduce dtype; unpadded) on every rank
+  from the first micro-batch's backward until the last one reduce-scatters it once: the peak then
+  counts that whole gradient instead of the sharded one (``unsharded_grads``). The weights are
+  all-gathered again in every micro-batch either way.
 
 Collectives (per rank per training step): the size of the full (gathered / reduced) tensor of
 one call, and the bytes a rank sends with ring algorithms: (g-1)/g of it for all-gather and
@@ -177,6 +184,7 @@ class Prediction:
     collectives: List[dict] = field(default_factory=list)
     fsdp: bool = False
     gathered: int = 0  # FSDP: the root's and the largest block's gathered weights
+    unsharded_grads: int = 0  # FSDP without a reduce-scatter per micro-batch: the whole gradient
 
 
 def fsdp_shard(name: str, numel: int, s: Shape, dp: int) -> int:
@@ -371,9 +379,12 @@ def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: b
 
 def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attention: str = "flash",
             checkpointing: bool = False, measure: str = "cuda", bucket_cap_mb: float = 25.0,
-            sequence_parallel: bool = True, fsdp: bool = False) -> Prediction:
+            sequence_parallel: bool = True, fsdp: bool = False, accum_steps: int = 1,
+            reduce_each_microbatch: bool = True) -> Prediction:
     """``sequence_parallel``: as the engine's config key (False: off); ``fsdp``: parameters,
-    gradients and Adam state sharded over the ``dp`` ranks (tp = cp = 1)."""
+    gradients and Adam state sharded over the ``dp`` ranks (tp = cp = 1); ``accum_steps``,
+    ``reduce_each_microbatch``: the ``grad_accum_steps`` and ``fsdp_reduce_each_microbatch``
+    settings (FSDP's reduce-scatters and, when it is off, the unsharded gradient it holds)."""
     if fsdp and tp * cp > 1:
         raise ValueError(f"fsdp with tensor_parallel={tp} x context_parallel={cp}: this model "
                          f"counts FSDP alone (tp = cp = 1); for the combination, divide the tp/cp "
@@ -399,6 +410,8 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
         p.gathered = root + block
         p.extra["FSDP gathered weights (root + one block)"] = p.gathered
         p.transient += f * block // (2 if amp else 4)  # the block's whole gradient before its reduce-scatter
+        if accum_steps > 1 and not reduce_each_microbatch:  # every rank: the whole fp32 gradient
+            p.unsharded_grads = f * sum(numel for _, numel, _ in rows)
     if measure == "cuda":
         _, nc, band_rows = s.split(tp, cp, lay)
         F = s.hidden // tp
@@ -410,29 +423,36 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
         if checkpointing:
             p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, lay)
     p.after_forward = params + adam + acts + sum(p.extra.values())
-    p.peak = p.after_forward + p.grads + p.transient
+    # the gradients: this rank's shards, or (FSDP accumulating unsharded) the whole gradient, which
+    # the last micro-batch's backward turns into the shards block by block
+    p.peak = p.after_forward + max(p.grads, p.unsharded_grads) + p.transient
     p.collectives = collectives(s, tp, cp, dp, amp, checkpointing, rows, bucket_cap_mb, lay)
     if fsdp:
         p.collectives = [r for r in p.collectives if r["group"] != "dp"] + fsdp_collectives(
-            rows, dp, amp, checkpointing)
+            rows, dp, amp, checkpointing, accum_steps, reduce_each_microbatch)
     return p
 
 
-def fsdp_collectives(rows, dp: int, amp: bool, checkpointing: bool) -> List[dict]:
-    """FSDP's per-step collectives over dp: each block's weights all-gathered in the forward and
-    again in the backward (its gradient then reduce-scattered in fp32); the root's gathered once."""
+def fsdp_collectives(rows, dp: int, amp: bool, checkpointing: bool, accum_steps: int = 1,
+                     reduce_each_microbatch: bool = True) -> List[dict]:
+    """FSDP's per-step collectives over dp: in every micro-batch each block's weights all-gathered
+    in the forward and again in the backward, the root's gathered once; the gradients
+    reduce-scattered in fp32 in every micro-batch's backward, or once per step in the last one's
+    when ``reduce_each_microbatch`` is off."""
     if dp < 2:
         return []
     root, block = fsdp_gathered(rows, amp)
     depth = len({name.split(".")[1] for name, _, _ in rows if name.startswith("blocks.")})
     share = (dp - 1) / dp
     a = 2 if amp else 4
+    k = accum_steps
+    r = k if reduce_each_microbatch else 1
     out = []
     for what, kind, calls, nbytes in (
-            ("block weights (forward, again in backward)", "all-gather", 2 * depth, block),
-            ("root weights (forward)", "all-gather", 1, root),
-            ("block gradients (fp32)", "reduce-scatter", depth, 4 * block // a),
-            ("root gradients (fp32)", "reduce-scatter", 1, 4 * root // a)):
+            ("block weights (forward, again in backward)", "all-gather", 2 * depth * k, block),
+            ("root weights (forward)", "all-gather", k, root),
+            ("block gradients (fp32)", "reduce-scatter", depth * r, 4 * block // a),
+            ("root gradients (fp32)", "reduce-scatter", r, 4 * root // a)):
         out.append(dict(what=what, kind=kind, group="dp", size=dp, calls=calls,
                         bytes_per_call=int(nbytes), bytes_per_step=int(round(share * nbytes * calls))))
     return out
@@ -444,7 +464,8 @@ def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measur
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     local, _ = batch_sizes(cfg, data_parallel)
     return predict(Shape.from_config(cfg, local), tp, cp, data_parallel, cfg.amp_mode != "none", attention,
-                   cfg.activation_checkpointing, measure, cfg.bucket_cap_mb, cfg.sequence_parallel, cfg.fsdp)
+                   cfg.activation_checkpointing, measure, cfg.bucket_cap_mb, cfg.sequence_parallel, cfg.fsdp,
+                   cfg.grad_accum_steps, cfg.fsdp_reduce_each_microbatch)
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -474,6 +495,8 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     rows = [("parameters (fp32)", p.params), ("gradients (fp32)", p.grads), ("Adam state (2 moments + step)", p.adam),
             ("activations saved for backward", p.activations)]
     rows += list(p.extra.items())
+    if p.unsharded_grads:
+        rows.append(("FSDP unsharded gradients between micro-batches", p.unsharded_grads))
     for k, v in rows:
         lines.append(f"  {k:<52}{_gb(v)}")
     lines.append(f"  {'after forward (params + Adam + activations' + (' + extra)' if p.extra else ')'):<52}"
@@ -481,7 +504,8 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     if p.transient:
         lines.append(f"  {'backward transients (estimate)':<52}{_gb(p.transient)}")
     share = f"   ({p.peak / GiB / gpu_gb:.0%} of {gpu_gb:g} GiB)" if measure == "cuda" else ""
-    lines.append(f"  {'peak (after forward + gradients' + (' + transients)' if p.transient else ')'):<52}"
+    grads = "unsharded grads" if p.unsharded_grads else "gradients"
+    lines.append(f"  {'peak (after forward + ' + grads + (' + transients)' if p.transient else ')'):<52}"
                  f"{_gb(p.peak)}{share}")
     lines.append("")
     lines.append("activations by kind (all blocks together)")

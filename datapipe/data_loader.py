@@ -70,8 +70,9 @@ class ShardedSampler(Sampler):
 
 class ValidationSampler(Sampler):
     """Contiguous, disjoint, complete shards of the validation set, one per data-parallel rank.
-    Their sizes differ by at most one, so with n >= dp_size no rank is left without samples (an
-    empty shard would skip the validation collectives that its peers wait in)."""
+    Their sizes differ by at most one, so with n >= dp_size no rank is left without samples; a
+    shorter shard may end in fewer batches, and its rank then runs stand-in forwards up to the
+    largest shard's count (``validation_batch_sizes``)."""
 
     def __init__(self, n, dp_size, dp_rank):
         self.indices = range(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
@@ -81,6 +82,16 @@ class ValidationSampler(Sampler):
 
     def __len__(self):
         return len(self.indices)
+
+
+def validation_batch_sizes(n: int, dp_size: int, dp_rank: int, batch: int) -> list[int]:
+    """The sizes of data-parallel rank ``dp_rank``'s validation batches of at most ``batch``
+    samples (its ``ValidationSampler`` shard of ``n``), then zeros up to the batch count of the
+    largest shard: as many entries on every rank."""
+    shard = len(ValidationSampler(n, dp_size, dp_rank))
+    sizes = [min(batch, shard - i) for i in range(0, shard, batch)]
+    largest = -(-n // dp_size)  # the shards differ by at most one sample
+    return sizes + [0] * (-(-largest // batch) - len(sizes))
 
 
 class CachedBatchLoader:

@@ -12,13 +12,16 @@ Two forms, each loading into any run (any number of ranks, DDP, FSDP or tp/cp):
   a ``.pt`` file.
 
 A checkpoint is written under a temporary name in the same directory, flushed to disk, and
-renamed into place: a crash mid-write leaves at worst a stray ``.tmp`` file or directory, never
-a checkpoint name that loads wrongly. Loading walks from the newest checkpoint to older ones
-and takes the first that loads and holds every expected entry (a directory: its metadata, its
-``train_state.pt`` and shard files of the sizes the metadata names).
+renamed into place: a crash mid-write leaves at worst a stray ``.tmp`` file or directory (or a
+``.dcp.old`` directory: the step's earlier checkpoint, set aside while the step is written
+again), never a checkpoint name that loads wrongly; ``clean_leftovers`` puts that right at the
+next start. Loading walks from the newest checkpoint to older ones and takes the first that
+loads and holds every expected entry (a directory: its metadata, its ``train_state.pt`` and
+shard files of the sizes the metadata names).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -29,9 +32,9 @@ import warnings
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -41,6 +44,9 @@ log = logging.getLogger(__name__)
 MB = 1e6
 
 _NAME = re.compile(r"ckpt_(\d{8})\.(pt|dcp)$")
+# What an interrupted write leaves: write_file's temporary file, save_sharded's temporary
+# directory, and the step's earlier DCP checkpoint that save_sharded sets aside to write it again.
+_LEFTOVER = re.compile(r"ckpt_\d{8}\.(pt\.\d+\.tmp|dcp\.tmp|dcp\.old)")
 REQUIRED = ("model", "optimizer", "scaler", "scheduler", "iteration", "epoch", "step_in_epoch",
             "rng", "config")
 TENSORS = ("model", "optimizer")  # what a DCP directory holds in shards; the rest is TRAIN_STATE
@@ -105,15 +111,24 @@ def write_file(final: str, state: dict):
     _fsync_dir(directory)
 
 
+class WriteFailed(TrainingError):
+    """A checkpoint write that failed, in one line; ``rank``: the rank it failed on when another
+    rank's failure is reported here (DCP reports a shard write's failure on every rank)."""
+
+    def __init__(self, line: str, rank: int | None = None):
+        super().__init__(line)
+        self.rank = rank
+
+
 def save(directory: str, iteration: int, state: dict, keep: int) -> str:
     """Write ``state`` as the checkpoint of ``iteration`` and drop all but the newest ``keep``.
-    A failed write (full disk, quota, an unwritable directory) raises TrainingError naming the
+    A failed write (full disk, quota, an unwritable directory) raises WriteFailed naming the
     path and the space needed, and leaves the existing checkpoints as they were."""
     final = path_for(directory, iteration)
     try:
         write_file(final, state)
     except (OSError, RuntimeError) as e:  # torch's serializer reports a failed write as either
-        raise TrainingError(_write_failure(directory, final, state, e)) from None
+        raise WriteFailed(_write_failure(directory, final, state, e)) from None
     for old in list_checkpoints(directory)[keep:]:
         _remove(old)
     return final
@@ -123,18 +138,15 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
                  is_main: bool) -> str:
     """Collective on every rank: write ``tensors`` (``{"model": ..., "optimizer": ...}``, this
     rank's DTensor shards keyed by parameter name) with DCP, each rank its own file, and ``rest``
-    (rank 0's; None elsewhere) as ``train_state.pt``, into ``ckpt_<iteration>.dcp``. Every rank
-    returns once the checkpoint is whole and in place. A failed write raises TrainingError on
-    every rank that saw it and leaves the existing checkpoints as they were."""
+    (rank 0's; None elsewhere) as ``train_state.pt``, into ``ckpt_<iteration>.dcp``; rank 0 then
+    renames it into place. A failed shard write raises WriteFailed on every rank (naming the
+    failing rank), a failure of rank 0's own part on rank 0 only: the ranks then agree on the
+    outcome (``TrainState.save``). The existing checkpoints are left as they were."""
     final = path_for(directory, iteration, sharded=True)
     tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
     try:
-        if is_main:
-            os.makedirs(directory, exist_ok=True)
-            if os.path.exists(tmp):  # left by a run killed while writing it
-                shutil.rmtree(tmp)
-        dist.barrier()  # the temporary directory is clean before any rank writes into it
-        # Each rank writes its shards (fsynced), then rank 0 the metadata: collectives inside.
+        # Each rank writes its shards (fsynced), then rank 0 the metadata: collectives inside,
+        # which raise a failure on any rank as a CheckpointException on every rank.
         dcp.save(tensors, checkpoint_id=tmp)
         if is_main:
             write_file(os.path.join(tmp, TRAIN_STATE), rest)
@@ -147,10 +159,41 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
                 shutil.rmtree(old)
             for stale in list_checkpoints(directory)[keep:]:
                 _remove(stale)
+    except CheckpointException as e:  # (a BaseException) every rank has left dcp.save
+        rank, (cause, _) = min(e.failures.items(), default=(None, (e, None)))
+        failure = WriteFailed(_write_failure(directory, final, tensors, cause), rank)
     except (OSError, RuntimeError) as e:
-        raise TrainingError(_write_failure(directory, final, tensors, e)) from None
-    dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
-    return final
+        failure = WriteFailed(_write_failure(directory, final, tensors, e))
+    else:
+        return final
+    if is_main:  # no rank writes there any more: the temporary directory goes, a set-aside
+        with contextlib.suppress(OSError):  # checkpoint of this step comes back
+            clean_leftovers(directory)
+    raise failure
+
+
+def clean_leftovers(directory: str) -> list[str]:
+    """Put right what interrupted writes left in ``directory``, while no rank writes there (rank
+    0, before the checkpoint to resume from is chosen): a temporary file (``ckpt_<step>.pt.<pid>
+    .tmp``) or directory (``ckpt_<step>.dcp.tmp``) is removed; ``ckpt_<step>.dcp.old``, a whole
+    checkpoint set aside while its step was written again, is removed when the new
+    ``ckpt_<step>.dcp`` is in place and renamed back otherwise. Nothing else is touched. One line
+    per thing done, logged and returned."""
+    done = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        match, path = _LEFTOVER.fullmatch(name), os.path.join(directory, name)
+        if match is None or os.path.isdir(path) != match.group(1).startswith("dcp"):
+            continue
+        if match.group(1) == "dcp.old" and not os.path.exists(path.removesuffix(".old")):
+            os.replace(path, path.removesuffix(".old"))
+            done.append(f"restored the checkpoint {path.removesuffix('.old')} from {name}, set "
+                        f"aside by an interrupted checkpoint write")
+        else:
+            _remove(path)
+            done.append(f"removed {path}, left by an interrupted checkpoint write")
+    for line in done:
+        log.info(line)
+    return done
 
 
 def state_nbytes(obj) -> int:
@@ -202,7 +245,9 @@ def _load_checked(path: str, map_location, required) -> tuple:
     try:
         with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
             warnings.simplefilter("ignore")
-            state = torch.load(path, map_location=map_location, weights_only=True)
+            # mapped, not read: a rank reads the pages of the slices it takes (its tp/cp and
+            # FSDP shards), not the whole file
+            state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as e:  # truncated or corrupt file
         log.warning(f"skipping unreadable checkpoint {path}: {_unreadable(e)}")
         return None, None

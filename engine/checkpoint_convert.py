@@ -7,7 +7,8 @@ and config. The file resumes any run (``--resume_from``) and serves inference or
     python -m engine.checkpoint_convert logs/ViT/quickstart/4/0/checkpoints/ckpt_00000100.dcp ckpt.pt
 
 Runs in one process on a CPU and reads every shard: it needs memory for the whole model and its
-optimizer state. Bad input is one ``error:`` line and exit code 2.
+optimizer state. Bad input (a SRC that is no sharded checkpoint, an OUT that exists already:
+never overwritten) is one ``error:`` line and exit code 2, and nothing is written.
 """
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ from engine import checkpoint
 
 def convert(src: str, out: str) -> dict:
     """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one file
-    ``out``; returns what was written. Raises ValueError naming the problem."""
+    ``out`` (which must not exist); returns what was written. Raises ValueError naming the
+    problem."""
+    if not os.path.exists(src):
+        raise ValueError(f"{src} does not exist: give a ckpt_<step>.dcp directory or a "
+                         f"checkpoints directory")
+    if os.path.lexists(out):
+        raise ValueError(f"{out} exists: choose another name for the output, or remove it")
     if os.path.isdir(src) and not checkpoint.is_sharded(src):
         found = [p for p in checkpoint.list_checkpoints(src) if os.path.isdir(p)]
         if not found:
@@ -45,7 +52,7 @@ def main(argv=None):
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="a ckpt_<step>.dcp directory, or a checkpoints directory "
                                     "(its newest sharded checkpoint)")
-    parser.add_argument("out", help="the .pt file to write")
+    parser.add_argument("out", help="the .pt file to write (must not exist)")
     args = parser.parse_args(argv)
     try:
         whole = convert(args.src, args.out)

@@ -25,9 +25,8 @@ nothing written).
 A loader that makes each batch in this process from memory (``never_waits``: the device
 loader's crops, the cached batch of ``data_loader_config synthetic``) has nothing to wait for: its
 fetches are plain calls, no stop signal ends them, and a rank never waits on it while its peers
-step on. The ranks' stop agreement (``StopRequest.at_boundary``) is then needed at log points
-only (``DataWaits.agree_after_each_fetch``), which spares those runs, the fastest steps, a host
-collective per step.
+step on. The ranks' stop agreement (``engine.stop_agreement``) is then needed at log points
+only.
 
 Outside the main thread (a trainer driven from another thread) no handler can be set: fetches
 there wait as the loader does.
@@ -110,6 +109,7 @@ class DataWaits:
         self._waiting = None  # (what it waits for as a callable, its timeout deadline) or None
         self._signal_deadline = math.inf
         self._watchdog = None
+        self._unwinding = False  # a handler raised out of the wait, which unwinds now
 
     def batches(self, loader, what: str, epoch: int, first: int = 0,
                 around=contextlib.nullcontext, begun=None):
@@ -118,7 +118,7 @@ class DataWaits:
         times it); ``first``: the index of the pass's first batch (a resumed epoch's step);
         ``begun``: the pass, already begun (``Loaders.begin_training_pass``), or None."""
         it = begun
-        fetch = self.fetch if self.agree_after_each_fetch(loader) else _no_wait
+        fetch = self.fetch if may_wait(loader) else _no_wait
         for i in itertools.count(first):
             with nvtx_range("data wait"), around(), fetch(loader, what, epoch, i):
                 try:
@@ -127,17 +127,6 @@ class DataWaits:
                 except StopIteration:
                     return
             yield item
-
-    @staticmethod
-    def agree_after_each_fetch(loader) -> bool:
-        """Whether the ranks must agree on stopping after each fetch from ``loader`` (a rank may
-        be held in a wait for it that a signal ends), or at log points only (``never_waits``)."""
-        return not getattr(loader, "never_waits", False)
-
-    def agree_now(self, loader, log_point: bool) -> bool:
-        """Whether the ranks agree on stopping after this fetch from ``loader``: at every log
-        point, and after each fetch from a loader that may wait."""
-        return log_point or self.agree_after_each_fetch(loader)
 
     @contextlib.contextmanager
     def fetch(self, loader, what: str, epoch: int, batch: int):
@@ -165,14 +154,15 @@ class DataWaits:
         except _TimedOut:
             raise LoaderStalled(stall_message(waited(), self.timeout_s, self.advice())) from None
         finally:
-            self._waiting = None
+            self._waiting, self._unwinding = None, False
             signal.setitimer(signal.ITIMER_REAL, 0)
             self.stop_request.while_waiting = None
             signal.signal(signal.SIGALRM, previous)
 
     def signal_came(self):
         """Called by the stop-signal handler during a wait: the batch has the grace to come."""
-        if self._waiting is not None and self._signal_deadline == math.inf:
+        if self._waiting is not None and self._signal_deadline == math.inf \
+                and not self._unwinding:
             self._signal_deadline = time.monotonic() + SIGNAL_GRACE_S
             self._arm()
 
@@ -185,16 +175,24 @@ class DataWaits:
             signal.setitimer(signal.ITIMER_REAL, max(due - time.monotonic(), 1e-3))
 
     def _alarm(self, signum, frame):
-        if self._waiting is None:  # came just as the wait ended
+        if self._waiting is None or self._unwinding:  # came as the wait ended, or unwinds
             return
         now = time.monotonic()
         if now >= self._signal_deadline - 1e-3 and self.stop_request.signum:
-            self._waiting = None
+            self._unwind(now)
             raise Interrupted(self.stop_request.signum)
         if now >= self._waiting[1] - 1e-3:
-            self._waiting = None
+            self._unwind(now)
             raise _TimedOut()
         self._arm()  # early: again for what is left
+
+    def _unwind(self, now: float):
+        """The wait is being ended: no handler raises again, and the watchdog stays armed
+        while the loader's code unwinds (its clean-up, DALI's pipeline dropped, may itself
+        block): ``watchdog_grace_s`` from now it ends the process."""
+        self._unwinding = True
+        self._waiting = (self._waiting[0], now)
+        self._start_watchdog()
 
     # ---------------------------------------------------------------- waits no handler ends
 
@@ -206,13 +204,27 @@ class DataWaits:
 
     def _watch(self):
         """Every second: a wait past its timeout by ``watchdog_grace_s`` is one whose handlers
-        cannot run (C code that never returns to Python); end the process with its line."""
+        cannot run (C code that never returns to Python), and a wait ended by a handler whose
+        loader has not let go ``watchdog_grace_s`` later is one whose clean-up blocks: end the
+        process with its line."""
         while True:
             time.sleep(min(1.0, self.watchdog_grace_s))
             waiting = self._waiting
             if waiting is not None and time.monotonic() > waiting[1] + self.watchdog_grace_s:
-                self.hard_exit(stall_message(waiting[0](), self.timeout_s, self.advice()))
+                if self._unwinding:
+                    self.hard_exit(f"{waiting[0]()} did not let go within "
+                                   f"{self.watchdog_grace_s:g} s of its wait's end (a stop "
+                                   f"signal or loader_timeout_s): its clean-up blocks, likely "
+                                   f"in a read of a stalled file system. {self.advice()}")
+                else:
+                    self.hard_exit(stall_message(waiting[0](), self.timeout_s, self.advice()))
                 return
+
+
+def may_wait(loader) -> bool:
+    """Whether a rank can be held in a fetch from ``loader`` (one that a signal may end): every
+    loader but one that makes its batches in this process from memory (``never_waits``)."""
+    return not getattr(loader, "never_waits", False)
 
 
 def next_batch(batches) -> tuple[object, int]:

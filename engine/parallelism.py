@@ -14,7 +14,8 @@
    data-parallel ``DeviceMesh`` (under tp/cp the ``dp`` dimension of the tp x cp x dp mesh, so
    FSDP shards the tp/cp slices further), so that every rank keeps 1/N of each parameter, its
    gradient and its Adam state as DTensors and gathers a block's weights just before the block
-   runs;
+   runs; with gradient accumulation every micro-batch's backward reduce-scatters its gradients
+   onto the shards (``ParallelModel.no_sync``; ``fsdp_reduce_each_microbatch``);
 5. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
    sharded layers' collectives stay out of the compiled graphs: each is a graph break and runs
    eagerly (``distributed.mappings.eager_apply``), the compute between them is compiled.
@@ -59,12 +60,24 @@ class ParallelModel:
     wrapped: nn.Module
     sharding: Unsharded
     rt: Runtime
+    fsdp_reduce_each_microbatch: bool = True
 
     def no_sync(self):
-        """Inside: backward passes accumulate gradients without DDP's all-reduce or FSDP's
-        reduce-scatter (the inner micro-batches of gradient accumulation); a do-nothing context
-        without data parallelism."""
+        """Inside: the backward passes of the inner micro-batches of gradient accumulation.
+
+        DDP: they accumulate the replica's gradients without its all-reduce (DDP holds the whole
+        gradient anyway), which then runs once, in the last micro-batch's backward. FSDP: by
+        default a do-nothing context, as torchtitan does: every micro-batch's backward
+        reduce-scatters its gradients onto the shards, so no rank ever holds more than one
+        block's unsharded gradient; with ``fsdp_reduce_each_microbatch`` off, FSDP2 keeps every
+        parameter's whole unsharded fp32 gradient on every rank until the last micro-batch
+        (fewer reduce-scatters, one whole gradient more per rank). A do-nothing context without
+        data parallelism."""
         if isinstance(self.module, FSDPModule):
+            if self.fsdp_reduce_each_microbatch:
+                # each backward reduce-scatters (over dp, every rank in the same micro-batch)
+                # its gradients onto the shards: memory for collectives
+                return contextlib.nullcontext()
             return _fsdp_no_sync(self.module)
         ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)  # under torch.compile
         return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
@@ -82,7 +95,8 @@ class ParallelModel:
 @contextlib.contextmanager
 def _fsdp_no_sync(module):
     """FSDP2 keeps the unsharded gradients of the micro-batches inside and reduce-scatters their
-    sum in the backward of the first micro-batch after it."""
+    sum in the backward of the first micro-batch after it (the reduce-scatter, over the dp
+    ranks, is collective: every rank leaves this context after the same micro-batch)."""
     module.set_requires_gradient_sync(False)
     try:
         yield
@@ -178,4 +192,4 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         # of tracing it into functional collectives: the compiled graphs hold per-rank compute
         # only, and the collectives run as in an eager step (tests/test_mp_compile.py).
         wrapped = torch.compile(wrapped, options=task.compile_options(memory_format) or None)
-    return ParallelModel(model, wrapped, sharding, rt)
+    return ParallelModel(model, wrapped, sharding, rt, cfg.fsdp_reduce_each_microbatch)

@@ -4,11 +4,8 @@
 SIGUSR1, the signals Slurm sends before a time limit and on preemption) with one that only
 records the signal: no Python code runs in between a step's operations, nothing is written from
 a handler, and a second signal (even during the checkpoint write) merely records it again.
-After every fetch of a batch the training loop asks ``at_boundary(...)``; with several ranks one
-all-reduce (MAX, on the host) makes every rank stop at the same step, even when only one of them
-got the signal: at a log point on any signal received; anywhere when a signal ended a rank's
-wait for data (``engine.data_waits``: a rank blocked on its loader leaves its wait within
-seconds, and the others, which fetched their batches, wait for it in this all-reduce). The
+The ranks agree on the step to stop after (``engine.stop_agreement``), even when only one of
+them got the signal, or when a signal ended a rank's wait for data (``engine.data_waits``). The
 run then writes a checkpoint and ends with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns
 into a requeue.
 """
@@ -19,9 +16,8 @@ import multiprocessing
 import shlex
 import signal
 
-import torch
-import torch.distributed as dist
 
+from engine.exits import end_children
 from settings.signals import STOPPED_EXIT_CODE, ignore_stop_signals, installed, signal_number
 
 _exit_hook_registered = False
@@ -90,30 +86,12 @@ class StopRequest:
         if waiting is not None:  # a wait for data: it ends if the batch does not come soon
             waiting()
 
-    def at_boundary(self, interrupted: int, log_point: bool, distributed: bool, group=None,
-                    device: torch.device | None = None) -> int:
-        """The signal every rank stops on now (0: go on), asked after each fetch of a batch:
-        one that ended a wait for data on any rank (``interrupted``: this rank's, 0 when its
-        batch came), or, at a log point, one that any rank received. Collective when
-        ``distributed``: every rank asks after each of the same fetches, so a rank whose wait a
-        signal ended meets the others at the same step. ``group``: a gloo group (host memory:
-        no device sync per step); None is the default group. ``device``: where the flags lie
-        for a group of another backend (NCCL: a device sync)."""
-        flags = [interrupted, self.signum if log_point else 0]
-        if distributed:
-            t = torch.tensor(flags, dtype=torch.int32, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # once per step, on the host
-            flags = t.tolist()
-        return flags[0] or flags[1]
-
 
 class NeverStop(StopRequest):
     """For trainers driven without the entry point (tests, benchmarks): never asks to stop and
-    never takes part in a collective."""
+    never takes part in the ranks' stop agreement (``engine.stop_agreement``)."""
 
-    def at_boundary(self, interrupted: int, log_point: bool, distributed: bool, group=None,
-                    device: torch.device | None = None) -> int:
-        return 0
+    agrees = False
 
 
 def _at_exit():
@@ -126,11 +104,11 @@ def _end_loader_workers():
     """At exit, loader workers still running (a run that ended on an exception keeps its loaders
     referenced) ignore SIGTERM, with which multiprocessing's exit hook would end them before
     waiting for them: end them here with SIGKILL instead. Their ends are expected, so torch's
-    SIGCHLD check (which raises on a worker killed by a signal) is switched off first."""
+    SIGCHLD check (which raises on a worker killed by a signal) is switched off first. A worker
+    in an uninterruptible read dies only when the read returns: after a bounded wait
+    (``engine.exits.CHILD_JOIN_S``) those still alive are left to end on their own, off the list
+    that multiprocessing's exit hook would join without a limit (``engine.exits.end_children``)."""
     children = [p for p in multiprocessing.active_children() if p.daemon]
     if children:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for p in children:
-        p.kill()
-    for p in children:
-        p.join(timeout=10)  # a worker in an uninterruptible read dies when it returns
+        end_children(children)

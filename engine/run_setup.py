@@ -372,12 +372,52 @@ def _take_over(path: str, stale: dict) -> bool:
         os.close(guard)
 
 
-def find_resume_checkpoint(cfg: Config, run_dir: str, world_size: int):
+def find_resume_checkpoint(cfg: Config, run_dir: str, rt: Runtime):
     """``(state, path)`` of the checkpoint to continue from (``--resume``, ``--resume_from``), or
-    None for a fresh run. Refuses to start a fresh run over one that holds checkpoints.
-    ``--resume auto`` (a requeued job) continues this run directory when it holds checkpoints,
-    even one first started with ``--resume_from``, and otherwise starts as without it."""
+    None for a fresh run: one choice for all ranks. Rank 0 puts right what interrupted writes
+    left in the run's checkpoints (``checkpoint.clean_leftovers``) and chooses; the others load
+    exactly the checkpoint it chose, so that a rank with another view of the directory (a stale
+    listing, a read error) never resumes from another step. A choice that does not load on some
+    rank ends every rank with one line naming that rank."""
+    choice = None  # (state, path), None for a fresh run, or the ConfigError every rank raises
+    if rt.is_main:
+        try:
+            choice = _choose_checkpoint(cfg, run_dir, rt.world_size)
+        except ConfigError as e:
+            choice = e
+    if not rt.distributed:
+        if isinstance(choice, ConfigError):
+            raise choice
+        return choice
+    sent = [choice[1] if isinstance(choice, tuple) else choice]
+    # Rank 0's choice to every rank: the path, None for a fresh run, or the error all raise.
+    dist.broadcast_object_list(sent, src=0, group=rt.host_group)
+    if isinstance(sent[0], ConfigError):
+        raise sent[0]
+    if sent[0] is None:
+        return None
+    path = sent[0]
+    if not rt.is_main:
+        choice = checkpoint.load_file(path)
+    loaded = [None] * rt.world_size
+    # Whether the chosen checkpoint loaded on every rank: all go on with it, or all raise.
+    dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
+    if not all(loaded):
+        rank = loaded.index(False)
+        raise ConfigError(f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to resume "
+                          f"from (rank {rank}'s warning line says why): every rank must see the "
+                          f"same files; check the file system they share, or move that "
+                          f"checkpoint aside to resume from the one before")
+    return choice
+
+
+def _choose_checkpoint(cfg: Config, run_dir: str, world_size: int):
+    """Rank 0's part of ``find_resume_checkpoint``. Refuses to start a fresh run over one that
+    holds checkpoints. ``--resume auto`` (a requeued job) continues this run directory when it
+    holds checkpoints, even one first started with ``--resume_from``, and otherwise starts as
+    without it."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
+    checkpoint.clean_leftovers(ckpt_dir)
     existing = checkpoint.list_checkpoints(ckpt_dir)
     if cfg.resume == "auto" and existing:
         return _newest(ckpt_dir)

@@ -197,6 +197,22 @@ def check_model_parallel(cfg: ViTConfig, world: int):
         raise ConfigError(str(e)) from None
 
 
+def new_host_group(timeout: datetime.timedelta):
+    """A gloo group of all ranks (collective: every rank makes it), connected lazily: a rank
+    opens a connection to a peer when a collective first talks to it (``TORCH_GLOO_LAZY_INIT``,
+    read as the group is made; older torch ignores it and connects to all), so the small ring
+    all-reduces made on it open 2 connections a rank, not a full mesh of N - 1 at start-up."""
+    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if before is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = before
+
+
 def setup_runtime(cfg: Config) -> Runtime:
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -226,10 +242,9 @@ def setup_runtime(cfg: Config) -> Runtime:
         rt.groups = build_groups(world, tp, cp, cfg.parallel_order)
         rt.dp_group, rt.dp_rank, rt.dp_size = rt.groups.dp_group, rt.groups.dp_rank, rt.groups.dp_size
     if world > 1 and dist.get_backend() != "gloo":
-        # The per-step stop agreement (StopRequest.at_boundary) runs on the host: on
-        # NCCL it would be one more host-device sync per step.
-        rt.host_group = dist.new_group(backend="gloo",
-                                       timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+        # The ranks' stop agreement (engine.stop_agreement) runs on the host, without
+        # waiting: on NCCL reading it would be a host-device sync.
+        rt.host_group = new_host_group(datetime.timedelta(seconds=cfg.dist_timeout_s))
     rt.local_batch, rt.global_batch = local_batch, global_batch
     return rt
 

@@ -61,17 +61,21 @@ class Unsharded:
     def reduce_replicated_grads(self, model):
         """Gradient sums left after the backward passes (none: DDP, or nothing, did them)."""
 
-    def to_serial(self, model, tensors: dict) -> dict:
-        # in torch's default layout whatever the model's memory_format: the same checkpoint
-        return {k: t.detach().clone(memory_format=torch.contiguous_format)
-                for k, t in tensors.items()}
+    def to_serial(self, model, tensors: dict, keep: bool = True) -> dict:
+        """``tensors`` (shaped like this rank's parameters, keyed by name) in the serial layout,
+        copied to host memory one by one (``keep``), or {} on a rank that only takes part in
+        the collectives (nothing is held)."""
+        return {k: _to_host(t) for k, t in tensors.items()} if keep else {}
 
     def from_serial(self, model, tensors: dict) -> dict:
         return tensors
 
     # -- state in the serial layout, keyed by parameter name (collective for RowBandSharding) ---
 
-    def model_state(self, model) -> dict:
+    def model_state(self, model, keep: bool = True) -> dict:
+        """The weights in the serial layout (``keep`` false: {}, the collectives only)."""
+        if not keep:
+            return self.to_serial(model, dict(model.named_parameters()), keep)
         return self.to_serial(model, dict(model.named_parameters())) | dict(model.named_buffers())
 
     def load_model_state(self, model, state: dict):
@@ -82,8 +86,9 @@ class Unsharded:
             for name, b in model.named_buffers():
                 b.copy_(state[name])
 
-    def optimizer_state(self, model, optimizer) -> dict:
-        """Adam's per-parameter tensors in the serial layout, by name; scalars as they are."""
+    def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
+        """Adam's per-parameter tensors in the serial layout, by name; scalars as they are
+        (``keep`` false: the collectives only, what is returned is incomplete)."""
         names = {id(p): n for n, p in model.named_parameters()}
         state, per_param = {}, {}
         for group in optimizer.param_groups:
@@ -94,7 +99,7 @@ class Unsharded:
                     else:
                         state.setdefault(names[id(p)], {})[key] = v
         for key, tensors in per_param.items():
-            for name, t in self.to_serial(model, tensors).items():
+            for name, t in self.to_serial(model, tensors, keep).items():
                 state.setdefault(name, {})[key] = t
         # Hyperparameters as plain numbers, also where the optimizer holds one as a device
         # tensor (the learning rate of a CUDA-graph step): the checkpoint loads anywhere.
@@ -156,8 +161,15 @@ class RowBandSharding(Unsharded):
         # tp/cp (each rank saw only its own tokens).
         ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
 
-    def to_serial(self, model, tensors):
-        return tensors_to_serial(model, self.groups, tensors)
+    def to_serial(self, model, tensors, keep=True):
+        # Collective over tp/cp, one tensor at a time: a rank never holds more than one whole
+        # tensor beyond its slices, and only ``keep`` ranks keep them (on the host).
+        out = {}
+        for name, t in tensors.items():
+            whole = tensors_to_serial(model, self.groups, {name: t})
+            if keep:
+                out.update((k, _to_host(v)) for k, v in whole.items())
+        return out
 
     def from_serial(self, model, tensors):
         return tensors_from_serial(model, self.groups, tensors)
@@ -178,7 +190,9 @@ class FullyShardedSharding(Unsharded):
     same order), put together over tp/cp by ``inner``, and back (each rank keeps its slice).
     Checkpoints of FSDP alone hold the shards (DCP), keyed by parameter name: a rank never holds
     the whole model to save or to load one; with tp/cp they go through the serial layout (the
-    tp/cp slices are no DTensors that DCP could place)."""
+    tp/cp slices are no DTensors that DCP could place), put together one tensor at a time and
+    kept by rank 0 alone, in host memory: no rank's device holds more than one whole tensor
+    beyond its shards."""
 
     def __init__(self, task, inner: Unsharded):
         super().__init__(task)
@@ -200,14 +214,14 @@ class FullyShardedSharding(Unsharded):
         if isinstance(self.inner, RowBandSharding):
             reduce_replicated_grad_shards(model, self.inner.groups)
 
-    def model_state(self, model) -> dict:
-        return super().model_state(resharded(model))
+    def model_state(self, model, keep: bool = True) -> dict:
+        return super().model_state(resharded(model), keep)
 
     def load_model_state(self, model, state: dict):
         super().load_model_state(resharded(model), state)
 
-    def optimizer_state(self, model, optimizer) -> dict:
-        return super().optimizer_state(resharded(model), optimizer)
+    def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
+        return super().optimizer_state(resharded(model), optimizer, keep)
 
     def load_optimizer_state(self, model, optimizer, saved: dict):
         super().load_optimizer_state(resharded(model), optimizer, saved)
@@ -228,10 +242,15 @@ class FullyShardedSharding(Unsharded):
         dcp.load(state, checkpoint_id=path)
         return state
 
-    def to_serial(self, model, tensors):
-        whole = {k: t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
-                 for k, t in tensors.items()}
-        return self.inner.to_serial(model, whole)
+    def to_serial(self, model, tensors, keep=True):
+        # One tensor at a time: its dp shards gathered (collective over dp), then put together
+        # over tp/cp by ``inner``; a rank holds at most one whole tensor beyond its shards.
+        out = {}
+        for k, t in tensors.items():
+            whole = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+            out.update(self.inner.to_serial(model, {k: whole}, keep))
+            del whole
+        return out
 
     def from_serial(self, model, tensors):
         like = dict(model.named_parameters())
@@ -246,6 +265,12 @@ class FullyShardedSharding(Unsharded):
                                       **_KEEP_LOCAL_SLICE)
             out[name] = t
         return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory, in torch's default layout whatever the model's
+    memory_format (the same checkpoint either way)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
 
 
 def resharded(model):

@@ -105,23 +105,29 @@ def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
 
 def _loader_pass(tr, epoch: int):
     """A fresh pass of the training loader, as epoch ``epoch`` of its sampler: each fetch a
-    data wait (``Trainer.waits``), after which the ranks agree whether a stop signal came (as in
-    training: after every ``log_every`` fetches only with a loader that never waits)."""
+    data wait (``Trainer.waits``), each batch fetched one ahead and the ranks' stop proposals
+    decided while the batch before is used, as in training (``engine.stop_agreement``)."""
     tr.loaders.train_sampler.set_epoch(epoch, 0)
-    batches = tr.waits.batches(tr.loaders.train, "training (throughput report)", epoch)
-    for i in itertools.count(1):
+    loader, agreement = tr.loaders.train, tr.agreement
+    batches = tr.waits.batches(loader, "training (throughput report)", epoch)
+
+    def fetch(i):
         batch, interrupted = next_batch(batches)
-        # Collective (host, per batch when distributed): a stop signal on any rank, recorded or
-        # ending its wait, ends the report on every rank; the final checkpoint is written.
-        agree = tr.waits.agree_now(tr.loaders.train, i % tr.cfg.log_every == 0)
-        signum = tr.stop_request.at_boundary(interrupted, agree, tr.rt.distributed and agree,
-                                             tr.rt.host_group)
+        agreement.after_fetch(loader, i, interrupted)
+        return batch
+
+    batch = fetch(0)
+    for i in itertools.count(1):
+        # A stop signal on any rank, recorded or ending its wait, ends the report on every
+        # rank (the run's final checkpoint is written already).
+        signum = agreement.decision()
         if signum:
             raise RunStopped(signum, tr.iteration,
                              checkpoint.written_for(tr.ckpt_dir, tr.iteration))
         if batch is None:
             return
-        yield batch
+        current, batch = batch, fetch(i)
+        yield current
 
 
 def measure(tr) -> dict[str, list[float]]:

@@ -68,16 +68,35 @@ class TrainState:
              window=(0.0, 0.0, 0)) -> str | None:
         """Collective on all ranks: write this step's checkpoint into ``directory`` (the newest
         ``keep`` kept); its path on rank 0. Under FSDP each rank writes its shards (DCP), else
-        rank 0 writes the whole state in the serial layout. ``epoch_loss_sum`` and ``window``:
-        as ``state_dict`` takes them."""
+        rank 0 writes the whole state in the serial layout. A write that failed on any rank
+        raises TrainingError on every rank, one line naming that rank and the checkpoint; the
+        earlier checkpoints are kept. ``epoch_loss_sum`` and ``window``: as ``state_dict``
+        takes them."""
+        rt, path, failure = self.rt, None, None
         if self.sharding.writes_shards:
             rest = self.state_dict(epoch_loss_sum, window, tensors=False)
             shards = self.sharding.sharded_state(self.model, self.optimizer)
-            path = checkpoint.save_sharded(directory, self.iteration, shards, rest, keep,
-                                           self.rt.is_main)
-            return path if self.rt.is_main else None
-        state = self.state_dict(epoch_loss_sum, window)
-        return None if state is None else checkpoint.save(directory, self.iteration, state, keep)
+        else:
+            state = self.state_dict(epoch_loss_sum, window)
+        try:
+            if self.sharding.writes_shards:
+                path = checkpoint.save_sharded(directory, self.iteration, shards, rest, keep,
+                                               rt.is_main)
+            elif state is not None:
+                path = checkpoint.save(directory, self.iteration, state, keep)
+        except checkpoint.WriteFailed as e:
+            failure = (rt.rank if e.rank is None else e.rank, str(e))
+        if rt.distributed:
+            # Every rank's outcome to every rank, so that all go on or all raise the same line (a
+            # rank that raised alone would leave the others waiting in their next collective);
+            # it also holds every rank until rank 0 has put the checkpoint in place.
+            outcomes = [None] * rt.world_size
+            dist.all_gather_object(outcomes, failure, group=rt.host_group)
+            failure = next((f for f in outcomes if f is not None), None)
+        if failure is not None:
+            rank, line = failure
+            raise TrainingError(f"rank {rank}: {line}" if rt.distributed else line)
+        return path if rt.is_main else None
 
     def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
                    tensors: bool = True) -> dict | None:
@@ -100,8 +119,10 @@ class TrainState:
             dist.all_gather_object(per_rank, mine)  # every rank's dropout stream and window
         rngs = [rng for rng, _ in per_rank]
         if tensors:
-            saved = {"model": self.sharding.model_state(self.model),
-                     "optimizer": self.sharding.optimizer_state(self.model, self.optimizer)}
+            # Collective: tensor by tensor, only rank 0 keeps them (in host memory)
+            saved = {"model": self.sharding.model_state(self.model, rt.is_main),
+                     "optimizer": self.sharding.optimizer_state(self.model, self.optimizer,
+                                                                rt.is_main)}
         if not rt.is_main:
             return None
         return (saved if tensors else {}) | {

@@ -169,6 +169,11 @@ class Config:
                     "(DDP): each rank keeps 1/N (of its tensor/context-parallel slices, with "
                     "those) and gathers a block's weights just before using it; checkpoints load "
                     "either way", resume=True)
+    fsdp_reduce_each_microbatch: bool = _f(
+        True, "with --fsdp and --grad_accum_steps > 1: reduce-scatter the gradients in every "
+        "micro-batch's backward, so a rank never holds the whole gradient (false: accumulate the "
+        "whole unsharded fp32 gradient on every rank and reduce-scatter once per step: fewer "
+        "collectives, one whole gradient more memory per rank)", resume=True)
     bucket_cap_mb: float = _f(25.0, "DistributedDataParallel gradient bucket size in MB", min=0.0,
     resume=True)
     dist_timeout_s: int = _f(600, "seconds a collective waits for a missing rank before failing",

@@ -65,7 +65,8 @@ def test_every_setting_is_under_a_group_header():
 TOOLS = ["datapipe.synthetic", "benchmarks.throughput", "benchmarks.band_reads",
          "benchmarks.memory_model", "benchmarks.mp_memory", "benchmarks.scaling",
          "benchmarks.example_runs", "benchmarks.gpu_runs", "benchmarks.gpu_data", "benchmarks.era5_reads",
-         "benchmarks.generated_batches"]
+         "benchmarks.generated_batches", "benchmarks.stop_agreement",
+         "benchmarks.checkpoint_memory", "benchmarks.fsdp_accumulation"]
 
 
 @pytest.mark.parametrize("module", TOOLS)

@@ -330,15 +330,15 @@ def test_two_ranks_stop_at_the_same_step_while_one_waits_for_data(tmp_path, work
 
 
 def test_two_ranks_end_when_one_loader_stalls(tmp_path, workdir):
-    """The stalled rank says why (exit 1); its peer, waiting in the step's agreement, ends
-    through the dead-peer path (exit 1)."""
+    """The stalled rank says why (exit 1); its peer, waiting in step 8's gradient all-reduce
+    (rank 1 fetches step 9's batch before step 8 runs), ends through the dead-peer path."""
     exp, marker = tmp_path / "exp", tmp_path / "blocked"
     procs = stalled_rank_1(workdir, exp, marker, "--loader_timeout_s", 2)
     outs = communicate_all(procs, 120)
     assert [p.returncode for p in procs] == [1, 1], outs
     assert outs[1][1].strip().splitlines()[-1].startswith(
         "[rank 1] error: no batch came for 2 s (loader_timeout_s): the training loader"), outs[1]
-    assert "[rank 0] error: a collective failed after step 9" in outs[0][1], outs[0]
+    assert "[rank 0] error: a collective failed after step 8" in outs[0][1], outs[0]
     assert not os.path.exists(os.path.join(run_dir(exp, ws=2), "checkpoints"))
 
 
@@ -388,10 +388,10 @@ def test_a_loader_that_never_waits_is_fetched_without_a_data_wait():
     from datapipe.dali_loader import DALILoader
     from datapipe.data_loader import CachedBatchLoader
     from datapipe.device_loader import DeviceCropLoader
-    from engine.data_waits import DataWaits
+    from engine.data_waits import DataWaits, may_wait
     from engine.preemption import NeverStop
 
-    assert [DataWaits.agree_after_each_fetch(cls.__new__(cls)) for cls in
+    assert [may_wait(cls.__new__(cls)) for cls in
             (BatchLoader, DALILoader, CachedBatchLoader, DeviceCropLoader)] == \
         [True, True, False, False]
     waits = DataWaits(NeverStop(), 600)
@@ -434,6 +434,44 @@ def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
     (line,) = said
     assert line.startswith("no batch came for 0.5 s (loader_timeout_s): the training loader "
                            "(Deaf: epoch 1, batch 1).") and line.endswith(" advice"), line
+
+
+@pytest.mark.parametrize("ended_by", ["timeout", "signal"])
+def test_the_watchdog_stays_armed_while_an_ended_wait_unwinds(ended_by):
+    """A loader whose clean-up blocks once its wait was ended (a timeout or a stop signal
+    raised in it; DALI drops its pipeline then): the watchdog ends the process
+    ``watchdog_grace_s`` later, with a line that says the clean-up blocks."""
+    from engine.data_waits import DataWaits, Interrupted, LoaderStalled
+    from engine.preemption import StopRequest
+
+    said = []
+    request = StopRequest.install(["SIGUSR1"])
+    waits = DataWaits(request, 0.3 if ended_by == "timeout" else 0, lambda: "advice",
+                      said.append, watchdog_grace_s=0.3)
+
+    class Stuck:
+        def __iter__(self):
+            try:
+                if ended_by == "signal":
+                    os.kill(os.getpid(), signal.SIGUSR1)  # ends the wait after its grace
+                while True:
+                    time.sleep(0.05)
+            finally:  # the clean-up blocks until the watchdog has spoken
+                deadline = time.monotonic() + 10
+                while not said and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            yield 1
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LoaderStalled if ended_by == "timeout" else Interrupted):
+            next(iter(waits.batches(Stuck(), "training", 0)))
+    finally:
+        request.restore()
+    assert time.monotonic() - t0 < 8
+    (line,) = said
+    assert line.startswith("the training loader (Stuck: epoch 1, batch 1) did not let go within "
+                           "0.3 s of its wait's end") and line.endswith(" advice"), line
 
 
 def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):

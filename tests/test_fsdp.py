@@ -336,10 +336,10 @@ def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
     codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
                                    SIGNAL_RANK="1")
     assert codes == [3, 3], outs
-    assert "Stopped on SIGUSR1 after step 4: checkpoint " in outs[0][0]
-    assert "ckpt_00000004.dcp" in outs[0][0]
+    assert "Stopped on SIGUSR1 after step 6: checkpoint " in outs[0][0]
+    assert "ckpt_00000006.dcp" in outs[0][0]
     ckpts = os.path.join(run_dir(exp, ws=2), "checkpoints")
-    assert os.listdir(ckpts) == ["ckpt_00000004.dcp"]
+    assert os.listdir(ckpts) == ["ckpt_00000006.dcp"]
     codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp, "--resume", "auto"])
     assert codes == [0, 0], outs
     codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", ref_exp])

@@ -185,4 +185,4 @@ def test_start_up_benchmark_times_both_models():
     rows = re.findall(r"^\| (\S+ \S+) \| ([0-9 x]+) \| ([0-9.]+) \|$", r.stdout, re.M)
     assert [(c, s) for c, s, _ in rows] == [("ViT quickstart", "16 x 20 x 32 x 64"),
                                             ("UNet quickstart", "8 x 4 x 32 x 32 x 32")], r.stdout
-    assert all(float(t) > 0 for _, _, t in rows)
+    assert all(float(t) >= 0 for _, _, t in rows)  # a time, however fast the machine

@@ -26,7 +26,7 @@ STOP_LINE = re.compile(r"Stopped on (SIG\w+) after step (\d+): checkpoint (\S+);
 # train.py's run() with a Trainer that signals its own process at a chosen step (and, if asked,
 # again while writing the stop checkpoint), or dies like kill -9 before a chosen validation.
 DRIVER = """
-import atexit, os, signal, sys
+import atexit, os, signal, sys, time
 sys.path.insert(0, {root!r})
 import train
 from settings.cli import from_argv
@@ -34,15 +34,9 @@ from settings.cli import from_argv
 class Signalled(train.Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if os.environ.get("COUNT_AGREEMENTS"):  # the ranks' stop agreements (host collectives)
-            count, at_boundary = [0], self.stop_request.at_boundary
-
-            def counted(interrupted, log_point, distributed, *rest, **kw):
-                count[0] += bool(distributed)
-                return at_boundary(interrupted, log_point, distributed, *rest, **kw)
-
-            self.stop_request.at_boundary = counted
-            atexit.register(lambda: print(f"stop agreements: {{count[0]}}", flush=True))
+        if os.environ.get("COUNT_AGREEMENTS"):  # the ranks' stop proposals (host collectives)
+            atexit.register(lambda: print(f"stop agreements: {{self.agreement.proposals}}",
+                                          flush=True))
 
     def train_step(self, *args, **kwargs):
         if str(self.iteration) == os.environ.get("SIGNAL_AT_STEP") and \\
@@ -58,6 +52,22 @@ class Signalled(train.Trainer):
     def validate(self):
         if str(self.iteration) == os.environ.get("DIE_BEFORE_VALIDATION_AT"):
             os._exit(9)  # as kill -9: nothing runs after it
+        if str(self.iteration) == os.environ.get("SIGNAL_IN_VALIDATION_AT") and \
+                str(self.rt.rank) == os.environ.get("SIGNAL_RANK", "0"):
+            os.environ.pop("SIGNAL_IN_VALIDATION_AT")
+            loader = self.loaders.valid
+
+            class Held:  # the validation loader's first batch never comes: the wait is ended
+                def __iter__(self):
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                    while True:
+                        time.sleep(0.1)
+
+            self.loaders.valid = Held()
+            try:
+                return super().validate()
+            finally:
+                self.loaders.valid = loader
         return super().validate()
 
 train.run(from_argv(sys.argv[1:], train.DEFAULT_YAML), trainer_cls=Signalled)
@@ -150,10 +160,11 @@ def test_second_signal_while_saving_is_harmless(tmp_path, data, reference):
     r = run_driver(tmp_path, COMMON + ["--data_root", data, "--expdir", exp],
                    SIGNAL_AT_STEP="9", SIGNAL_DURING_SAVE="1")
     assert r.returncode == STOPPED_EXIT_CODE, r.stdout[-3000:] + r.stderr[-3000:]
-    # Signalled before step 10 runs: the first log point after it is step 10.
-    assert "Stopped on SIGUSR1 after step 10:" in r.stdout
+    # Signalled in step 9, after step 10's batch was fetched and its proposal launched: the
+    # first log point after that is step 12.
+    assert "Stopped on SIGUSR1 after step 12:" in r.stdout
     ckpts = os.path.join(run_dir(exp), "checkpoints")
-    assert os.listdir(ckpts) == ["ckpt_00000010.pt"]  # no stray temporary file
+    assert os.listdir(ckpts) == ["ckpt_00000012.pt"]  # no stray temporary file
     resume_as_told(r.stdout)
     assert_same_as_reference(reference, run_dir(exp))
 
@@ -178,9 +189,9 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
     codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
                                    SIGNAL_RANK="1")
     assert codes == [STOPPED_EXIT_CODE] * 2, outs
-    assert "Stopped on SIGUSR1 after step 4:" in outs[0][0]  # rank 0 never got the signal
+    assert "Stopped on SIGUSR1 after step 6:" in outs[0][0]  # rank 0 never got the signal
     stopped = run_dir(exp, ws=2)
-    assert os.listdir(os.path.join(stopped, "checkpoints")) == ["ckpt_00000004.pt"]
+    assert os.listdir(os.path.join(stopped, "checkpoints")) == ["ckpt_00000006.pt"]
     codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp, "--resume", "auto"])
     assert codes == [0, 0], outs
     codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", ref_exp])
@@ -196,18 +207,19 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
         [e.value for e in ref_tb.Scalars("Loss/train")]
 
 
-@pytest.mark.parametrize("loader,agreements", [("lowmem", 5), ("synthetic", 2)])
+@pytest.mark.parametrize("loader,agreements", [("lowmem", 7), ("synthetic", 4)])
 def test_ranks_agree_after_each_fetch_unless_the_loader_never_waits(tmp_path, data, loader,
                                                                      agreements):
-    """A signal on rank 1 at step 3: both ranks stop after the log point of step 4. With a loader
-    that reads (lowmem) they agree after each of the 5 fetches; with one that never waits (the
-    cached batch of synthetic) only at the log points of steps 2 and 4."""
+    """A signal on rank 1 in step 3, after step 4's batch was fetched: both ranks stop after the
+    log point of step 6. With a loader that reads (lowmem) they propose after each of the 7
+    fetches (steps 0-6); with one that never waits (the cached batch of synthetic) only after
+    the fetches of log points (steps 0, 2, 4, 6)."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--num_data_workers", "0",
                        "--data_loader_config", loader, "--expdir", str(tmp_path / "exp")]
     codes, outs = launch_two_ranks(tmp_path, args, SIGNAL_AT_STEP="3", SIGNAL_RANK="1",
                                    COUNT_AGREEMENTS="1")
     assert codes == [STOPPED_EXIT_CODE] * 2, outs
-    assert "Stopped on SIGUSR1 after step 4:" in outs[0][0]
+    assert "Stopped on SIGUSR1 after step 6:" in outs[0][0]
     for out, _ in outs:
         assert f"stop agreements: {agreements}\n" in out, out[-2000:]
 
@@ -226,21 +238,38 @@ def test_resume_auto_starts_fresh_then_continues_and_never_reruns_a_finished_run
 
 
 def test_kill_before_the_last_validation_resumes_to_it(tmp_path, data, reference):
+    """An epoch's last step is written once, after its validation: a kill before that
+    validation resumes from the previous epoch's checkpoint and runs the epoch again (no empty
+    epoch), ending as the uninterrupted run."""
     exp = str(tmp_path / "killed")
     args = COMMON + ["--data_root", data, "--expdir", exp, "--checkpoint_every", "19"]
     r = run_driver(tmp_path, args, DIE_BEFORE_VALIDATION_AT="57")
     assert r.returncode == 9 and "Avg val loss" in r.stdout
     ckpts = os.path.join(run_dir(exp), "checkpoints")
-    assert FINAL in os.listdir(ckpts)  # written before the validation that never came
+    assert sorted(os.listdir(ckpts)) == ["ckpt_00000019.pt", "ckpt_00000038.pt"]
     assert len(re.findall("Avg val loss", open(os.path.join(run_dir(exp), "out.log")).read())) == 2
     resumed = train(args + ["--resume"])
-    assert "Epoch 3: " in resumed.stdout and "for 0 steps" in resumed.stdout
-    # (kill -9 loses the TensorBoard events not yet flushed: the last training-loss point)
+    assert "Epoch 3: " in resumed.stdout and "for 19 steps" in resumed.stdout
+    assert "Checkpoint written" in resumed.stdout and resumed.stdout.count("ckpt_00000057") == 1
     assert_same_as_reference(reference, run_dir(exp), tags=("Loss/valid",))
     final = torch.load(os.path.join(ckpts, FINAL), weights_only=True)
     assert (final["epoch"], final["step_in_epoch"]) == (3, 0)  # records the validation as done
     again = train(args + ["--resume"])
     assert "Avg val loss" not in again.stdout
+
+
+def test_a_stop_during_validation_resumes_to_the_validation_alone(tmp_path, data, reference):
+    """A signal that ends a wait for a validation batch: the stop's checkpoint holds the epoch's
+    steps, and the resumed run validates without retraining, saying so (not an empty epoch)."""
+    exp = str(tmp_path / "stopped")
+    args = COMMON + ["--data_root", data, "--expdir", exp, "--num_data_workers", "0"]
+    r = run_driver(tmp_path, args, SIGNAL_IN_VALIDATION_AT="38")
+    assert r.returncode == STOPPED_EXIT_CODE, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Stopped on SIGUSR1 after step 38:" in r.stdout
+    resumed = resume_as_told(r.stdout)
+    assert "Epoch 2: its steps ran before the resume" in resumed.stdout
+    assert "for 0 steps" not in resumed.stdout
+    assert_same_as_reference(reference, run_dir(exp), tags=("Loss/valid",))
 
 
 def test_resume_and_stop_signals_settings():
