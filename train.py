@@ -485,6 +485,12 @@ class Trainer:
                 sums[3 + m:] += self.task.metric_sums(base, y).float()
             if picture is None and self.rt.is_main:
                 picture = self.task.picture(x, y, pred)
+        if not interrupted:  # the pass's end: its shard's batches are all taken
+            extra, interrupted = next_batch(batches)
+            if extra is not None:
+                raise TrainingError(f"the validation loader {type(valid).__name__} gave more "
+                                    f"batches than its shard of {self.loaders.n_valid} samples "
+                                    f"holds ({sum(map(bool, sizes))})")
         self.model.train()
         # Collective (host, once per validation): a wait for data that a stop signal ended, on
         # any rank, stops every rank before the validation's sums are combined.
