@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from settings.errors import ConfigError
+
 
 class Task:
     def forward_kernels(self, device: torch.device, dtype: torch.dtype):
@@ -25,3 +27,9 @@ class Task:
         """The submodules whose weights FSDP gathers together (``fsdp``): none, so the whole
         model is one unit, gathered at once."""
         return []
+
+    def score(self, model, device: torch.device, autocast, opts):
+        """The trained ``model`` scored as its science judges it (``score.py``): an
+        ``observe.score_report.Report``. A problem without such scores says so."""
+        raise ConfigError(f"{type(self).__name__} has no scoring: score.py scores the ViT on "
+                          f"ERA5 and the U-Net on cosmology volumes")

@@ -15,6 +15,7 @@ from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import UNetConfig
 from settings.errors import ConfigError
+from tasks import volume_stats
 from tasks.base import Task
 from tasks.losses import L1Rho
 from tasks.registry import register
@@ -137,6 +138,11 @@ class CosmoTask(Task):
                                 pred[0, 0, :, :, k].float().cpu().numpy(),
                                 scale=max(1, 192 // y.shape[-2]),
                                 title=f"{self.channels[0]} (log gas density), z slice {k}")
+
+    def score(self, model, device: torch.device, autocast, opts):
+        """Statistics of the whole volume predicted tile by tile: spectra, cross-correlation,
+        one-point distributions, errors (``tasks.volume_stats``)."""
+        return volume_stats.score(self, model, device, autocast, opts)
 
     # -- what else the engine asks
 

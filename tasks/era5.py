@@ -12,7 +12,7 @@ from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import ViTConfig
-from tasks import attention
+from tasks import attention, forecast_skill
 from tasks.base import Task
 from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
 from tasks.registry import register
@@ -87,6 +87,11 @@ class ERA5Task(Task):
                                 scale=max(1, 256 // y.shape[-1]),
                                 title=f"{self.channels[0]} one step ahead",
                                 units="(normalised units)")
+
+    def score(self, model, device: torch.device, autocast, opts):
+        """Forecast skill over lead time: autoregressive rollouts scored per variable
+        (``tasks.forecast_skill``)."""
+        return forecast_skill.score(self, model, device, autocast, opts)
 
     # -- what else the engine asks
 

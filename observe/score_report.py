@@ -1,0 +1,151 @@
+"""What scoring a trained model writes: the table (``scores.csv``, ``scores.json``), PNG plots
+and TensorBoard scalars, from a ``Report`` that a task's scoring fills in (``tasks/
+forecast_skill.py``, ``tasks/volume_stats.py``). The report holds numbers and the plots' layout
+only; matplotlib draws them here, imported when a plot is drawn (``check_matplotlib`` tells
+first, in one line, when it is missing)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from settings.errors import UserError
+
+
+class MissingPackage(UserError):
+    """A package that this command needs is not installed."""
+
+    exit_code = 2
+
+
+@dataclass
+class Panel:
+    """One chart: ``series`` is a list of (label, x values, y values)."""
+
+    title: str
+    xlabel: str
+    ylabel: str
+    series: list
+    logx: bool = False
+    logy: bool = False
+    hline: float | None = None  # a reference level drawn across (1 for ratios)
+
+
+@dataclass
+class Figure:
+    """One PNG (``<name>.png``): its panels in a grid of ``columns``."""
+
+    name: str
+    title: str
+    panels: list
+    columns: int = 2
+
+
+@dataclass
+class Report:
+    """The scores of one run: the table's ``columns`` and ``rows`` (dicts), ``meta`` (what was
+    scored, and how), TensorBoard ``scalars`` as (tag, value, step), ``figures``, the printed
+    ``summary`` lines and ``notes`` (what was left out, and why)."""
+
+    columns: list
+    rows: list
+    meta: dict
+    scalars: list = field(default_factory=list)
+    figures: list = field(default_factory=list)
+    summary: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+
+def check_matplotlib():
+    """Refuse, in one line, before any work, when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingPackage("matplotlib is not installed, and the scores' plots need it: pip "
+                             "install -r requirements-plots.txt") from None
+
+
+def _plain(v):
+    """A JSON value: numpy scalars as Python numbers, nan and inf as null."""
+    if isinstance(v, (np.floating, float)):
+        return float(v) if math.isfinite(v) else None
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
+def write_table(report: Report, directory: str):
+    """``scores.csv`` (one row per line, the columns in order) and ``scores.json`` (the meta,
+    the notes and the rows)."""
+    with open(os.path.join(directory, "scores.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=report.columns)
+        writer.writeheader()
+        for row in report.rows:
+            writer.writerow({k: "" if row.get(k) is None else _plain(row[k]) for k in report.columns})
+    with open(os.path.join(directory, "scores.json"), "w") as f:
+        json.dump({"meta": report.meta, "notes": report.notes,
+                   "rows": [{k: _plain(v) for k, v in row.items()} for row in report.rows]},
+                  f, indent=1)
+
+
+def draw(figure: Figure, path: str):
+    """Draw ``figure`` into the PNG ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(figure.panels))
+    cols = min(figure.columns, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, figure.panels):
+        for label, x, y in panel.series:
+            ax.plot(np.asarray(x, dtype=float), np.asarray(y, dtype=float), label=label)
+        if panel.hline is not None:
+            ax.axhline(panel.hline, color="grey", lw=0.8, ls="--")
+        if panel.logx:
+            ax.set_xscale("log")
+        if panel.logy:
+            ax.set_yscale("log")
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel(panel.xlabel, fontsize=8)
+        ax.set_ylabel(panel.ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    if figure.panels and figure.panels[0].series:
+        axes.flat[0].legend(fontsize=7)
+    fig.suptitle(figure.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_scalars(report: Report, logdir: str):
+    """The report's scalars as TensorBoard events under ``logdir``."""
+    from observe.tensorboard import Board
+
+    board = Board(logdir)
+    for tag, value, step in report.scalars:
+        if math.isfinite(value):
+            board.scalar(tag, value, step)
+    board.close()
+
+
+def write_report(report: Report, directory: str) -> list[str]:
+    """Everything the report holds, into ``directory`` (made): the table, one PNG per figure and
+    the TensorBoard events (``tensorboard/``). The paths written, relative to ``directory``."""
+    os.makedirs(directory, exist_ok=True)
+    write_table(report, directory)
+    written = ["scores.csv", "scores.json"]
+    for figure in report.figures:
+        draw(figure, os.path.join(directory, f"{figure.name}.png"))
+        written.append(f"{figure.name}.png")
+    write_scalars(report, os.path.join(directory, "tensorboard"))
+    return written + ["tensorboard/"]

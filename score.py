@@ -1,0 +1,221 @@
+"""Score a trained model as its science judges it, from its run directory or a checkpoint.
+
+    python score.py --run logs/ViT/quickstart/1/0                    # the newest checkpoint of a run
+    python score.py --run logs/ViT/quickstart/1/0/checkpoints/ckpt_00000290.pt --lead_steps 20
+    python score.py --run logs/ViT/quickstart/1/0 --split test --out scores/test
+
+The ViT's forecast skill over lead time (``tasks.forecast_skill``: RMSE in physical units and
+ACC per variable, beside persistence and climatology), or the U-Net's statistics of a whole
+predicted volume (``tasks.volume_stats``: power spectra, cross-correlation, one-point
+distributions, errors). The run's resolved config (``config.yaml``, else the one the checkpoint
+holds) builds the model, the checkpoint's weights (a ``.pt`` file, or a ``.dcp`` directory read
+whole) fill it, on the run's device choice and in its amp_mode. Everything is written to
+``<run dir>/score/`` (or ``--out``), which must not exist yet: ``scores.csv``, ``scores.json``,
+PNG plots and ``tensorboard/``. One process; docs/scoring.md defines every number.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+
+import torch
+
+from engine import checkpoint
+from engine.runtime import check_amp, choose_device
+from observe.logging_utils import setup_logging
+from observe.score_report import check_matplotlib, write_report
+from settings.config import CONFIG_CLASSES, check_writable_dir, validate
+from settings.errors import ConfigError, UserError
+from settings.parse import build_config, load_yaml_configs
+from tasks import make_task
+
+log = logging.getLogger("score")
+AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other refusal of this command
+        print(f"error: {message} (python score.py --help lists the options)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _whole(minimum: int):
+    """An argparse type: a whole number of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python score.py", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True,
+                   help="a run directory (its newest loadable checkpoint is scored) or one "
+                        "checkpoint: a ckpt_<step>.pt file or ckpt_<step>.dcp directory")
+    p.add_argument("--split", default="valid",
+                   help="the data to score on: valid (default), train, test (ViT: a directory "
+                        "under data_root; U-Net: valid, train or a volume file under data_root)")
+    p.add_argument("--out", default=None,
+                   help="directory to write the scores into (default <run dir>/score); it must "
+                        "not exist yet")
+    p.add_argument("--lead_steps", type=_whole(1), default=None,
+                   help="ViT: forecast steps of each rollout (default: 10 days of the model's "
+                        "dt x 6 h steps, fewer where the split's years are shorter)")
+    p.add_argument("--n_init", type=_whole(1), default=32,
+                   help="ViT: initial conditions, spread evenly through the split (default 32)")
+    p.add_argument("--batch_size", type=_whole(1), default=None,
+                   help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) "
+                        "per forward pass")
+    p.add_argument("--tile", type=_whole(1), default=None,
+                   help="U-Net: side in voxels of the tiles the volume is predicted in (default "
+                        "the training crop side, data_size); a multiple of 2^levels")
+    p.add_argument("--halo", type=_whole(0), default=None,
+                   help="U-Net: voxels of context around each tile (default: the smallest with "
+                        "which the tiles stitch into exactly one whole-volume forward, 64 for 5 "
+                        "levels, 128 for 6; less bounds memory, but seams may show); a multiple "
+                        "of 2^levels")
+    p.add_argument("--data_root", default=None,
+                   help="read the data from here instead of the run's data_root")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                   help="where the model runs (default: the run's device setting)")
+    p.add_argument("--amp_mode", choices=tuple(AMP), default=None,
+                   help="mixed precision of the forward passes (default: the run's amp_mode)")
+    return p
+
+
+# ----------------------------------------------------------------------------- the input
+
+
+def find_checkpoint(path: str) -> tuple[dict, str, str]:
+    """(checkpoint state, its path, the run directory) for ``--run``: a run directory (its
+    newest loadable checkpoint) or a checkpoint file or DCP directory."""
+    if not os.path.exists(path):
+        raise ConfigError(f"--run {path}: no such run directory or checkpoint: give a run "
+                          f"directory (<expdir>/<config>/<world size>/<run>) or a checkpoint "
+                          f"(ckpt_<step>.pt or ckpt_<step>.dcp)")
+    if os.path.isdir(path) and not checkpoint.is_sharded(path):
+        state, found = checkpoint.load_latest(os.path.join(path, "checkpoints"))
+        if state is None:
+            raise ConfigError(f"--run {path}: no loadable checkpoint in {path}/checkpoints: "
+                              f"train the run first, or give a checkpoint of it")
+        return state, found, path
+    state, found = checkpoint.load_file(path)
+    if state is None:
+        raise ConfigError(f"--run {path} is not a loadable checkpoint (the warning above says "
+                          f"why): give another checkpoint, or the run directory")
+    parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
+    run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    return state, found, run_dir
+
+
+def run_config(run_dir: str, state: dict, overrides: dict):
+    """The run's resolved config: ``<run_dir>/config.yaml``, else the one saved in the
+    checkpoint; with ``overrides`` (data_root, device, amp_mode) applied."""
+    path = os.path.join(run_dir, "config.yaml")
+    if os.path.isfile(path):
+        names = list(load_yaml_configs(path))
+        if len(names) != 1:
+            raise ConfigError(f"{path} holds {len(names)} configs; a run's config.yaml holds "
+                              f"one: give the checkpoint instead of the run directory")
+        return build_config(path, names[0], {k: str(v) for k, v in overrides.items()})
+    saved = dict(state["config"])
+    cls = CONFIG_CLASSES.get(str(saved.get("model")))
+    if cls is None:
+        raise ConfigError(f"the checkpoint's config names model={saved.get('model')!r}, not one "
+                          f"of {', '.join(CONFIG_CLASSES)}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    cfg = cls(**{k: v for k, v in saved.items() if k in known})
+    cfg = dataclasses.replace(cfg, **overrides)
+    validate(cfg)
+    return cfg
+
+
+def load_weights(model: torch.nn.Module, state: dict, path: str):
+    """The checkpoint's weights in the serial layout into ``model``; a mismatch is refused."""
+    weights = checkpoint.read_tensors(state["dcp"])["model"] if "dcp" in state else state["model"]
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        reason = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        raise ConfigError(f"{path}: its weights do not fit the model its config builds "
+                          f"({reason[:200]}): score it with its own run's config") from None
+
+
+def output_dir(out: str | None, run_dir: str) -> str:
+    """Where the scores go; refused when it exists already (scores are never written over)."""
+    out = out or os.path.join(run_dir, "score")
+    if os.path.exists(out):
+        raise ConfigError(f"{out} exists already, and scores are never written over: remove it, "
+                          f"or give --out DIR")
+    check_writable_dir("--out", os.path.dirname(os.path.abspath(out)))
+    return out
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def score(args) -> str:
+    """Score the run ``args.run`` as its task does and write the report; its directory."""
+    check_matplotlib()
+    state, ckpt, run_dir = find_checkpoint(args.run)
+    out = output_dir(args.out, run_dir)
+    overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
+                 if getattr(args, k) is not None}
+    cfg = run_config(run_dir, state, overrides)
+    device = choose_device(cfg, 0)
+    check_amp(cfg, device)
+    task = make_task(cfg)
+    model = task.build_model()
+    load_weights(model, state, ckpt)
+    model.to(device).eval()
+    amp = AMP[cfg.amp_mode]
+    kernels = task.forward_kernels(device, amp or torch.float32)
+
+    def autocast():
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device.type, dtype=amp or torch.float32,
+                                           enabled=amp is not None))
+        stack.enter_context(kernels())
+        return stack
+
+    log.info(f"Scoring {ckpt} (step {state['iteration']}) on {device}, amp_mode {cfg.amp_mode}")
+    report = task.score(model, device, autocast, args)
+    report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
+                       device=str(device), amp_mode=cfg.amp_mode)
+    tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
+    try:
+        written = write_report(report, tmp)
+        os.rename(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+    for line in report.summary:
+        log.info(line)
+    log.info(f"Scores written to {out}: {', '.join(written)}")
+    log.info(f"  Look at them: tensorboard --logdir {out}")
+    return out
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    setup_logging(0)
+    try:
+        score(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

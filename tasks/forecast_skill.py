@@ -1,0 +1,298 @@
+"""Forecast skill of the ERA5 ViT over lead time, as weather forecasts are scored.
+
+The model is run autoregressively: from an initial state it forecasts ``dt`` 6-hour steps ahead,
+that forecast becomes its next input, and so on for ``lead_steps`` steps (``rollout``). Every
+lead time is scored per variable against the stored state at that time, in physical units
+(de-normalised with the global means and stds), as WeatherBench 2 defines its headline scores
+(docs/scoring.md has the formulas and where they differ):
+
+- latitude-weighted RMSE (``tasks.losses.weighted_rmse``: weights cos(lat) of mean 1 over the
+  rows), per sample, then averaged over the initial conditions;
+- the anomaly correlation coefficient (``acc``) against the climatology (``time_means.npy``);
+
+beside two reference forecasts: persistence (the initial state at every lead) and climatology
+(the time mean at every lead; its anomaly is zero, so its ACC is 0 by definition).
+
+``SkillSums`` adds the per-sample scores up as batches of initial conditions arrive, so the
+means are exact however the initial conditions were batched; ``score`` runs the whole thing for
+a trained model and returns an ``observe.score_report.Report``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from datapipe.era5_data import ERA5Dataset, load_stats
+from observe.progress import duration
+from observe.score_report import Figure, Panel, Report
+from settings.errors import ConfigError, DataError
+from tasks.losses import weighted_rmse
+
+log = logging.getLogger("score")
+
+HOURS_PER_STEP = 6  # the stored fields are six-hourly
+DEFAULT_LEAD_HOURS = 240  # ten days
+HEADLINE = ("z500", "t850", "t2m", "u10m")  # the variables of the lead-time plots
+FORECASTS = ("model", "persistence", "climatology")
+# Physical units by the variable's name (its letters before the pressure level, or the name).
+UNITS = {"u": "m/s", "v": "m/s", "t": "K", "z": "m^2/s^2", "sp": "Pa", "msl": "Pa", "r": "%",
+         "tcwv": "kg/m^2", "u10m": "m/s", "v10m": "m/s", "t2m": "K"}
+
+
+def units(name: str) -> str:
+    """Physical units of an ERA5 variable (``z500`` -> m^2/s^2), or '' when unknown."""
+    return UNITS.get(name) or UNITS.get(name.rstrip("0123456789"), "")
+
+
+# ----------------------------------------------------------------------------- the metrics
+
+
+def acc(forecast: torch.Tensor, truth: torch.Tensor, clim: torch.Tensor,
+        weights: torch.Tensor) -> torch.Tensor:
+    """Latitude-weighted anomaly correlation per sample and channel: (B, C, H, W) -> (B, C).
+
+    ACC = sum(w f' o') / sqrt(sum(w f'^2) sum(w o'^2)), f' = forecast - clim, o' = truth - clim,
+    sums over the grid, ``weights`` (H,) per row, ``clim`` (C, H, W). A forecast or truth with no
+    anomaly anywhere (the climatology forecast) has no correlation: 0, not 0/0."""
+    w = weights.to(forecast.device, torch.float64).view(1, 1, -1, 1)
+    f = forecast.double() - clim.double()
+    o = truth.double() - clim.double()
+    num = (w * f * o).sum(dim=(2, 3))
+    den = ((w * f * f).sum(dim=(2, 3)) * (w * o * o).sum(dim=(2, 3))).sqrt()
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float64).tiny),
+                       torch.zeros_like(num)).float()
+
+
+def rollout(step, x0: torch.Tensor, n_steps: int):
+    """Yield (k, forecast k steps ahead) for k = 1..n_steps, each step's output the next step's
+    input: ``step`` (B, C, H, W) -> (B, C, H, W) in the model's (normalised) units."""
+    state = x0
+    for k in range(1, n_steps + 1):
+        state = step(state)
+        yield k, state
+
+
+class SkillSums:
+    """Per-sample RMSE and ACC of each forecast, summed over samples per lead and channel."""
+
+    def __init__(self, n_leads: int, n_channels: int, device="cpu"):
+        shape = (len(FORECASTS), n_leads, n_channels)
+        self.rmse = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.acc = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.count = torch.zeros(n_leads, dtype=torch.float64, device=device)
+
+    def add(self, forecast: str, lead: int, pred, truth, clim, weights):
+        """Scores of a batch ``pred`` against ``truth`` (B, C, H, W, physical units) at ``lead``."""
+        i = FORECASTS.index(forecast)
+        self.rmse[i, lead] += weighted_rmse(pred, truth, weights).double().sum(0)
+        if clim is not None:
+            self.acc[i, lead] += acc(pred, truth, clim, weights).double().sum(0)
+        if i == 0:
+            self.count[lead] += pred.shape[0]
+
+    def means(self) -> tuple[np.ndarray, np.ndarray]:
+        """(RMSE, ACC) means over the samples, (forecasts, leads, channels) float64 arrays."""
+        n = self.count.clamp_min(1).view(1, -1, 1)
+        return (self.rmse / n).cpu().numpy(), (self.acc / n).cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- which states
+
+
+def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None) -> tuple[int, str]:
+    """(model steps of the rollout, a note or ''): ``wanted``, or ten days' worth (240 h over
+    the model's ``dt`` 6-hour steps), capped at what the longest year of the split holds."""
+    n = wanted if wanted is not None else max(1, DEFAULT_LEAD_HOURS // (HOURS_PER_STEP * dt))
+    most = (max(year_steps) - 1) // dt
+    if most < 1:
+        raise DataError(f"the split's years hold {max(year_steps)} steps, fewer than one forecast "
+                        f"step (dt={dt}) and its target: score another --split")
+    if n > most:
+        return most, (f"note: the split's longest year holds {max(year_steps)} steps: {most} "
+                      f"lead steps ({most * dt * HOURS_PER_STEP} h) instead of {n}")
+    return n, ""
+
+
+def initial_conditions(year_steps: list[int], span: int, n: int) -> list[tuple[int, int]]:
+    """Up to ``n`` (year index, step) starts spread evenly through the split, each followed by
+    ``span`` steps in its year; in order."""
+    starts = [(k, t) for k, steps in enumerate(year_steps) for t in range(steps - span)]
+    if not starts:
+        return []
+    pick = np.unique(np.linspace(0, len(starts) - 1, min(n, len(starts))).round().astype(int))
+    return [starts[i] for i in pick]
+
+
+def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | None:
+    """``<data_root>/stats/time_means.npy`` (1, C, H, W) as (n_channels, h, w) float32, cropped
+    to ``img_size``; None when the file is absent. A file of the wrong shape is refused."""
+    path = os.path.join(data_root, "stats", "time_means.npy")
+    if not os.path.exists(path):
+        return None
+    try:
+        a = np.load(path)
+    except Exception as e:  # numpy's parse of a damaged header raises many kinds
+        raise DataError(f"{path} is not a readable .npy array ({type(e).__name__}): write it "
+                        f"again with numpy.save, or remove it to score without ACC") from None
+    h, w = img_size
+    if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] < n_channels or a.shape[2] < h or a.shape[3] < w:
+        raise DataError(f"{path} has shape {a.shape}; expected (1, C, H, W) with C >= "
+                        f"{n_channels}, H >= {h}, W >= {w}: write it again, or remove it to score "
+                        f"without ACC")
+    return np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------- scoring a run
+
+
+def score(task, model, device: torch.device, autocast, opts) -> Report:
+    """Roll ``model`` out from initial conditions spread through ``opts.split`` and score every
+    lead time. ``opts``: ``split``, ``lead_steps`` (None: ten days), ``n_init``,
+    ``batch_size`` (None: 8)."""
+    cfg = task.cfg
+    if cfg.data_is_generated:
+        raise ConfigError("this run's ERA5 batches were generated in memory (data_loader_config "
+                          "synthetic), so there are no stored years to roll out through: score "
+                          "with --data_root DIR of ERA5 files (python -m datapipe.synthetic era5 "
+                          "--out DIR makes some)")
+    directory = os.path.join(cfg.data_root, opts.split)
+    data = ERA5Dataset(directory, cfg.data_root, cfg.img_size, dt=1, n_in=cfg.n_in_channels,
+                       n_out=cfg.n_out_channels)
+    year_steps = [n + 1 for n in data.pairs_per_file]
+    notes = []
+    n_steps, note = lead_steps_for(year_steps, cfg.dt, opts.lead_steps)
+    if n_steps > 1 and cfg.n_in_channels != cfg.n_out_channels:
+        n_steps, note = 1, (f"note: the model reads {cfg.n_in_channels} channels and writes "
+                            f"{cfg.n_out_channels}, so its output cannot be its next input: one "
+                            f"lead step")
+    notes += [note] if note else []
+    starts = initial_conditions(year_steps, n_steps * cfg.dt, opts.n_init)
+    batch_size = opts.batch_size or 8
+    c_out = cfg.n_out_channels
+    means, stds = load_stats(cfg.data_root, max(cfg.n_in_channels, c_out))
+    mean = torch.from_numpy(means).to(device)  # (C, 1, 1)
+    std = torch.from_numpy(stds).to(device)
+    clim_np = load_climatology(cfg.data_root, c_out, cfg.img_size)
+    if clim_np is None:
+        notes.append(f"note: {cfg.data_root}/stats/time_means.npy is missing: no climatology, so "
+                     f"no ACC and no climatology forecast")
+    clim = None if clim_np is None else torch.from_numpy(clim_np).to(device)
+    persistence = cfg.n_in_channels >= c_out
+    weights = task.weights.to(device)
+    sums = SkillSums(n_steps + 1, c_out, device)
+    (c_in, h, w), _ = data.sample_shapes
+    scratch_in, scratch_out = np.empty((1, c_in, h, w), np.float32), np.empty((1, c_out, h, w), np.float32)
+
+    def initial(batch):
+        """The stored states at each start of ``batch`` (the inputs' channels), on the device."""
+        out = np.empty((len(batch), c_in, h, w), np.float32)
+        for j, (k, t) in enumerate(batch):  # the input of the pair (t, t + 1)
+            data.read_batch([int(data.offsets[k]) + t], out[j:j + 1], scratch_out)
+        return torch.from_numpy(out).to(device)
+
+    def truth_at(batch, lead):
+        """The stored states ``lead`` >= 1 steps after each start (the outputs' channels)."""
+        out = np.empty((len(batch), c_out, h, w), np.float32)
+        for j, (k, t) in enumerate(batch):  # the target of the pair (t + lead - 1, t + lead)
+            data.read_batch([int(data.offsets[k]) + t + lead - 1], scratch_in, out[j:j + 1])
+        return torch.from_numpy(out).to(device)
+
+    def step(state):
+        with autocast():
+            return model(state).float()
+
+    for line in notes:
+        log.info(line)
+    log.info(f"Scoring {len(starts)} initial conditions of {directory}, {n_steps} lead steps of "
+             f"{cfg.dt * HOURS_PER_STEP} h, batches of {batch_size}")
+    t0, done = time.monotonic(), 0
+    with torch.inference_mode():
+        for b in range(0, len(starts), batch_size):
+            batch = starts[b:b + batch_size]
+            x0 = initial(batch)
+            truth = x0[:, :c_out]
+            for name in FORECASTS[: 2 if persistence else 1]:  # lead 0: both are the truth
+                sums.add(name, 0, truth, truth, clim, weights)
+            if clim is not None:
+                sums.add("climatology", 0, clim.expand_as(truth), truth, clim, weights)
+            x0n = (x0 - mean[:c_in]) / std[:c_in]
+            for k, pred_n in rollout(step, x0n, n_steps):
+                truth = truth_at(batch, k * cfg.dt)
+                sums.add("model", k, pred_n * std[:c_out] + mean[:c_out], truth, clim, weights)
+                if persistence:
+                    sums.add("persistence", k, x0[:, :c_out], truth, clim, weights)
+                if clim is not None:
+                    sums.add("climatology", k, clim.expand_as(truth), truth, clim, weights)
+            done += len(batch)
+            elapsed = time.monotonic() - t0
+            log.info(f"Scored {done}/{len(starts)} initial conditions: "
+                     f"{done * n_steps / elapsed:.1f} forecast steps/s, "
+                     f"ETA {duration(elapsed / done * (len(starts) - done))}")
+    rmse, accs = sums.means()
+    return _report(task, rmse, accs, n_steps, len(starts), opts.split, notes,
+                   has=dict(persistence=persistence, climatology=clim is not None))
+
+
+def _report(task, rmse, accs, n_steps, n_init, split, notes, has) -> Report:
+    """The table, plots, TensorBoard scalars and summary of the scores."""
+    cfg = task.cfg
+    channels = list(task.channels)
+    hours = [k * cfg.dt * HOURS_PER_STEP for k in range(n_steps + 1)]
+    shown = [f for f in FORECASTS if f == "model" or has[f]]
+    with_acc = has["climatology"]
+    rows = []
+    for i, forecast in enumerate(FORECASTS):
+        if forecast not in shown:
+            continue
+        for c, name in enumerate(channels):
+            for k, hour in enumerate(hours):
+                rows.append({"forecast": forecast, "variable": name, "units": units(name),
+                             "lead_step": k, "lead_hours": hour, "rmse": float(rmse[i, k, c]),
+                             "acc": float(accs[i, k, c]) if with_acc else None})
+    scalars = [(f"Skill/RMSE({name})/{forecast}", float(rmse[i, k, c]), hour)
+               for i, forecast in enumerate(FORECASTS) if forecast in shown
+               for c, name in enumerate(channels) for k, hour in enumerate(hours)]
+    if with_acc:
+        scalars += [(f"Skill/ACC({name})/{forecast}", float(accs[i, k, c]), hour)
+                    for i, forecast in enumerate(FORECASTS) if forecast in shown
+                    for c, name in enumerate(channels) for k, hour in enumerate(hours)]
+
+    def panel(c, metric, values):
+        name = channels[c]
+        unit = f" ({units(name)})" if metric == "RMSE" and units(name) else ""
+        return Panel(title=name, xlabel="lead time (h)", ylabel=f"{metric}{unit}",
+                     series=[(f, hours, values[FORECASTS.index(f), :, c]) for f in shown])
+
+    headline = [channels.index(n) for n in HEADLINE if n in channels]
+    figures = [Figure("rmse_headline", "Latitude-weighted RMSE against lead time",
+                      [panel(c, "RMSE", rmse) for c in headline]),
+               Figure("rmse_all", "Latitude-weighted RMSE of every variable",
+                      [panel(c, "RMSE", rmse) for c in range(len(channels))], columns=5)]
+    if with_acc:
+        figures[1:1] = [Figure("acc_headline", "Anomaly correlation against lead time",
+                               [panel(c, "ACC", accs) for c in headline])]
+        figures.append(Figure("acc_all", "Anomaly correlation of every variable",
+                              [panel(c, "ACC", accs) for c in range(len(channels))], columns=5))
+    summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps "
+               f"({hours[-1]} h)"]
+    leads = sorted({k for k in (1, 24 // (cfg.dt * HOURS_PER_STEP), n_steps // 2, n_steps)
+                    if 1 <= k <= n_steps})
+    for c in headline or range(min(4, len(channels))):
+        parts = []
+        for k in leads:
+            base = "".join(f" / {rmse[FORECASTS.index(f), k, c]:.4g}" for f in shown[1:])
+            score_acc = f", ACC {accs[0, k, c]:.3f}" if with_acc else ""
+            parts.append(f"{hours[k]} h {rmse[0, k, c]:.4g}{base}{score_acc}")
+        summary.append(f"  {channels[c]} RMSE ({units(channels[c])}), "
+                       f"{' / '.join(shown)}: " + "; ".join(parts))
+    meta = {"problem": "forecast skill", "split": split, "initial_conditions": n_init,
+            "lead_steps": n_steps, "hours_per_step": cfg.dt * HOURS_PER_STEP,
+            "forecasts": shown, "acc": with_acc}
+    return Report(columns=["forecast", "variable", "units", "lead_step", "lead_hours", "rmse",
+                           "acc"], rows=rows, meta=meta, scalars=scalars, figures=figures,
+                  summary=summary, notes=notes)
+

@@ -1,0 +1,315 @@
+"""Statistics of the U-Net's prediction of a whole cosmology volume, as emulators of
+hydrodynamic simulations are judged (docs/scoring.md has the formulas):
+
+- the volume predicted tile by tile (``predict_tiled``): each tile's core is cut from the
+  prediction of a larger window around it, so a tile sees as much of its surroundings as the
+  U-Net reads (``unet_halo``) and the stitched volume equals one forward pass of the whole
+  volume (to float rounding), while memory is bounded by the window;
+- per channel: the power spectrum P(k) in spherical shells of the 3-D FFT of the predicted and
+  the true field (``cross_power``), their ratio and the cross-correlation coefficient
+  r(k) = P_xy / sqrt(P_xx P_yy); the one-point distributions (``histograms``); the mean, the
+  bias and the relative error (``field_errors``).
+
+Every statistic is a pure NumPy function of the fields in float64; ``score`` runs a trained
+model over a split's volume and returns an ``observe.score_report.Report``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from datapipe.cosmo_data import CosmoCropDataset
+from datapipe import generated_data
+from observe.progress import duration
+from observe.score_report import Figure, Panel, Report
+from settings.errors import ConfigError, DataError
+
+log = logging.getLogger("score")
+
+HIST_BINS = 60
+
+
+# ----------------------------------------------------------------------------- spectra
+
+
+def _shells(side: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the half-spectrum of ``np.fft.rfftn`` of a ``side``^3 box: each mode's shell
+    (|k| rounded, k in units of the fundamental mode 2 pi / box) and how many modes of the full
+    spectrum it stands for (2, or 1 in the planes kz = 0 and kz = Nyquist)."""
+    k = np.fft.fftfreq(side, 1.0 / side)
+    kz = np.fft.rfftfreq(side, 1.0 / side)
+    kmag = np.sqrt(k[:, None, None] ** 2 + k[None, :, None] ** 2 + kz[None, None, :] ** 2)
+    count = np.full(kz.shape, 2.0)
+    count[0] = 1.0
+    if side % 2 == 0:
+        count[-1] = 1.0
+    return np.rint(kmag).astype(np.int64), np.broadcast_to(count, kmag.shape)
+
+
+def cross_power(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cross power spectrum of two fields on the same periodic L^3 grid, in spherical shells.
+
+    P_ab(k) = < Re(A(k) B*(k)) > / L^3 over the modes whose |k| rounds to k, A = FFT(a - mean a),
+    k = 1 .. L // 2 in units of the fundamental mode 2 pi / box. With a = b this is the power
+    spectrum, in (field units)^2 x voxel volume (white noise of variance s^2 has P = s^2).
+    Returns (k, P_ab, modes per shell)."""
+    if a.shape != b.shape or a.ndim != 3 or len(set(a.shape)) != 1:
+        raise ValueError(f"fields of shapes {a.shape} and {b.shape}: need two L^3 boxes")
+    side = a.shape[0]
+    fa = np.fft.rfftn(np.asarray(a, np.float64) - np.mean(a, dtype=np.float64))
+    fb = fa if b is a else np.fft.rfftn(np.asarray(b, np.float64) - np.mean(b, dtype=np.float64))
+    shell, count = _shells(side)
+    keep = (shell >= 1) & (shell <= side // 2)
+    power = (fa.real * fb.real + fa.imag * fb.imag)[keep] / side**3
+    n = np.bincount(shell[keep], weights=count[keep], minlength=side // 2 + 1)[1:]
+    p = np.bincount(shell[keep], weights=(count[keep] * power), minlength=side // 2 + 1)[1:]
+    return np.arange(1, side // 2 + 1), p / np.maximum(n, 1), n
+
+
+def spectra(pred: np.ndarray, true: np.ndarray) -> dict:
+    """P(k) of the prediction and of the truth, their ratio and the cross-correlation
+    r(k) = P_xy / sqrt(P_xx P_yy) (0 where either spectrum is 0), for one channel (L^3)."""
+    k, p_true, modes = cross_power(true, true)
+    _, p_pred, _ = cross_power(pred, pred)
+    _, p_cross, _ = cross_power(pred, true)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(p_true > 0, p_pred / p_true, np.nan)
+        denom = np.sqrt(p_pred * p_true)
+        r = np.where(denom > 0, p_cross / denom, 0.0)
+    return {"k": k, "modes": modes, "p_true": p_true, "p_pred": p_pred, "ratio": ratio, "r": r}
+
+
+def histograms(pred: np.ndarray, true: np.ndarray, bins: int = HIST_BINS) -> dict:
+    """One-point PDFs of one channel: densities of ``true`` and ``pred`` over the same ``bins``
+    equal bins spanning both fields' values (each integrates to 1)."""
+    lo = float(min(np.min(true), np.min(pred)))
+    hi = float(max(np.max(true), np.max(pred)))
+    if hi <= lo:
+        hi = lo + 1.0
+    edges = np.linspace(lo, hi, bins + 1)
+    h_true, _ = np.histogram(true, edges, density=True)
+    h_pred, _ = np.histogram(pred, edges, density=True)
+    return {"centres": 0.5 * (edges[1:] + edges[:-1]), "true": h_true, "pred": h_pred}
+
+
+def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
+    """Means and errors of one channel, in float64: the means of both fields, the bias
+    mean(pred - true), the mean absolute error, the RMSE and the relative error
+    ||pred - true||_2 / ||true||_2 (the relative L2 of ``tasks.losses.RelativeL2``)."""
+    p = np.asarray(pred, np.float64)
+    t = np.asarray(true, np.float64)
+    d = p - t
+    norm = np.sqrt(np.sum(t * t))
+    return {"mean_true": float(t.mean()), "mean_pred": float(p.mean()), "bias": float(d.mean()),
+            "mae": float(np.abs(d).mean()), "rmse": float(np.sqrt(np.mean(d * d))),
+            "relative_error": float(np.sqrt(np.sum(d * d)) / norm) if norm > 0 else float("nan")}
+
+
+# ----------------------------------------------------------------------------- tiling
+
+
+def unet_halo(levels: int) -> int:
+    """The smallest halo, a multiple of 2^levels, that makes tiles exact for the U-Net of
+    ``networks.unet`` (4^3 kernels of stride 2 and padding 1, ``levels`` levels, skip
+    connections): how far, along one axis, the first voxel of an aligned tile reads to its left
+    and its last voxel to its right, rounded up to whole 2^levels (64 for 5 levels, 128 for 6)."""
+    def down(lo, hi):  # a strided convolution's outputs lo..hi read these inputs
+        return 2 * lo - 1, 2 * hi + 2
+
+    def up(lo, hi):  # a transposed convolution's outputs lo..hi read these inputs
+        return -(-(lo - 2) // 2), (hi + 1) // 2
+
+    def encoder(level, lo, hi):  # encoder features at ``level`` -> input voxels
+        for _ in range(level):
+            lo, hi = down(lo, hi)
+        return lo, hi
+
+    def decoder(level, lo, hi):  # decoder output at ``level`` -> input voxels
+        lo, hi = up(lo, hi)  # from level + 1: the skip (encoder) and, below it, the decoder
+        a, b = encoder(level + 1, lo, hi)
+        if level + 1 < levels:
+            c, d = decoder(level + 1, lo, hi)
+            a, b = min(a, c), max(b, d)
+        return a, b
+
+    align = 2**levels
+    first = 8 * align  # a tile's first voxel, away from the volume's edges
+    last = first + align - 1  # the last voxel of a tile (tiles are whole multiples of align)
+    reach = max(first - decoder(0, first, first)[0], decoder(0, last, last)[1] - last)
+    return -(-reach // align) * align
+
+
+def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, int, int]]:
+    """Along one axis of ``side`` voxels: (core start, core stop, window start) of each tile. The
+    cores of ``tile`` voxels cover the axis; each window, of min(side, tile + 2 halo) voxels,
+    holds its core with ``halo`` voxels on each side, or reaches the edge of the volume, and
+    starts at a multiple of ``align`` (the U-Net's 2^levels), as the whole forward's strides do."""
+    for name, v in (("side", side), ("tile", tile), ("halo", halo)):
+        if v % align or (v < align and name != "halo"):
+            raise ConfigError(f"{name}={v} must be a multiple of {align} (2^levels of the U-Net): "
+                              f"choose {max(align, v // align * align)} or "
+                              f"{(v // align + 1) * align}")
+    window = min(side, tile + 2 * halo)
+    return [(a, min(a + tile, side), min(max(a - halo, 0), side - window))
+            for a in range(0, side, tile)]
+
+
+def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, batch: int = 1,
+                  progress=None) -> torch.Tensor:
+    """``forward`` of the volume ``x`` (1, C, L, L, L), window by window (``tile_plan`` along
+    each axis, up to ``batch`` windows per call); the cores stitched into (1, C_out, L, L, L)
+    float32 on the CPU. ``progress(done, total)`` is called after each call."""
+    side = x.shape[-1]
+    if x.shape[0] != 1 or x.shape[2:] != (side,) * 3:
+        raise ValueError(f"a volume of shape {tuple(x.shape)}: need (1, C, L, L, L)")
+    plan = tile_plan(side, tile, halo, align)
+    window = min(side, tile + 2 * halo)
+    tiles = list(itertools.product(plan, repeat=3))
+    out = None
+    for first in range(0, len(tiles), batch):
+        group = tiles[first:first + batch]
+        windows = torch.cat([x[:, :, i[2]:i[2] + window, j[2]:j[2] + window, k[2]:k[2] + window]
+                             for i, j, k in group])
+        pred = forward(windows).float().cpu()  # (b, C_out, W, W, W)
+        if out is None:
+            out = torch.empty((1, pred.shape[1], side, side, side), dtype=torch.float32)
+        for n, (i, j, k) in enumerate(group):
+            core = tuple(slice(a - s, b - s) for a, b, s in (i, j, k))
+            out[0, :, i[0]:i[1], j[0]:j[1], k[0]:k[1]] = pred[n][(slice(None),) + core]
+        if progress is not None:
+            progress(min(first + batch, len(tiles)), len(tiles))
+    return out
+
+
+# ----------------------------------------------------------------------------- scoring a run
+
+
+def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """(Nbody (1, C_in, L, L, L), Hydro (1, C_out, L, L, L), where from) of ``split``: valid,
+    train, or a file name under data_root."""
+    files = {"valid": cfg.val_file, "train": cfg.train_file}
+    if cfg.data_is_generated:
+        if split not in files:
+            raise ConfigError(f"--split {split}: this run's volumes are generated in memory: "
+                              f"choose valid or train")
+        volumes = generated_data.cosmo_volumes(cfg, split)
+        where = f"the generated {split} box"
+        side = volumes[0].shape[-1]
+        data = CosmoCropDataset(where, size=side, nsamples=1, n_in=cfg.n_in_channels,
+                                n_out=cfg.n_out_channels, augment=False, volumes=volumes)
+    else:
+        where = os.path.join(cfg.data_root, files.get(split, split))
+        if split not in files and not os.path.isfile(where):
+            raise ConfigError(f"--split {split}: neither valid, train nor a file under "
+                              f"{cfg.data_root}: choose valid or train, or name a volume file")
+        side = CosmoCropDataset(where, size=1, nsamples=1, n_in=cfg.n_in_channels,
+                                n_out=cfg.n_out_channels, augment=False).box
+        data = CosmoCropDataset(where, size=side, nsamples=1, n_in=cfg.n_in_channels,
+                                n_out=cfg.n_out_channels, augment=False)
+    (sx, sy) = data.sample_shapes
+    x, y = np.empty((1, *sx), np.float32), np.empty((1, *sy), np.float32)
+    data.read_batch([0], x, y)  # the window at the corner 0 of the size of the box: all of it
+    return x, y, where
+
+
+def score(task, model, device: torch.device, autocast, opts) -> Report:
+    """Predict the whole volume of ``opts.split`` tile by tile and compute its statistics.
+    ``opts``: ``split``, ``tile`` (None: the training crop side), ``halo`` (None: exact),
+    ``batch_size`` (windows per forward; None: 1)."""
+    cfg = task.cfg
+    align = 2**model.levels
+    x, y, where = _volume(cfg, opts.split)
+    side = x.shape[-1]
+    notes = []
+    if side % align:
+        cut = side // align * align
+        if cut == 0:
+            raise DataError(f"{where}: a box of side {side} is smaller than the U-Net's 2^levels="
+                            f"{align}: score a larger volume")
+        notes.append(f"note: the box side {side} is not a multiple of 2^levels={align}: the "
+                     f"first {cut}^3 voxels are scored")
+        x, y = x[..., :cut, :cut, :cut], y[..., :cut, :cut, :cut]
+        side = cut
+    tile = min(opts.tile or cfg.data_size, side)
+    halo = unet_halo(model.levels) if opts.halo is None else opts.halo
+    if halo < unet_halo(model.levels):
+        notes.append(f"note: --halo {halo} is less than {unet_halo(model.levels)}, the halo that "
+                     f"makes the tiles exact: their seams may show")
+    for line in notes:
+        log.info(line)
+    window = min(side, tile + 2 * halo)
+    log.info(f"Predicting {where} ({side}^3 voxels) in {len(tile_plan(side, tile, halo, align))**3} "
+             f"tiles of {tile}^3 voxels, windows of {window}^3 (halo {halo})")
+    t0 = time.monotonic()
+
+    def progress(done, total):
+        elapsed = time.monotonic() - t0
+        log.info(f"Predicted {done}/{total} tiles, ETA {duration(elapsed / done * (total - done))}")
+
+    def forward(windows):
+        with autocast():
+            return model(windows.to(device))
+
+    with torch.inference_mode():
+        pred = predict_tiled(forward, torch.from_numpy(x), tile, halo, align, opts.batch_size or 1,
+                             progress)[0].numpy()
+    log.info(f"Computing the spectra and distributions of {pred.shape[0]} channels")
+    truth = y[0]
+    stats = [(spectra(pred[c], truth[c]), histograms(pred[c], truth[c]),
+              field_errors(pred[c], truth[c])) for c in range(pred.shape[0])]
+    return _report(list(task.channels), stats, opts.split, where, side, tile, halo, notes)
+
+
+def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
+    rows, scalars = [], []
+    for name, (spec, _, errors) in zip(channels, stats):
+        for i, k in enumerate(spec["k"]):
+            rows.append({"channel": name, "k": int(k), "modes": int(spec["modes"][i]),
+                         "p_true": spec["p_true"][i], "p_pred": spec["p_pred"][i],
+                         "p_ratio": spec["ratio"][i], "r": spec["r"][i], **errors})
+            scalars += [(f"Spectrum/P_ratio({name})", float(spec["ratio"][i]), int(k)),
+                        (f"Spectrum/r({name})", float(spec["r"][i]), int(k))]
+        scalars += [(f"Field/{key}({name})", value, 0) for key, value in errors.items()]
+
+    def series(key, c):
+        spec = stats[c][0]
+        return [(key, spec["k"], spec[key])]
+
+    n = range(len(channels))
+    figures = [
+        Figure("power_spectra", "Power spectra P(k): truth and prediction",
+               [Panel(channels[c], "k (fundamental modes)", "P(k)",
+                      [("truth", stats[c][0]["k"], stats[c][0]["p_true"]),
+                       ("prediction", stats[c][0]["k"], stats[c][0]["p_pred"])],
+                      logx=True, logy=True) for c in n], columns=3),
+        Figure("spectrum_ratio", "P_pred(k) / P_true(k)",
+               [Panel(channels[c], "k (fundamental modes)", "ratio", series("ratio", c),
+                      logx=True, hline=1.0) for c in n], columns=3),
+        Figure("cross_correlation", "Cross-correlation r(k) = P_xy / sqrt(P_xx P_yy)",
+               [Panel(channels[c], "k (fundamental modes)", "r(k)", series("r", c), logx=True,
+                      hline=1.0) for c in n], columns=3),
+        Figure("pdfs", "One-point distributions",
+               [Panel(channels[c], "value (stored units)", "density",
+                      [("truth", stats[c][1]["centres"], stats[c][1]["true"]),
+                       ("prediction", stats[c][1]["centres"], stats[c][1]["pred"])], logy=True)
+                for c in n], columns=3),
+    ]
+    summary = [f"Volume statistics of {where} ({side}^3 voxels, tiles of {tile}^3, halo {halo}):"]
+    for name, (spec, _, e) in zip(channels, stats):
+        quarter = max(0, len(spec["k"]) // 4 - 1)
+        summary.append(f"  {name}: relative error {e['relative_error']:.4g}, bias {e['bias']:.3g} "
+                       f"(mean {e['mean_true']:.4g} true, {e['mean_pred']:.4g} predicted); "
+                       f"r(k) {spec['r'][0]:.3f} at k=1, {spec['r'][quarter]:.3f} at "
+                       f"k={spec['k'][quarter]}, {spec['r'][-1]:.3f} at k={spec['k'][-1]}; "
+                       f"P ratio {spec['ratio'][quarter]:.3g} at k={spec['k'][quarter]}")
+    meta = {"problem": "volume statistics", "split": split, "volume": where, "side": side,
+            "tile": tile, "halo": halo, "channels": channels}
+    columns = ["channel", "k", "modes", "p_true", "p_pred", "p_ratio", "r", "mean_true",
+               "mean_pred", "bias", "mae", "rmse", "relative_error"]
+    return Report(columns=columns, rows=rows, meta=meta, scalars=scalars, figures=figures,
+                  summary=summary, notes=notes)

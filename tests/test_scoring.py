@@ -1,0 +1,324 @@
+"""Scoring a trained model (score.py): each metric against an independent float64 NumPy
+computation, the cases whose answer is known (a perfect forecast, the climatology forecast,
+persistence at lead 0, a rollout that adds one per step, a field of known spectrum, identical
+and noisy fields, tiles against one whole forward), and both quickstarts trained, then scored."""
+import csv
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import ROOT, write_cosmo_pair, write_era5
+from networks.unet import UNet, down_block, up_block
+from tasks.forecast_skill import (SkillSums, acc, initial_conditions, lead_steps_for, rollout,
+                                  units)
+from tasks.losses import latitude_weights, weighted_rmse
+from tasks.volume_stats import (cross_power, field_errors, histograms, predict_tiled, spectra,
+                                tile_plan, unet_halo)
+from test_training import TINY_UNET, TINY_VIT, run_dir, train
+
+H, W = 9, 16
+
+
+def np_weights(h):
+    """cos(latitude), rows from 90 to -90 degrees, normalised to mean 1."""
+    c = np.cos(np.deg2rad(np.linspace(90.0, -90.0, h)))
+    return c / c.mean()
+
+
+def np_rmse(f, o):
+    w = np_weights(f.shape[-2])[:, None]
+    return np.sqrt((w * (f - o) ** 2).mean(axis=(-2, -1)))
+
+
+def np_acc(f, o, clim):
+    w = np_weights(f.shape[-2])[:, None]
+    fa, oa = f - clim, o - clim
+    return (w * fa * oa).sum(axis=(-2, -1)) / np.sqrt((w * fa**2).sum(axis=(-2, -1))
+                                                      * (w * oa**2).sum(axis=(-2, -1)))
+
+
+def fields(seed=0, shape=(3, 4, H, W)):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape), rng.standard_normal(shape), rng.standard_normal(shape[1:])
+
+
+# ----------------------------------------------------------------------------- forecast skill
+
+
+def test_rmse_and_acc_equal_the_float64_definitions():
+    f, o, clim = fields()
+    w = latitude_weights(H)
+    t = [torch.tensor(a, dtype=torch.float32) for a in (f, o, clim)]
+    assert np.allclose(weighted_rmse(t[0], t[1], w).numpy(), np_rmse(f, o), rtol=1e-5)
+    assert np.allclose(acc(*t, w).numpy(), np_acc(f, o, clim), rtol=1e-5, atol=1e-6)
+
+
+def test_perfect_forecast_rmse_0_acc_1_and_climatology_acc_0():
+    _, o, clim = fields(1)
+    w = latitude_weights(H)
+    o, clim = torch.tensor(o), torch.tensor(clim)
+    assert torch.equal(weighted_rmse(o, o, w), torch.zeros(3, 4))
+    assert torch.allclose(acc(o, o, clim, w), torch.ones(3, 4))
+    # the climatology forecast has no anomaly: its ACC is 0 by definition (not 0/0)
+    assert torch.equal(acc(clim.expand_as(o), o, clim, w), torch.zeros(3, 4))
+
+
+def test_rollout_feeds_back_its_output_and_persistence_at_lead_0_is_exact():
+    _, x0, clim = fields(2)
+    x0, clim, w = torch.tensor(x0), torch.tensor(clim), latitude_weights(H)
+    steps = list(rollout(lambda s: s + 1, x0, 5))
+    assert [k for k, _ in steps] == [1, 2, 3, 4, 5]
+    for k, pred in steps:
+        assert torch.allclose(pred, x0 + k)
+    # against a truth that stays at x0: the model's RMSE is k at lead k (weights of mean 1)
+    sums = SkillSums(6, 4)
+    sums.add("model", 0, x0, x0, clim, w)
+    sums.add("persistence", 0, x0, x0, clim, w)
+    for k, pred in steps:
+        sums.add("model", k, pred, x0, clim, w)
+    rmse, accs = sums.means()
+    assert np.allclose(rmse[0], np.arange(6)[:, None], atol=1e-6)
+    assert np.all(rmse[1, 0] == 0) and np.allclose(accs[1, 0], 1)
+
+
+def test_lead_steps_and_initial_conditions():
+    assert lead_steps_for([100], dt=1, wanted=None) == (40, "")
+    assert lead_steps_for([100], dt=2, wanted=None) == (20, "")
+    n, note = lead_steps_for([12, 30], dt=1, wanted=None)
+    assert n == 29 and note.startswith("note: the split's longest year holds 30 steps: 29")
+    starts = initial_conditions([12, 30], span=8, n=5)
+    assert len(starts) == 5 and starts[0] == (0, 0) and starts[-1] == (1, 21)
+    assert all(t + 8 < [12, 30][k] for k, t in starts)
+    assert units("z500") == "m^2/s^2" and units("t2m") == "K" and units("tcwv") == "kg/m^2"
+
+
+# ----------------------------------------------------------------------------- volume statistics
+
+
+def np_shell_average(values, side):
+    """Mean of ``values`` (the full L^3 FFT grid) over the modes of each shell 1..L/2."""
+    k = np.fft.fftfreq(side, 1.0 / side)
+    shell = np.rint(np.sqrt(k[:, None, None]**2 + k[None, :, None]**2 + k[None, None, :]**2))
+    out = [values[shell == s].mean() for s in range(1, side // 2 + 1)]
+    return np.array(out), np.array([(shell == s).sum() for s in range(1, side // 2 + 1)])
+
+
+def test_cross_power_equals_the_full_fft_computation():
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((2, 16, 16, 16))
+    fa, fb = np.fft.fftn(a - a.mean()), np.fft.fftn(b - b.mean())
+    expected, modes = np_shell_average((fa * np.conj(fb)).real / 16**3, 16)
+    k, p, n = cross_power(a.astype(np.float32), b.astype(np.float32))
+    assert np.array_equal(k, np.arange(1, 9)) and np.array_equal(n, modes)
+    assert np.allclose(p, expected, rtol=1e-5, atol=1e-9)
+
+
+def test_a_field_of_known_spectrum_gives_it_back_within_cosmic_variance():
+    side = 32
+    rng = np.random.default_rng(4)
+    k = np.fft.fftfreq(side, 1.0 / side)
+    kmag = np.sqrt(k[:, None, None]**2 + k[None, :, None]**2 + k[None, None, :]**2)
+    target = np.where(kmag > 0, 10.0 * np.maximum(kmag, 1.0) ** -2.0, 0.0)
+    field = np.fft.ifftn(np.fft.fftn(rng.standard_normal((side,) * 3)) * np.sqrt(target)).real
+    expected, modes = np_shell_average(target, side)
+    _, p, _ = cross_power(field, field)
+    # each shell holds modes/2 independent complex amplitudes: relative scatter sqrt(2 / modes)
+    pull = (p / expected - 1) / np.sqrt(2.0 / modes)
+    assert np.all(np.abs(pull) < 4), pull
+    assert abs(pull.mean()) < 4 / np.sqrt(len(pull))
+
+
+def test_r_is_1_for_identical_fields_and_falls_as_noise_is_added():
+    side = 32
+    rng = np.random.default_rng(5)
+    k = np.fft.fftfreq(side, 1.0 / side)
+    kmag = np.sqrt(k[:, None, None]**2 + k[None, :, None]**2 + k[None, None, :]**2)
+    red = np.fft.ifftn(np.fft.fftn(rng.standard_normal((side,) * 3))
+                       * np.maximum(kmag, 1.0) ** -1.5).real
+    same = spectra(red, red)
+    assert np.allclose(same["r"], 1) and np.allclose(same["ratio"], 1)
+    noise = rng.standard_normal(red.shape) * red.std()
+    r = [spectra(red + s * noise, red)["r"] for s in (0.1, 0.5, 2.0)]
+    assert np.all(r[0] > r[1]) and np.all(r[1] > r[2])
+    # white noise on a red field: the small scales (high k) are lost first
+    assert r[1][0] > 0.99 and r[1][-1] < r[1][0] - 0.2 and r[2][-1] < 0.5
+
+
+def test_histograms_and_field_errors():
+    rng = np.random.default_rng(6)
+    t = rng.standard_normal((8, 8, 8))
+    p = t + 0.1 * rng.standard_normal(t.shape) + 0.5
+    h = histograms(p, t, bins=20)
+    width = h["centres"][1] - h["centres"][0]
+    assert np.isclose(h["true"].sum() * width, 1) and np.isclose(h["pred"].sum() * width, 1)
+    assert np.array_equal(histograms(t, t)["true"], histograms(t, t)["pred"])
+    e = field_errors(p.astype(np.float32), t.astype(np.float32))
+    assert np.isclose(e["bias"], (p - t).mean(), rtol=1e-5)
+    assert np.isclose(e["rmse"], np.sqrt(((p - t) ** 2).mean()), rtol=1e-5)
+    assert np.isclose(e["relative_error"], np.linalg.norm(p - t) / np.linalg.norm(t), rtol=1e-5)
+
+
+def unet_of_levels(levels, seed=0):
+    """networks.unet.UNet with ``levels`` levels of widths 2, 3, 4, ... (the class itself has 5
+    or 6): the same layers and forward, small enough to tile a small volume."""
+    torch.manual_seed(seed)
+    model = UNet(in_chans=2, out_chans=3, base_width=2, max_width=2, full_scale=False)
+    widths = [2 + i for i in range(levels)]
+    model.levels = levels
+    model.down = nn.ModuleList(down_block(c, w, 0.01) for c, w in zip([2] + widths, widths))
+    model.up = nn.ModuleList(up_block(widths[i] if i == levels - 1 else 2 * widths[i], widths[i - 1])
+                             for i in reversed(range(1, levels)))
+    model.last = nn.ConvTranspose3d(2 * widths[0], 3, 4, stride=2, padding=1)
+    for m in model.modules():  # non-zero biases: a tile that saw padding where the whole
+        if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)):  # volume has data would differ
+            nn.init.normal_(m.weight, 0.0, 0.3)
+            nn.init.normal_(m.bias, 0.0, 0.3)
+    return model.eval()
+
+
+def test_tile_plan_covers_the_axis_with_aligned_windows():
+    for side, tile, halo in ((48, 8, 12), (48, 16, 0), (32, 32, 96), (40, 16, 8)):
+        plan = tile_plan(side, tile, halo, 4 if side != 40 else 8)
+        window = min(side, tile + 2 * halo)
+        assert [a for a, _, _ in plan] == list(range(0, side, tile)) and plan[-1][1] == side
+        for a, b, s in plan:
+            assert s % 4 == 0 and 0 <= s and s + window <= side
+            assert s <= max(a - halo, 0) and s + window >= min(b + halo, side)
+
+
+def test_unet_halo_is_how_far_a_tile_edge_reads():
+    """Perturb one input voxel at a time: the outputs that change lie within the halo of it for
+    a tile's first and last voxels, and beyond the next smaller multiple of 2^levels."""
+    for levels in (2, 3):
+        align, halo = 2**levels, unet_halo(levels)
+        model = unet_of_levels(levels).double()
+        side = 8 * align
+        x = torch.randn(1, 2, side, align, align, dtype=torch.float64)
+        with torch.no_grad():
+            base = model(x)
+            reach = 0
+            for p in range(side // 2, side // 2 + align):  # every residue of p
+                y = x.clone()
+                y[0, :, p] += 1.0
+                changed = ((model(y) - base).abs().amax(dim=(0, 1, 3, 4)) > 1e-12).nonzero().flatten()
+                reach = max([reach] + [p - int(j) for j in changed if j % align == 0]
+                            + [int(j) - p for j in changed if j % align == align - 1])
+        assert halo - align < reach <= halo, (levels, reach, halo)
+
+
+def test_tiles_with_the_unet_halo_equal_one_whole_forward():
+    model = unet_of_levels(2)
+    x = torch.randn(1, 2, 32, 32, 32)
+    halo = unet_halo(2)
+    with torch.no_grad():
+        whole = model(x)
+        tiled = predict_tiled(model, x, tile=8, halo=halo, align=4, batch=16)
+        assert torch.allclose(tiled, whole, atol=1e-5, rtol=0), (tiled - whole).abs().max()
+        short = predict_tiled(model, x, tile=8, halo=halo - 4, align=4, batch=16)
+        assert (short - whole).abs().max() > 1e-4  # the halo is needed: the seams show without it
+
+
+def test_the_quickstart_unet_halo_and_a_volume_smaller_than_a_window():
+    assert unet_halo(2) == 8 and unet_halo(5) == 64 and unet_halo(6) == 128
+    torch.manual_seed(0)
+    model = UNet(in_chans=4, out_chans=5, base_width=2, max_width=4, full_scale=False).eval()
+    x = torch.randn(1, 4, 32, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(predict_tiled(model, x, tile=32, halo=64, align=32), model(x))
+
+
+# ----------------------------------------------------------------------------- score.py
+
+
+def score(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "score.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, env=env)
+
+
+def read_rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_vit_run_trained_then_scored(tmp_path, capsys):
+    root = write_era5(str(tmp_path / "era5"), steps=16)
+    exp = str(tmp_path / "exp")
+    train(TINY_VIT + ["--data_root", root, "--expdir", exp, "--num_iters", "4"])
+    d = run_dir(exp)
+    r = score(["--run", d, "--lead_steps", "6", "--n_init", "3", "--batch_size", "2"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = os.path.join(d, "score")
+    for name in ("scores.csv", "scores.json", "rmse_headline.png", "acc_headline.png",
+                 "rmse_all.png", "acc_all.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(out, "tensorboard")))
+    assert "Forecast skill on valid: 3 initial conditions, 6 lead steps (36 h)" in r.stdout
+    rows = read_rows(os.path.join(out, "scores.csv"))
+    for variable in ("z500", "u10m"):
+        pers = [float(x["rmse"]) for x in rows if x["forecast"] == "persistence"
+                and x["variable"] == variable]
+        assert len(pers) == 7 and pers[0] == 0 and all(b > a for a, b in zip(pers, pers[1:])), pers
+        model0 = [x for x in rows if x["forecast"] == "model" and x["variable"] == variable][0]
+        assert float(model0["rmse"]) == 0 and float(model0["acc"]) == pytest.approx(1)
+    meta = json.load(open(os.path.join(out, "scores.json")))["meta"]
+    assert meta["forecasts"] == ["model", "persistence", "climatology"] and meta["step"] == 4
+
+    # an existing output is refused, and left as it was
+    before = hashlib.md5(open(os.path.join(out, "scores.csv"), "rb").read()).hexdigest()
+    import score as score_command
+    for argv, fragment in ((["--run", str(tmp_path / "missing")], "no such run directory"),
+                           (["--run", d], "exists already"),
+                           (["--run", d, "--n_init", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as e:
+            score_command.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert fragment in err, err
+    assert hashlib.md5(open(os.path.join(out, "scores.csv"), "rb").read()).hexdigest() == before
+    assert not [f for f in os.listdir(d) if f.endswith(".tmp")]
+
+
+def test_unet_run_trained_then_scored(tmp_path, capsys):
+    root = write_cosmo_pair(tmp_path / "cosmo", side=32)
+    exp = str(tmp_path / "exp")
+    train(TINY_UNET + ["--data_root", root, "--expdir", exp, "--num_iters", "2", "--Nsamples", "8",
+                       "--Nsamples_val", "2", "--num_data_workers", "0"])
+    ckpt = os.path.join(run_dir(exp), "checkpoints", "ckpt_00000002.pt")
+    out = str(tmp_path / "scores")
+    r = score(["--run", ckpt, "--out", out])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for name in ("scores.csv", "scores.json", "power_spectra.png", "spectrum_ratio.png",
+                 "cross_correlation.png", "pdfs.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    rows = read_rows(os.path.join(out, "scores.csv"))
+    assert {x["channel"] for x in rows} == {"log_rho", "log_T", "vx", "vy", "vz"}
+    assert all(len([x for x in rows if x["channel"] == c]) == 16 for c in ("log_rho", "vz"))
+    assert all(-1 <= float(x["r"]) <= 1 and float(x["p_ratio"]) > 0 for x in rows)
+    assert "Volume statistics of" in r.stdout and "r(k)" in r.stdout
+
+    # the same weights as a DCP directory (what an FSDP run writes) score the same
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import score as score_command
+    state = torch.load(ckpt, weights_only=True)
+    sharded = os.path.join(run_dir(exp), "checkpoints", "ckpt_00000003.dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note that no process group is running
+        dcp.save({"model": state["model"], "optimizer": state["optimizer"]}, checkpoint_id=sharded,
+                 no_dist=True)
+    torch.save({k: v for k, v in state.items() if k not in ("model", "optimizer")},
+               os.path.join(sharded, "train_state.pt"))
+    score_command.main(["--run", sharded, "--out", str(tmp_path / "scores_dcp")])
+    assert "Scores written to" in capsys.readouterr().out
+    again = read_rows(str(tmp_path / "scores_dcp" / "scores.csv"))
+    assert again == rows
