@@ -11,7 +11,13 @@ distributions, errors). The run's resolved config (``config.yaml``, else the one
 holds) builds the model, the checkpoint's weights (a ``.pt`` file, or a ``.dcp`` directory read
 whole) fill it, on the run's device choice and in its amp_mode. Everything is written to
 ``<run dir>/score/`` (or ``--out``), which must not exist yet: ``scores.csv``, ``scores.json``,
-PNG plots and ``tensorboard/``. One process; docs/scoring.md defines every number.
+PNG plots and ``tensorboard/`` (the scalars and the plots as images).
+
+One process, or several ranks (``torchrun --nproc_per_node 2 -- score.py --run ...``: the ``--``
+keeps torchrun from taking ``--run`` for its ``--run-path``; or Slurm with export_DDP_vars.sh):
+each rank then scores its share (the ViT's initial conditions, the U-Net's tiles), the sums are
+added over the ranks before the means, and rank 0 writes the report; the numbers are those of
+one process. docs/scoring.md defines every number.
 """
 from __future__ import annotations
 
@@ -24,9 +30,10 @@ import shutil
 import sys
 
 import torch
+import torch.distributed as dist
 
 from engine import checkpoint
-from engine.runtime import check_amp, choose_device
+from engine.runtime import _env_int, check_amp, choose_device
 from observe.logging_utils import setup_logging
 from observe.score_report import check_matplotlib, write_report
 from settings.config import CONFIG_CLASSES, check_writable_dir, validate
@@ -165,20 +172,90 @@ def output_dir(out: str | None, run_dir: str) -> str:
 # ----------------------------------------------------------------------------- scoring
 
 
-def score(args) -> str:
-    """Score the run ``args.run`` as its task does and write the report; its directory."""
-    check_matplotlib()
+def ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank): the running process group's, else the environment's that
+    torchrun or export_DDP_vars.sh (Slurm) sets; (0, 1, 0) without either."""
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), local_rank
+    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), local_rank
+
+
+def join_ranks(world: int, rank: int) -> bool:
+    """Join the default process group of ``world`` ranks unless one runs already (the caller's);
+    whether this call made it. The same checks on every rank, before any rank waits for another."""
+    if world <= 1 or dist.is_initialized():
+        return False
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise ConfigError(f"WORLD_SIZE={world} but {var} is not set: launch with torchrun, or "
+                              f"source export_DDP_vars.sh in the job script")
+    # gloo for the host's tensors (the ranks' agreement, the U-Net's volume), nccl for the
+    # ViT's sums where they are on a GPU.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    return True
+
+
+def agree(error: BaseException | None, rank: int, world: int):
+    """Raise on every rank when any rank failed: a rank's own error there; elsewhere the first
+    failing rank's user error (prefixed with that rank unless it is rank 0), or a one-line pointer
+    to that rank's traceback. Nothing to agree on with one rank."""
+    if world > 1:
+        # Each rank's error (or None), gathered on every rank over the host: a refusal found on
+        # one rank (rank 0's output directory, one rank's device) ends all ranks together,
+        # instead of leaving the others waiting in the next collective until its timeout. It is
+        # also the ranks' barrier.
+        told = [None] * world
+        mine = None if error is None else (error if isinstance(error, UserError) else
+                                           UserError(f"{type(error).__name__}: {error}"))
+        dist.all_gather_object(told, mine)
+        failed = [(r, e) for r, e in enumerate(told) if e is not None]
+        if error is None and failed:
+            r, first = failed[0]
+            raise first if r == 0 else type(first)(f"rank {r}: {first}")
+    if error is not None:
+        raise error
+
+
+def prepare(args, rank: int, local_rank: int):
+    """(checkpoint state, its path, output directory or None off rank 0, config, device, task,
+    model with the checkpoint's weights, on its device, in eval mode)."""
+    if rank == 0:
+        check_matplotlib()  # only rank 0 draws
     state, ckpt, run_dir = find_checkpoint(args.run)
-    out = output_dir(args.out, run_dir)
+    out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
     overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
                  if getattr(args, k) is not None}
     cfg = run_config(run_dir, state, overrides)
-    device = choose_device(cfg, 0)
+    device = choose_device(cfg, local_rank)
     check_amp(cfg, device)
     task = make_task(cfg)
     model = task.build_model()
     load_weights(model, state, ckpt)
     model.to(device).eval()
+    return state, ckpt, out, cfg, device, task, model
+
+
+def score(args) -> str | None:
+    """Score the run ``args.run`` as its task does and write the report; its directory (None on
+    ranks other than 0, which write nothing)."""
+    rank, world, local_rank = ranks()
+    made_group = join_ranks(world, rank)
+    try:
+        return _score(args, rank, world, local_rank)
+    finally:
+        if made_group:
+            dist.destroy_process_group()
+
+
+def _score(args, rank: int, world: int, local_rank: int) -> str | None:
+    error = None
+    try:
+        state, ckpt, out, cfg, device, task, model = prepare(args, rank, local_rank)
+    except Exception as e:  # told to every rank first
+        error = e
+    agree(error, rank, world)
     amp = AMP[cfg.amp_mode]
     kernels = task.forward_kernels(device, amp or torch.float32)
 
@@ -189,17 +266,28 @@ def score(args) -> str:
         stack.enter_context(kernels())
         return stack
 
-    log.info(f"Scoring {ckpt} (step {state['iteration']}) on {device}, amp_mode {cfg.amp_mode}")
-    report = task.score(model, device, autocast, args)
-    report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
-                       device=str(device), amp_mode=cfg.amp_mode)
-    tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
-    try:
-        written = write_report(report, tmp)
-        os.rename(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
+    on = f"{world} ranks ({device} on rank 0)" if world > 1 else str(device)
+    log.info(f"Scoring {ckpt} (step {state['iteration']}) on {on}, amp_mode {cfg.amp_mode}")
+    # The task's own checks of the data come before its collectives, and are the same on every
+    # rank (the same files and options), so that all ranks refuse together.
+    report = task.score(model, device, autocast, argparse.Namespace(**vars(args), rank=rank,
+                                                                    world_size=world))
+    written = []
+    if rank == 0:
+        report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
+                           device=str(device), amp_mode=cfg.amp_mode, ranks=world)
+        tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
+        try:
+            written = write_report(report, tmp)
+            os.rename(tmp, out)
+        except Exception as e:  # told to every rank first
+            error = e
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+    agree(error, rank, world)  # every rank waits for rank 0's report
+    if rank != 0:
+        return None
     for line in report.summary:
         log.info(line)
     log.info(f"Scores written to {out}: {', '.join(written)}")
@@ -209,11 +297,15 @@ def score(args) -> str:
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    setup_logging(0)
+    rank = 0
+    with contextlib.suppress(UserError):  # a bad RANK or WORLD_SIZE is refused in score()
+        rank = ranks()[0]
+    setup_logging(rank)  # progress from rank 0, warnings from every rank
     try:
         score(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == 0:  # every rank stops with the same code; rank 0 says why, once
+            print(f"error: {e}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
 
 

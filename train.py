@@ -37,9 +37,9 @@ from engine.preemption import NeverStop, RunStopped, StopRequest
 from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_checkpoint,
                               log_run_header, release_run_locks, resolve_run_num, run_dir_for,
                               write_config)
-from engine.stop_agreement import StopAgreement
 from engine.runtime import (Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
+from engine.stop_agreement import StopAgreement
 from engine.train_state import TrainState
 from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import setup_logging

@@ -1,14 +1,16 @@
 """What scoring a trained model writes: the table (``scores.csv``, ``scores.json``), PNG plots
-and TensorBoard scalars, from a ``Report`` that a task's scoring fills in (``tasks/
+and TensorBoard scalars and images (the same plots), from a ``Report`` that a task's scoring fills in (``tasks/
 forecast_skill.py``, ``tasks/volume_stats.py``). The report holds numbers and the plots' layout
 only; matplotlib draws them here, imported when a plot is drawn (``check_matplotlib`` tells
 first, in one line, when it is missing)."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,8 +94,8 @@ def write_table(report: Report, directory: str):
                   f, indent=1)
 
 
-def draw(figure: Figure, path: str):
-    """Draw ``figure`` into the PNG ``path``."""
+def draw(figure: Figure, path: str) -> bytes:
+    """Draw ``figure`` into the PNG ``path``; the file's bytes."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -123,29 +125,52 @@ def draw(figure: Figure, path: str):
         axes.flat[0].legend(fontsize=7)
     fig.suptitle(figure.title)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
+    with open(path, "wb") as f:
+        f.write(png.getvalue())
+    return png.getvalue()
 
 
-def write_scalars(report: Report, logdir: str):
-    """The report's scalars as TensorBoard events under ``logdir``."""
+def png_image(png: bytes):
+    """A PNG file's bytes as TensorBoard's image summary, as they are (no decoding and encoding
+    again): its size and colour type read from its IHDR chunk."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    width, height = struct.unpack(">II", png[16:24])
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
+    return Summary.Image(height=height, width=width, colorspace=channels,
+                         encoded_image_string=png)
+
+
+def write_events(report: Report, logdir: str, plots: dict):
+    """The report's scalars, and its ``plots`` ({figure name: PNG bytes}) as images tagged
+    ``Plots/<name>`` (the IMAGES tab), as TensorBoard events under ``logdir``."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
     from observe.tensorboard import Board
 
     board = Board(logdir)
     for tag, value, step in report.scalars:
         if math.isfinite(value):
             board.scalar(tag, value, step)
+    for name, png in plots.items():
+        value = Summary.Value(tag=f"Plots/{name}", image=png_image(png))
+        board.writer.file_writer.add_summary(Summary(value=[value]), 0)
     board.close()
 
 
 def write_report(report: Report, directory: str) -> list[str]:
     """Everything the report holds, into ``directory`` (made): the table, one PNG per figure and
-    the TensorBoard events (``tensorboard/``). The paths written, relative to ``directory``."""
+    the TensorBoard events (``tensorboard/``: the scalars, and the PNGs as images). The paths
+    written, relative to ``directory``."""
     os.makedirs(directory, exist_ok=True)
     write_table(report, directory)
     written = ["scores.csv", "scores.json"]
+    plots = {}
     for figure in report.figures:
-        draw(figure, os.path.join(directory, f"{figure.name}.png"))
+        plots[figure.name] = draw(figure, os.path.join(directory, f"{figure.name}.png"))
         written.append(f"{figure.name}.png")
-    write_scalars(report, os.path.join(directory, "tensorboard"))
+    write_events(report, os.path.join(directory, "tensorboard"), plots)
     return written + ["tensorboard/"]

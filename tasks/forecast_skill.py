@@ -14,8 +14,9 @@ beside two reference forecasts: persistence (the initial state at every lead) an
 (the time mean at every lead; its anomaly is zero, so its ACC is 0 by definition).
 
 ``SkillSums`` adds the per-sample scores up as batches of initial conditions arrive, so the
-means are exact however the initial conditions were batched; ``score`` runs the whole thing for
-a trained model and returns an ``observe.score_report.Report``.
+means are exact however the initial conditions were batched, or split over ranks (``reduce``
+adds the ranks' sums); ``score`` runs the whole thing for a trained model and returns an
+``observe.score_report.Report``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from datapipe.era5_data import ERA5Dataset, load_stats
 from observe.progress import duration
@@ -94,6 +96,15 @@ class SkillSums:
         if i == 0:
             self.count[lead] += pred.shape[0]
 
+    def reduce(self):
+        """Add up the sums of all ranks, on every rank (nothing to do in one process)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Each rank scored its own initial conditions: the sums over all of them are the sums
+            # of the ranks' sums (one all-reduce of each tensor), so the means are those of one
+            # process scoring them all, to the order of the float64 additions.
+            for t in (self.rmse, self.acc, self.count):
+                dist.all_reduce(t)
+
     def means(self) -> tuple[np.ndarray, np.ndarray]:
         """(RMSE, ACC) means over the samples, (forecasts, leads, channels) float64 arrays."""
         n = self.count.clamp_min(1).view(1, -1, 1)
@@ -152,7 +163,9 @@ def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
     """Roll ``model`` out from initial conditions spread through ``opts.split`` and score every
     lead time. ``opts``: ``split``, ``lead_steps`` (None: ten days), ``n_init``,
-    ``batch_size`` (None: 8)."""
+    ``batch_size`` (None: 8), ``rank`` and ``world_size`` (absent: one process; else this rank
+    rolls out every ``world_size``-th initial condition from its ``rank``-th, and the sums are
+    added over the ranks)."""
     cfg = task.cfg
     if cfg.data_is_generated:
         raise ConfigError("this run's ERA5 batches were generated in memory (data_loader_config "
@@ -171,6 +184,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                             f"lead step")
     notes += [note] if note else []
     starts = initial_conditions(year_steps, n_steps * cfg.dt, opts.n_init)
+    rank, world = getattr(opts, "rank", 0), getattr(opts, "world_size", 1)
+    mine = starts[rank::world]
     batch_size = opts.batch_size or 8
     c_out = cfg.n_out_channels
     means, stds = load_stats(cfg.data_root, max(cfg.n_in_channels, c_out))
@@ -187,19 +202,26 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     (c_in, h, w), _ = data.sample_shapes
     scratch_in, scratch_out = np.empty((1, c_in, h, w), np.float32), np.empty((1, c_out, h, w), np.float32)
 
+    def upload(a: np.ndarray) -> torch.Tensor:
+        """``a`` on the device without waiting for it: a copy from pageable memory would make the
+        host wait for every step queued before it; from (cached) pinned memory it is queued
+        behind them, and the host reads the next states meanwhile."""
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
     def initial(batch):
         """The stored states at each start of ``batch`` (the inputs' channels), on the device."""
         out = np.empty((len(batch), c_in, h, w), np.float32)
         for j, (k, t) in enumerate(batch):  # the input of the pair (t, t + 1)
             data.read_batch([int(data.offsets[k]) + t], out[j:j + 1], scratch_out)
-        return torch.from_numpy(out).to(device)
+        return upload(out)
 
     def truth_at(batch, lead):
         """The stored states ``lead`` >= 1 steps after each start (the outputs' channels)."""
         out = np.empty((len(batch), c_out, h, w), np.float32)
         for j, (k, t) in enumerate(batch):  # the target of the pair (t + lead - 1, t + lead)
             data.read_batch([int(data.offsets[k]) + t + lead - 1], scratch_in, out[j:j + 1])
-        return torch.from_numpy(out).to(device)
+        return upload(out)
 
     def step(state):
         with autocast():
@@ -207,12 +229,13 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
 
     for line in notes:
         log.info(line)
-    log.info(f"Scoring {len(starts)} initial conditions of {directory}, {n_steps} lead steps of "
-             f"{cfg.dt * HOURS_PER_STEP} h, batches of {batch_size}")
+    shares = f", {len(mine)} of them on rank {rank} of {world}" if world > 1 else ""
+    log.info(f"Scoring {len(starts)} initial conditions of {directory}{shares}, {n_steps} lead "
+             f"steps of {cfg.dt * HOURS_PER_STEP} h, batches of {batch_size}")
     t0, done = time.monotonic(), 0
     with torch.inference_mode():
-        for b in range(0, len(starts), batch_size):
-            batch = starts[b:b + batch_size]
+        for b in range(0, len(mine), batch_size):
+            batch = mine[b:b + batch_size]
             x0 = initial(batch)
             truth = x0[:, :c_out]
             for name in FORECASTS[: 2 if persistence else 1]:  # lead 0: both are the truth
@@ -225,13 +248,14 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                 sums.add("model", k, pred_n * std[:c_out] + mean[:c_out], truth, clim, weights)
                 if persistence:
                     sums.add("persistence", k, x0[:, :c_out], truth, clim, weights)
-                if clim is not None:
-                    sums.add("climatology", k, clim.expand_as(truth), truth, clim, weights)
+                if clim is not None:  # its ACC is 0 by definition: not computed, left 0
+                    sums.add("climatology", k, clim.expand_as(truth), truth, None, weights)
             done += len(batch)
             elapsed = time.monotonic() - t0
-            log.info(f"Scored {done}/{len(starts)} initial conditions: "
+            log.info(f"Scored {done}/{len(mine)} initial conditions{' of this rank' if world > 1 else ''}: "
                      f"{done * n_steps / elapsed:.1f} forecast steps/s, "
-                     f"ETA {duration(elapsed / done * (len(starts) - done))}")
+                     f"ETA {duration(elapsed / done * (len(mine) - done))}")
+    sums.reduce()
     rmse, accs = sums.means()
     return _report(task, rmse, accs, n_steps, len(starts), opts.split, notes,
                    has=dict(persistence=persistence, climatology=clim is not None))

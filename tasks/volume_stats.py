@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe import generated_data
@@ -160,24 +161,30 @@ def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, in
 
 
 def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, batch: int = 1,
-                  progress=None) -> torch.Tensor:
+                  progress=None, share: tuple[int, int] = (0, 1),
+                  out_channels: int | None = None) -> torch.Tensor:
     """``forward`` of the volume ``x`` (1, C, L, L, L), window by window (``tile_plan`` along
     each axis, up to ``batch`` windows per call); the cores stitched into (1, C_out, L, L, L)
-    float32 on the CPU. ``progress(done, total)`` is called after each call."""
+    float32 on the CPU. ``progress(done, total)`` is called after each call.
+
+    ``share`` (rank, ranks): predict only every ranks-th tile from the rank-th, the rest of the
+    volume left 0, so that the ranks' volumes add up to the whole; ``out_channels`` (C_out) is
+    then needed, for a rank that has no tile."""
     side = x.shape[-1]
     if x.shape[0] != 1 or x.shape[2:] != (side,) * 3:
         raise ValueError(f"a volume of shape {tuple(x.shape)}: need (1, C, L, L, L)")
     plan = tile_plan(side, tile, halo, align)
     window = min(side, tile + 2 * halo)
-    tiles = list(itertools.product(plan, repeat=3))
-    out = None
+    rank, ranks = share
+    tiles = list(itertools.product(plan, repeat=3))[rank::ranks]
+    out = None if out_channels is None else torch.zeros((1, out_channels, side, side, side))
     for first in range(0, len(tiles), batch):
         group = tiles[first:first + batch]
         windows = torch.cat([x[:, :, i[2]:i[2] + window, j[2]:j[2] + window, k[2]:k[2] + window]
                              for i, j, k in group])
         pred = forward(windows).float().cpu()  # (b, C_out, W, W, W)
         if out is None:
-            out = torch.empty((1, pred.shape[1], side, side, side), dtype=torch.float32)
+            out = torch.zeros((1, pred.shape[1], side, side, side), dtype=torch.float32)
         for n, (i, j, k) in enumerate(group):
             core = tuple(slice(a - s, b - s) for a, b, s in (i, j, k))
             out[0, :, i[0]:i[1], j[0]:j[1], k[0]:k[1]] = pred[n][(slice(None),) + core]
@@ -220,7 +227,9 @@ def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
 def score(task, model, device: torch.device, autocast, opts) -> Report:
     """Predict the whole volume of ``opts.split`` tile by tile and compute its statistics.
     ``opts``: ``split``, ``tile`` (None: the training crop side), ``halo`` (None: exact),
-    ``batch_size`` (windows per forward; None: 1)."""
+    ``batch_size`` (windows per forward; None: 1), ``rank`` and ``world_size`` (absent: one
+    process; else this rank predicts its share of the tiles, the ranks' volumes are added up,
+    and rank 0 computes the statistics and returns the report, the other ranks None)."""
     cfg = task.cfg
     align = 2**model.levels
     x, y, where = _volume(cfg, opts.split)
@@ -243,13 +252,17 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     for line in notes:
         log.info(line)
     window = min(side, tile + 2 * halo)
-    log.info(f"Predicting {where} ({side}^3 voxels) in {len(tile_plan(side, tile, halo, align))**3} "
-             f"tiles of {tile}^3 voxels, windows of {window}^3 (halo {halo})")
+    rank, world = getattr(opts, "rank", 0), getattr(opts, "world_size", 1)
+    n_tiles = len(tile_plan(side, tile, halo, align))**3
+    shares = f", {len(range(rank, n_tiles, world))} of them on rank {rank} of {world}" if world > 1 else ""
+    log.info(f"Predicting {where} ({side}^3 voxels) in {n_tiles} tiles of {tile}^3 voxels"
+             f"{shares}, windows of {window}^3 (halo {halo})")
     t0 = time.monotonic()
 
     def progress(done, total):
         elapsed = time.monotonic() - t0
-        log.info(f"Predicted {done}/{total} tiles, ETA {duration(elapsed / done * (total - done))}")
+        log.info(f"Predicted {done}/{total} tiles{' of this rank' if world > 1 else ''}, "
+                 f"ETA {duration(elapsed / done * (total - done))}")
 
     def forward(windows):
         with autocast():
@@ -257,7 +270,19 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
 
     with torch.inference_mode():
         pred = predict_tiled(forward, torch.from_numpy(x), tile, halo, align, opts.batch_size or 1,
-                             progress)[0].numpy()
+                             progress, share=(rank, world), out_channels=y.shape[1])
+        if world > 1:
+            # Each rank wrote its own tiles into a volume of zeros: their sum over the ranks (one
+            # all-reduce) is the whole prediction, exactly, every voxel written by one rank only.
+            # On the host, where the volume is (gloo), so that the device holds no more than a
+            # window; a group with no host backend (nccl alone) takes it through the device.
+            if dist.get_backend() == "nccl":
+                pred = pred.to(device)
+            dist.all_reduce(pred)
+            pred = pred.cpu()
+    if rank != 0:
+        return None  # rank 0 computes the statistics
+    pred = pred[0].numpy()
     log.info(f"Computing the spectra and distributions of {pred.shape[0]} channels")
     truth = y[0]
     stats = [(spectra(pred[c], truth[c]), histograms(pred[c], truth[c]),

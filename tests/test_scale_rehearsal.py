@@ -31,6 +31,7 @@ Run at 8 ranks here and at 2 below.
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -280,18 +281,25 @@ def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data,
                        "--global_batch_size", "8", "--base_batch_size", "8",
                        "--limit_nsamples_val", "13", "--num_data_workers", "0",
                        "--expdir", str(tmp_path / "exp")]
-    procs = [subprocess.Popen(
-        [sys.executable, driver(tmp_path), *args], cwd=ROOT, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                 PYTHONUNBUFFERED="1", SIGNAL_IN_VALIDATION_AT="9", SIGNAL_RANK="5"))
-        for r in range(world)]
+    logs = [(tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err") for r in range(world)]
+    procs = []
+    for r, (out, err) in enumerate(logs):  # into files: a full pipe must not stall a rank
+        with open(out, "w") as o, open(err, "w") as e:
+            procs.append(subprocess.Popen(
+                [sys.executable, driver(tmp_path), *args], cwd=ROOT, text=True, stdout=o,
+                stderr=e, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world),
+                                   LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                                   PYTHONUNBUFFERED="1", SIGNAL_IN_VALIDATION_AT="9",
+                                   SIGNAL_RANK="5")))
+    deadline = time.monotonic() + 240
     try:
-        outs = [p.communicate(timeout=240) for p in procs]
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             p.kill()
+    outs = [(out.read_text(), err.read_text()) for out, err in logs]
     assert [p.returncode for p in procs] == [STOPPED_EXIT_CODE] * world, \
         [o[1][-1500:] for o in outs]
     assert "Stopped on SIGUSR1 after step 9: checkpoint " in outs[0][0], outs[0][0][-2000:]

@@ -1,27 +1,32 @@
 """Scoring a trained model (score.py): each metric against an independent float64 NumPy
 computation, the cases whose answer is known (a perfect forecast, the climatology forecast,
 persistence at lead 0, a rollout that adds one per step, a field of known spectrum, identical
-and noisy fields, tiles against one whole forward), and both quickstarts trained, then scored."""
+and noisy fields, tiles against one whole forward), both quickstarts trained, then scored, and
+the same scoring on 2 gloo ranks equal to one process's."""
+import contextlib
 import csv
 import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import ROOT, write_cosmo_pair, write_era5
+from conftest import ROOT, write_cosmo, write_cosmo_pair, write_era5
+from distributed_harness import run_ranks
 from networks.unet import UNet, down_block, up_block
 from tasks.forecast_skill import (SkillSums, acc, initial_conditions, lead_steps_for, rollout,
                                   units)
 from tasks.losses import latitude_weights, weighted_rmse
 from tasks.volume_stats import (cross_power, field_errors, histograms, predict_tiled, spectra,
                                 tile_plan, unet_halo)
-from test_training import TINY_UNET, TINY_VIT, run_dir, train
+from test_training import TINY_UNET, TINY_VIT, run_dir, tb_scalars, train
 
 H, W = 9, 16
 
@@ -248,18 +253,44 @@ def read_rows(path):
         return list(csv.DictReader(f))
 
 
-def test_vit_run_trained_then_scored(tmp_path, capsys):
-    root = write_era5(str(tmp_path / "era5"), steps=16)
-    exp = str(tmp_path / "exp")
+@pytest.fixture(scope="module")
+def vit_run(tmp_path_factory):
+    """The tiny ViT trained for 4 steps on 16-step years: its run directory."""
+    tmp = tmp_path_factory.mktemp("vit")
+    root = write_era5(str(tmp / "era5"), steps=16)
+    exp = str(tmp / "exp")
     train(TINY_VIT + ["--data_root", root, "--expdir", exp, "--num_iters", "4"])
-    d = run_dir(exp)
+    return run_dir(exp)
+
+
+@pytest.fixture(scope="module")
+def unet_run(tmp_path_factory):
+    """The tiny U-Net trained for 2 steps on 32^3 volumes: its checkpoint, beside a 64^3 volume
+    ``big.h5`` in its data_root (8 tiles of the 5-level U-Net's 32^3)."""
+    tmp = tmp_path_factory.mktemp("unet")
+    root = write_cosmo_pair(tmp / "cosmo", side=32)
+    write_cosmo(os.path.join(root, "big.h5"), side=64, seed=2)
+    exp = str(tmp / "exp")
+    train(TINY_UNET + ["--data_root", root, "--expdir", exp, "--num_iters", "2", "--Nsamples", "8",
+                       "--Nsamples_val", "2", "--num_data_workers", "0"])
+    return os.path.join(run_dir(exp), "checkpoints", "ckpt_00000002.pt")
+
+
+def test_vit_run_trained_then_scored(vit_run, tmp_path, capsys):
+    d = vit_run
     r = score(["--run", d, "--lead_steps", "6", "--n_init", "3", "--batch_size", "2"])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = os.path.join(d, "score")
     for name in ("scores.csv", "scores.json", "rmse_headline.png", "acc_headline.png",
                  "rmse_all.png", "acc_all.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
-    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(out, "tensorboard")))
+    events = tb_scalars(os.path.join(out, "tensorboard"))  # the plots also as images
+    assert sorted(events.Tags()["images"]) == ["Plots/acc_all", "Plots/acc_headline",
+                                                "Plots/rmse_all", "Plots/rmse_headline"]
+    image = events.Images("Plots/rmse_headline")[0]
+    assert image.encoded_image_string == open(os.path.join(out, "rmse_headline.png"), "rb").read()
+    assert (image.width, image.height) > (300, 200)
+    assert "Skill/RMSE(z500)/persistence" in events.Tags()["scalars"]
     assert "Forecast skill on valid: 3 initial conditions, 6 lead steps (36 h)" in r.stdout
     rows = read_rows(os.path.join(out, "scores.csv"))
     for variable in ("z500", "u10m"):
@@ -286,12 +317,8 @@ def test_vit_run_trained_then_scored(tmp_path, capsys):
     assert not [f for f in os.listdir(d) if f.endswith(".tmp")]
 
 
-def test_unet_run_trained_then_scored(tmp_path, capsys):
-    root = write_cosmo_pair(tmp_path / "cosmo", side=32)
-    exp = str(tmp_path / "exp")
-    train(TINY_UNET + ["--data_root", root, "--expdir", exp, "--num_iters", "2", "--Nsamples", "8",
-                       "--Nsamples_val", "2", "--num_data_workers", "0"])
-    ckpt = os.path.join(run_dir(exp), "checkpoints", "ckpt_00000002.pt")
+def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys):
+    ckpt = unet_run
     out = str(tmp_path / "scores")
     r = score(["--run", ckpt, "--out", out])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -303,6 +330,8 @@ def test_unet_run_trained_then_scored(tmp_path, capsys):
     assert all(len([x for x in rows if x["channel"] == c]) == 16 for c in ("log_rho", "vz"))
     assert all(-1 <= float(x["r"]) <= 1 and float(x["p_ratio"]) > 0 for x in rows)
     assert "Volume statistics of" in r.stdout and "r(k)" in r.stdout
+    assert sorted(tb_scalars(os.path.join(out, "tensorboard")).Tags()["images"]) == [
+        "Plots/cross_correlation", "Plots/pdfs", "Plots/power_spectra", "Plots/spectrum_ratio"]
 
     # the same weights as a DCP directory (what an FSDP run writes) score the same
     import warnings
@@ -311,7 +340,7 @@ def test_unet_run_trained_then_scored(tmp_path, capsys):
 
     import score as score_command
     state = torch.load(ckpt, weights_only=True)
-    sharded = os.path.join(run_dir(exp), "checkpoints", "ckpt_00000003.dcp")
+    sharded = str(tmp_path / "ckpt_00000003.dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's note that no process group is running
         dcp.save({"model": state["model"], "optimizer": state["optimizer"]}, checkpoint_id=sharded,
@@ -322,3 +351,76 @@ def test_unet_run_trained_then_scored(tmp_path, capsys):
     assert "Scores written to" in capsys.readouterr().out
     again = read_rows(str(tmp_path / "scores_dcp" / "scores.csv"))
     assert again == rows
+
+
+VIT_OPTIONS = ["--lead_steps", "6", "--n_init", "3", "--batch_size", "2"]
+UNET_OPTIONS = ["--split", "big.h5", "--tile", "32", "--halo", "0"]
+
+
+def no_plots(figure, path, *args):
+    """``observe.score_report.draw`` for the tests that compare numbers: a 1 x 1 PNG, not the
+    plot (drawing takes seconds; the end-to-end tests above draw them)."""
+    png = bytes.fromhex("89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
+                        "0000000d49444154789c6360000002000001e221bc330000000049454e44ae426082")
+    with open(path, "wb") as f:
+        f.write(png)
+    return png
+
+
+def rank_scores(vit, unet, out):
+    """On each rank: both runs scored into ``out``/vit and ``out``/unet; the ViT again into the
+    existing ``out``/vit; and a run that rank 1 alone cannot find (as on a node that does not
+    see the file system). The exit code (None: it returned) and what went to stderr, of each."""
+    import torch.distributed as dist
+
+    import score as score_command
+
+    missing = vit + "_missing" if dist.get_rank() == 1 else vit
+    with mock.patch("observe.score_report.draw", no_plots):
+        return [_code(score_command.main, argv) for argv in (
+            ["--run", vit, "--out", os.path.join(out, "vit"), *VIT_OPTIONS],
+            ["--run", unet, "--out", os.path.join(out, "unet"), *UNET_OPTIONS],
+            ["--run", vit, "--out", os.path.join(out, "vit"), *VIT_OPTIONS],
+            ["--run", missing, "--out", os.path.join(out, "missing"), *VIT_OPTIONS])]
+
+
+def _code(main, argv):
+    """(exit code of ``main(argv)``, None when it returns; its stderr)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            main(argv)
+        return None, err.getvalue()
+    except SystemExit as e:
+        return e.code, err.getvalue()
+
+
+def test_scores_over_two_ranks_equal_one_process(vit_run, unet_run, tmp_path, capsys, monkeypatch):
+    import score as score_command
+
+    monkeypatch.setattr("observe.score_report.draw", no_plots)
+    one, two = tmp_path / "one", tmp_path / "two"
+    score_command.main(["--run", vit_run, "--out", str(one / "vit"), *VIT_OPTIONS])
+    score_command.main(["--run", unet_run, "--out", str(one / "unet"), *UNET_OPTIONS])
+    assert "8 tiles" in capsys.readouterr().out
+    # 3 initial conditions: 2 on rank 0, 1 on rank 1; 8 tiles, 4 each. The third scoring finds
+    # its output existing on rank 0 only, the fourth no run on rank 1 only: every rank stops with
+    # the code of the one that refused, none waits, and rank 0 says why, once.
+    ranks = run_ranks(rank_scores, 2, vit_run, unet_run, str(two), timeout=120, pg_timeout=60)
+    assert [[code for code, _ in rank] for rank in ranks] == [[None, None, 2, 2]] * 2, ranks
+    assert [err for _, err in ranks[1]] == [""] * 4, ranks[1]
+    exists, missing = ranks[0][2][1], ranks[0][3][1]
+    assert exists.startswith("error: ") and "exists already" in exists and exists.count("\n") == 1
+    assert missing.startswith(f"error: rank 1: --run {vit_run}_missing: no such run") \
+        and missing.count("\n") == 1, missing
+    for problem, keys, tol in (("vit", ("rmse", "acc"), 1e-6),
+                               ("unet", ("p_true", "p_pred", "p_ratio", "r"), 1e-5)):
+        a, b = read_rows(one / problem / "scores.csv"), read_rows(two / problem / "scores.csv")
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            for key in keys:
+                if x[key] or y[key]:
+                    assert float(y[key]) == pytest.approx(float(x[key]), rel=tol, abs=1e-12), (problem, key, x, y)
+        meta = json.load(open(two / problem / "scores.json"))["meta"]
+        assert meta["ranks"] == 2
+    assert sorted(os.listdir(two)) == ["unet", "vit"]  # nothing else, nothing left half-written
