@@ -140,6 +140,34 @@ def test_a_field_of_known_spectrum_gives_it_back_within_cosmic_variance():
     assert abs(pull.mean()) < 4 / np.sqrt(len(pull))
 
 
+def test_the_synthetic_nbody_field_has_the_spectrum_its_generator_draws_it_from():
+    """The N-body density channel the synthetic data generator writes (a Gaussian random field
+    of the BBKS spectrum, datapipe.synthetic) measured by ``cross_power``: each shell's power is
+    the generator's spectrum averaged over the shell's modes, within 4 sigma of cosmic variance
+    (sigma = sqrt(2 / modes): the modes come in conjugate pairs)."""
+    from datapipe import synthetic
+    from tasks.volume_stats import _shells
+
+    size = 32
+    channel, _, field = next(synthetic._cosmo_fields(size, np.random.default_rng(3)))
+    assert channel == "Nbody"
+    k, p, n = cross_power(field, field)
+    kk = 2 * np.pi * np.fft.fftfreq(size, d=synthetic._CELL_MPC)
+    kz = 2 * np.pi * np.fft.rfftfreq(size, d=synthetic._CELL_MPC)
+    power = synthetic._bbks_power(np.sqrt(kk[:, None, None] ** 2 + kk[None, :, None] ** 2
+                                          + kz[None, None, :] ** 2))
+    shell, count = _shells(size)
+    grid_variance = np.sum(power * count) / size ** 3  # the generator's normalisation
+    per_mode = synthetic._SIGMA_DELTA ** 2 / grid_variance * power \
+        / synthetic._NBODY_LOG_SCALE ** 2
+    keep = (shell >= 1) & (shell <= size // 2)
+    drawn = np.bincount(shell[keep], weights=(count * per_mode)[keep],
+                        minlength=size // 2 + 1)[1:] / n
+    sigma = np.sqrt(2 / n)
+    assert np.all(np.abs(p / drawn - 1) < 4 * sigma), (p / drawn - 1) / sigma
+    assert p[0] > 10 * p[-1]  # a red spectrum, as drawn
+
+
 def test_r_is_1_for_identical_fields_and_falls_as_noise_is_added():
     side = 32
     rng = np.random.default_rng(5)
