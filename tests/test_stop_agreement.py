@@ -35,8 +35,8 @@ def rank_agreements(world):
     agreement = StopAgreement(request, True, group, every=3)
     decisions, propose_s = [], []
     for index in range(8):
-        if rank == world - 1:
-            time.sleep(0.3)  # the slowest rank: the others' proposals must not wait for it
+        if rank == world - 1 and index == 1:
+            time.sleep(2.0)  # the slowest rank: the others' proposals must not wait for it
         interrupted = 15 if (rank == 2 and index == 5) else 0
         t0 = time.perf_counter()
         agreement.after_fetch(_Reads(), index, interrupted)
@@ -65,8 +65,8 @@ def test_proposals_never_wait_and_every_rank_decides_the_same():
         assert r["decisions"] == [0] * 5 + [15] + [0] * 2  # rank 2's interrupted fetch
         assert r["recorded"] == [0, 0, 10, 0, 0, 10]  # at the log points (indices 3 and 6)
         assert r["cached"] == [0, 0, 10, 0, 0, 10] and r["cached_proposals"] == 2
-    for r in ranks[:-1]:  # launched without waiting for the slowest rank's 0.3 s
-        assert r["propose_s"] < 0.15, r["propose_s"]
+    for r in ranks[:-1]:  # launched without waiting for the slowest rank's 2 s
+        assert r["propose_s"] < 1.0, r["propose_s"]
 
 
 def test_a_stop_request_that_never_agrees_takes_part_in_no_collective():
