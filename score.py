@@ -172,6 +172,22 @@ def output_dir(out: str | None, run_dir: str) -> str:
 # ----------------------------------------------------------------------------- scoring
 
 
+def forward_context(task, device: torch.device, amp_mode: str):
+    """A factory of the context the scoring forwards run in: autocast in ``amp_mode`` and the
+    task's kernel choices, as in training."""
+    amp = AMP[amp_mode]
+    kernels = task.forward_kernels(device, amp or torch.float32)
+
+    def context():
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device.type, dtype=amp or torch.float32,
+                                           enabled=amp is not None))
+        stack.enter_context(kernels())
+        return stack
+
+    return context
+
+
 def ranks() -> tuple[int, int, int]:
     """(rank, world size, local rank): the running process group's, else the environment's that
     torchrun or export_DDP_vars.sh (Slurm) sets; (0, 1, 0) without either."""
@@ -256,16 +272,7 @@ def _score(args, rank: int, world: int, local_rank: int) -> str | None:
     except Exception as e:  # told to every rank first
         error = e
     agree(error, rank, world)
-    amp = AMP[cfg.amp_mode]
-    kernels = task.forward_kernels(device, amp or torch.float32)
-
-    def autocast():
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(device.type, dtype=amp or torch.float32,
-                                           enabled=amp is not None))
-        stack.enter_context(kernels())
-        return stack
-
+    autocast = forward_context(task, device, cfg.amp_mode)
     on = f"{world} ranks ({device} on rank 0)" if world > 1 else str(device)
     log.info(f"Scoring {ckpt} (step {state['iteration']}) on {on}, amp_mode {cfg.amp_mode}")
     # The task's own checks of the data come before its collectives, and are the same on every

@@ -28,13 +28,9 @@ import time
 
 import torch.multiprocessing as mp
 
+from benchmarks.mp_memory import _resident_bytes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _resident() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 class Peak:
@@ -46,12 +42,12 @@ class Peak:
 
     def _run(self):
         while not self._stop:
-            self.peak = max(self.peak, _resident())
+            self.peak = max(self.peak, _resident_bytes())
             time.sleep(0.001)
 
     def reset(self) -> int:
         time.sleep(0.01)
-        peak, self.peak = self.peak, _resident()
+        peak, self.peak = self.peak, _resident_bytes()
         return peak
 
 
@@ -70,7 +66,7 @@ def _rank(rank, world, port, out, args, queue):
     from train import Trainer
 
     logging.disable(logging.INFO)
-    base = _resident()
+    base = _resident_bytes()
     peak = Peak()
     cfg = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "mp_cpu", dict(
         expdir=out, data_root=os.path.join(out, "data"), fsdp="true", tensor_parallel="2",

@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.memory_model import predict_config  # noqa: E402
+from benchmarks.mp_memory import _resident_bytes  # noqa: E402
 from settings.parse import build_config  # noqa: E402
 
 YAML = os.path.join(ROOT, "config", "ViT.yaml")
@@ -144,17 +145,6 @@ def allocation_peak(prof) -> int:
         now += e.nbytes()  # negative for a free
         peak = max(peak, now)
     return peak
-
-
-def _resident_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def overrides(tmp: str, accum: int, reduce_each: bool, ranks: int) -> dict:

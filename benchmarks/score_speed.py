@@ -50,9 +50,9 @@ sys.path.insert(0, ROOT)
 from datapipe import synthetic  # noqa: E402
 from engine.runtime import check_amp, choose_device  # noqa: E402
 from settings.parse import build_config  # noqa: E402
+from score import AMP, forward_context  # noqa: E402
 from tasks import forecast_skill, make_task  # noqa: E402
 
-AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -119,15 +119,7 @@ def run(args, data: str, flushed: bool):
     torch.manual_seed(0)
     task = make_task(cfg)
     model = task.build_model().to(device).eval()
-    amp = AMP[cfg.amp_mode]
-    kernels = task.forward_kernels(device, amp or torch.float32)
-
-    def autocast():
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(device.type, dtype=amp or torch.float32,
-                                           enabled=amp is not None))
-        stack.enter_context(kernels())
-        return stack
+    autocast = forward_context(task, device, cfg.amp_mode)  # as score.py runs it
 
     def step(state):
         with autocast():
