@@ -26,7 +26,8 @@ STOP_LINE = re.compile(r"Stopped on (SIG\w+) after step (\d+): checkpoint (\S+);
 # train.py's run() with a Trainer that signals its own process at a chosen step (and, if asked,
 # again while writing the stop checkpoint), or dies like kill -9 before a chosen validation.
 DRIVER = """
-import atexit, os, signal, sys, time
+import atexit, faulthandler, os, signal, sys, time
+faulthandler.register(signal.SIGQUIT, all_threads=True)  # a test that times out asks for stacks
 sys.path.insert(0, {root!r})
 import train
 from settings.cli import from_argv
@@ -89,8 +90,13 @@ def reference(tmp_path_factory, data):
 
 
 def driver(tmp_path):
+    """The driver script in ``tmp_path``, written once and whole: a rank started a moment
+    earlier may be reading it (a file truncated under it runs as an empty script, exit 0)."""
     path = tmp_path / "driver.py"
-    path.write_text(DRIVER.format(root=ROOT))
+    if not path.exists():
+        tmp = tmp_path / f"driver.py.{os.getpid()}.tmp"
+        tmp.write_text(DRIVER.format(root=ROOT))
+        os.replace(tmp, path)
     return str(path)
 
 
@@ -171,9 +177,9 @@ def test_second_signal_while_saving_is_harmless(tmp_path, data, reference):
 
 def launch_two_ranks(tmp_path, args, **env):
     """Two gloo ranks as srun starts them (plain processes, no torchrun agent)."""
-    port = find_free_port()
+    port, script = find_free_port(), driver(tmp_path)
     procs = [subprocess.Popen(
-        [sys.executable, driver(tmp_path), *args], cwd=ROOT, text=True,
+        [sys.executable, script, *args], cwd=ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",

@@ -29,6 +29,7 @@ Run at 8 ranks here and at 2 below.
 ``SCALE_REHEARSAL=long`` adds a 16-rank spawn of the same scenarios (minutes on 2 cores).
 """
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -276,7 +277,7 @@ def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data,
     from distributed_harness import find_free_port
     from settings.signals import STOPPED_EXIT_CODE
 
-    world, port = 8, find_free_port()
+    world, port, script = 8, find_free_port(), driver(tmp_path)
     args = TINY_VIT + ["--data_root", data["era5"], "--num_iters", "9", "--fsdp", "true",
                        "--global_batch_size", "8", "--base_batch_size", "8",
                        "--limit_nsamples_val", "13", "--num_data_workers", "0",
@@ -286,20 +287,29 @@ def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data,
     for r, (out, err) in enumerate(logs):  # into files: a full pipe must not stall a rank
         with open(out, "w") as o, open(err, "w") as e:
             procs.append(subprocess.Popen(
-                [sys.executable, driver(tmp_path), *args], cwd=ROOT, text=True, stdout=o,
+                [sys.executable, script, *args], cwd=ROOT, text=True, stdout=o,
                 stderr=e, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world),
                                    LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                                    MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                                    PYTHONUNBUFFERED="1", SIGNAL_IN_VALIDATION_AT="9",
                                    SIGNAL_RANK="5")))
-    deadline = time.monotonic() + 240
+    deadline, late = time.monotonic() + 240, []
     try:
         for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                late.append(p)
+        for p in late:  # each late rank prints its threads' stacks (the driver's faulthandler)
+            p.send_signal(signal.SIGQUIT)
+        time.sleep(2 if late else 0)
     finally:
         for p in procs:
             p.kill()
+            p.wait()
     outs = [(out.read_text(), err.read_text()) for out, err in logs]
+    assert not late, "\n".join(f"rank {r} (exit {p.returncode}):\n{o[0][-1500:]}\n{o[1][-6000:]}"
+                                 for r, (p, o) in enumerate(zip(procs, outs)))
     assert [p.returncode for p in procs] == [STOPPED_EXIT_CODE] * world, \
         [o[1][-1500:] for o in outs]
     assert "Stopped on SIGUSR1 after step 9: checkpoint " in outs[0][0], outs[0][0][-2000:]
