@@ -39,6 +39,7 @@ from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_ch
                               write_config)
 from engine.runtime import (Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
+from engine.slow_paths import warn_slow_paths
 from engine.stop_agreement import StopAgreement
 from engine.train_state import TrainState
 from observe.flops import peak_tflops, tflops_per_device
@@ -122,6 +123,7 @@ class Trainer:
         # The model: the serial model from the seed on every rank, then parallelised in one place.
         torch.manual_seed(cfg.seed)
         model = self.task.build_model()
+        warn_slow_paths(model, self.device, cfg.amp_mode, self.memory_format, rt.is_main)
         if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
             load_reference_weights(model, cfg.init_from, self.task.from_reference)
             log.info(f"Weights from {cfg.init_from}")
