@@ -403,7 +403,12 @@ class _AllGatherLinear(torch.autograd.Function):
 
 
 class _ParallelLinear(nn.Module):
-    """What column- and row-parallel linears share: building one from a serial ``nn.Linear``."""
+    """What column- and row-parallel linears share: building one from a serial ``nn.Linear``,
+    and the matmul of this rank's slice, ``local_linear(x, weight, bias)``: ``F.linear``, or
+    another function of the same contract put in its place (the fp8 matmul of
+    ``engine.fp8_linears``); the collectives around it stay the layer's."""
+
+    local_linear = staticmethod(F.linear)
 
     @classmethod
     def from_serial(cls, linear: nn.Linear, groups: ParallelGroups, **kwargs):
@@ -454,10 +459,19 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp_group = self.groups.tp_group
         if self.sequence_parallel and self.groups.tp_size > 1:
-            # eager_apply: its forward and backward call collectives, kept out of torch.compile's
-            # graphs (a graph break here; see distributed.mappings.eager_apply)
-            return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, self.seq_dim % x.dim())
-        return F.linear(identity_fwd_all_reduce_bwd(x, tp_group), self.weight, self.bias)
+            dim = self.seq_dim % x.dim()
+            if self.local_linear is F.linear:
+                # eager_apply: its forward and backward call collectives, kept out of
+                # torch.compile's graphs (a graph break here; see distributed.mappings.eager_apply)
+                return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, dim)
+            # Another matmul (fp8): the tokens gathered over tp (backward: reduce-scattered) in
+            # the autocast dtype, as _AllGatherLinear gathers them; the matmul keeps the
+            # gathered input for its backward, not only this rank's slice.
+            if torch.is_autocast_enabled(x.device.type):
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+            x = all_gather_fwd_reduce_scatter_bwd(x, tp_group, dim)
+            return self.local_linear(x, self.weight, self.bias)
+        return self.local_linear(identity_fwd_all_reduce_bwd(x, tp_group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (/{self.groups.tp_size} over tp), "
@@ -494,9 +508,9 @@ class RowParallelLinear(_ParallelLinear):
 
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.groups.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # nothing to reduce: the serial op, fused bias
-        y = F.linear(x, self.weight)
+        if self.groups.tp_size == 1:  # nothing to reduce: the serial op, fused bias
+            return self.local_linear(x, self.weight, self.bias)
+        y = self.local_linear(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_fwd_all_gather_bwd(y, self.groups.tp_group, self.seq_dim % y.dim())
         else:

@@ -3,11 +3,14 @@
 1. sharding over the tensor/context-parallel ranks (``distributed.parallelize``), when
    tensor_parallel x context_parallel > 1: each rank keeps its slices of the serial weights, so
    a sharded run starts where a serial run with the same seed starts;
-2. activation checkpointing, an option of the model itself (chosen when the task builds it;
+2. fp8 linears (the ViT's ``fp8_linears``): the linear layers of the task's blocks compute their
+   matmuls in float8 (``engine.fp8_linears``: torchao's ``Float8Linear``, or its fp8 matmul in
+   the tp/cp linears' slices), before FSDP shards them and torch.compile traces them;
+3. activation checkpointing, an option of the model itself (chosen when the task builds it;
    the sharded ViT keeps the serial model's choice);
-3. the move to the run's device, in the task's memory format (channels-last weights for the
+4. the move to the run's device, in the task's memory format (channels-last weights for the
    U-Net on a GPU: ``memory_format``);
-4. data parallelism over the data-parallel ranks: DistributedDataParallel (with model
+5. data parallelism over the data-parallel ranks: DistributedDataParallel (with model
    parallelism, its communication hook also sums the gradients of parameters replicated over
    tp/cp), or, with ``fsdp``, torch's FSDP2 (``fully_shard``): each of the task's blocks
    (``task.shard_blocks(model)``) and then the whole model are sharded over a one-dimensional
@@ -16,7 +19,7 @@
    gradient and its Adam state as DTensors and gathers a block's weights just before the block
    runs; with gradient accumulation every micro-batch's backward reduce-scatters its gradients
    onto the shards (``ParallelModel.no_sync``; ``fsdp_reduce_each_microbatch``);
-5. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
+6. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
    sharded layers' collectives stay out of the compiled graphs: each is a graph break and runs
    eagerly (``distributed.mappings.eager_apply``), the compute between them is compiled.
 
@@ -37,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.grad_norm import clip_grad_norm
 from distributed.parallelize import parallelize_vit
+from engine import fp8_linears
 from engine.runtime import Runtime
 from engine.sharding import (FSDPModule, FullyShardedSharding, MixedPrecisionPolicy,
                              RowBandSharding, Unsharded, fully_shard)
@@ -163,14 +167,17 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         sharding = RowBandSharding(task, model, rt.groups)
     else:
         sharding = Unsharded(task)
-    model = model.to(rt.device)  # 3.
+    fp8 = getattr(cfg, "fp8_linears", "none")
+    if fp8 != "none":  # 2. fp8 linears (checked with the device: engine.runtime)
+        fp8_linears.convert(task.shard_blocks(model), fp8, rt.device)
+    model = model.to(rt.device)  # 4.
     if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
         model = model.to(memory_format=memory_format)
     wrapped = model
     if cfg.fsdp and rt.dp_size == 1:
         log.info("fsdp with one data-parallel rank: nothing to shard over, the replica trains as "
                  "without fsdp")
-    if cfg.fsdp and rt.dp_size > 1:  # 4. sharded data parallel
+    if cfg.fsdp and rt.dp_size > 1:  # 5. sharded data parallel
         # (noddp and fp16 with fsdp are refused with the settings)
         mesh = rt.groups.mesh["dp"] if rt.groups is not None else None
         model = shard_fully(model, task.shard_blocks(model), cfg.amp_mode, rt, mesh)
@@ -179,13 +186,13 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
     elif rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
                     "synchronised (for compute-only scaling measurements)")
-    elif rt.distributed and (rt.dp_size > 1 or rt.groups is not None):  # 4. data parallel
+    elif rt.distributed and (rt.dp_size > 1 or rt.groups is not None):  # 5. data parallel
         wrapped = DistributedDataParallel(
             model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
             process_group=rt.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
             **_buffer_sync_kwargs(cfg.disable_broadcast_buffers))
         sharding.register_grad_hooks(wrapped)
-    if cfg.enable_jit:  # 5. torch.compile
+    if cfg.enable_jit:  # 6. torch.compile
         # The tp/cp autograd Functions call c10d collectives; they are torch.compiler.disable'd
         # where they are applied (distributed.mappings.eager_apply, as the DL4SCI25 reference
         # disables its mapping helpers), so dynamo breaks the graph at each collective instead

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from distributed.groups import ParallelGroups, build_groups, validate_parallel_config
 from distributed.parallelize import validate_vit_layout
+from engine import fp8_linears
 from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -220,6 +221,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     device = choose_device(cfg, local_rank)
     configure_cuda(cfg, device)
     check_amp(cfg, device)
+    fp8_linears.check(getattr(cfg, "fp8_linears", "none"), device)  # torchao, the GPU's fp8
     tp = getattr(cfg, "tensor_parallel", 1)
     cp = getattr(cfg, "context_parallel", 1)
     sharded = tp * cp > 1

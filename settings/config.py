@@ -209,6 +209,12 @@ class ViTConfig(Config):
         "cuDNN's first on Hopper GPUs in bf16/fp16 (the fastest measured there, "
         "docs/performance.md), torch's own choice elsewhere; a named one is refused where it has "
         "no kernel", resume=True)
+    fp8_linears: Literal["none", "tensorwise", "rowwise"] = _f(
+        "none", "compute the transformer blocks' linear layers (qkv, proj, fc1, fc2) in fp8 with "
+        "torchao's float8 training (pip install -r requirements-fp8.txt), scaled per tensor "
+        "(tensorwise) or per row (rowwise); needs amp_mode bf16, block dims that are multiples "
+        "of 16 and a GPU of compute capability 8.9 or newer (H100, H200, L40S), emulated on a "
+        "CPU (docs/performance.md)")
     n_in_channels: int = _f(20, "input channels (the first n of the 20 ERA5 variables)", min=1,
                             max=20, size=True)
     n_out_channels: int = _f(20, "output channels", min=1, max=20)
@@ -249,6 +255,23 @@ class ViTConfig(Config):
             ok = [n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0 and n <= 64]
             raise ConfigError(f"num_heads={self.num_heads} does not divide embed_dim="
                               f"{self.embed_dim}: choose one of {ok}")
+        # fp8 linears: bf16 around the fp8 matmuls (torchao's float8 training), and every block
+        # linear's dims on a rank (embed_dim, the MLP's hidden width; split over tp) multiples
+        # of 16, as the fp8 kernels need. The device is checked when it is known.
+        if self.fp8_linears != "none" and self.amp_mode != "bf16":
+            raise ConfigError(f"fp8_linears={self.fp8_linears} runs with amp_mode bf16 (the rest "
+                              f"of the model in bf16 around the fp8 matmuls), not "
+                              f"amp_mode={self.amp_mode}: add --amp_mode bf16")
+        tp = self.tensor_parallel
+        for what, n in (("embed_dim", self.embed_dim),
+                        ("the MLP's hidden width (embed_dim x mlp_ratio)",
+                         int(self.embed_dim * self.mlp_ratio))):
+            if self.fp8_linears != "none" and n % (16 * tp):
+                per = f" / tensor_parallel={tp} = {n / tp:g}" if tp > 1 else ""
+                raise ConfigError(f"fp8_linears={self.fp8_linears} needs the blocks' linear "
+                                  f"dims on each rank to be multiples of 16: {what}={n}{per} "
+                                  f"is not; choose an embed_dim and mlp_ratio that make it a "
+                                  f"multiple of {16 * tp}, or --fp8_linears none")
 
 
 @config_class

@@ -1,0 +1,212 @@
+"""fp8 linear layers (``--fp8_linears``) against bf16 at the ``mp`` ViT's size, on one GPU:
+compute-only training steps, both compiled, in one process, timed in alternating rounds.
+
+    python -m benchmarks.fp8_linears                         # bf16 and fp8 tensorwise, ~4 min
+    python -m benchmarks.fp8_linears --recipes tensorwise rowwise --budget 540
+    python -m benchmarks.fp8_linears --small                 # a toy ViT on a CPU, emulated
+
+The step is the engine's without data or communication: the ``mp`` config's ViT (embed 1536,
+12 blocks of 8 heads, 360 x 720 at patch 8: 4050 tokens, 350 M parameters) built by the task
+from the same seed, a batch of ``--batch`` random samples held on the GPU, bf16 autocast with the
+task's attention kernel, the task's loss, fused Adam, ``torch.compile`` (``--eager``: not
+compiled). The fp8 variants convert the blocks' linears as a run does (``engine.fp8_linears``)
+before compiling. Every variant is built and compiled first (its model, optimizer state and
+compiled graphs stay in memory), then rounds of ``--steps`` steps run each variant in turn
+until ``--budget`` seconds are spent or ``--rounds`` are done (at least two rounds): clock and temperature drift reach
+every variant alike. Per variant: milliseconds per step (median of the rounds), samples/s,
+model TFLOP/s (the bf16 model's FLOPs: fp8 does the same work faster), the speed-up over bf16,
+the seconds to its first step (conversion, compile) and the memory its step adds on top of what
+is held (activations, gradients). The issue's bar: fp8 stays on by default for the ``mp`` config
+only at 1.15x bf16 or more; the last line says whether the fastest fp8 variant reaches it.
+
+A GPU without fp8 (compute capability below 8.9) or without torchao is refused in one line
+(exit 2). ``--small``: a 64-wide, 2-block ViT on 16 x 32 images, batch 2, eager, on the CPU in
+torchao's emulation (the numbers say nothing about speed: the test runs the whole script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from elsewhere
+    sys.path.insert(0, ROOT)
+
+BAR = 1.15  # the speed-up over bf16 at which fp8 stays on by default for the mp config
+SMALL = {"img_size": [16, 32], "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}
+
+
+def build_variant(recipe: str, overrides: dict, batch: int, device, compiled: bool) -> dict:
+    """One variant's step (a closure over its model, optimizer and batch) and its first step's
+    seconds. ``recipe``: ``none`` (bf16) or an fp8 recipe."""
+    import torch
+
+    from engine import fp8_linears
+    from engine.optimizer import build_optimizer
+    from settings.parse import build_config
+    from tasks import make_task
+    t0 = time.perf_counter()
+    cfg = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "mp",
+                       {**overrides, "amp_mode": "bf16", "fp8_linears": recipe})
+    task = make_task(cfg)
+    torch.manual_seed(0)
+    model = task.build_model()
+    if recipe != "none":
+        fp8_linears.convert(task.shard_blocks(model), recipe, device)
+    model = model.to(device)
+    optimizer = build_optimizer(model.parameters(), 1e-4, cfg.adam_betas, True, device)
+    step_model = torch.compile(model) if compiled else model
+    kernels = task.forward_kernels(device, torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(batch, cfg.n_in_channels, *cfg.img_size, device=device, generator=gen)
+    y = torch.randn(batch, cfg.n_out_channels, *cfg.img_size, device=device, generator=gen)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16), kernels():
+            loss = task.loss(step_model(x), y).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    loss = step().item()  # a host sync: the first step (and compile) is over
+    first_s = time.perf_counter() - t0
+    for _ in range(2):
+        step()
+    return dict(recipe=recipe, step=step, first_s=first_s, first_loss=loss,
+                flops=task.flops_per_sample(), parameters=sum(p.numel() for p in model.parameters()))
+
+
+def timed_ms(step, steps: int, device) -> tuple[float, float | None]:
+    """Milliseconds per step over ``steps`` steps (CUDA events on a GPU), and the GB the steps
+    allocate above what was held before them (None on a CPU)."""
+    import torch
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t0) * 1000 / steps, None
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()  # host waits for the GPU: the end of the round
+    return start.elapsed_time(end) / steps, (torch.cuda.max_memory_allocated() - held) / 2**30
+
+
+def measure(recipes: list[str], batch: int, steps: int, budget: float, small: bool,
+            compiled: bool, max_rounds: int = 10) -> dict:
+    """bf16 and each fp8 recipe: built, then timed in alternating rounds (see the module)."""
+    import torch
+
+    from engine import fp8_linears
+    device = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
+    if device.type == "cpu" and not small:
+        raise SystemExit("error: no CUDA GPU here: the mp ViT's steps need one; --small runs a "
+                         "toy ViT on the CPU in torchao's emulation")
+    for recipe in recipes:
+        fp8_linears.check(recipe, device)  # ConfigError: no torchao, no fp8 on this GPU
+    t_end = time.monotonic() + budget
+    overrides = dict(SMALL) if small else {}
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "batch": batch, "compiled": compiled, "rows": []}
+    built, skipped = [], []
+    for recipe in ["none", *recipes]:
+        if built and time.monotonic() > t_end:
+            skipped.append({"recipe": recipe, "failed": "skipped: budget spent"})
+            continue
+        v = build_variant(recipe, overrides, batch, device, compiled)
+        print(f"{label(recipe)}: first step after {v['first_s']:.1f} s, loss {v['first_loss']:.4f}",
+              flush=True)
+        built.append(v)
+    times = {v["recipe"]: [] for v in built}
+    extra = {v["recipe"]: None for v in built}
+    rounds = 0
+    while rounds < 2 or (rounds < max_rounds and time.monotonic() < t_end):
+        for v in built:
+            ms, gb = timed_ms(v["step"], steps, device)
+            times[v["recipe"]].append(ms)
+            extra[v["recipe"]] = gb if extra[v["recipe"]] is None else max(extra[v["recipe"]], gb)
+        rounds += 1
+    base = statistics.median(times["none"])
+    for v in built:
+        ms = statistics.median(times[v["recipe"]])
+        rate = batch * 1000 / ms
+        out["rows"].append({"recipe": v["recipe"], "ms": ms, "samples_per_s": rate,
+                            "tflops": v["flops"] * rate / 1e12, "speedup": base / ms,
+                            "first_step_s": v["first_s"], "step_gb": extra[v["recipe"]],
+                            "rounds": rounds, "parameters": v["parameters"]})
+    out["rows"] += skipped
+    return out
+
+
+def label(recipe: str) -> str:
+    return "bf16" if recipe == "none" else f"fp8 {recipe}"
+
+
+def table(out: dict) -> str:
+    mode = "torch.compile" if out["compiled"] else "eager"
+    lines = [f"{out['device']}, torch {out['torch']}, batch {out['batch']}, bf16 autocast, fused "
+             f"Adam, {mode}, compute only",
+             "| linears | ms/step | samples/s | model TFLOP/s | x bf16 | first step s | "
+             "step GB |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in out["rows"]:
+        if "failed" in r:
+            lines.append(f"| {label(r['recipe'])} | {r['failed']} | | | | | |")
+            continue
+        gb = "-" if r["step_gb"] is None else f"{r['step_gb']:.1f}"
+        lines.append(f"| {label(r['recipe'])} | {r['ms']:.1f} | {r['samples_per_s']:.2f} | "
+                     f"{r['tflops']:.1f} | {r['speedup']:.3f} | {r['first_step_s']:.1f} | {gb} |")
+    fp8 = [r for r in out["rows"] if r["recipe"] != "none" and "failed" not in r]
+    if fp8:
+        best = max(fp8, key=lambda r: r["speedup"])
+        verdict = "reaches" if best["speedup"] >= BAR else "does not reach"
+        lines.append(f"fastest fp8: {label(best['recipe'])}, {best['speedup']:.3f}x bf16 "
+                     f"({min(r['rounds'] for r in fp8)} rounds): {verdict} the {BAR}x bar")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", nargs="+", choices=["tensorwise", "rowwise"],
+                   default=["tensorwise"], help="fp8 variants timed against bf16 "
+                   "(default: %(default)s)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="samples per step (default: 8; 2 with --small)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per variant per round (default: 10; 2 with --small)")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="timed rounds at most (at least 2 are run) (default: %(default)s)")
+    p.add_argument("--budget", type=float, default=240.0,
+                   help="seconds for building and timing; variants not built by then are "
+                        "skipped, rounds stop (at least 2) (default: %(default)g)")
+    p.add_argument("--eager", action="store_true", help="do not compile (--small never does)")
+    p.add_argument("--small", action="store_true",
+                   help="a toy ViT on the CPU in torchao's emulation, for the tests")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    a = p.parse_args(argv)
+    from settings.errors import ConfigError
+    batch = a.batch or (2 if a.small else 8)
+    steps = a.steps or (2 if a.small else 10)
+    try:
+        out = measure(a.recipes, batch, steps, a.budget, a.small,
+                      compiled=not (a.eager or a.small), max_rounds=a.rounds)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out["markdown"] = table(out)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(out["markdown"])
+
+
+if __name__ == "__main__":
+    main()
