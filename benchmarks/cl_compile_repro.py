@@ -233,6 +233,7 @@ def main(argv=None) -> int:
                    help="seconds for the compiled phase (compile + forward + backward)")
     p.add_argument("--eager-timeout", type=float, default=None,
                    help="seconds for the eager phase (default: --timeout)")
+    p.add_argument("--json", default="", help="also write the verdicts to this JSON file")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--phase", default="compiled", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -245,21 +246,28 @@ def main(argv=None) -> int:
     cuda = torch.version.cuda or "none"
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none"
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU"
-    print(f"torch {torch.__version__}, CUDA {cuda}, cuDNN {cudnn}; Python "
-          f"{sys.version.split()[0]}; {gpu}", flush=True)
+    head = [f"torch {torch.__version__}, CUDA {cuda}, cuDNN {cudnn}; Python "
+            f"{sys.version.split()[0]}; {gpu}"]
+    print(head[0], flush=True)
     levels = a.side.bit_length() - 1
     widths = [min(a.width * 2**i, a.max_width) for i in range(levels)]
     amp = ("bf16 autocast, cuDNN autotuning on" if a.device.startswith("cuda")
            else "fp32 (no autocast on a CPU)")
-    print(f"model: {levels} levels, widths {widths[0]}..{widths[-1]}, input {a.batch} x 4 x "
-          f"{a.side}^3, {'contiguous' if a.contiguous else 'channels_last_3d'}, {amp}; "
-          f"torch.compile(backend={a.backend!r}, options={a.options or '{}'})", flush=True)
+    head.append(f"model: {levels} levels, widths {widths[0]}..{widths[-1]}, input {a.batch} x 4 "
+                f"x {a.side}^3, {'contiguous' if a.contiguous else 'channels_last_3d'}, {amp}; "
+                f"torch.compile(backend={a.backend!r}, options={a.options or '{}'})")
+    print(head[1], flush=True)
     events = run_phases(list(argv if argv is not None else sys.argv[1:]),
                         a.eager_timeout or a.timeout, a.timeout)
-    print(f"eager: {verdict(events.get('eager'), 'eager')}", flush=True)
+    lines = [f"eager: {verdict(events.get('eager'), 'eager')}"]
     if events.get("eager", {}).get("event") == "done":
-        print(f"compiled: {verdict(events.get('compiled'), 'compiled')}", flush=True)
+        lines.append(f"compiled: {verdict(events.get('compiled'), 'compiled')}")
+    print("\n".join(lines), flush=True)
     ok = events.get("compiled", {}).get("same") is True
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"works": ok, "events": events, "lines": lines,
+                       "markdown": "```\n" + "\n".join(head + lines) + "\n```"}, f, indent=1)
     return 0 if ok else 1
 
 

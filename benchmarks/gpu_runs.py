@@ -38,7 +38,18 @@ Series (``--only``; rows in this order, each a short training of real size):
   time listed, and the trace copied to the out dir, gzipped;
 - ``largest`` (not in the default call): the ViT's largest batch that trains,
   ``--global_batch_size`` doubled from 32 (bf16, fused, eager, no workers: 6 steps each) until
-  the one-line out-of-memory error (exit 2) of train.py, or 256.
+  the one-line out-of-memory error (exit 2) of train.py, or 256;
+- ``roofline``, ``cl``, ``fp8``: benchmark scripts of their own (``kind`` "report": each writes
+  its result as JSON, ``--json``, with the markdown of its section in GPU.md):
+  ``benchmarks/roofline.py`` (each model's step against its floor, per layer or op group, at the
+  device's rates measured in the same call), ``benchmarks/cl_compile_repro.py`` (compiled
+  channels-last, torch alone: its verdict within a time limit) and ``benchmarks/fp8_linears.py``
+  (fp8 linears at the ``mp`` ViT's size against bf16, both compiled).
+
+The calls (``CALLS``; ``--only`` takes series or single runs by key, e.g. ``unet/short_opt``):
+the default call measures what the goals read (the roofline, compiled channels-last, fp8, the
+optimised configs and a second run on warm compile caches); the second the baselines, the GPU
+tests, CUDA graphs and the trace; the third the batch search.
 
 The table (``--out-dir``: $OUT when set, else benchmarks/; GPU.md, a new name beside an existing
 one, with gpu_runs.log holding every run's command and output, and gpu_runs.json the parsed
@@ -107,7 +118,8 @@ class Run:
     """One row. ``key`` is "series/name" (the goals and the tutorial figures refer to it);
     ``script``: train.py, train_graph.py, a Python file, or "pytest"; ``kind``: "train",
     "trace" (a train run with --profile_trace, its trace checked and its top kernels listed),
-    "search" (``args`` without the batch, run at each of ``SEARCH_BATCHES``) or "pytest";
+    "search" (``args`` without the batch, run at each of ``SEARCH_BATCHES``), "pytest" or
+    "report" (a benchmark script that writes its result to ``--json``, ``markdown`` in it);
     ``data``: the data set it reads under --data ("cosmo", "era5" or None); ``est_s``: seconds
     on an H200."""
 
@@ -181,15 +193,36 @@ SERIES: dict[str, list[Run]] = {
             "train.py", ("--config", "short", "--amp_mode", "bf16", "--enable_fused",
                          "--num_iters", "6"), 0, kind="search", data="era5"),
     ],
+    "roofline": [
+        Run("roofline/models", "roofline: each model's eager step (bf16, fused Adam, compute "
+            "only) against its floor", "benchmarks/roofline.py", ("--budget", "90"), 100,
+            kind="report"),
+    ],
+    "cl": [
+        Run("cl/repro", "compiled channels-last U-Net levels, torch alone",
+            "benchmarks/cl_compile_repro.py", ("--timeout", "90", "--eager-timeout", "45"),
+            110, kind="report"),
+    ],
+    "fp8": [
+        Run("fp8/mp", "fp8 linears (tensorwise) at the mp ViT's size against bf16, compiled",
+            "benchmarks/fp8_linears.py", ("--budget", "90"), 110, kind="report"),
+    ],
 }
-# One device call of under 9 minutes (estimates in --dry-run): every series but the batch
-# search, which a second call can run (--only largest).
-CALLS = (("unet", "vit", "tests", "graphs", "profile"), ("largest",))
+# The device calls, each under 9 minutes (estimates in --dry-run): series, or runs by key.
+# The first measures what the goals read; the others what stays as it was measured before.
+CALLS = (("roofline", "cl", "fp8", "unet/short_opt", "vit/short_opt", "vit/short_opt_again"),
+         ("unet/baseline", "vit/short", "tests", "graphs", "profile"), ("largest",))
+RUNS = {run.key: run for runs in SERIES.values() for run in runs}
 
 
-def default_series() -> list[str]:
-    """What a call without --only runs: every series but those of the later calls."""
-    return [s for s in SERIES if not any(s in call for call in CALLS[1:])]
+def select(names) -> list[Run]:
+    """The runs of ``names`` (series or run keys), in that order, each once."""
+    runs = []
+    for name in names:
+        for run in SERIES.get(name) or [RUNS[name]]:
+            if run not in runs:
+                runs.append(run)
+    return runs
 
 
 def search_args(run: Run, batch: int) -> list[str]:
@@ -364,6 +397,21 @@ def pytest_outcome(code: int | None, output: str, timeout: float) -> dict:
     return {"tests": summary}
 
 
+def report_outcome(code: int | None, output: str, timeout: float, path: str) -> dict:
+    """``{"report": the script's JSON}`` when it wrote one with its ``markdown`` (whatever its
+    exit code: a verdict such as "does not compile" is a result), else ``{"failed": why}``."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        report = None
+    if isinstance(report, dict) and report.get("markdown"):
+        return {"report": report}
+    if code is None:
+        return {"failed": f"timed out after {timeout:g} s; last line: {last_error_line(output)}"}
+    return {"failed": f"exit {code}, no result written: {last_error_line(output)}"}
+
+
 def is_out_of_memory(result: dict) -> bool:
     return "out of memory" in result.get("failed", "").lower()
 
@@ -507,6 +555,8 @@ def notes(r: dict) -> str:
         out.append(r["trace"])
     if r.get("tests"):
         out.append(r["tests"])
+    if r.get("report"):
+        out.append("its section below")
     return "; ".join(out)
 
 
@@ -602,6 +652,41 @@ def _first_epoch(r):
             f"{start}{hits}", seconds[0] <= limit)
 
 
+def _report(by, key):
+    return by.get(key, {}).get("report") or {}
+
+
+def _against_roofline(by, goal):
+    """The U-Net's short_opt rate against the rate of the roofline's step (the sum of its
+    layers' floors, at the device's rates measured in the same call, at the same batch)."""
+    rate = by.get("unet/short_opt", {}).get("samples_per_s")
+    unet = next((m for m in _report(by, "roofline/models").get("models", [])
+                 if m.get("model") == "unet" and m.get("roofline_ms")), None)
+    if not rate or unet is None:
+        return None
+    floor_rate = unet["batch"] * 1e3 / unet["roofline_ms"]
+    return (f"{rate:.1f} samples/s; the roofline's step {unet['roofline_ms']:.1f} ms for "
+            f"{unet['batch']}: {floor_rate:.0f} samples/s; {rate / floor_rate:.2f} of it",
+            rate / floor_rate >= goal)
+
+
+def _compiles(by):
+    report = _report(by, "cl/repro")
+    if not report.get("lines"):
+        return None
+    return report["lines"][-1], bool(report.get("works"))
+
+
+def _fp8(by, goal):
+    rows = [r for r in _report(by, "fp8/mp").get("rows", [])
+            if r.get("recipe") not in (None, "none") and "speedup" in r]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: r["speedup"])
+    return (f"fp8 {best['recipe']}: {best['ms']:.1f} ms/step, {best['speedup']:.3f}x bf16",
+            best["speedup"] >= goal)
+
+
 def _graph(r):
     return ((r["graph"].split(": ", 1)[1], r["graph_x"] >= 1.1)
             if r.get("graph_x") is not None else None)
@@ -615,14 +700,22 @@ GOALS = [
      lambda by: _ratio(by.get("unet/short_opt", {}), 0.9)),
     ("U-Net short_opt >= 6x the short baseline", ("unet/baseline", "unet/short_opt"),
      lambda by: _speedup(by, "unet/short_opt", "unet/baseline", 6.0)),
-    ("ViT compute only (short_opt's SYNTHETIC) >= 35% MFU (bf16)", ("vit/short_opt",),
-     lambda by: _synthetic_mfu(by.get("vit/short_opt", {}), 35.0)),
+    ("U-Net short_opt, device loader: >= 0.8 of the roofline's rate", ("unet/short_opt",
+                                                                        "roofline/models"),
+     lambda by: _against_roofline(by, 0.8)),
+    ("ViT compute only (short_opt's SYNTHETIC) >= 30% MFU (bf16)", ("vit/short_opt",),
+     lambda by: _synthetic_mfu(by.get("vit/short_opt", {}), 30.0)),
+    ("ViT compute only (short_opt's SYNTHETIC) >= 35% MFU (bf16; the moonshot)",
+     ("vit/short_opt",), lambda by: _synthetic_mfu(by.get("vit/short_opt", {}), 35.0)),
     ("ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC", ("vit/short_opt",),
      lambda by: _ratio(by.get("vit/short_opt", {}), 0.9)),
     ("CUDA graphs >= 1.1x eager, U-Net at batch 8", ("graphs/b8",),
      lambda by: _graph(by.get("graphs/b8", {}))),
     ("ViT, a second run: first epoch <= 2 x steady + 5 s", ("vit/short_opt_again",),
      lambda by: _first_epoch(by.get("vit/short_opt_again", {}))),
+    ("Compiled channels-last (torch alone): eager's numbers within its limit", ("cl/repro",),
+     _compiles),
+    ("fp8 linears, mp ViT, compiled: >= 1.15x bf16", ("fp8/mp",), lambda by: _fp8(by, 1.15)),
 ]
 
 
@@ -646,6 +739,9 @@ def goals(rows: list[tuple[Run, dict]]) -> list[tuple[str, str, str]]:
 
 def document(header: list[str], rows: list[tuple[Run, dict]]) -> str:
     parts = ["# GPU runs", "\n".join(header), "## Runs", table(rows)]
+    for run, r in rows:
+        if r.get("report"):
+            parts += [f"## {run.label[0].upper()}{run.label[1:]}", r["report"]["markdown"]]
     through = throughput_table(rows)
     if through:
         parts += ["## Data path (--throughput_report, samples/s)", through]
@@ -706,6 +802,8 @@ def command(run: Run, data_dir: str, expdir: str, args=None) -> list[str]:
     args = list(run.args if args is None else args)
     if run.kind == "pytest":
         return [sys.executable, "-m", "pytest", *args]
+    if run.kind == "report":
+        return [sys.executable, run.script, *args, "--json", os.path.join(expdir, "report.json")]
     extra = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
     extra += ["--expdir", expdir, "--run_num", "0"]
     if run.kind == "trace":
@@ -765,10 +863,10 @@ def dry_run(runs: list[Run], a, data_dir: str, budget: float):
           f"earlier runs' figures)")
     if a.only is None:
         for i, call in enumerate(CALLS, 1):
-            calls = [run for s in call for run in SERIES[s]]
+            calls = select(call)
             t = sum(map(run_est, calls)) + gpu_data.estimate_s(data_kinds(calls), a.cosmo,
                                                                 a.era5_steps)
-            only = "" if list(call) == default_series() else f" --only {' '.join(call)}"
+            only = "" if i == 1 else f" --only {' '.join(call)}"
             print(f"device call {i}: python -m benchmarks.gpu_runs --make-data{only}  "
                   f"(est {t:.0f} s)")
 
@@ -816,9 +914,13 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
         cmd = command(run, data_dir, expdir, args)
         print(f"[{run.series}] {run.label}: {shown(cmd)}", flush=True)
         t0 = time.monotonic()
+        os.makedirs(expdir, exist_ok=True)
         code, output = run_logged(cmd, env, timeout)
         writer.log_run(run, cmd, code, time.monotonic() - t0, output)
-        result = (pytest_outcome if run.kind == "pytest" else outcome)(code, output, timeout)
+        if run.kind == "report":
+            result = report_outcome(code, output, timeout, os.path.join(expdir, "report.json"))
+        else:
+            result = (pytest_outcome if run.kind == "pytest" else outcome)(code, output, timeout)
         result["seconds"] = round(time.monotonic() - t0, 1)
         return result, expdir
 
@@ -862,6 +964,8 @@ def summary(result: dict) -> str:
     for key in ("graph", "note", "trace", "tests"):
         if result.get(key):
             bits.append(result[key])
+    if result.get("report"):
+        bits.append("its JSON and markdown written")
     if result.get("throughput"):
         t = result["throughput"]
         bits.append(f"IO {t['IO']:.1f}, SYNTHETIC {t['SYNTHETIC']:.1f}, FULL {t['FULL']:.1f}")
@@ -874,7 +978,7 @@ def _terminated(signum, frame):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=list(SERIES),
+    p.add_argument("--only", nargs="+", choices=list(SERIES) + list(RUNS),
                    help="run these series only, in this order (default: all)")
     p.add_argument("--data", default=os.path.join(ROOT, "data", "gpu_bench"),
                    help="directory of the data (cosmo/, era5/)")
@@ -902,7 +1006,7 @@ def main(argv=None):
         p.error("--timeout must be a positive number of seconds")
     if a.budget <= 0:
         p.error("--budget must be a positive number of seconds")
-    runs = [run for s in (a.only or default_series()) for run in SERIES[s]]
+    runs = select(a.only or CALLS[0])
     data_dir = os.path.abspath(a.data)
     out_dir = a.out_dir or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks")
     if a.dry_run:

@@ -3,7 +3,7 @@
 
     python -m benchmarks.roofline                      # a GPU: the short configs, bf16 (~1-2 min)
     python -m benchmarks.roofline --small              # the CPU, toy sizes, fp32: seconds
-    python -m benchmarks.roofline --budget 120 --out roofline.json
+    python -m benchmarks.roofline --budget 120 --json roofline.json
 
 In one call: the device's matmul rate (a large GEMM: bf16 8192^3 on a GPU, fp32 on a CPU) and
 memory bandwidth (a large copy: bytes read + written over its time); then for each model a few
@@ -29,7 +29,7 @@ step's time less the kernels' time); on a CPU the Python between ops (the hooks'
 optimizer's loop, autograd's engine), and ops the rules place nowhere ("other").
 
 ``run(small, budget)`` returns the rows and the markdown (for ``benchmarks/gpu_runs.py``);
-``--out`` writes the same as JSON.
+``--json`` writes the same as JSON.
 """
 from __future__ import annotations
 
@@ -430,11 +430,11 @@ def main(argv=None):
                    choices=["auto", "contiguous", "channels_last"],
                    help="the U-Net's layout (default: %(default)s, the project's choice: "
                         "channels-last on a GPU in bf16, where its first step autotunes ~45 s)")
-    p.add_argument("--out", default="", help="also write the result to this JSON file")
+    p.add_argument("--json", default="", help="also write the result to this JSON file")
     a = p.parse_args(argv)
     result = run(a.small, a.budget, a.only, a.memory_format)
-    if a.out:
-        with open(a.out, "w") as f:
+    if a.json:
+        with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
     print(result["markdown"])
 

@@ -1,6 +1,7 @@
 """benchmarks/cl_compile_repro.py on the CPU: the versions first, then one line per phase: the
 compiled channels-last U-Net trains the eager numbers, a compile past its limit says so, and a
 failure prints its exception's first line."""
+import json
 import subprocess
 import sys
 
@@ -35,11 +36,14 @@ def test_a_compile_past_its_limit_is_no_result_within_it():
     assert rc == 1
 
 
-def test_a_failure_is_its_exceptions_first_line():
-    rc, lines = repro("--backend", "no_such_backend")
+def test_a_failure_is_its_exceptions_first_line(tmp_path):
+    rc, lines = repro("--backend", "no_such_backend", "--json", str(tmp_path / "v.json"))
     assert lines[-1].startswith("compiled: FAILED: InvalidBackend: Invalid backend: "
                                 "'no_such_backend'")
     assert rc == 1
+    written = json.loads((tmp_path / "v.json").read_text())  # what benchmarks/gpu_runs reads
+    assert written["works"] is False and written["lines"] == lines[-2:]
+    assert written["markdown"] == "```\n" + "\n".join(lines) + "\n```"
 
 
 def test_the_root_cause_of_a_chained_exception():

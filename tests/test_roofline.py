@@ -313,7 +313,7 @@ def test_small_run_end_to_end(tmp_path, capsys):
     """``python -m benchmarks.roofline --small``: a table per model whose numbers add up."""
     from benchmarks import roofline as bench
     out = tmp_path / "roofline.json"
-    bench.main(["--small", "--budget", "120", "--out", str(out)])
+    bench.main(["--small", "--budget", "120", "--json", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert printed.strip() == result["markdown"].strip()
