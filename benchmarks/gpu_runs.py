@@ -204,7 +204,7 @@ SERIES: dict[str, list[Run]] = {
             110, kind="report"),
     ],
     "fp8": [
-        Run("fp8/mp", "fp8 linears (tensorwise) at the mp ViT's size against bf16, compiled",
+        Run("fp8/mp", "linears in fp8 (tensorwise) against bf16 at the mp ViT's size, compiled",
             "benchmarks/fp8_linears.py", ("--budget", "90"), 110, kind="report"),
     ],
 }

@@ -634,6 +634,36 @@ def test_make_data_then_run(tmp_path, fake_gpu, monkeypatch, capsys):
     assert "data: cosmo written in " in capsys.readouterr().out
 
 
+def test_report_rows_run_their_scripts_and_become_sections(tmp_path, fake_gpu, monkeypatch):
+    """The three benchmark scripts run as the GPU call runs them (here at their CPU sizes):
+    each writes its JSON where the call says, its markdown is a section of GPU.md, and the
+    goals read the channels-last verdict (a compile that fails is a result: "not reached") and
+    the fp8 ratio."""
+    tiny = ("--width", "2", "--max-width", "4", "--side", "16", "--batch", "2")
+    small = {"roofline/models": ("--small", "--budget", "60"),
+             "cl/repro": tiny + ("--backend", "no_such_backend"),
+             "fp8/mp": ("--small", "--steps", "1", "--rounds", "2")}
+    reports = [dataclasses.replace(gpu_runs.RUNS[k], args=a) for k, a in small.items()]
+    plan(monkeypatch, {"reports": reports})
+    out = tmp_path / "out"
+    gpu_runs.main(["--out-dir", str(out)])
+    doc = (out / "GPU.md").read_text()
+    for section in ("## Roofline: each model's eager step",
+                    "## Compiled channels-last U-Net levels, torch alone",
+                    "## Linears in fp8 (tensorwise) against bf16"):
+        assert section in doc
+    assert "| **total** |" in doc and "compiled: FAILED: InvalidBackend" in doc
+    assert "| fp8 tensorwise |" in doc
+    goals = doc.split("## Goals")[1]
+    assert "| Compiled channels-last (torch alone): eager's numbers within its limit | compiled: " \
+           "FAILED: InvalidBackend" in goals and "| not reached |" in goals
+    assert re.search(r"\| fp8 linears, mp ViT, compiled: >= 1\.15x bf16 \| fp8 tensorwise: "
+                     r"[\d.]+ ms/step, [\d.]+x bf16 \| (not )?reached \|", goals)
+    rows = json.loads((out / "gpu_runs.json").read_text())["rows"]
+    assert [r["key"] for r in rows] == ["roofline/models", "cl/repro", "fp8/mp"]
+    assert all("report" in r for r in rows)
+
+
 TRACER = """import json, os, sys
 d = sys.argv[sys.argv.index("--profile_trace") + 1]
 os.makedirs(d)
