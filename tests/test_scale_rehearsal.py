@@ -69,11 +69,10 @@ def _scaled(kw: dict, world: int) -> dict:
     with the data-parallel ranks), and the validation set kept uneven over them."""
     kw = dict(kw)
     if world != 8:
-        mp = kw.get("tensor_parallel", 1) * kw.get("context_parallel", 1)
         kw["global_batch_size"] = kw["global_batch_size"] * world // 8
         for key in ("limit_nsamples_val", "Nsamples_val"):
-            if key in kw:
-                kw[key] = kw[key] * world // 8 + (world // mp) // 2 + 1
+            if key in kw:  # a step's worth and one more: one rank has a second batch
+                kw[key] = kw["global_batch_size"] + 1
     kw["base_batch_size"] = kw["global_batch_size"]
     return kw
 
