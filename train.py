@@ -514,6 +514,33 @@ class Trainer:
                 "count": int(count), "baseline_loss": self._baseline[0],
                 "baseline_metrics": self._baseline[1]}
 
+    def log_skill(self):
+        """After an epoch's validation, the model's skill as its science scores it, where the
+        task gives one then (the ViT's ``skill_every``): in the log and TensorBoard. Collective:
+        every data-parallel rank scores its share."""
+        def forward():  # the training forward's context: autocast, the attention kernel
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.autocast())
+            stack.enter_context(self.kernels())
+            return stack
+
+        t0 = time.time()
+        self.model.eval()
+        try:
+            got = self.task.skill(self.model, self.device, forward, self.state.epoch,
+                                  self.rt.dp_rank, self.rt.dp_size)
+        finally:
+            self.model.train()
+        if got is None:
+            return
+        scalars, lines = got
+        for line in lines:
+            log.info(line)
+        log.info(f"  Skill took {time.time() - t0:.2f} s")
+        for tag, value in scalars.items():
+            self.board.scalar(tag, value, self.iteration)
+        self.board.flush()
+
     def log_epoch(self, stats: EpochStats, val: dict, val_s: float):
         """The epoch's lines in the log and its points in TensorBoard."""
         it, board = self.iteration, self.board
@@ -583,6 +610,7 @@ class Trainer:
             t0 = time.time()
             val = self.validate()
             self.log_epoch(stats, val, time.time() - t0)
+            self.log_skill()
             self.last_val = val
             self.state.next_epoch()
             validated = True

@@ -215,6 +215,13 @@ class ViTConfig(Config):
         "(tensorwise) or per row (rowwise); needs amp_mode bf16, block dims that are multiples "
         "of 16 and a GPU of compute capability 8.9 or newer (H100, H200, L40S), emulated on a "
         "CPU (docs/performance.md)")
+    skill_every: int = _f(0, "every this many epochs, after the validation: the forecast skill "
+                          "of a short rollout (skill_lead_steps steps from 8 initial conditions "
+                          "spread through the validation years; RMSE in physical units and ACC "
+                          "of every variable) in TensorBoard (Skill/...) and the log; 0: never "
+                          "(score.py scores a trained run in full)", min=0, resume=True)
+    skill_lead_steps: int = _f(4, "forecast steps of skill_every's rollouts (4 steps of dt x 6 h: "
+                               "a day at dt 1)", min=1, resume=True)
     n_in_channels: int = _f(20, "input channels (the first n of the 20 ERA5 variables)", min=1,
                             max=20, size=True)
     n_out_channels: int = _f(20, "output channels", min=1, max=20)
@@ -255,6 +262,16 @@ class ViTConfig(Config):
             ok = [n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0 and n <= 64]
             raise ConfigError(f"num_heads={self.num_heads} does not divide embed_dim="
                               f"{self.embed_dim}: choose one of {ok}")
+        # skill_every: each rank rolls the whole model out from stored states by itself
+        if self.skill_every and (self.fsdp or self.tensor_parallel * self.context_parallel > 1):
+            raise ConfigError(f"skill_every={self.skill_every} rolls the model out on each rank by "
+                              f"itself, which a model sharded over ranks (fsdp, tensor_parallel, "
+                              f"context_parallel) cannot do: score the run's checkpoints with "
+                              f"score.py instead (--skill_every 0)")
+        if self.skill_every and self.data_is_generated:
+            raise ConfigError(f"skill_every={self.skill_every} rolls the model out through stored "
+                              f"ERA5 years, and data_loader_config synthetic has none: train on "
+                              f"ERA5 files, or --skill_every 0")
         # fp8 linears: bf16 around the fp8 matmuls (torchao's float8 training), and every block
         # linear's dims on a rank (embed_dim, the MLP's hidden width; split over tp) multiples
         # of 16, as the fp8 kernels need. The device is checked when it is known.

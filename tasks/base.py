@@ -28,6 +28,14 @@ class Task:
         model is one unit, gathered at once."""
         return []
 
+    def skill(self, model, device: torch.device, forward, epoch: int, rank: int, world: int):
+        """During training, after epoch ``epoch`` (0-based): the model's skill as its science
+        scores it, briefly, as ({TensorBoard tag: value}, lines for the log), or None when the
+        task has none to give after this epoch (the default: none). Collective over the
+        ``world`` data-parallel ranks when it gives one; ``forward``: a factory of the forward
+        pass's context (autocast, kernels)."""
+        return None
+
     def score(self, model, device: torch.device, autocast, opts):
         """The trained ``model`` scored as its science judges it (``score.py``): an
         ``observe.score_report.Report``. A problem without such scores says so."""

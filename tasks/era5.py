@@ -88,6 +88,14 @@ class ERA5Task(Task):
                                 title=f"{self.channels[0]} one step ahead",
                                 units="(normalised units)")
 
+    def skill(self, model, device: torch.device, forward, epoch: int, rank: int, world: int):
+        """Every ``skill_every`` epochs: a short rollout's forecast skill
+        (``forecast_skill.training_skill``)."""
+        every = self.cfg.skill_every
+        if not every or (epoch + 1) % every:
+            return None
+        return forecast_skill.training_skill(self, model, device, forward, rank, world)
+
     def score(self, model, device: torch.device, autocast, opts):
         """Forecast skill over lead time: autoregressive rollouts scored per variable
         (``tasks.forecast_skill``)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -158,6 +159,29 @@ def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | 
 
 
 # ----------------------------------------------------------------------------- scoring a run
+
+SKILL_INITS = 8  # initial conditions of the rollouts made during training (skill_every)
+
+
+def training_skill(task, model, device: torch.device, forward, rank: int = 0,
+                   world: int = 1) -> tuple[dict, list[str]]:
+    """The skill of a model being trained (``skill_every``): ``skill_lead_steps``-step rollouts
+    from ``SKILL_INITS`` initial conditions of the validation years, scored as ``score`` scores
+    them (these are its numbers for the same options). Returns the TensorBoard scalars (the
+    model's RMSE and ACC of every variable at the last lead time) and the summary lines."""
+    opts = SimpleNamespace(split="valid", lead_steps=task.cfg.skill_lead_steps,
+                           n_init=SKILL_INITS, batch_size=None, rank=rank, world_size=world)
+    report = score(task, model, device, forward, opts)
+    last = report.meta["lead_steps"]
+    hours = last * report.meta["hours_per_step"]
+    scalars = {}
+    for row in report.rows:
+        if row["forecast"] == "model" and row["lead_step"] == last:
+            scalars[f"Skill/RMSE({row['variable']}) at {hours} h"] = row["rmse"]
+            if row["acc"] is not None:
+                scalars[f"Skill/ACC({row['variable']}) at {hours} h"] = row["acc"]
+    return scalars, report.summary
+
 
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:

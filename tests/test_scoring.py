@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from unittest import mock
@@ -302,6 +303,45 @@ def unet_run(tmp_path_factory):
     train(TINY_UNET + ["--data_root", root, "--expdir", exp, "--num_iters", "2", "--Nsamples", "8",
                        "--Nsamples_val", "2", "--num_data_workers", "0"])
     return os.path.join(run_dir(exp), "checkpoints", "ckpt_00000002.pt")
+
+
+def test_skill_during_training_is_score_pys_for_the_same_options(tmp_path):
+    """--skill_every 2 over 3 epochs: after the second epoch's validation (and only then) the
+    log gives the skill's summary and TensorBoard the model's RMSE and ACC of every variable at
+    the last lead time of 2-step rollouts from 8 initial conditions, at that step; they are
+    score.py's numbers for its checkpoint with the same options."""
+    root = write_era5(str(tmp_path / "era5"), steps=16)
+    exp = str(tmp_path / "exp")
+    r = train(TINY_VIT + ["--data_root", root, "--expdir", exp, "--num_epochs", "3",
+                          "--skill_every", "2", "--skill_lead_steps", "2",
+                          "--checkpoint_every", "1", "--checkpoint_keep", "20"])
+    assert r.stdout.count("Forecast skill on valid: 8 initial conditions, 2 lead steps (12 h)") == 1
+    d = run_dir(exp)
+    events = tb_scalars(os.path.join(d, "tensorboard"))
+    tags = [t for t in events.Tags()["scalars"] if t.startswith("Skill/")]
+    assert len(tags) == 2 * 20 and "Skill/ACC(t850) at 12 h" in tags
+    points = events.Scalars("Skill/RMSE(z500) at 12 h")
+    steps_per_epoch = int(re.search(r"(\d+) steps per epoch", r.stdout).group(1))
+    assert [p.step for p in points] == [2 * steps_per_epoch]
+    ckpt = os.path.join(d, "checkpoints", f"ckpt_{2 * steps_per_epoch:08d}.pt")
+    s = score(["--run", ckpt, "--lead_steps", "2", "--n_init", "8", "--out", str(tmp_path / "s")])
+    assert s.returncode == 0, s.stdout[-2000:] + s.stderr[-2000:]
+    rows = {(x["variable"], x["lead_step"]): x for x in read_rows(str(tmp_path / "s" / "scores.csv"))
+            if x["forecast"] == "model"}
+    for tag in tags:
+        metric, variable = re.match(r"Skill/(RMSE|ACC)\((\w+)\) at 12 h", tag).groups()
+        want = float(rows[(variable, "2")][metric.lower()])
+        assert events.Scalars(tag)[0].value == pytest.approx(want, rel=1e-6, abs=1e-7), tag
+
+
+def test_skill_during_training_is_refused_where_a_rank_cannot_roll_out_alone():
+    from settings.errors import ConfigError
+    from settings.parse import build_config
+    for extra, says in (({"fsdp": True}, "a model sharded over ranks"),
+                        ({"tensor_parallel": 2}, "a model sharded over ranks"),
+                        ({"data_loader_config": "synthetic"}, "synthetic has none")):
+        with pytest.raises(ConfigError, match=says):
+            build_config(f"{ROOT}/config/ViT.yaml", "quickstart", {"skill_every": 1, **extra})
 
 
 def test_vit_run_trained_then_scored(vit_run, tmp_path, capsys):
