@@ -334,6 +334,38 @@ def test_skill_during_training_is_score_pys_for_the_same_options(tmp_path):
         assert events.Scalars(tag)[0].value == pytest.approx(want, rel=1e-6, abs=1e-7), tag
 
 
+def test_skill_during_training_on_two_ranks_is_one_process_score(tmp_path):
+    """2 DDP ranks (started as srun starts them) each roll out their share of the 8 initial
+    conditions; the sums over both are the numbers one process's score.py gives."""
+    from distributed_harness import find_free_port
+    root = write_era5(str(tmp_path / "era5"), steps=16)
+    exp = str(tmp_path / "exp")
+    args = TINY_VIT + ["--data_root", root, "--expdir", exp, "--num_epochs", "1",
+                       "--skill_every", "1", "--skill_lead_steps", "3"]
+    port = find_free_port()
+    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2",
+                                       LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "Scoring 8 initial conditions of" in outs[0][0] and ", 4 of them on rank 0 of 2" in \
+        outs[0][0]
+    d = run_dir(exp, ws=2)
+    events = tb_scalars(os.path.join(d, "tensorboard"))
+    s = score(["--run", d, "--lead_steps", "3", "--n_init", "8"])
+    assert s.returncode == 0, s.stdout[-2000:] + s.stderr[-2000:]
+    rows = {(x["variable"], x["lead_step"]): x for x in
+            read_rows(os.path.join(d, "score", "scores.csv")) if x["forecast"] == "model"}
+    for variable in ("z500", "t850", "u10m"):
+        for metric in ("RMSE", "ACC"):
+            got = events.Scalars(f"Skill/{metric}({variable}) at 18 h")
+            assert len(got) == 1 and got[0].value == pytest.approx(
+                float(rows[(variable, "3")][metric.lower()]), rel=1e-6, abs=1e-7)
+
+
 def test_skill_during_training_is_refused_where_a_rank_cannot_roll_out_alone():
     from settings.errors import ConfigError
     from settings.parse import build_config
