@@ -16,6 +16,7 @@ Host-device synchronisations (``.item()``, collectives for logging) happen only 
 device.
 """
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -710,9 +711,17 @@ def run(cfg, trainer_cls=Trainer):
     finally:
         if trainer is not None:
             trainer.loaders.close()
+            trainer.waits.close()
         release_run_locks()  # the run directory is free for another process (also on errors)
         if trainer is None:  # the start failed in set-up: it leaves no run behind
             discard_unstarted_run()
+        # The trainer (its DDP reducer, the work it queued) is freed before the process groups
+        # are destroyed, while the interpreter is whole (its data waits' watchdog thread, which
+        # held it, has ended): left to the interpreter's exit, gloo's threads could free it
+        # during finalization, which aborts the process (SIGABRT, "terminate called without an
+        # active exception") after a run that succeeded.
+        trainer = None
+        gc.collect()
         if rt is not None:
             rt.shutdown()
         stop_request.restore()

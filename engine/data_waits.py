@@ -109,6 +109,7 @@ class DataWaits:
         self._waiting = None  # (what it waits for as a callable, its timeout deadline) or None
         self._signal_deadline = math.inf
         self._watchdog = None
+        self._closed = threading.Event()  # the run is over: the watchdog thread ends
         self._unwinding = False  # a handler raised out of the wait, which unwinds now
 
     def batches(self, loader, what: str, epoch: int, first: int = 0,
@@ -196,8 +197,16 @@ class DataWaits:
 
     # ---------------------------------------------------------------- waits no handler ends
 
+    def close(self):
+        """End the watchdog thread (the run is over, no wait is in progress): while it runs it
+        holds this object and what ``advice`` and ``hard_exit`` refer to (the trainer, and
+        through it the model and its process groups)."""
+        self._closed.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5.0)
+
     def _start_watchdog(self):
-        if self._watchdog is None:
+        if self._watchdog is None and not self._closed.is_set():
             self._watchdog = threading.Thread(target=self._watch, name="data-wait-watchdog",
                                               daemon=True)
             self._watchdog.start()
@@ -207,8 +216,7 @@ class DataWaits:
         cannot run (C code that never returns to Python), and a wait ended by a handler whose
         loader has not let go ``watchdog_grace_s`` later is one whose clean-up blocks: end the
         process with its line."""
-        while True:
-            time.sleep(min(1.0, self.watchdog_grace_s))
+        while not self._closed.wait(min(1.0, self.watchdog_grace_s)):
             waiting = self._waiting
             if waiting is not None and time.monotonic() > waiting[1] + self.watchdog_grace_s:
                 if self._unwinding:

@@ -409,6 +409,35 @@ def test_a_loader_that_never_waits_is_fetched_without_a_data_wait():
     assert [kept for _, kept in waits.batches(Noting([1, 2]), "training", 0)] == [False] * 2
 
 
+def test_close_ends_the_watchdog_thread_and_lets_go_of_the_advice():
+    """The watchdog thread, started by the first fetch with a timeout, ends at ``close()`` (a
+    run's end): while it runs it holds the waits and what their advice refers to (a trainer)."""
+    import gc
+    import weakref
+
+    from engine.data_waits import DataWaits
+    from engine.preemption import NeverStop
+
+    class Owner:  # as a trainer: its method is the advice
+        def advice(self):
+            return "advice"
+
+    owner = Owner()
+    waits = DataWaits(NeverStop(), 600, owner.advice)
+    assert list(waits.batches([1, 2], "training", 0)) == [1, 2]
+    thread = waits._watchdog
+    assert thread is not None and thread.is_alive()
+    waits.close()
+    assert not thread.is_alive()
+    gone = weakref.ref(owner)
+    del owner, waits
+    gc.collect()
+    assert gone() is None
+    closed = DataWaits(NeverStop(), 600)
+    closed.close()  # closed before any fetch: none is started later
+    assert list(closed.batches([1], "training", 0)) == [1] and closed._watchdog is None
+
+
 def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
     """A wait in C code that never returns to Python (here: the main thread blocks the timer's
     signal, as such code keeps it from running a handler) is ended by the watchdog thread with
