@@ -183,7 +183,6 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
     return scalars, report.summary
 
 
-
 def score(task, model, device: torch.device, autocast, opts) -> Report:
     """Roll ``model`` out from initial conditions spread through ``opts.split`` and score every
     lead time. ``opts``: ``split``, ``lead_steps`` (None: ten days), ``n_init``,
