@@ -45,6 +45,7 @@ def build_variant(recipe: str, overrides: dict, batch: int, device, compiled: bo
     seconds. ``recipe``: ``none`` (bf16) or an fp8 recipe."""
     import torch
 
+    from benchmarks.step_options import compute_only_step
     from engine import fp8_linears
     from engine.optimizer import build_optimizer
     from settings.parse import build_config
@@ -65,13 +66,7 @@ def build_variant(recipe: str, overrides: dict, batch: int, device, compiled: bo
     x = torch.randn(batch, cfg.n_in_channels, *cfg.img_size, device=device, generator=gen)
     y = torch.randn(batch, cfg.n_out_channels, *cfg.img_size, device=device, generator=gen)
 
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16), kernels():
-            loss = task.loss(step_model(x), y).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+    step = compute_only_step(task, step_model, optimizer, x, y, torch.bfloat16, kernels)
     loss = step().item()  # a host sync: the first step (and compile) is over
     first_s = time.perf_counter() - t0
     for _ in range(2):

@@ -34,16 +34,16 @@ optimizer's loop, autograd's engine), and ops the rules place nowhere ("other").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from benchmarks.step_options import time_calls  # noqa: E402
 
 MODULE_RANGE = "roofline.module:"  # + the module's path below the model ("" for the model)
 OPT_RANGE = "roofline.optimizer"
@@ -59,28 +59,6 @@ SMALL = {"vit": ({"img_size": [32, 64], "patch_size": 4, "embed_dim": 64, "depth
 
 # --------------------------------------------------------------------------- the device's rates
 
-def _time_ms(fn, device, calls: int, rounds: int = 3, best: bool = False) -> float:
-    """Median (``best``: least) milliseconds of one call of ``fn`` over ``rounds`` rounds of
-    ``calls`` (CUDA events on a GPU, the wall clock on a CPU)."""
-    import torch
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append(1e3 * (time.perf_counter() - t0) / calls)
-    return min(times) if best else statistics.median(times)
-
-
 def device_rates(device, small: bool) -> dict:
     """The matmul rate (FLOP/s) of a large GEMM in the step's dtype and the memory bandwidth
     (bytes/s) of a large copy, read + written."""
@@ -92,14 +70,12 @@ def device_rates(device, small: bool) -> dict:
     b = torch.randn(n, n, device=device, dtype=dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     torch.mm(a, b, out=c)
-    mm_ms = _time_ms(lambda: torch.mm(a, b, out=c), device, calls=10 if gpu else 2, rounds=5,
-                     best=True)
+    mm_ms = time_calls(lambda: torch.mm(a, b, out=c), 5, 10 if gpu else 2, device, best=True)
     numel = 2**28 if gpu else (2**22 if small else 2**25)  # fp32: 1 GiB, 16 MiB, 128 MiB
     src = torch.ones(numel, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copy_ms = _time_ms(lambda: dst.copy_(src), device, calls=10 if gpu else 3, rounds=5,
-                       best=True)
+    copy_ms = time_calls(lambda: dst.copy_(src), 5, 10 if gpu else 3, device, best=True)
     return {"matmul_flops_per_s": 2 * n**3 / (mm_ms / 1e3),
             "bytes_per_s": 2 * 4 * numel / (copy_ms / 1e3),
             "matmul": f"{str(dtype).split('.')[-1]} {n}^3 GEMM {mm_ms:.3f} ms",
@@ -138,10 +114,11 @@ def build_case(name: str, small: bool, device, memory_format: str = "auto"):
     """The task, model, batch on the device, fused Adam and the step function of one model."""
     import torch
 
+    from benchmarks.step_options import compute_only_step
     from engine.optimizer import build_optimizer
     from observe.roofline import step_model
     from settings.parse import build_config
-    from tasks import attention, make_task
+    from tasks import make_task
     gpu = device.type == "cuda"
     overrides, batch = SMALL[name] if small else ({}, None)
     if name == "unet":
@@ -161,16 +138,8 @@ def build_case(name: str, small: bool, device, memory_format: str = "auto"):
         x, y = x.contiguous(memory_format=fmt), y.contiguous(memory_format=fmt)
     opt = build_optimizer(model.parameters(), 1e-4, cfg.adam_betas, True, device)
     dtype = torch.bfloat16 if gpu else torch.float32
-    kernels = (attention.kernels("auto", device, dtype, cfg.embed_dim // cfg.num_heads)
-               if name == "vit" else contextlib.nullcontext)
-
-    def step():
-        with torch.autocast(device.type, dtype=dtype, enabled=gpu), kernels():
-            loss = task.loss(model(x), y).mean()
-        loss.backward()
-        with torch.profiler.record_function(OPT_RANGE):
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = compute_only_step(task, model, opt, x, y, dtype, task.forward_kernels(device, dtype),
+                             lambda: torch.profiler.record_function(OPT_RANGE))
     layout = "channels_last_3d" if fmt == torch.channels_last_3d else "default layout"
     return model, step, step_model(task, batch, amp=gpu,
                                    channels_last=fmt == torch.channels_last_3d), cfg, layout
@@ -296,7 +265,7 @@ def measure_model(name: str, small: bool, device, rates: dict, warmup: int, time
     if gpu:
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
-    step_ms = _time_ms(step, device, calls=timed)
+    step_ms = time_calls(step, 3, timed, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     # one step under the profiler first (its own start-up costs; its events are left out),
     # then the profiled steps, each in a STEP_RANGE

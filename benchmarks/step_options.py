@@ -30,6 +30,7 @@ past its limit says so. The table is printed last; ``--json`` also writes it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -55,13 +56,15 @@ LIMIT_S = {"eager": 60, "default": 150, "max-autotune-no-cudagraphs": 200}
 
 # ------------------------------------------------------------------------- in a child process
 
-def time_calls(fn, rounds: int = 5, calls: int = 10) -> float:
-    """Median milliseconds of one call of ``fn`` over ``rounds`` rounds of ``calls`` calls (CUDA
-    events on a GPU, the wall clock elsewhere)."""
+def time_calls(fn, rounds: int = 5, calls: int = 10, device=None, best: bool = False) -> float:
+    """Median (``best``: least) milliseconds of one call of ``fn`` over ``rounds`` rounds of
+    ``calls`` calls (CUDA events on a GPU, the wall clock elsewhere); ``device``: where ``fn``
+    runs (default: a GPU when there is one)."""
     import torch
+    gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
     times = []
     for _ in range(rounds):
-        if torch.cuda.is_available():
+        if gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(calls):
@@ -74,7 +77,27 @@ def time_calls(fn, rounds: int = 5, calls: int = 10) -> float:
             for _ in range(calls):
                 fn()
             times.append((time.perf_counter() - t0) * 1000 / calls)
-    return statistics.median(times)
+    return min(times) if best else statistics.median(times)
+
+
+def compute_only_step(task, model, optimizer, x, y, dtype, kernels=contextlib.nullcontext,
+                      optimizer_range=contextlib.nullcontext):
+    """A compute-only training step as the benchmarks time it: the forward of ``model`` on the
+    batch ``x`` under autocast to ``dtype`` (float32: none) and ``kernels()``, the task's loss
+    (mean) against ``y``, the backward, and ``optimizer``'s step inside ``optimizer_range()``.
+    The step returns its loss, not synchronised."""
+    import torch
+
+    def step():
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32), \
+                kernels():
+            loss = task.loss(model(x), y).mean()
+        loss.backward()
+        with optimizer_range():
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    return step
 
 
 def sdpa_backend(name: str):
@@ -133,7 +156,6 @@ def step_row(model_name: str, opts: dict, steps: int) -> dict:
     ``opts["overrides"]``: settings over the short config's (smaller models for a test); on a
     machine without CUDA the step runs on the CPU."""
     t0 = time.perf_counter()
-    import contextlib
 
     import torch
     from torch.nn.attention import sdpa_kernel
@@ -170,12 +192,7 @@ def step_row(model_name: str, opts: dict, steps: int) -> dict:
         step_model = torch.compile(model, mode=None if opts["compile"] == "default"
                                    else opts["compile"])
 
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16), kernels():
-            loss = task.loss(step_model(x), y).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step = compute_only_step(task, step_model, optimizer, x, y, torch.bfloat16, kernels)
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()
