@@ -57,7 +57,7 @@ def build_variant(recipe: str, overrides: dict, batch: int, device, compiled: bo
     torch.manual_seed(0)
     model = task.build_model()
     if recipe != "none":
-        fp8_linears.convert(task.shard_blocks(model), recipe, device)
+        fp8_linears.convert(task.blocks(model), recipe, device)
     model = model.to(device)
     optimizer = build_optimizer(model.parameters(), 1e-4, cfg.adam_betas, True, device)
     step_model = torch.compile(model) if compiled else model

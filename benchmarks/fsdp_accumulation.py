@@ -110,7 +110,7 @@ def _measure_rank(overrides: dict, steps: int) -> dict:
             if grads + unsharded > sum(held):
                 held[:] = [grads, unsharded]
 
-    for block in trainer.task.shard_blocks(model):
+    for block in trainer.task.blocks(model):
         block.register_forward_pre_hook(note, prepend=True)  # before FSDP gathers the block
     trainer.loaders.train_sampler.set_epoch(0)
     model.train()

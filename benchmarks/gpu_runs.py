@@ -27,8 +27,11 @@ Series (``--only``; rows in this order, each a short training of real size):
   ``--throughput_report``;
 - ``vit``: ViT ``short`` (fp32, no workers, 12 steps of 16 on 96 samples), ``short_opt`` in
   bf16 (8 workers, fused, compile, the attention kernel's default; 48 steps, with
-  ``--throughput_report``), and the same again, which finds the compile caches of the run
-  before: its first epoch against its steady ones;
+  ``--throughput_report``), the same again, which finds the compile caches of the run
+  before: its first epoch against its steady ones, and ``short_opt`` with ``compile_blocks``
+  (each transformer block compiled on its own: its start and its step against the whole
+  model's, both in the second call, the blocks first, so that the whole model's compile finds
+  no cache of its own graph);
 - ``tests``: ``pytest -m gpu`` over the test files that need a GPU (the others import packages a
   GPU node may lack);
 - ``graphs``: ``train_graph.py`` at batch 8 (device loader, bf16, fused): replayed against eager
@@ -169,6 +172,10 @@ SERIES: dict[str, list[Run]] = {
             est(48 * 16 + 4 * VIT_VALID, 150, COMPILE_S + REPORT_S), data="era5"),
         Run("vit/short_opt_again", "the same again: the compile caches of the run before",
             "train.py", VIT_OPT, est(48 * 16 + 4 * VIT_VALID, 150, WARM_COMPILE_S), data="era5"),
+        Run("vit/short_opt_blocks", "short_opt in bf16 with compile_blocks (each transformer "
+            "block compiled on its own), + throughput report", "train.py",
+            VIT_OPT + ("--compile_blocks", "true") + REPORT,
+            est(48 * 16 + 4 * VIT_VALID, 150, COMPILE_S / 2 + REPORT_S), data="era5"),
     ],
     "tests": [
         Run("tests/gpu", "pytest -m gpu", "pytest", ("-q", "-m", "gpu") + GPU_TESTS, 45,
@@ -211,7 +218,8 @@ SERIES: dict[str, list[Run]] = {
 # The device calls, each under 9 minutes (estimates in --dry-run): series, or runs by key.
 # The first measures what the goals read; the others what stays as it was measured before.
 CALLS = (("roofline", "cl", "fp8", "unet/short_opt", "vit/short_opt", "vit/short_opt_again"),
-         ("unet/baseline", "vit/short", "tests", "graphs", "profile"), ("largest",))
+         ("unet/baseline", "vit/short", "vit/short_opt_blocks", "vit/short_opt", "tests", "graphs",
+          "profile"), ("largest",))
 RUNS = {run.key: run for runs in SERIES.values() for run in runs}
 
 

@@ -140,7 +140,7 @@ def _measure_fsdp_rank(config, ov):
         gathered[0] = max(gathered[0], sum(p.numel() * p.element_size() for p in model.parameters()
                                            if not isinstance(p, DTensor)))
 
-    for block in trainer.task.shard_blocks(model):
+    for block in trainer.task.blocks(model):
         next(block.children()).register_forward_pre_hook(note_gathered)
     trainer.loaders.train_sampler.set_epoch(0)
     model.train()

@@ -19,8 +19,9 @@ forward + backward 3.5x that, the backward counted as FlashAttention's papers co
 fused Adam, the task's loss) of the short configs' models, one variant per child process
 (compile caches off, so each compile is timed from cold), in this order: the ViT eager per
 attention backend; the U-Net in the default layout and in ``channels_last_3d``, eager and
-compiled; the ViT compiled with the fastest attention (default mode and
-``max-autotune-no-cudagraphs``). ``heuristics`` (not in the default): the U-Net eager in both
+compiled; the ViT compiled with the fastest attention (default mode,
+``max-autotune-no-cudagraphs``, and ``blocks``: each transformer block compiled on its own, as
+``compile_blocks`` does, in the default mode). ``heuristics`` (not in the default): the U-Net eager in both
 layouts with cuDNN's heuristics instead of its autotuning (``cudnn.benchmark`` off): what the
 autotuning costs at the start and gains per step. Per variant: milliseconds per step (median of timed
 rounds), samples/s, TFLOP/s and MFU (the task's model FLOPs), and the seconds to the first step
@@ -50,8 +51,8 @@ HEURISTICS = [(f"{fmt} eager, cuDNN's heuristics (no autotuning)",
                {"layout": fmt, "compile": "eager", "cudnn_benchmark": False})
               for fmt in ("contiguous", "channels_last")]
 VIT_COMPILED = [(f"fastest ({mode})", {"attention": "best", "compile": mode})
-                for mode in ("default", "max-autotune-no-cudagraphs")]
-LIMIT_S = {"eager": 60, "default": 150, "max-autotune-no-cudagraphs": 200}
+                for mode in ("default", "max-autotune-no-cudagraphs", "blocks")]
+LIMIT_S = {"eager": 60, "default": 150, "max-autotune-no-cudagraphs": 200, "blocks": 100}
 
 
 # ------------------------------------------------------------------------- in a child process
@@ -188,7 +189,10 @@ def step_row(model_name: str, opts: dict, steps: int) -> dict:
     kernels = (lambda: sdpa_kernel([sdpa_backend(attention)])) if attention in BACKENDS \
         else contextlib.nullcontext
     step_model = model
-    if opts["compile"] != "eager":
+    if opts["compile"] == "blocks":  # compile_blocks: each block in place, the rest eager
+        for block in task.blocks(model):
+            block.compile()
+    elif opts["compile"] != "eager":
         step_model = torch.compile(model, mode=None if opts["compile"] == "default"
                                    else opts["compile"])
 
@@ -217,6 +221,8 @@ def child(argv):
     opts = json.loads(argv[2])
     if opts.get("attention") == "best":
         opts["attention"] = argv[3]
+    if len(argv) > 5:
+        opts["overrides"] = json.loads(argv[5])
     print(json.dumps(step_row(argv[1], opts, int(argv[4]) if len(argv) > 4 else 10)), flush=True)
 
 
@@ -257,6 +263,11 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=300.0,
                    help="seconds for all variants; the rest are skipped (default: %(default)g)")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    p.add_argument("--steps", type=int, default=10, help="steps per timed round (default: "
+                   "%(default)s)")
+    p.add_argument("--vit-overrides", default="{}", metavar="JSON",
+                   help="settings over the ViT's short config for every ViT variant, e.g. "
+                        "'{\"img_size\": [64, 128]}' for a CPU (default: none)")
     p.add_argument("--dry-run", action="store_true", help="list the variants, run nothing")
     a = p.parse_args(argv)
     plan = []
@@ -281,8 +292,10 @@ def main(argv=None):
         if left < 15:
             out["steps"].append({"variant": label, "failed": "skipped: budget spent"})
             continue
-        if args[0] == "step" and args[1] == "vit":
-            args = args + [best]
+        if args[0] == "step":
+            args = args + [best, str(a.steps)]
+            if args[1] == "vit":
+                args.append(a.vit_overrides)
         rows, why = run_child(args, min(limit, left))
         if args[0] == "attention":
             out["attention"] = rows

@@ -1,7 +1,7 @@
 """fp8 linear layers (the ViT setting ``fp8_linears``): the transformer blocks' matmuls in
 float8, with torchao's float8 training (``pip install -r requirements-fp8.txt``).
 
-Which layers: the linear layers inside the task's blocks (``task.shard_blocks``: the ViT's
+Which layers: the linear layers inside the task's blocks (``task.blocks``: the ViT's
 qkv, proj, fc1 and fc2; at the ``mp`` size 99% of its linear layers' FLOPs and 69% of all its
 FLOPs, most of the rest attention's) whose two dimensions on this rank are multiples of 16, as
 fp8 matmul kernels need (``ViTConfig.check`` refuses a model whose block linears are not, so in

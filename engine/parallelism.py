@@ -13,15 +13,19 @@
 5. data parallelism over the data-parallel ranks: DistributedDataParallel (with model
    parallelism, its communication hook also sums the gradients of parameters replicated over
    tp/cp), or, with ``fsdp``, torch's FSDP2 (``fully_shard``): each of the task's blocks
-   (``task.shard_blocks(model)``) and then the whole model are sharded over a one-dimensional
+   (``task.blocks(model)``) and then the whole model are sharded over a one-dimensional
    data-parallel ``DeviceMesh`` (under tp/cp the ``dp`` dimension of the tp x cp x dp mesh, so
    FSDP shards the tp/cp slices further), so that every rank keeps 1/N of each parameter, its
    gradient and its Adam state as DTensors and gathers a block's weights just before the block
    runs; with gradient accumulation every micro-batch's backward reduce-scatters its gradients
    onto the shards (``ParallelModel.no_sync``; ``fsdp_reduce_each_microbatch``);
-6. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model. Under tp/cp the
-   sharded layers' collectives stay out of the compiled graphs: each is a graph break and runs
-   eagerly (``distributed.mappings.eager_apply``), the compute between them is compiled.
+6. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model, or, with
+   ``compile_blocks``, of each of the task's blocks in place (``nn.Module.compile``: the
+   parameters' names stay, so checkpoints are the same either way): blocks alike share one
+   compiled graph, so the first step's compile is about one block's, and the rest of the model
+   and the wrappers around it run eagerly. Under tp/cp the sharded layers' collectives stay out
+   of the compiled graphs: each is a graph break and runs eagerly
+   (``distributed.mappings.eager_apply``), the compute between them is compiled.
 
 The model itself knows nothing of any of this.
 """
@@ -44,6 +48,7 @@ from engine import fp8_linears
 from engine.runtime import Runtime
 from engine.sharding import (FSDPModule, FullyShardedSharding, MixedPrecisionPolicy,
                              RowBandSharding, Unsharded, fully_shard)
+from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config
@@ -169,7 +174,7 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         sharding = Unsharded(task)
     fp8 = getattr(cfg, "fp8_linears", "none")
     if fp8 != "none":  # 2. fp8 linears (checked with the device: engine.runtime)
-        fp8_linears.convert(task.shard_blocks(model), fp8, rt.device)
+        fp8_linears.convert(task.blocks(model), fp8, rt.device)
     model = model.to(rt.device)  # 4.
     if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
         model = model.to(memory_format=memory_format)
@@ -180,7 +185,7 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
     if cfg.fsdp and rt.dp_size > 1:  # 5. sharded data parallel
         # (noddp and fp16 with fsdp are refused with the settings)
         mesh = rt.groups.mesh["dp"] if rt.groups is not None else None
-        model = shard_fully(model, task.shard_blocks(model), cfg.amp_mode, rt, mesh)
+        model = shard_fully(model, task.blocks(model), cfg.amp_mode, rt, mesh)
         sharding = FullyShardedSharding(task, sharding)
         wrapped = model
     elif rt.distributed and cfg.noddp:
@@ -198,5 +203,14 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         # disables its mapping helpers), so dynamo breaks the graph at each collective instead
         # of tracing it into functional collectives: the compiled graphs hold per-rank compute
         # only, and the collectives run as in an eager step (tests/test_mp_compile.py).
-        wrapped = torch.compile(wrapped, options=task.compile_options(memory_format) or None)
+        options = task.compile_options(memory_format) or None
+        if cfg.compile_blocks:
+            blocks = task.blocks(model)
+            if not blocks:
+                raise ConfigError(f"compile_blocks=true: {type(task).__name__}'s model names no "
+                                  f"blocks to compile one by one: drop --compile_blocks")
+            for block in blocks:
+                block.compile(options=options)
+        else:
+            wrapped = torch.compile(wrapped, options=options)
     return ParallelModel(model, wrapped, sharding, rt, cfg.fsdp_reduce_each_microbatch)

@@ -119,6 +119,11 @@ class Config:
     amp_mode: Literal["none", "fp16", "bf16"] = _f("none", "automatic mixed precision: none, fp16 "
                                                    "(GPU, with a gradient scaler) or bf16")
     enable_jit: bool = _f(False, "compile the model with torch.compile", resume=True)
+    compile_blocks: bool = _f(False, "with enable_jit: compile each of the model's blocks on its "
+                              "own (the ViT's transformer blocks, the U-Net's stages) instead of "
+                              "the whole model; a block's compiled code serves every block like "
+                              "it, so the first step comes sooner, and the parts between the "
+                              "blocks run eagerly (docs/performance.md)", resume=True)
     compile_cache_dir: str = _f("", "where torch.compile keeps its caches, for later runs to "
                                 "reuse (empty: $TORCHINDUCTOR_CACHE_DIR, else torch's "
                                 "/tmp/torchinductor_<user>); on $SCRATCH shared by every rank "
@@ -407,6 +412,10 @@ def validate(cfg: Config):
         raise ConfigError("amp_mode=fp16 is not combined with fsdp (its gradient scaler would "
                           "skip steps on some ranks' shards only): use --amp_mode bf16, or DDP "
                           "(drop --fsdp) for fp16")
+    if cfg.compile_blocks and not cfg.enable_jit:
+        raise ConfigError("compile_blocks=true says what torch.compile compiles, and enable_jit is "
+                          "false, so nothing would be: add --enable_jit true, or drop "
+                          "--compile_blocks")
     if cfg.num_epochs is None and cfg.num_iters is None:
         raise ConfigError("neither num_epochs nor num_iters is set: give one, e.g. --num_epochs 3")
     if cfg.num_epochs is not None and cfg.num_iters is not None:

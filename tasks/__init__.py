@@ -24,9 +24,10 @@ answers with torch's defaults):
   (``enable_jit``) is given;
 - ``forward_kernels(device, dtype)``: a factory of the context the forward pass runs under (the
   ViT's attention kernel, ``tasks.attention``);
-- ``shard_blocks(model)``: the submodules sharded as units under ``fsdp``, their weights
-  gathered together just before they run (the ViT's transformer blocks, the U-Net's encoder and
-  decoder stages; by default none: the whole model is one unit).
+- ``blocks(model)``: the units the model is built of (the ViT's transformer blocks, the U-Net's
+  encoder and decoder stages; by default none: the whole model is one unit): sharded as units
+  under ``fsdp``, their weights gathered together just before they run; their linear layers
+  are the ones ``fp8_linears`` converts; each is compiled on its own under ``compile_blocks``.
 
 Its data is the data room's (``datapipe.data_sets``, registered for the same config class), and
 its settings are its config class's (``settings.config``: fields, bounds and ``check()``). A new

@@ -23,9 +23,10 @@ class Task:
         """Options for torch.compile of the model in ``memory_format``: torch's defaults."""
         return {}
 
-    def shard_blocks(self, model) -> list:
-        """The submodules whose weights FSDP gathers together (``fsdp``): none, so the whole
-        model is one unit, gathered at once."""
+    def blocks(self, model) -> list:
+        """The model's blocks, the units it is built of: FSDP gathers each one's weights together
+        (``fsdp``), fp8 computes their linear layers (``fp8_linears``), and ``compile_blocks``
+        compiles each on its own. None by default: the whole model is one unit."""
         return []
 
     def skill(self, model, device: torch.device, forward, epoch: int, rank: int, world: int):

@@ -99,9 +99,9 @@ class CosmoTask(Task):
                     max_width=c.max_width, full_scale=c.full_scale, conv_init_std=c.conv_init_std,
                     leaky_relu_slope=c.leaky_relu_slope)
 
-    def shard_blocks(self, model) -> list:
-        """The submodules whose weights FSDP gathers together (``fsdp``): the encoder's and the
-        decoder's stages (the last transposed convolution stays with the whole model)."""
+    def blocks(self, model) -> list:
+        """The model's blocks (``Task.blocks``): the encoder's and the decoder's stages (the
+        last transposed convolution stays with the whole model)."""
         return [*model.down, *model.up]
 
     def metric_sums(self, pred, y) -> torch.Tensor:

@@ -62,8 +62,8 @@ class ERA5Task(Task):
                    layer_norm_eps=c.layer_norm_eps, head_bias=c.head_bias,
                    activation_checkpointing=c.activation_checkpointing)
 
-    def shard_blocks(self, model) -> list:
-        """The submodules whose weights FSDP gathers together (``fsdp``): the transformer blocks."""
+    def blocks(self, model) -> list:
+        """The model's blocks (``Task.blocks``): the transformer blocks."""
         return list(model.blocks)
 
     def metric_sums(self, pred, y) -> torch.Tensor:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from settings.errors import ConfigError
 from settings.parse import build_config
 from engine.runtime import setup_runtime
 from train import Trainer
@@ -34,6 +35,34 @@ def test_compiled_model_trains_like_eager(era5_root, tmp_path):
     compiled, tr = losses_after(era5_root, tmp_path / "b", enable_jit="true")
     assert "OptimizedModule" in type(tr.wrapped_model).__name__
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.compile
+def test_compiled_blocks_train_like_eager_with_one_graph_for_all(era5_root, tmp_path):
+    """compile_blocks: each transformer block compiled in place (the model is not wrapped, its
+    parameters keep their names), one graph serving both blocks, the losses eager's."""
+    from torch._dynamo.utils import counters
+    eager, tr_eager = losses_after(era5_root, tmp_path / "a", depth="2")
+    torch._dynamo.reset()
+    counters.clear()
+    blocks, tr = losses_after(era5_root, tmp_path / "b", depth="2", enable_jit="true",
+                              compile_blocks="true")
+    assert tr.wrapped_model is tr.model and type(tr.model).__name__ == "ViT"
+    assert all(b._compiled_call_impl is not None for b in tr.model.blocks)
+    assert tr.model.norm._compiled_call_impl is None  # the rest of the model runs eagerly
+    assert counters["stats"]["unique_graphs"] == 1  # the second block reuses the first's
+    assert list(tr.model.state_dict()) == list(tr_eager.model.state_dict())
+    assert blocks == pytest.approx(eager, rel=1e-4, abs=1e-5)
+    # with activation checkpointing the compiled blocks are recomputed in the backward
+    checkpointed, _ = losses_after(era5_root, tmp_path / "c", depth="2", enable_jit="true",
+                                   compile_blocks="true", activation_checkpointing="true")
+    assert checkpointed == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_compile_blocks_without_enable_jit_is_refused(era5_root, tmp_path):
+    with pytest.raises(ConfigError, match="compile_blocks=true .* add --enable_jit true"):
+        losses_after(era5_root, tmp_path, compile_blocks="true")
+    assert not (tmp_path / "quickstart").exists()
 
 
 def test_bf16_autocast_on_cpu_runs_in_bf16(era5_root, tmp_path):

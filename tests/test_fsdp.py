@@ -415,13 +415,18 @@ def test_convert_command(fsdp4, tmp_path):
 
 
 def rank_compiled(era5, exp):
-    return run_vit(era5, exp, True, num_iters=2, enable_jit="true")
+    return {"model": run_vit(era5, os.path.join(exp, "model"), True, num_iters=2,
+                             enable_jit="true"),
+            "blocks": run_vit(era5, os.path.join(exp, "blocks"), True, num_iters=2,
+                              enable_jit="true", compile_blocks="true")}
 
 
 @pytest.mark.compile
 def test_compiled_fsdp_equals_serial(data, serial):
-    """torch.compile of the sharded model (compiled after fully_shard)."""
+    """torch.compile of the sharded model (compiled after fully_shard), whole or block by block
+    (compile_blocks: each sharded block compiled in place, FSDP's gathers around it eager)."""
     ranks = run_ranks(rank_compiled, 2, data["era5"], str(data["base"] / "compiled"), timeout=900)
-    assert ranks[0]["kind"] == "FSDPViT"
-    np.testing.assert_allclose(np.mean([r["losses"] for r in ranks], axis=0),
-                               serial["vit"]["losses"][:2], rtol=1e-4)
+    for scope in ("model", "blocks"):
+        assert ranks[0][scope]["kind"] == "FSDPViT"
+        np.testing.assert_allclose(np.mean([r[scope]["losses"] for r in ranks], axis=0),
+                                   serial["vit"]["losses"][:2], rtol=1e-4, err_msg=scope)

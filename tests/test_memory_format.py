@@ -168,6 +168,12 @@ def test_compiled_channels_last_trains_as_eager_on_a_cpu(cosmo32, tmp_path):
     assert jit.batch_layouts == {(True, True)}
     torch.testing.assert_close(jit.losses, eager.losses, rtol=1e-4, atol=1e-6)
     assert_same_weights(jit, eager, rtol=1e-3, atol=1e-5)
+    # compile_blocks: each encoder and decoder stage compiled on its own, the rest eager
+    stages = run(cosmo32, tmp_path / "stages", steps=2, memory_format="channels_last",
+                 enable_jit=True, compile_blocks=True)
+    assert all(m._compiled_call_impl is not None for m in [*stages.model.down, *stages.model.up])
+    torch.testing.assert_close(stages.losses, eager.losses, rtol=1e-4, atol=1e-6)
+    assert_same_weights(stages, eager, rtol=1e-3, atol=1e-5)
 
 
 def test_resume_across_formats_and_checkpoints_in_the_default_layout(cosmo32, tmp_path):

@@ -4,10 +4,10 @@ The sharded layers' autograd Functions call c10d collectives; under ``torch.comp
 eagerly, outside the compiled graphs (``distributed.mappings.eager_apply``,
 ``torch.compiler.disable``; the DL4SCI25 reference disables its mappings the same way), so
 dynamo breaks the graph at each collective instead of tracing it. One spawn of 4 ranks trains
-the tiny ViT for 3 steps with the engine (``train.Trainer``, same seed and batches), eagerly and
-compiled, and checks on every rank:
+the tiny ViT for 3 steps with the engine (``train.Trainer``, same seed and batches), eagerly,
+compiled whole and compiled block by block (``compile_blocks``), and checks on every rank:
 
-* the compiled run's losses equal the eager run's (rtol 1e-5: the compiled kernels round
+* the compiled runs' losses equal the eager run's (rtol 1e-5: the compiled kernels round
   differently; observed below 1e-7 relative);
 * the model really was compiled (``OptimizedModule``, several graphs), with graph breaks at
   ``eager_apply`` and no collective in any graph dynamo handed to the compiler.
@@ -57,9 +57,10 @@ def _eager_and_compiled_losses(data_root, expdir):
     torch.compile = lambda model, **kw: compile_(model, backend=inductor_recording, **kw)
     out = {}
     try:
-        for jit in ("false", "true"):
+        for jit in ("false", "true", "blocks"):
             cfg = build_config(YAML, "quickstart", dict(TINY, data_root=data_root, expdir=os.path.join(expdir, jit),
-                                                        enable_jit=jit))
+                                                        enable_jit=str(jit != "false").lower(),
+                                                        compile_blocks=str(jit == "blocks").lower()))
             tr = Trainer(cfg, setup_runtime(cfg))
             tr.loaders.train_sampler.set_epoch(0)
             losses = []
@@ -68,7 +69,7 @@ def _eager_and_compiled_losses(data_root, expdir):
                 if len(losses) == STEPS:
                     break
             out[jit] = losses
-        out["wrapped"] = type(tr.wrapped_model).__name__
+            out[f"wrapped {jit}"] = type(tr.wrapped_model).__name__
     finally:
         torch.compile = compile_
     out["graphs"] = counters["stats"]["unique_graphs"]
@@ -82,10 +83,12 @@ def test_compiled_tp2_cp2_trains_like_eager(tmp_path):
     data = write_era5(str(tmp_path / "era5"))
     per_rank = run_ranks(_eager_and_compiled_losses, 4, data, str(tmp_path), timeout=600)
     for rank, res in enumerate(per_rank):
-        assert res["wrapped"] == "OptimizedModule", f"rank {rank}"
+        assert res["wrapped true"] == "OptimizedModule", f"rank {rank}"
+        assert res["wrapped blocks"] == "DistributedDataParallel", f"rank {rank}"  # blocks compiled inside
         assert len(res["false"]) == STEPS
-        torch.testing.assert_close(torch.tensor(res["true"]), torch.tensor(res["false"]), rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"rank {rank}: compiled vs eager losses: {m}")
+        for jit in ("true", "blocks"):
+            torch.testing.assert_close(torch.tensor(res[jit]), torch.tensor(res["false"]), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank}: compiled ({jit}) vs eager losses: {m}")
         assert res["collectives_in_graphs"] == [], f"rank {rank}: collectives traced into compiled graphs"
         assert res["eager_apply_breaks"] > 0 and res["graphs"] > 1, res
     assert per_rank[0]["false"] == per_rank[3]["false"], "every rank reports the replica's (serial) loss"

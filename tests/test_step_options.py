@@ -43,3 +43,19 @@ def test_attention_rows_time_each_kernel_and_record_the_missing_ones():
         math = got[(dtype, "qkv", "math")]
         assert math["fwd_ms"] > 0 and math["fwd_bwd_tflops"] > 0
         assert "failed" in got[(dtype, "pad64", "cudnn")]  # no cuDNN kernel on a CPU
+
+
+@pytest.mark.compile
+def test_the_blocks_variant_compiles_one_graph_for_every_block(capsys):
+    """``fastest (blocks)``: each transformer block compiled in place, as compile_blocks does;
+    the second block reuses the first's graph."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    step_options.main(["--dry-run", "--only", "vit"])
+    assert "vit fastest (blocks): limit 100 s" in capsys.readouterr().out
+    torch._dynamo.reset()
+    counters.clear()
+    row = step_options.step_row("vit", {"compile": "blocks", "attention": "math",
+                                        "overrides": {**TINY_VIT, "depth": 2}}, steps=1)
+    assert row["ms"] > 0 and counters["stats"]["unique_graphs"] == 1

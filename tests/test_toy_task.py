@@ -208,3 +208,13 @@ def test_the_third_task_is_its_own_config_family(tmp_path):
                        torch.device("cpu"))
     x, y = next(iter(ld.train))
     assert x.shape == y.shape == (4, WIDTH)
+
+
+def test_compile_blocks_is_refused_for_a_task_without_blocks(tmp_path):
+    import train
+    from settings.errors import ConfigError
+
+    cfg = toy_config(write_yaml(str(tmp_path)), enable_jit="true", compile_blocks="true")
+    with pytest.raises(ConfigError, match="ToyTask's model names no blocks .* drop "
+                                          "--compile_blocks"):
+        train.Trainer(cfg, setup_runtime(cfg))
