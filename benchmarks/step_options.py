@@ -7,11 +7,13 @@ attention kernels of the ViT and whole compute-only steps of both models.
 
 ``attention``: ``scaled_dot_product_attention`` alone at the ViT's shapes (the tutorial's short
 config: batch 16, 8 heads of 48, 45 x 90 = 4050 tokens), each backend that torch has (flash,
-cuDNN, memory-efficient, math) in bf16 and fp16, forward and forward + backward; q, k and v as
-the model makes them (strided views of the fused QKV projection, ``qkv``) and as contiguous
-tensors (``contig``), and padded with zeros to heads of 64 (``pad64``: the same scores and
-output, for kernels tuned for 64); the fastest forward + backward in bf16 of the model's own
-layout is the "fastest" of the compiled ViT variants. Milliseconds per call (median of timed
+cuDNN, memory-efficient, math) in bf16 and fp16, forward and forward + backward, from the QKV
+projection's output (B, N, 3E) to the attention's (B, N, E); q, k and v as the model makes them
+(strided views of the fused QKV projection split on its own dimension, ``qkv``), split on a
+permuted view as before (``qkv-permuted``: its backward copies the QKV gradient once more), as
+contiguous tensors (``contig``), and padded with zeros to heads of 64 (``pad64``: the same
+scores and output, for kernels tuned for 64); the fastest forward + backward in bf16 of the
+model's own layout is the "fastest" of the compiled ViT variants. Milliseconds per call (median of timed
 rounds, CUDA events) and TFLOP/s of the attention's own FLOPs (4 N^2 d per head forward;
 forward + backward 3.5x that, the backward counted as FlashAttention's papers count it).
 
@@ -107,26 +109,37 @@ def sdpa_backend(name: str):
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
 
 
+LAYOUTS = ("qkv", "qkv-permuted", "contig", "pad64")
+
+
 def attention_rows(batch=16, heads=8, tokens=4050, head_dim=48, device="cuda") -> list[dict]:
-    """One row per dtype, layout and backend (a backend without a kernel: its error)."""
+    """One row per dtype, layout and backend (a backend without a kernel: its error). The
+    input is the QKV projection's output (B, N, 3E), its gradient what the step's backward
+    hands to the projection."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
     rows = []
     flops_fwd = 4 * batch * heads * tokens * tokens * head_dim
     for dtype in (torch.bfloat16, torch.float16):
-        qkv = torch.randn(batch, tokens, 3, heads, head_dim, device=device, dtype=dtype,
+        qkv = torch.randn(batch, tokens, 3 * heads * head_dim, device=device, dtype=dtype,
                           requires_grad=True)
-        for layout in ("qkv", "contig", "pad64"):
+        for layout in LAYOUTS:
             def attend():
-                q, k, v = qkv.permute(2, 0, 3, 1, 4)
+                split = qkv.view(batch, tokens, 3, heads, head_dim)
+                if layout == "qkv-permuted":  # the split before: its backward copies once more
+                    q, k, v = split.permute(2, 0, 3, 1, 4)
+                else:  # the model's (networks.vit.Attention)
+                    q, k, v = (t.transpose(1, 2) for t in split.unbind(2))
                 if layout == "contig":
                     q, k, v = (t.contiguous() for t in (q, k, v))
                 if layout == "pad64":  # zeros to a head of 64: the same scores, the same output
                     q, k, v = (F.pad(t, (0, 64 - head_dim)) for t in (q, k, v))
-                    return F.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5)[
+                    out = F.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5)[
                         ..., :head_dim]
-                return F.scaled_dot_product_attention(q, k, v)
+                else:
+                    out = F.scaled_dot_product_attention(q, k, v)
+                return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)  # (B, N, E)
             for name in BACKENDS if layout != "pad64" else BACKENDS[:3]:
                 row = {"dtype": str(dtype).split(".")[-1], "layout": layout, "backend": name}
                 try:
@@ -216,7 +229,8 @@ def step_row(model_name: str, opts: dict, steps: int) -> dict:
 def child(argv):
     kind = argv[0]
     if kind == "attention":
-        attention_rows()
+        import torch
+        attention_rows(*json.loads(argv[1]), device="cuda" if torch.cuda.is_available() else "cpu")
         return
     opts = json.loads(argv[2])
     if opts.get("attention") == "best":
@@ -265,6 +279,9 @@ def main(argv=None):
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     p.add_argument("--steps", type=int, default=10, help="steps per timed round (default: "
                    "%(default)s)")
+    p.add_argument("--attention-shape", nargs=4, type=int, default=[16, 8, 4050, 48],
+                   metavar=("BATCH", "HEADS", "TOKENS", "HEAD_DIM"),
+                   help="the attention rows' shape (default: the short ViT's, %(default)s)")
     p.add_argument("--vit-overrides", default="{}", metavar="JSON",
                    help="settings over the ViT's short config for every ViT variant, e.g. "
                         "'{\"img_size\": [64, 128]}' for a CPU (default: none)")
@@ -272,7 +289,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     plan = []
     if "attention" in a.only:
-        plan.append(("attention", ["attention"], 90))
+        plan.append(("attention", ["attention", json.dumps(a.attention_shape)], 90))
     for group, name, variants in (("vit", "vit", VIT), ("unet", "unet", UNET),
                                   ("heuristics", "unet", HEURISTICS),
                                   ("vit", "vit", VIT_COMPILED)):

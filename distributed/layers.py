@@ -683,16 +683,20 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # (B, n, 3 * local_heads * head_dim), n = tokens of this cp band
         B, n = qkv.shape[:2]
         qkv = qkv.reshape(B, n, 3, self.local_heads, self.head_dim)
-        q = qkv[:, :, 0].transpose(1, 2)  # (B, h, n, hd)
+        # one split, so the backward puts the q and k/v gradients together in one copy
+        q, kv = qkv.split((1, 2), dim=2)
+        q = q.squeeze(2).transpose(1, 2)  # (B, h, n, hd)
         # Padding tokens (after the band's real ones) are dropped from the keys and values, so no
         # query attends to them; their own queries give finite outputs that nothing uses.
         real = n if self.band_tokens is None else self.band_tokens[self.groups.cp_rank]
         assert real <= n, f"{n} tokens reached attention, fewer than the band's {real} real ones"
-        kv = qkv[:, :real, 1:]  # (B, real, 2, h, hd)
+        kv = kv[:, :real]  # (B, real, 2, h, hd)
         # K/V of every cp band in band order, one collective (bands of different lengths are
         # padded to the longest for it and the padding dropped again)
         kv = all_gather_fwd_reduce_scatter_bwd(kv, self.groups.cp_group, dim=1, sizes=self.band_tokens)
-        k, v = kv.permute(2, 0, 3, 1, 4)  # (B, N, 2, h, hd) -> (2, B, h, N, hd)
+        # (B, h, N, hd) views, split on kv's own dim 2: their gradients are stacked straight into
+        # kv's layout (split on a permuted view, the stack would need a second copy)
+        k, v = (t.transpose(1, 2) for t in kv.unbind(2))
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, n, self.local_heads * self.head_dim)
         return self.proj_drop(self.proj(x))

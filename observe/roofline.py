@@ -218,7 +218,7 @@ VIT_NOTES = {
     "norms": "LayerNorm forward and backward (fp32)",
     "adds": "residual adds, position embedding and its gradient, gradient sums of the residual "
             "stream",
-    "copies": "autocast casts; q/k/v gradients stacked and re-laid out; tokens to image",
+    "copies": "autocast casts; q/k/v gradients stacked; tokens to image",
     "loss": "relative L2 (fp32)",
     "optimizer": "fused Adam",
 }
@@ -312,10 +312,8 @@ def vit_model(cfg, batch: int, amp: bool) -> StepModel:
         ops.add("attention", "bwd", f"{b} SDPA backward",
                 5 * a * t * e + F32 * batch * heads * n, 3 * a * t * e,
                 flops=5 * attn_fwd // 2, model_flops=2 * attn_fwd)
-        # the gradients of q, k, v stacked (unbind's backward), then laid out as (B, N, 3E)
+        # the gradients of q, k, v stacked (unbind's backward) straight into qkv's (B, N, 3E)
         ops.add("copies", "bwd", f"{b} q/k/v gradients stacked", 3 * a * t * e, 3 * a * t * e)
-        ops.add("copies", "bwd", f"{b} qkv gradient to (B, N, 3E)", 3 * a * t * e,
-                3 * a * t * e)
         ops.linear("projections", f"{b} proj", t, e, e)
         residual(f"{b} attention")
         layer_norm(f"{b} norm2")

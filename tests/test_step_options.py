@@ -38,7 +38,8 @@ def test_the_eager_variants_run_before_the_compiled_ones(capsys):
 def test_attention_rows_time_each_kernel_and_record_the_missing_ones():
     rows = step_options.attention_rows(batch=1, heads=2, tokens=16, head_dim=8, device="cpu")
     got = {(r["dtype"], r["layout"], r["backend"]): r for r in rows}
-    assert len(rows) == 2 * (4 + 4 + 3)  # dtypes x (qkv, contig: 4 backends; pad64: 3)
+    assert len(rows) == 2 * (4 + 4 + 4 + 3)  # dtypes x (qkv, qkv-permuted, contig: 4 backends;
+    # pad64: 3)
     for dtype in ("bfloat16", "float16"):
         math = got[(dtype, "qkv", "math")]
         assert math["fwd_ms"] > 0 and math["fwd_bwd_tflops"] > 0
