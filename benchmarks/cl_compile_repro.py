@@ -4,6 +4,7 @@ project imports), to run with whatever torch a machine has::
     python benchmarks/cl_compile_repro.py                        # a GPU: the U-Net's widths
     python benchmarks/cl_compile_repro.py --width 4 --max-width 16 --side 32    # small, CPU too
     python benchmarks/cl_compile_repro.py --options '{"layout_optimization": false}'
+    python benchmarks/cl_compile_repro.py --per-level    # each level compiled on its own
 
 The model is the project's U-Net rebuilt here (networks/unet.py): Conv3d(k=4, s=2, p=1) +
 LeakyReLU down to a 1^3 bottom, ConvTranspose3d + ReLU back up with each level's encoder output
@@ -16,8 +17,10 @@ It prints torch's, CUDA's and cuDNN's versions, then two phases, each in a child
 the parent gives ``--timeout`` seconds (``--eager-timeout`` for the first):
 
 - ``eager``: one forward + backward of the eager model (the reference);
-- ``compiled``: ``torch.compile`` of the same model from the same weights, one forward +
-  backward, compared with eager: the loss to within bf16 rounding (2e-2 relative; 1e-4 in fp32)
+- ``compiled``: ``torch.compile`` of the same model from the same weights (``--per-level``:
+  each encoder and decoder level compiled on its own, in place, the concatenations, the last
+  transposed convolution and the tanh eager, as the project's ``compile_blocks`` does), one
+  forward + backward, compared with eager: the loss to within bf16 rounding (2e-2 relative; 1e-4 in fp32)
   and the gradients pointing the same way (cosine > 0.99).
 
 and one line for the compiled phase: ``compiled and ran in X s`` (with the comparison: "same
@@ -136,8 +139,13 @@ def child(a) -> None:
     t0 = time.perf_counter()
     try:
         options = json.loads(a.options) if a.options else None
-        compiled = torch.compile(model, backend=a.backend,
-                                 **({"options": options} if options else {}))
+        kw = {"backend": a.backend, **({"options": options} if options else {})}
+        if a.per_level:
+            for level in [*model.down, *model.up]:
+                level.compile(**kw)
+            compiled = model
+        else:
+            compiled = torch.compile(model, **kw)
         loss, grad = step(compiled)
     except Exception as e:  # noqa: BLE001 (the failure is the finding)
         say(phase="compiled", event="failed", seconds=time.perf_counter() - t0,
@@ -229,6 +237,8 @@ def main(argv=None) -> int:
                    help="the default layout instead of channels-last (the control)")
     p.add_argument("--backend", default="inductor", help="torch.compile's backend")
     p.add_argument("--options", default="", help="torch.compile's options, as JSON")
+    p.add_argument("--per-level", action="store_true",
+                   help="compile each encoder and decoder level on its own (compile_blocks)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds for the compiled phase (compile + forward + backward)")
     p.add_argument("--eager-timeout", type=float, default=None,
@@ -255,7 +265,8 @@ def main(argv=None) -> int:
            else "fp32 (no autocast on a CPU)")
     head.append(f"model: {levels} levels, widths {widths[0]}..{widths[-1]}, input {a.batch} x 4 "
                 f"x {a.side}^3, {'contiguous' if a.contiguous else 'channels_last_3d'}, {amp}; "
-                f"torch.compile(backend={a.backend!r}, options={a.options or '{}'})")
+                f"torch.compile(backend={a.backend!r}, options={a.options or '{}'})"
+                + (", each level on its own" if a.per_level else ""))
     print(head[1], flush=True)
     events = run_phases(list(argv if argv is not None else sys.argv[1:]),
                         a.eager_timeout or a.timeout, a.timeout)

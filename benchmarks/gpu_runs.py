@@ -46,7 +46,8 @@ Series (``--only``; rows in this order, each a short training of real size):
   its result as JSON, ``--json``, with the markdown of its section in GPU.md):
   ``benchmarks/roofline.py`` (each model's step against its floor, per layer or op group, at the
   device's rates measured in the same call), ``benchmarks/cl_compile_repro.py`` (compiled
-  channels-last, torch alone: its verdict within a time limit) and ``benchmarks/fp8_linears.py``
+  channels-last, torch alone: its verdict within a time limit; ``cl/per_level``, in the second
+  call, compiles each level on its own) and ``benchmarks/fp8_linears.py``
   (fp8 linears at the ``mp`` ViT's size against bf16, both compiled).
 
 The calls (``CALLS``; ``--only`` takes series or single runs by key, e.g. ``unet/short_opt``):
@@ -209,6 +210,9 @@ SERIES: dict[str, list[Run]] = {
         Run("cl/repro", "compiled channels-last U-Net levels, torch alone",
             "benchmarks/cl_compile_repro.py", ("--timeout", "90", "--eager-timeout", "45"),
             110, kind="report"),
+        Run("cl/per_level", "compiled channels-last U-Net, each level compiled on its own "
+            "(as compile_blocks does), torch alone", "benchmarks/cl_compile_repro.py",
+            ("--timeout", "90", "--eager-timeout", "45", "--per-level"), 110, kind="report"),
     ],
     "fp8": [
         Run("fp8/mp", "linears in fp8 (tensorwise) against bf16 at the mp ViT's size, compiled",
@@ -217,9 +221,10 @@ SERIES: dict[str, list[Run]] = {
 }
 # The device calls, each under 9 minutes (estimates in --dry-run): series, or runs by key.
 # The first measures what the goals read; the others what stays as it was measured before.
-CALLS = (("roofline", "cl", "fp8", "unet/short_opt", "vit/short_opt", "vit/short_opt_again"),
-         ("unet/baseline", "vit/short", "vit/short_opt_blocks", "vit/short_opt", "tests", "graphs",
-          "profile"), ("largest",))
+CALLS = (("roofline", "cl/repro", "fp8", "unet/short_opt", "vit/short_opt",
+          "vit/short_opt_again"),
+         ("unet/baseline", "vit/short", "vit/short_opt_blocks", "vit/short_opt", "cl/per_level",
+          "tests", "graphs", "profile"), ("largest",))
 RUNS = {run.key: run for runs in SERIES.values() for run in runs}
 
 
