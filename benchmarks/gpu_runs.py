@@ -24,7 +24,9 @@ Series (``--only``; rows in this order, each a short training of real size):
 - ``unet``: U-Net ``short`` (fp32, 2 loader workers; 2 epochs of 512 crops of 64^3, batch 64),
   then ``short_opt`` (fp16 with the scaler, fused Adam, compile, the memory format's default)
   with the device loader (volumes in GPU memory; 3 epochs of 1536 crops) and
-  ``--throughput_report``;
+  ``--throughput_report``, and ``short_opt`` eager as a CUDA graph (``train_graph.py``, in the
+  layout ``auto`` gives it without compile: channels-last), the fallback should compiled
+  channels-last not work (in the third call, beside a ``short_opt`` of its own);
 - ``vit``: ViT ``short`` (fp32, no workers, 12 steps of 16 on 96 samples), ``short_opt`` in
   bf16 (8 workers, fused, compile, the attention kernel's default; 48 steps, with
   ``--throughput_report``), the same again, which finds the compile caches of the run
@@ -52,8 +54,9 @@ Series (``--only``; rows in this order, each a short training of real size):
 
 The calls (``CALLS``; ``--only`` takes series or single runs by key, e.g. ``unet/short_opt``):
 the default call measures what the goals read (the roofline, compiled channels-last, fp8, the
-optimised configs and a second run on warm compile caches); the second the baselines, the GPU
-tests, CUDA graphs and the trace; the third the batch search.
+optimised configs and a second run on warm compile caches); the second the baselines,
+``compile_blocks`` beside the whole model's compile, the GPU tests, CUDA graphs and the trace;
+the third the batch search and the U-Net's ``short_opt`` compiled against captured.
 
 The table (``--out-dir``: $OUT when set, else benchmarks/; GPU.md, a new name beside an existing
 one, with gpu_runs.log holding every run's command and output, and gpu_runs.json the parsed
@@ -164,6 +167,10 @@ SERIES: dict[str, list[Run]] = {
         Run("unet/short_opt", "short_opt (fp16, fused Adam, compile, memory format auto) with the "
             "device loader, + throughput report", "train.py", UNET_OPT + REPORT,
             est(3 * 1792, 1500, AUTOTUNE_S + COMPILE_S + REPORT_S), data="cosmo"),
+        Run("unet/short_opt_graph", "short_opt eager as a CUDA graph (train_graph.py; memory "
+            "format auto: channels-last) with the device loader", "train_graph.py",
+            UNET_OPT + ("--enable_jit", "false"), est(3 * 1792, 1900, 2 * AUTOTUNE_S + CAPTURE_S),
+            data="cosmo"),
     ],
     "vit": [
         Run("vit/short", "short: fp32, no loader workers", "train.py", VIT_SHORT,
@@ -224,7 +231,7 @@ SERIES: dict[str, list[Run]] = {
 CALLS = (("roofline", "cl/repro", "fp8", "unet/short_opt", "vit/short_opt",
           "vit/short_opt_again"),
          ("unet/baseline", "vit/short", "vit/short_opt_blocks", "vit/short_opt", "cl/per_level",
-          "tests", "graphs", "profile"), ("largest",))
+          "tests", "graphs", "profile"), ("largest", "unet/short_opt", "unet/short_opt_graph"))
 RUNS = {run.key: run for runs in SERIES.values() for run in runs}
 
 

@@ -129,13 +129,17 @@ def test_dry_run_lists_every_command_with_its_estimate_and_runs_nothing(tmp_path
     assert len(calls) == 3 and "--only largest" in calls[2]
     for line in calls:
         assert float(re.search(r"est (\d+) s", line).group(1)) < gpu_runs.BUDGET_S <= 540
-    # together the calls run every run once, but for the ViT's short_opt, run again beside its
-    # compile_blocks variant (which comes first: its compile before any of the whole model's)
+    # together the calls run every run once, but for the short_opt runs, each run again in the
+    # call of a variant of it, to compare on the same machine: the ViT's beside its
+    # compile_blocks variant (which comes first: its compile before any of the whole model's),
+    # the U-Net's beside its CUDA graph
     planned = [run.key for call in gpu_runs.CALLS for run in gpu_runs.select(call)]
     assert set(planned) == set(gpu_runs.RUNS)
-    assert sorted(k for k in planned if planned.count(k) > 1) == ["vit/short_opt"] * 2
-    second = [run.key for run in gpu_runs.select(gpu_runs.CALLS[1])]
+    assert sorted(k for k in planned if planned.count(k) > 1) == ["unet/short_opt"] * 2 + [
+        "vit/short_opt"] * 2
+    second, third = ([run.key for run in gpu_runs.select(c)] for c in gpu_runs.CALLS[1:])
     assert second.index("vit/short_opt_blocks") + 1 == second.index("vit/short_opt")
+    assert {"unet/short_opt", "unet/short_opt_graph"} <= set(third)
     assert not data.exists() and not (tmp_path / "out").exists()  # nothing made or written
     assert not any("DDP" in line or "NCCL" in line for line in printed)
     gpu_runs.main(["--dry-run", "--data", str(data), "--only", *gpu_runs.CALLS[1]])
