@@ -60,3 +60,26 @@ def test_the_blocks_variant_compiles_one_graph_for_every_block(capsys):
     row = step_options.step_row("vit", {"compile": "blocks", "attention": "math",
                                         "overrides": {**TINY_VIT, "depth": 2}}, steps=1)
     assert row["ms"] > 0 and counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.compile
+def test_warm_runs_each_compiled_variant_again_on_its_own_caches(tmp_path, monkeypatch):
+    """--warm: every compiled variant's row has a second first step, from the caches its first
+    run filled in a directory of its own, removed afterwards; eager rows have none."""
+    import json
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(step_options, "VIT", step_options.VIT[:1])  # flash eager
+    monkeypatch.setattr(step_options, "VIT_COMPILED", step_options.VIT_COMPILED[-1:])  # blocks
+    out = tmp_path / "rows.json"
+    step_options.main(["--only", "vit", "--vit-overrides", json.dumps(TINY_VIT), "--steps", "1",
+                       "--warm", "--json", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["steps"]}
+    assert "failed" not in rows["vit flash eager"]
+    assert "warm_first_step_s" not in rows["vit flash eager"]
+    row = rows["vit fastest (blocks)"]
+    assert row["warm_first_step_s"] > 0, row
+    assert f" | {row['first_step_s']:.1f} / {row['warm_first_step_s']:.1f} | " in \
+        step_options.table({"attention": [], "steps": [row]})
+    assert not list(tmp_path.glob("step_options-cache-*"))
