@@ -372,11 +372,15 @@ def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
             p.wait()
     written = os.listdir(ckpts)
     assert "ckpt_00000008.dcp" not in written, f"the run finished before it was killed: {written}"
+    # killed while its first checkpoint was being written, the run left none to continue: then
+    # --resume auto starts afresh in the next run directory, leaving run 0 as it was
+    resumed = run_dir(killed, ws=2, run="0" if checkpoint.list_checkpoints(ckpts) else "1")
     codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", killed, "--checkpoint_every",
                                                      "1", "--resume", "auto"])
     assert codes == [0, 0], outs
-    assert_same_state(saved(ckpt(run_dir(killed, ws=2), 8)), a, f"resumed after kill -9 {written}")
-    got_tb = tb_scalars(os.path.join(run_dir(killed, ws=2), "tensorboard"))
+    assert f"Run directory: {resumed}\n" in outs[0][0] + outs[0][1], outs[0]
+    assert_same_state(saved(ckpt(resumed, 8)), a, f"resumed after kill -9 {written}")
+    got_tb = tb_scalars(os.path.join(resumed, "tensorboard"))
     assert [e.value for e in got_tb.Scalars("Loss/train")] == \
         [e.value for e in ref_tb.Scalars("Loss/train")]
 
