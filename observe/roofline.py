@@ -347,14 +347,12 @@ def _relative_l2(ops: _Ops, batch: int, v: int):
     ops.cast("bwd", "loss: gradient to the prediction's dtype", v, True)
 
 
-def _l1(ops: _Ops, batch: int, v: int, channels_last: bool):
-    """tasks.losses.L1Rho without the density term on v values: sum |pred - y| per sample.
-    Channels-last, its flatten(1) is a copy."""
+def _l1(ops: _Ops, batch: int, v: int):
+    """tasks.losses.L1Rho without the density term on v values: sum |pred - y| per sample (in
+    the prediction's layout, channels-last or not)."""
     ops.cast("fwd", "loss: prediction to fp32", v, False)
     ops.add("loss", "fwd", "pred - y", 2 * F32 * v, F32 * v)
     ops.add("loss", "fwd", "|pred - y|", F32 * v, F32 * v)
-    if channels_last:
-        ops.add("loss", "fwd", "|pred - y| flattened (a copy channels-last)", F32 * v, F32 * v)
     ops.add("loss", "fwd", "sum of |pred - y|", F32 * v, F32 * batch)
     ops.add("loss", "bwd", "abs backward: sign", F32 * v, F32 * v)
     ops.add("loss", "bwd", "abs backward: x gradient", F32 * (v + batch), F32 * v)
@@ -462,7 +460,7 @@ def unet_model(cfg, batch: int, amp: bool, channels_last: bool = False) -> StepM
     ops.conv("last convT", "last", batch, 2 * widths[0], cfg.n_out_channels, k, vox[0],
              cfg.data_size**3, vox[0])
     ops.elementwise("tanh", "tanh", v)
-    _l1(ops, batch, v, channels_last)
+    _l1(ops, batch, v)
     # each skip (not the bottom level's) feeds the next down block and a cat: autograd sums the
     # two gradients (the cat's backward itself is slices: views)
     for i in range(levels - 1):

@@ -39,6 +39,12 @@ class PartialSumLoss:
         return self.finish(self.partial_sums(pred, target))
 
 
+def _per_sample_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of each sample's values, (B, ...) -> (B,), in whatever layout ``x`` has (a
+    flatten of a channels-last tensor would copy it first)."""
+    return x.sum(dim=tuple(range(1, x.dim())))
+
+
 class RelativeL2(PartialSumLoss):
     """||pred - target||_2 / ||target||_2 over all of a sample's values.
 
@@ -71,11 +77,11 @@ class L1Rho(PartialSumLoss):
 
     def partial_sums(self, pred, target):
         dtype = _sum_dtype(pred)
-        err = (pred.to(dtype) - target.to(dtype)).abs().flatten(1)
-        sums = [err.sum(1), err.new_full((err.shape[0],), err.shape[1])]
+        err = (pred.to(dtype) - target.to(dtype)).abs()
+        sums = [_per_sample_sum(err), err.new_full((err.shape[0],), err[0].numel())]
         if self.lambda_rho:
-            d = (rho_transform(pred[:, 0].to(dtype)) - rho_transform(target[:, 0].to(dtype))).abs().flatten(1)
-            sums += [d.sum(1), d.new_full((d.shape[0],), d.shape[1])]
+            d = (rho_transform(pred[:, 0].to(dtype)) - rho_transform(target[:, 0].to(dtype))).abs()
+            sums += [_per_sample_sum(d), d.new_full((d.shape[0],), d[0].numel())]
         return torch.stack(sums, dim=1)
 
     def finish(self, sums):
