@@ -20,8 +20,8 @@ the parent gives ``--timeout`` seconds (``--eager-timeout`` for the first):
 - ``compiled``: ``torch.compile`` of the same model from the same weights (``--per-level``:
   each encoder and decoder level compiled on its own, in place, the concatenations, the last
   transposed convolution and the tanh eager, as the project's ``compile_blocks`` does), one
-  forward + backward, compared with eager: the loss to within bf16 rounding (2e-2 relative; 1e-4 in fp32)
-  and the gradients pointing the same way (cosine > 0.99).
+  forward + backward, compared with eager: the loss to within bf16 rounding (2e-2 relative;
+  1e-4 in fp32) and the gradients pointing the same way (cosine > 0.99).
 
 and one line for the compiled phase: ``compiled and ran in X s`` (with the comparison: "same
 numbers" or "DIFFERENT numbers"), ``FAILED: <the exception's type and first line>`` (the root

@@ -6,30 +6,30 @@ attention kernels of the ViT and whole compute-only steps of both models.
     python -m benchmarks.step_options --only attention   # or: vit, unet
 
 ``attention``: ``scaled_dot_product_attention`` alone at the ViT's shapes (the tutorial's short
-config: batch 16, 8 heads of 48, 45 x 90 = 4050 tokens), each backend that torch has (flash,
-cuDNN, memory-efficient, math) in bf16 and fp16, forward and forward + backward, from the QKV
-projection's output (B, N, 3E) to the attention's (B, N, E); q, k and v as the model makes them
-(strided views of the fused QKV projection split on its own dimension, ``qkv``), split on a
-permuted view as before (``qkv-permuted``: its backward copies the QKV gradient once more), as
-contiguous tensors (``contig``), and padded with zeros to heads of 64 (``pad64``: the same
-scores and output, for kernels tuned for 64); the fastest forward + backward in bf16 of the
-model's own layout is the "fastest" of the compiled ViT variants. Milliseconds per call (median of timed
-rounds, CUDA events) and TFLOP/s of the attention's own FLOPs (4 N^2 d per head forward;
-forward + backward 3.5x that, the backward counted as FlashAttention's papers count it).
+config: batch 16, 8 heads of 48, 45 x 90 = 4050 tokens), each backend that torch has (flash, cuDNN,
+memory-efficient, math) in bf16 and fp16, forward and forward + backward, from the QKV projection's
+output (B, N, 3E) to the attention's (B, N, E); q, k and v as the model makes them (strided views
+of the fused QKV projection split on its own dimension, ``qkv``), split on a permuted view as
+before (``qkv-permuted``: its backward copies the QKV gradient once more), as contiguous tensors
+(``contig``), and padded with zeros to heads of 64 (``pad64``: the same scores and output, for
+kernels tuned for 64); the fastest forward + backward in bf16 of the model's own layout is the
+"fastest" of the compiled ViT variants. Milliseconds per call (median of timed rounds, CUDA events)
+and TFLOP/s of the attention's own FLOPs (4 N^2 d per head forward; forward + backward 3.5x that,
+the backward counted as FlashAttention's papers count it).
 
-``vit`` and ``unet``: compute-only training steps (a batch on the GPU reused, bf16 autocast,
-fused Adam, the task's loss) of the short configs' models, one variant per child process
-(compile caches off, so each compile is timed from cold), in this order: the ViT eager per
-attention backend; the U-Net in the default layout and in ``channels_last_3d``, eager and
-compiled; the ViT compiled with the fastest attention (default mode,
-``max-autotune-no-cudagraphs``, and ``blocks``: each transformer block compiled on its own, as
-``compile_blocks`` does, in the default mode). ``heuristics`` (not in the default): the U-Net eager in both
-layouts with cuDNN's heuristics instead of its autotuning (``cudnn.benchmark`` off): what the
-autotuning costs at the start and gains per step. Per variant: milliseconds per step (median of timed
-rounds), samples/s, TFLOP/s and MFU (the task's model FLOPs), and the seconds to the first step
-(model, compile, autotuning; with ``--warm`` each compiled variant runs again on the compile
-caches its first run filled, as a later run of a config would). A variant that fails prints its
-error's last line; one that runs past its limit says so. The table is printed last; ``--json`` also writes it.
+``vit`` and ``unet``: compute-only training steps (a batch on the GPU reused, bf16 autocast, fused
+Adam, the task's loss) of the short configs' models, one variant per child process (compile caches
+off, so each compile is timed from cold), in this order: the ViT eager per attention backend; the
+U-Net in the default layout and in ``channels_last_3d``, eager and compiled; the ViT compiled with
+the fastest attention (default mode, ``max-autotune-no-cudagraphs``, and ``blocks``: each
+transformer block compiled on its own, as ``compile_blocks`` does, in the default mode).
+``heuristics`` (not in the default): the U-Net eager in both layouts with cuDNN's heuristics
+instead of its autotuning (``cudnn.benchmark`` off): what the autotuning costs at the start and
+gains per step. Per variant: milliseconds per step (median of timed rounds), samples/s, TFLOP/s and
+MFU (the task's model FLOPs), and the seconds to the first step (model, compile, autotuning; with
+``--warm`` each compiled variant runs again on the compile caches its first run filled, as a later
+run of a config would). A variant that fails prints its error's last line; one that runs past its
+limit says so. The table is printed last; ``--json`` also writes it.
 """
 from __future__ import annotations
 
