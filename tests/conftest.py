@@ -86,8 +86,21 @@ def pytest_collection_modifyitems(config, items):
     with open(SLOW_TESTS) as f:
         slow = {line.split("  #", 1)[0].strip() for line in f if not line.startswith("#")} - {""}
     modules = {entry for entry in slow if entry.endswith(".py")}  # whole files
+    # The Slurm file first: its jobs spend minutes waiting on Slurm's clock, which a second
+    # worker (-n 2) fills with the other files instead of waiting at the end for it.
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_slurm.py"))
     for item in items:
         if (item.nodeid in slow or item.nodeid.split("::")[0] in modules
                 or any(item.get_closest_marker(m) for m in ("slurm", "compile", "gpu"))):
             continue
         item.add_marker(pytest.mark.quick)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n 2`` (pytest-xdist): each file runs whole on one worker, so a file's module fixtures
+    (reference runs, spawned ranks) are made once, and files go out in the order collected."""
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # xdist would put the files with most tests first
+    return LoadFileScheduling(config, log)

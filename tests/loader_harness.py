@@ -86,10 +86,11 @@ def wait_gone(pids, seconds: float) -> list[int]:
 
 
 def shm_names() -> set[str]:
-    """The names in /dev/shm, but for files someone else made and removed meanwhile."""
+    """The names in /dev/shm, but for files someone else made and removed meanwhile, and the
+    key files of DALI pipelines that other tests run meanwhile (``pytest -n 2``)."""
     first = set(os.listdir("/dev/shm"))
     time.sleep(0.02)
-    return first & set(os.listdir("/dev/shm"))
+    return {n for n in first & set(os.listdir("/dev/shm")) if not n.startswith("dali_keys_")}
 
 
 def in_shm() -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, write_era5
-from loader_harness import Deadline, KeyedDataset, alive, deadline
+from loader_harness import Deadline, KeyedDataset, alive, deadline, shm_names
 from datapipe.batch_pool import (BatchLoader, BatchPool, HostMemory, LoaderWorkerDied,
                               PinnedHostMemory, SlotLayout)
 from settings.parse import build_config
@@ -51,13 +51,6 @@ def expected(loader, keys):
 def batch_keys(sampler, b=4):
     keys = list(sampler)
     return [keys[i:i + b] for i in range(0, len(keys), b)]
-
-
-def shm():
-    """The names in /dev/shm, but for files someone else made and removed meanwhile."""
-    first = set(os.listdir("/dev/shm"))
-    time.sleep(0.2)
-    return first & set(os.listdir("/dev/shm"))
 
 
 @pytest.fixture
@@ -360,7 +353,7 @@ def test_a_killed_worker_ends_the_pass_with_one_line_and_nothing_left(roots, tmp
     LoaderWorkerDied (a TrainingError: train.py prints it as ``error: ...``), the other worker
     is ended too, and no file is left in /dev/shm (the buffers are anonymous memory); a new
     pass starts fresh workers."""
-    before = shm()
+    before = shm_names()
     children = set(multiprocessing.active_children())
     ld = loaders("unet", roots["unet"], tmp_path, workers=2, Nsamples="40", prefetch_depth="1")
     ld.train_sampler.set_epoch(0)
@@ -379,10 +372,10 @@ def test_a_killed_worker_ends_the_pass_with_one_line_and_nothing_left(roots, tmp
     msg = str(e.value)
     assert "\n" not in msg and f"worker 1 (pid {pids[1]}) was killed by SIGKILL" in msg
     assert set(multiprocessing.active_children()) <= children  # both workers gone
-    assert shm() <= before
+    assert shm_names() <= before
     assert len(list(ld.train)) == len(ld.train)  # fresh workers
     ld.close()
-    assert shm() <= before
+    assert shm_names() <= before
 
 
 @pytest.mark.parametrize("workers", [2, 8])
@@ -625,7 +618,7 @@ def test_a_fetch_interrupted_by_a_signal_handler_and_what_it_waited_for():
 
 
 def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
-    before = shm()
+    before = shm_names()
     children = set(multiprocessing.active_children())
     ld = loaders("vit", roots["vit"], tmp_path, workers=2)
     ld.train_sampler.set_epoch(0)
@@ -638,7 +631,7 @@ def test_close_ends_workers_at_once_and_held_batches_stay(roots, tmp_path):
     assert time.perf_counter() - t0 < 2
     assert set(multiprocessing.active_children()) <= children
     assert torch.equal(x, want)  # the buffer's memory lives as long as the batch
-    assert shm() <= before
+    assert shm_names() <= before
 
 
 def test_a_failed_run_through_train_py_says_one_line(tmp_path, capsys):
@@ -652,11 +645,11 @@ def test_a_failed_run_through_train_py_says_one_line(tmp_path, capsys):
     args = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",
             "--num_heads", "2", "--global_batch_size", "4", "--synthesize_if_missing", "false",
             "--data_root", root, "--num_data_workers", "2", "--checkpoint_every", "0"]
-    before = shm()
+    before = shm_names()
     children = set(multiprocessing.active_children())
     train.run(from_argv(args + ["--num_iters", "6", "--expdir", str(tmp_path / "ok")],
                         train.DEFAULT_YAML))
-    assert set(multiprocessing.active_children()) <= children and shm() <= before
+    assert set(multiprocessing.active_children()) <= children and shm_names() <= before
 
     class Killing(train.Trainer):
         def train_step(self, *a, **kw):
@@ -672,7 +665,7 @@ def test_a_failed_run_through_train_py_says_one_line(tmp_path, capsys):
     assert e.value.code == 1
     assert err.strip().splitlines()[-1].startswith("error: data loader worker 0 (pid "), err
     assert "killed by SIGKILL" in err and "Traceback" not in err
-    assert set(multiprocessing.active_children()) <= children and shm() <= before
+    assert set(multiprocessing.active_children()) <= children and shm_names() <= before
 
 
 def test_validation_sampler_shards_keep_their_order(roots, tmp_path):

@@ -285,8 +285,7 @@ class PoolMachine(LoaderMachine):
         assert self.loader.workers is None
         left = wait_gone(self.pids, 1.0)
         assert not left, f"workers {left} outlived close()"
-        new = {n for n in shm_names() - self.shm_before
-               if not n.startswith("dali_keys_")}  # the DALI loader's (other tests running)
+        new = shm_names() - self.shm_before
         assert not new, f"left in /dev/shm: {sorted(new)}"
         assert not in_shm(), in_shm()
 

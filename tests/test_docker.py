@@ -183,7 +183,8 @@ def test_installs_only_what_the_requirements_files_pin(dockerfile):
     else:
         # The CPU image also pins torch; only numpy and the test tools float.
         assert "torch" not in loose and loose <= {"numpy", "pytest", "hypothesis", "nbformat",
-                                                  "nbclient", "ipykernel", "matplotlib"}
+                                                  "nbclient", "ipykernel", "matplotlib",
+                                                  "pytest-xdist"}
 
 
 def test_the_pins_are_the_versions_tested_here():
