@@ -44,7 +44,7 @@ from engine.slow_paths import warn_slow_paths
 from engine.stop_agreement import StopAgreement
 from engine.train_state import TrainState
 from observe.flops import peak_tflops, tflops_per_device
-from observe.logging_utils import setup_logging
+from observe.logging_utils import over_ranks, setup_logging
 from observe.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range
 from observe.startup import StartClock, use_compile_cache_dir
@@ -427,13 +427,12 @@ class Trainer:
             dist.all_gather_object(everyone, mine)  # once per epoch
         if probe.after_forward == 0:
             return
-        fwd = ", ".join(f"{a:.3f}" for a, _, _ in everyone)
-        peak = ", ".join(f"{b:.3f}" for _, b, _ in everyone)
-        log.info(f"Memory after forward pass (GB, per rank): {fwd}; peak: {peak}")
+        fwd, peak, resident = zip(*everyone)
+        log.info(f"Memory after forward pass (GB, per rank): {over_ranks(fwd, '.3f')}; "
+                 f"peak: {over_ranks(peak, '.3f')}")
         log.info(f"  (measured as: {probe.method()})")
         if self.device.type == "cpu":
-            log.info("  Process resident peak (GB, per rank): "
-                     + ", ".join(f"{c:.2f}" for _, _, c in everyone))
+            log.info(f"  Process resident peak (GB, per rank): {over_ranks(resident, '.2f')}")
 
     # ------------------------------------------------------------------ validation
 

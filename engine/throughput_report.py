@@ -13,7 +13,8 @@ window crosses an epoch's end). Windows end with a device synchronisation, so qu
 counted. Under data parallelism every rank runs every trial (FULL and SYNTHETIC include the
 gradient all-reduce); rank 0 prints mean +/- std samples/s over the rounds, for all ranks
 together (samples of a model replica counted once: under tensor/context parallelism its ranks
-share a batch) and, when distributed, per rank; it writes ``<run dir>/throughput.json`` and the
+share a batch) and, when distributed, per rank (beyond 8 ranks, each trial's slowest and fastest
+rank and the median); it writes ``<run dir>/throughput.json`` and the
 TensorBoard scalars ``Throughput/IO``, ``Throughput/SYNTHETIC``, ``Throughput/FULL``.
 
 The trials take optimizer steps. They run after the final checkpoint is written, and the model,
@@ -37,6 +38,7 @@ from engine import checkpoint
 from engine.data_waits import next_batch
 from engine.preemption import RunStopped
 from engine.optimizer import load_optimizer_state
+from observe.logging_utils import EVERY_RANK_UP_TO, over_ranks
 from observe.profiling import nvtx_range
 
 MODES = ("IO", "SYNTHETIC", "FULL")
@@ -198,6 +200,16 @@ def _modes_text(stats: dict) -> str:
     return ", ".join(f"{m} {stats[m]['mean']:.1f} +/- {stats[m]['std']:.1f}" for m in MODES)
 
 
+def rank_lines(entries: list[dict]) -> list[str]:
+    """The report's per-rank lines: each rank's trials up to ``EVERY_RANK_UP_TO`` ranks; beyond,
+    one line per trial with its slowest and fastest rank and the median (every rank's rounds
+    stay in throughput.json)."""
+    if len(entries) <= EVERY_RANK_UP_TO:
+        return [f"  rank {e['rank']}: {_modes_text(e)}" for e in entries]
+    return [f"  {m} per rank (mean of the rounds): "
+            f"{over_ranks([e[m]['mean'] for e in entries], '.1f')}" for m in MODES]
+
+
 def run(tr) -> dict | None:
     """Measure on every rank, then (rank 0) log the summary, write ``throughput.json`` and the
     TensorBoard scalars, and put the trainer's state back. Returns the report on rank 0."""
@@ -234,8 +246,8 @@ def run(tr) -> dict | None:
     log.info(f"Throughput ({who}samples/s, mean +/- std of {ROUNDS} rounds of {timed} batches): "
              f"{_modes_text(total)}")
     if rt.distributed:
-        for entry in report["per_rank"]:
-            log.info(f"  rank {entry['rank']}: {_modes_text(entry)}")
+        for line in rank_lines(report["per_rank"]):
+            log.info(line)
     log.info(report["bottleneck"])
     path = os.path.join(tr.run_dir, "throughput.json")
     with open(path, "w") as f:

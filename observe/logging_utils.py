@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
 
 FORMAT = "%(asctime)s - %(levelname)s - %(message)s"
+EVERY_RANK_UP_TO = 8  # per-rank figures: listed one by one up to this many ranks, summarised above
 
 
 def setup_logging(rank: int = 0, log_file: str | None = None):
@@ -48,3 +50,16 @@ def channel_lines(head: str, names, values, base=None, base_name: str = "",
         return wrapped(f"{head}:", [f"{n} {v:{spec}}" for n, v in zip(names, values)])
     return wrapped(f"{head}, model / {base_name}:",
                    [f"{n} {v:{spec}} / {b:{spec}}" for n, v, b in zip(names, values, base)])
+
+
+def over_ranks(values, spec: str) -> str:
+    """Every rank's value, in rank order, up to ``EVERY_RANK_UP_TO`` ranks; beyond, the lowest and
+    the highest with their ranks and the median, so that a line stays readable at hundreds of
+    ranks."""
+    values = list(values)
+    if len(values) <= EVERY_RANK_UP_TO:
+        return ", ".join(f"{v:{spec}}" for v in values)
+    low = min(range(len(values)), key=values.__getitem__)
+    high = max(range(len(values)), key=values.__getitem__)
+    return (f"min {values[low]:{spec}} (rank {low}), median {statistics.median(values):{spec}}, "
+            f"max {values[high]:{spec}} (rank {high}) of {len(values)} ranks")

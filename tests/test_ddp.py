@@ -26,6 +26,7 @@ to each other.
 """
 import glob
 import os
+import re
 import warnings
 
 import numpy as np
@@ -453,6 +454,8 @@ def test_only_rank0_writes(ddp):
     log = open(os.path.join(ddp["exp"], "main", "quickstart", str(ws), "0", "out.log")).read()
     assert "[rank " not in log and f"{ws} rank(s), {ws} data-parallel" in log
     assert f"({GLOBAL // ws} per rank)" in log
+    memory = re.search(r"Memory after forward pass \(GB, per rank\): ([^;]*); peak: (.*)", log)
+    assert [len(m.split(", ")) for m in memory.groups()] == [ws, ws]  # every rank's figure
 
 
 # ----------------------------------------------------------------------------- noddp

@@ -17,6 +17,7 @@ from conftest import ROOT, write_cosmo_pair, write_era5
 from distributed_harness import run_ranks
 from test_training import TINY_UNET, TINY_VIT, run_dir, tb_scalars, train
 from engine import throughput_report as tp
+from observe.logging_utils import over_ranks
 from settings.parse import build_config
 from engine.runtime import setup_runtime
 from train import Trainer
@@ -77,6 +78,26 @@ def test_aggregate_sums_ranks_and_counts_a_model_replica_once():
         math.sqrt(8 / 3))
     tp2 = tp.summarise(per_rank, replica_ranks=2)  # one replica over both ranks
     assert tp2["FULL"] == {"mean": 1.0, "std": 0.0}
+
+
+def test_per_rank_figures_list_every_rank_up_to_8_and_the_spread_beyond():
+    assert over_ranks([1.0, 2.5, 0.25], ".2f") == "1.00, 2.50, 0.25"
+    assert over_ranks([float(r) for r in range(8)], ".0f") == "0, 1, 2, 3, 4, 5, 6, 7"
+    values = [5.0] * 12
+    values[7], values[3], values[10] = 1.0, 9.0, 6.0
+    assert over_ranks(values, ".1f") == "min 1.0 (rank 7), median 5.0, max 9.0 (rank 3) of 12 ranks"
+
+
+def test_beyond_8_ranks_the_report_logs_each_trials_spread_not_every_rank():
+    entry = lambda r: {"rank": r, **{m: {"mean": 10.0 + r + k, "std": 0.5}  # noqa: E731
+                                     for k, m in enumerate(tp.MODES)}}
+    two = tp.rank_lines([entry(0), entry(1)])
+    assert two == ["  rank 0: IO 10.0 +/- 0.5, SYNTHETIC 11.0 +/- 0.5, FULL 12.0 +/- 0.5",
+                   "  rank 1: IO 11.0 +/- 0.5, SYNTHETIC 12.0 +/- 0.5, FULL 13.0 +/- 0.5"]
+    many = tp.rank_lines([entry(r) for r in range(16)])
+    assert many == [f"  {m} per rank (mean of the rounds): min {10 + k:.1f} (rank 0), median "
+                    f"{17.5 + k:.1f}, max {25 + k:.1f} (rank 15) of 16 ranks"
+                    for k, m in enumerate(tp.MODES)]
 
 
 def test_bottleneck_rule():
