@@ -38,8 +38,8 @@
 # which write a checkpoint at their next log point and exit with code 3; the job then requeues
 # itself (--requeue) and the requeued job (SLURM_RESTART_COUNT above 0) runs with --resume auto:
 # it continues from the newest checkpoint of its run directory. A run that finished (exit 0) or
-# failed (exit 1 or 2) is not requeued. Choose SECONDS above log_every steps plus a checkpoint
-# write; --open-mode=append keeps every attempt's output in one file.
+# failed (exit 1 or 2) is not requeued. Choose SECONDS above 2 x log_every + 2 steps plus a
+# checkpoint write; --open-mode=append keeps every attempt's output in one file.
 #
 # GPU or CPU ranks follow the allocation: with GPUs on the node, each rank uses CUDA device
 # LOCAL_RANK and NCCL; without (or with GPUS_PER_NODE=0), CPU and gloo. Which physical GPU is

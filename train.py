@@ -294,26 +294,21 @@ class Trainer:
         begun = self.loaders.begun_training_pass(st.epoch, st.step_in_epoch)  # (the run's first)
         batches = self.waits.batches(self.loaders.train, "training", st.epoch, st.step_in_epoch,
                                      self.data_wait.fetching, begun)
-        # Each step's batch is fetched a step ahead, and the ranks' stop proposals after each
-        # fetch are combined while the step before runs (engine.stop_agreement).
-        batch = self.fetch_ahead(batches, st.iteration, first=True)
-        while True:
+        # Each step's batch is fetched ahead (none past the run's last step), and the ranks'
+        # stop proposals after each fetch are combined while the steps before run
+        # (engine.stop_agreement).
+        for signum, batch in self.agreement.batches(self.loaders.train, batches, st.iteration,
+                                                    end=self.total_steps):
             # Every rank stops here, after the same step: on a signal that any rank proposed
             # after fetching this step's batch (a signal recorded, or one that ended its wait).
-            signum = self.agreement.decision()
             if signum:
                 self.stop_here(signum)
-            if batch is None or st.iteration >= self.total_steps:
-                break
             x, y = batch
             self.profiler.step(st.iteration)
             probe = self.probe if steps_run == 0 else NullProbe()  # first step of each epoch
             first_of_run = self.start_clock is not None
             if first_of_run:
                 self.start_clock.mark("first batch")
-            # the next step's batch (none past the run's last step), its proposal launched
-            batch = self.fetch_ahead(batches, st.iteration + 1,
-                                     more=st.iteration + 1 < self.total_steps)
             self.data_wait.step_begins()
             with nvtx_range(f"step {st.iteration}"):
                 loss, grad_norm = self.train_step(*self.to_device(x, y), probe)
@@ -364,15 +359,6 @@ class Trainer:
         for line in self.start_clock.lines():
             log.info(line)
         self.start_clock = None
-
-    def fetch_ahead(self, batches, index: int, more: bool = True, first: bool = False):
-        """The batch of step ``index`` from ``batches`` (None at the pass's end, when a stop
-        signal ended the wait for it, or without ``more``), then this rank's stop proposal
-        (when due: the same fetches on every rank), decided before that step. ``first``: the
-        pass's first fetch, whose proposal holds no recorded signal (an epoch takes a step)."""
-        batch, interrupted = next_batch(batches) if more else (None, 0)
-        self.agreement.after_fetch(self.loaders.train, index, interrupted, recorded=not first)
-        return batch
 
     def checkpoint_due(self) -> bool:
         """Whether ``checkpoint_every`` asks for the checkpoint of the step just taken."""

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from engine import checkpoint
-from engine.data_waits import next_batch
 from engine.preemption import RunStopped
 from engine.optimizer import load_optimizer_state
 from observe.logging_utils import EVERY_RANK_UP_TO, over_ranks
@@ -107,29 +106,17 @@ def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
 
 def _loader_pass(tr, epoch: int):
     """A fresh pass of the training loader, as epoch ``epoch`` of its sampler: each fetch a
-    data wait (``Trainer.waits``), each batch fetched one ahead and the ranks' stop proposals
-    decided while the batch before is used, as in training (``engine.stop_agreement``)."""
+    data wait (``Trainer.waits``), each batch fetched ahead and the ranks' stop proposals
+    decided while the batches before are used, as in training (``engine.stop_agreement``)."""
     tr.loaders.train_sampler.set_epoch(epoch, 0)
-    loader, agreement = tr.loaders.train, tr.agreement
-    batches = tr.waits.batches(loader, "training (throughput report)", epoch)
-
-    def fetch(i):
-        batch, interrupted = next_batch(batches)
-        agreement.after_fetch(loader, i, interrupted)
-        return batch
-
-    batch = fetch(0)
-    for i in itertools.count(1):
+    batches = tr.waits.batches(tr.loaders.train, "training (throughput report)", epoch)
+    for signum, batch in tr.agreement.batches(tr.loaders.train, batches, 0, first_recorded=True):
         # A stop signal on any rank, recorded or ending its wait, ends the report on every
         # rank (the run's final checkpoint is written already).
-        signum = agreement.decision()
         if signum:
             raise RunStopped(signum, tr.iteration,
                              checkpoint.written_for(tr.ckpt_dir, tr.iteration))
-        if batch is None:
-            return
-        current, batch = batch, fetch(i)
-        yield current
+        yield batch
 
 
 def measure(tr) -> dict[str, list[float]]:

@@ -6,7 +6,8 @@ step, by part, as one log line after that step:
       first batch 0.3 s, first step 21.1 s
       compile caches /tmp/torchinductor_alice: 12 hits, 0 misses (a later run ...)
 
-(the parts wrapped to fit a terminal; the last line only when the model is compiled).
+(the parts wrapped to fit a terminal; the last line only when the model is compiled; the first
+batch's part includes the fetch of the batch after it, fetched ahead of the first step).
 The process's start is the kernel's record of it (``/proc/self/stat``), so the imports before
 any of the project's code ran are counted; elsewhere the clock starts when this module is
 imported. The first step's time includes what a first step does once: compiling the model,

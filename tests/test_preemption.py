@@ -32,6 +32,10 @@ sys.path.insert(0, {root!r})
 import train
 from settings.cli import from_argv
 
+if os.environ.get("RING_S"):  # a ring of all-reduces that holds gloo's threads this long
+    from benchmarks.stop_agreement import simulate_long_ring
+    simulate_long_ring(float(os.environ["RING_S"]))
+
 class Signalled(train.Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -188,29 +192,52 @@ def launch_two_ranks(tmp_path, args, **env):
     return [p.returncode for p in procs], outs
 
 
+def stop_resume_two_ranks(tmp_path, args, stop_step, final_step, **env):
+    """Two ranks that a signal (as ``env`` asks) stops after ``stop_step``, whose checkpoint alone
+    is written, then resumed with ``--resume auto``, beside an uninterrupted run: their final
+    models are the same. Returns rank 0's output of the stopped run, the two run directories
+    (uninterrupted, resumed) and the resumed run's final checkpoint."""
+    ref_exp, exp = str(tmp_path / "ref"), str(tmp_path / "stopped")
+    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], **env)
+    assert codes == [STOPPED_EXIT_CODE] * 2, outs
+    assert f"Stopped on SIGUSR1 after step {stop_step}:" in outs[0][0], outs[0][0][-3000:]
+    assert os.listdir(os.path.join(run_dir(exp, ws=2), "checkpoints")) == \
+        [f"ckpt_{stop_step:08d}.pt"]
+    for more in (["--expdir", exp, "--resume", "auto"], ["--expdir", ref_exp]):
+        codes, resumed = launch_two_ranks(tmp_path, args + more)
+        assert codes == [0, 0], resumed
+    dirs = [run_dir(e, ws=2) for e in (ref_exp, exp)]
+    a, b = (torch.load(os.path.join(d, "checkpoints", f"ckpt_{final_step:08d}.pt"),
+                       weights_only=True) for d in dirs)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    return outs[0][0], dirs, b
+
+
 def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
                        "--num_data_workers", "0"]
-    ref_exp, exp = str(tmp_path / "ref"), str(tmp_path / "stopped")
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
-                                   SIGNAL_RANK="1")
-    assert codes == [STOPPED_EXIT_CODE] * 2, outs
-    assert "Stopped on SIGUSR1 after step 6:" in outs[0][0]  # rank 0 never got the signal
-    stopped = run_dir(exp, ws=2)
-    assert os.listdir(os.path.join(stopped, "checkpoints")) == ["ckpt_00000006.pt"]
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp, "--resume", "auto"])
-    assert codes == [0, 0], outs
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", ref_exp])
-    assert codes == [0, 0], outs
-    a, b = (torch.load(os.path.join(run_dir(e, ws=2), "checkpoints", "ckpt_00000012.pt"),
-                       weights_only=True) for e in (ref_exp, exp))
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert b["rng"] != [] and len(b["rng"]) == 2
-    ref_tb, got_tb = (tb_scalars(os.path.join(run_dir(e, ws=2), "tensorboard"))
-                      for e in (ref_exp, exp))
+    # rank 0 never got the signal
+    _, dirs, final = stop_resume_two_ranks(tmp_path, args, 6, 12, SIGNAL_AT_STEP="3",
+                                           SIGNAL_RANK="1")
+    assert final["rng"] != [] and len(final["rng"]) == 2
+    ref_tb, got_tb = (tb_scalars(os.path.join(d, "tensorboard")) for d in dirs)
     assert [e.value for e in got_tb.Scalars("Loss/train")] == \
         [e.value for e in ref_tb.Scalars("Loss/train")]
+
+
+def test_batches_fetched_further_ahead_still_stop_both_ranks_after_one_step(tmp_path, data):
+    """A ring longer than a step (all-reduces that hold gloo's threads 0.3 s, as over hundreds
+    of ranks): after the first validation both ranks fetch each batch 2 steps ahead of its step
+    (a batch more held, 2 steps between a proposal and its decision). A signal on rank 1 in
+    step 22, after the batches up to step 24 were fetched: both stop after the log point of
+    step 26, the first whose batch was fetched after the signal (24 with batches fetched one
+    step ahead), and the run resumed from there ends as an uninterrupted one."""
+    args = TINY_VIT + ["--data_root", data, "--num_iters", "36", "--dropout", "0.1",
+                       "--num_data_workers", "0"]
+    out, _, _ = stop_resume_two_ranks(tmp_path, args, 26, 36, SIGNAL_AT_STEP="22",
+                                      SIGNAL_RANK="1", RING_S="0.3")
+    assert "each batch is now fetched 2 steps ahead of its step" in out, out
 
 
 @pytest.mark.parametrize("loader,agreements", [("lowmem", 7), ("synthetic", 4)])
