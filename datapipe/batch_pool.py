@@ -34,8 +34,9 @@ no copy into pinned memory.
   event has completed: every copy the consumer queued on that stream before letting go of the
   batch (the engine's ``to_device``, on the stream it then computes on) is then done. A batch
   therefore stays valid for as long as it is referenced, as one from torch's DataLoader would;
-  the engine, which holds one batch at a time (the loop variable keeps batch k - 1 while batch k
-  is fetched), cycles through ``prefetch_depth * workers + 2`` slots, and a consumer that keeps
+  the engine, which holds the batch of its step and those fetched ahead of it (1, or 2 where
+  the ranks' stop agreement fetches further ahead: ``engine.stop_agreement``), cycles through
+  ``prefetch_depth * workers + 2`` slots (one more at a lag of 2), and a consumer that keeps
   batches (``list(loader)``, a cached batch) makes the pool grow by what it keeps, nothing is
   overwritten.
 * **Passes.** ``iter(loader)`` starts a pass over the sampler's current keys (``set_epoch``

@@ -226,15 +226,18 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
         [e.value for e in ref_tb.Scalars("Loss/train")]
 
 
-def test_batches_fetched_further_ahead_still_stop_both_ranks_after_one_step(tmp_path, data):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_fetched_further_ahead_still_stop_both_ranks_after_one_step(tmp_path, data,
+                                                                            workers):
     """A ring longer than a step (all-reduces that hold gloo's threads 0.3 s, as over hundreds
     of ranks): after the first validation both ranks fetch each batch 2 steps ahead of its step
     (a batch more held, 2 steps between a proposal and its decision). A signal on rank 1 in
     step 22, after the batches up to step 24 were fetched: both stop after the log point of
     step 26, the first whose batch was fetched after the signal (24 with batches fetched one
-    step ahead), and the run resumed from there ends as an uninterrupted one."""
+    step ahead), and the run resumed from there ends as an uninterrupted one; with loader
+    workers too, whose batch slots are then held one batch longer."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "36", "--dropout", "0.1",
-                       "--num_data_workers", "0"]
+                       "--num_data_workers", str(workers)]
     out, _, _ = stop_resume_two_ranks(tmp_path, args, 26, 36, SIGNAL_AT_STEP="22",
                                       SIGNAL_RANK="1", RING_S="0.3")
     assert "each batch is now fetched 2 steps ahead of its step" in out, out
