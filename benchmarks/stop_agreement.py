@@ -39,8 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def simulate_long_ring(ring_s: float):
     """From now on in this process, every all-reduce launched without waiting holds one of 2
-    threads for ``ring_s`` after it is done, as gloo's 2 threads per group are held for a ring
-    of hundreds of ranks (launched in order: the ranks' collectives still match)."""
+    threads for ``ring_s`` from when a thread takes it up (or until it is done, if later), as
+    gloo's 2 threads per group are held for a ring of hundreds of ranks (launched in order: the
+    ranks' collectives still match)."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -52,7 +53,12 @@ def simulate_long_ring(ring_s: float):
         work = real(tensor, *args, async_op=async_op, **kwargs)
         if not async_op:
             return work
-        done = threads.submit(lambda: (work.wait(), time.sleep(ring_s)))
+        def ring():
+            until = time.perf_counter() + ring_s
+            work.wait()
+            time.sleep(max(0.0, until - time.perf_counter()))
+
+        done = threads.submit(ring)
 
         class Held:
             def wait(self):

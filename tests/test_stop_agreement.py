@@ -198,7 +198,7 @@ def test_the_ranks_fetch_further_ahead_when_the_ring_outlasts_a_step():
     import signal
 
     ranks = run_ranks(rank_lag, 4, 4, timeout=120)
-    assert ranks[3][0]["wait"] > 0.015, ranks[3][0]  # rank 3 waited every step
+    assert ranks[3][0]["wait"] > 0.01, ranks[3][0]  # rank 3 waited every step
     for r in ranks:
         first, second, third = r
         # rank 3 asked for 2 steps ahead (a ring of 80 ms over steps of 50), the others for
