@@ -186,7 +186,7 @@ class Trainer:
         self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.kept_checkpoints,
                                lambda message: _fail(rt, message, 1, self, broken_group=True))
         # When and how the ranks agree to stop (a host collective, never waited for per step)
-        self.agreement = StopAgreement(self.stop_request, rt.distributed, rt.host_group,
+        self.agreement = StopAgreement(self.stop_request, rt.distributed, rt.agreement_group,
                                        every=cfg.log_every)
         self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
         self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
@@ -697,6 +697,7 @@ def run(cfg, trainer_cls=Trainer):
         if trainer is not None:
             trainer.loaders.close()
             trainer.waits.close()
+            trainer.agreement.close()
         release_run_locks()  # the run directory is free for another process (also on errors)
         if trainer is None:  # the start failed in set-up: it leaves no run behind
             discard_unstarted_run()

@@ -23,6 +23,16 @@ held for the whole ring). The ways are then the engine's with
 its lag held at 1 and the engine's as it is, which after each epoch takes part in the blocking
 agreement a validation makes (where the ranks choose the lag); the warm-up epoch is the
 latter's, so that its lag is chosen before the timed epochs.
+
+``--exchange``: one agreement's own time, gloo's ring all-reduce against the rounds the engine
+uses from 64 ranks (``engine.stop_agreement.Rounds``) and against the same rounds with each
+round's receive posted in its round, each call launched and waited for back to back on N ranks
+doing nothing else, the ways alternating in blocks of 8 calls, median over 48 each.
+``--write-delay-us D`` delays every socket write of the ranks by D us (a small shared library
+built with the C compiler and preloaded), so that the messages' latency outweighs the CPU time,
+as over a network of hundreds of ranks and unlike loopback on a few cores:
+
+    python -m benchmarks.stop_agreement --exchange --ranks 8,16,32 --write-delay-us 2000
 """
 from __future__ import annotations
 
@@ -112,7 +122,7 @@ def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds:
         logging.disable(logging.INFO)
     tr = Trainer(cfg, setup_runtime(cfg), stop_request=StopRequest())
     other = Pinned if ring_s else Blocking
-    ways = {"before": other(tr.stop_request, True, tr.rt.host_group, every=cfg.log_every),
+    ways = {"before": other(tr.stop_request, True, tr.rt.agreement_group, every=cfg.log_every),
             "after": tr.agreement}
     times = {w: [] for w in ways}
     try:
@@ -134,17 +144,138 @@ def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds:
     tr.rt.shutdown()
 
 
-def measure(world: int, rounds: int, data_root: str, base: str, ring_s: float = 0.0) -> dict:
+def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def measure(world: int, rounds: int, data_root: str, base: str, ring_s: float = 0.0) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(world, port, data_root, os.path.join(base, f"ws{world}"),
+    mp.start_processes(_rank, args=(world, _free_port(), data_root, os.path.join(base, f"ws{world}"),
                                     rounds, queue, ring_s), nprocs=world, start_method="spawn")
     return queue.get()
+
+
+# Every writev (gloo's TCP transport sends with it) delayed WRITE_DELAY_US microseconds.
+WRITE_DELAY_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <sys/uio.h>
+#include <time.h>
+ssize_t writev(int fd, const struct iovec *iov, int n) {
+  static ssize_t (*real)(int, const struct iovec *, int);
+  static long ns = -1;
+  if (!real) real = (ssize_t (*)(int, const struct iovec *, int))dlsym(RTLD_NEXT, "writev");
+  if (ns < 0) { const char *us = getenv("WRITE_DELAY_US"); ns = us ? atol(us) * 1000L : 0; }
+  if (ns > 0) { struct timespec t = {ns / 1000000000L, ns % 1000000000L}; nanosleep(&t, 0); }
+  return real(fd, iov, n);
+}
+"""
+
+
+def write_delay_library(directory: str) -> str:
+    """Build the preloaded library that delays every socket write; its path."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("error: --write-delay-us needs a C compiler (cc or gcc) to build its "
+                         "preloaded library: install one (Debian: apt install gcc), or leave "
+                         "--write-delay-us out")
+    source, library = os.path.join(directory, "write_delay.c"), os.path.join(directory,
+                                                                              "write_delay.so")
+    with open(source, "w") as f:
+        f.write(WRITE_DELAY_C)
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", library, source, "-ldl"],
+                   check=True)
+    return library
+
+
+def _exchange_rank(rank: int, world: int, port: int, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    sys.path.insert(0, ROOT)
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.runtime import new_host_group
+    from engine.stop_agreement import Rounds
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    group = new_host_group(datetime.timedelta(seconds=300))
+
+    class InTurn(Rounds):
+        """Each round's receive posted in its round (not all at the start)."""
+
+        def _rounds(self, held, lane, in_turn=False):
+            return super()._rounds(held, lane, in_turn=True)
+
+    # (their calls never overlap: each is waited for before the next, so their tags may match)
+    rounds, in_turn = Rounds(group), InTurn(group)
+
+    def ring(t):
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    ways = {"ring": ring, "in_turn": in_turn.max, "rounds": rounds.max}
+    times = {w: [] for w in ways}
+    for block in range(7):  # the first: connections made, caches warm (not timed)
+        for way, launch in ways.items():
+            for _ in range(8):
+                t0 = time.perf_counter()
+                launch(torch.zeros(2, dtype=torch.int32)).wait()
+                if block:
+                    times[way].append(time.perf_counter() - t0)
+    rounds.close()
+    in_turn.close()
+    if rank == 0:
+        queue.put({w: statistics.median(t) for w, t in times.items()} | {
+            "messages": len(rounds.peers)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_exchange(world: int, delay_us: int, library: str | None) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    before = {k: os.environ.get(k) for k in ("LD_PRELOAD", "WRITE_DELAY_US")}
+    if library:  # the ranks' processes start with it: spawn passes the environment on
+        os.environ.update(LD_PRELOAD=library, WRITE_DELAY_US=str(delay_us))
+    try:
+        mp.start_processes(_exchange_rank, args=(world, _free_port(), queue), nprocs=world,
+                           start_method="spawn")
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k, None) if v is None else os.environ.update({k: v})
+    return queue.get()
+
+
+def exchange(ranks: list[int], delay_us: int):
+    with tempfile.TemporaryDirectory() as base:
+        library = write_delay_library(base) if delay_us else None
+        rows = []
+        for world in ranks:
+            t = measure_exchange(world, delay_us, library)
+            rows.append((world, t["messages"], *(t[w] * 1e3 for w in ("ring", "in_turn",
+                                                                        "rounds"))))
+            print(f"{world} ranks: ring {rows[-1][2]:.2f} ms, {t['messages']} rounds "
+                  f"{rows[-1][4]:.2f} ms ({rows[-1][3]:.2f} with each receive in its round) per "
+                  f"agreement", flush=True)
+    print("\n| ranks | socket writes delayed | ring: messages in a row | rounds | agreement, "
+          "ring (ms) | rounds, each receive in its round (ms) | rounds (ms) | ring / rounds | "
+          "in its round / at the start |\n|---|---|---|---|---|---|---|---|---|")
+    for world, n, ring, in_turn, rounds in rows:
+        print(f"| {world} | {delay_us} us | {2 * (world - 1)} | {n} | {ring:.2f} | "
+              f"{in_turn:.2f} | {rounds:.2f} | {ring / rounds:.2f} | {in_turn / rounds:.2f} |")
 
 
 def main(argv=None):
@@ -153,7 +284,13 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5, help="epochs of each way per point")
     parser.add_argument("--ring-ms", type=float, default=0.0,
                         help="simulate a ring this long: lag 1 against the lag the ranks choose")
+    parser.add_argument("--exchange", action="store_true",
+                        help="one agreement's time: gloo's ring against the rounds")
+    parser.add_argument("--write-delay-us", type=int, default=0,
+                        help="with --exchange: delay every socket write this long")
     args = parser.parse_args(argv)
+    if args.exchange:
+        return exchange(list(map(int, args.ranks.split(","))), args.write_delay_us)
     with tempfile.TemporaryDirectory() as base:
         data_root = os.path.join(base, "data")  # the quickstart's synthetic files, made once
         rows = []

@@ -35,10 +35,15 @@ from settings.cli import from_argv
 if os.environ.get("RING_S"):  # a ring of all-reduces that holds gloo's threads this long
     from benchmarks.stop_agreement import simulate_long_ring
     simulate_long_ring(float(os.environ["RING_S"]))
+if os.environ.get("ROUNDS_FROM"):  # the proposals in rounds (engine.stop_agreement.Rounds)
+    from engine import stop_agreement
+    stop_agreement.ROUNDS_FROM = int(os.environ["ROUNDS_FROM"])
 
 class Signalled(train.Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if os.environ.get("ROUNDS_FROM"):
+            print(f"stop agreement: {{len(self.agreement.rounds.peers)}} rounds", flush=True)
         if os.environ.get("COUNT_AGREEMENTS"):  # the ranks' stop proposals (host collectives)
             atexit.register(lambda: print(f"stop agreements: {{self.agreement.proposals}}",
                                           flush=True))
@@ -214,12 +219,16 @@ def stop_resume_two_ranks(tmp_path, args, stop_step, final_step, **env):
     return outs[0][0], dirs, b
 
 
-def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
+@pytest.mark.parametrize("rounds_from", ["", "2"], ids=["ring", "rounds"])
+def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data, rounds_from):
+    """Rank 1 alone gets a signal in step 3: both stop after step 6, and the run resumed from
+    there ends as an uninterrupted one; the same with the proposals combined in rounds (as
+    from 64 ranks, on a group of their own)."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
                        "--num_data_workers", "0"]
-    # rank 0 never got the signal
-    _, dirs, final = stop_resume_two_ranks(tmp_path, args, 6, 12, SIGNAL_AT_STEP="3",
-                                           SIGNAL_RANK="1")
+    out, dirs, final = stop_resume_two_ranks(tmp_path, args, 6, 12, SIGNAL_AT_STEP="3",
+                                             SIGNAL_RANK="1", ROUNDS_FROM=rounds_from)
+    assert ("stop agreement: 1 rounds" in out) == bool(rounds_from), out[-2000:]
     assert final["rng"] != [] and len(final["rng"]) == 2
     ref_tb, got_tb = (tb_scalars(os.path.join(d, "tensorboard")) for d in dirs)
     assert [e.value for e in got_tb.Scalars("Loss/train")] == \
