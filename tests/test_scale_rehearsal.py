@@ -266,10 +266,13 @@ def test_only_rank_0_keeps_the_checkpoints_tensors(rehearsal):
         assert [r["fit"][name]["kept"] for r in ranks[1:]] == [0] * (world - 1), name
 
 
-def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data, tmp_path):
+@pytest.mark.parametrize("rounds_from", ["", "8"], ids=["ring", "rounds"])
+def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data, tmp_path,
+                                                                           rounds_from):
     """train.py on 8 ranks under FSDP, 13 validation pairs (shards of 1 and 2), a stop signal on
     rank 5 whose first validation batch never comes: every rank stops after the same step with
-    the stop line's exit code, within the deadline."""
+    the stop line's exit code, within the deadline; the same with the ranks' proposals combined
+    in 3 rounds (as from 64 ranks)."""
     from test_preemption import driver
     from test_training import TINY_VIT, run_dir
 
@@ -291,7 +294,7 @@ def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data,
                                    LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                                    MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                                    PYTHONUNBUFFERED="1", SIGNAL_IN_VALIDATION_AT="9",
-                                   SIGNAL_RANK="5")))
+                                   SIGNAL_RANK="5", ROUNDS_FROM=rounds_from)))
     deadline, late = time.monotonic() + 240, []
     try:
         for p in procs:
@@ -312,6 +315,7 @@ def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data,
     assert [p.returncode for p in procs] == [STOPPED_EXIT_CODE] * world, \
         [o[1][-1500:] for o in outs]
     assert "Stopped on SIGUSR1 after step 9: checkpoint " in outs[0][0], outs[0][0][-2000:]
+    assert ("stop agreement: 3 rounds" in outs[0][0]) == bool(rounds_from), outs[0][0][-2000:]
     ckpts = os.path.join(run_dir(str(tmp_path / "exp"), ws=world), "checkpoints")
     assert os.listdir(ckpts) == ["ckpt_00000009.dcp"]
 
