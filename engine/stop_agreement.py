@@ -231,9 +231,10 @@ class Rounds:
         self.group, self.calls = group, 0
         self.peers = [(self._global((rank + d) % size), self._global((rank - d) % size))
                       for d in (1 << k for k in range((size - 1).bit_length()))]
-        # The group connects lazily (a pair when first used; both ends wait for each other), and
-        # receives posted for all rounds at once would ask for them in a cycle: connected here,
-        # collectively, a round at a time.
+        # The group connects lazily, a pair when first used. Receives posted for every round at
+        # once on pairs not yet connected hung on 8 ranks (gloo); a round at a time, as gloo's
+        # own collectives connect, never did: so the pairs are connected here, collectively, a
+        # round at a time, before any call.
         self._rounds(torch.zeros(1, dtype=torch.int32), 0, in_turn=True)
         self.queues = [queue.SimpleQueue() for _ in range(MAX_LAG)]
         self.threads = [threading.Thread(target=self._serve, args=(q, lane), daemon=True,
