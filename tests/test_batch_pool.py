@@ -2,6 +2,7 @@
 stays valid for as long as it is referenced while the pool reuses the buffers of released ones
 (and, pinned, only after the device has passed its release), passes end and resume exactly,
 worker errors and deaths arrive as one line, and nothing is left in /dev/shm."""
+import gc
 import multiprocessing
 import os
 import signal
@@ -706,3 +707,39 @@ def test_buffers_under_a_file_size_limit(roots, tmp_path):
     assert torch.equal(x, expected(alone.train, batch_keys(alone.train_sampler)[0])[0])
     workers.close()
     alone.close()
+
+
+class _Finalised:
+    """Garbage that says where its finaliser ran: a file named by that process's id."""
+
+    def __init__(self, marks):
+        self.marks, self.cycle = marks, self  # a cycle: only the collector frees it
+
+    def __del__(self):
+        open(os.path.join(self.marks, str(os.getpid())), "w").close()
+
+
+class _Collecting(KeyedDataset):
+    def read_batch(self, keys, x, y):
+        gc.collect()  # a full collection in the worker, as any allocation there may start one
+        super().read_batch(keys, x, y)
+
+
+def test_workers_never_finalise_what_they_inherit(tmp_path):
+    """Garbage left in the main process when it forks the workers (a cycle with a finaliser, as
+    a DALI pipeline's, whose shut-down crashed a worker that collected it) is finalised in the
+    main process, never in a worker, though the workers collect garbage as they read."""
+    enabled = gc.isenabled()
+    gc.disable()  # nothing collected by chance before the workers start
+    try:
+        _Finalised(str(tmp_path))
+        ld = BatchLoader(_Collecting(8), list(range(8)), 4, workers=2)
+        got = [KeyedDataset.keys_of(x, y) for x, y in ld]
+        pids = [w.process.pid for w in ld.workers]
+        ld.close()
+    finally:
+        if enabled:
+            gc.enable()
+    gc.collect()
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert os.listdir(tmp_path) == [str(os.getpid())], (os.listdir(tmp_path), pids)

@@ -26,6 +26,7 @@ tests/test_batch_pool_stress.py`` runs twenty times as many (about a quarter of 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import mmap
@@ -236,6 +237,7 @@ class PoolMachine(LoaderMachine):
         self.sampler = list(range(n))
         self.batch_size, self.workers = batch, workers
         self.shm_before = shm_names()
+        self.mapped_before = collections.Counter(in_shm())  # (earlier tests' in this process)
         self.loader = BatchLoader(dataset, self.sampler, batch, workers=workers,
                                   prefetch_depth=prefetch)
         self.pids: set[int] = set()  # every worker ever started
@@ -287,7 +289,8 @@ class PoolMachine(LoaderMachine):
         assert not left, f"workers {left} outlived close()"
         new = shm_names() - self.shm_before
         assert not new, f"left in /dev/shm: {sorted(new)}"
-        assert not in_shm(), in_shm()
+        mapped = collections.Counter(in_shm()) - self.mapped_before
+        assert not mapped, f"still mapped or open: {sorted(mapped.elements())}"
 
     def died(self):
         """A worker's loss reported (LoaderWorkerDied): the loader closed itself."""
