@@ -275,7 +275,7 @@ class Rounds:
         received = [None if in_turn else receive(k) for k in range(len(self.peers))]
         for k, (to, _) in enumerate(self.peers):
             sent = dist.isend(held, to, group=self.group, tag=lane * 64 + k)
-            (received[k] or receive(k)).wait()
+            (receive(k) if received[k] is None else received[k]).wait()
             sent.wait()
             held = torch.maximum(held, got[k])
         return held
