@@ -87,7 +87,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import gc
 import itertools
 import mmap
 import multiprocessing
@@ -414,8 +413,6 @@ class BatchPool:
 
 def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: int, others):
     """A worker: map the slots it is sent, fill its parts of batches, answer each part."""
-    gc.freeze()  # what it inherited is never collected here (``BatchLoader._start_workers``)
-    gc.enable()  # its own garbage is
     exit_with_parent(parent_pid)
     for c in others:  # the other ends of every pipe: only the main process keeps them
         c.close()
@@ -685,28 +682,18 @@ class BatchLoader:
         self.control = mmap.mmap(-1, 8)  # anonymous shared memory, inherited by the workers
         pipes = [ctx.Pipe(duplex=True) for _ in range(self.num_workers)]
         self.workers = []
-        # A worker never frees what it inherits by collecting garbage: an object's finaliser
-        # would run in a forked copy whose threads are gone (a DALI pipeline's shut-down crashed
-        # a worker so). The collector is off while the workers are forked, and each worker's
-        # first act is to put what it inherited out of its sight (``_worker_loop``).
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with _signal_handlers_deferred():
-                for i, (here, there) in enumerate(pipes):
-                    others = [c for pair in pipes for c in pair if c is not there]
-                    seed = int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
-                    process = ctx.Process(target=_worker_loop, daemon=True,
-                                          args=(self.dataset, there, self.control, i, os.getpid(),
-                                                seed, others),
-                                          name=f"loader-worker-{i}")
-                    process.start()
-                    self.workers.append(_Worker(i, process, here))
-                for _, there in pipes:
-                    there.close()
-        finally:
-            if collecting:
-                gc.enable()
+        with _signal_handlers_deferred():
+            for i, (here, there) in enumerate(pipes):
+                others = [c for pair in pipes for c in pair if c is not there]
+                seed = int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
+                process = ctx.Process(target=_worker_loop, daemon=True,
+                                      args=(self.dataset, there, self.control, i, os.getpid(),
+                                            seed, others),
+                                      name=f"loader-worker-{i}")
+                process.start()
+                self.workers.append(_Worker(i, process, here))
+            for _, there in pipes:
+                there.close()
 
     def _receive(self):
         """Wait for the next answer of any worker, or the end of one, and account for it."""

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny data files in the real formats, with contents that make alignment,
 normalisation and rotation checkable by eye and by assertion."""
+import faulthandler
 import os
 import sys
 
@@ -10,6 +11,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from datapipe.batch_pool import exit_with_parent  # noqa: E402 - after the path is set
 
 # Per-channel offsets and scales of the fixture ERA5 fields (what the stats files say).
 ERA5_MEANS = np.linspace(-50, 50, 20).astype(np.float32)
@@ -104,3 +107,49 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # xdist would put the files with most tests first
     return LoadFileScheduling(config, log)
+
+
+# ----------------------------------------------------------------------------- hangs and crashes
+
+TEST_LIMIT_S = 600  # over 3x the longest test here (a Slurm job's: 192 s in a full run on 2 cores)
+STDERR = 2  # where a hung test's stacks go: the real stderr, once pytest_configure has it
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """``-n 2``: a worker that crashes ends the run (unless ``--max-worker-restart`` says
+    otherwise). xdist would start another and run the test it crashed in again, and a test that
+    hangs would take ``TEST_LIMIT_S`` each time. And a copy of fd 2 taken while pytest does not
+    capture it (it does during tests)."""
+    global STDERR
+    if getattr(config.option, "maxworkerrestart", "") is None:
+        config.option.maxworkerrestart = "0"
+    STDERR = os.dup(2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that hangs, even in a wait in C that no signal handler ends, prints every thread's
+    stack and ends its process after ``TEST_LIMIT_S``: under ``-n 2`` xdist reports the test as
+    the one its worker crashed in, where it would otherwise wait to the end of the run."""
+    faulthandler.dump_traceback_later(TEST_LIMIT_S, exit=True, file=STDERR)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _forking():
+    global FORKED_BY
+    FORKED_BY = os.getpid()
+
+
+def _end_with_the_test_process():
+    """A process forked from a test's (a loader's workers) is killed when that process ends: it
+    holds every file that process had open, an xdist worker's pipes to pytest among them, and
+    had the worker crashed, xdist would see its pipes open and wait for it to the run's end."""
+    exit_with_parent(FORKED_BY)
+
+
+FORKED_BY = 0
+os.register_at_fork(before=_forking, after_in_child=_end_with_the_test_process)

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import faulthandler
 import mmap
 import os
 import random
 import shutil
 import signal
-import sys
 import threading
 import time
 
@@ -503,10 +501,3 @@ def needs_dali():
 class TestDALILoaderStress(DALIMachine.TestCase):
     pass
 
-
-@pytest.fixture(autouse=True)
-def last_resort():
-    """A hang that even SIGALRM cannot end (a wait in C): every thread's stack, then exit."""
-    faulthandler.dump_traceback_later(600, exit=True, file=sys.stderr)
-    yield
-    faulthandler.cancel_dump_traceback_later()

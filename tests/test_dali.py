@@ -4,6 +4,8 @@ missing-DALI message, and training runs; on a GPU (marked gpu) the hand-off on t
 import builtins
 import os
 import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -299,6 +301,41 @@ def test_dali_gpu_batches_arrive_on_torchs_current_stream(dali, cosmo_root, era5
     assert all(s.cuda_stream == side.cuda_stream for s in copies)
     ref.train_sampler.set_epoch(0)
     assert_same(got, [(x.to(gpu), y.to(gpu)) for x, y in batches(ref.train)])
+
+
+# Run in a process of its own: run inside pytest's process, the worker's collection did not
+# reach the abandoned pipeline, and the test passed without what it checks.
+INHERITED_GARBAGE = """
+import gc, sys
+import torch
+sys.path[:0] = [{root!r}, {tests!r}]
+from test_dali import unet_cfg, batches
+from datapipe.cosmo_data import CosmoCropDataset
+from datapipe.data_loader import build_loaders
+
+gc.disable()  # nothing collected by chance in this process
+first = build_loaders(unet_cfg({data!r}, "dali-lowmem", 1), 1, 0, 4, torch.device("cpu"))
+next(iter(first.train))  # its pipeline built and run, its workers started
+cycle = [first]
+cycle.append(cycle)
+del first, cycle  # garbage that only a collection frees
+window = CosmoCropDataset.window
+CosmoCropDataset.window = lambda self, *args: (gc.collect(), window(self, *args))[1]
+got = batches(build_loaders(unet_cfg({data!r}, "dali-lowmem", 1), 1, 0, 4,
+                            torch.device("cpu")).train)
+print(len(got), "batches")
+"""
+
+
+def test_dali_workers_never_free_a_pipeline_they_inherit(dali, cosmo_root):
+    """A pipeline left in the main process for the garbage collector (an interrupted pass drops
+    its pipeline) is never freed in the Python workers of a pipeline built later, though they
+    collect garbage as they read: freed there, its shut-down ran in a copy without DALI's
+    threads, the worker died and the loader failed ("Worker data receiving interrupted")."""
+    code = INHERITED_GARBAGE.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=cosmo_root)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "3 batches"
 
 
 def test_missing_dali_names_the_install(monkeypatch, cosmo_root):

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,3 +33,54 @@ def test_the_slurm_file_is_collected_first():
     ids = [line for line in r.stdout.splitlines() if "::" in line]
     assert ids and ids[0].startswith("tests/test_slurm.py::"), r.stdout[-2000:]
     assert ids[-1].startswith("tests/test_losses.py::")
+
+
+
+CRASH = """
+import ctypes, os, time
+
+def test_crashes_with_a_forked_child_alive():
+    if os.fork() == 0:  # a loader's worker, say: it holds the worker's pipes to pytest
+        time.sleep(300)
+        os._exit(0)
+    ctypes.string_at(0)  # a segmentation fault
+"""
+HANG = """
+import threading
+
+def test_hangs():
+    threading.Event().wait()
+"""
+PASS = """
+import time
+
+def test_passes():
+    time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang"])
+def test_a_crash_or_a_hang_ends_the_run_with_its_name(tmp_path, kind):
+    """Under -n 2, a worker that crashes while a process it forked lives, or a test that never
+    returns, ends the run at once: reported as the test the worker crashed in (a hung test's
+    stack printed), the test beside it finished, nothing forked left behind."""
+    with open(os.path.join(ROOT, "tests", "conftest.py")) as f:
+        conftest = f.read()
+    assert "\nTEST_LIMIT_S = 600 " in conftest
+    (tmp_path / "conftest.py").write_text(conftest.replace("\nTEST_LIMIT_S = 600 ",
+                                                           "\nTEST_LIMIT_S = 10 "))
+    (tmp_path / "slow_tests.txt").write_text("")
+    (tmp_path / "test_a.py").write_text(CRASH if kind == "crash" else HANG)
+    (tmp_path / "test_b.py").write_text(PASS)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
+                        "test_a.py", "test_b.py"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    out = r.stdout + r.stderr
+    name = "test_crashes_with_a_forked_child_alive" if kind == "crash" else "test_hangs"
+    assert r.returncode == 1, out[-3000:]
+    assert f"crashed while running 'test_a.py::{name}'" in out, out[-3000:]
+    assert re.search(r"\b1 failed, 1 passed\b", out), out[-3000:]  # not run again
+    if kind == "hang":
+        assert "Timeout (0:00:10)!" in out and "in test_hangs" in out, out[-3000:]
+    left = subprocess.run(["pgrep", "-f", "time.sleep\\(300\\)"], capture_output=True, text=True)
+    assert not left.stdout.strip()
