@@ -503,4 +503,3 @@ def needs_dali():
 @pytest.mark.usefixtures("needs_dali")
 class TestDALILoaderStress(DALIMachine.TestCase):
     pass
-
