@@ -265,9 +265,10 @@ elif [[ -n ${PODMAN_IMAGE:-} ]]; then
     # podman passes no environment by default: the variables the ranks read, by name.
     container=("$runtime" run --rm --net host -v "$PWD:$PWD" -w "$PWD")
     if [[ -n ${SCRATCH:-} ]]; then container+=(-v "$SCRATCH:$SCRATCH"); fi
+    # torch's own (TORCHINDUCTOR_CACHE_DIR, PYTORCH_CUDA_ALLOC_CONF) and the TF32 switch too.
     for var in 'SLURM_*' 'NCCL_*' 'FI_*' EXPDIR ERA5_DATA_ROOT COSMO_DATA_ROOT PYTHONUNBUFFERED \
                OMP_NUM_THREADS HDF5_USE_FILE_LOCKING CUDA_VISIBLE_DEVICES CUDA_DEVICE_ORDER \
-               DDP_GPU_ORDER MASTER_PORT; do
+               DDP_GPU_ORDER MASTER_PORT 'TORCH*' 'PYTORCH_*' NVIDIA_TF32_OVERRIDE; do
         container+=(-e "$var")
     done
     if ((gpus > 0)) && [[ $runtime == */podman-hpc ]]; then container+=(--gpu); fi

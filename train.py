@@ -31,7 +31,7 @@ from datapipe.data_loader import build_loaders, validation_batch_sizes
 from engine import checkpoint, throughput_report
 from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
 from engine.exits import arm_hard_exit
-from engine.lr_schedule import build_scheduler, peak_lr, resumed_schedule
+from engine.lr_schedule import build_scheduler, describe as describe_lr, peak_lr, resumed_schedule
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
 from engine.preemption import NeverStop, RunStopped, StopRequest
@@ -71,6 +71,7 @@ class EpochStats:
     samples_per_s: float  # the job's samples over elapsed_s: what the epoch really delivered
     steady_samples_per_s: float | None = None  # from the end of the first step on (> 1 step)
     data_wait: float | None = None  # share of elapsed_s the step waited for data (DataWait)
+    checkpoint_s: float = 0.0  # of elapsed_s, the time spent writing checkpoints mid-epoch
 
 
 def finished(state: dict, cfg: Config) -> bool:
@@ -177,10 +178,13 @@ class Trainer:
         measurable = self.device.type == "cuda" or not cfg.enable_jit
         self.probe = MemoryProbe(self.device, self.model, self.optimizer) if measurable \
             else NullProbe()
-        self.profiler = ProfilerWindow(cfg.enable_manual_profiling, start=self.steps_per_epoch)
+        self.profiler = ProfilerWindow.for_run(cfg.enable_manual_profiling, self.device,
+                                               self.iteration, self.steps_per_epoch,
+                                               self.total_steps)
         self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, self.iteration,
                                          self.steps_per_epoch, self.total_steps)
         self.progress = Progress(self.steps_per_epoch, rt.global_batch, rt.is_main)
+        self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
         self.data_wait = DataWait.for_device(self.device)
         # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.
         self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.kept_checkpoints,
@@ -200,6 +204,8 @@ class Trainer:
                                 f"Loss/valid_{self.task.baseline_name}")
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)())
+        log.info(describe_lr(cfg.lr, self.peak_lr, rt.global_batch, cfg.base_batch_size,
+                             cfg.lr_scaling, cfg.warmup_steps, cfg.end_lr))
         self.start_clock.mark("optimizer and logs")
 
     def start_loaders(self, resume, rows=None):
@@ -288,6 +294,7 @@ class Trainer:
         self.progress.start_epoch(st.epoch, st.step_in_epoch, last=min(
             self.steps_per_epoch, st.step_in_epoch + self.total_steps - st.iteration))
         self.data_wait.start_epoch()
+        self.checkpoint_s = 0.0
         t_first = None
         self.trace.step(st.iteration)  # the torch.profiler window may start here
         # each wait for a batch as a range, and timed; a stop signal or a stall ends it
@@ -349,7 +356,8 @@ class Trainer:
         total = rt.dp_sum(epoch_sum.clone().float()).item()
         avg = (total + st.epoch_loss_carry) / max(st.step_in_epoch, 1)
         return EpochStats(avg, elapsed, steps_run, samples_per_s, steady,
-                          self.data_wait.share(elapsed) if steps_run else None)
+                          self.data_wait.share(elapsed) if steps_run else None,
+                          self.checkpoint_s)
 
     def log_start(self):
         """After the run's first step (waited for, once): how long the start took, by part."""
@@ -534,6 +542,11 @@ class Trainer:
         if stats.steps:
             log.info(f"Epoch {self.state.epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} "
                      f"steps, {stats.samples_per_s:.2f} samples/s ({steps_per_s:.2f} steps/s)")
+            if stats.checkpoint_s:  # in the epoch's time, as the tutorial's has none to hold
+                rest = stats.samples_per_s * stats.elapsed_s / max(
+                    stats.elapsed_s - stats.checkpoint_s, 1e-9)
+                log.info(f"  {stats.checkpoint_s:.2f} s of it writing checkpoints; "
+                         f"{rest:.2f} samples/s without them")
         else:  # resumed from a stop during this epoch's validation
             log.info(f"Epoch {self.state.epoch + 1}: its steps ran before the resume; its "
                      f"validation is run now")
@@ -577,11 +590,13 @@ class Trainer:
         """Collective on all ranks; rank 0 writes (under FSDP every rank writes its shards).
         ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
         end)."""
+        t0 = time.perf_counter()
         carried = 0.0 if epoch_sum is None else self.rt.dp_sum(epoch_sum.clone().float()).item()
         path = self.state.save(self.ckpt_dir, self.cfg.checkpoint_keep, carried,
                                (*self.window.tolist(), self.window_steps))
+        self.checkpoint_s += time.perf_counter() - t0
         if path is not None:
-            log.info(f"Checkpoint written: {path}")
+            log.info(f"Checkpoint written: {path} ({time.perf_counter() - t0:.2f} s)")
 
     # ------------------------------------------------------------------ the loop
 

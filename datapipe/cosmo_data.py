@@ -62,7 +62,9 @@ class CosmoCropDataset(BatchReadDataset):
         if not os.path.exists(self.path):
             raise DataError(f"{self.path} not found: set --data_root to the directory holding "
                             f"the cosmology files (or COSMO_DATA_ROOT), or generate synthetic "
-                            f"volumes with python -m datapipe.synthetic cosmo --out DIR")
+                            f"volumes with python -m datapipe.synthetic cosmo --out DIR and "
+                            f"train on them with --data_root DIR --train_file train.h5 "
+                            f"--val_file valid.h5 (the names it writes)")
         try:
             with h5py.File(self.path, "r") as f:
                 missing = [k for k in ("Nbody", "Hydro") if k not in f]

@@ -12,6 +12,15 @@ def peak_lr(lr: float, global_batch: int, base_batch: int, scaling: str) -> floa
     return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
 
 
+def describe(lr: float, peak: float, global_batch: int, base_batch: int, scaling: str,
+             warmup: int, end: float) -> str:
+    """The run header's line: the peak the schedule reaches and how it came from ``lr``."""
+    scaled = "" if peak == lr else (f" = lr {lr:g} scaled ({scaling}) from batch {base_batch} "
+                                    f"to {global_batch}")
+    return (f"Learning rate: peak {peak:.4g}{scaled}; {warmup} warm-up steps, then a cosine to "
+            f"{end:g}")
+
+
 def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
     """Learning rate of the update with 0-based index ``step`` out of ``total`` updates.
 

@@ -139,10 +139,16 @@ def choose_device(cfg: Config, local_rank: int) -> torch.device:
 
 def configure_cuda(cfg: Config, device: torch.device):
     """cuDNN autotuning (the U-Net is all 3D convolutions, 2.9x faster tuned on an H100), or,
-    with ``cudnn_benchmark`` false, the same deterministic algorithms on every run."""
+    with ``cudnn_benchmark`` false, the same deterministic algorithms on every run; and TF32 for
+    fp32 matmuls and convolutions, unless ``allow_tf32`` is false or NVIDIA_TF32_OVERRIDE=0
+    (which turns it off inside cuBLAS and cuDNN: torch's switches then say so too, and the MFU,
+    which reads them, divides by the fp32 peak)."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = not cfg.cudnn_benchmark
+        tf32 = cfg.allow_tf32 and os.environ.get("NVIDIA_TF32_OVERRIDE") != "0"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 def check_amp(cfg: Config, device: torch.device):

@@ -7,8 +7,8 @@ Every range (``nvtx_range``) is both an NVTX range, for ``nsys``, and a
 listens. The ``nvtx`` package works with no GPU (torch.cuda.nvtx raises on a CPU build); without
 it the NVTX half is a no-op.
 
-- ``ProfilerWindow`` (``--enable_manual_profiling``): the CUDA profiler API brackets a window of
-  steps, for ``nsys profile -c cudaProfilerApi``.
+- ``ProfilerWindow`` (``--enable_manual_profiling``, or any run under Nsight Systems): the CUDA
+  profiler API brackets a window of steps, for ``nsys profile -c cudaProfilerApi``.
 - ``TraceWindow`` (``--profile_trace DIR``): a ``torch.profiler.profile`` over a few steps that
   writes a Chrome/Perfetto trace and a TensorBoard profile per rank.
 """
@@ -40,13 +40,45 @@ def nvtx_range(name: str):
         yield
 
 
+NSYS_ENV = "NSYS_PROFILING_SESSION_ID"  # set by Nsight Systems in the process it profiles
+
+
 class ProfilerWindow:
-    """Starts the CUDA profiler at step ``start`` and stops it ``length`` steps later."""
+    """Starts the CUDA profiler at step ``start`` and stops it ``length`` steps later, for
+    ``nsys profile -c cudaProfilerApi``, which records only between the two."""
 
     def __init__(self, enabled: bool, start: int, length: int = 30):
-        self.enabled = enabled and torch.cuda.is_available()
+        self.enabled = enabled
         self.start, self.stop = start, start + length
         self.active = False
+
+    @classmethod
+    def for_run(cls, requested: bool, device: torch.device, iteration: int,
+                steps_per_epoch: int, total_steps: int, length: int = 30):
+        """The window of a run: ``length`` steps from the second epoch's first step (the first
+        holds compilation, loader start-up and autotuning), or from this launch's first step when
+        it was resumed past that point; cut at the run's end. Open with
+        ``--enable_manual_profiling`` or, without it, whenever the run is under Nsight Systems
+        (its ``NSYS_PROFILING_SESSION_ID``), so that ``nsys profile -c cudaProfilerApi python
+        train.py ...`` records the window without the flag. A request without a CUDA device gets
+        one warning and no window."""
+        under_nsys = bool(os.environ.get(NSYS_ENV))
+        if requested and device.type != "cuda":
+            log.warning("enable_manual_profiling: no CUDA device, so no CUDA profiler window "
+                        "(nsys records CUDA work); for a trace on %s use --profile_trace DIR",
+                        device.type)
+        if not (requested or under_nsys) or device.type != "cuda":
+            return cls(False, 0, 0)
+        start = max(steps_per_epoch, iteration)
+        length = min(length, total_steps - start)
+        if length <= 0:
+            log.warning("CUDA profiler window: the run ends before step %d, so nothing is "
+                        "recorded; train longer (--num_epochs 2 or more)", start + 1)
+            return cls(False, 0, 0)
+        log.info("CUDA profiler window: steps %d-%d%s (nsys -c cudaProfilerApi records these)",
+                 start + 1, start + length,
+                 "" if requested else f", opened because {NSYS_ENV} is set")
+        return cls(True, start, length)
 
     def step(self, iteration: int):
         if not self.enabled:

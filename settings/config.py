@@ -76,6 +76,9 @@ class Config:
     cudnn_benchmark: bool = _f(True, "CUDA: time cuDNN's convolution algorithms on the first "
                                "steps and keep the fastest (false: deterministic algorithms, "
                                "bitwise-reproducible runs, slower)", resume=True)
+    allow_tf32: bool = _f(True, "CUDA: fp32 matmuls and convolutions on tensor cores in TF32 "
+                          "(a 10-bit mantissa), as in NVIDIA's containers and the tutorial's "
+                          "runs; false: full fp32 (so does NVIDIA_TF32_OVERRIDE=0)", resume=True)
     _group("data")
     data_root: str = _f("./data", "directory holding the data set", path="dir")
     data_loader_config: Literal["lowmem", "inmem", "synthetic", "dali-lowmem", "dali-inmem",
@@ -163,7 +166,8 @@ class Config:
                             "TensorBoard profile) of a few steps of the second epoch to this "
                             "directory (empty: none)", path="out", resume=True)
     enable_manual_profiling: bool = _f(False, "bracket 30 steps of the second epoch with the CUDA "
-                                       "profiler API (for nsys -c cudaProfilerApi)", resume=True)
+                                       "profiler API, for nsys -c cudaProfilerApi (a run under "
+                                       "nsys does so without it)", resume=True)
     _group("data parallelism")
     noddp: bool = _f(False, "skip the gradient all-reduce (compute-only scaling measurements; "
                      "the replicas drift apart)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import itertools
 import math
 import os
@@ -332,12 +333,32 @@ def _check_alias(cls, alias, target, given, source):
                           f"{given} is also given ({source}): keep one of them")
 
 
+def _yaml_files_holding(name: str, yaml_path: str) -> list[str]:
+    """The other YAML files beside ``yaml_path`` (the project's config/ folder) that define a
+    config ``name``; relative to the working directory when inside it."""
+    folder = os.path.dirname(yaml_path)
+    found = []
+    for other in sorted(glob.glob(os.path.join(folder, "*.yaml"))):
+        if os.path.samefile(other, yaml_path):
+            continue
+        try:
+            if name in load_yaml_configs(other):
+                rel = os.path.relpath(other)
+                found.append(other if rel.startswith("..") else rel)
+        except ConfigError:  # a broken neighbour is not this error's subject
+            continue
+    return found
+
+
 def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) -> Config:
     """The named config of the YAML file with overrides applied, typed and validated."""
     configs = load_yaml_configs(yaml_path)
     if name not in configs:
         close = difflib.get_close_matches(name, list(configs), n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'? " if close else ""
+        elsewhere = _yaml_files_holding(name, yaml_path)
+        if elsewhere:
+            hint = (f"it is in {' and '.join(elsewhere)}: add --yaml_config {elsewhere[0]}; or ")
         raise ConfigError(f"--config {name}: no such config in {yaml_path}: {hint}choose one of "
                           f"{', '.join(configs)}")
     raw = dict(configs[name])

@@ -101,6 +101,16 @@ def test_errors_name_the_fix(name, overrides, fragment):
     assert fragment in str(e.value)
 
 
+def test_a_config_of_the_other_yaml_file_is_named_with_the_flag_that_reads_it(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as e:
+        build_config(VIT, "bs512_test")  # a U-Net config, asked of the ViT's file
+    assert "it is in config/UNet.yaml: add --yaml_config config/UNet.yaml" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build_config(VIT, "no_such_config_anywhere")
+    assert "it is in" not in str(e.value) and "choose one of" in str(e.value)
+
+
 def test_unet_checks():
     with pytest.raises(ConfigError, match="data_size=48 must be divisible by 2\\^6"):
         build_config(UNET, "base", {"data_size": "48"})

@@ -1,4 +1,5 @@
 import collections
+import inspect
 import os
 import re
 
@@ -9,6 +10,7 @@ import torch
 
 from conftest import ERA5_MEANS, ERA5_STDS, era5_value, write_era5
 from settings.parse import build_config
+from datapipe import synthetic
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from datapipe.era5_data import ERA5Dataset
@@ -207,8 +209,12 @@ def test_missing_and_malformed_files(tmp_path, era5_root):
     os.remove(stds)
     with pytest.raises(DataError, match="global_stds.npy not found"):
         era5_ds(era5_root)
-    with pytest.raises(DataError, match="not found"):
+    with pytest.raises(DataError, match="not found") as e:
         CosmoCropDataset(str(tmp_path / "none.h5"), size=8, nsamples=1)
+    # the generator it suggests writes other names than the tutorial's: the message gives them
+    defaults = inspect.signature(synthetic.make_cosmo).parameters
+    names = defaults["train_name"].default, defaults["val_name"].default
+    assert f"--train_file {names[0]} --val_file {names[1]}" in str(e.value)
 
 
 def test_nan_in_data_is_named(tmp_path):

@@ -323,6 +323,8 @@ def test_submit_in_a_podman_image(stubs, runtime):  # noqa: F811
     assert {"SLURM_*", "EXPDIR", "ERA5_DATA_ROOT", "HDF5_USE_FILE_LOCKING", "FI_*"} <= passed
     # the GPU order that export_DDP_vars.sh applies in each rank (see tests/test_launch.py)
     assert {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_GPU_ORDER"} <= passed
+    # the compile caches' folder (TORCHINDUCTOR_CACHE_DIR) and the tutorial's TF32 experiment
+    assert {"TORCH*", "PYTORCH_*", "NVIDIA_TF32_OVERRIDE"} <= passed
     assert ("--gpu" in head) == (runtime == "podman-hpc")
     assert head[-4:] == ["--nccl", "-v", "/cfs:/cfs", "dl-at-scale:gpu"]
     assert rank_record(stubs, 1)["argv"] == ["--run_num", "job42", "--config", "a b"]

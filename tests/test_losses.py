@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tasks.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
-from engine.lr_schedule import build_scheduler, lr_at, peak_lr
+from engine.lr_schedule import build_scheduler, describe, lr_at, peak_lr
 
 
 def test_weighted_rmse_by_hand():
@@ -78,6 +78,11 @@ def test_lr_schedule_values():
     assert peak_lr(1e-3, 256, 64, "none") == 1e-3
     assert peak_lr(1e-3, 256, 64, "linear") == pytest.approx(4e-3)
     assert peak_lr(1e-3, 256, 64, "sqrt") == pytest.approx(2e-3)
+    # the run header says which peak --lr led to (the *_opt configs scale it by sqrt)
+    assert describe(1e-3, 2e-3, 256, 64, "sqrt", 10, 0.0) == (
+        "Learning rate: peak 0.002 = lr 0.001 scaled (sqrt) from batch 64 to 256; 10 warm-up "
+        "steps, then a cosine to 0")
+    assert describe(1e-3, 1e-3, 64, 64, "sqrt", 0, 1e-5).startswith("Learning rate: peak 0.001;")
     # warm-up 4 steps, then cosine to end_lr over 8 more
     vals = [lr_at(s, 1.0, 0.1, 4, 12) for s in range(13)]
     assert vals[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])

@@ -197,3 +197,25 @@ def test_by_default_one_models_runs_and_no_examples(repo, tmp_path, monkeypatch)
     monkeypatch.setenv("TENSORBOARD_MODEL", "UNet")
     text = execute(repo, cells=1)
     assert f"your UNet runs: 1 run(s) under {tmp_path / 'exp' / 'UNet'}" in text
+
+
+def test_runs_of_train_py_in_logs_are_shown_beside_the_job_scripts(repo, tmp_path, monkeypatch):
+    """On Perlmutter the log root is $SCRATCH's (submit_pm.sh), while python train.py without
+    EXPDIR writes to ./logs: both are listed and served; with EXPDIR set, only EXPDIR."""
+    scratch_root = tmp_path / "scratch" / "dl-at-scale" / "logs"
+    existing_run(scratch_root)
+    existing_run(repo / "logs")
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    nb = nbformat.read(repo / "start_tensorboard.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    spec = code[1].source.split("def logdir_spec", 1)[1].split("\n\n\n", 1)[0]
+    code[0].source += f"\n\n\ndef logdir_spec{spec}\n\n\nprint('SPEC', logdir_spec())"
+    nbformat.write(nb, repo / "start_tensorboard.ipynb")
+    text = execute(repo, cells=1)
+    vit, local = scratch_root / "ViT", repo / "logs" / "ViT"
+    assert f"your ViT runs: 1 run(s) under {vit}\n" in text
+    assert f"your runs of python train.py without EXPDIR: 1 run(s) under {local}\n" in text
+    assert f"SPEC runs:{vit},local:{local}\n" in text
+    monkeypatch.setenv("EXPDIR", str(scratch_root))  # chosen: nothing else is added
+    text = execute(repo, cells=1)
+    assert f"SPEC runs:{vit}\n" in text and "without EXPDIR" not in text

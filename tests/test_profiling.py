@@ -1,6 +1,7 @@
 """--profile_trace: a torch.profiler trace of a few steps, with the named ranges, on CPU."""
 import glob
 import json
+import logging
 import os
 
 import pytest
@@ -10,7 +11,7 @@ from distributed_harness import run_ranks
 from test_training import TINY_VIT, _cfg, run_dir, train
 from observe import profiling
 from settings.errors import ConfigError
-from observe.profiling import NullTrace, TraceWindow, check_trace_dir, nvtx_range, unused_path
+from observe.profiling import NSYS_ENV, NullTrace, ProfilerWindow, TraceWindow, check_trace_dir, nvtx_range, unused_path
 
 RANGES = ("forward", "backward", "optimizer", "data wait")
 
@@ -27,8 +28,9 @@ def test_vit_run_writes_a_trace_with_the_named_ranges(tmp_path, era5_root):
     exp = str(tmp_path / "logs")
     common = TINY_VIT + ["--data_root", era5_root, "--num_epochs", "2", "--log_every", "1",
                          "--profile_trace", str(trace_dir)]
-    r = train(common + ["--expdir", exp])
+    r = train(common + ["--expdir", exp, "--enable_manual_profiling"])
     log = open(os.path.join(run_dir(exp), "out.log")).read()
+    assert "no CUDA profiler window" in log  # the nsys window needs a GPU: said, not silent
     steps_per_epoch = int(open(os.path.join(run_dir(exp), "config.yaml")).read()
                           .split("steps_per_epoch:")[1].split()[0])
     # The window opens at the second epoch's first step: 1 wait + 1 warm-up step, then 3 traced.
@@ -99,6 +101,63 @@ def test_window_cut_short_by_the_end_of_the_run(tmp_path, caplog):
     w.step(0)
     w.step(1)
     assert w.prof is None and not w.written and "no torch.profiler trace" in caplog.text
+
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def cuda_profiler(monkeypatch, caplog):
+    """The CUDA profiler API's calls, recorded instead of made."""
+    caplog.set_level(logging.INFO, logger="train")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append("stop"))
+    monkeypatch.delenv(NSYS_ENV, raising=False)
+    return calls
+
+
+def drive(window, steps, calls):
+    """The step index at each profiler call, stepping as train.py does."""
+    at = []
+    for it in range(steps):
+        n = len(calls)
+        window.step(it)
+        at += [(calls[i], it) for i in range(n, len(calls))]
+    return at
+
+
+def test_cuda_profiler_window_brackets_30_steps_of_the_second_epoch(cuda_profiler, caplog):
+    w = ProfilerWindow.for_run(True, CUDA, iteration=0, steps_per_epoch=10, total_steps=100)
+    assert drive(w, 100, cuda_profiler) == [("start", 10), ("stop", 40)]
+    assert "CUDA profiler window: steps 11-40" in caplog.text
+    # resumed past the second epoch's start: from this launch's first step
+    w = ProfilerWindow.for_run(True, CUDA, iteration=55, steps_per_epoch=10, total_steps=100)
+    cuda_profiler.clear()
+    assert drive(w, 100, cuda_profiler) == [("start", 55), ("stop", 85)]
+    # cut at the run's end: the window is what is left of it
+    w = ProfilerWindow.for_run(True, CUDA, iteration=0, steps_per_epoch=10, total_steps=25)
+    assert (w.start, w.stop) == (10, 25)
+
+
+def test_a_run_under_nsys_opens_the_window_without_the_flag(cuda_profiler, monkeypatch, caplog):
+    assert not ProfilerWindow.for_run(False, CUDA, 0, 10, 100).enabled
+    monkeypatch.setenv(NSYS_ENV, "1")
+    w = ProfilerWindow.for_run(False, CUDA, 0, 10, 100)
+    assert drive(w, 100, cuda_profiler) == [("start", 10), ("stop", 40)]
+    assert f"opened because {NSYS_ENV} is set" in caplog.text
+
+
+def test_cuda_profiler_window_that_cannot_open_says_why(cuda_profiler, monkeypatch, caplog):
+    monkeypatch.setenv(NSYS_ENV, "1")
+    w = ProfilerWindow.for_run(True, torch.device("cpu"), 0, 10, 100)
+    assert drive(w, 100, cuda_profiler) == []
+    assert "no CUDA profiler window" in caplog.text and "--profile_trace" in caplog.text
+    caplog.clear()
+    w = ProfilerWindow.for_run(True, CUDA, 0, 10, 10)  # one epoch: no second one to record
+    assert drive(w, 10, cuda_profiler) == []
+    assert "nothing is recorded" in caplog.text and "--num_epochs 2" in caplog.text
 
 
 def test_ranges_without_the_nvtx_package(monkeypatch):

@@ -14,6 +14,7 @@ from conftest import ROOT
 from distributed import grad_norm
 from settings.parse import build_config
 from settings.errors import ConfigError
+from tasks import make_task
 from engine.runtime import TORCH_FLOOR, check_torch_version, choose_device, configure_cuda
 
 FLOOR = ".".join(map(str, TORCH_FLOOR))
@@ -140,9 +141,32 @@ def test_train_py_with_gpus_announced_stops_with_one_line_or_runs_on_the_cpu_whe
 
 @pytest.fixture
 def cudnn_flags():
-    saved = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
+    b = torch.backends
+    saved = (b.cudnn.benchmark, b.cudnn.deterministic, b.cuda.matmul.allow_tf32,
+             b.cudnn.allow_tf32)
     yield
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved
+    (b.cudnn.benchmark, b.cudnn.deterministic, b.cuda.matmul.allow_tf32,
+     b.cudnn.allow_tf32) = saved
+
+
+def test_tf32_is_on_for_cuda_runs_as_in_the_tutorial_unless_turned_off(cudnn_flags, monkeypatch):
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    b = torch.backends
+
+    def tf32(overrides, device="cuda"):
+        b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32 = False, True  # torch's defaults
+        configure_cuda(build_config(f"{ROOT}/config/ViT.yaml", "short", overrides),
+                       torch.device(device))
+        return b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32
+
+    assert tf32({}, "cpu") == (False, True)  # a CPU run leaves torch's flags alone
+    assert tf32({}) == (True, True)  # torch's own default leaves matmuls in fp32
+    assert tf32({"allow_tf32": "false"}) == (False, False)
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # the tutorial's experiment: fp32 throughout
+    assert tf32({}) == (False, False)
+    # the MFU then divides by the fp32 peak: the tasks read the switches configure_cuda set
+    task = make_task(build_config(f"{ROOT}/config/ViT.yaml", "short", {}))
+    assert task.fp32_in_tf32() is False
 
 
 def test_cudnn_autotuning_is_on_for_cuda_runs_and_off_for_bitwise_reproducible_ones(

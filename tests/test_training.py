@@ -94,6 +94,18 @@ def test_killed_run_resumes_to_identical_result(tmp_path, era5_long):
     train(common + ["--expdir", ref])
     final = sorted(os.listdir(os.path.join(run_dir(ref), "checkpoints")))[-1]
     assert final == "ckpt_00000057.pt"  # 2 years x 39 pairs // 4 = 19 steps x 3 epochs
+    # Checkpoints written inside an epoch are in its time, and the log says how much.
+    log = open(os.path.join(run_dir(ref), "out.log")).read()
+    epochs = re.findall(r"Epoch \d: ([0-9.]+) s for 19 steps, ([0-9.]+) samples/s", log)
+    writes = re.findall(r"  ([0-9.]+) s of it writing checkpoints; ([0-9.]+) samples/s without", log)
+    assert len(epochs) == len(writes) == 3, log
+    for (elapsed, rate), (ckpt, without) in zip(epochs, writes):
+        elapsed, rate, ckpt, without = map(float, (elapsed, rate, ckpt, without))
+        assert 0 <= ckpt < elapsed
+        # the same samples over the epoch's time less the writes (both printed to 0.01 s)
+        low = rate * (elapsed - 0.005) / (elapsed - ckpt + 0.01)
+        high = rate * (elapsed + 0.005) / max(elapsed - ckpt - 0.01, 1e-3)
+        assert rate <= without and low * 0.999 <= without <= high * 1.001
     exp = str(tmp_path / "killed")
     ckpts = os.path.join(run_dir(exp), "checkpoints")
     env = dict(os.environ, OMP_NUM_THREADS="1")
