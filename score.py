@@ -31,6 +31,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from engine import checkpoint
 from engine.runtime import _env_int, check_amp, choose_device
@@ -38,11 +39,14 @@ from observe.logging_utils import setup_logging
 from observe.score_report import check_matplotlib, write_report
 from settings.config import CONFIG_CLASSES, check_writable_dir, validate
 from settings.errors import ConfigError, UserError
-from settings.parse import build_config, load_yaml_configs
+from settings.parse import build_config, yaml_problem
 from tasks import make_task
 
 log = logging.getLogger("score")
 AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The options only one model's scoring reads (their defaults None), and the model's name: given
+# for the other model's run they would do nothing, so they are refused instead.
+MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init")), "unet": ("U-Net", ("tile", "halo"))}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lead_steps", type=_whole(1), default=None,
                    help="ViT: forecast steps of each rollout (default: 10 days of the model's "
                         "dt x 6 h steps, fewer where the split's years are shorter)")
-    p.add_argument("--n_init", type=_whole(1), default=32,
+    p.add_argument("--n_init", type=_whole(1), default=None,
                    help="ViT: initial conditions, spread evenly through the split (default 32)")
     p.add_argument("--batch_size", type=_whole(1), default=None,
                    help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) "
@@ -112,11 +116,15 @@ def find_checkpoint(path: str) -> tuple[dict, str, str]:
                           f"directory (<expdir>/<config>/<world size>/<run>) or a checkpoint "
                           f"(ckpt_<step>.pt or ckpt_<step>.dcp)")
     if os.path.isdir(path) and not checkpoint.is_sharded(path):
-        state, found = checkpoint.load_latest(os.path.join(path, "checkpoints"))
+        run_dir, folder = path, os.path.join(path, "checkpoints")
+        inside = os.path.abspath(path)
+        if os.path.basename(inside) == "checkpoints" and not os.path.isdir(folder):
+            run_dir, folder = os.path.dirname(inside), path  # <run>/checkpoints: its run
+        state, found = checkpoint.load_latest(folder)
         if state is None:
-            raise ConfigError(f"--run {path}: no loadable checkpoint in {path}/checkpoints: "
-                              f"train the run first, or give a checkpoint of it")
-        return state, found, path
+            raise ConfigError(f"--run {path}: no loadable checkpoint in {folder}: train the run "
+                              f"first, or give a checkpoint of it")
+        return state, found, run_dir
     state, found = checkpoint.load_file(path)
     if state is None:
         raise ConfigError(f"--run {path} is not a loadable checkpoint (the warning above says "
@@ -131,11 +139,16 @@ def run_config(run_dir: str, state: dict, overrides: dict):
     checkpoint; with ``overrides`` (data_root, device, amp_mode) applied."""
     path = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(path):
-        names = list(load_yaml_configs(path))
-        if len(names) != 1:
-            raise ConfigError(f"{path} holds {len(names)} configs; a run's config.yaml holds "
-                              f"one: give the checkpoint instead of the run directory")
-        return build_config(path, names[0], {k: str(v) for k, v in overrides.items()})
+        name = config_name(path)
+        try:
+            return build_config(path, name, {k: str(v) for k, v in overrides.items()})
+        except ConfigError:
+            try:  # the file's own fault, or the command line's (e.g. --data_root)?
+                build_config(path, name)
+            except ConfigError as own:  # its message need not say which file it is in
+                raise (own if path in str(own) else
+                       ConfigError(f"{path}, the run's config: {own}")) from None
+            raise
     saved = dict(state["config"])
     cls = CONFIG_CLASSES.get(str(saved.get("model")))
     if cls is None:
@@ -146,6 +159,38 @@ def run_config(run_dir: str, state: dict, overrides: dict):
     cfg = dataclasses.replace(cfg, **overrides)
     validate(cfg)
     return cfg
+
+
+def config_name(path: str) -> str:
+    """The name of the one config a run's ``config.yaml`` holds. A damaged file is refused here,
+    naming it: the settings' own reader would name --yaml_config, which score.py has not."""
+    fix = ("restore it, or move it out of the run directory to score with the config saved in "
+           "the checkpoint")
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else str(e)
+        raise ConfigError(f"{path}, the run's config, cannot be read ({reason}): {fix}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}, the run's config, is not valid YAML ({yaml_problem(e)}): "
+                          f"{fix}") from None
+    if not (isinstance(doc, dict) and len(doc) == 1 and isinstance(next(iter(doc)), str)
+            and isinstance(next(iter(doc.values())), dict)):
+        raise ConfigError(f"{path}, the run's config, does not hold one config (its name, and "
+                          f"below it the settings): {fix}")
+    return next(iter(doc))
+
+
+def check_model_options(args, cfg, run: str):
+    """Refuse the options given for the other model's scoring, which would be ignored."""
+    for model, (label, names) in MODEL_OPTIONS.items():
+        given = [n for n in names if getattr(args, n) is not None]
+        if given and model != cfg.model:
+            other = MODEL_OPTIONS.get(cfg.model, (cfg.model,))[0]
+            raise ConfigError(f"--{given[0]} {getattr(args, given[0])} is an option of the "
+                              f"{label}'s scoring, and {run} is a {other} run: drop "
+                              f"--{given[0]}")
 
 
 def load_weights(model: torch.nn.Module, state: dict, path: str):
@@ -244,6 +289,7 @@ def prepare(args, rank: int, local_rank: int):
     overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
                  if getattr(args, k) is not None}
     cfg = run_config(run_dir, state, overrides)
+    check_model_options(args, cfg, args.run)
     device = choose_device(cfg, local_rank)
     check_amp(cfg, device)
     task = make_task(cfg)

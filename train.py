@@ -42,7 +42,7 @@ from engine.runtime import (Runtime, check_torch_version, describe_allocation_fa
                             describe_dist_failure, setup_runtime)
 from engine.slow_paths import warn_slow_paths
 from engine.stop_agreement import StopAgreement
-from engine.train_state import TrainState
+from engine.train_state import TrainState, keep_run_length
 from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import over_ranks, setup_logging
 from observe.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
@@ -102,6 +102,8 @@ class Trainer:
         if run_num_choice:
             log.info(f"Run {cfg.run_num} ({run_num_choice})")
         resume = find_resume_checkpoint(cfg, self.run_dir, rt)  # (state, path) or None
+        if resume is not None:  # to the end it had, unless the command gives another
+            cfg = self.cfg = keep_run_length(cfg, resume[0].get("config", {}))
         self.nothing_to_do = resume is not None and finished(resume[0], cfg)
         if self.nothing_to_do:  # said before the start-up lines, which follow as for any resume
             log.info(f"Nothing to do: run {cfg.run_num} has finished its {resume[0]['iteration']} "
@@ -167,7 +169,7 @@ class Trainer:
             change = resumed_schedule(self.optimizer, resume[0]["config"], self.steps_per_epoch,
                                       self.iteration, self.peak_lr, cfg.end_lr, cfg.warmup_steps,
                                       self.total_steps)
-            if change:
+            if change and not self.nothing_to_do:  # (a shorter end than reached: no schedule)
                 log.info(change)
         self.resumed = resume is not None
         # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step.

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 
-from datapipe import generated_data, synthetic
+# datapipe.generated_data and datapipe.synthetic are imported where used: importing the package
+# (which imports this module) must not import datapipe.synthetic, which also runs as a script
+# (python -m datapipe.synthetic) and would then run a second copy of itself.
 from datapipe.cosmo_data import CosmoCropDataset, crop_settings
 from datapipe.data_sets import register
 from settings.config import UNetConfig
@@ -25,10 +27,16 @@ class CosmoData:
         return [] if os.path.exists(os.path.join(c.data_root, c.train_file)) else [c.train_file]
 
     def synthesize(self):
+        from datapipe import synthetic
         c = self.cfg
         synthetic.make_cosmo(c.data_root, train_size=c.synthetic_size[0],
                              val_size=c.synthetic_size[1], seed=c.seed,
                              train_name=c.train_file, val_name=c.val_file)
+
+    def synthetic_files(self) -> list[str]:
+        """What ``synthesize`` writes, relative to data_root."""
+        from datapipe import synthetic
+        return synthetic.cosmo_files(self.cfg.train_file, self.cfg.val_file)
 
     def datasets(self, rows=None):
         c = self.cfg
@@ -47,6 +55,7 @@ class CosmoData:
         return f"{n_train} training and {n_valid} validation samples (Nsamples, Nsamples_val)"
 
     def generated_batch(self, keys, split: str, rows=None):
+        from datapipe import generated_data
         return generated_data.cosmo_batch(self.cfg, keys, split)
 
 

@@ -21,7 +21,6 @@ import ctypes
 import functools
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,8 +29,10 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from datapipe import synthetic
 from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
 from datapipe.data_sets import data_set
+from datapipe.synthetic import SYNTHETIC_MARK  # noqa: F401 (re-exported: a synthetic data_root's mark)
 from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -188,9 +189,6 @@ def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
                        prefetch_depth=cfg.prefetch_depth, memory=memory, seed=seed)
 
 
-SYNTHETIC_MARK = "SYNTHETIC.txt"  # in a data_root that synthesize() made: safe to write again
-
-
 def missing_data(cfg: Config) -> list[str]:
     """What the data set of ``cfg`` needs under data_root and is not there."""
     return data_set(cfg).missing()
@@ -200,27 +198,32 @@ def has_data(cfg: Config) -> bool:
     return not missing_data(cfg)
 
 
+def synthetic_files(cfg: Config) -> list[str]:
+    """What ``synthesize`` writes under data_root (paths relative to it), from the problem's data
+    set; one that does not say claims none, so a marked directory of it is never replaced."""
+    listed = getattr(data_set(cfg), "synthetic_files", None)
+    return listed() if listed is not None else []
+
+
 def check_synthesis_target(cfg: Config):
     """Synthesis writes only into a new or empty data_root, or one it made itself (marked with
-    ``SYNTHETIC_MARK``): never over a user's files. Otherwise a ConfigError says what is missing."""
+    ``SYNTHETIC_MARK``) that holds nothing but what the generator writes: never over or beside a
+    user's files (``datapipe.synthetic.check_target``, the rule its command follows too).
+    Otherwise a ConfigError says what is missing, or which files are in the way."""
     root = cfg.data_root
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise ConfigError(f"data_root={root} is a file, not a directory: choose a directory")
-    if not os.path.isdir(root) or not os.listdir(root) or os.path.exists(os.path.join(root, SYNTHETIC_MARK)):
-        return
-    raise ConfigError(f"data_root={root} holds files but not a complete {cfg.model} data set (missing: "
-                      f"{', '.join(missing_data(cfg))}); synthetic data is written only into a new or empty "
-                      f"directory: complete the data set there, or choose another --data_root")
+    synthetic.check_target(
+        root, synthetic_files(cfg), f"data_root={root}", "--data_root",
+        f"data_root={root} holds files but not a complete {cfg.model} data set (missing: "
+        f"{', '.join(missing_data(cfg))}); synthetic data is written only into a new or empty "
+        f"directory: complete the data set there, or choose another --data_root")
 
 
 def synthesize(cfg: Config):
     """Write small synthetic data in the real formats under data_root (for the quickstarts), after
     ``check_synthesis_target``; the directory is marked as synthetic."""
     check_synthesis_target(cfg)
-    os.makedirs(cfg.data_root, exist_ok=True)
-    with open(os.path.join(cfg.data_root, SYNTHETIC_MARK), "w") as f:
-        f.write("Synthetic data written by this project's training run (synthesize_if_missing); "
-                "it may be regenerated here.\n")
+    synthetic.write_mark(cfg.data_root, "Synthetic data written by this project's training run "
+                         "(synthesize_if_missing); it may be regenerated here.")
     data_set(cfg).synthesize()
 
 

@@ -10,6 +10,8 @@ A data class is made from the config (``data_class(cfg)``) and answers:
   model-parallel rank of the ViT reads them;
 - ``missing()``: what ``data_root`` lacks of a data set (empty: it is there);
 - ``synthesize()``: write synthetic files of the real format under ``data_root``;
+- ``synthetic_files()``: the files ``synthesize`` writes, relative to ``data_root`` (a data class
+  without it claims none: a marked synthetic ``data_root`` of it is then never replaced);
 - ``datasets(rows)``: the (training, validation) datasets read from the files;
 - ``generated_counts()``, ``describe_generated_counts()``, ``generated_batch(keys, split, rows)``:
   ``data_loader_config: synthetic``, batches made in memory (numpy, float32, raw values).

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 
-from datapipe import generated_data, synthetic
+# datapipe.generated_data and datapipe.synthetic are imported where used: importing the package
+# (which imports this module) must not import datapipe.synthetic, which also runs as a script
+# (python -m datapipe.synthetic) and would then run a second copy of itself.
 from datapipe.data_sets import register
 from datapipe.era5_data import ERA5Dataset
 from settings.config import ViTConfig
@@ -25,9 +27,15 @@ class ERA5Data:
                 if not os.path.isdir(os.path.join(root, name.rstrip("/")))]
 
     def synthesize(self):
+        from datapipe import synthetic
         c = self.cfg
         synthetic.make_era5(c.data_root, img_size=tuple(c.img_size),
                             steps_per_year=c.synthetic_steps_per_year, seed=c.seed)
+
+    def synthetic_files(self) -> list[str]:
+        """What ``synthesize`` writes, relative to data_root (make_era5's default years)."""
+        from datapipe import synthetic
+        return synthetic.era5_files()
 
     def datasets(self, rows=None):
         """Training and validation sets; ``rows`` limits the training samples to that band of
@@ -43,15 +51,18 @@ class ERA5Data:
         return train, valid
 
     def generated_counts(self) -> tuple[int, int]:
+        from datapipe import generated_data
         return generated_data.era5_counts(self.cfg)
 
     def describe_generated_counts(self) -> str:
+        from datapipe import generated_data
         n_train, n_valid = self.generated_counts()
         return (f"{n_train} training and {n_valid} validation samples (limit_nsamples, "
                 f"limit_nsamples_val; unset: {generated_data.ERA5_STEPS_PER_YEAR}, a year of "
                 f"6-hourly steps)")
 
     def generated_batch(self, keys, split: str, rows=None):
+        from datapipe import generated_data
         return generated_data.era5_batch(self.cfg, [i for _, i in keys], split, rows)
 
 

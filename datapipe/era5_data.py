@@ -105,8 +105,8 @@ class ERA5Dataset(BatchReadDataset):
             raise DataError(f"no ERA5 year files (*.h5) in {directory}: set --data_root to the "
                             f"directory holding train/, valid/ and stats/ (or the ERA5_DATA_ROOT "
                             f"environment variable), or generate synthetic data with "
-                            f"python -m datapipe.synthetic era5 --out DIR (the U-Net's configs "
-                            f"are in config/UNet.yaml: --yaml_config config/UNet.yaml)")
+                            f"python -m datapipe.synthetic era5 --out DIR (meant the U-Net? "
+                            f"its configs need --yaml_config config/UNet.yaml)")
         load_stats(data_root, max(n_in, n_out))  # refused here, before training, if missing
         # Per file: the pairs it holds, and where its values lie as plain bytes (or None: h5py).
         checked = [self._check_file(f) for f in self.files]

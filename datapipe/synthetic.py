@@ -33,16 +33,22 @@ Usage::
     python -m datapipe.synthetic era5 --out data/era5 [--img_size H W] [--steps_per_year T]
         [--train_years Y ...] [--valid_years Y ...] [--test_years Y ...] [--seed S]
     python -m datapipe.synthetic cosmo --out data/cosmo [--train_size L] [--val_size L] [--seed S]
+
+The command writes only into a new or empty directory, or over synthetic data written there before
+(``check_target``), and marks the directory with ``SYNTHETIC_MARK``, as a training run's
+``synthesize_if_missing`` does.
 """
 import argparse
 import contextlib
 import os
 import re
+import sys
 
 import h5py
 import numpy as np
 
 from datapipe.formats import ERA5_CHANNELS, HYDRO_VECTOR_CHANNELS, NBODY_VECTOR_CHANNELS, latitudes  # noqa: F401 (re-exported)
+from settings.errors import ConfigError
 
 R_EARTH = 6.371e6  # m
 OMEGA = 7.292e-5  # Earth's rotation rate, 1/s
@@ -94,6 +100,55 @@ def _atomic_path(path):
 def _save_npy(path, array):
     with _atomic_path(path) as tmp, open(tmp, "wb") as f:
         np.save(f, array)
+
+
+# ------------------------------------------------------------------ where synthetic data may go
+
+SYNTHETIC_MARK = "SYNTHETIC.txt"  # in a directory of synthetic data: it may be written again
+
+
+def write_mark(out_dir, text):
+    """Mark ``out_dir`` as synthetic data (``SYNTHETIC_MARK``, holding ``text``), before any data
+    is written there: a writer that stops part-way leaves a directory that may be written again."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, SYNTHETIC_MARK), "w") as f:
+        f.write(text.rstrip("\n") + "\n")
+
+
+def list_files(root):
+    """Every entry under ``root`` that is not a directory (a link to one included), as sorted
+    paths relative to ``root``. Directories are left out: an empty one holds no data."""
+    found = []
+    for here, dirs, files in os.walk(root):
+        links = [d for d in dirs if os.path.islink(os.path.join(here, d))]  # not walked into
+        for name in files + links:
+            found.append(os.path.relpath(os.path.join(here, name), root))
+    return sorted(found)
+
+
+def check_target(out_dir, files, name, option, unmarked):
+    """The rule of every writer of synthetic data (this module's command, a training run's
+    ``synthesize_if_missing``): it writes only into a new or empty directory, or into one marked
+    with ``SYNTHETIC_MARK`` that holds nothing but the mark and ``files`` (paths relative to
+    ``out_dir``: what the generator writes there), so that neither writing over that directory
+    nor replacing it loses a file the generator did not make.
+
+    Otherwise a ConfigError: ``name`` names the directory in it (``--out DIR``), ``option`` is the
+    option that chooses another, ``unmarked`` the refusal of a directory that holds files but no
+    mark (a message of its own: what the caller expected there)."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"{name} is a file, not a directory: choose a directory")
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    if not os.path.isfile(os.path.join(out_dir, SYNTHETIC_MARK)):
+        raise ConfigError(unmarked)
+    ours = {os.path.normpath(f) for f in files} | {SYNTHETIC_MARK}
+    extra = [f for f in list_files(out_dir) if f not in ours]
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise ConfigError(f"{name} holds synthetic data ({SYNTHETIC_MARK}) but also {shown}, "
+                          f"which this synthesis does not write (it writes anew only where "
+                          f"nothing else is): move them out, or choose another {option}")
 
 
 # ----------------------------------------------------------------------------------------- ERA5
@@ -303,14 +358,35 @@ def era5_fields(steps, img_size, steps_per_year, seed=0):
     return out
 
 
+_ERA5_STATS = ("global_means", "global_stds", "time_means")
+
+
+def _year_file(split, year):
+    return os.path.join(split, f"{year}.h5")
+
+
+def _stats_file(name):
+    return os.path.join("stats", f"{name}.npy")
+
+
+def era5_files(train_years=YEARS["train"], valid_years=YEARS["valid"], test_years=YEARS["test"]):
+    """The files make_era5 writes for these years, as paths relative to its ``out_dir``."""
+    splits = {"train": train_years, "valid": valid_years, "test": test_years}
+    return ([_year_file(split, int(y)) for split, years in splits.items() for y in years]
+            + [_stats_file(name) for name in _ERA5_STATS])
+
+
 def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS["train"],
-              valid_years=YEARS["valid"], test_years=YEARS["test"], seed=0):
+              valid_years=YEARS["valid"], test_years=YEARS["test"], seed=0, mark=None):
     """Write synthetic ERA5 year files and normalisation statistics under ``out_dir``.
 
     Every year file holds ``steps_per_year`` 6-hourly steps of one trajectory per seed (see
     _Era5Model): step 0 of a year follows the last step of the year before it, and valid/test
     years are later (or earlier) stretches of the same trajectory as the training years. The
     statistics are population mean/std over (time, lat, lon) of the stored training values.
+
+    ``mark``: the text of a ``SYNTHETIC_MARK`` written into ``out_dir`` once the arguments are
+    checked, before any data (None: no mark).
 
     Returns {"train"/"valid"/"test": [year file paths], "global_means"/"global_stds"/
     "time_means": stats paths, "files": [(path, {dataset: shape})] in the order written}.
@@ -329,6 +405,8 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
     repeated = sorted({y for y in years if years.count(y) > 1})
     if repeated:
         raise ValueError(f"years {repeated} appear more than once across train/valid/test")
+    if mark is not None:
+        write_mark(out_dir, mark)
 
     model = _Era5Model((h, w), steps_per_year, seed)
     nc = len(ERA5_CHANNELS)
@@ -339,7 +417,7 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
         os.makedirs(os.path.join(out_dir, split), exist_ok=True)
         result[split] = []
         for year in split_years:
-            path = os.path.join(out_dir, split, f"{year}.h5")
+            path = os.path.join(out_dir, _year_file(split, year))
             t0 = (year - EPOCH_YEAR) * steps_per_year
             with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
                 dset = f.create_dataset("fields", (steps_per_year, nc, h, w), dtype=np.float32)
@@ -365,8 +443,9 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
     stats = {"global_means": mean.reshape(1, nc, 1, 1), "global_stds": std.reshape(1, nc, 1, 1),
              "time_means": (time_sum / count)[None]}
     os.makedirs(os.path.join(out_dir, "stats"), exist_ok=True)
-    for name, array in stats.items():
-        path = os.path.join(out_dir, "stats", f"{name}.npy")
+    for name in _ERA5_STATS:
+        array = stats[name]
+        path = os.path.join(out_dir, _stats_file(name))
         _save_npy(path, array.astype(np.float32))
         result[name] = path
         result["files"].append((path, {None: array.shape}))
@@ -461,9 +540,15 @@ def cosmo_box(size, seed=0, split="train"):
     return arrays["Nbody"], arrays["Hydro"]
 
 
+def cosmo_files(train_name="train.h5", val_name="valid.h5"):
+    """The files make_cosmo writes with these names, as paths relative to its ``out_dir``."""
+    return [train_name, val_name]
+
+
 def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5",
-               val_name="valid.h5"):
+               val_name="valid.h5", mark=None):
     """Write independent training and validation boxes (N-body inputs, hydro targets).
+    ``mark``: as make_era5's.
 
     Returns {"train": path, "valid": path, "files": [(path, {dataset: shape})]}.
     """
@@ -471,6 +556,8 @@ def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5
         if int(size) < 8:
             raise ValueError(f"{name} must be at least 8 voxels, got {size}")
     os.makedirs(out_dir, exist_ok=True)
+    if mark is not None:
+        write_mark(out_dir, mark)
     result = {"files": []}
     for split, size, name in (("train", train_size, train_name), ("valid", val_size, val_name)):
         path = os.path.join(out_dir, name)
@@ -506,10 +593,25 @@ def _ints(parser, name: str, values: list[str], length: int | None = None) -> li
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses bad arguments in one ``error:`` line (no usage block), exit status 2."""
+
+    def error(self, message):
+        _refuse(f"{message} ({self.prog} --help lists the options)")
+
+
+def _refuse(message):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+CLI_MARK = ("Synthetic data written by python -m datapipe.synthetic; it may be written again "
+            "here, and a training run with synthesize_if_missing may regenerate it.")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m datapipe.synthetic",
-                                     description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="kind", required=True)
+    parser = _Parser(prog="python -m datapipe.synthetic", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="kind", required=True, metavar="{era5,cosmo}")
     era5 = sub.add_parser("era5", help="ERA5-format year files and statistics for the ViT")
     era5.add_argument("--out", required=True, help="directory to write the files into")
     lists = " (a list: 1 2 3, '[1,2,3]' or 1,2,3)"
@@ -540,14 +642,30 @@ def main(argv=None):
         for name in ("train_years", "valid_years", "test_years"):
             setattr(args, name, _ints(era5, name, getattr(args, name)))
 
+    if args.kind == "era5":
+        files = era5_files(args.train_years, args.valid_years, args.test_years)
+    else:
+        files = cosmo_files()
+    out = f"--out {args.out}"
     try:
+        # Never over a user's files: only where this command (or a training run) wrote before.
+        check_target(args.out, files, out, "--out",
+                     f"{out} holds files but no {SYNTHETIC_MARK}, the mark of synthetic data "
+                     f"written there before; synthetic data is written only into a new or empty "
+                     f"directory, or over earlier synthetic data: choose another --out")
         if args.kind == "era5":
             result = make_era5(args.out, tuple(args.img_size), args.steps_per_year,
-                               args.train_years, args.valid_years, args.test_years, args.seed)
+                               args.train_years, args.valid_years, args.test_years, args.seed,
+                               mark=CLI_MARK)
         else:
-            result = make_cosmo(args.out, args.train_size, args.val_size, args.seed)
-    except ValueError as e:
-        parser.error(str(e))
+            result = make_cosmo(args.out, args.train_size, args.val_size, args.seed,
+                                mark=CLI_MARK)
+    except ValueError as e:  # ConfigError included
+        _refuse(str(e))
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        _refuse(f"{out}: cannot write there ({e.strerror or e}{where}): choose a directory you "
+                f"can write to, with free space")
     for path, shapes in result["files"]:
         desc = "  ".join(f"{name} {tuple(shape)}" if name else str(tuple(shape))
                          for name, shape in shapes.items())

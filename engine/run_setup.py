@@ -35,8 +35,11 @@ import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+import yaml
 
-from datapipe.data_loader import SYNTHETIC_MARK, check_synthesis_target, has_data, synthesize
+from datapipe import synthetic
+from datapipe.data_loader import (SYNTHETIC_MARK, check_synthesis_target, has_data, missing_data,
+                                  synthesize)
 from engine import checkpoint
 from engine.runtime import Runtime
 from settings.parse import dump
@@ -90,6 +93,16 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
     return why
 
 
+def _model_of(run_dir: str) -> str | None:
+    """The model family a run directory's config.yaml names; None when it cannot be read."""
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            (settings,) = yaml.safe_load(f).values()
+        return settings.get("model")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+
+
 def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
     """(run name, how it was chosen) of the run directory this process now holds the lock of."""
     _created.clear()
@@ -108,7 +121,8 @@ def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
         newest = {}
         for run in runs:
             found = checkpoint.list_checkpoints(os.path.join(parent, run, "checkpoints"))
-            if found:
+            # (under an --expdir both models' runs of a config name share the parent)
+            if found and _model_of(os.path.join(parent, run)) in (None, cfg.model):
                 newest[run] = os.path.getmtime(found[0])
         if newest:
             run = max(newest, key=newest.get)
@@ -452,7 +466,10 @@ def _choose_checkpoint(cfg: Config, run_dir: str, world_size: int):
 def _newest(ckpt_dir: str):
     state, path = checkpoint.load_latest(ckpt_dir)
     if state is None:
-        raise ConfigError(f"--resume: none of the checkpoints in {ckpt_dir} loads")
+        raise ConfigError(f"--resume: none of the checkpoints in {ckpt_dir} loads (each is "
+                          f"damaged or cut short; the log above names why): resume from a copy "
+                          f"you kept with --resume_from PATH, or start a new run without "
+                          f"--resume")
     return state, path
 
 
@@ -508,26 +525,32 @@ def make_data_once(cfg: Config, others: str = "") -> bool:
     it. Runs that need the same data set at the same time take turns on ``<data_root>.lock``
     (``flock``, waiting): the first makes it, the others find it made. The set is written into
     ``<data_root>.staging-<host>-<pid>`` beside data_root and renamed to data_root when complete
-    (data_root must not exist, be empty, or be an earlier synthetic set: check_synthesis_target),
-    so a maker that dies leaves no data_root that looks whole, only its staging directory, which
-    the next maker removes. A data_root that cannot be written is a ConfigError naming the path."""
+    (data_root must not exist, be empty, or be an earlier synthetic set that holds nothing else:
+    check_synthesis_target), so a maker that dies leaves no data_root that looks whole, only its
+    staging directory, which the next maker removes. A data_root that cannot be written is a
+    ConfigError naming the path."""
     root = os.path.realpath(cfg.data_root)
     parent, name = os.path.split(root)
     try:
         _check_can_make(cfg, root, parent)
         with _data_lock(root + ".lock", root):
+            _remove_leftovers(parent, name)  # first: it may put back a data_root (see there)
             if has_data(cfg):
                 log.info(f"Data under {cfg.data_root}: made by another run in the meantime")
                 return False
             check_synthesis_target(cfg)
-            log.info(f"No data under {cfg.data_root}: generating synthetic {cfg.model} data there "
-                     f"(synthesize_if_missing is set for this config){others}")
+            if os.path.isdir(root) and os.listdir(root):  # passed the check: marked, ours only
+                log.info(f"Incomplete synthetic data under {cfg.data_root} (missing: "
+                         f"{', '.join(missing_data(cfg))}): regenerating synthetic {cfg.model} "
+                         f"data there (synthesize_if_missing is set for this config){others}")
+            else:
+                log.info(f"No data under {cfg.data_root}: generating synthetic {cfg.model} data "
+                         f"there (synthesize_if_missing is set for this config){others}")
             t0 = time.time()
-            _remove_leftovers(parent, name)
             staging = os.path.join(parent, f"{name}.staging-{HOST}-{os.getpid()}")
             try:
                 synthesize(dataclasses.replace(cfg, data_root=staging))
-                _publish(staging, root)
+                _publish(staging, root, f"data_root={cfg.data_root}")
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
@@ -611,17 +634,27 @@ def _data_lock(path: str, root: str):
 
 
 def _remove_leftovers(parent: str, name: str):
-    """Staging directories of makers that died (only the lock's holder makes data)."""
-    for entry in os.listdir(parent):
-        if entry.startswith((f"{name}.staging-", f"{name}.old-")):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-            log.info(f"Removed {os.path.join(parent, entry)}, left by a synthesis that did not "
-                     f"finish")
+    """What makers that died left (only the lock's holder makes data): staging directories, and
+    an earlier set that ``_publish`` had moved aside, which goes back to data_root when that is
+    missing (the maker died between the two renames), else is removed (it had been checked)."""
+    root = os.path.join(parent, name)
+    for entry in sorted(os.listdir(parent)):
+        path = os.path.join(parent, entry)
+        if entry.startswith(f"{name}.old-") and not os.path.lexists(root):
+            os.rename(path, root)
+            log.info(f"Put back {root} from {path}, where a synthesis that did not finish had "
+                     f"moved it")
+        elif entry.startswith((f"{name}.staging-", f"{name}.old-")):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info(f"Removed {path}, left by a synthesis that did not finish")
 
 
-def _publish(staging: str, root: str):
+def _publish(staging: str, root: str, name: str):
     """Rename the complete set ``staging`` to ``root``: one step when ``root`` does not exist or
-    is an empty directory; an earlier, incomplete synthetic set there is moved aside first."""
+    is an empty directory. An earlier, incomplete synthetic set there is moved aside, checked
+    again (``datapipe.synthetic.check_target`` against what ``staging`` holds: a file added since
+    the check before synthesis is not the generator's) and only then removed; one that fails goes
+    back to ``root`` untouched (ConfigError naming the files, ``name`` naming data_root)."""
     try:
         os.rename(staging, root)
     except OSError as e:
@@ -629,6 +662,13 @@ def _publish(staging: str, root: str):
             raise
         old = f"{root}.old-{HOST}-{os.getpid()}"
         os.rename(root, old)
+        try:
+            synthetic.check_target(old, synthetic.list_files(staging), name, "--data_root",
+                                   f"{name} is no longer marked synthetic ({SYNTHETIC_MARK}): "
+                                   f"it is not replaced; choose another --data_root")
+        except ConfigError:
+            os.rename(old, root)
+            raise
         os.rename(staging, root)
         shutil.rmtree(old, ignore_errors=True)
     fd = os.open(os.path.dirname(root), os.O_RDONLY)

@@ -45,6 +45,23 @@ def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     return allowed, refused
 
 
+RUN_LENGTH = ("num_epochs", "num_iters")
+
+
+def keep_run_length(cfg, saved: dict):
+    """``cfg`` with the run length the checkpoint's run was started with (``saved``: its
+    settings), unless this command gives one: a plain ``--resume`` continues a run to the end it
+    had (and a finished run stays finished), whatever the YAML's ``num_epochs`` says."""
+    given = getattr(cfg, "command_line", frozenset())
+    length = {k: saved[k] for k in RUN_LENGTH if k in saved}
+    if given & set(RUN_LENGTH) or len(length) < len(RUN_LENGTH) or \
+            all(getattr(cfg, k) == v for k, v in length.items()):
+        return cfg
+    kept = dataclasses.replace(cfg, **length)
+    kept.command_line = given
+    return kept
+
+
 class TrainState:
     def __init__(self, model, sharding, optimizer, scaler, scheduler, rt, cfg, steps_per_epoch):
         self.model, self.sharding = model, sharding

@@ -130,7 +130,7 @@ class Config:
     compile_cache_dir: str = _f("", "where torch.compile keeps its caches, for later runs to "
                                 "reuse (empty: $TORCHINDUCTOR_CACHE_DIR, else torch's "
                                 "/tmp/torchinductor_<user>); on $SCRATCH shared by every rank "
-                                "and job", resume=True)
+                                "and job", path="out", resume=True)
     enable_fused: bool = _f(False, "use the fused Adam kernel where the device supports it",
     resume=True)
     graph_warmup_steps: int = _f(3, "train_graph.py: eager steps on a side stream before the step "
@@ -244,8 +244,10 @@ class ViTConfig(Config):
     resume=True)
     context_parallel: int = _f(1, "ranks that split the token sequence (image rows)", min=1,
     resume=True)
-    parallel_order: str = _f("tp-cp-dp", "which group's ranks are adjacent (first) to last, "
-                             "e.g. tp-cp-dp keeps tensor-parallel ranks on one node", resume=True)
+    parallel_order: Literal["tp-cp-dp", "tp-dp-cp", "cp-tp-dp", "cp-dp-tp", "dp-tp-cp",
+                            "dp-cp-tp"] = _f(
+        "tp-cp-dp", "which group's ranks are adjacent (first) to last, e.g. tp-cp-dp keeps "
+        "tensor-parallel ranks on one node", resume=True)
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the "
                                         "backward pass instead of storing them", resume=True)
     sequence_parallel: bool = _f(True, "split the LayerNorm/residual activations over the "
@@ -406,6 +408,12 @@ def validate(cfg: Config):
             check_writable_dir(f.name, path)
         elif f.metadata.get("path") == "dir" and path:
             check_dir(f.name, path)
+    if not cfg.expdir:
+        raise ConfigError("expdir is empty: give the directory that holds the run directories, "
+                          "e.g. --expdir ./logs")
+    if cfg.run_num in ("", ".", "..") or "/" in cfg.run_num:
+        raise ConfigError(f"run_num={cfg.run_num!r} is not the name of a run: give a name "
+                          f"without '/' (e.g. --run_num baseline), or auto")
     for name in cfg.stop_signals:
         signal_number(name)  # a ConfigError unless it names a signal the run can catch
     if cfg.fsdp and cfg.noddp:

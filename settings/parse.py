@@ -382,6 +382,7 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
     values.update(cli)
     cfg = cls(name=name, yaml_path=yaml_path, **values)
     validate(cfg)
+    cfg.command_line = frozenset(cli)  # (not a setting: which settings the command line gave)
     return cfg
 
 

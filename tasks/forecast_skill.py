@@ -20,6 +20,7 @@ adds the ranks' sums); ``score`` runs the whole thing for a trained model and re
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import time
@@ -41,6 +42,8 @@ HOURS_PER_STEP = 6  # the stored fields are six-hourly
 DEFAULT_LEAD_HOURS = 240  # ten days
 HEADLINE = ("z500", "t850", "t2m", "u10m")  # the variables of the lead-time plots
 FORECASTS = ("model", "persistence", "climatology")
+SPLITS = ("valid", "train", "test")  # the usual splits under data_root, listed first
+N_INIT = 32  # initial conditions scored when not told
 # Physical units by the variable's name (its letters before the pressure level, or the name).
 UNITS = {"u": "m/s", "v": "m/s", "t": "K", "z": "m^2/s^2", "sp": "Pa", "msl": "Pa", "r": "%",
          "tcwv": "kg/m^2", "u10m": "m/s", "v10m": "m/s", "t2m": "K"}
@@ -139,6 +142,21 @@ def initial_conditions(year_steps: list[int], span: int, n: int) -> list[tuple[i
     return [starts[i] for i in pick]
 
 
+def split_directory(data_root: str, split: str) -> str:
+    """``<data_root>/<split>``, where the split's year files are. A split without any, where
+    data_root holds other splits, is refused with their names (where it holds none, the data is
+    elsewhere, and the dataset's refusal says to set data_root)."""
+    directory = os.path.join(data_root, split)
+    if glob.glob(os.path.join(directory, "*.h5")) or not os.path.isdir(data_root):
+        return directory
+    held = [d for d in os.listdir(data_root) if glob.glob(os.path.join(data_root, d, "*.h5"))]
+    held.sort(key=lambda d: (SPLITS.index(d) if d in SPLITS else len(SPLITS), d))
+    if not held:
+        return directory
+    raise ConfigError(f"--split {split}: no ERA5 year files (*.h5) in {directory}: choose one "
+                      f"of {', '.join(held)}")
+
+
 def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | None:
     """``<data_root>/stats/time_means.npy`` (1, C, H, W) as (n_channels, h, w) float32, cropped
     to ``img_size``; None when the file is absent. A file of the wrong shape is refused."""
@@ -185,7 +203,7 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
     """Roll ``model`` out from initial conditions spread through ``opts.split`` and score every
-    lead time. ``opts``: ``split``, ``lead_steps`` (None: ten days), ``n_init``,
+    lead time. ``opts``: ``split``, ``lead_steps`` (None: ten days), ``n_init`` (None: 32),
     ``batch_size`` (None: 8), ``rank`` and ``world_size`` (absent: one process; else this rank
     rolls out every ``world_size``-th initial condition from its ``rank``-th, and the sums are
     added over the ranks)."""
@@ -195,7 +213,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                           "synthetic), so there are no stored years to roll out through: score "
                           "with --data_root DIR of ERA5 files (python -m datapipe.synthetic era5 "
                           "--out DIR makes some)")
-    directory = os.path.join(cfg.data_root, opts.split)
+    directory = split_directory(cfg.data_root, opts.split)
     data = ERA5Dataset(directory, cfg.data_root, cfg.img_size, dt=1, n_in=cfg.n_in_channels,
                        n_out=cfg.n_out_channels)
     year_steps = [n + 1 for n in data.pairs_per_file]
@@ -206,7 +224,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                             f"{cfg.n_out_channels}, so its output cannot be its next input: one "
                             f"lead step")
     notes += [note] if note else []
-    starts = initial_conditions(year_steps, n_steps * cfg.dt, opts.n_init)
+    starts = initial_conditions(year_steps, n_steps * cfg.dt, opts.n_init or N_INIT)
     rank, world = getattr(opts, "rank", 0), getattr(opts, "world_size", 1)
     mine = starts[rank::world]
     batch_size = opts.batch_size or 8

@@ -152,9 +152,11 @@ def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, in
     starts at a multiple of ``align`` (the U-Net's 2^levels), as the whole forward's strides do."""
     for name, v in (("side", side), ("tile", tile), ("halo", halo)):
         if v % align or (v < align and name != "halo"):
+            # the multiples either side of v; a halo may be 0, a side or tile not
+            near = [m for m in (v // align * align, (v // align + 1) * align)
+                    if m >= align or name == "halo"]
             raise ConfigError(f"{name}={v} must be a multiple of {align} (2^levels of the U-Net): "
-                              f"choose {max(align, v // align * align)} or "
-                              f"{(v // align + 1) * align}")
+                              f"choose {' or '.join(map(str, near))}")
     window = min(side, tile + 2 * halo)
     return [(a, min(a + tile, side), min(max(a - halo, 0), side - window))
             for a in range(0, side, tile)]

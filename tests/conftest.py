@@ -1,6 +1,7 @@
 """Shared fixtures: tiny data files in the real formats, with contents that make alignment,
 normalisation and rotation checkable by eye and by assertion."""
 import faulthandler
+import hashlib
 import os
 import sys
 
@@ -17,6 +18,18 @@ from datapipe.batch_pool import exit_with_parent  # noqa: E402 - after the path 
 # Per-channel offsets and scales of the fixture ERA5 fields (what the stats files say).
 ERA5_MEANS = np.linspace(-50, 50, 20).astype(np.float32)
 ERA5_STDS = np.linspace(1, 20, 20).astype(np.float32)
+
+
+def file_digests(root) -> dict:
+    """{path relative to ``root``: sha256} of every file under ``root``: what a test compares
+    before and after an operation that must change nothing on disk."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(d, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
 
 
 def era5_value(year, t, c, h, w):

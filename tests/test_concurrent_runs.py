@@ -187,6 +187,28 @@ def test_claims_race_for_numbers_not_for_directories(tmp_path):
     assert got == [2, 3, 4, 5, 6, 7]  # one above the highest, then up
 
 
+def test_resume_picks_the_newest_run_of_its_own_model(tmp_path):
+    """Under an --expdir the ViT's and the U-Net's quickstart runs share a parent: --resume takes
+    the newest checkpoint of a run of the config's model, not the other model's newer one."""
+    exp = tmp_path / "logs"
+    parent = exp / "quickstart" / "1"
+    for run, model, age in (("0", "vit", 200), ("1", "unet", 100), ("2", None, 300)):
+        ckpt = parent / run / "checkpoints" / "ckpt_00000002.pt"
+        os.makedirs(ckpt.parent)
+        ckpt.write_bytes(b"")
+        os.utime(ckpt, (time.time() - age, time.time() - age))
+        if model:  # run 2 has no readable config: any model's
+            (parent / run / "config.yaml").write_text(f"quickstart:\n  model: {model}\n")
+    vit = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
+                       {"expdir": str(exp), "resume": "true"})
+    assert run_setup._claim_run(vit, 1)[0] == "0"  # not run 1, the U-Net's, though newer
+    run_setup.release_run_locks()
+    unet = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "quickstart",
+                        {"expdir": str(exp), "resume": "true"})
+    assert run_setup._claim_run(unet, 1)[0] == "1"
+    run_setup.release_run_locks()
+
+
 # ----------------------------------------------------------------------------- the run's lock
 
 

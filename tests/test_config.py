@@ -94,6 +94,11 @@ def test_environment_variables(monkeypatch):
     ("base", {"max_grad_norm": "inf"}, "max_grad_norm='inf' is not a finite number"),
     ("base", {"seed": "-1"}, "seed=-1 must be >= 0"),
     ("base", {"seed": str(2**64)}, f"seed={2**64} must be <= {2**32 - 1}"),
+    ("base", {"expdir": ""}, "expdir is empty: give the directory"),
+    ("base", {"run_num": ""}, "run_num='' is not the name of a run"),
+    ("base", {"run_num": "../../elsewhere"}, "run_num='../../elsewhere' is not the name of a run"),
+    ("base", {"parallel_order": "tp-xx-dp"}, "did you mean 'tp-cp-dp'"),
+    ("base", {"compile_cache_dir": f"{ROOT}/README.md"}, "README.md is a file, not a directory"),
 ])
 def test_errors_name_the_fix(name, overrides, fragment):
     with pytest.raises(ConfigError) as e:

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import ROOT, write_cosmo, write_cosmo_pair, write_era5
+from conftest import ROOT, file_digests, write_cosmo, write_cosmo_pair, write_era5
 from distributed_harness import run_ranks
 from networks.unet import UNet, down_block, up_block
 from tasks.forecast_skill import (SkillSums, acc, initial_conditions, lead_steps_for, rollout,
@@ -524,3 +524,98 @@ def test_scores_over_two_ranks_equal_one_process(vit_run, unet_run, tmp_path, ca
         meta = json.load(open(two / problem / "scores.json"))["meta"]
         assert meta["ranks"] == 2
     assert sorted(os.listdir(two)) == ["unet", "vit"]  # nothing else, nothing left half-written
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def refusal(capsys, argv, run):
+    """score.py's one stderr line for ``argv``, checked to be an exit code 2 that left ``run``
+    as it was."""
+    import score as score_command
+    before = file_digests(run)
+    with pytest.raises(SystemExit) as e:
+        score_command.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (e.value, err)
+    assert file_digests(run) == before
+    return err
+
+
+def test_a_split_without_year_files_is_refused_with_the_splits_there_are(vit_run, tmp_path,
+                                                                          capsys):
+    out = tmp_path / "s"
+    err = refusal(capsys, ["--run", vit_run, "--split", "tst", "--out", str(out)], vit_run)
+    assert err.startswith("error: --split tst: ") and "choose one of valid, train\n" in err, err
+    assert not out.exists()
+
+
+def test_options_of_the_other_models_scoring_are_refused(vit_run, unet_run, tmp_path, capsys):
+    """Given on the command line only: the runs score without them (the tests above), though
+    each option has a default."""
+    unet_dir = os.path.dirname(os.path.dirname(unet_run))
+    out = tmp_path / "s"
+    for run, option, value, model in ((unet_run, "--lead_steps", "4", "ViT"),
+                                      (unet_run, "--n_init", "4", "ViT"),
+                                      (vit_run, "--tile", "32", "U-Net"),
+                                      (vit_run, "--halo", "0", "U-Net")):
+        err = refusal(capsys, ["--run", run, option, value, "--out", str(out)],
+                      unet_dir if run == unet_run else vit_run)
+        assert err.startswith(f"error: {option} {value} is an option of the {model}'s scoring"), err
+        assert f"drop {option}" in err, err
+    assert not out.exists()
+
+
+def test_a_tile_or_halo_off_the_grid_gets_valid_distinct_choices(unet_run, tmp_path, capsys):
+    from settings.errors import ConfigError
+    for name, value, choices in (("tile", 30, "choose 32\n"), ("halo", 10, "choose 0 or 32\n")):
+        err = refusal(capsys, ["--run", unet_run, f"--{name}", str(value), "--out",
+                               str(tmp_path / "s")], os.path.dirname(os.path.dirname(unet_run)))
+        assert err.startswith(f"error: {name}={value} must be a multiple of 32") and \
+            err.endswith(choices), err
+    plans = {"side": lambda v: tile_plan(v, 32, 0, 32), "tile": lambda v: tile_plan(128, v, 0, 32),
+             "halo": lambda v: tile_plan(128, 32, v, 32)}
+    for value in (v for v in range(1, 130) if v % 32):  # every choice offered is accepted
+        for name, plan in plans.items():
+            with pytest.raises(ConfigError) as e:
+                plan(value)
+            near = [int(v) for v in re.search(r"choose (.*)", str(e.value)).group(1).split(" or ")]
+            assert len(set(near)) == len(near) > 0, str(e.value)  # and none twice
+            for v in near:
+                plan(v)
+
+
+def test_the_runs_checkpoints_directory_scores_the_run(vit_run, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import score as score_command
+    monkeypatch.setattr("observe.score_report.draw", no_plots)
+    run = str(tmp_path / "run")
+    shutil.copytree(vit_run, run, ignore=shutil.ignore_patterns("score"))
+    score_command.main(["--run", os.path.join(run, "checkpoints") + os.sep, *VIT_OPTIONS])
+    assert "Scores written to" in capsys.readouterr().out
+    meta = json.load(open(os.path.join(run, "score", "scores.json")))["meta"]
+    assert meta["checkpoint"] == os.path.join(run, "checkpoints", "ckpt_00000004.pt")
+
+
+def test_a_damaged_config_yaml_is_named_with_the_fix(vit_run, tmp_path, capsys):
+    import shutil
+    run = str(tmp_path / "run")
+    shutil.copytree(vit_run, run, ignore=shutil.ignore_patterns("score"))
+    path = os.path.join(run, "config.yaml")
+    ckpt = os.path.join(run, "checkpoints", "ckpt_00000004.pt")
+    for text, says in (("quickstart: [1\n", "is not valid YAML (line 2, column 1: "),
+                       ("", "does not hold one config"),
+                       ("a:\n  lr: 1\nb:\n  lr: 2\n", "does not hold one config"),
+                       (b"\xff\xfe\x00", "cannot be read ("),
+                       ("quickstart:\n  lr: abc\n", ": lr='abc' is not a number")):
+        with open(path, "wb") as f:
+            f.write(text if isinstance(text, bytes) else text.encode())
+        for given in (run, ckpt):
+            err = refusal(capsys, ["--run", given, "--out", str(tmp_path / "s")], run)
+            assert err.startswith(f"error: {path}, the run's config") and says in err, err
+            assert "--yaml_config" not in err, err
+            if "lr=" not in says:
+                assert err.endswith("restore it, or move it out of the run directory to score "
+                                    "with the config saved in the checkpoint\n"), err
+    assert not (tmp_path / "s").exists()

@@ -1,4 +1,5 @@
 """Synthetic ERA5 and cosmology data: file formats, determinism and the physics the models learn."""
+import logging
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from conftest import file_digests  # noqa: E402
 from datapipe import synthetic  # noqa: E402
 from datapipe.formats import latitudes  # noqa: E402
 from datapipe.synthetic import (  # noqa: E402
@@ -352,3 +354,173 @@ def test_cli_rejects_bad_arguments(tmp_path, args, needle):
     assert proc.returncode != 0
     assert needle in proc.stderr and "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+# ------------------------------------------------- where synthetic data may be written (never over a user's)
+
+def assert_one_error_line(proc, *needles):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+TINY_ERA5 = ("--img_size", "8", "16", "--steps_per_year", "4")
+
+
+@pytest.mark.parametrize("kind, files", [
+    ("era5", ("train/2016.h5", "valid/2017.h5", "stats/global_means.npy", "stats/global_stds.npy")),
+    ("cosmo", ("train.h5", "valid.h5")),
+])
+def test_cli_never_writes_over_a_data_set(tmp_path, kind, files):
+    """A real data set's directory (its files named as the generator names its own) is refused:
+    exit 2, one error line naming --out and the fix, and not a byte of it changed or added."""
+    real = tmp_path / "real"
+    for name in files:
+        (real / name).parent.mkdir(parents=True, exist_ok=True)
+        (real / name).write_bytes(b"the user's own bytes " * 50)
+    before = file_digests(real)
+    if kind == "era5":  # years that would write over the user's
+        args = TINY_ERA5 + ("--train_years", "2016", "--valid_years", "2017", "--test_years")
+    else:
+        args = ("--train_size", "8", "--val_size", "8")
+    proc = run_cli(kind, "--out", str(real), *args)
+    assert_one_error_line(proc, f"error: --out {real} holds files but no SYNTHETIC.txt",
+                          "choose another --out")
+    assert proc.stdout == "" and file_digests(real) == before
+    assert sorted(os.listdir(tmp_path)) == ["real"]
+
+
+def test_cli_marks_its_output_and_writes_over_only_that(tmp_path):
+    """What the command writes is marked SYNTHETIC.txt, so the same command may write it again;
+    a file it does not write there (the user's notes, another year) is refused by name, and the
+    directory is left as it was."""
+    out = tmp_path / "era5"
+    assert run_cli("era5", "--out", str(out), *TINY_ERA5).returncode == 0
+    assert (out / "SYNTHETIC.txt").is_file()
+    proc = run_cli("era5", "--out", str(out), *TINY_ERA5, "--seed", "1")  # its own files: again
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+    (out / "NOTES.txt").write_text("my notes\n")
+    (out / "train" / "2019.h5").write_bytes(b"a year of my own " * 50)
+    before = file_digests(out)
+    proc = run_cli("era5", "--out", str(out), *TINY_ERA5)
+    assert_one_error_line(proc, f"error: --out {out} holds synthetic data (SYNTHETIC.txt) but "
+                          f"also NOTES.txt, train/2019.h5,", "move them out, or choose another --out")
+    assert file_digests(out) == before
+
+
+def test_cli_runs_without_warnings(tmp_path):
+    """``python -m datapipe.synthetic`` is not imported by its package before it runs (runpy's
+    RuntimeWarning: a second copy of the module), and importing the package leaves it alone."""
+    proc = run_cli("cosmo", "--out", str(tmp_path / "cosmo"), "--train_size", "8", "--val_size", "8")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    check = subprocess.run([sys.executable, "-c", "import sys, datapipe; "
+                            "assert 'datapipe.synthetic' not in sys.modules"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+
+
+def _vit_cfg(root):
+    from settings.parse import build_config
+    return build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
+                        {"img_size": "[16,32]", "synthesize_if_missing": "true",
+                         "synthetic_steps_per_year": "4", "data_root": str(root)})
+
+
+def test_training_regenerates_incomplete_synthetic_data_and_says_so(tmp_path, caplog):
+    """A marked data_root that lacks a part and holds nothing but the generator's files is made
+    anew, and the log calls it incomplete synthetic data, not "No data"."""
+    from engine import run_setup
+    root = tmp_path / "era5"
+    cfg = _vit_cfg(root)
+    assert run_setup.make_data_once(cfg) is True
+    made = set(file_digests(root))
+    assert made == {"SYNTHETIC.txt", "train/2014.h5", "train/2015.h5", "valid/2016.h5",
+                    "test/2017.h5", "stats/global_means.npy", "stats/global_stds.npy",
+                    "stats/time_means.npy"}
+    import shutil
+    shutil.rmtree(root / "stats")  # a synthesis cut short
+    caplog.clear()  # only this call's lines
+    with caplog.at_level(logging.INFO):
+        assert run_setup.make_data_once(cfg) is True
+    assert f"Incomplete synthetic data under {root} (missing: stats/): regenerating" in caplog.text
+    assert "No data under" not in caplog.text
+    assert set(file_digests(root)) == made and sorted(os.listdir(tmp_path)) == ["era5"]
+
+
+def test_training_keeps_the_files_a_user_added_to_synthetic_data(tmp_path):
+    """A marked data_root that lacks a part but holds files the generator does not write (the
+    user's notes, a year of their own) is refused by name, and nothing in it is touched."""
+    from engine import run_setup
+    from settings.errors import ConfigError
+    root = tmp_path / "era5"
+    cfg = _vit_cfg(root)
+    run_setup.make_data_once(cfg)
+    import shutil
+    shutil.rmtree(root / "stats")
+    (root / "NOTES.txt").write_text("my notes\n")
+    (root / "train" / "2019.h5").write_bytes(b"a year of my own " * 50)
+    before = file_digests(root)
+    with pytest.raises(ConfigError) as e:
+        run_setup.make_data_once(cfg)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"data_root={root} holds synthetic data")
+    assert "NOTES.txt, train/2019.h5" in message and "choose another --data_root" in message
+    assert file_digests(root) == before and sorted(os.listdir(tmp_path)) == ["era5"]
+
+
+def test_train_py_refuses_to_replace_a_user_file_in_synthetic_data(tmp_path):
+    """The quickstart's ``python train.py --data_root DIR``: exit 2 and one error line."""
+    root = tmp_path / "era5"
+    (root / "train").mkdir(parents=True)
+    (root / "SYNTHETIC.txt").write_text("synthetic\n")
+    (root / "train" / "2014.h5").write_bytes(b"made before " * 50)
+    (root / "NOTES.txt").write_text("my notes\n")
+    before = file_digests(root)
+    proc = subprocess.run([sys.executable, "train.py", "--data_root", str(root), "--expdir",
+                           str(tmp_path / "logs"), "--img_size", "[16,32]",
+                           "--synthetic_steps_per_year", "16", "--num_iters", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert_one_error_line(proc, f"error: data_root={root} holds synthetic data",
+                          "also NOTES.txt,", "move them out")
+    assert file_digests(root) == before
+
+
+def test_a_file_added_during_synthesis_stops_the_replacement(tmp_path, monkeypatch):
+    """Checked again when the new set is renamed into place: the old set goes back untouched."""
+    from engine import run_setup
+    from settings.errors import ConfigError
+    root = tmp_path / "era5"
+    cfg = _vit_cfg(root)
+    run_setup.make_data_once(cfg)
+    import shutil
+    shutil.rmtree(root / "stats")
+    real_synthesize = run_setup.synthesize
+
+    def synthesize(staging_cfg):
+        real_synthesize(staging_cfg)
+        (root / "NOTES.txt").write_text("written while the new set was being made\n")
+
+    monkeypatch.setattr(run_setup, "synthesize", synthesize)
+    with pytest.raises(ConfigError, match="also NOTES.txt, which"):
+        run_setup.make_data_once(cfg)
+    assert not (root / "stats").exists() and (root / "NOTES.txt").exists()
+    assert sorted(os.listdir(tmp_path)) == ["era5"]  # no staging, nothing moved aside
+
+
+def test_a_set_moved_aside_by_a_maker_that_died_is_put_back(tmp_path, caplog):
+    """Killed between moving the old set aside and renaming the new one in: the next maker puts
+    the old set back rather than removing it."""
+    from engine import run_setup
+    root = tmp_path / "era5"
+    cfg = _vit_cfg(root)
+    run_setup.make_data_once(cfg)
+    before = file_digests(root)
+    os.rename(root, tmp_path / "era5.old-somehost-123")
+    with caplog.at_level(logging.INFO):
+        assert run_setup.make_data_once(cfg) is False  # whole again: nothing to make
+    assert "Put back" in caplog.text and file_digests(root) == before
+    assert sorted(os.listdir(tmp_path)) == ["era5"]

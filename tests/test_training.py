@@ -1,6 +1,5 @@
 """End-to-end runs of train.py on tiny data: learning, TensorBoard, checkpoints, resume, errors."""
 import csv
-import hashlib
 import os
 import re
 import signal
@@ -11,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, write_cosmo_pair, write_era5
+from conftest import ROOT, file_digests, write_cosmo_pair, write_era5
 from settings.parse import build_config
 from settings.errors import ConfigError, TrainingError
 from tasks.reference_weights import vit_from_reference
@@ -142,6 +141,13 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, era5_long):
     r = train(common + ["--num_iters", "12", "--resume"])
     assert "skipping unreadable checkpoint" in r.stdout and "Resumed from" in r.stdout
     assert "ckpt_00000005.pt" in r.stdout
+    # none loads: refused, with where to go from there
+    for name in os.listdir(ckpts):
+        with open(os.path.join(ckpts, name), "r+b") as f:
+            f.truncate(1000)
+    r = train(common + ["--num_iters", "14", "--resume"], check=False)
+    assert r.returncode == 2 and "none of the checkpoints" in r.stderr
+    assert "--resume_from PATH" in r.stderr and "without --resume" in r.stderr
 
 
 def test_a_rerun_is_the_next_run_and_an_existing_run_is_not_overwritten(tmp_path, era5_long):
@@ -150,8 +156,7 @@ def test_a_rerun_is_the_next_run_and_an_existing_run_is_not_overwritten(tmp_path
     d = run_dir(str(tmp_path))
 
     def digests():
-        return {f: hashlib.md5(open(os.path.join(d, "checkpoints", f), "rb").read()).hexdigest()
-                for f in os.listdir(os.path.join(d, "checkpoints"))}
+        return file_digests(os.path.join(d, "checkpoints"))
     before = digests()
     # the same command again: the next run number (--run_num auto, the default), said so
     r = train(common)
@@ -167,6 +172,11 @@ def test_a_rerun_is_the_next_run_and_an_existing_run_is_not_overwritten(tmp_path
     assert "Nothing to do: run 1 has finished its 3 steps" in r.stdout
     assert "--num_iters" in r.stdout.split("Nothing to do")[1]
     assert r.stdout.index("Nothing to do") < r.stdout.index("Device ")  # before start-up lines
+    # without a run length on the command line the run keeps its own, not the YAML's 10 epochs
+    run1 = file_digests(os.path.join(run_dir(str(tmp_path), run="1"), "checkpoints"))
+    r = train(common[:-2] + ["--resume"])
+    assert "Nothing to do: run 1 has finished its 3 steps" in r.stdout and "resume: num_" not in r.stdout
+    assert file_digests(os.path.join(run_dir(str(tmp_path), run="1"), "checkpoints")) == run1
     # training longer: the schedule spans the new end, and the log says what the lr becomes
     r = train(common[:-1] + ["5", "--resume"])
     assert "resume: num_iters 3 -> 5" in r.stdout
