@@ -172,10 +172,11 @@ class Trainer:
             if change and not self.nothing_to_do:  # (a shorter end than reached: no schedule)
                 log.info(change)
         self.resumed = resume is not None
-        # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step.
+        # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step; a
+        # finished one, with nothing to add, gets no new event file.
         self.board = Board(os.path.join(self.run_dir, "tensorboard"),
                            purge_step=self.state.iteration + 1 if resume else None) \
-            if rt.is_main else NullBoard()
+            if rt.is_main and not self.nothing_to_do else NullBoard()
         # The CPU probe hooks autograd's saved tensors, which compiled graphs do not expose.
         measurable = self.device.type == "cuda" or not cfg.enable_jit
         self.probe = MemoryProbe(self.device, self.model, self.optimizer) if measurable \
