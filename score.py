@@ -38,7 +38,7 @@ from engine.runtime import _env_int, check_amp, choose_device
 from observe.logging_utils import setup_logging
 from observe.score_report import check_matplotlib, write_report
 from settings.config import CONFIG_CLASSES, check_writable_dir, validate
-from settings.errors import ConfigError, UserError
+from settings.errors import ConfigError, OneLineParser, UserError
 from settings.parse import build_config, yaml_problem
 from tasks import make_task
 
@@ -47,12 +47,6 @@ AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The options only one model's scoring reads (their defaults None), and the model's name: given
 # for the other model's run they would do nothing, so they are refused instead.
 MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init")), "unet": ("U-Net", ("tile", "halo"))}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every other refusal of this command
-        print(f"error: {message} (python score.py --help lists the options)", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def _whole(minimum: int):
@@ -69,7 +63,7 @@ def _whole(minimum: int):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python score.py", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="python score.py", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True,
                    help="a run directory (its newest loadable checkpoint is scored) or one "

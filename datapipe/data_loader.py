@@ -32,7 +32,6 @@ from torch.utils.data import Sampler
 from datapipe import synthetic
 from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
 from datapipe.data_sets import data_set
-from datapipe.synthetic import SYNTHETIC_MARK  # noqa: F401 (re-exported: a synthetic data_root's mark)
 from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name

@@ -38,17 +38,15 @@ The command writes only into a new or empty directory, or over synthetic data wr
 (``check_target``), and marks the directory with ``SYNTHETIC_MARK``, as a training run's
 ``synthesize_if_missing`` does.
 """
-import argparse
 import contextlib
 import os
 import re
-import sys
 
 import h5py
 import numpy as np
 
 from datapipe.formats import ERA5_CHANNELS, HYDRO_VECTOR_CHANNELS, NBODY_VECTOR_CHANNELS, latitudes  # noqa: F401 (re-exported)
-from settings.errors import ConfigError
+from settings.errors import ConfigError, OneLineParser, refuse
 
 R_EARTH = 6.371e6  # m
 OMEGA = 7.292e-5  # Earth's rotation rate, 1/s
@@ -593,24 +591,12 @@ def _ints(parser, name: str, values: list[str], length: int | None = None) -> li
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    """Refuses bad arguments in one ``error:`` line (no usage block), exit status 2."""
-
-    def error(self, message):
-        _refuse(f"{message} ({self.prog} --help lists the options)")
-
-
-def _refuse(message):
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 CLI_MARK = ("Synthetic data written by python -m datapipe.synthetic; it may be written again "
             "here, and a training run with synthesize_if_missing may regenerate it.")
 
 
 def main(argv=None):
-    parser = _Parser(prog="python -m datapipe.synthetic", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m datapipe.synthetic", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True, metavar="{era5,cosmo}")
     era5 = sub.add_parser("era5", help="ERA5-format year files and statistics for the ViT")
     era5.add_argument("--out", required=True, help="directory to write the files into")
@@ -661,10 +647,10 @@ def main(argv=None):
             result = make_cosmo(args.out, args.train_size, args.val_size, args.seed,
                                 mark=CLI_MARK)
     except ValueError as e:  # ConfigError included
-        _refuse(str(e))
+        refuse(str(e))
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
-        _refuse(f"{out}: cannot write there ({e.strerror or e}{where}): choose a directory you "
+        refuse(f"{out}: cannot write there ({e.strerror or e}{where}): choose a directory you "
                 f"can write to, with free space")
     for path, shapes in result["files"]:
         desc = "  ".join(f"{name} {tuple(shape)}" if name else str(tuple(shape))

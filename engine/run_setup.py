@@ -38,8 +38,7 @@ import torch.distributed as dist
 import yaml
 
 from datapipe import synthetic
-from datapipe.data_loader import (SYNTHETIC_MARK, check_synthesis_target, has_data, missing_data,
-                                  synthesize)
+from datapipe.data_loader import check_synthesis_target, has_data, missing_data, synthesize
 from engine import checkpoint
 from engine.runtime import Runtime
 from settings.parse import dump
@@ -484,7 +483,7 @@ def ensure_data(cfg: Config, rt: Runtime):
     (``make_data_once``). A run on synthetic data made earlier says so, as the first run did."""
     if cfg.data_is_generated:
         return
-    if has_data(cfg) and os.path.exists(os.path.join(cfg.data_root, SYNTHETIC_MARK)):
+    if has_data(cfg) and os.path.exists(os.path.join(cfg.data_root, synthetic.SYNTHETIC_MARK)):
         log.info(f"Data: the synthetic {cfg.model} data under {cfg.data_root} (made by an "
                  f"earlier run: not real data)")
         return
@@ -664,8 +663,9 @@ def _publish(staging: str, root: str, name: str):
         os.rename(root, old)
         try:
             synthetic.check_target(old, synthetic.list_files(staging), name, "--data_root",
-                                   f"{name} is no longer marked synthetic ({SYNTHETIC_MARK}): "
-                                   f"it is not replaced; choose another --data_root")
+                                   f"{name} is no longer marked synthetic "
+                                   f"({synthetic.SYNTHETIC_MARK}): it is not replaced; choose "
+                                   f"another --data_root")
         except ConfigError:
             os.rename(old, root)
             raise

@@ -1,5 +1,7 @@
 """Errors caused by user input. Entry scripts print their message on one line and exit non-zero
 (2 for configuration, 1 for data and training), without a traceback."""
+import argparse
+import sys
 
 
 class UserError(Exception):
@@ -18,3 +20,17 @@ class DataError(UserError):
 
 class TrainingError(UserError):
     """Training cannot go on (e.g. the loss became NaN); checkpoints already written are kept."""
+
+
+def refuse(message: str):
+    """End a command-line program on bad input: its one ``error:`` line, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser that refuses bad arguments in one ``error:`` line naming ``--help``
+    (no usage block), exit code 2, as every other refusal of the project's commands."""
+
+    def error(self, message):
+        refuse(f"{message} ({self.prog} --help lists the options)")

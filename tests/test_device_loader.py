@@ -2,7 +2,6 @@
 rotated there (datapipe/device_loader.py). On a CPU the device is the CPU: the crops are copied
 through rotated views there, and the GPU's one gather per field is tested here too."""
 import dataclasses
-import hashlib
 import os
 import re
 import types
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import train as train_script
-from conftest import ROOT, write_cosmo_pair
+from conftest import ROOT, file_digests, write_cosmo_pair
 from test_training import TINY_UNET, run_dir, train
 from datapipe import device_loader
 from settings.parse import build_config
@@ -159,15 +158,6 @@ def test_memory_check_names_the_size_the_free_memory_and_the_choices():
     assert free_memory(CPU) > 0  # MemAvailable on Linux
 
 
-def snapshot(root) -> dict:
-    out = {}
-    for d, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(d, name), "rb") as f:
-                out[os.path.join(d, name)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 def test_volumes_that_do_not_fit_stop_the_run_with_one_line(tmp_path, monkeypatch, capsys):
     """Through train.run: exit 2, one line, before anything is loaded or trained; the data is
     untouched and no run directory is left behind (the failed start removes the one it claimed;
@@ -180,7 +170,7 @@ def test_volumes_that_do_not_fit_stop_the_run_with_one_line(tmp_path, monkeypatc
     monkeypatch.setattr(device_loader, "free_memory", lambda device: 1_000_000)
     loaded = []
     monkeypatch.setattr(device_loader, "load_field", lambda *a: loaded.append(a))
-    before = snapshot(root)
+    before = file_digests(root)
     with pytest.raises(SystemExit) as e:
         train_script.run(cfg)
     assert e.value.code == 2
@@ -188,7 +178,7 @@ def test_volumes_that_do_not_fit_stop_the_run_with_one_line(tmp_path, monkeypatc
     assert len(lines) == 1 and lines[0].startswith("error: data_loader_config=device: "), lines
     assert "cpu has 1.0 MB free" in lines[0] and "--device_volume_dtype bfloat16" in lines[0]
     assert "--data_loader_config lowmem" in lines[0]
-    assert not loaded and snapshot(root) == before
+    assert not loaded and file_digests(root) == before
     assert not os.path.exists(tmp_path / "logs")
 
 

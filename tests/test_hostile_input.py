@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import errno
 import functools
-import hashlib
 import io
 import math
 import os
@@ -32,7 +31,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, write_era5
+from conftest import ROOT, file_digests, write_era5
 from engine import checkpoint, run_setup
 from settings.config import CONFIG_CLASSES, field_types, identity_fields, to_dict
 from settings.parse import build_config
@@ -310,14 +309,7 @@ def train(args, check=False, preexec_fn=None, timeout=300, prefix=()):
 
 def snapshot(*roots) -> dict:
     """Every file under ``roots`` with its content hash."""
-    out = {}
-    for root in roots:
-        for d, _, files in os.walk(root):
-            for name in files:
-                path = os.path.join(d, name)
-                with open(path, "rb") as f:
-                    out[path] = hashlib.sha256(f.read()).hexdigest()
-    return out
+    return {root: file_digests(root) for root in roots}
 
 
 def _permissions_apply() -> tuple:
