@@ -34,7 +34,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VIT_DATA = os.path.join(ROOT, "data", "era5")
 UNET = ["--yaml_config", "config/UNet.yaml", "--config", "quickstart"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 

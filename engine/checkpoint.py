@@ -51,7 +51,6 @@ REQUIRED = ("model", "optimizer", "scaler", "scheduler", "iteration", "epoch", "
             "rng", "config")
 TENSORS = ("model", "optimizer")  # what a DCP directory holds in shards; the rest is TRAIN_STATE
 TRAIN_STATE = "train_state.pt"
-DCP_METADATA = ".metadata"
 
 
 def path_for(directory: str, iteration: int, sharded: bool = False) -> str:

@@ -12,13 +12,12 @@ never overwritten) is one ``error:`` line and exit code 2, and nothing is writte
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from engine import checkpoint
+from settings.errors import OneLineParser, refuse
 
 
 def convert(src: str, out: str) -> dict:
@@ -48,7 +47,7 @@ def convert(src: str, out: str) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m engine.checkpoint_convert",
+    parser = OneLineParser(prog="python -m engine.checkpoint_convert",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="a ckpt_<step>.dcp directory, or a checkpoints directory "
                                     "(its newest sharded checkpoint)")
@@ -57,8 +56,7 @@ def main(argv=None):
     try:
         whole = convert(args.src, args.out)
     except (ValueError, OSError, CheckpointException) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(str(e))
     n = sum(t.numel() for t in whole["model"].values())
     print(f"{args.out}: step {whole['iteration']}, {n / 1e6:.3g} M parameters, "
           f"{checkpoint.state_nbytes(whole) / 1e6:.1f} MB")

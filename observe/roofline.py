@@ -189,9 +189,9 @@ class _Ops(list):
         self.cast("bwd", f"{name} weight gradient cast", w, False)
         self.cast("bwd", f"{name} bias gradient cast", cout, False)
 
-    def elementwise(self, group, name, n, inplace=False, backward=True):
+    def elementwise(self, group, name, n, backward=True):
         """A unary elementwise op on n activations (ReLU, LeakyReLU, GELU, tanh): reads and
-        writes them (in place: the same tensor, read and written); its backward reads the
+        writes them (the same bytes whether in place or not); its backward reads the
         output gradient and the saved input (or output) and writes the input gradient."""
         a = self.act
         self.add(group, "fwd", name, a * n, a * n)

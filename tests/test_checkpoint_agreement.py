@@ -254,3 +254,8 @@ def test_convert_refuses_to_overwrite_and_names_a_missing_source(tmp_path, capsy
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"error: {missing} does not exist: ")
     assert err.count("\n") == 1 and not fresh.exists()
+    with pytest.raises(SystemExit) as e:
+        convert_main([src])                      # OUT left out: one line, no usage block
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith("error: the following arguments are required: out (")
