@@ -2,7 +2,8 @@
 computation, the cases whose answer is known (a perfect forecast, the climatology forecast,
 persistence at lead 0, a rollout that adds one per step, a field of known spectrum, identical
 and noisy fields, tiles against one whole forward), both quickstarts trained, then scored, and
-the same scoring on 2 gloo ranks equal to one process's."""
+the same scoring on 3 gloo ranks (one with no initial condition to roll out, tiles 3, 3 and 2)
+equal to one process's."""
 import contextlib
 import csv
 import hashlib
@@ -453,7 +454,7 @@ def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys):
     assert again == rows
 
 
-VIT_OPTIONS = ["--lead_steps", "6", "--n_init", "3", "--batch_size", "2"]
+VIT_OPTIONS = ["--lead_steps", "6", "--n_init", "2", "--batch_size", "2"]
 UNET_OPTIONS = ["--split", "big.h5", "--tile", "32", "--halo", "0"]
 
 
@@ -495,7 +496,7 @@ def _code(main, argv):
         return e.code, err.getvalue()
 
 
-def test_scores_over_two_ranks_equal_one_process(vit_run, unet_run, tmp_path, capsys, monkeypatch):
+def test_scores_over_three_ranks_equal_one_process(vit_run, unet_run, tmp_path, capsys, monkeypatch):
     import score as score_command
 
     monkeypatch.setattr("observe.score_report.draw", no_plots)
@@ -503,12 +504,13 @@ def test_scores_over_two_ranks_equal_one_process(vit_run, unet_run, tmp_path, ca
     score_command.main(["--run", vit_run, "--out", str(one / "vit"), *VIT_OPTIONS])
     score_command.main(["--run", unet_run, "--out", str(one / "unet"), *UNET_OPTIONS])
     assert "8 tiles" in capsys.readouterr().out
-    # 3 initial conditions: 2 on rank 0, 1 on rank 1; 8 tiles, 4 each. The third scoring finds
-    # its output existing on rank 0 only, the fourth no run on rank 1 only: every rank stops with
-    # the code of the one that refused, none waits, and rank 0 says why, once.
-    ranks = run_ranks(rank_scores, 2, vit_run, unet_run, str(two), timeout=120, pg_timeout=60)
-    assert [[code for code, _ in rank] for rank in ranks] == [[None, None, 2, 2]] * 2, ranks
-    assert [err for _, err in ranks[1]] == [""] * 4, ranks[1]
+    # 2 initial conditions: one on rank 0, one on rank 1, none on rank 2; 8 tiles: 3, 3 and 2.
+    # The third scoring finds its output existing on rank 0 only, the fourth no run on rank 1
+    # only: every rank stops with the code of the one that refused, none waits, and rank 0 says
+    # why, once.
+    ranks = run_ranks(rank_scores, 3, vit_run, unet_run, str(two), timeout=120, pg_timeout=60)
+    assert [[code for code, _ in rank] for rank in ranks] == [[None, None, 2, 2]] * 3, ranks
+    assert [err for _, err in ranks[1] + ranks[2]] == [""] * 8, ranks[1:]
     exists, missing = ranks[0][2][1], ranks[0][3][1]
     assert exists.startswith("error: ") and "exists already" in exists and exists.count("\n") == 1
     assert missing.startswith(f"error: rank 1: --run {vit_run}_missing: no such run") \
@@ -522,7 +524,7 @@ def test_scores_over_two_ranks_equal_one_process(vit_run, unet_run, tmp_path, ca
                 if x[key] or y[key]:
                     assert float(y[key]) == pytest.approx(float(x[key]), rel=tol, abs=1e-12), (problem, key, x, y)
         meta = json.load(open(two / problem / "scores.json"))["meta"]
-        assert meta["ranks"] == 2
+        assert meta["ranks"] == 3
     assert sorted(os.listdir(two)) == ["unet", "vit"]  # nothing else, nothing left half-written
 
 
