@@ -3,8 +3,9 @@
 The model is run autoregressively: from an initial state it forecasts ``dt`` 6-hour steps ahead,
 that forecast becomes its next input, and so on for ``lead_steps`` steps (``rollout``). Every
 lead time is scored per variable against the stored state at that time, in physical units
-(de-normalised with the global means and stds), as WeatherBench 2 defines its headline scores
-(docs/scoring.md has the formulas and where they differ):
+(de-normalised with the global means and stds), close to WeatherBench 2's headline scores
+(docs/scoring.md has the formulas and where they differ: the weights, the RMSE's mean, the
+climatology):
 
 - latitude-weighted RMSE (``tasks.losses.weighted_rmse``: weights cos(lat) of mean 1 over the
   rows), per sample, then averaged over the initial conditions;

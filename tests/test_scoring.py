@@ -179,6 +179,8 @@ def test_r_is_1_for_identical_fields_and_falls_as_noise_is_added():
                        * np.maximum(kmag, 1.0) ** -1.5).real
     same = spectra(red, red)
     assert np.allclose(same["r"], 1) and np.allclose(same["ratio"], 1)
+    twice = spectra(2 * red, red)  # the ratio is the transfer function squared, as documented
+    assert np.allclose(twice["ratio"], 4) and np.allclose(twice["r"], 1)
     noise = rng.standard_normal(red.shape) * red.std()
     r = [spectra(red + s * noise, red)["r"] for s in (0.1, 0.5, 2.0)]
     assert np.all(r[0] > r[1]) and np.all(r[1] > r[2])
