@@ -625,12 +625,13 @@ class Trainer:
                 self.save_checkpoint()
         if not validated and checkpoint.written_for(self.ckpt_dir, self.iteration) is None:
             self.save_checkpoint()  # (a run with no step to take)
+        wall_s = time.time() - t_start  # the report's passes below are not training
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)
         self.board.close()
         self.loaders.close()
         log.info(f"Done: {self.iteration} steps, checkpoints in {self.ckpt_dir}")
-        for line in self.summary(time.time() - t_start, validated):
+        for line in self.summary(wall_s, validated):
             log.info(line)
 
     def summary(self, wall_s: float, validated: bool) -> list[str]:

@@ -188,6 +188,21 @@ def test_trials_train_and_the_state_is_put_back(tmp_path, era5):
     assert tr.loaders.train_sampler.epoch == tr.state.epoch
 
 
+def test_the_summarys_seconds_leave_the_report_out(tmp_path, era5, monkeypatch):
+    """The closing line's "s of training and validation" ends before the report's passes."""
+    import time
+
+    monkeypatch.setattr(tp, "run", lambda trainer: time.sleep(2.0))  # a report of 2 s
+    cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=2, throughput_report="true")
+    tr = Trainer(cfg, setup_runtime(cfg))
+    t0 = time.time()
+    tr.fit()
+    whole = time.time() - t0
+    log = open(os.path.join(tr.run_dir, "out.log")).read()
+    (said,) = re.findall(r"Summary: .*, ([0-9.]+) s of training and validation", log)
+    assert float(said) <= whole - 2.0 + 0.05, (said, whole)  # (0.05: the line's rounding)
+
+
 # ----------------------------------------------------------------------------- 2 ranks
 
 
