@@ -45,7 +45,7 @@ from engine.stop_agreement import StopAgreement
 from engine.train_state import TrainState, keep_run_length
 from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import over_ranks, setup_logging
-from observe.memory import GB, MemoryProbe, NullProbe, resident_peak_bytes
+from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range
 from observe.startup import StartClock, use_compile_cache_dir
 from observe.progress import DataWait, Progress
@@ -418,18 +418,18 @@ class Trainer:
 
     def log_memory(self, probe):
         """Every rank's memory after the forward pass and at the step's peak (rank 0 logs)."""
-        mine = (probe.after_forward / GB, probe.peak / GB, resident_peak_bytes() / GB)
+        mine = (probe.after_forward / GiB, probe.peak / GiB, resident_peak_bytes() / GiB)
         everyone = [mine] * self.rt.world_size
         if self.rt.distributed:
             dist.all_gather_object(everyone, mine)  # once per epoch
         if probe.after_forward == 0:
             return
         fwd, peak, resident = zip(*everyone)
-        log.info(f"Memory after forward pass (GB, per rank): {over_ranks(fwd, '.3f')}; "
+        log.info(f"Memory after forward pass (GiB, per rank): {over_ranks(fwd, '.3f')}; "
                  f"peak: {over_ranks(peak, '.3f')}")
         log.info(f"  (measured as: {probe.method()})")
         if self.device.type == "cpu":
-            log.info(f"  Process resident peak (GB, per rank): {over_ranks(resident, '.2f')}")
+            log.info(f"  Process resident peak (GiB, per rank): {over_ranks(resident, '.2f')}")
 
     # ------------------------------------------------------------------ validation
 

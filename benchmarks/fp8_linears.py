@@ -76,7 +76,7 @@ def build_variant(recipe: str, overrides: dict, batch: int, device, compiled: bo
 
 
 def timed_ms(step, steps: int, device) -> tuple[float, float | None]:
-    """Milliseconds per step over ``steps`` steps (CUDA events on a GPU), and the GB the steps
+    """Milliseconds per step over ``steps`` steps (CUDA events on a GPU), and the GiB the steps
     allocate above what was held before them (None on a CPU)."""
     import torch
     if device.type != "cuda":
@@ -151,7 +151,7 @@ def table(out: dict) -> str:
     lines = [f"{out['device']}, torch {out['torch']}, batch {out['batch']}, bf16 autocast, fused "
              f"Adam, {mode}, compute only",
              "| linears | ms/step | samples/s | model TFLOP/s | x bf16 | first step s | "
-             "step GB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "step GiB |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in out["rows"]:
         if "failed" in r:
             lines.append(f"| {label(r['recipe'])} | {r['failed']} | | | | | |")

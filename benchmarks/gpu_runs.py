@@ -291,7 +291,7 @@ _TFLOPS = re.compile(rf"Model ({_NUM}) TFLOP/s per device \(({_NUM}) GFLOP per s
                      rf"(?:, MFU ([\d.]+)% of ({_NUM}) TFLOP/s)?")
 _START = re.compile(r"Start: ([\d.]+) s to the end of the first step(?:.|\n)*?first step ([\d.]+) s")
 _CACHES = re.compile(r"compile caches .*: (\d+) hits, (\d+) misses")
-_PEAK = re.compile(r"Memory after forward pass \(GB, per rank\): [^;]*; "
+_PEAK = re.compile(r"Memory after forward pass \(Gi?B, per rank\): [^;]*; "
                    r"peak: ([\d.]+(?:, [\d.]+)*)")
 _GRAPH = re.compile(r"CUDA graph: step ([\d.]+) ms replayed, ([\d.]+) ms eager.*?: ([\d.]+)x")
 _THROUGHPUT = re.compile(r"Throughput \([^)]*\): IO ([\d.]+) \+/- [\d.]+, SYNTHETIC ([\d.]+) "
@@ -305,7 +305,7 @@ _PYTEST = re.compile(r"^=*\s*((?:\d+ \w+)(?:, \d+ \w+)*) in [\d.]+s")
 def read_log(text: str) -> dict:
     """A run's numbers: samples/s, the data-wait share (%) and the steady-state rate (medians
     over the epochs after the first, or the only one); TFLOP/s and MFU of the last epoch; peak
-    memory (GB, max over ranks and epochs); the CUDA-graph line and its speed-up; the
+    memory (GiB, max over ranks and epochs); the CUDA-graph line and its speed-up; the
     throughput report (IO, SYNTHETIC, FULL means) and its bottleneck line; the epochs' seconds;
     the start's seconds to the end of the first step (and the first step's own) and the compile
     caches' hits and misses."""
@@ -581,7 +581,7 @@ def notes(r: dict) -> str:
 
 
 COLUMNS = ("series", "run", "samples/s", "vs prev", "vs first", "data wait", "TFLOP/s", "MFU",
-           "peak GB", "A100 (tutorial)", "ours / A100", "notes")
+           "peak GiB", "A100 (tutorial)", "ours / A100", "notes")
 
 
 def table(rows: list[tuple[Run, dict]]) -> str:

@@ -206,7 +206,7 @@ def ensure_data():
 
 def engine_log(tp, cp, extra=None):
     """train_mp.py under torchrun, two epochs of 2 steps: the second epoch's logged memory line
-    (measured with Adam state present). Returns (after forward GB per rank, peak GB per rank)."""
+    (measured with Adam state present). Returns (after forward GiB per rank, peak GiB per rank)."""
     with tempfile.TemporaryDirectory(prefix="mp_memory-log-") as tmp:
         args = ["--config", "mp_cpu", "--tensor_parallel", str(tp), "--context_parallel", str(cp),
                 "--expdir", tmp, "--num_epochs", "2", "--limit_nsamples", "8", "--limit_nsamples_val", "4",
@@ -220,7 +220,7 @@ def engine_log(tp, cp, extra=None):
         text = r.stdout + r.stderr
         if r.returncode:
             raise RuntimeError(f"train_mp.py failed ({r.returncode}):\n{text[-3000:]}")
-        lines = re.findall(r"Memory after forward pass \(GB, per rank\): ([0-9., ]+); peak: ([0-9., ]+)", text)
+        lines = re.findall(r"Memory after forward pass \(Gi?B, per rank\): ([0-9., ]+); peak: ([0-9., ]+)", text)
         fwd, peak = lines[-1]
         return [float(v) for v in fwd.split(",")], [float(v) for v in peak.split(",")]
 
@@ -330,11 +330,11 @@ def main(argv=None):
     results["gpu_model"] = gpu_predictions()
     if args.engine_log:
         fwd, peak = engine_log(4, 1)
-        print(f"\ntrain_mp.py --config mp_cpu --tensor_parallel 4, epoch 2: after forward {fwd} GB, peak {peak} GB")
+        print(f"\ntrain_mp.py --config mp_cpu --tensor_parallel 4, epoch 2: after forward {fwd} GiB, peak {peak} GiB")
         results["engine_log_tp4"] = dict(after_forward_gb=fwd, peak_gb=peak)
         fwd, peak = engine_log(4, 1, VARIANTS["padded"][0])
         print(f"train_mp.py --config mp_cpu --img_size [80,184] --tensor_parallel 4 (padded), epoch 2: after "
-              f"forward {fwd} GB, peak {peak} GB")
+              f"forward {fwd} GiB, peak {peak} GiB")
         results["engine_log_tp4_padded"] = dict(after_forward_gb=fwd, peak_gb=peak)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

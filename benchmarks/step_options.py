@@ -376,7 +376,7 @@ def table(out: dict) -> str:
         lines.append("")
     if out["steps"]:
         lines += ["| step variant (bf16, fused Adam, compute only) | ms/step | samples/s | "
-                  "TFLOP/s | MFU % | first step s | peak GB |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "TFLOP/s | MFU % | first step s | peak GiB |", "|---|---:|---:|---:|---:|---:|---:|"]
         for r in out["steps"]:
             if "failed" in r:
                 lines.append(f"| {r['variant']} | failed: {r['failed']} | | | | | |")

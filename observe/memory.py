@@ -18,7 +18,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
-GB = 1024**3
+GiB = 1024**3  # the memory lines' unit (the tutorial's "GB" figures are these too)
 
 
 def _storage_key(t: torch.Tensor):

@@ -454,7 +454,7 @@ def test_only_rank0_writes(ddp):
     log = open(os.path.join(ddp["exp"], "main", "quickstart", str(ws), "0", "out.log")).read()
     assert "[rank " not in log and f"{ws} rank(s), {ws} data-parallel" in log
     assert f"({GLOBAL // ws} per rank)" in log
-    memory = re.search(r"Memory after forward pass \(GB, per rank\): ([^;]*); peak: (.*)", log)
+    memory = re.search(r"Memory after forward pass \(GiB, per rank\): ([^;]*); peak: (.*)", log)
     assert [len(m.split(", ")) for m in memory.groups()] == [ws, ws]  # every rank's figure
 
 

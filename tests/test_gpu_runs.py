@@ -61,7 +61,7 @@ def gpu_epoch(epoch: int, samples_per_s: float, tflops: float, peaks: list[float
               wait: float = 0.41) -> list[str]:
     """train.py's lines of one epoch on an H100 in bf16 (log_memory, then log_epoch's f-strings)."""
     peak = 494.0
-    return [f"Memory after forward pass (GB, per rank): {', '.join('9.500' for _ in peaks)}; "
+    return [f"Memory after forward pass (GiB, per rank): {', '.join('9.500' for _ in peaks)}; "
             f"peak: {', '.join(f'{p:.3f}' for p in peaks)}",
             "  (measured as: torch.cuda allocator statistics)",
             f"Epoch {epoch}: 6.35 s for 24 steps, {samples_per_s:.2f} samples/s (3.78 steps/s)",
