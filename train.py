@@ -557,8 +557,9 @@ class Trainer:
             # Who sets the pace: the loader when the step waited for data much of the epoch.
             steady = stats.steady_samples_per_s
             if stats.data_wait is not None:
+                on = f", on rank 0 of {self.rt.world_size}" if self.rt.world_size > 1 else ""
                 log.info(f"  Waited for data {100 * stats.data_wait:.0f}% of the epoch "
-                         f"({self.data_wait.label})" + (f"; steady state (after step 1) "
+                         f"({self.data_wait.label}{on})" + (f"; steady state (after step 1) "
                                                        f"{steady:.2f} samples/s" if steady else ""))
                 board.scalar("Performance/data wait share", stats.data_wait, it)
             samples_per_s = stats.samples_per_s  # the whole job's, over the epoch's wall time

@@ -456,6 +456,8 @@ def test_only_rank0_writes(ddp):
     assert f"({GLOBAL // ws} per rank)" in log
     memory = re.search(r"Memory after forward pass \(GiB, per rank\): ([^;]*); peak: (.*)", log)
     assert [len(m.split(", ")) for m in memory.groups()] == [ws, ws]  # every rank's figure
+    assert re.search(rf"Waited for data \d+% of the epoch \(fetching batches, on rank 0 of {ws}\)",
+                     log)  # one rank's share, said to be
 
 
 # ----------------------------------------------------------------------------- noddp
