@@ -9,7 +9,9 @@ the latest log point: reading a new one would make every rank wait, and only ran
 Samples/s counts the whole job's samples over the wall time since the epoch began, the one
 definition the epoch's line uses too (there, after waiting for the device); between log points
 on a GPU it is the host's view (the device may still be a few steps behind). Before the run's
-first log point there is no loss to show, and the line shows none.
+first log point there is no loss to show, and the line shows none. The ETA goes by the steps
+after the epoch's first (which may hold a compile, or the first batch after validation), once
+there are any.
 
 ``DataWait`` measures how much of an epoch the step waited for its data: on a CPU the time spent
 fetching batches, on a GPU the device's idle share between the steps' work.
@@ -50,6 +52,7 @@ class Progress:
         epoch does)."""
         self.epoch, self.first, self.last = epoch, step_in_epoch, last
         self.t0 = self.last_line = self.clock()
+        self.t1 = None  # when this epoch's first step ended
 
     def rate(self, step_in_epoch: int) -> float:
         """Samples/s of the job since ``start_epoch``."""
@@ -60,6 +63,8 @@ class Progress:
         """After each step: a line when ``loss`` (a log point's) is given, or when ``every_s``
         has passed since the last line."""
         now = self.clock()
+        if step_in_epoch == self.first + 1:
+            self.t1 = now
         if loss is not None:
             self.loss, self.lr = loss, lr
         elif now - self.last_line < self.every_s:
@@ -72,7 +77,10 @@ class Progress:
         n = self.steps_per_epoch
         done = step_in_epoch - self.first
         elapsed = self.clock() - self.t0
-        eta = elapsed / done * (self.last - step_in_epoch) if done else math.nan
+        if done > 1 and self.t1 is not None:  # the pace after the first step
+            eta = (self.clock() - self.t1) / (done - 1) * (self.last - step_in_epoch)
+        else:
+            eta = elapsed / done * (self.last - step_in_epoch) if done else math.nan
         loss = f"train loss {self.loss:.4g}, lr {self.lr:.3g}, " if math.isfinite(self.loss) else ""
         return (f"Epoch {self.epoch + 1} step {step_in_epoch}/{n} ({100 * step_in_epoch // n}%): "
                 f"{self.rate(step_in_epoch):.1f} samples/s, {loss}"

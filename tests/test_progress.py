@@ -43,7 +43,24 @@ def test_lines_at_log_points_and_every_30_s_with_rate_and_eta(caplog):
     assert lines[0] == ("Epoch 2 step 22/100 (22%): 0.8 samples/s, train loss 0.5, lr 0.001, "
                         "epoch ETA 13m00s")
     assert lines[1].startswith("Epoch 2 step 24/100 (24%): 0.6 samples/s, train loss 0.5,")
-    assert lines[1].endswith("epoch ETA 16m09s")  # 51 s for 4 steps, 76 left
+    assert lines[1].endswith("epoch ETA 17m19s")  # 41 s for the 3 steps after the first, 76 left
+
+
+def test_the_eta_leaves_out_the_epochs_first_step(caplog):
+    """A first step of 60 s (a compile) and then 1 s a step: the ETA is the steps' pace."""
+    clock = Clock()
+    p = Progress(steps_per_epoch=100, global_batch=8, enabled=True, clock=clock)
+    p.start_epoch(0, 0, last=100)
+    with caplog.at_level(logging.INFO, logger="train"):
+        clock.t += 60
+        p.step(1)
+        for step in range(2, 11):
+            clock.t += 1
+            p.step(step, loss=0.5, lr=1e-3) if step == 10 else p.step(step)
+    first, line = [r.getMessage() for r in caplog.records]  # (the first: 30 s had passed)
+    assert first.endswith("epoch ETA 1h39m")  # 60 s a step is all it knows then
+    assert line.startswith("Epoch 1 step 10/100 (10%): 1.2 samples/s,")  # 80 samples in 69 s
+    assert line.endswith("epoch ETA 1m30s")  # 90 steps left at 1 s
 
 
 def test_only_the_main_rank_prints_and_durations_read_well(caplog):
