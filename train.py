@@ -52,7 +52,7 @@ from observe.progress import DataWait, Progress
 from observe.tensorboard import Board, NullBoard
 from settings.cli import from_argv
 from settings.config import Config, to_dict
-from settings.errors import TrainingError, UserError
+from settings.errors import ConfigError, TrainingError, UserError
 from settings.signals import STOPPED_EXIT_CODE
 from tasks import make_task
 from tasks.reference_weights import load_reference_weights
@@ -105,6 +105,13 @@ class Trainer:
         if resume is not None:  # to the end it had, unless the command gives another
             cfg = self.cfg = keep_run_length(cfg, resume[0].get("config", {}))
         self.nothing_to_do = resume is not None and finished(resume[0], cfg)
+        from_elsewhere = resume is not None and os.path.realpath(os.path.dirname(
+            resume[1].rstrip(os.sep))) != os.path.realpath(self.ckpt_dir)  # --resume_from
+        if self.nothing_to_do and from_elsewhere:
+            raise ConfigError(f"--resume_from {cfg.resume_from}: that run has finished its "
+                              f"{resume[0]['iteration']} steps, so run {cfg.run_num} would train "
+                              f"nothing: add a larger --num_epochs or --num_iters to train on "
+                              f"from it")
         if self.nothing_to_do:  # said before the start-up lines, which follow as for any resume
             log.info(f"Nothing to do: run {cfg.run_num} has finished its {resume[0]['iteration']} "
                      f"steps. To train longer, resume with a larger --num_epochs or --num_iters "

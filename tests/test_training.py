@@ -185,6 +185,17 @@ def test_a_rerun_is_the_next_run_and_an_existing_run_is_not_overwritten(tmp_path
     assert "resume: the run now ends at step 5 instead of 3; the learning-rate schedule " \
         "spans the new total: lr " in r.stdout
     assert "Done: 5 steps" in r.stdout and "Nothing to do" not in r.stdout
+    # a new run from a finished one's end trains nothing: refused, and no run is left behind
+    runs = sorted(os.listdir(os.path.dirname(d)))
+    r = train(common[:-2] + ["--resume_from", run_dir(str(tmp_path), run="1"), "--run_num", "more"],
+              check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --resume_from ") and "has finished its 5 steps, so run " \
+        "more would train nothing: add a larger --num_epochs or --num_iters" in r.stderr
+    assert sorted(os.listdir(os.path.dirname(d))) == runs
+    r = train(common[:-1] + ["7", "--resume_from", run_dir(str(tmp_path), run="1"), "--run_num",
+                             "more"])  # with a longer run: trains on in the new run
+    assert "Done: 7 steps" in r.stdout and os.path.isdir(run_dir(str(tmp_path), run="more"))
 
 
 def test_missing_data_message(tmp_path):
