@@ -24,6 +24,8 @@ Without torch.distributed (one process) every group is :data:`SINGLE_PROCESS`, a
 group over which every collective of ``distributed.mappings`` is the identity. ``None`` is never
 used for that: as in torch.distributed, a ``None`` group means the default (world) group.
 """
+import datetime
+import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -206,9 +208,27 @@ def _default_device_type() -> str:
     return "cpu"
 
 
+def _mesh_timeout(dims: Sequence[str], timeout: Optional[datetime.timedelta]) -> dict:
+    """``init_device_mesh``'s keyword that gives the groups of each of ``dims`` ``timeout``: its
+    ``backend_override`` (torch 2.7 on; before, the mesh's groups keep torch's default), with
+    options of the default group's backend."""
+    if timeout is None or "backend_override" not in inspect.signature(init_device_mesh).parameters:
+        return {}
+    backend = dist.get_backend()
+
+    def options():  # one per dimension: creating a group writes into its options
+        if backend == "nccl":
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = timeout
+            return nccl
+        return dist.ProcessGroupGloo.Options(backend, timeout)  # (the base class's: backend, timeout)
+    return {"backend_override": {d: options() for d in dims}}
+
+
 def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, context_parallel: int = 1,
                  parallel_order: Union[str, Sequence[str]] = "tp-cp-dp",
-                 device_type: Optional[str] = None, use_device_mesh: bool = True) -> ParallelGroups:
+                 device_type: Optional[str] = None, use_device_mesh: bool = True,
+                 timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
     """Create the tp/cp/dp (and tp x cp) groups of the default process group.
 
     ``world_size`` defaults to the process group's size (1 without one) and must equal it when
@@ -216,6 +236,8 @@ def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, con
     process group it returns a single-process ``ParallelGroups`` (world 1; tp = cp = dp = 1).
     The tp, cp and dp groups come from ``init_device_mesh(device_type, shape, mesh_dim_names=...)``
     whose dims are the axes from slowest to fastest; the tp x cp group comes from ``new_group``.
+    ``timeout``: how long a collective of these groups waits for a rank (torch gives a new
+    group its own 10- or 30-minute default, not the default group's timeout).
     """
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
@@ -236,7 +258,7 @@ def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, con
     if use_device_mesh:
         dims = tuple(reversed(order))  # mesh dims slowest -> fastest; the last dim is contiguous
         mesh = init_device_mesh(device_type or _default_device_type(), tuple(sizes[d] for d in dims),
-                                mesh_dim_names=dims)
+                                mesh_dim_names=dims, **_mesh_timeout(dims, timeout))
         for name in AXES:
             handles[name] = mesh.get_group(name)
             got = dist.get_process_group_ranks(handles[name])
@@ -245,7 +267,7 @@ def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, con
     else:
         for name in AXES:
             for ranks in lists[name]:  # every rank creates every group, in the same order
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     handles[name] = g
     if tp * cp == 1:
@@ -256,7 +278,7 @@ def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, con
         handles["mp"] = handles["tp"]
     else:
         for ranks in lists["mp"]:
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 handles["mp"] = g
     return ParallelGroups(

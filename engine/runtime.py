@@ -248,7 +248,8 @@ def setup_runtime(cfg: Config) -> Runtime:
     rt = Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank,
                  dp_rank=rank, dp_size=world)
     if sharded:
-        rt.groups = build_groups(world, tp, cp, cfg.parallel_order)
+        rt.groups = build_groups(world, tp, cp, cfg.parallel_order,
+                                 timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
         rt.dp_group, rt.dp_rank, rt.dp_size = rt.groups.dp_group, rt.groups.dp_rank, rt.groups.dp_size
     if world > 1 and dist.get_backend() != "gloo":
         # The ranks' stop agreement (engine.stop_agreement) runs on the host, without

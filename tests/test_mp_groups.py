@@ -182,3 +182,68 @@ def test_harness_propagates_rank_exception():
 def test_harness_times_out_instead_of_hanging():
     with pytest.raises(TimeoutError, match=r"ranks \[0(, 1)?\] of 2 did not finish"):
         run_ranks(_hang_on_rank_zero, 2, timeout=8)
+
+
+def _collective_past_a_stalled_rank(timeout_s, stall_s):
+    """tp = cp = 2 on 4 ranks (tp groups [0, 1], [2, 3]; cp [0, 2], [1, 3]; mp all four): rank 1
+    stalls, and each other rank waits on it in another kind of group. What each saw, and when."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    g = build_groups(4, 2, 2, "tp-cp-dp", timeout=datetime.timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(stall_s)
+        return "stalled", stall_s
+    name = {0: "tp", 2: "mp", 3: "cp"}[rank]  # tp and cp from the DeviceMesh, mp from new_group
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=g.group(name))
+        return name, "returned"
+    except RuntimeError:
+        return name, time.monotonic() - t0
+
+
+def test_a_stalled_rank_times_out_the_model_parallel_groups_at_the_given_timeout():
+    """Every group the model-parallel layout makes waits ``timeout`` for a rank (dist_timeout_s
+    in a run), not torch's default for a new group (30 minutes with gloo)."""
+    results = run_ranks(_collective_past_a_stalled_rank, 4, 2.0, 14.0, timeout=90, pg_timeout=60)
+    assert results[1] == ("stalled", 14.0)
+    for rank, name in ((0, "tp"), (2, "mp"), (3, "cp")):
+        got, waited = results[rank]
+        assert got == name and waited != "returned" and 1.5 < waited < 10.0, (rank, results)
+
+
+NCCL_GROUPS = """
+import datetime, os, torch, torch.distributed as dist
+from distributed.groups import build_groups
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+timeout = datetime.timedelta(seconds=42)
+dist.init_process_group("nccl", rank=0, world_size=1, timeout=timeout,
+                        device_id=torch.device("cuda", 0))
+g = build_groups(1, 1, 1, timeout=timeout)
+for name in ("tp", "cp", "dp", "mp"):
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t, group=g.group(name))
+    assert t.item() == 1.0, (name, t)
+dist.destroy_process_group()
+print("groups ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+def test_the_groups_timeout_reaches_nccl_groups_as_a_run_makes_them():
+    """On NCCL (the default group bound to its GPU, as a run makes it) the mesh's groups take the
+    timeout through NCCL's own options: made and used without error."""
+    import subprocess
+
+    from distributed_harness import find_free_port
+    env = dict(os.environ, PORT=str(find_free_port()),
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", NCCL_GROUPS], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and "groups ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
