@@ -38,7 +38,7 @@ from engine.runtime import _env_int, check_amp, choose_device
 from observe.logging_utils import setup_logging
 from observe.score_report import check_matplotlib, write_report
 from settings.config import CONFIG_CLASSES, check_writable_dir, validate
-from settings.errors import ConfigError, OneLineParser, UserError
+from settings.errors import ConfigError, OneLineParser, UserError, print_error
 from settings.parse import build_config, yaml_problem
 from tasks import make_task
 
@@ -352,7 +352,7 @@ def main(argv=None):
         score(args)
     except UserError as e:
         if rank == 0:  # every rank stops with the same code; rank 0 says why, once
-            print(f"error: {e}", file=sys.stderr)
+            print_error(str(e))
         raise SystemExit(e.exit_code) from None
 
 

@@ -52,7 +52,7 @@ from observe.progress import DataWait, Progress
 from observe.tensorboard import Board, NullBoard
 from settings.cli import from_argv
 from settings.config import Config, to_dict
-from settings.errors import ConfigError, TrainingError, UserError
+from settings.errors import ConfigError, TrainingError, UserError, print_error
 from settings.signals import STOPPED_EXIT_CODE
 from tasks import make_task
 from tasks.reference_weights import load_reference_weights
@@ -677,7 +677,7 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     for handler in logging.getLogger().handlers:  # keep the reason in the run's out.log
         if isinstance(handler, logging.FileHandler):
             handler.emit(record)
-    print(f"{prefix}error: {message}", file=sys.stderr)
+    print_error(message, prefix)
     if broken_group:
         if trainer is not None:
             trainer.board.close()

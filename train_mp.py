@@ -14,6 +14,7 @@ load on any layout.
 import sys
 
 from settings.cli import from_argv
+from settings.errors import refuse
 from tasks import make_task
 from train import DEFAULT_YAML, run
 
@@ -21,9 +22,8 @@ from train import DEFAULT_YAML, run
 def main(argv):
     cfg = from_argv(argv, DEFAULT_YAML, prog="train_mp.py")
     if not make_task(cfg).shards_model:
-        print(f"error: train_mp.py shards the ViT; config '{cfg.name}' is a {cfg.model} config: "
-              f"use train.py for it (data parallel)", file=sys.stderr)
-        raise SystemExit(2)
+        refuse(f"train_mp.py shards the ViT; config '{cfg.name}' is a {cfg.model} config: use "
+               f"train.py for it (data parallel)")
     run(cfg)
 
 

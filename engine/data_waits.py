@@ -38,12 +38,11 @@ import itertools
 import math
 import os
 import signal
-import sys
 import threading
 import time
 
 from observe.profiling import nvtx_range
-from settings.errors import TrainingError
+from settings.errors import TrainingError, print_error
 
 SIGNAL_GRACE_S = 2.0  # how long a fetch may still take once a stop signal came
 WATCHDOG_GRACE_S = 30.0  # after the timeout, for a wait that no signal handler can end
@@ -247,5 +246,5 @@ def next_batch(batches) -> tuple[object, int]:
 
 
 def _print_and_exit(message: str):
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print_error(message)
     os._exit(1)

@@ -9,14 +9,13 @@ and its description, wrapped to 100 columns.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import textwrap
 import typing
 
 from settings.config import CONFIG_CLASSES, Config, default_value, field_types, identity_fields
 from settings.parse import (FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES, build_config,
                             load_yaml_configs, parse_overrides)
-from settings.errors import ConfigError
+from settings.errors import ConfigError, refuse
 
 WIDTH = 100
 
@@ -119,8 +118,7 @@ def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstar
             yaml_path = entry.get("yaml_config", default_yaml)
             cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
+            refuse(str(e))
         print(usage(prog, yaml_path, cfg))
         raise SystemExit(0)
     try:
@@ -128,5 +126,4 @@ def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstar
         return build_config(entry.get("yaml_config", default_yaml),
                             entry.get("config", default_name), overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        refuse(str(e))

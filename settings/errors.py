@@ -22,9 +22,17 @@ class TrainingError(UserError):
     """Training cannot go on (e.g. the loss became NaN); checkpoints already written are kept."""
 
 
+def print_error(message: str, prefix: str = ""):
+    """``<prefix>error: <message>`` on stderr in one write: ranks that share a stream (torchrun
+    runs them unbuffered) then never join two lines (print writes the line and its newline
+    apart)."""
+    sys.stderr.write(f"{prefix}error: {message}\n")
+    sys.stderr.flush()
+
+
 def refuse(message: str):
     """End a command-line program on bad input: its one ``error:`` line, exit code 2."""
-    print(f"error: {message}", file=sys.stderr)
+    print_error(message)
     raise SystemExit(2)
 
 

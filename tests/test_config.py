@@ -160,3 +160,28 @@ def test_cli_exit_code_and_single_message():
     assert r.stderr.strip().count("\n") == 0 and "did you mean 'quickstart'" in r.stderr
     r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "--global_batch_size" in r.stdout
+
+
+def test_an_error_line_is_one_write_so_ranks_sharing_stderr_never_join_lines(monkeypatch):
+    """torchrun runs its ranks unbuffered on one stream: a line written in two parts (print's
+    text, then its newline) can have another rank's line land between them."""
+    import sys
+
+    from settings.errors import print_error, refuse
+
+    writes = []
+
+    class Stream:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stream())
+    print_error("the data is gone: restore it", "[rank 3] ")
+    with pytest.raises(SystemExit) as e:
+        refuse("--lr x: give a number")
+    assert e.value.code == 2
+    assert writes == ["[rank 3] error: the data is gone: restore it\n",
+                      "error: --lr x: give a number\n"]
