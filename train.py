@@ -412,8 +412,8 @@ class Trainer:
         if not math.isfinite(loss):
             raise TrainingError(
                 f"the training loss became {loss} before step {self.iteration}: lower lr "
-                f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data; "
-                f"checkpoints already written are kept in {self.ckpt_dir}")
+                f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data. "
+                f"{self.kept_checkpoints()}")
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.progress.step(self.state.step_in_epoch, loss, lr)  # the progress line
         self.board.scalar("Loss/train", loss, self.iteration)

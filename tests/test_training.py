@@ -262,10 +262,18 @@ def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
         return out * float("nan") if calls["n"] > 6 else out
 
     monkeypatch.setattr(trainer.sharding, "loss", poisoned)
-    with pytest.raises(TrainingError, match="training loss became nan before step 7"):
+    with pytest.raises(TrainingError, match="training loss became nan before step 7") as e:
         trainer.fit()
     ckpts = os.listdir(trainer.ckpt_dir)
     assert ckpts == ["ckpt_00000004.pt"]
+    assert str(e.value).endswith(f"Nothing was written: the newest checkpoint, "
+                                 f"{os.path.join(trainer.ckpt_dir, ckpts[0])}, is kept (continue "
+                                 f"with --resume auto)")
+    cfg = _cfg(era5_root, tmp_path, num_iters="20", log_every="1", run_num="early")
+    early = Trainer(cfg, setup_runtime(cfg))  # diverging before any checkpoint: says there is none
+    monkeypatch.setattr(early.sharding, "loss", lambda pred, y: real(pred, y) * float("nan"))
+    with pytest.raises(TrainingError, match="Nothing was written; the run has no checkpoint yet$"):
+        early.fit()
     state = torch.load(os.path.join(trainer.ckpt_dir, ckpts[0]), weights_only=True)
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
