@@ -210,7 +210,7 @@ def _default_device_type() -> str:
 
 def _mesh_timeout(dims: Sequence[str], timeout: Optional[datetime.timedelta]) -> dict:
     """``init_device_mesh``'s keyword that gives the groups of each of ``dims`` ``timeout``: its
-    ``backend_override`` (torch 2.7 on; before, the mesh's groups keep torch's default), with
+    ``backend_override`` (torch 2.9 on; before, the mesh's groups keep torch's default), with
     options of the default group's backend."""
     if timeout is None or "backend_override" not in inspect.signature(init_device_mesh).parameters:
         return {}

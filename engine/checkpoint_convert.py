@@ -48,7 +48,7 @@ def convert(src: str, out: str) -> dict:
 
 def main(argv=None):
     parser = OneLineParser(prog="python -m engine.checkpoint_convert",
-                                     description=__doc__.split("\n\n")[0])
+                           description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="a ckpt_<step>.dcp directory, or a checkpoints directory "
                                     "(its newest sharded checkpoint)")
     parser.add_argument("out", help="the .pt file to write (must not exist)")
