@@ -35,13 +35,12 @@ import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-import yaml
 
 from datapipe import synthetic
 from datapipe.data_loader import check_synthesis_target, has_data, missing_data, synthesize
 from engine import checkpoint
 from engine.runtime import Runtime
-from settings.parse import dump
+from settings.parse import dump, load_yaml_configs
 from settings.errors import ConfigError, DataError, UserError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -95,10 +94,9 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
 def _model_of(run_dir: str) -> str | None:
     """The model family a run directory's config.yaml names; None when it cannot be read."""
     try:
-        with open(os.path.join(run_dir, "config.yaml")) as f:
-            (settings,) = yaml.safe_load(f).values()
+        (settings,) = load_yaml_configs(os.path.join(run_dir, "config.yaml")).values()
         return settings.get("model")
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+    except ValueError:  # (ConfigError included: missing, unreadable, not a config)
         return None
 
 
