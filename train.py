@@ -289,6 +289,29 @@ class Trainer:
                 self.scaler.update()
         return loss_sum, grad_norm
 
+    def regroup_gradients(self, x, y):
+        """A resumed run's backward pass before its first step, discarded, under DDP.
+
+        DDP all-reduces the gradients in buckets. It groups them anew after a run's first
+        backward, in the order that backward made them ready, and every later step uses that
+        grouping, in which the ranks' ring adds each element in a fixed order. A resumed run's
+        first step would use the first grouping, so with three or more ranks it would add some
+        elements in another order (about 1e-7 apart). This backward of the first micro-batch
+        makes DDP regroup as the uninterrupted run did. Its gradients are dropped, and the
+        random streams and buffers are put back, so the resumed run continues bitwise as the
+        uninterrupted one (checked on the CPU: tests/test_preemption.py). One micro-batch's
+        forward and backward more at each resume."""
+        xm, ym = x.chunk(self.cfg.grad_accum_steps)[0], y.chunk(self.cfg.grad_accum_steps)[0]
+        buffers = [(b, b.clone()) for b in self.model.buffers()]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with self.autocast(), self.kernels():
+                loss = self.sharding.loss(self.wrapped_model(xm), ym).sum()
+            loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
+
     # ------------------------------------------------------------------ an epoch of steps
 
     def train_epoch(self) -> EpochStats:
@@ -328,7 +351,12 @@ class Trainer:
                 self.start_clock.mark("first batch")
             self.data_wait.step_begins()
             with nvtx_range(f"step {st.iteration}"):
-                loss, grad_norm = self.train_step(*self.to_device(x, y), probe)
+                x, y = self.to_device(x, y)
+                # (not before a captured step: its eager warm-up counts DDP's iterations)
+                if first_of_run and self.resumed and self.parallel.ddp is not None \
+                        and not self.captures_step:
+                    self.regroup_gradients(x, y)
+                loss, grad_norm = self.train_step(x, y, probe)
             self.data_wait.step_ends()
             if first_of_run:
                 self.log_start()

@@ -88,8 +88,13 @@ class ParallelModel:
                 # its gradients onto the shards: memory for collectives
                 return contextlib.nullcontext()
             return _fsdp_no_sync(self.module)
-        ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)  # under torch.compile
-        return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    @property
+    def ddp(self) -> DistributedDataParallel | None:
+        """The DistributedDataParallel wrapper (under torch.compile's), or None without one."""
+        ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)
+        return ddp if isinstance(ddp, DistributedDataParallel) else None
 
     def reduce_replicated_grads(self):
         """After the backward passes, under FSDP with tp/cp: the gradient sums over tp/cp that

@@ -327,22 +327,22 @@ def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
     both ranks while they write a sharded checkpoint every step. Each resumed run ends with the
     uninterrupted run's weights, Adam state and losses."""
     from distributed_harness import find_free_port
-    from test_preemption import driver, launch_two_ranks
+    from test_preemption import driver, launch_ranks
     from test_training import TINY_VIT, run_dir, tb_scalars
 
     args = TINY_VIT + ["--data_root", data["era5"], "--num_iters", "8", "--dropout", "0.1",
                        "--num_data_workers", "0", "--fsdp", "true"]
     ref_exp, exp = str(tmp_path / "ref"), str(tmp_path / "stopped")
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
+    codes, outs = launch_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
                                    SIGNAL_RANK="1")
     assert codes == [3, 3], outs
     assert "Stopped on SIGUSR1 after step 6: checkpoint " in outs[0][0]
     assert "ckpt_00000006.dcp" in outs[0][0]
     ckpts = os.path.join(run_dir(exp, ws=2), "checkpoints")
     assert os.listdir(ckpts) == ["ckpt_00000006.dcp"]
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp, "--resume", "auto"])
+    codes, outs = launch_ranks(tmp_path, args + ["--expdir", exp, "--resume", "auto"])
     assert codes == [0, 0], outs
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", ref_exp])
+    codes, outs = launch_ranks(tmp_path, args + ["--expdir", ref_exp])
     assert codes == [0, 0], outs
     a, b = (saved(ckpt(run_dir(e, ws=2), 8)) for e in (ref_exp, exp))
     assert_same_state(b, a, "resumed after a stop")
@@ -375,7 +375,7 @@ def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
     # killed while its first checkpoint was being written, the run left none to continue: then
     # --resume auto starts afresh in the next run directory, leaving run 0 as it was
     resumed = run_dir(killed, ws=2, run="0" if checkpoint.list_checkpoints(ckpts) else "1")
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", killed, "--checkpoint_every",
+    codes, outs = launch_ranks(tmp_path, args + ["--expdir", killed, "--checkpoint_every",
                                                      "1", "--resume", "auto"])
     assert codes == [0, 0], outs
     assert f"Run directory: {resumed}\n" in outs[0][0] + outs[0][1], outs[0]

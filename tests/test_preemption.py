@@ -184,39 +184,42 @@ def test_second_signal_while_saving_is_harmless(tmp_path, data, reference):
     assert_same_as_reference(reference, run_dir(exp))
 
 
-def launch_two_ranks(tmp_path, args, **env):
-    """Two gloo ranks as srun starts them (plain processes, no torchrun agent)."""
+def launch_ranks(tmp_path, args, ranks=2, **env):
+    """Two (or ``ranks``) gloo ranks as srun starts them (plain processes, no torchrun agent)."""
     port, script = find_free_port(), driver(tmp_path)
     procs = [subprocess.Popen(
         [sys.executable, script, *args], cwd=ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+        env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                 PYTHONUNBUFFERED="1", **env)) for r in range(2)]
+                 PYTHONUNBUFFERED="1", **env)) for r in range(ranks)]
     outs = [p.communicate(timeout=300) for p in procs]
     return [p.returncode for p in procs], outs
 
 
-def stop_resume_two_ranks(tmp_path, args, stop_step, final_step, **env):
-    """Two ranks that a signal (as ``env`` asks) stops after ``stop_step``, whose checkpoint alone
-    is written, then resumed with ``--resume auto``, beside an uninterrupted run: their final
-    models are the same. Returns rank 0's output of the stopped run, the two run directories
-    (uninterrupted, resumed) and the resumed run's final checkpoint."""
+def stop_resume_ranks(tmp_path, args, stop_step, final_step, ranks=2, **env):
+    """Two (or ``ranks``) ranks that a signal (as ``env`` asks) stops after ``stop_step``, whose
+    checkpoint alone is written, then resumed with ``--resume auto``, beside an uninterrupted
+    run: their final models are bitwise the same. Returns rank 0's output of the stopped run and
+    of the resumed one, the two run directories (uninterrupted, resumed) and the resumed run's
+    final checkpoint."""
     ref_exp, exp = str(tmp_path / "ref"), str(tmp_path / "stopped")
-    codes, outs = launch_two_ranks(tmp_path, args + ["--expdir", exp], **env)
-    assert codes == [STOPPED_EXIT_CODE] * 2, outs
+    codes, outs = launch_ranks(tmp_path, args + ["--expdir", exp], ranks, **env)
+    assert codes == [STOPPED_EXIT_CODE] * ranks, outs
     assert f"Stopped on SIGUSR1 after step {stop_step}:" in outs[0][0], outs[0][0][-3000:]
-    assert os.listdir(os.path.join(run_dir(exp, ws=2), "checkpoints")) == \
+    assert os.listdir(os.path.join(run_dir(exp, ws=ranks), "checkpoints")) == \
         [f"ckpt_{stop_step:08d}.pt"]
     for more in (["--expdir", exp, "--resume", "auto"], ["--expdir", ref_exp]):
-        codes, resumed = launch_two_ranks(tmp_path, args + more)
-        assert codes == [0, 0], resumed
-    dirs = [run_dir(e, ws=2) for e in (ref_exp, exp)]
+        codes, resumed = launch_ranks(tmp_path, args + more, ranks)
+        assert codes == [0] * ranks, resumed
+        if more[-1] == "auto":
+            resumed_out = resumed[0][0]
+    dirs = [run_dir(e, ws=ranks) for e in (ref_exp, exp)]
     a, b = (torch.load(os.path.join(d, "checkpoints", f"ckpt_{final_step:08d}.pt"),
                        weights_only=True) for d in dirs)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    return outs[0][0], dirs, b
+    return outs[0][0], resumed_out, dirs, b
 
 
 @pytest.mark.parametrize("rounds_from", ["", "2"], ids=["ring", "rounds"])
@@ -226,10 +229,25 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data, rounds_f
     from 64 ranks, on a group of their own)."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
                        "--num_data_workers", "0"]
-    out, dirs, final = stop_resume_two_ranks(tmp_path, args, 6, 12, SIGNAL_AT_STEP="3",
+    out, _, dirs, final = stop_resume_ranks(tmp_path, args, 6, 12, SIGNAL_AT_STEP="3",
                                              SIGNAL_RANK="1", ROUNDS_FROM=rounds_from)
     assert ("stop agreement: 1 rounds" in out) == bool(rounds_from), out[-2000:]
     assert final["rng"] != [] and len(final["rng"]) == 2
+    ref_tb, got_tb = (tb_scalars(os.path.join(d, "tensorboard")) for d in dirs)
+    assert [e.value for e in got_tb.Scalars("Loss/train")] == \
+        [e.value for e in ref_tb.Scalars("Loss/train")]
+
+
+def test_three_ranks_resume_bitwise_with_ddp(tmp_path, data):
+    """DDP over three ranks, with gradient accumulation and dropout: stopped after step 6 and
+    resumed, the run ends bitwise as an uninterrupted one. The resumed run first makes DDP
+    group the gradients as the uninterrupted run's later steps do (``Trainer.regroup_gradients``);
+    without it the ring of three adds some gradients in another order (about 1e-8 apart here)."""
+    args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
+                       "--num_data_workers", "0", "--grad_accum_steps", "2",
+                       "--global_batch_size", "6", "--base_batch_size", "6"]
+    _, resumed, dirs, _ = stop_resume_ranks(tmp_path, args, 6, 12, ranks=3, SIGNAL_AT_STEP="3")
+    assert "at step 6 (epoch 1" in resumed, resumed[-2000:]
     ref_tb, got_tb = (tb_scalars(os.path.join(d, "tensorboard")) for d in dirs)
     assert [e.value for e in got_tb.Scalars("Loss/train")] == \
         [e.value for e in ref_tb.Scalars("Loss/train")]
@@ -247,7 +265,7 @@ def test_batches_fetched_further_ahead_still_stop_both_ranks_after_one_step(tmp_
     workers too, whose batch slots are then held one batch longer."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "36", "--dropout", "0.1",
                        "--num_data_workers", str(workers)]
-    out, _, _ = stop_resume_two_ranks(tmp_path, args, 26, 36, SIGNAL_AT_STEP="22",
+    out, _, _, _ = stop_resume_ranks(tmp_path, args, 26, 36, SIGNAL_AT_STEP="22",
                                       SIGNAL_RANK="1", RING_S="0.3")
     assert "each batch is now fetched 2 steps ahead of its step" in out, out
 
@@ -261,7 +279,7 @@ def test_ranks_agree_after_each_fetch_unless_the_loader_never_waits(tmp_path, da
     the fetches of log points (steps 0, 2, 4, 6)."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--num_data_workers", "0",
                        "--data_loader_config", loader, "--expdir", str(tmp_path / "exp")]
-    codes, outs = launch_two_ranks(tmp_path, args, SIGNAL_AT_STEP="3", SIGNAL_RANK="1",
+    codes, outs = launch_ranks(tmp_path, args, SIGNAL_AT_STEP="3", SIGNAL_RANK="1",
                                    COUNT_AGREEMENTS="1")
     assert codes == [STOPPED_EXIT_CODE] * 2, outs
     assert "Stopped on SIGUSR1 after step 6:" in outs[0][0]
