@@ -81,7 +81,12 @@ class OpRecorder(TorchDispatchMode):
     autograd node its outputs get is noted. Backward: the node being run
     (``torch._C._current_autograd_node``) gives the group of the forward op that made it,
     except for casts (the cast group) and the sums of two gradients of one tensor (autograd's
-    ``add``: the accumulation group). ``phase`` is set by the caller: fwd, bwd, opt."""
+    ``add``: the accumulation group). ``phase`` is set by the caller: fwd, bwd, opt.
+
+    ``relayouts``: the copies AccumulateGrad makes when a weight's gradient arrives in another
+    layout than the weight's (a channels-last weight given a contiguous gradient), kept apart.
+    Which layout a convolution's backward gives the gradient depends on the kernel the CPU
+    runs (oneDNN's choice by instruction set: seen on one machine and not on another)."""
 
     def __init__(self, step: roofline.StepModel, tracker: ModuleTracker):
         super().__init__()
@@ -92,6 +97,7 @@ class OpRecorder(TorchDispatchMode):
         self.cats = 0
         self.sums = defaultdict(lambda: {"bytes": 0, "flops": 0, "ops": []})
         self.unplaced = []
+        self.relayouts = []  # (op, bytes, shape)
 
     def _module(self):
         inside = [p for p in self.tracker.parents if p != "Global"]
@@ -124,6 +130,10 @@ class OpRecorder(TorchDispatchMode):
             group = "optimizer"
         else:
             node = torch._C._current_autograd_node()
+            if node is not None and "AccumulateGrad" in node.name() and \
+                    name in ("new_empty_strided", "copy_"):
+                self.relayouts.append((name, read + written, tuple(_tensors(out)[0].shape)))
+                return out
             # no node: the seed of loss.backward(), the loss's gradient
             fwd = self.node_group.get(node._sequence_nr()) if node is not None else "loss"
             if name in roofline.CASTS:
@@ -196,6 +206,10 @@ def test_every_groups_bytes_are_those_its_ops_read_and_write(cfg, batch, amp, ch
     step = roofline.step_model(task, batch=batch, amp=amp, channels_last=channels_last)
     rec = record_step(task, step, amp, channels_last=channels_last)
     assert not rec.unplaced
+    # weight gradients copied into their weights' layout (channels-last only): weight-shaped
+    shapes = {tuple(p.shape) for p in task.build_model().parameters()}
+    assert all(shape in shapes for _, _, shape in rec.relayouts), rec.relayouts
+    assert not rec.relayouts or channels_last, rec.relayouts
     assert {g for g, _ in rec.sums} <= set(step.groups)
     for group in step.groups:
         for phase in ("fwd", "bwd", "opt"):
