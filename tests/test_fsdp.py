@@ -334,7 +334,7 @@ def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
                        "--num_data_workers", "0", "--fsdp", "true"]
     ref_exp, exp = str(tmp_path / "ref"), str(tmp_path / "stopped")
     codes, outs = launch_ranks(tmp_path, args + ["--expdir", exp], SIGNAL_AT_STEP="3",
-                                   SIGNAL_RANK="1")
+                               SIGNAL_RANK="1")
     assert codes == [3, 3], outs
     assert "Stopped on SIGUSR1 after step 6: checkpoint " in outs[0][0]
     assert "ckpt_00000006.dcp" in outs[0][0]
@@ -376,7 +376,7 @@ def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
     # --resume auto starts afresh in the next run directory, leaving run 0 as it was
     resumed = run_dir(killed, ws=2, run="0" if checkpoint.list_checkpoints(ckpts) else "1")
     codes, outs = launch_ranks(tmp_path, args + ["--expdir", killed, "--checkpoint_every",
-                                                     "1", "--resume", "auto"])
+                                                 "1", "--resume", "auto"])
     assert codes == [0, 0], outs
     assert f"Run directory: {resumed}\n" in outs[0][0] + outs[0][1], outs[0]
     assert_same_state(saved(ckpt(resumed, 8)), a, f"resumed after kill -9 {written}")

@@ -230,7 +230,7 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data, rounds_f
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
                        "--num_data_workers", "0"]
     out, _, dirs, final = stop_resume_ranks(tmp_path, args, 6, 12, SIGNAL_AT_STEP="3",
-                                             SIGNAL_RANK="1", ROUNDS_FROM=rounds_from)
+                                            SIGNAL_RANK="1", ROUNDS_FROM=rounds_from)
     assert ("stop agreement: 1 rounds" in out) == bool(rounds_from), out[-2000:]
     assert final["rng"] != [] and len(final["rng"]) == 2
     ref_tb, got_tb = (tb_scalars(os.path.join(d, "tensorboard")) for d in dirs)
@@ -266,7 +266,7 @@ def test_batches_fetched_further_ahead_still_stop_both_ranks_after_one_step(tmp_
     args = TINY_VIT + ["--data_root", data, "--num_iters", "36", "--dropout", "0.1",
                        "--num_data_workers", str(workers)]
     out, _, _, _ = stop_resume_ranks(tmp_path, args, 26, 36, SIGNAL_AT_STEP="22",
-                                      SIGNAL_RANK="1", RING_S="0.3")
+                                     SIGNAL_RANK="1", RING_S="0.3")
     assert "each batch is now fetched 2 steps ahead of its step" in out, out
 
 
