@@ -24,8 +24,12 @@ NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ERROR_HANDLING_GIVEN = NCCL_ERROR_HANDLING in os.environ
 os.environ.setdefault(NCCL_ERROR_HANDLING, "0")
 
-from train import DEFAULT_YAML, Trainer, run  # noqa: E402
 from settings.cli import from_argv  # noqa: E402
+
+if __name__ == "__main__":  # bad settings and --help are answered before torch loads
+    COMMAND_LINE_CONFIG = from_argv(sys.argv[1:], prog="train_graph.py")
+
+from train import Trainer, run  # noqa: E402
 from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture  # noqa: E402
 from observe.memory import NullProbe  # noqa: E402
 
@@ -67,4 +71,4 @@ class GraphTrainer(Trainer):
 
 
 if __name__ == "__main__":
-    run(from_argv(sys.argv[1:], DEFAULT_YAML), GraphTrainer)
+    run(COMMAND_LINE_CONFIG, GraphTrainer)

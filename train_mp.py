@@ -15,12 +15,12 @@ import sys
 
 from settings.cli import from_argv
 from settings.errors import refuse
-from tasks import make_task
-from train import DEFAULT_YAML, run
 
 
 def main(argv):
-    cfg = from_argv(argv, DEFAULT_YAML, prog="train_mp.py")
+    cfg = from_argv(argv, prog="train_mp.py")  # bad settings and --help: before torch loads
+    from tasks import make_task
+    from train import run
     if not make_task(cfg).shards_model:
         refuse(f"train_mp.py shards the ViT; config '{cfg.name}' is a {cfg.model} config: use "
                f"train.py for it (data parallel)")

@@ -36,7 +36,7 @@ from settings.cli import from_argv
 if sys.argv[1] == "first-fetch":
     Loaders.begin_training_pass = lambda self, epoch, first=0: \\
         self.train_sampler.set_epoch(epoch, first)
-train.run(from_argv(sys.argv[2:], train.DEFAULT_YAML))
+train.run(from_argv(sys.argv[2:]))
 """
 
 START = re.compile(r"Start: ([\d.]+) s to the end of the first step")

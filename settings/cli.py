@@ -9,6 +9,7 @@ and its description, wrapped to 100 columns.
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 import typing
 
@@ -18,6 +19,8 @@ from settings.parse import (FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES, build_
 from settings.errors import ConfigError, refuse
 
 WIDTH = 100
+DEFAULT_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config",
+                            "ViT.yaml")  # the entry scripts' --yaml_config when none is given
 
 
 def _groups(cls) -> dict:
@@ -109,7 +112,7 @@ def usage(prog: str, yaml_path: str, cfg: Config) -> str:
     return "\n".join(head) + "\n" + settings_help(cfg)
 
 
-def from_argv(argv: list[str], default_yaml: str, default_name: str = "quickstart",
+def from_argv(argv: list[str], default_yaml: str = DEFAULT_YAML, default_name: str = "quickstart",
               prog: str = "train.py") -> Config:
     """Parse entry-script arguments; configuration errors exit with status 2 and one message."""
     if "-h" in argv or "--help" in argv:

@@ -648,8 +648,7 @@ def test_a_failed_run_through_train_py_says_one_line(tmp_path, capsys):
             "--data_root", root, "--num_data_workers", "2", "--checkpoint_every", "0"]
     before = shm_names()
     children = set(multiprocessing.active_children())
-    train.run(from_argv(args + ["--num_iters", "6", "--expdir", str(tmp_path / "ok")],
-                        train.DEFAULT_YAML))
+    train.run(from_argv(args + ["--num_iters", "6", "--expdir", str(tmp_path / "ok")]))
     assert set(multiprocessing.active_children()) <= children and shm_names() <= before
 
     class Killing(train.Trainer):
@@ -660,8 +659,8 @@ def test_a_failed_run_through_train_py_says_one_line(tmp_path, capsys):
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        train.run(from_argv(args + ["--num_iters", "30", "--expdir", str(tmp_path / "bad")],
-                            train.DEFAULT_YAML), trainer_cls=Killing)
+        train.run(from_argv(args + ["--num_iters", "30", "--expdir", str(tmp_path / "bad")]),
+                  trainer_cls=Killing)
     err = capsys.readouterr().err
     assert e.value.code == 1
     assert err.strip().splitlines()[-1].startswith("error: data loader worker 0 (pid "), err

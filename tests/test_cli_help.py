@@ -84,3 +84,27 @@ def test_every_option_of_every_tool_has_a_description(module, monkeypatch):
         importlib.import_module(module).main(["--help"])
     assert e.value.code == 0
     assert not missing, f"{module}: options without help: {missing}"
+
+
+TORCH_LOADED = """import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print("torch loaded:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("script", ["train.py", "train_mp.py", "train_graph.py"])
+@pytest.mark.parametrize("args,code", [(["--lr", "fast"], 2), (["--help"], 0)])
+def test_bad_settings_and_help_are_answered_before_torch_loads(script, args, code):
+    """A mistyped setting or --help costs a fraction of a second, not the seconds torch and the
+    engine take to load; every rank of a job answers it the same way."""
+    r = subprocess.run([sys.executable, "-c", TORCH_LOADED, script, *args], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == code, r.stderr
+    assert r.stderr.endswith("torch loaded: False\n"), r.stderr
+    if code:
+        assert r.stderr.startswith("error: lr='fast' is not a number") and r.stderr.count("\n") == 2
+    else:
+        assert script in r.stdout.splitlines()[0], r.stdout[:300]

@@ -55,7 +55,7 @@ class Held(train.Trainer):
         super().fit()
 
 
-cfg = from_argv(sys.argv[1:], train.DEFAULT_YAML)
+cfg = from_argv(sys.argv[1:])
 gate = os.open(os.environ["GATE"], os.O_RDONLY)
 open(os.path.join(os.environ["READY"], str(os.getpid())), "w").close()
 fcntl.flock(gate, fcntl.LOCK_SH)  # waits until the test lets every process go at once

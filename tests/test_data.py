@@ -469,12 +469,12 @@ def test_a_finished_run_ends_its_loader_workers(tmp_path, era5_root):
     could cost torch's 5 s join timeout per worker)."""
     import multiprocessing
 
-    from train import DEFAULT_YAML, run
+    from train import run
     from settings.cli import from_argv
 
     before = set(multiprocessing.active_children())
     run(from_argv(["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth",
                    "1", "--num_heads", "2", "--global_batch_size", "4", "--data_root", era5_root,
                    "--synthesize_if_missing", "false", "--expdir", str(tmp_path),
-                   "--num_iters", "2", "--num_data_workers", "2"], DEFAULT_YAML))
+                   "--num_iters", "2", "--num_data_workers", "2"]))
     assert set(multiprocessing.active_children()) <= before

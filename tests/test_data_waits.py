@@ -86,7 +86,7 @@ from settings.cli import from_argv
 from test_data_waits import register_stall
 
 register_stall()
-train.run(from_argv(sys.argv[1:], train.DEFAULT_YAML))
+train.run(from_argv(sys.argv[1:]))
 """
 
 
@@ -591,7 +591,7 @@ def read_batch(self, keys, x, y):  # rank 1's first validation read blocks forev
     return read(self, keys, x, y)
 
 era5.ERA5Dataset.read_batch = read_batch
-train.run(from_argv(sys.argv[1:], train.DEFAULT_YAML))
+train.run(from_argv(sys.argv[1:]))
 """
 
 

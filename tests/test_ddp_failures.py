@@ -30,7 +30,7 @@ class Failing(Trainer):
             time.sleep(600)
         return super().train_step(*args, **kwargs)
 
-train.run(from_argv(sys.argv[1:], train.DEFAULT_YAML), trainer_cls=Failing)
+train.run(from_argv(sys.argv[1:]), trainer_cls=Failing)
 """
 
 TINY = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",

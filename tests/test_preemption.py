@@ -80,7 +80,7 @@ class Signalled(train.Trainer):
                 self.loaders.valid = loader
         return super().validate()
 
-train.run(from_argv(sys.argv[1:], train.DEFAULT_YAML), trainer_cls=Signalled)
+train.run(from_argv(sys.argv[1:]), trainer_cls=Signalled)
 """
 
 

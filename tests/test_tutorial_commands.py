@@ -17,7 +17,6 @@ import sys
 import pytest
 
 from conftest import ROOT, write_cosmo_pair, write_era5
-from train import DEFAULT_YAML
 from settings.cli import from_argv
 
 SECTION = "## Coming from the tutorial"
@@ -73,7 +72,7 @@ def split(command: str):
 
 
 def parse(script, args):
-    return from_argv(args, DEFAULT_YAML, prog=script)
+    return from_argv(args, prog=script)
 
 
 @pytest.mark.parametrize("command,differs", ROWS, ids=[c[:70] for c, _ in ROWS])
