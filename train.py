@@ -499,16 +499,17 @@ class Trainer:
                 if interrupted:
                     break
             if batch is None:  # no batch for this forward: the stand-in's, results dropped
-                x = stand_in[:size] if size else stand_in
+                x = self.full_batch(stand_in[:size] if size else stand_in)
                 with self.autocast(), self.kernels():
                     self.sharding.whole_output(self.wrapped_model(
                         self.sharding.local_batch(x, x)[0]))
                 continue
             x, y = self.to_device(*batch)
             stand_in = x if stand_in is None else stand_in
+            xs = self.full_batch(x)
             with self.autocast(), self.kernels():
-                pred = self.wrapped_model(self.sharding.local_batch(x, y)[0])
-            pred = self.sharding.whole_output(pred)
+                pred = self.wrapped_model(self.sharding.local_batch(xs, xs)[0])
+            pred = self.sharding.whole_output(pred)[:y.shape[0]]
             metrics = self.task.metric_sums(pred, y).float()
             m = metrics.numel()
             if sums is None:  # [loss, count, metrics..., baseline loss, baseline metrics...]
@@ -548,6 +549,16 @@ class Trainer:
         return {"loss": loss, "metrics": sums[2:2 + m] / count, "picture": picture,
                 "count": int(count), "baseline_loss": self._baseline[0],
                 "baseline_metrics": self._baseline[1]}
+
+    def full_batch(self, x):
+        """A compiled model's validation batch filled up to the local batch with copies of its
+        first sample, whose outputs are then dropped: the smaller last batch of a pass runs the
+        graph compiled for the others instead of compiling one for a batch of any size (dynamo's
+        response to a second batch size). Eager models take the batch as it is."""
+        if not self.cfg.enable_jit or x.shape[0] == self.rt.local_batch:
+            return x
+        fill = torch.zeros(self.rt.local_batch - x.shape[0], dtype=torch.long, device=x.device)
+        return x[torch.cat([torch.arange(x.shape[0], device=x.device), fill])]  # keeps its layout
 
     def log_skill(self):
         """After an epoch's validation, the model's skill as its science scores it, where the

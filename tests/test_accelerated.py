@@ -38,6 +38,22 @@ def test_compiled_model_trains_like_eager(era5_root, tmp_path):
 
 
 @pytest.mark.compile
+def test_a_compiled_validation_runs_one_graph_for_its_smaller_last_batch(era5_root, tmp_path):
+    """11 validation samples in batches of 4, 4 and 3: the last one filled up to 4 runs the
+    graph compiled for the others (no second compile for a batch of any size), and its metrics
+    are those of its 3 samples."""
+    from torch._dynamo.utils import counters
+    _, eager = losses_after(era5_root, tmp_path / "a", steps=1)
+    _, tr = losses_after(era5_root, tmp_path / "b", steps=1, enable_jit="true")
+    graphs = counters["stats"]["unique_graphs"]
+    got, want = tr.validate(), eager.validate()
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # the eval graph, once
+    assert got["count"] == want["count"] == 11
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    assert got["metrics"] == pytest.approx(want["metrics"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.compile
 def test_compiled_blocks_train_like_eager_with_one_graph_for_all(era5_root, tmp_path):
     """compile_blocks: each transformer block compiled in place (the model is not wrapped, its
     parameters keep their names), one graph serving both blocks, the losses eager's."""
