@@ -29,8 +29,8 @@ from settings.cli import from_argv
 if __name__ == "__main__":  # bad settings and --help are answered before torch loads (in 0.2 s)
     COMMAND_LINE_CONFIG = from_argv(sys.argv[1:])
 
-import torch  # noqa: E402 - the imports from here on load torch and the engine
-import torch.distributed as dist  # noqa: E402
+import torch  # from here on: torch and the engine (seconds to load)
+import torch.distributed as dist
 
 from datapipe.data_loader import build_loaders, validation_batch_sizes
 from engine import checkpoint, throughput_report
