@@ -99,7 +99,7 @@ finally:
 @pytest.mark.parametrize("args,code", [(["--lr", "fast"], 2), (["--help"], 0)])
 def test_bad_settings_and_help_are_answered_before_torch_loads(script, args, code):
     """A mistyped setting or --help costs a fraction of a second, not the seconds torch and the
-    engine take to load; every rank of a job answers it the same way."""
+    engine take to load."""
     r = subprocess.run([sys.executable, "-c", TORCH_LOADED, script, *args], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == code, r.stderr
