@@ -24,14 +24,14 @@ NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ERROR_HANDLING_GIVEN = NCCL_ERROR_HANDLING in os.environ
 os.environ.setdefault(NCCL_ERROR_HANDLING, "0")
 
-from settings.cli import from_argv  # noqa: E402
+from settings.cli import from_argv
 
 if __name__ == "__main__":  # bad settings and --help are answered before torch loads
     COMMAND_LINE_CONFIG = from_argv(sys.argv[1:], prog="train_graph.py")
 
-from train import Trainer, run  # noqa: E402
-from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture  # noqa: E402
-from observe.memory import NullProbe  # noqa: E402
+from train import Trainer, run
+from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture
+from observe.memory import NullProbe
 
 log = logging.getLogger("train")
 
