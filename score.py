@@ -29,21 +29,9 @@ import os
 import shutil
 import sys
 
-import torch
-import torch.distributed as dist
-import yaml
+from settings.errors import ConfigError, OneLineParser, UserError, print_error, refuse
 
-from engine import checkpoint
-from engine.runtime import _env_int, check_amp, choose_device
-from observe.logging_utils import setup_logging
-from observe.score_report import check_matplotlib, write_report
-from settings.config import CONFIG_CLASSES, check_writable_dir, validate
-from settings.errors import ConfigError, OneLineParser, UserError, print_error
-from settings.parse import build_config, yaml_problem
-from tasks import make_task
-
-log = logging.getLogger("score")
-AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+AMP_MODES = ("none", "fp16", "bf16")
 # The options only one model's scoring reads (their defaults None), and the model's name: given
 # for the other model's run they would do nothing, so they are refused instead.
 MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init")), "unet": ("U-Net", ("tile", "halo"))}
@@ -94,9 +82,39 @@ def parser() -> argparse.ArgumentParser:
                    help="read the data from here instead of the run's data_root")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="where the model runs (default: the run's device setting)")
-    p.add_argument("--amp_mode", choices=tuple(AMP), default=None,
+    p.add_argument("--amp_mode", choices=AMP_MODES, default=None,
                    help="mixed precision of the forward passes (default: the run's amp_mode)")
     return p
+
+
+def read_command_line(argv) -> argparse.Namespace:
+    """The options, refused in one line where they are wrong without reading the checkpoint:
+    before torch and the engine load, when run as a script (a fraction of a second)."""
+    args = parser().parse_args(argv)
+    if not os.path.exists(args.run):
+        refuse(f"--run {args.run}: no such run directory or checkpoint: give a run directory "
+               f"(<expdir>/<config>/<world size>/<run>) or a checkpoint (ckpt_<step>.pt or "
+               f"ckpt_<step>.dcp)")
+    return args
+
+
+if __name__ == "__main__":  # bad options and --help are answered before torch loads
+    COMMAND_LINE = read_command_line(sys.argv[1:])
+
+import torch  # from here on: torch and the engine (seconds to load)
+import torch.distributed as dist
+import yaml
+
+from engine import checkpoint
+from engine.runtime import _env_int, check_amp, choose_device
+from observe.logging_utils import setup_logging
+from observe.score_report import check_matplotlib, write_report
+from settings.config import CONFIG_CLASSES, check_writable_dir, validate
+from settings.parse import build_config, yaml_problem
+from tasks import make_task
+
+log = logging.getLogger("score")
+AMP = dict(zip(AMP_MODES, (None, torch.float16, torch.bfloat16)))
 
 
 # ----------------------------------------------------------------------------- the input
@@ -104,11 +122,8 @@ def parser() -> argparse.ArgumentParser:
 
 def find_checkpoint(path: str) -> tuple[dict, str, str]:
     """(checkpoint state, its path, the run directory) for ``--run``: a run directory (its
-    newest loadable checkpoint) or a checkpoint file or DCP directory."""
-    if not os.path.exists(path):
-        raise ConfigError(f"--run {path}: no such run directory or checkpoint: give a run "
-                          f"directory (<expdir>/<config>/<world size>/<run>) or a checkpoint "
-                          f"(ckpt_<step>.pt or ckpt_<step>.dcp)")
+    newest loadable checkpoint) or a checkpoint file or DCP directory (read_command_line
+    checked that it exists)."""
     if os.path.isdir(path) and not checkpoint.is_sharded(path):
         run_dir, folder = path, os.path.join(path, "checkpoints")
         inside = os.path.abspath(path)
@@ -342,8 +357,9 @@ def _score(args, rank: int, world: int, local_rank: int) -> str | None:
     return out
 
 
-def main(argv=None):
-    args = parser().parse_args(argv)
+def main(argv=None, args=None):
+    """Score as the command line ``argv`` says (or its ``args``, already read)."""
+    args = args if args is not None else read_command_line(argv)
     rank = 0
     with contextlib.suppress(UserError):  # a bad RANK or WORLD_SIZE is refused in score()
         rank = ranks()[0]
@@ -357,4 +373,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(args=COMMAND_LINE)

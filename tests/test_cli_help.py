@@ -95,16 +95,21 @@ finally:
 """
 
 
-@pytest.mark.parametrize("script", ["train.py", "train_mp.py", "train_graph.py"])
-@pytest.mark.parametrize("args,code", [(["--lr", "fast"], 2), (["--help"], 0)])
-def test_bad_settings_and_help_are_answered_before_torch_loads(script, args, code):
+BAD_SETTING = (["--lr", "fast"], "error: lr='fast' is not a number")
+BAD_OPTION = {"score.py": (["--run", "nowhere"], "error: --run nowhere: no such run directory")}
+
+
+@pytest.mark.parametrize("script", ["train.py", "train_mp.py", "train_graph.py", "score.py"])
+@pytest.mark.parametrize("wrong", [True, False], ids=["bad", "help"])
+def test_bad_settings_and_help_are_answered_before_torch_loads(script, wrong):
     """A mistyped setting or --help costs a fraction of a second, not the seconds torch and the
     engine take to load."""
+    args, message = BAD_OPTION.get(script, BAD_SETTING) if wrong else (["--help"], None)
     r = subprocess.run([sys.executable, "-c", TORCH_LOADED, script, *args], cwd=ROOT,
                        capture_output=True, text=True)
-    assert r.returncode == code, r.stderr
+    assert r.returncode == (2 if wrong else 0), r.stderr
     assert r.stderr.endswith("torch loaded: False\n"), r.stderr
-    if code:
-        assert r.stderr.startswith("error: lr='fast' is not a number") and r.stderr.count("\n") == 2
+    if wrong:
+        assert r.stderr.startswith(message) and r.stderr.count("\n") == 2, r.stderr
     else:
         assert script in r.stdout.splitlines()[0], r.stdout[:300]
