@@ -66,7 +66,8 @@ TOOLS = ["datapipe.synthetic", "benchmarks.throughput", "benchmarks.band_reads",
          "benchmarks.memory_model", "benchmarks.mp_memory", "benchmarks.scaling",
          "benchmarks.example_runs", "benchmarks.gpu_runs", "benchmarks.gpu_data", "benchmarks.era5_reads",
          "benchmarks.generated_batches", "benchmarks.stop_agreement",
-         "benchmarks.checkpoint_memory", "benchmarks.fsdp_accumulation", "score", "benchmarks.score_speed"]
+         "benchmarks.checkpoint_memory", "benchmarks.fsdp_accumulation", "score", "benchmarks.score_speed",
+         "benchmarks.time_to_answer"]
 
 
 @pytest.mark.parametrize("module", TOOLS)
