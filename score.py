@@ -87,14 +87,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_not_found(path: str) -> ConfigError | None:
+    """The refusal of a ``--run`` that does not exist; None when it does."""
+    if os.path.exists(path):
+        return None
+    return ConfigError(f"--run {path}: no such run directory or checkpoint: give a run directory "
+                       f"(<expdir>/<config>/<world size>/<run>) or a checkpoint (ckpt_<step>.pt or "
+                       f"ckpt_<step>.dcp)")
+
+
 def read_command_line(argv) -> argparse.Namespace:
     """The options, refused in one line where they are wrong without reading the checkpoint:
-    before torch and the engine load, when run as a script (a fraction of a second)."""
+    before torch and the engine load, when run as a script (a fraction of a second). A ``--run``
+    that does not exist is refused here only in a single process: ranks of a job refuse it
+    together after joining (``agree``), since a path may exist on some nodes and not others."""
     args = parser().parse_args(argv)
-    if not os.path.exists(args.run):
-        refuse(f"--run {args.run}: no such run directory or checkpoint: give a run directory "
-               f"(<expdir>/<config>/<world size>/<run>) or a checkpoint (ckpt_<step>.pt or "
-               f"ckpt_<step>.dcp)")
+    error = run_not_found(args.run) if os.environ.get("WORLD_SIZE", "1") == "1" else None
+    if error is not None:
+        refuse(str(error))
     return args
 
 
@@ -122,8 +132,10 @@ AMP = dict(zip(AMP_MODES, (None, torch.float16, torch.bfloat16)))
 
 def find_checkpoint(path: str) -> tuple[dict, str, str]:
     """(checkpoint state, its path, the run directory) for ``--run``: a run directory (its
-    newest loadable checkpoint) or a checkpoint file or DCP directory (read_command_line
-    checked that it exists)."""
+    newest loadable checkpoint) or a checkpoint file or DCP directory."""
+    error = run_not_found(path)
+    if error is not None:
+        raise error
     if os.path.isdir(path) and not checkpoint.is_sharded(path):
         run_dir, folder = path, os.path.join(path, "checkpoints")
         inside = os.path.abspath(path)

@@ -623,3 +623,19 @@ def test_a_damaged_config_yaml_is_named_with_the_fix(vit_run, tmp_path, capsys):
                 assert err.endswith("restore it, or move it out of the run directory to score "
                                     "with the config saved in the checkpoint\n"), err
     assert not (tmp_path / "s").exists()
+
+
+def test_one_process_refuses_a_missing_run_at_once_and_ranks_refuse_it_together(tmp_path,
+                                                                               monkeypatch):
+    """One process refuses a --run that does not exist while reading its options; the ranks of a
+    job leave it to the check they agree on after joining (the path may exist on some nodes)."""
+    import score as score_command
+    missing = str(tmp_path / "missing")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        score_command.read_command_line(["--run", missing])
+    assert e.value.code == 2
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert score_command.read_command_line(["--run", missing]).run == missing
+    with pytest.raises(score_command.ConfigError, match="no such run directory"):
+        score_command.find_checkpoint(missing)
