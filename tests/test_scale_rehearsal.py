@@ -26,7 +26,8 @@ seen): between log points a step makes one non-blocking call on the host group (
 proposal) with a loader that may wait, none with one that never waits, and no blocking one.
 Run at 8 ranks here and at 2 below.
 
-``SCALE_REHEARSAL=long`` adds a 16-rank spawn of the same scenarios (minutes on 2 cores).
+``SCALE_REHEARSAL=long`` adds a 16-rank spawn of the same scenarios (minutes on 2 cores);
+``SCALE_REHEARSAL=32`` (or ``16,32``) spawns of those rank counts.
 """
 import os
 import signal
@@ -70,6 +71,8 @@ def _scaled(kw: dict, world: int) -> dict:
     kw = dict(kw)
     if world != 8:
         kw["global_batch_size"] = kw["global_batch_size"] * world // 8
+        if "Nsamples" in kw:  # as many steps per epoch as at 8 ranks
+            kw["Nsamples"] = kw["Nsamples"] * world // 8
         for key in ("limit_nsamples_val", "Nsamples_val"):
             if key in kw:  # a step's worth and one more: one rank has a second batch
                 kw[key] = kw["global_batch_size"] + 1
@@ -204,14 +207,26 @@ def rank_all(era5, cosmo, exp, world):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     base = tmp_path_factory.mktemp("rehearsal")
-    era5 = write_era5(str(base / "era5"), steps=40)
+    # Two years of training pairs: every step of a scenario in its first epoch, so that steps 1
+    # and 2 are steady steps at the largest spawn too (4 steps of 32 samples at 32 ranks).
+    era5 = write_era5(str(base / "era5"), steps=max(40, 2 * max(WORLDS) + 2))
     cosmo = base / "cosmo"
     write_cosmo(str(cosmo / "train.h5"), side=32, seed=0)
     write_cosmo(str(cosmo / "valid.h5"), side=32, seed=1)
     return dict(era5=era5, cosmo=str(cosmo), base=base)
 
 
-WORLDS = [8, 16] if os.environ.get("SCALE_REHEARSAL") == "long" else [8]
+def _worlds(value: str) -> list[int]:
+    """The spawns' rank counts from ``SCALE_REHEARSAL``: 8 alone when unset; ``long`` adds 16;
+    a list of multiples of 8 (``32``, ``16,32``) adds those."""
+    extra = [16] if value == "long" else [int(v) for v in value.split(",") if v.strip()]
+    if any(w < 8 or w % 8 for w in extra):
+        raise ValueError(f"SCALE_REHEARSAL={value!r}: give long, or rank counts that are "
+                         f"multiples of 8 (e.g. 16,32)")
+    return [8] + [w for w in extra if w != 8]
+
+
+WORLDS = _worlds(os.environ.get("SCALE_REHEARSAL", ""))
 
 
 @pytest.fixture(scope="module", params=WORLDS)
