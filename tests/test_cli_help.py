@@ -103,8 +103,8 @@ BAD_OPTION = {"score.py": (["--run", "nowhere"], "error: --run nowhere: no such 
 @pytest.mark.parametrize("script", ["train.py", "train_mp.py", "train_graph.py", "score.py"])
 @pytest.mark.parametrize("wrong", [True, False], ids=["bad", "help"])
 def test_bad_settings_and_help_are_answered_before_torch_loads(script, wrong):
-    """A mistyped setting or --help costs a fraction of a second, not the seconds torch and the
-    engine take to load."""
+    """A mistyped setting (score.py: a --run that does not exist) or --help costs a fraction of a
+    second, not the seconds torch and the engine take to load."""
     args, message = BAD_OPTION.get(script, BAD_SETTING) if wrong else (["--help"], None)
     r = subprocess.run([sys.executable, "-c", TORCH_LOADED, script, *args], cwd=ROOT,
                        capture_output=True, text=True)

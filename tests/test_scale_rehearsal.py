@@ -219,7 +219,10 @@ def data(tmp_path_factory):
 def _worlds(value: str) -> list[int]:
     """The spawns' rank counts from ``SCALE_REHEARSAL``: 8 alone when unset; ``long`` adds 16;
     a list of multiples of 8 (``32``, ``16,32``) adds those."""
-    extra = [16] if value == "long" else [int(v) for v in value.split(",") if v.strip()]
+    try:
+        extra = [16] if value == "long" else [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        extra = [0]  # refused below
     if any(w < 8 or w % 8 for w in extra):
         raise ValueError(f"SCALE_REHEARSAL={value!r}: give long, or rank counts that are "
                          f"multiples of 8 (e.g. 16,32)")
