@@ -28,10 +28,12 @@ import logging
 import os
 import shutil
 import sys
+import typing
 
+from settings.config import Config, field_types
 from settings.errors import ConfigError, OneLineParser, UserError, print_error, refuse
 
-AMP_MODES = ("none", "fp16", "bf16")
+CHOICES = {k: typing.get_args(field_types(Config)[k]) for k in ("device", "amp_mode")}
 # The options only one model's scoring reads (their defaults None), and the model's name: given
 # for the other model's run they would do nothing, so they are refused instead.
 MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init")), "unet": ("U-Net", ("tile", "halo"))}
@@ -80,9 +82,9 @@ def parser() -> argparse.ArgumentParser:
                         "of 2^levels")
     p.add_argument("--data_root", default=None,
                    help="read the data from here instead of the run's data_root")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+    p.add_argument("--device", choices=CHOICES["device"], default=None,
                    help="where the model runs (default: the run's device setting)")
-    p.add_argument("--amp_mode", choices=AMP_MODES, default=None,
+    p.add_argument("--amp_mode", choices=CHOICES["amp_mode"], default=None,
                    help="mixed precision of the forward passes (default: the run's amp_mode)")
     return p
 
@@ -124,7 +126,7 @@ from settings.parse import build_config, yaml_problem
 from tasks import make_task
 
 log = logging.getLogger("score")
-AMP = dict(zip(AMP_MODES, (None, torch.float16, torch.bfloat16)))
+AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------- the input
