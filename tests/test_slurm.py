@@ -8,6 +8,7 @@ test runs (it fails rather than skips when CI is set and it cannot).
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -127,20 +128,51 @@ def test_export_parser_matches_scontrol(cluster):
         assert r.stdout.split()[3] == real, nodelist
 
 
-FINAL_STATES = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+def job_ranks(job_id, script="train.py"):
+    """The pids of a job's rank processes and their loader workers: the interpreter running
+    ``script`` with the job's SLURM_JOB_ID (not srun, which has ``script`` among its own
+    arguments)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in env and argv[:2] == [os.fsencode(sys.executable),
+                                                                      os.fsencode(script)]:
+            pids.append(int(pid))
+    return pids
+
+
+def wait_for_output(path, pattern, job_id, timeout):
+    """The output file's text once ``pattern`` is in it; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if re.search(pattern, text, re.M):
+            return text
+        state = job_state(job_id)[0]
+        assert state not in TERMINAL, f"job ended ({state}) before {pattern!r}:\n{text[-4000:]}"
+        time.sleep(0.05)
+    pytest.fail(f"no {pattern!r} in {path} within {timeout} s")
 
 
 def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_path):
     """A job with a 1-minute limit and the warning signal 50 s before it: the ranks checkpoint
     and exit 3, the job requeues itself and the requeued job resumes (--resume auto) to the
-    weights and losses of an uninterrupted job."""
+    weights and losses of an uninterrupted job.
+
+    Slurm checks time limits every 30 s, so the warning comes 10 to 40 s into the job, and the
+    run must still be training then, on any machine. The test holds the ranks (SIGSTOP) once
+    they train, until the job's script has the warning, and lets them go on (SIGCONT): the
+    warning then reaches ranks in the middle of a run, whatever the machine's speed, and the
+    run can be short."""
     era5 = write_era5(str(tmp_path / "era5"), years={"train": [2016, 2017], "valid": [2018]},
                       steps=40)
-    # Slurm checks time limits every 30 s, so the warning comes 10 to 40 s into the job; the
-    # run must still be training then on a fast machine. 19 steps per epoch; 240 epochs (4560
-    # steps) is 4x a run that once ended 14 s into its job, before the warning came.
-    epochs = 240
+    epochs = 30  # 19 steps per epoch
     steps = 19 * epochs
     args = ["--data_root", era5, "--img_size", "[16,32]", "--patch_size", "4", "--embed_dim",
             "32", "--depth", "1", "--num_heads", "2", "--global_batch_size", "4",
@@ -155,6 +187,18 @@ def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_p
         assert r.returncode == 0, r.stderr
         jobs[name] = r.stdout.strip().split(";")[0]
     limited = jobs["limited"]
+    out_file = tmp_path / f"limited-{limited}.out"
+    wait_for_output(out_file, r"Epoch \d+ step |Epoch \d+: ", limited, timeout=120)  # training
+    held = job_ranks(limited)
+    assert len(held) >= 2, held  # 2 ranks (and their loader workers)
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        text = wait_for_output(out_file, r"USR1 \(time limit near\)", limited, timeout=90)
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+    assert f"Done: {steps} steps" not in text  # held before the run's end
     # Slurm holds a requeued job for about 2 minutes (its credential's lifetime); the test
     # starts it after 3 s (a credential from the same second as the requeue counts as revoked)
     # and with a longer limit, so that it runs to its end this time.
@@ -169,10 +213,10 @@ def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_p
         # The requeue passes through COMPLETING (and may show REQUEUED); a final state here means
         # the job ended without requeueing itself.
         state = re.search(r"JobState=(\S+)", out).group(1)
-        assert state not in FINAL_STATES, out
+        assert state not in TERMINAL, out
         time.sleep(1)
     states = wait(list(jobs.values()), timeout=600)
-    text = (tmp_path / f"limited-{limited}.out").read_text()  # both runs: --open-mode=append
+    text = out_file.read_text()  # both runs: --open-mode=append
     assert states[limited] == ("COMPLETED", "0:0"), f"{states[limited]}\n{text[-4000:]}"
     assert states[jobs["ref"]] == ("COMPLETED", "0:0")
     assert "USR1 (time limit near)" in text and "requeueing (restart 1)" in text, text[-4000:]
