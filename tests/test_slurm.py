@@ -147,6 +147,15 @@ def job_ranks(job_id, script="train.py"):
     return pids
 
 
+def send(pid, sig):
+    """Whether ``sig`` reached ``pid`` (a loader worker may have ended since it was listed)."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def wait_for_output(path, pattern, job_id, timeout):
     """The output file's text once ``pattern`` is in it; fails if the job ends first."""
     deadline = time.monotonic() + timeout
@@ -189,15 +198,13 @@ def test_time_limit_stops_requeues_and_resumes_to_the_same_result(cluster, tmp_p
     limited = jobs["limited"]
     out_file = tmp_path / f"limited-{limited}.out"
     wait_for_output(out_file, r"Epoch \d+ step |Epoch \d+: ", limited, timeout=120)  # training
-    held = job_ranks(limited)
-    assert len(held) >= 2, held  # 2 ranks (and their loader workers)
-    for pid in held:
-        os.kill(pid, signal.SIGSTOP)
+    held = [pid for pid in job_ranks(limited) if send(pid, signal.SIGSTOP)]
     try:
+        assert len(held) >= 2, held  # 2 ranks (and their loader workers)
         text = wait_for_output(out_file, r"USR1 \(time limit near\)", limited, timeout=90)
     finally:
         for pid in held:
-            os.kill(pid, signal.SIGCONT)
+            send(pid, signal.SIGCONT)
     assert f"Done: {steps} steps" not in text  # held before the run's end
     # Slurm holds a requeued job for about 2 minutes (its credential's lifetime); the test
     # starts it after 3 s (a credential from the same second as the requeue counts as revoked)
