@@ -118,7 +118,7 @@ import torch.distributed as dist
 import yaml
 
 from engine import checkpoint
-from engine.runtime import _env_int, check_amp, choose_device
+from engine.runtime import AMP_DTYPES, _env_int, check_amp, choose_device
 from observe.logging_utils import setup_logging
 from observe.score_report import check_matplotlib, write_report
 from settings.config import CONFIG_CLASSES, check_writable_dir, validate
@@ -126,7 +126,6 @@ from settings.parse import build_config, yaml_problem
 from tasks import make_task
 
 log = logging.getLogger("score")
-AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------- the input
@@ -243,7 +242,7 @@ def output_dir(out: str | None, run_dir: str) -> str:
 def forward_context(task, device: torch.device, amp_mode: str):
     """A factory of the context the scoring forwards run in: autocast in ``amp_mode`` and the
     task's kernel choices, as in training."""
-    amp = AMP[amp_mode]
+    amp = AMP_DTYPES[amp_mode]
     kernels = task.forward_kernels(device, amp or torch.float32)
 
     def context():

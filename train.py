@@ -43,7 +43,7 @@ from engine.preemption import NeverStop, RunStopped, StopRequest
 from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_checkpoint,
                               log_run_header, release_run_locks, resolve_run_num, run_dir_for,
                               write_config)
-from engine.runtime import (Runtime, check_torch_version, describe_allocation_failure,
+from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.slow_paths import warn_slow_paths
 from engine.stop_agreement import StopAgreement
@@ -164,7 +164,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.peak_lr, cfg.end_lr,
                                          cfg.warmup_steps, self.total_steps)
         # Disabled AMP is a do-nothing autocast and a do-nothing scaler, not a branch.
-        amp = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp_mode]
+        amp = AMP_DTYPES[cfg.amp_mode]
         # (a captured step cannot reuse autocast's cached weight casts between replays)
         self.autocast = lambda: torch.autocast(self.device.type, dtype=amp or torch.float32,
                                                enabled=amp is not None,

@@ -50,7 +50,8 @@ sys.path.insert(0, ROOT)
 from datapipe import synthetic  # noqa: E402
 from engine.runtime import check_amp, choose_device  # noqa: E402
 from settings.parse import build_config  # noqa: E402
-from score import AMP, forward_context  # noqa: E402
+from engine.runtime import AMP_DTYPES  # noqa: E402
+from score import forward_context  # noqa: E402
 from tasks import forecast_skill, make_task  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
                    help="rounds of the three measurements; each rate is the best round (default 3)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
                    help="where the model runs (default cpu; auto: a GPU when there is one)")
-    p.add_argument("--amp_mode", choices=tuple(AMP), default="none",
+    p.add_argument("--amp_mode", choices=tuple(AMP_DTYPES), default="none",
                    help="mixed precision of the forward passes (default none: fp32)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch's intra-op threads on the CPU (default: torch's choice)")

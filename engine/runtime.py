@@ -151,6 +151,10 @@ def configure_cuda(cfg: Config, device: torch.device):
         torch.backends.cudnn.allow_tf32 = tf32
 
 
+# The compute dtype of each amp_mode (None: autocast off).
+AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def check_amp(cfg: Config, device: torch.device):
     if cfg.amp_mode == "fp16" and device.type != "cuda":
         raise ConfigError("amp_mode=fp16 needs a CUDA GPU (its gradient scaler and fast fp16 "
