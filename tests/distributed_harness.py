@@ -42,10 +42,9 @@ __all__ = ["run_ranks", "find_free_port", "RankError"]
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# What the server loads before it forks ranks: torch, the parts of it that an optimizer, DTensor
-# and distributed checkpoints load on first use, and the engine (through train.py).
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "torch.distributed.fsdp", "train")
+# What the server loads before it forks ranks: the engine through train.py, and with it torch and
+# every part of torch that the engine or an optimizer loads (dynamo, DTensor, DCP, FSDP).
+PRELOAD = ("train",)
 IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "PYTHON")
 _server_env = None  # the environment the server was started with
 
