@@ -16,11 +16,11 @@ set, one intra-op thread (``OMP_NUM_THREADS=1``; ranks share few cores) and the 
 group already initialised with the gloo backend. ``fn(*args)`` runs there; its return value is
 pickled back.
 
-Ranks are forked from a server process that has loaded torch and the engine once (the
-``forkserver`` start method with ``PRELOAD``): a rank starts in a fraction of a second, where a
-``spawn``-ed one spends seconds of CPU loading torch anew. Where the caller's environment differs
-from the server's in a variable that torch may read as it loads (``IMPORT_TIME_ENV``), the ranks
-are spawned instead, so that they load torch under the caller's environment.
+Ranks are forked from a server process that has loaded torch and the engine once
+(:mod:`preloaded`): a rank starts in a fraction of a second, where a ``spawn``-ed one spends
+seconds of CPU loading torch anew. Where the caller's environment differs from the server's in a
+variable that torch may read as it loads (``preloaded.IMPORT_TIME_ENV``), the ranks are spawned
+instead, so that they load torch under the caller's environment.
 
 If any rank raises, the remaining ranks are stopped and :class:`RankError` is raised in the
 caller with that rank's traceback. If the ranks do not finish within ``timeout`` seconds (a
@@ -38,34 +38,17 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
+import preloaded
+
 __all__ = ["run_ranks", "find_free_port", "RankError"]
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# What the server loads before it forks ranks: the engine through train.py, and with it torch and
-# every part of torch that the engine or an optimizer loads (dynamo, DTensor, DCP, FSDP).
-PRELOAD = ("train",)
-IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "PYTHON")
-_server_env = None  # the environment the server was started with
-
-
-def _import_time_env(env):
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
-
 
 def _context():
-    """The forkserver context, started on first use with ``PRELOAD`` under the environment of
-    that moment; the spawn context where the caller's import-time environment is not the
-    server's."""
-    global _server_env
-    if _server_env is None:
-        from multiprocessing import forkserver
-        forkserver.set_forkserver_preload(list(PRELOAD))
-        _server_env = dict(os.environ)
-        forkserver.ensure_running()
-    if _import_time_env(os.environ) != _import_time_env(_server_env):
-        return mp.get_context("spawn")
-    return mp.get_context("forkserver")
+    """The preloaded server's forkserver context; the spawn context where the caller's
+    import-time environment is not the server's."""
+    return preloaded.context() or mp.get_context("spawn")
 
 
 class RankError(RuntimeError):
