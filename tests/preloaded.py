@@ -11,24 +11,27 @@ once: a process starts in a fraction of a second.
             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 ``run`` and ``Popen`` take the arguments of ``subprocess.run`` and ``subprocess.Popen`` that the
-tests use (``cwd``, ``env``, ``stdout``/``stderr`` as ``PIPE``, ``DEVNULL``, ``STDOUT``, a file or
-None, ``text``, ``timeout``, ``start_new_session``) and give the same results. A forked process
-is, as a fresh ``python script.py args`` or ``python -m module args`` is: ``sys.argv``, the
-environment (the one passed, not the server's), the working directory, ``sys.path[0]`` (the
-script's directory, or the working directory for ``-m``), standard streams on the given files
-(buffered as a fresh interpreter buffers them, ``PYTHONUNBUFFERED`` included), ``__main__``,
-SIGINT's Python handler, the exit code (``sys.exit``'s, 1 after an uncaught exception with its
-traceback on stderr, minus the signal's number when killed), and at its end non-daemon threads
-joined, then ``atexit`` handlers, then the streams flushed.
+tests use (``cwd``, ``env``, ``stdout``/``stderr`` as ``PIPE``, ``DEVNULL``, ``STDOUT``, a file
+or None, ``text``, ``timeout``, ``start_new_session``) and give the same results. A forked process
+is what a fresh ``python script.py args`` or ``python -m module args`` is in: ``sys.argv``, the
+environment (the one passed, not the server's), the working directory, ``sys.path`` (the
+script's directory, or the working directory for ``-m``, first), the standard streams on the
+given files (buffered as a fresh interpreter buffers them, ``PYTHONUNBUFFERED`` included),
+``__main__`` (for ``-m`` the module runs anew even where the server had loaded it), the
+multiprocessing main process with the platform's start method and its own resource tracker,
+SIGINT's Python handler, the exit code (``sys.exit``'s; 1 after an uncaught exception, its
+traceback on stderr; minus the signal's number when a signal ended it), and its end: non-daemon
+threads joined, then ``atexit`` handlers, then the streams flushed.
 
-What differs: the modules of ``PRELOAD`` are already in ``sys.modules``, and the process is the
-server's child, not the caller's (its pid works with ``os.kill``, not ``os.waitpid``). So a test
-about what a fresh interpreter loads, or about its start-up, uses ``subprocess``. Where the
-environment differs from the server's in a variable that torch or Python reads as it loads
-(``IMPORT_TIME_ENV``), the command is not a plain script or ``-m`` run, or the interpreter is not
-this one, the functions start a fresh process with ``subprocess`` instead, so the result is the
-same either way. ``OMP_NUM_THREADS`` is the exception: where the server was started without it,
-the process applies it with ``torch.set_num_threads``, as torch does at load.
+What differs: the modules of ``PRELOAD`` are already in ``sys.modules`` (and warnings they gave as
+they loaded are not given again), and the process is the server's child, not the caller's (its
+pid works with ``os.kill`` and ``os.killpg``, not ``os.waitpid``). So a test about what a fresh
+interpreter loads, or about its start-up, uses ``subprocess``. A fresh process is started with
+``subprocess`` instead where the command is not a plain script or ``-m`` run of this
+interpreter, where ``preexec_fn`` is given, or where the environment differs from the server's in
+a variable that torch or Python reads as it loads (``IMPORT_TIME_ENV``): the result is the same
+either way, only slower. ``OMP_NUM_THREADS`` is the exception: where the server was started
+without it, the process applies it with ``torch.set_num_threads``, as torch does at load.
 
 Ranks of :func:`distributed_harness.run_ranks` fork from the same server.
 """
@@ -155,6 +158,7 @@ def _main(argv, env, cwd, fds, new_session, threads, path):
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in argv[0]
             sys.path[:] = [cwd, *path]
+            sys.modules.pop(argv[1], None)  # not loaded before it runs, as in a fresh interpreter
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
@@ -214,15 +218,16 @@ class Popen:
     ``kill`` behave as ``subprocess.Popen``'s do."""
 
     def __init__(self, args, *, cwd=None, env=None, stdout=None, stderr=None, text=False,
-                 start_new_session=False):
+                 start_new_session=False, preexec_fn=None):
         self.args = args
         env = dict(os.environ if env is None else env)
-        argv = _script_argv(args)
+        argv = _script_argv(args) if preexec_fn is None else None
         ctx = context(env) if argv is not None else None
         self._popen = None
         if ctx is None:
             self._popen = subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
-                                           text=text, start_new_session=start_new_session)
+                                           text=text, start_new_session=start_new_session,
+                                           preexec_fn=preexec_fn)
             self.pid, self.stdout, self.stderr = (self._popen.pid, self._popen.stdout,
                                                   self._popen.stderr)
             return
@@ -328,14 +333,14 @@ class Popen:
 
 
 def run(args, *, cwd=None, env=None, stdout=None, stderr=None, capture_output=False, text=False,
-        timeout=None, check=False, start_new_session=False):
+        timeout=None, check=False, start_new_session=False, preexec_fn=None):
     """``subprocess.run`` for ``[sys.executable, script, ...]`` forked from the server (see the
     module's docstring); ``subprocess.run`` otherwise. On a timeout the process is killed and
     ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
     if capture_output:
         stdout = stderr = subprocess.PIPE
     p = Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
-              start_new_session=start_new_session)
+              start_new_session=start_new_session, preexec_fn=preexec_fn)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

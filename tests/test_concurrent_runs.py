@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+import preloaded
 from conftest import ROOT, write_era5
 from engine import checkpoint, run_setup
 from settings.parse import build_config
@@ -104,8 +105,8 @@ class Started:
         self.procs = []
         for argv, (out, err) in zip(argvs, self.outs):
             with open(out, "w") as o, open(err, "w") as r:
-                self.procs.append(subprocess.Popen([sys.executable, str(driver), *argv],
-                                                   cwd=ROOT, env=e, stdout=o, stderr=r))
+                self.procs.append(preloaded.Popen([sys.executable, str(driver), *argv],
+                                                  cwd=ROOT, env=e, stdout=o, stderr=r))
             _STARTED.append(self.procs[-1])
         deadline = time.time() + 180
         while len(os.listdir(ready)) < len(self.procs):  # every one has imported torch
@@ -126,8 +127,8 @@ class Started:
 
 def train(args, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                       text=True, env=env, timeout=300)
+    r = preloaded.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                      text=True, env=env, timeout=300)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r

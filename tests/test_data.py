@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import preloaded
 from conftest import ERA5_MEANS, ERA5_STDS, era5_value, write_era5
 from settings.parse import build_config
 from datapipe import synthetic
@@ -446,12 +447,11 @@ def test_packed_values_are_refused(tmp_path):
 def test_float64_data_trains(tmp_path):
     """A whole run on float64 files: the same losses as on the float32 files of the same values
     (the fixture's values are exact in float32)."""
-    import subprocess
     import sys
 
     def run(dtype):
         root = write_era5(str(tmp_path / np.dtype(dtype).name), dtype=dtype)
-        r = subprocess.run(
+        r = preloaded.run(
             [sys.executable, "train.py", "--img_size", "[16,32]", "--patch_size", "4",
              "--embed_dim", "32", "--depth", "1", "--num_heads", "2", "--global_batch_size", "4",
              "--base_batch_size", "4", "--synthesize_if_missing", "false", "--num_iters", "4",

@@ -17,6 +17,7 @@ from typing import Literal
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT
 from datapipe import data_sets
 from distributed_harness import find_free_port
@@ -110,9 +111,9 @@ def env(**more):
 
 
 def start(workdir, argv, **more):
-    return subprocess.Popen([sys.executable, str(workdir / "driver.py"), *argv], cwd=ROOT,
-                            env=env(**more), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return preloaded.Popen([sys.executable, str(workdir / "driver.py"), *argv], cwd=ROOT,
+                           env=env(**more), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
 
 
 def communicate(p, timeout):
@@ -136,8 +137,8 @@ def communicate_all(procs, timeout):
 
 
 def run(workdir, argv):
-    r = subprocess.run([sys.executable, str(workdir / "driver.py"), *argv], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=240)
+    r = preloaded.run([sys.executable, str(workdir / "driver.py"), *argv], cwd=ROOT, env=env(),
+                      capture_output=True, text=True, timeout=240)
     return r
 
 
@@ -284,8 +285,8 @@ def test_loader_timeout_setting(workdir):
     assert cfg().loader_timeout_s == 600 and cfg(loader_timeout_s=0).loader_timeout_s == 0
     with pytest.raises(ConfigError, match="loader_timeout_s"):
         cfg(loader_timeout_s=-1)
-    r = subprocess.run([sys.executable, "train.py", "--loader_timeout_s", "soon"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = preloaded.run([sys.executable, "train.py", "--loader_timeout_s", "soon"], cwd=ROOT,
+                      capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "loader_timeout_s" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -294,7 +295,7 @@ def test_loader_timeout_setting(workdir):
 
 def launch_two_ranks(workdir, argv):
     port = find_free_port()
-    return [subprocess.Popen(
+    return [preloaded.Popen(
         [sys.executable, str(workdir / "driver.py"), *argv], cwd=ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         env=env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
@@ -607,7 +608,7 @@ def test_tensor_parallel_ranks_leave_validation_together(tmp_path):
     marker, port = tmp_path / "blocked", find_free_port()
     argv = TINY_VIT + ["--data_root", data, "--expdir", str(tmp_path / "exp"), "--num_epochs",
                        "2", "--tensor_parallel", "2"]
-    procs = [subprocess.Popen(
+    procs = [preloaded.Popen(
         [sys.executable, str(tmp_path / "driver.py"), *argv], cwd=ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         env=env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import preloaded
 from conftest import ROOT, write_era5
 from distributed_harness import find_free_port
 
@@ -49,7 +50,7 @@ def launch(tmp_path, mode, timeout_s):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    FAIL_MODE=mode, HANG_MARKER=str(marker), PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen(
+        procs.append(preloaded.Popen(
             [sys.executable, str(driver), *TINY, "--data_root", data,
              "--expdir", str(tmp_path / "logs"), "--dist_timeout_s", str(timeout_s)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -18,13 +18,13 @@ run is bitwise the uninterrupted one.
 import copy
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
+import preloaded
 from conftest import ROOT
 from distributed_harness import run_ranks
 from engine import checkpoint, fp8_linears
@@ -282,9 +282,9 @@ def test_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
 
 def test_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path):
     exp = tmp_path / "logs"
-    r = subprocess.run([sys.executable, "train.py", "--fp8_linears", "rowwise", "--expdir",
-                        str(exp), "--data_root", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = preloaded.run([sys.executable, "train.py", "--fp8_linears", "rowwise", "--expdir",
+                       str(exp), "--data_root", str(tmp_path)], cwd=ROOT, capture_output=True,
+                      text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and not exp.exists()
     assert r.stderr.strip().splitlines() == [
         "error: fp8_linears=rowwise runs with amp_mode bf16 (the rest of the model in bf16 "

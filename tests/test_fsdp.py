@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT
 from distributed_harness import run_ranks
 from engine import checkpoint
@@ -354,7 +355,7 @@ def test_fsdp_stop_signal_and_kill_9_resume_exactly(tmp_path, data):
     killed = str(tmp_path / "killed")
     ckpts = os.path.join(run_dir(killed, ws=2), "checkpoints")
     port = find_free_port()
-    procs = [subprocess.Popen(
+    procs = [preloaded.Popen(
         [sys.executable, driver(tmp_path), *args, "--expdir", killed, "--checkpoint_every", "1"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
@@ -404,16 +405,16 @@ def test_partial_and_damaged_sharded_checkpoints_fall_back(fsdp4, tmp_path):
 def test_convert_command(fsdp4, tmp_path):
     run_ckpts = os.path.dirname(ckpt(fsdp4[0]["vit"]["run_dir"], 6))
     out = tmp_path / "newest.pt"
-    p = subprocess.run([sys.executable, "-m", "engine.checkpoint_convert", run_ckpts, str(out)],
-                       cwd=ROOT, capture_output=True, text=True)
+    p = preloaded.run([sys.executable, "-m", "engine.checkpoint_convert", run_ckpts, str(out)],
+                      cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert f"{out}: step 6" in p.stdout
     whole = torch.load(out, weights_only=True)
     assert whole["iteration"] == 6 and whole["world_size"] == 4
     assert_close(whole["model"], fsdp4[0]["vit"]["final"], 0, 0, "converted weight")
     for bad in (str(out), str(tmp_path / "missing")):
-        p = subprocess.run([sys.executable, "-m", "engine.checkpoint_convert", bad,
-                            str(tmp_path / "x.pt")], cwd=ROOT, capture_output=True, text=True)
+        p = preloaded.run([sys.executable, "-m", "engine.checkpoint_convert", bad,
+                           str(tmp_path / "x.pt")], cwd=ROOT, capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
         assert p.stderr.startswith("error: ") and bad in p.stderr
 

@@ -2,7 +2,6 @@
 data_root, the samples those of the synthetic generator's files, the real samplers' epochs."""
 import os
 import re
-import subprocess
 import sys
 
 import h5py
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT
 from datapipe import generated_data, synthetic
 from settings.parse import build_config
@@ -135,8 +135,8 @@ def test_settings_generated_data_cannot_serve_refused(tmp_path):
 
 def train(args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                       text=True, env=env)
+    r = preloaded.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                      text=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
@@ -169,18 +169,18 @@ def test_trains_without_data_and_leaves_data_root_alone(tmp_path, model):
     name = "quickstart"
     assert os.listdir(tmp_path / "logs") == [f"{name}-synthetic"], os.listdir(tmp_path / "logs")
     assert (tmp_path / "logs" / f"{name}-synthetic" / "1" / "0" / "checkpoints").is_dir()
-    r = subprocess.run([sys.executable, "train.py", *args, *common[2:], "--resume"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = preloaded.run([sys.executable, "train.py", *args, *common[2:], "--resume"], cwd=ROOT,
+                      capture_output=True, text=True)
     assert r.returncode == 2 and "--resume: no run under" in r.stderr, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, "train.py", *args, *common, "--resume", "--num_iters",
-                        "12"], cwd=ROOT, capture_output=True, text=True)  # asked for: resumed
+    r = preloaded.run([sys.executable, "train.py", *args, *common, "--resume", "--num_iters",
+                       "12"], cwd=ROOT, capture_output=True, text=True)  # asked for: resumed
     assert r.returncode == 0 and "Resumed from" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_start_up_benchmark_times_both_models():
-    r = subprocess.run([sys.executable, "-m", "benchmarks.generated_batches", "--configs",
-                        "ViT:quickstart", "UNet:quickstart"], cwd=ROOT, capture_output=True,
-                       text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = preloaded.run([sys.executable, "-m", "benchmarks.generated_batches", "--configs",
+                       "ViT:quickstart", "UNet:quickstart"], cwd=ROOT, capture_output=True,
+                      text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = re.findall(r"^\| (\S+ \S+) \| ([0-9 x]+) \| ([0-9.]+) \|$", r.stdout, re.M)
     assert [(c, s) for c, s, _ in rows] == [("ViT quickstart", "16 x 20 x 32 x 64"),

@@ -31,6 +31,7 @@ import pytest
 import torch
 import yaml
 
+import preloaded
 from conftest import ROOT, file_digests, write_era5
 from engine import checkpoint, run_setup
 from settings.config import CONFIG_CLASSES, field_types, identity_fields, to_dict
@@ -299,9 +300,9 @@ def test_hostile_case(tmp, argv, expected):
 
 def train(args, check=False, preexec_fn=None, timeout=300, prefix=()):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([*prefix, sys.executable, "train.py", *args], cwd=ROOT,
-                       capture_output=True, text=True, env=env, preexec_fn=preexec_fn,
-                       timeout=timeout)
+    r = preloaded.run([*prefix, sys.executable, "train.py", *args], cwd=ROOT,
+                      capture_output=True, text=True, env=env, preexec_fn=preexec_fn,
+                      timeout=timeout)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -555,7 +556,7 @@ def _alive(pid) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_loader_workers_exit_when_the_run_is_killed(tmp, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
+    proc = preloaded.Popen(
         [sys.executable, "train.py", *TINY_VIT, "--data_root", f"{tmp}/era5", "--expdir",
          str(tmp_path / "logs"), "--num_epochs", "1000", "--num_data_workers", "2"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

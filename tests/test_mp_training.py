@@ -23,12 +23,12 @@
   group exists.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT, write_era5
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -283,8 +283,8 @@ def test_memory_model_dtypes_attention_checkpointing(tp, cp, imgs):
 def test_invalid_layout_exits_2_with_one_message(tmp_path, args, world, message):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
-    r = subprocess.run([sys.executable, "train_mp.py", "--config", "quickstart", "--expdir", str(tmp_path),
-                        "--device", "cpu", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = preloaded.run([sys.executable, "train_mp.py", "--config", "quickstart", "--expdir", str(tmp_path),
+                       "--device", "cpu", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), r.stderr

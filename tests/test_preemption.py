@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT, write_era5
 from distributed_harness import find_free_port
 from test_training import TINY_VIT, run_dir, tb_scalars, train
@@ -111,8 +112,8 @@ def driver(tmp_path):
 
 def run_driver(tmp_path, args, **env):
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
-    return subprocess.run([sys.executable, driver(tmp_path), *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=300)
+    return preloaded.run([sys.executable, driver(tmp_path), *args], cwd=ROOT, env=e,
+                         capture_output=True, text=True, timeout=300)
 
 
 def assert_same_as_reference(ref_dir, got_dir, tags=("Loss/train", "Loss/valid")):
@@ -149,9 +150,9 @@ def test_signal_stops_with_checkpoint_and_resume_matches(tmp_path, data, referen
     args = COMMON + ["--data_root", data, "--expdir", exp, "--checkpoint_every", "6",
                      "--num_data_workers", str(workers)]
     # Its own process group, as a Slurm job step: the signal reaches the loader workers too.
-    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = preloaded.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        start_new_session=True)
     deadline = time.time() + 120
     while not (os.path.isdir(ckpts) and os.listdir(ckpts)):
         assert p.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
@@ -187,7 +188,7 @@ def test_second_signal_while_saving_is_harmless(tmp_path, data, reference):
 def launch_ranks(tmp_path, args, ranks=2, **env):
     """Two (or ``ranks``) gloo ranks as srun starts them (plain processes, no torchrun agent)."""
     port, script = find_free_port(), driver(tmp_path)
-    procs = [subprocess.Popen(
+    procs = [preloaded.Popen(
         [sys.executable, script, *args], cwd=ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
@@ -349,8 +350,8 @@ def test_resume_and_stop_signals_settings():
     for argv, needle in ((["--resume", "later"], "resume='later' is not one of"),
                          (["--stop_signals", "[SIGKILL]"], "'SIGKILL' is not a signal"),
                          (["--stop_signals", "[SIGFOO]"], "'SIGFOO' is not a signal")):
-        r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
-                           text=True)
+        r = preloaded.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and needle in r.stderr, r
         assert len(r.stderr.strip().splitlines()) == 1
 

@@ -40,6 +40,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import preloaded
 from conftest import ROOT, write_cosmo, write_era5
 from distributed_harness import run_ranks
 from datapipe.data_loader import ValidationSampler, validation_batch_sizes
@@ -306,7 +307,7 @@ def test_a_signal_on_one_of_8_fsdp_ranks_in_an_uneven_validation_stops_all(data,
     procs = []
     for r, (out, err) in enumerate(logs):  # into files: a full pipe must not stall a rank
         with open(out, "w") as o, open(err, "w") as e:
-            procs.append(subprocess.Popen(
+            procs.append(preloaded.Popen(
                 [sys.executable, script, *args], cwd=ROOT, text=True, stdout=o,
                 stderr=e, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world),
                                    LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",

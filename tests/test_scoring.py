@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import preloaded
 from conftest import ROOT, file_digests, write_cosmo, write_cosmo_pair, write_era5
 from distributed_harness import run_ranks
 from networks.unet import UNet, down_block, up_block
@@ -276,8 +277,8 @@ def test_the_quickstart_unet_halo_and_a_volume_smaller_than_a_window():
 
 def score(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "score.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, env=env)
+    return preloaded.run([sys.executable, "score.py", *args], cwd=ROOT, capture_output=True,
+                         text=True, env=env)
 
 
 def read_rows(path):
@@ -346,11 +347,11 @@ def test_skill_during_training_on_two_ranks_is_one_process_score(tmp_path):
     args = TINY_VIT + ["--data_root", root, "--expdir", exp, "--num_epochs", "1",
                        "--skill_every", "1", "--skill_lead_steps", "3"]
     port = find_free_port()
-    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2",
-                                       LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+    procs = [preloaded.Popen([sys.executable, "train.py", *args], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=dict(os.environ, RANK=str(r), WORLD_SIZE="2",
+                                      LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
              for r in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import preloaded  # noqa: E402
 from conftest import file_digests  # noqa: E402
 from datapipe import synthetic  # noqa: E402
 from datapipe.formats import latitudes  # noqa: E402
@@ -310,8 +311,8 @@ def test_cosmo_velocity_is_linear_theory(cosmo):
 # ------------------------------------------------------------------------------------------ CLI
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "datapipe.synthetic", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return preloaded.run([sys.executable, "-m", "datapipe.synthetic", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
 
 
 def test_cli_writes_era5_and_cosmo(tmp_path):
@@ -479,11 +480,11 @@ def test_train_py_refuses_to_replace_a_user_file_in_synthetic_data(tmp_path):
     (root / "train" / "2014.h5").write_bytes(b"made before " * 50)
     (root / "NOTES.txt").write_text("my notes\n")
     before = file_digests(root)
-    proc = subprocess.run([sys.executable, "train.py", "--data_root", str(root), "--expdir",
-                           str(tmp_path / "logs"), "--img_size", "[16,32]",
-                           "--synthetic_steps_per_year", "16", "--num_iters", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = preloaded.run([sys.executable, "train.py", "--data_root", str(root), "--expdir",
+                          str(tmp_path / "logs"), "--img_size", "[16,32]",
+                          "--synthetic_steps_per_year", "16", "--num_iters", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert_one_error_line(proc, f"error: data_root={root} holds synthetic data",
                           "also NOTES.txt,", "move them out")
     assert file_digests(root) == before

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT, file_digests, write_cosmo_pair, write_era5
 from settings.parse import build_config
 from settings.errors import ConfigError, TrainingError
@@ -27,8 +28,8 @@ TINY_VIT = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "
 
 def train(args, check=True, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                       text=True, env=env, **kw)
+    r = preloaded.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                      text=True, env=env, **kw)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -108,8 +109,8 @@ def test_killed_run_resumes_to_identical_result(tmp_path, era5_long):
     exp = str(tmp_path / "killed")
     ckpts = os.path.join(run_dir(exp), "checkpoints")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "train.py", *common, "--expdir", exp], cwd=ROOT,
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = preloaded.Popen([sys.executable, "train.py", *common, "--expdir", exp], cwd=ROOT,
+                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (os.path.isdir(ckpts) and any(f.endswith(".pt") for f in os.listdir(ckpts))):
         assert p.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
@@ -323,8 +324,8 @@ def test_vit_quickstart_generates_data_and_beats_persistence(tmp_path):
     assert v2 < 0.8 * v1 and v2 < 0.7 * base, (v1, v2, base)
     # scored as forecasts are (score.py): at 6 h its RMSE in physical units over persistence's
     run = os.path.join(str(tmp_path / "logs"), "quickstart", "1", "0")
-    s = subprocess.run([sys.executable, "score.py", "--run", run, "--n_init", "4",
-                        "--lead_steps", "2"], cwd=ROOT, capture_output=True, text=True)
+    s = preloaded.run([sys.executable, "score.py", "--run", run, "--n_init", "4",
+                       "--lead_steps", "2"], cwd=ROOT, capture_output=True, text=True)
     assert s.returncode == 0, s.stderr[-2000:]
     with open(os.path.join(run, "score", "scores.csv")) as f:
         rows = [row for row in csv.DictReader(f) if row["lead_hours"] == "6"]

@@ -11,11 +11,11 @@
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 
+import preloaded
 from conftest import ROOT, write_cosmo_pair, write_era5
 from settings.cli import from_argv
 
@@ -128,8 +128,8 @@ def test_each_command_that_runs_on_a_cpu_trains(command, tiny_data, tmp_path):
                            "--expdir", str(tmp_path), "--num_iters", "2"]
     cfg = parse(script, args)
     # as a user runs it: its own process (and its own loader workers)
-    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    r = preloaded.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     run_num = "0" if cfg.run_num == "auto" else cfg.run_num  # the first run of the config
     assert os.path.exists(os.path.join(tmp_path, cfg.name, "1", run_num, "checkpoints",
