@@ -11,27 +11,28 @@ once: a process starts in a fraction of a second.
             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 ``run`` and ``Popen`` take the arguments of ``subprocess.run`` and ``subprocess.Popen`` that the
-tests use (``cwd``, ``env``, ``stdout``/``stderr`` as ``PIPE``, ``DEVNULL``, ``STDOUT``, a file
-or None, ``text``, ``timeout``, ``start_new_session``) and give the same results. A forked process
-is what a fresh ``python script.py args`` or ``python -m module args`` is in: ``sys.argv``, the
-environment (the one passed, not the server's), the working directory, ``sys.path`` (the
-script's directory, or the working directory for ``-m``, first), the standard streams on the
-given files (buffered as a fresh interpreter buffers them, ``PYTHONUNBUFFERED`` included),
-``__main__`` (for ``-m`` the module runs anew even where the server had loaded it), the
-multiprocessing main process with the platform's start method and its own resource tracker,
-SIGINT's Python handler, the exit code (``sys.exit``'s; 1 after an uncaught exception, its
-traceback on stderr; minus the signal's number when a signal ended it), and its end: non-daemon
-threads joined, then ``atexit`` handlers, then the streams flushed.
+tests use (``cwd``, ``env``, ``stdout``/``stderr`` as ``PIPE``, ``DEVNULL``, ``STDOUT``, a file or
+None, ``text``, ``timeout``, ``start_new_session``) and give the same results. A forked process is
+what a fresh ``python script.py args`` or ``python -m module args`` is in: ``sys.argv``, the
+environment (the one passed, not the server's), the working directory, ``sys.path`` (the script's
+directory, or the working directory for ``-m``, first), the standard streams on the given files
+(buffered as a fresh interpreter buffers them, ``PYTHONUNBUFFERED`` included), ``__main__`` (for
+``-m`` the module runs anew even where the server had loaded it), the multiprocessing main process
+with the platform's start method and its own resource tracker, SIGINT's Python handler, the exit
+code (``sys.exit``'s; 1 after an uncaught exception, its traceback on stderr; minus the signal's
+number when a signal ended it), and its end: non-daemon threads joined, then ``atexit`` handlers,
+then the streams flushed.
 
 What differs: the modules of ``PRELOAD`` are already in ``sys.modules`` (and warnings they gave as
-they loaded are not given again), and the process is the server's child, not the caller's (its
-pid works with ``os.kill`` and ``os.killpg``, not ``os.waitpid``). So a test about what a fresh
-interpreter loads, or about its start-up, uses ``subprocess``. A fresh process is started with
-``subprocess`` instead where the command is not a plain script or ``-m`` run of this
-interpreter, where ``preexec_fn`` is given, or where the environment differs from the server's in
-a variable that torch or Python reads as it loads (``IMPORT_TIME_ENV``): the result is the same
-either way, only slower. ``OMP_NUM_THREADS`` is the exception: where the server was started
-without it, the process applies it with ``torch.set_num_threads``, as torch does at load.
+they loaded are not given again), its stdin is ``/dev/null`` (a fresh one inherits the caller's),
+and the process is the server's child, not the caller's (its pid works with ``os.kill`` and
+``os.killpg``, not ``os.waitpid``). So a test about what a fresh interpreter loads, or about its
+start-up, uses ``subprocess``. A fresh process is started with ``subprocess`` instead where the
+command is not a plain script or ``-m`` run of this interpreter, where ``preexec_fn`` is given, or
+where the environment differs from the server's in a variable that torch or Python reads as it
+loads (``IMPORT_TIME_ENV``): the result is the same either way, only slower. ``OMP_NUM_THREADS`` is
+the exception: where the server was started without it, the process applies it with
+``torch.set_num_threads``, as torch does at load.
 
 Ranks of :func:`distributed_harness.run_ranks` fork from the same server.
 """
@@ -205,8 +206,9 @@ def _fresh_path(_cache=[]):
     """A fresh interpreter's ``sys.path`` after its first entry, under the server's environment
     (which has the caller's ``PYTHONPATH``: an import-time variable)."""
     if not _cache:
-        out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-                             env=_server_env, capture_output=True, text=True, check=True).stdout
+        code = "import json, sys; print(json.dumps(sys.path[1:]))"
+        out = subprocess.run([sys.executable, "-c", code], env=_server_env, capture_output=True,
+                             text=True, check=True).stdout
         _cache.append(json.loads(out))
     return _cache[0]
 
