@@ -26,10 +26,13 @@ TINY_VIT = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "32", "
             "--synthesize_if_missing", "false", "--log_every", "2"]
 
 
-def train(args, check=True, **kw):
+def train(args, check=True, fresh=False, **kw):
+    """``python train.py args``, forked from the preloaded server (tests/preloaded.py), or with
+    ``fresh`` in a new interpreter, for what a fresh one alone shows (its imports, its start)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = preloaded.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                      text=True, env=env, **kw)
+    run = subprocess.run if fresh else preloaded.run
+    r = run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+            env=env, **kw)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -316,16 +319,18 @@ def baseline_and_val(log_text):
 
 def test_vit_quickstart_generates_data_and_beats_persistence(tmp_path):
     """The README's first command, shortened to 2 epochs: synthetic data appear, the loss falls
-    and the model already beats the persistence forecast."""
+    and the model already beats the persistence forecast. In fresh interpreters, as a user runs
+    train.py and then score.py: nothing loaded before them."""
     data = tmp_path / "era5"
-    r = train(["--data_root", str(data), "--expdir", str(tmp_path / "logs"), "--num_epochs", "2"])
+    r = train(["--data_root", str(data), "--expdir", str(tmp_path / "logs"), "--num_epochs", "2"],
+              fresh=True)
     assert "generating synthetic vit data" in r.stdout and (data / "stats").is_dir()
     (v1, base), (v2, _) = baseline_and_val(r.stdout)
     assert v2 < 0.8 * v1 and v2 < 0.7 * base, (v1, v2, base)
     # scored as forecasts are (score.py): at 6 h its RMSE in physical units over persistence's
     run = os.path.join(str(tmp_path / "logs"), "quickstart", "1", "0")
-    s = preloaded.run([sys.executable, "score.py", "--run", run, "--n_init", "4",
-                       "--lead_steps", "2"], cwd=ROOT, capture_output=True, text=True)
+    s = subprocess.run([sys.executable, "score.py", "--run", run, "--n_init", "4",
+                        "--lead_steps", "2"], cwd=ROOT, capture_output=True, text=True)
     assert s.returncode == 0, s.stderr[-2000:]
     with open(os.path.join(run, "score", "scores.csv")) as f:
         rows = [row for row in csv.DictReader(f) if row["lead_hours"] == "6"]
