@@ -310,9 +310,10 @@ def test_cosmo_velocity_is_linear_theory(cosmo):
 
 # ------------------------------------------------------------------------------------------ CLI
 
-def run_cli(*args):
-    return preloaded.run([sys.executable, "-m", "datapipe.synthetic", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+def run_cli(*args, fresh=False):
+    run = subprocess.run if fresh else preloaded.run  # fresh: nothing loaded before it
+    return run([sys.executable, "-m", "datapipe.synthetic", *args], cwd=ROOT, capture_output=True,
+               text=True, timeout=120)
 
 
 def test_cli_writes_era5_and_cosmo(tmp_path):
@@ -415,7 +416,8 @@ def test_cli_marks_its_output_and_writes_over_only_that(tmp_path):
 def test_cli_runs_without_warnings(tmp_path):
     """``python -m datapipe.synthetic`` is not imported by its package before it runs (runpy's
     RuntimeWarning: a second copy of the module), and importing the package leaves it alone."""
-    proc = run_cli("cosmo", "--out", str(tmp_path / "cosmo"), "--train_size", "8", "--val_size", "8")
+    proc = run_cli("cosmo", "--out", str(tmp_path / "cosmo"), "--train_size", "8", "--val_size", "8",
+                   fresh=True)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     check = subprocess.run([sys.executable, "-c", "import sys, datapipe; "
                             "assert 'datapipe.synthetic' not in sys.modules"], cwd=ROOT,
