@@ -92,8 +92,12 @@ def probed(text, what):
     return json.loads(text.split(what.upper() + " ", 1)[1].splitlines()[0])
 
 
-def port_is_free(port):
+def nothing_listens_on(port):
+    """No socket listens on ``port``. A connection the stopped server closed may still hold it in
+    TIME_WAIT for a minute; a server binds it all the same (SO_REUSEADDR, as TensorBoard's does),
+    and so does this check."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -131,7 +135,7 @@ def test_serves_the_users_run_beside_the_examples_and_changes_neither(repo, tmp_
             "examples/model_parallel/mp_cpu/2/0/tensorboard"} <= set(runs)
     flags = probed(text, "environment")["debug"]["flags"]
     assert flags["host"] == "127.0.0.1" and not flags["bind_all"]
-    assert f"port {port} is free again" in text and port_is_free(port)
+    assert f"port {port} is free again" in text and nothing_listens_on(port)
     assert snapshot(log_root) == before_runs
     assert snapshot(repo / "example_logs") == before_examples
     assert sorted(os.listdir(repo)) == ["example_logs", "start_tensorboard.ipynb"]
@@ -159,6 +163,27 @@ def test_a_taken_port_is_an_error_not_someone_elses_tensorboard(repo, tmp_path, 
         execute(repo)
     assert e.value.ename == "RuntimeError"
     assert e.value.evalue.startswith(f"TENSORBOARD_PORT={port} is taken")
+
+
+def test_a_port_a_stopped_server_left_in_time_wait_is_used(repo, tmp_path, monkeypatch):
+    """The notebook run again within a minute of stopping its TensorBoard: the connections that
+    server closed hold its port in TIME_WAIT, and a new TensorBoard binds it all the same."""
+    port = first_free_port_from_6006()
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: it waits in TIME_WAIT
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # TIME_WAIT is there: a bind without SO_REUSEADDR fails
+    monkeypatch.setenv("EXPDIR", str(tmp_path))
+    monkeypatch.setenv("TENSORBOARD_PORT", str(port))
+    text = execute(repo, probe=True)
+    assert probed(text, "environment")["debug"]["flags"]["port"] == port
+    assert nothing_listens_on(port)
 
 
 @pytest.mark.parametrize("env, expected", [
