@@ -58,10 +58,15 @@ APPLIED_AT_START = ("PYTHONUNBUFFERED",)  # applied by the forked process itself
 _server_env = None  # the environment the server was started with
 
 
+def _applied_at_start():
+    """The import-time variables a forked process applies itself: ``OMP_NUM_THREADS`` too where
+    the server was started without it (``torch.set_num_threads``, as torch does at load)."""
+    omp = () if "OMP_NUM_THREADS" in _server_env else ("OMP_NUM_THREADS",)
+    return APPLIED_AT_START + omp
+
+
 def _import_time_env(env):
-    applied = APPLIED_AT_START
-    if "OMP_NUM_THREADS" not in _server_env:  # the process applies it, as torch does at load
-        applied += ("OMP_NUM_THREADS",)
+    applied = _applied_at_start()
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in applied}
 
 
@@ -256,7 +261,7 @@ class Popen:
         err = out if stderr == subprocess.STDOUT else child_fd(stderr, 2)
         if stderr == subprocess.PIPE:
             self.stderr = self._reader(theirs[-1], text)
-        threads = env.get("OMP_NUM_THREADS") if "OMP_NUM_THREADS" not in _server_env else None
+        threads = env.get("OMP_NUM_THREADS") if "OMP_NUM_THREADS" in _applied_at_start() else None
         self._process = ctx.Process(
             target=_main, name=os.path.basename(argv[0] if argv[0] != "-m" else argv[1]),
             args=(argv, env, os.path.abspath(cwd or os.getcwd()),
