@@ -36,7 +36,8 @@ from datapipe.data_loader import build_loaders, validation_batch_sizes
 from engine import checkpoint, throughput_report
 from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
 from engine.exits import arm_hard_exit
-from engine.lr_schedule import build_scheduler, describe as describe_lr, peak_lr, resumed_schedule
+from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at, peak_lr,
+                                resumed_schedule)
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
 from engine.preemption import NeverStop, RunStopped, StopRequest
@@ -376,8 +377,8 @@ class Trainer:
                 self.log_train_window(window, self.window_steps)
                 window.zero_()
                 self.window_steps = 0
-            else:
-                self.progress.step(st.step_in_epoch)  # a line if 30 s passed since the last
+            elif st.step_in_epoch != self.progress.last:  # (the window's line ends the epoch)
+                self.progress.step(st.step_in_epoch, lr=self.next_lr())  # a line if 30 s passed
             if self.checkpoint_due() and not self.validation_next():
                 self.save_checkpoint(epoch_sum)  # (the epoch's last step: after its validation)
             self.trace.step(st.iteration)  # ends this step's range in the torch.profiler trace
@@ -445,7 +446,7 @@ class Trainer:
                 f"the training loss became {loss} before step {self.iteration}: lower lr "
                 f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data. "
                 f"{self.kept_checkpoints()}")
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = self.next_lr()
         self.progress.step(self.state.step_in_epoch, loss, lr)  # the progress line
         self.board.scalar("Loss/train", loss, self.iteration)
         self.board.scalar("Learning Rate", lr, self.iteration)
@@ -454,18 +455,26 @@ class Trainer:
         # The norm is that of the whole (serial) gradient, the same on every rank.
         self.board.scalar("Grad norm", window[1].item() / steps, self.iteration)
 
+    def next_lr(self) -> float:
+        """The learning rate of the next update, computed on the host as the schedule computes
+        it (a captured step's rate is a device tensor: reading it would wait for the device)."""
+        return lr_at(self.iteration, self.peak_lr, self.cfg.end_lr, self.cfg.warmup_steps,
+                     self.total_steps)
+
     def log_memory(self, probe):
         """Every rank's memory after the forward pass and at the step's peak (rank 0 logs)."""
         mine = (probe.after_forward / GiB, probe.peak / GiB, resident_peak_bytes() / GiB)
         everyone = [mine] * self.rt.world_size
         if self.rt.distributed:
             dist.all_gather_object(everyone, mine)  # once per epoch
-        if probe.after_forward == 0:
-            return
         fwd, peak, resident = zip(*everyone)
-        log.info(f"Memory after forward pass (GiB, per rank): {over_ranks(fwd, '.3f')}; "
-                 f"peak: {over_ranks(peak, '.3f')}")
-        log.info(f"  (measured as: {probe.method()})")
+        if probe.after_forward:
+            log.info(f"Memory after forward pass (GiB, per rank): {over_ranks(fwd, '.3f')}; "
+                     f"peak: {over_ranks(peak, '.3f')}")
+            log.info(f"  (measured as: {probe.method()})")
+        else:
+            log.info("Memory after forward pass: not measured (on a CPU it is counted from "
+                     "autograd's saved tensors, which a compiled model does not expose)")
         if self.device.type == "cpu":
             log.info(f"  Process resident peak (GiB, per rank): {over_ranks(resident, '.2f')}")
 

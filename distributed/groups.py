@@ -85,7 +85,9 @@ def validate_parallel_config(world_size: int, tensor_parallel: int = 1, context_
     if world_size % (tp * cp):
         raise ValueError(
             f"tensor_parallel={tp} x context_parallel={cp} = {tp * cp} does not divide world size "
-            f"{world_size}: the data parallel size is world size / (tensor_parallel x context_parallel)")
+            f"{world_size} (the data parallel size is world size / (tensor_parallel x "
+            f"context_parallel)): launch a multiple of {tp * cp} ranks, or make tensor_parallel x "
+            f"context_parallel a divisor of {world_size}")
     return tp, cp, world_size // (tp * cp), order
 
 

@@ -5,11 +5,23 @@ import math
 
 import torch
 
+from settings.errors import ConfigError
+
 
 def peak_lr(lr: float, global_batch: int, base_batch: int, scaling: str) -> float:
     """lr at base_batch scaled to global_batch: unchanged, linearly, or by the square root."""
     ratio = global_batch / base_batch
     return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
+
+
+def check_end(lr: float, end: float, global_batch: int, base_batch: int, scaling: str):
+    """A ConfigError where ``end`` lies above the peak: the cosine would climb to it."""
+    peak = peak_lr(lr, global_batch, base_batch, scaling)
+    if end > peak:
+        scaled = "" if peak == lr else f" (lr {lr:g} scaled ({scaling}) to global batch {global_batch})"
+        raise ConfigError(f"end_lr={end:g} is above the peak learning rate {peak:.4g}{scaled}: the "
+                          f"schedule decays from the peak to end_lr; set --end_lr below the peak "
+                          f"(e.g. 0), or raise --lr")
 
 
 def describe(lr: float, peak: float, global_batch: int, base_batch: int, scaling: str,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from distributed.groups import ParallelGroups, build_groups, validate_parallel_config
 from distributed.parallelize import validate_vit_layout
 from engine import fp8_linears, stop_agreement
+from engine.lr_schedule import check_end
 from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -240,6 +241,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         check_model_parallel(cfg, world)
     # Checked before any process group exists, so every rank fails at once with the same message.
     local_batch, global_batch = batch_sizes(cfg, world // (tp * cp))
+    check_end(cfg.lr, cfg.end_lr, global_batch, cfg.base_batch_size, cfg.lr_scaling)
     if world > 1 and not dist.is_initialized():
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:

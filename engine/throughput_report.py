@@ -48,10 +48,14 @@ MAX_TIMED = 20  # timed batches per round, at most
 log = logging.getLogger(__name__)
 
 
-def trial_sizes(steps_per_epoch: int) -> tuple[int, int]:
-    """(warm-up, timed) batches per round; together they fit in one pass of the loader."""
-    warmup = min(WARMUP, steps_per_epoch - 1)
-    return warmup, min(MAX_TIMED, steps_per_epoch - warmup)
+def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
+    """(warm-up, timed) batches per round, in one pass of the loader and short of its last
+    ``lag`` batches: batches are fetched ``lag`` steps ahead, so each timed batch's step fetches
+    a batch, and a window that reached the pass's end would count batches fetched before it
+    began. (A pass of ``lag`` batches or fewer has no such window: one batch is timed.)"""
+    room = max(steps_per_epoch - lag, 1)
+    warmup = min(WARMUP, room - 1)
+    return warmup, min(MAX_TIMED, room - warmup)
 
 
 def _to_host(obj):
@@ -121,7 +125,7 @@ def _loader_pass(tr, epoch: int):
 
 def measure(tr) -> dict[str, list[float]]:
     """This rank's samples/s in each round of each mode. Collective: every rank must call it."""
-    warmup, timed = trial_sizes(tr.steps_per_epoch)
+    warmup, timed = trial_sizes(tr.steps_per_epoch, tr.agreement.lag)
     samples = tr.rt.local_batch * timed
     first_epoch = tr.state.epoch + 1  # past the run's epochs: samples it has not used last
     tr.model.train()
@@ -201,9 +205,14 @@ def run(tr) -> dict | None:
     """Measure on every rank, then (rank 0) log the summary, write ``throughput.json`` and the
     TensorBoard scalars, and put the trainer's state back. Returns the report on rank 0."""
     rt = tr.rt
-    warmup, timed = trial_sizes(tr.steps_per_epoch)
+    warmup, timed = trial_sizes(tr.steps_per_epoch, tr.agreement.lag)
     log.info(f"Throughput report: IO, SYNTHETIC and FULL trials, {ROUNDS} rounds of {warmup} "
              f"warm-up + {timed} timed batches each (training state is put back afterwards)")
+    if tr.steps_per_epoch <= tr.agreement.lag:
+        log.warning(f"Throughput report: an epoch of {tr.steps_per_epoch} step(s) holds no batch "
+                    f"fetched inside a timed window (batches are fetched {tr.agreement.lag} "
+                    f"step(s) ahead): IO and FULL leave the loading out; train with more steps "
+                    f"per epoch to time it")
     snapshot = _Snapshot(tr)
     try:
         mine = measure(tr)

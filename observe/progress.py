@@ -1,10 +1,12 @@
 """Progress you can watch inside an epoch: plain log lines (rank 0), fit for a Slurm output file.
 
 A line comes at every log point (every ``log_every`` steps, where the training loss is read back
-anyway) and, on long steps, at least every ``every_s`` seconds in between (then with the loss of
-the latest log point: reading a new one would make every rank wait, and only rank 0 prints):
+anyway) and, on long steps, at least every ``every_s`` seconds in between. Such a line shows the
+loss of the latest log point and says which step that was (reading a new one would make every
+rank wait, and only rank 0 prints); its learning rate is the current one, a host-side number:
 
     Epoch 2 step 40/125 (32%): 81.2 samples/s, train loss 0.4312, lr 9.81e-04, epoch ETA 1m05s
+    Epoch 2 step 47/125 (37%): 80.9 samples/s, train loss 0.4312 (at step 40), lr 9.74e-04, ...
 
 Samples/s counts the whole job's samples over the wall time since the epoch began, the one
 definition the epoch's line uses too (there, after waiting for the device); between log points
@@ -44,6 +46,7 @@ class Progress:
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
         self.enabled, self.every_s, self.clock = enabled, every_s, clock
         self.loss = math.nan
+        self.loss_at = None  # (epoch, step in epoch) of the log point that read ``loss``
         self.lr = math.nan
 
     def start_epoch(self, epoch: int, step_in_epoch: int, last: int):
@@ -60,13 +63,15 @@ class Progress:
         return (step_in_epoch - self.first) * self.global_batch / max(elapsed, 1e-9)
 
     def step(self, step_in_epoch: int, loss: float | None = None, lr: float | None = None):
-        """After each step: a line when ``loss`` (a log point's) is given, or when ``every_s``
-        has passed since the last line."""
+        """After each step, with the learning rate of the next: a line when ``loss`` (a log
+        point's) is given, or when ``every_s`` has passed since the last line."""
         now = self.clock()
         if step_in_epoch == self.first + 1:
             self.t1 = now
+        if lr is not None:
+            self.lr = lr
         if loss is not None:
-            self.loss, self.lr = loss, lr
+            self.loss, self.loss_at = loss, (self.epoch, step_in_epoch)
         elif now - self.last_line < self.every_s:
             return
         self.last_line = now
@@ -81,7 +86,16 @@ class Progress:
             eta = (self.clock() - self.t1) / (done - 1) * (self.last - step_in_epoch)
         else:
             eta = elapsed / done * (self.last - step_in_epoch) if done else math.nan
-        loss = f"train loss {self.loss:.4g}, lr {self.lr:.3g}, " if math.isfinite(self.loss) else ""
+        loss = ""
+        if math.isfinite(self.loss):
+            epoch, at = self.loss_at
+            if (epoch, at) != (self.epoch, step_in_epoch):  # an earlier log point's
+                at = f"step {at}" if epoch == self.epoch else f"epoch {epoch + 1} step {at}"
+                loss = f"train loss {self.loss:.4g} (at {at}), "
+            else:
+                loss = f"train loss {self.loss:.4g}, "
+        if math.isfinite(self.lr):
+            loss += f"lr {self.lr:.3g}, "
         return (f"Epoch {self.epoch + 1} step {step_in_epoch}/{n} ({100 * step_in_epoch // n}%): "
                 f"{self.rate(step_in_epoch):.1f} samples/s, {loss}"
                 f"epoch ETA {duration(eta) if done else '?'}")

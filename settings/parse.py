@@ -35,7 +35,8 @@ FLAG_ALIASES = {
 }
 # Settings and values kept from the tutorials under their names there.
 SETTING_ALIASES = {"row_parallel_size": "tensor_parallel"}
-VALUE_ALIASES = {("data_loader_config", "dali"): "dali-lowmem"}
+VALUE_ALIASES = {("data_loader_config", "dali"): "dali-lowmem",
+                 ("data_loader_config", "pytorch"): "lowmem"}
 ENTRY_ARGS = ("yaml_config", "config")
 
 
@@ -119,9 +120,14 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(text.split())
 
 
-def nearest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
-    return f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(choices))}"
+def nearest(name: str, choices, listed: bool = False) -> str:
+    """'did you mean ...?' with the closest of ``choices`` (letter case aside), else the valid
+    ones (or, where the message ``listed`` them already, a word to pick one)."""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{by_lower[close[0]]}'?"
+    return "choose one of these" if listed else f"valid: {', '.join(sorted(choices))}"
 
 
 # ----------------------------------------------------------------------------- coercion
@@ -206,8 +212,9 @@ def _coerce_item(key, value, tp, meta):
         v = _coerce_mixed_choice(key, value, choices) if len({type(c) for c in choices}) > 1 \
             else _coerce_scalar(key, value, type(choices[0]))
         if v not in choices:
+            aliases = [alias for (k, alias) in VALUE_ALIASES if k == key]
             raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(str, choices))}: "
-                              f"{nearest(str(v), [str(c) for c in choices])}")
+                              f"{nearest(str(v), [str(c) for c in choices] + aliases, listed=True)}")
         return v
     v = _coerce_scalar(key, value, tp)
     _check_bounds(key, v, meta)
@@ -274,7 +281,12 @@ def _apply(cls, values: dict, source: str) -> dict:
     out = {}
     aliased = {}  # setting -> the flag alias that set it
     for key, val in values.items():
-        key = SETTING_ALIASES.get(key, key)
+        if key in SETTING_ALIASES:
+            target = SETTING_ALIASES[key]
+            if target in values and coerce(cls, target, values[target]) != coerce(cls, target, val):
+                raise ConfigError(f"--{key} is --{target}, and both are given ({key}={val}, "
+                                  f"{target}={values[target]}; {source}): keep one of them")
+            key = target
         if isinstance(val, str):
             val = VALUE_ALIASES.get((key, val), val)
         if key in FLAG_ALIASES:
@@ -314,8 +326,10 @@ def _coerce_given(cls, key, val, source):
     """``coerce``, saying so when a command-line setting was given without its value (a bare
     ``--lr`` reads as true), or with several values for a setting that takes one."""
     if isinstance(val, list) and source == "command line" and not _is_list(cls, key):
-        raise ConfigError(f"--{key} takes one value, not {len(val)} ({' '.join(val)}): quote a "
-                          f"value that holds spaces")
+        dashed = [v for v in val[1:] if re.fullmatch(r"-[A-Za-z_][\w-]*(=.*)?", v)]
+        fix = (f"'{dashed[0]}' has one dash: write --{dashed[0][1:]}" if dashed else
+               "quote a value that holds spaces")
+        raise ConfigError(f"--{key} takes one value, not {len(val)} ({' '.join(val)}): {fix}")
     try:
         return coerce(cls, key, val)
     except ConfigError:

@@ -50,6 +50,30 @@ def test_list_settings_are_written_either_way():
         parse_overrides(["--config", "a", "b"])
 
 
+def test_a_value_that_looks_like_a_one_dash_flag_is_named():
+    """The tutorial's own typo: ``--num_epochs 10 -enable_benchy``."""
+    with pytest.raises(ConfigError, match=r"--num_epochs takes one value, not 2 \(10 "
+                       r"-enable_benchy\): '-enable_benchy' has one dash: write --enable_benchy"):
+        build_config(VIT, "base", parse_overrides(["--num_epochs", "10", "-enable_benchy"])[1])
+    with pytest.raises(ConfigError, match="quote a value"):  # a negative number is a value
+        build_config(VIT, "base", parse_overrides(["--lr", "0.1", "-2"])[1])
+
+
+def test_a_setting_and_its_tutorial_name_given_together_must_agree():
+    c = build_config(VIT, "mp", {"row_parallel_size": "2", "tensor_parallel": "2"})
+    assert c.tensor_parallel == 2
+    with pytest.raises(ConfigError, match=r"--row_parallel_size is --tensor_parallel, and both are "
+                       r"given \(row_parallel_size=2, tensor_parallel=1; command line\): keep one"):
+        build_config(VIT, "mp", {"row_parallel_size": "2", "tensor_parallel": "1"})
+
+
+def test_the_tutorials_loader_names_are_this_projects():
+    assert build_config(VIT, "short", {"data_loader_config": "pytorch"}).data_loader_config \
+        == "lowmem"
+    assert build_config(VIT, "short", {"data_loader_config": "dali"}).data_loader_config \
+        == "dali-lowmem"
+
+
 def test_reference_flags():
     _, ov = parse_overrides(["--enable_amp", "--enable_apex", "--num_epochs", "3"])
     c = build_config(UNET, "base", ov)
@@ -87,6 +111,8 @@ def test_environment_variables(monkeypatch):
     ("base", {"head_bias": "maybe"}, "head_bias='maybe' is not a boolean"),
     ("base", {"img_size": "[16, 3.5]"}, "img_size[1]=3.5 is not an integer"),
     ("base", {"data_loader_config": "inmen"}, "did you mean 'inmem'"),
+    ("base", {"data_loader_config": "DALI"}, "did you mean 'dali'?"),  # case aside; an alias
+    ("base", {"data_loader_config": "gpu"}, "dali-inmem, device: choose one of these"),
     ("base", {"name": "other"}, "'name' is not a setting (command line)"),
     ("base", {"yaml_path": "x.yaml"}, "chosen with --config and --yaml_config"),
     ("base", {"lr": "nan"}, "lr='nan' is not a finite number"),

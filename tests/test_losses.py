@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tasks.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
-from engine.lr_schedule import build_scheduler, describe, lr_at, peak_lr
+from engine.lr_schedule import build_scheduler, check_end, describe, lr_at, peak_lr
 
 
 def test_weighted_rmse_by_hand():
@@ -99,3 +99,20 @@ def test_lr_schedule_values():
         opt.step()
         sched.step()
     assert seen == pytest.approx([lr_at(s, 2.0, 0.0, 3, 10) for s in range(10)])
+
+
+def test_an_end_lr_above_the_peak_is_refused_before_the_run_starts(tmp_path):
+    from conftest import ROOT
+    from engine.runtime import setup_runtime
+    from settings.errors import ConfigError
+    from settings.parse import build_config
+
+    check_end(1e-3, 1e-3, 64, 16, "none")  # a flat schedule: allowed
+    with pytest.raises(ConfigError, match=r"end_lr=0.003 is above the peak learning rate 0.002 "
+                       r"\(lr 0.001 scaled \(sqrt\) to global batch 64\): .* set --end_lr below"):
+        check_end(1e-3, 3e-3, 64, 16, "sqrt")
+    cfg = build_config(f"{ROOT}/config/UNet.yaml", "short",
+                       {"end_lr": "1", "expdir": str(tmp_path / "logs")})
+    with pytest.raises(ConfigError, match="end_lr=1 is above the peak learning rate"):
+        setup_runtime(cfg)
+    assert not (tmp_path / "logs").exists()

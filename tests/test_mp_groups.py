@@ -101,7 +101,9 @@ def test_invalid_configs(kwargs, message):
 
 
 def test_build_groups_needs_distributed_for_model_parallel():
-    with pytest.raises(ValueError, match="tensor_parallel=2 x context_parallel=1 = 2 does not divide world size 1"):
+    with pytest.raises(ValueError, match=r"tensor_parallel=2 x context_parallel=1 = 2 does not divide "
+                       r"world size 1 .*: launch a multiple of 2 ranks, or make tensor_parallel x "
+                       r"context_parallel a divisor of 1"):
         build_groups(tensor_parallel=2)
     with pytest.raises(ValueError, match=r"world size 4 was requested but the process group has 1 rank\(s\)"):
         build_groups(4, 2, 2)

@@ -36,14 +36,28 @@ def test_lines_at_log_points_and_every_30_s_with_rate_and_eta(caplog):
         clock.t += 25
         p.step(23)  # 25 s after the last line: none
         clock.t += 6
-        p.step(24)  # 31 s: a line, with the log point's loss
+        p.step(24, lr=9e-4)  # 31 s: a line, with the log point's loss and the current rate
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     # 2 steps x 8 samples in 20 s; 78 steps left at 10 s each
     assert lines[0] == ("Epoch 2 step 22/100 (22%): 0.8 samples/s, train loss 0.5, lr 0.001, "
                         "epoch ETA 13m00s")
-    assert lines[1].startswith("Epoch 2 step 24/100 (24%): 0.6 samples/s, train loss 0.5,")
+    assert lines[1].startswith("Epoch 2 step 24/100 (24%): 0.6 samples/s, "
+                               "train loss 0.5 (at step 22), lr 0.0009,")
     assert lines[1].endswith("epoch ETA 17m19s")  # 41 s for the 3 steps after the first, 76 left
+
+
+def test_a_loss_from_the_epoch_before_says_so(caplog):
+    clock = Clock()
+    p = Progress(steps_per_epoch=10, global_batch=8, enabled=True, clock=clock)
+    p.start_epoch(0, 0, last=10)
+    p.step(10, loss=0.5, lr=1e-3)
+    p.start_epoch(1, 0, last=10)
+    with caplog.at_level(logging.INFO, logger="train"):
+        clock.t += 31
+        p.step(1, lr=8e-4)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "train loss 0.5 (at epoch 1 step 10), lr 0.0008, " in line
 
 
 def test_the_eta_leaves_out_the_epochs_first_step(caplog):
@@ -103,7 +117,8 @@ def test_no_placeholder_loss_before_the_first_log_point(caplog):
         p.step(11)  # the log point's loss is carried
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "Epoch 1 step 1/100 (1%): 0.3 samples/s, epoch ETA 51m09s"
-    assert "train loss 0.25, lr 0.001" in lines[1] and "train loss 0.25, lr 0.001" in lines[2]
+    assert "train loss 0.25, lr 0.001" in lines[1]
+    assert "train loss 0.25 (at step 10), lr 0.001" in lines[2]
     assert not any("nan" in line for line in lines)
 
 
@@ -130,7 +145,8 @@ class SlowLoader:
 
 def _trainer(cls, tmp_path, era5_root, **kw):
     ov = {k.lstrip("-"): v for k, v in zip(TINY_VIT[::2], TINY_VIT[1::2])}
-    ov.update(data_root=era5_root, expdir=str(tmp_path), num_epochs="1", log_every="100", **kw)
+    ov.update(data_root=era5_root, expdir=str(tmp_path), num_epochs="1", log_every="100")
+    ov.update(kw)
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
     return cls(cfg, setup_runtime(cfg))
 
@@ -163,6 +179,27 @@ def test_a_slow_loader_shows_its_share_of_the_epoch(tmp_path, era5_root):
     tr.loaders.close()
     assert f"Waited for data {100 * stats.data_wait:.0f}% of the epoch (fetching batches)" \
         in open(os.path.join(tr.run_dir, "out.log")).read()
+
+
+def test_a_timed_line_shows_the_learning_rate_of_the_step_to_come(tmp_path, era5_root):
+    """Between log points a line comes every 30 s (here: after every step); its rate is the
+    optimizer's for the next step, computed on the host, the loss that of the last log point."""
+    tr = _trainer(Trainer, tmp_path, era5_root, log_every="3", warmup_steps="2")
+    tr.progress.every_s = 0
+    rates = []
+    step = tr.progress.step
+    tr.progress.step = lambda *a, **kw: (rates.append(tr.optimizer.param_groups[0]["lr"]),
+                                         step(*a, **kw))
+    tr.train_epoch()
+    tr.loaders.close()
+    log = open(os.path.join(tr.run_dir, "out.log")).read()
+    lines = [line for line in log.splitlines() if " step " in line and "ETA" in line]
+    assert len(lines) == len(rates) == tr.steps_per_epoch >= 5  # one line a step, no repeat
+    for i, (line, rate) in enumerate(zip(lines, rates), start=1):
+        assert f"lr {rate:.3g}, " in line, (line, rate)
+        if 3 < i < len(lines) and i % 3:  # between log points (the last: the epoch's window)
+            assert f" (at step {i - i % 3}), " in line, line
+    assert len(set(rates)) >= len(rates) - 1  # warm-up, then the cosine
 
 
 class Event:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -62,11 +63,42 @@ def check_report(d, world_size=1):
 # ----------------------------------------------------------------------------- rules
 
 
-def test_trial_sizes_fit_in_one_pass_of_the_loader():
+def test_trial_sizes_fit_in_one_pass_of_the_loader_short_of_its_lookahead():
     assert tp.trial_sizes(100) == (2, 20)
-    assert tp.trial_sizes(19) == (2, 17)
-    assert tp.trial_sizes(2) == (1, 1)
+    assert tp.trial_sizes(19) == (2, 16)
+    assert tp.trial_sizes(19, lag=2) == (2, 15)
+    assert tp.trial_sizes(3) == (1, 1)
+    assert tp.trial_sizes(2) == (0, 1)
     assert tp.trial_sizes(1) == (0, 1)
+
+
+class SlowBatches:
+    """The batches of ``loader``, each fetched ``delay_s`` late."""
+
+    def __init__(self, loader, delay_s):
+        self.batches, self.delay_s = list(loader), delay_s
+
+    def __iter__(self):
+        for b in self.batches:
+            time.sleep(self.delay_s)
+            yield b
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_io_counts_only_batches_fetched_inside_its_window(tmp_path, era5, steps):
+    """Batches are fetched a step ahead: in a short epoch a window reaching the pass's end
+    would hold fewer fetches than batches (an epoch of 4 steps: IO at 2x the loader's rate,
+    of 2 steps: no fetch timed at all)."""
+    cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=1, limit_nsamples=4 * steps)
+    tr = Trainer(cfg, setup_runtime(cfg))
+    try:
+        assert tr.steps_per_epoch == steps
+        tr.loaders.train = SlowBatches(tr.loaders.train, delay_s=0.25)
+        loader_rate = tr.rt.local_batch / 0.25
+        io = tp.measure(tr)["IO"]
+    finally:
+        tr.loaders.close()
+    assert all(0.3 * loader_rate < r < 1.2 * loader_rate for r in io), (io, loader_rate)
 
 
 def test_aggregate_sums_ranks_and_counts_a_model_replica_once():
@@ -171,7 +203,7 @@ def test_trials_train_and_the_state_is_put_back(tmp_path, era5):
     cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=5, dropout=0.1, throughput_report="true")
     tr = Counting(cfg, setup_runtime(cfg))
     tr.fit()
-    warmup, timed = tp.trial_sizes(tr.steps_per_epoch)
+    warmup, timed = tp.trial_sizes(tr.steps_per_epoch, tr.agreement.lag)
     assert tr.trial_steps == 2 * tp.ROUNDS * (warmup + timed)  # SYNTHETIC and FULL
     final = torch.load(os.path.join(tr.ckpt_dir, "ckpt_00000005.pt"), weights_only=True)
     after = tr.model.state_dict()
@@ -190,8 +222,6 @@ def test_trials_train_and_the_state_is_put_back(tmp_path, era5):
 
 def test_the_summarys_seconds_leave_the_report_out(tmp_path, era5, monkeypatch):
     """The closing line's "s of training and validation" ends before the report's passes."""
-    import time
-
     monkeypatch.setattr(tp, "run", lambda trainer: time.sleep(2.0))  # a report of 2 s
     cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=2, throughput_report="true")
     tr = Trainer(cfg, setup_runtime(cfg))
