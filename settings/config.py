@@ -237,7 +237,8 @@ class ViTConfig(Config):
     dt: int = _f(1, "forecast lead in 6-hour steps", min=1)
     limit_nsamples: Optional[int] = _f(None, "use this many training pairs, spread evenly over "
                                        "the years", min=1)
-    limit_nsamples_val: Optional[int] = _f(None, "use this many validation pairs", min=1)
+    limit_nsamples_val: Optional[int] = _f(None, "use this many validation pairs, spread evenly "
+                                           "over the years", min=1)
     synthetic_steps_per_year: int = _f(240, "time steps per year when synthesizing data", min=2)
     _group("model parallelism")
     tensor_parallel: int = _f(1, "ranks that split each layer's weights (heads, MLP width)", min=1,
