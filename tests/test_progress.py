@@ -50,13 +50,15 @@ def test_lines_at_log_points_and_every_30_s_with_rate_and_eta(caplog):
 def test_a_loss_from_the_epoch_before_says_so(caplog):
     clock = Clock()
     p = Progress(steps_per_epoch=10, global_batch=8, enabled=True, clock=clock)
-    p.start_epoch(0, 0, last=10)
-    p.step(10, loss=0.5, lr=1e-3)
-    p.start_epoch(1, 0, last=10)
     with caplog.at_level(logging.INFO, logger="train"):
+        p.start_epoch(0, 0, last=10)
+        p.step(10, loss=0.5, lr=1e-3)
+        p.start_epoch(1, 0, last=10)
         clock.t += 31
         p.step(1, lr=8e-4)
-    (line,) = [r.getMessage() for r in caplog.records]
+    first, line = [r.getMessage() for r in caplog.records]
+    assert first.startswith("Epoch 1 step 10/10") and "train loss 0.5, lr 0.001, " in first
+    assert line.startswith("Epoch 2 step 1/10")
     assert "train loss 0.5 (at epoch 1 step 10), lr 0.0008, " in line
 
 

@@ -93,8 +93,8 @@ def test_io_counts_only_batches_fetched_inside_its_window(tmp_path, era5, steps)
     tr = Trainer(cfg, setup_runtime(cfg))
     try:
         assert tr.steps_per_epoch == steps
-        tr.loaders.train = SlowBatches(tr.loaders.train, delay_s=0.25)
-        loader_rate = tr.rt.local_batch / 0.25
+        tr.loaders.train = SlowBatches(tr.loaders.train, delay_s=0.1)
+        loader_rate = tr.rt.local_batch / 0.1
         io = tp.measure(tr)["IO"]
     finally:
         tr.loaders.close()
