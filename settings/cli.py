@@ -15,7 +15,7 @@ import typing
 
 from settings.config import CONFIG_CLASSES, Config, default_value, field_types, identity_fields
 from settings.parse import (FLAG_ALIASES, SETTING_ALIASES, VALUE_ALIASES, build_config,
-                            load_yaml_configs, parse_overrides)
+                            load_yaml_configs, parse_overrides, value_text)
 from settings.errors import ConfigError, refuse
 
 WIDTH = 100
@@ -49,16 +49,6 @@ def _type_text(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _value_text(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, str):
-        return repr(v) if v == "" or " " in v else v
-    return str(v).replace(" ", "")
-
-
 def settings_help(cfg: Config) -> str:
     """Every setting of ``cfg``'s class: group headers, then per setting a line
     ``--name TYPE = value`` (``*`` after a value that differs from the built-in default) and its
@@ -75,7 +65,7 @@ def settings_help(cfg: Config) -> str:
             lines += ["", f"{group[0].upper()}{group[1:]}:"]
         value = getattr(cfg, f.name)
         mark = " *" if value != default_value(cls, f.name) else ""
-        lines.append(f"  --{f.name} {_type_text(types[f.name])} = {_value_text(value)}{mark}")
+        lines.append(f"  --{f.name} {_type_text(types[f.name])} = {value_text(value)}{mark}")
         lines += textwrap.wrap(f.metadata["help"], WIDTH, initial_indent=" " * 6,
                                subsequent_indent=" " * 6)
     return "\n".join(lines)
@@ -104,7 +94,7 @@ def usage(prog: str, yaml_path: str, cfg: Config) -> str:
         "Spellings kept from the tutorial:",
     ]
     for alias, (target, value) in FLAG_ALIASES.items():
-        head.append(f"  --{alias:<22} = --{target} {_value_text(value)}")
+        head.append(f"  --{alias:<22} = --{target} {value_text(value)}")
     for alias, target in SETTING_ALIASES.items():
         head.append(f"  --{alias:<22} = --{target}")
     for (key, alias), target in VALUE_ALIASES.items():

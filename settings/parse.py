@@ -120,6 +120,17 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(text.split())
 
 
+def value_text(v) -> str:
+    """A value as it is written in YAML or on the command line (``true``, ``null``, ``[1,2]``)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return repr(v) if v == "" or " " in v else v
+    return str(v).replace(" ", "")
+
+
 def nearest(name: str, choices, listed: bool = False) -> str:
     """'did you mean ...?' with the closest of ``choices`` (letter case aside), else the valid
     ones (or, where the message ``listed`` them already, a word to pick one)."""
@@ -213,8 +224,8 @@ def _coerce_item(key, value, tp, meta):
             else _coerce_scalar(key, value, type(choices[0]))
         if v not in choices:
             aliases = [alias for (k, alias) in VALUE_ALIASES if k == key]
-            raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(str, choices))}: "
-                              f"{nearest(str(v), [str(c) for c in choices] + aliases, listed=True)}")
+            raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(value_text, choices))}: "
+                              f"{nearest(str(v), [value_text(c) for c in choices] + aliases, listed=True)}")
         return v
     v = _coerce_scalar(key, value, tp)
     _check_bounds(key, v, meta)

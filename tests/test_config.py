@@ -113,6 +113,7 @@ def test_environment_variables(monkeypatch):
     ("base", {"data_loader_config": "inmen"}, "did you mean 'inmem'"),
     ("base", {"data_loader_config": "DALI"}, "did you mean 'dali'?"),  # case aside; an alias
     ("base", {"data_loader_config": "gpu"}, "dali-inmem, device: choose one of these"),
+    ("base", {"resume": "maybe"}, "resume='maybe' is not one of false, true, auto"),  # as typed
     ("base", {"name": "other"}, "'name' is not a setting (command line)"),
     ("base", {"yaml_path": "x.yaml"}, "chosen with --config and --yaml_config"),
     ("base", {"lr": "nan"}, "lr='nan' is not a finite number"),

@@ -302,6 +302,16 @@ def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
     bad = _cfg(era5_root, tmp_path / "c", init_from=str(tmp_path / "missing.pt"))
     with pytest.raises(ConfigError, match="init_from=.*missing.pt: no such file"):
         Trainer(bad, setup_runtime(bad))
+    # this project's own checkpoint is in this model's layout: reordering its head would
+    # scramble it, so it is refused and --resume_from named
+    trainer.fit()
+    trainer.loaders.close()
+    ckpt = os.path.join(trainer.ckpt_dir, sorted(os.listdir(trainer.ckpt_dir))[-1])
+    own = _cfg(era5_root, tmp_path / "d", init_from=ckpt)
+    with pytest.raises(ConfigError, match=f"init_from={re.escape(ckpt)} is a checkpoint of this "
+                       f"project, not the tutorial's weights: continue its run with "
+                       f"--resume_from {re.escape(ckpt)}"):
+        Trainer(own, setup_runtime(own))
 
 
 def test_global_batch_must_divide_ranks(monkeypatch, era5_root, tmp_path):
