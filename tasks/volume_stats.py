@@ -243,7 +243,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
             raise DataError(f"{where}: a box of side {side} is smaller than the U-Net's 2^levels="
                             f"{align}: score a larger volume")
         notes.append(f"note: the box side {side} is not a multiple of 2^levels={align}: the "
-                     f"first {cut}^3 voxels are scored")
+                     f"first {cut}^3 voxels are scored; the cut box is not periodic, so its "
+                     f"power spectra gain power at high k from the cut edges")
         x, y = x[..., :cut, :cut, :cut], y[..., :cut, :cut, :cut]
         side = cut
     tile = min(opts.tile or cfg.data_size, side)

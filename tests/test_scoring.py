@@ -640,3 +640,19 @@ def test_one_process_refuses_a_missing_run_at_once_and_ranks_refuse_it_together(
     assert score_command.read_command_line(["--run", missing]).run == missing
     with pytest.raises(score_command.ConfigError, match="no such run directory"):
         score_command.find_checkpoint(missing)
+
+
+def test_a_box_off_the_unets_grid_is_cut_and_the_note_names_the_spectra(unet_run, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A 40^3 box for a 5-level U-Net (2^5 = 32): its first 32^3 voxels are scored, and the note
+    says that the cut box, no longer periodic, gains power at high k."""
+    import score as score_command
+    monkeypatch.setattr("observe.score_report.draw", no_plots)
+    root = write_cosmo_pair(tmp_path / "odd", side=40)
+    out = str(tmp_path / "scores")
+    score_command.main(["--run", unet_run, "--data_root", root, "--out", out])
+    printed = capsys.readouterr().out
+    assert "note: the box side 40 is not a multiple of 2^levels=32: the first 32^3 voxels are " \
+           "scored; the cut box is not periodic, so its power spectra gain power at high k " \
+           "from the cut edges" in printed, printed[-2000:]
+    assert json.load(open(os.path.join(out, "scores.json")))["meta"]
