@@ -76,7 +76,7 @@ def load_reference_weights(model: torch.nn.Module, path: str, from_reference) ->
                           f"tutorial model's state_dict() with torch.save")
     if isinstance(sd.get("model"), dict) and "config" in sd and "iteration" in sd:
         # this project's own checkpoint: its weights are in this model's layout already, and
-        # the renaming above would scramble them (the ViT head's rows)
+        # the task's renaming (vit_from_reference: the head's rows) would scramble them
         raise ConfigError(f"init_from={path} is a checkpoint of this project, not the tutorial's "
                           f"weights: continue its run with --resume_from {path}")
     for key in ("model_state", "state_dict", "model"):  # a state dict inside a larger record
