@@ -98,7 +98,9 @@ def test_io_counts_only_batches_fetched_inside_its_window(tmp_path, era5, steps)
         io = tp.measure(tr)["IO"]
     finally:
         tr.loaders.close()
-    assert all(0.3 * loader_rate < r < 1.2 * loader_rate for r in io), (io, loader_rate)
+    # each timed fetch sleeps 0.1 s, so a window that times its fetches cannot beat the loader's
+    # rate on any machine (a slower machine only lowers the figure)
+    assert all(0 < r < 1.2 * loader_rate for r in io), (io, loader_rate)
 
 
 def test_aggregate_sums_ranks_and_counts_a_model_replica_once():
