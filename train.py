@@ -60,7 +60,7 @@ from settings.config import Config, to_dict
 from settings.errors import ConfigError, TrainingError, UserError, print_error
 from settings.signals import STOPPED_EXIT_CODE
 from tasks import make_task
-from tasks.reference_weights import load_reference_weights
+from tasks.reference_weights import load_start_weights
 
 log = logging.getLogger("train")
 
@@ -140,8 +140,7 @@ class Trainer:
         model = self.task.build_model()
         warn_slow_paths(model, self.device, cfg.amp_mode, self.memory_format, rt.is_main)
         if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
-            load_reference_weights(model, cfg.init_from, self.task.from_reference)
-            log.info(f"Weights from {cfg.init_from}")
+            log.info(load_start_weights(model, cfg.init_from, self.task.from_reference, cfg))
         if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
             self.start_clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
         parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)

@@ -291,13 +291,14 @@ def _load_dcp_dir(path: str, map_location):
     return state | {"dcp": path}, path
 
 
-def read_tensors(path: str) -> dict:
+def read_tensors(path: str, keys=None) -> dict:
     """The whole tensors of a DCP checkpoint, in this process alone (every rank reads all of
     them): ``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``, the
-    serial layout of a ``.pt`` checkpoint."""
+    serial layout of a ``.pt`` checkpoint; only the entries ``keys`` names (e.g. ``{"model"}``)
+    when given."""
     tensors = {}
     _load_state_dict(tensors, storage_reader=FileSystemReader(path),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     return tensors
 
 

@@ -157,8 +157,10 @@ class Config:
     resume_from: str = _f("", "continue from this checkpoint (a ckpt_<step>.pt file or an FSDP "
                           "run's ckpt_<step>.dcp directory), or the newest in this run directory "
                           "(e.g. one written with another number of ranks)", resume=True)
-    init_from: str = _f("", "start from the weights of a model of the tutorial's own code, saved "
-                        "with torch.save(model.state_dict()) (empty: fresh weights)", resume=True)
+    init_from: str = _f("", "start a new run (step 0, a new optimizer and schedule) from saved "
+                        "weights: a checkpoint of this project (ckpt_<step>.pt or .dcp) or a model "
+                        "of the tutorial's own code saved with torch.save(model.state_dict()) "
+                        "(empty: fresh weights)", resume=True)
     throughput_report: bool = _f(False, "after training, time the loader alone (IO), the model on "
                                  "a cached batch (SYNTHETIC) and both (FULL) and report samples/s",
                                  resume=True)

@@ -1,9 +1,11 @@
-"""Start from weights saved by the tutorial's own models (``init_from``).
+"""Start a new run from saved weights (``init_from``): a checkpoint of this project (a
+``ckpt_<step>.pt`` file or an FSDP run's ``ckpt_<step>.dcp`` directory), whose weights are in
+this model's layout and are taken as they are, or the weights of the tutorial's own models.
 
-What this reads: a model's ``state_dict()`` saved with ``torch.save`` (from under
+The tutorial's weights: a model's ``state_dict()`` saved with ``torch.save`` (from under
 DistributedDataParallel or ``torch.compile`` too), or a checkpoint dict holding one under
-``model_state``, ``state_dict`` or ``model``. Its names and
-layouts differ from ours in three places:
+``model_state``, ``state_dict`` or ``model``. Its names and layouts differ from ours in three
+places:
 
 * ViT head: the tutorial orders each token's outputs as (p, p, C_out), ours as (C_out, p, p);
   the rows of ``head.weight`` (and ``head.bias``, if any) are permuted.
@@ -14,10 +16,14 @@ layouts differ from ours in three places:
 """
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 
+from engine import checkpoint
+from engine.train_state import setting_changes
+from settings.config import to_dict
 from settings.errors import ConfigError
 
 _WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
@@ -60,10 +66,18 @@ def unet_from_reference(sd: dict, levels: int) -> dict:
     return out
 
 
-def load_reference_weights(model: torch.nn.Module, path: str, from_reference) -> None:
-    """Copy the weights of a tutorial model saved at ``path`` into the serial ``model`` (before
-    any sharding), renamed by ``from_reference(sd, model)`` (the task's). Every parameter must be
-    matched: a missing, extra or differently shaped tensor is a ``ConfigError`` naming it."""
+def _read(path: str):
+    """(state dict, this project's checkpoint state or None) saved at ``path``."""
+    if os.path.isdir(path):
+        if not checkpoint.is_sharded(path):
+            raise ConfigError(f"init_from={path} is a directory: give a checkpoint (a "
+                              f"ckpt_<step>.pt file or a ckpt_<step>.dcp directory) or a file "
+                              f"of saved weights")
+        state, _ = checkpoint.load_file(path)
+        if state is None:
+            raise ConfigError(f"init_from={path} does not load (incomplete or damaged; the line "
+                              f"above says why): give an earlier checkpoint of that run")
+        return checkpoint.read_tensors(path, keys={"model"})["model"], state
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -75,23 +89,42 @@ def load_reference_weights(model: torch.nn.Module, path: str, from_reference) ->
         raise ConfigError(f"init_from={path} holds a {type(sd).__name__}, not a state dict: save the "
                           f"tutorial model's state_dict() with torch.save")
     if isinstance(sd.get("model"), dict) and "config" in sd and "iteration" in sd:
-        # this project's own checkpoint: its weights are in this model's layout already, and
-        # the task's renaming (vit_from_reference: the head's rows) would scramble them
-        raise ConfigError(f"init_from={path} is a checkpoint of this project, not the tutorial's "
-                          f"weights: continue its run with --resume_from {path}")
+        return sd["model"], sd  # this project's checkpoint
     for key in ("model_state", "state_dict", "model"):  # a state dict inside a larger record
         if isinstance(sd.get(key), dict):
             sd = sd[key]
-    sd = {_strip(k): v for k, v in sd.items()}
-    sd = from_reference(sd, model)
-    own = model.state_dict()
-    missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-    shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own[k].shape)})"
-              for k in own if k in sd and sd[k].shape != own[k].shape]
+    return {_strip(k): v for k, v in sd.items()}, None
+
+
+def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -> str:
+    """Copy the weights saved at ``path`` into the serial ``model`` (before any sharding) of a
+    new run of ``cfg``; returns the line that says where they came from. The weights of a
+    checkpoint of this project are taken as they are (not its optimizer state, step or
+    schedule: the run starts at step 0); the tutorial's are renamed by ``from_reference(sd,
+    model)`` (the task's). Every parameter must be matched: a missing, extra or differently
+    shaped tensor is a ``ConfigError`` naming it."""
+    sd, own = _read(path)
+    if own is None:
+        sd, line = from_reference(sd, model), f"Weights from {path} (the tutorial's layout)"
+    else:
+        saved = own.get("config", {})
+        if saved.get("model", cfg.model) != cfg.model:
+            raise ConfigError(f"init_from={path} holds the weights of a {saved['model']} "
+                              f"model, and this run trains a {cfg.model} model: give a "
+                              f"checkpoint of a {cfg.model} run")
+        _, differ = setting_changes(saved, to_dict(cfg, identity=False))
+        line = (f"Weights from {path} (step {own['iteration']} of the run of config "
+                f"{saved.get('name') or '?'}); a new run from step 0, with a new optimizer and "
+                f"schedule; settings that differ from that run: {', '.join(differ) or 'none'}")
+    own_sd = model.state_dict()
+    missing, extra = sorted(set(own_sd) - set(sd)), sorted(set(sd) - set(own_sd))
+    shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own_sd[k].shape)})"
+              for k in own_sd if k in sd and sd[k].shape != own_sd[k].shape]
     if missing or extra or shapes:
         hint = (" (the tutorial's ViT head has no bias: set head_bias false)"
-                if missing == ["head.bias"] else "")
+                if own is None and missing == ["head.bias"] else "")
         raise ConfigError(f"init_from={path} does not fit this model: missing {missing}, "
                           f"unexpected {extra}, shapes {shapes}{hint}; use the model settings "
                           f"the weights were trained with")
     model.load_state_dict(sd)
+    return line

@@ -165,7 +165,7 @@ def _trunk(model, x):
 
 
 def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
-    from tasks.reference_weights import load_reference_weights
+    from tasks.reference_weights import load_start_weights
 
     cfg = build_config(VIT, "base", {**SMALL_VIT, "n_out_channels": "3"})
     p, c = cfg.patch_size, 3
@@ -183,7 +183,7 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
 
     torch.manual_seed(1)
     dst = make_task(cfg).build_model()
-    load_reference_weights(dst, str(tmp_path / "vit.pt"), make_task(cfg).from_reference)
+    load_start_weights(dst, str(tmp_path / "vit.pt"), make_task(cfg).from_reference, cfg)
     x = torch.randn(2, 20, 16, 32)
     with torch.no_grad():
         want = _tutorial_vit_output({"head.weight": sd["module.head.weight"]}, src, x, p, c)
@@ -192,16 +192,16 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
 
     with_bias = build_config(VIT, "base", {**SMALL_VIT, "n_out_channels": "3", "head_bias": "true"})
     with pytest.raises(ValueError, match="has no bias: set head_bias false"):
-        load_reference_weights(make_task(with_bias).build_model(), str(tmp_path / "vit.pt"),
-                               make_task(with_bias).from_reference)
+        load_start_weights(make_task(with_bias).build_model(), str(tmp_path / "vit.pt"),
+                           make_task(with_bias).from_reference, with_bias)
     wider = build_config(VIT, "base", {**SMALL_VIT, "embed_dim": "64", "n_out_channels": "3"})
     with pytest.raises(ValueError, match="does not fit this model: .*pos_embed"):
-        load_reference_weights(make_task(wider).build_model(), str(tmp_path / "vit.pt"),
-                               make_task(wider).from_reference)
+        load_start_weights(make_task(wider).build_model(), str(tmp_path / "vit.pt"),
+                           make_task(wider).from_reference, wider)
 
 
 def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
-    from tasks.reference_weights import load_reference_weights
+    from tasks.reference_weights import load_start_weights
 
     cfg = build_config(UNET, "base", {**SMALL_UNET, "full_scale": "true", "data_size": "64"})
     torch.manual_seed(0)
@@ -217,9 +217,9 @@ def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
     torch.save(sd, tmp_path / "unet.pt")
     torch.manual_seed(1)
     dst = make_task(cfg).build_model()
-    load_reference_weights(dst, str(tmp_path / "unet.pt"), make_task(cfg).from_reference)
+    load_start_weights(dst, str(tmp_path / "unet.pt"), make_task(cfg).from_reference, cfg)
     x = torch.randn(1, 4, 64, 64, 64)
     with torch.no_grad():
         assert torch.equal(dst(x), src(x))
     with pytest.raises(ValueError, match="init_from=.*: no such file"):
-        load_reference_weights(dst, str(tmp_path / "none.pt"), make_task(cfg).from_reference)
+        load_start_weights(dst, str(tmp_path / "none.pt"), make_task(cfg).from_reference, cfg)

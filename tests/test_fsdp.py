@@ -402,6 +402,26 @@ def test_partial_and_damaged_sharded_checkpoints_fall_back(fsdp4, tmp_path):
     assert checkpoint.load_latest(str(ckpts))[1].endswith("ckpt_00000002.dcp")
 
 
+def test_init_from_a_sharded_checkpoint_starts_a_serial_run(fsdp4, data, tmp_path):
+    """``--init_from ckpt_<step>.dcp``: the FSDP run's weights, read whole in one process (not its
+    Adam state), start a new run; a damaged one or another directory is refused in one line."""
+    src = ckpt(fsdp4[0]["vit"]["run_dir"], 6)
+    cfg = vit_cfg(data["era5"], str(tmp_path / "tuned"), fsdp=False, init_from=src, num_iters=1)
+    tr = Recording(cfg, setup_runtime(cfg))
+    assert tr.iteration == 0 and not tr.optimizer.state
+    assert_close(tr.model.state_dict(), fsdp4[0]["vit"]["final"], 0, 0, "weight from the shards")
+    tr.fit()
+    tr.loaders.close()
+    assert tr.iteration == 1
+    damaged = tmp_path / "ckpt_00000006.dcp"
+    shutil.copytree(src, damaged)
+    os.remove(damaged / "train_state.pt")
+    for bad, why in ((damaged, "does not load"), (tmp_path, "is a directory")):
+        cfg = vit_cfg(data["era5"], str(tmp_path / "bad"), fsdp=False, init_from=str(bad))
+        with pytest.raises(ValueError, match=f"init_from={bad} {why}"):
+            Recording(cfg, setup_runtime(cfg))
+
+
 def test_convert_command(fsdp4, tmp_path):
     run_ckpts = os.path.dirname(ckpt(fsdp4[0]["vit"]["run_dir"], 6))
     out = tmp_path / "newest.pt"

@@ -283,8 +283,9 @@ def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
 
 
 def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
-    """``--init_from`` puts a saved model's weights into a new run (before parallelism and any
-    step); a resumed run takes its weights from its checkpoint instead."""
+    """``--init_from`` puts a saved model's weights (the tutorial's, or a checkpoint of this
+    project) into a new run (before parallelism and any step); a resumed run takes its weights
+    from its checkpoint instead."""
     cfg = _cfg(era5_root, tmp_path / "a", num_iters="2")
     source = Trainer(cfg, setup_runtime(cfg)).model
     with torch.no_grad():
@@ -302,16 +303,32 @@ def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
     bad = _cfg(era5_root, tmp_path / "c", init_from=str(tmp_path / "missing.pt"))
     with pytest.raises(ConfigError, match="init_from=.*missing.pt: no such file"):
         Trainer(bad, setup_runtime(bad))
-    # this project's own checkpoint is in this model's layout: reordering its head would
-    # scramble it, so it is refused and --resume_from named
+    # this project's own checkpoint: its weights in this model's layout, taken as they are (no
+    # reordering of the head), into a new run from step 0 with its own optimizer and schedule
     trainer.fit()
     trainer.loaders.close()
     ckpt = os.path.join(trainer.ckpt_dir, sorted(os.listdir(trainer.ckpt_dir))[-1])
-    own = _cfg(era5_root, tmp_path / "d", init_from=ckpt)
-    with pytest.raises(ConfigError, match=f"init_from={re.escape(ckpt)} is a checkpoint of this "
-                       f"project, not the tutorial's weights: continue its run with "
-                       f"--resume_from {re.escape(ckpt)}"):
-        Trainer(own, setup_runtime(own))
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["iteration"] == 2 and saved["optimizer"]["state"]
+    own = _cfg(era5_root, tmp_path / "d", num_iters="3", lr="2e-4", init_from=ckpt)
+    tuned = Trainer(own, setup_runtime(own))
+    for name, p in tuned.model.named_parameters():
+        assert torch.equal(p, saved["model"][name]), name
+    assert tuned.iteration == 0 and not tuned.optimizer.state
+    assert tuned.optimizer.param_groups[0]["lr"] < tuned.peak_lr  # warm-up from its start
+    log = open(os.path.join(tuned.run_dir, "out.log")).read()
+    assert re.search(rf"Weights from {re.escape(ckpt)} \(step 2 of the run of config quickstart\); "
+                     r"a new run from step 0, with a new optimizer and schedule; settings that "
+                     r"differ from that run: .*lr 0\.001 -> 0\.0002", log), log
+    tuned.fit()
+    tuned.loaders.close()
+    assert tuned.iteration == 3
+    # a checkpoint of the other model family is named as such
+    torch.save(dict(saved, config=dict(saved["config"], model="unet")), tmp_path / "unet.pt")
+    other = _cfg(era5_root, tmp_path / "e", init_from=str(tmp_path / "unet.pt"))
+    with pytest.raises(ConfigError, match="holds the weights of a unet model, and this run "
+                       "trains a vit model: give a checkpoint of a vit run"):
+        Trainer(other, setup_runtime(other))
 
 
 def test_global_batch_must_divide_ranks(monkeypatch, era5_root, tmp_path):
