@@ -104,6 +104,7 @@ def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
     """(run name, how it was chosen) of the run directory this process now holds the lock of."""
     _created.clear()
     _created_run[0] = None
+    _created_log[0] = None
     if cfg.run_num != AUTO:
         run_dir = run_dir_for(cfg, world_size)
         existed = os.path.isdir(run_dir)
@@ -111,6 +112,8 @@ def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
         note = lock_run_dir(run_dir)
         if not existed:
             _created_run[0] = os.path.abspath(run_dir)
+        elif not os.path.exists(os.path.join(run_dir, "out.log")):
+            _created_log[0] = os.path.abspath(os.path.join(run_dir, "out.log"))
         return cfg.run_num, f"--run_num {cfg.run_num}: {note}" if note else ""
     parent = os.path.dirname(run_dir_for(cfg, world_size))
     runs = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
@@ -170,18 +173,26 @@ def _make_dirs(cfg: Config, path: str):
 # fails in set-up removes them again, so that it leaves no run behind (nor uses up its number).
 _created: list[str] = []
 _created_run: list[str | None] = [None]  # the run directory itself, when this process made it
+# the out.log a start in a run directory that existed without one is about to create
+_created_log: list[str | None] = [None]
 
 
 def discard_unstarted_run():
     """After a start that failed before training (in set-up): remove the run directory this
     process created for it (its out.log and lock with it) and the parents it created, when they
-    are empty. A run directory that existed before (a named run, a resumed one) stays."""
+    are empty. A run directory that existed before (a named run, a resumed one) stays, without
+    the out.log this start wrote there when it had none."""
     root = logging.getLogger()
-    for path in reversed(_created):
-        for h in list(root.handlers):  # out.log: closed before its directory goes
-            if isinstance(h, logging.FileHandler) and h.baseFilename.startswith(path + os.sep):
+    for path in [*reversed(_created), *filter(None, _created_log)]:
+        for h in list(root.handlers):  # out.log: closed before it or its directory goes
+            if isinstance(h, logging.FileHandler) and (
+                    h.baseFilename == path or h.baseFilename.startswith(path + os.sep)):
                 root.removeHandler(h)
                 h.close()
+        if path == _created_log[0]:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            continue
         if path == _created_run[0] and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -189,6 +200,7 @@ def discard_unstarted_run():
                 os.rmdir(path)  # only when empty: another run may have come meanwhile
     _created.clear()
     _created_run[0] = None
+    _created_log[0] = None
 
 
 def _cannot_create(cfg: Config, path: str, e: OSError) -> ConfigError:

@@ -34,3 +34,16 @@ def test_a_failed_start_keeps_earlier_runs_and_does_not_use_up_a_number(tmp_path
     r = train(["--data_root", str(tmp_path / "none"), "--synthesize_if_missing", "false",
                "--run_num", "0", "--resume", *args], check=False)
     assert r.returncode != 0 and sorted(os.listdir(run_dir(exp))) == first
+
+
+def test_a_failed_start_in_an_existing_run_directory_adds_no_file_to_it(tmp_path):
+    """A bare --resume of a named run directory that exists but holds nothing (made by hand, or
+    by a job script) is refused, and leaves that directory as it was: no out.log of the
+    refusal."""
+    exp = str(tmp_path / "logs")
+    empty = run_dir(exp, run="mine")
+    os.makedirs(empty)
+    r = train(["--expdir", exp, "--data_root", str(tmp_path / "none"), *TINY_VIT,
+               "--run_num", "mine", "--resume"], check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
+    assert os.listdir(empty) == []
