@@ -110,8 +110,9 @@ class ERA5Dataset(BatchReadDataset):
         load_stats(data_root, max(n_in, n_out))  # refused here, before training, if missing
         # Per file: the pairs it holds, and where its values lie as plain bytes (or None: h5py).
         checked = [self._check_file(f) for f in self.files]
-        self.pairs_per_file = [n for n, _ in checked]
-        self._layouts = [layout for _, layout in checked]
+        self.pairs_per_file = [n for n, _, _ in checked]
+        self._layouts = [layout for _, layout, _ in checked]
+        self.file_rows = min(rows for _, _, rows in checked)  # the stored fields' rows (H)
         self.offsets = np.cumsum([0] + self.pairs_per_file)
         total = int(self.offsets[-1])
         if limit_nsamples is not None and limit_nsamples < total:
@@ -133,7 +134,9 @@ class ERA5Dataset(BatchReadDataset):
         h, w = self.rows[1] - self.rows[0], self.img_size[1]
         return (self.n_in, h, w), (self.n_out, h, w)
 
-    def _check_file(self, path) -> int:
+    def _check_file(self, path) -> tuple:
+        """(pairs, raw layout or None, rows of its fields) of the year file ``path``, or a
+        DataError naming what is wrong with it."""
         h, w = self.img_size
         try:
             with h5py.File(path, "r") as f:
@@ -153,7 +156,7 @@ class ERA5Dataset(BatchReadDataset):
                             f"(C >= {need_c}, H >= {h}, W >= {w}): check img_size and channels")
         if t <= self.dt:
             raise DataError(f"{path} holds {t} steps, not more than dt={self.dt}")
-        return t - self.dt, layout
+        return t - self.dt, layout, fh
 
     def _read_all(self, path):
         (start, stop), w = self.rows, self.img_size[1]

@@ -212,7 +212,7 @@ def sequence_parallel_summary(img_size, patch_size: int, tp: int, cp: int, seque
     if lay.row_bands:
         return (f"Sequence parallelism on: the {rows} patch rows divide by tensor_parallel x context_parallel = "
                 f"{tp * cp}; LayerNorm/residual activations are split over the tensor-parallel ranks "
-                f"({rows // (tp * cp)} patch rows per rank)")
+                f"({rows // (tp * cp)} patch row{'s' if rows // (tp * cp) != 1 else ''} per rank)")
     fit = _fitting_img_size(img_size, patch_size, tp * cp)
     pads = [lay.pad_of(c) for c in range(cp)]
     pad = (f", {'up to ' if min(pads) != max(pads) else ''}{max(pads)} padding token{'s' if max(pads) != 1 else ''} "

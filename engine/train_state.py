@@ -167,7 +167,8 @@ class TrainState:
         if refused:
             raise ConfigError(f"{path} was written with other settings: {'; '.join(refused)}. "
                               f"Resume with the checkpoint's values (config.yaml in its run "
-                              f"directory), or start a new run with another --run_num")
+                              f"directory), or start a new run from its weights: --init_from "
+                              f"{path} (step 0, a new optimizer and schedule)")
         for change in allowed:
             log.info(f"resume: {change}")
 

@@ -225,6 +225,12 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                             f"{cfg.n_out_channels}, so its output cannot be its next input: one "
                             f"lead step")
     notes += [note] if note else []
+    if data.file_rows > cfg.img_size[0] + 1:  # (the tutorial's crop drops one row: the south pole)
+        notes.append(f"note: the data's fields have {data.file_rows} rows and img_size keeps the "
+                     f"first {cfg.img_size[0]}; the latitude weights take those rows to run from "
+                     f"pole to pole (as the tutorial's metric does), so they weight rows as at "
+                     f"other latitudes than theirs: these scores do not compare with whole-globe "
+                     f"ones")
     starts = initial_conditions(year_steps, n_steps * cfg.dt, opts.n_init or N_INIT)
     rank, world = getattr(opts, "rank", 0), getattr(opts, "world_size", 1)
     mine = starts[rank::world]
@@ -351,7 +357,7 @@ def _report(task, rmse, accs, n_steps, n_init, split, notes, has) -> Report:
         parts = []
         for k in leads:
             base = "".join(f" / {rmse[FORECASTS.index(f), k, c]:.4g}" for f in shown[1:])
-            score_acc = f", ACC {accs[0, k, c]:.3f}" if with_acc else ""
+            score_acc = f", model ACC {accs[0, k, c]:.3f}" if with_acc else ""
             parts.append(f"{hours[k]} h {rmse[0, k, c]:.4g}{base}{score_acc}")
         summary.append(f"  {channels[c]} RMSE ({units(channels[c])}), "
                        f"{' / '.join(shown)}: " + "; ".join(parts))

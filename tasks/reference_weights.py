@@ -112,10 +112,12 @@ def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -
             raise ConfigError(f"init_from={path} holds the weights of a {saved['model']} "
                               f"model, and this run trains a {cfg.model} model: give a "
                               f"checkpoint of a {cfg.model} run")
-        _, differ = setting_changes(saved, to_dict(cfg, identity=False))
+        how, what = setting_changes(saved, to_dict(cfg, identity=False))
+        how = [c for c in how if c.split()[0] not in ("init_from", "expdir", "run_num")]
         line = (f"Weights from {path} (step {own['iteration']} of the run of config "
                 f"{saved.get('name') or '?'}); a new run from step 0, with a new optimizer and "
-                f"schedule; settings that differ from that run: {', '.join(differ) or 'none'}")
+                f"schedule. Settings that differ from that run: of what it learns: "
+                f"{', '.join(what) or 'none'}; of how it runs: {', '.join(how) or 'none'}")
     own_sd = model.state_dict()
     missing, extra = sorted(set(own_sd) - set(sd)), sorted(set(sd) - set(own_sd))
     shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own_sd[k].shape)})"

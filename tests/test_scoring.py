@@ -656,3 +656,25 @@ def test_a_box_off_the_unets_grid_is_cut_and_the_note_names_the_spectra(unet_run
            "scored; the cut box is not periodic, so its power spectra gain power at high k " \
            "from the cut edges" in printed, printed[-2000:]
     assert json.load(open(os.path.join(out, "scores.json")))["meta"]
+
+
+def test_a_crop_of_fewer_rows_than_the_data_is_noted_for_its_latitude_weights(vit_run, tmp_path,
+                                                                             monkeypatch, capsys):
+    """img_size keeps the first 16 rows: of 17-row fields (the tutorial's crop, which drops the
+    south pole's row) nothing is said; of 24-row fields the note says that the weights take the
+    kept rows to run from pole to pole. The summary's ACC is named as the model's."""
+    import score as score_command
+    monkeypatch.setattr("observe.score_report.draw", no_plots)
+    for rows, noted in ((17, False), (24, True)):
+        root = write_era5(str(tmp_path / f"era5_{rows}"), years={"valid": [2018]}, steps=8, h=rows)
+        out = str(tmp_path / f"scores_{rows}")
+        score_command.main(["--run", vit_run, "--data_root", root, "--out", out,
+                            "--lead_steps", "2", "--n_init", "2"])
+        printed = capsys.readouterr().out
+        note = (f"note: the data's fields have {rows} rows and img_size keeps the first 16; the "
+                f"latitude weights take those rows to run from pole to pole")
+        assert (note in printed) == noted, printed[-2000:]
+        notes = json.load(open(os.path.join(out, "scores.json")))["notes"]
+        assert any(n.startswith(note) for n in notes) == noted, notes
+        assert re.search(r"z500 RMSE \(m\^2/s\^2\), model / persistence / climatology: 6 h "
+                         r"\S+ / \S+ / \S+, model ACC -?[01]\.\d{3}", printed), printed[-2000:]

@@ -318,8 +318,9 @@ def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
     assert tuned.optimizer.param_groups[0]["lr"] < tuned.peak_lr  # warm-up from its start
     log = open(os.path.join(tuned.run_dir, "out.log")).read()
     assert re.search(rf"Weights from {re.escape(ckpt)} \(step 2 of the run of config quickstart\); "
-                     r"a new run from step 0, with a new optimizer and schedule; settings that "
-                     r"differ from that run: .*lr 0\.001 -> 0\.0002", log), log
+                     r"a new run from step 0, with a new optimizer and schedule\. Settings that "
+                     r"differ from that run: of what it learns: lr 0\.001 -> 0\.0002; of how it "
+                     r"runs: num_iters 2 -> 3\n", log), log
     tuned.fit()
     tuned.loaders.close()
     assert tuned.iteration == 3
