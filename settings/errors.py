@@ -1,6 +1,7 @@
 """Errors caused by user input. Entry scripts print their message on one line and exit non-zero
 (2 for configuration, 1 for data and training), without a traceback."""
 import argparse
+import os
 import sys
 
 
@@ -42,3 +43,32 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         refuse(f"{message} ({self.prog} --help lists the options)")
+
+
+def at_least(low, kind=int):
+    """An argparse ``type``: a ``kind`` (int or float) of ``low`` or more; anything else is refused
+    naming the value and the bound (in OneLineParser's one line)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+            if value != value:  # NaN
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low}: give {low} or more")
+        return value
+    parse.__name__ = f"{kind.__name__} >= {low}"
+    return parse
+
+
+def new_file(text: str) -> str:
+    """An argparse ``type``: the path of an output file that does not exist yet (never written
+    over) in a directory that does."""
+    if os.path.lexists(text):
+        raise argparse.ArgumentTypeError(f"{text} exists: choose another name, or remove it")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: no directory {parent}: create it first")
+    return text
