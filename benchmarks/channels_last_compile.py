@@ -142,12 +142,15 @@ def run_variant(name: str, batch: int, steps: int, lock_path: str, device: str =
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from settings.errors import OneLineParser, at_least, refuse
+
+    p = OneLineParser(prog="python -m benchmarks.channels_last_compile",
+                      description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these variants alone")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    p.add_argument("--jobs", type=int, default=3, help="variants compiled side by side")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per variant")
+    p.add_argument("--batch", type=at_least(1), default=64)
+    p.add_argument("--steps", type=at_least(1), default=20, help="timed steps per variant")
+    p.add_argument("--jobs", type=at_least(1), default=3, help="variants compiled side by side")
+    p.add_argument("--timeout", type=at_least(1.0, float), default=300, help="seconds per variant")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in a child process
     p.add_argument("--lock", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke test
@@ -156,6 +159,10 @@ def main(argv=None):
         print(run_variant(a.variant, a.batch, a.steps, a.lock, a.device), flush=True)
         return
     import torch
+    if a.device == "cuda" and not torch.cuda.is_available():
+        refuse("no CUDA GPU here: this times compiled and eager layouts of the U-Net on a GPU "
+               "(python -m benchmarks.cl_compile_repro --device cpu runs the compile check on a "
+               "CPU)")
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; "
           f"batch {a.batch} x 4 x 64^3, bf16 autocast, fused Adam, {a.steps} timed steps",

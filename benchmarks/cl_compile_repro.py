@@ -225,8 +225,14 @@ def verdict(ev: dict | None, phase: str) -> str:
             + ("same numbers" if ev["same"] else "DIFFERENT numbers"))
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2: no usage block
+        sys.stderr.write(f"error: {message} ({self.prog} --help lists the options)\n")
+        raise SystemExit(2)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python benchmarks/cl_compile_repro.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=64, help="channels of the first level")
     p.add_argument("--max-width", type=int, default=512, help="widths double up to this")
     p.add_argument("--side", type=int, default=64,
@@ -249,6 +255,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.side < 2 or a.side & (a.side - 1):
         p.error(f"--side {a.side}: must be a power of 2")
+    if min(a.width, a.max_width, a.batch) < 1 or a.timeout <= 0:
+        p.error("--width, --max-width and --batch must be 1 or more, --timeout above 0")
+    if a.json and os.path.lexists(a.json) and not a.child:
+        p.error(f"--json {a.json} exists: choose another name, or remove it")
     if a.child:
         child(a)
         return 0

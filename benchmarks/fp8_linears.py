@@ -25,7 +25,6 @@ torchao's emulation (the numbers say nothing about speed: the test runs the whol
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -104,8 +103,9 @@ def measure(recipes: list[str], batch: int, steps: int, budget: float, small: bo
     from engine import fp8_linears
     device = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
     if device.type == "cpu" and not small:
-        raise SystemExit("error: no CUDA GPU here: the mp ViT's steps need one; --small runs a "
-                         "toy ViT on the CPU in torchao's emulation")
+        from settings.errors import refuse
+        refuse("no CUDA GPU here: the mp ViT's steps need one; --small runs a toy ViT on the CPU "
+               "in torchao's emulation")
     for recipe in recipes:
         fp8_linears.check(recipe, device)  # ConfigError: no torchao, no fp8 on this GPU
     t_end = time.monotonic() + budget
@@ -169,23 +169,26 @@ def table(out: dict) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from settings.errors import OneLineParser, at_least, new_file
+
+    p = OneLineParser(prog="python -m benchmarks.fp8_linears", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", choices=["tensorwise", "rowwise"],
                    default=["tensorwise"], help="fp8 variants timed against bf16 "
                    "(default: %(default)s)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=at_least(1), default=None,
                    help="samples per step (default: 8; 2 with --small)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=at_least(1), default=None,
                    help="steps per variant per round (default: 10; 2 with --small)")
-    p.add_argument("--rounds", type=int, default=10,
+    p.add_argument("--rounds", type=at_least(2), default=10,
                    help="timed rounds at most (at least 2 are run) (default: %(default)s)")
-    p.add_argument("--budget", type=float, default=240.0,
+    p.add_argument("--budget", type=at_least(1.0, float), default=240.0,
                    help="seconds for building and timing; variants not built by then are "
                         "skipped, rounds stop (at least 2) (default: %(default)g)")
     p.add_argument("--eager", action="store_true", help="do not compile (--small never does)")
     p.add_argument("--small", action="store_true",
                    help="a toy ViT on the CPU in torchao's emulation, for the tests")
-    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    p.add_argument("--json", type=new_file, default="",
+                   help="also write the rows to this JSON file (a new file)")
     a = p.parse_args(argv)
     from settings.errors import ConfigError
     batch = a.batch or (2 if a.small else 8)

@@ -30,7 +30,6 @@ with ``fsdp_reduce_each_microbatch`` off.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -156,16 +155,18 @@ def overrides(tmp: str, accum: int, reduce_each: bool, ranks: int) -> dict:
 
 
 def main(argv=None):
+    from settings.errors import OneLineParser, at_least, new_file
     from tests.distributed_harness import run_ranks
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.fsdp_accumulation",
-                                 description="FSDP gradient accumulation: reduce-scatter per "
-                                             "micro-batch vs once per step, on gloo ranks")
-    ap.add_argument("--ranks", type=int, default=2, help="gloo ranks (default: %(default)s)")
-    ap.add_argument("--grad_accum_steps", type=int, default=4,
+    ap = OneLineParser(prog="python -m benchmarks.fsdp_accumulation",
+                       description="FSDP gradient accumulation: reduce-scatter per micro-batch vs "
+                                   "once per step, on gloo ranks")
+    ap.add_argument("--ranks", type=at_least(1), default=2, help="gloo ranks (default: %(default)s)")
+    ap.add_argument("--grad_accum_steps", type=at_least(1), default=4,
                     help="micro-batches per step, of one sample each (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps (default: %(default)s)")
-    ap.add_argument("--json", default="", help="also write the figures to this file")
+    ap.add_argument("--steps", type=at_least(1), default=4, help="timed steps (default: %(default)s)")
+    ap.add_argument("--json", type=new_file, default="",
+                    help="also write the figures to this file (a new file)")
     args = ap.parse_args(argv)
     rows = []
     for reduce_each in (True, False):

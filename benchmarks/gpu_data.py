@@ -20,11 +20,12 @@ values instead of datapipe.synthetic's physical models, which take minutes at th
 
 Timing needs the sizes, not the physics: a model trained on these learns nothing. A data set
 already there with the asked shapes is kept (a second run on the same node starts at once);
-every file is written under a temporary name and moved into place.
+every file is written under a temporary name and moved into place. Files are only ever written
+over where this tool wrote them (its HDF5 files say so in an attribute): a data set of other
+shapes, or any other file, in the way is refused in one line, and nothing is written.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ ERA5_STEPS = (200, 48)  # training and validation steps: 192 training samples of
 ERA5_SIZE = (360, 720)  # the tutorial's img_size
 BLOCK = 8  # steps of the repeated ERA5 block
 KINDS = ("cosmo", "era5")
+MARK, MARKED = "written_by", "benchmarks.gpu_data"  # the HDF5 attribute on this tool's files
 
 
 def cosmo_file_names() -> tuple[str, str]:
@@ -60,6 +62,26 @@ def _shape_of(path: str, name: str):
             return f[name].shape if name in f else None
     except OSError:
         return None
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is an HDF5 file this tool wrote."""
+    try:
+        with h5py.File(path, "r") as f:
+            return f.attrs.get(MARK) == MARKED
+    except OSError:
+        return False
+
+
+def check_free(paths, data_files) -> None:
+    """Refuse (ValueError) to write ``paths`` where one exists and not every one of
+    ``data_files`` (the data set's HDF5 files) that exists is this tool's: another data set's
+    files (or its statistics) are never written over."""
+    taken = [p for p in paths if os.path.lexists(p)]
+    foreign = [p for p in data_files if os.path.lexists(p) and not _ours(p)]
+    if taken and (foreign or not any(os.path.lexists(p) for p in data_files)):
+        raise ValueError(f"{(foreign or taken)[0]} exists and was not written by "
+                         f"benchmarks.gpu_data: choose another --out, or move it away")
 
 
 def _replace(path: str, write) -> int:
@@ -97,6 +119,7 @@ def make_cosmo(out_dir: str, sides=COSMO_SIDES, seed: int = 0) -> list[tuple[str
 
         def write(tmp, side=side):
             with h5py.File(tmp, "w") as f:
+                f.attrs[MARK] = MARKED
                 nbody = f.create_dataset("Nbody", (4, side, side, side), np.float32)
                 hydro = f.create_dataset("Hydro", (5, side, side, side), np.float32)
                 for c in range(4):
@@ -154,6 +177,7 @@ def make_era5(out_dir: str, steps=ERA5_STEPS, img_size=ERA5_SIZE, seed: int = 0,
 
         def write(tmp, t=t, block=block):
             with h5py.File(tmp, "w") as f:
+                f.attrs[MARK] = MARKED
                 fields = f.create_dataset("fields", (t, nc, h, w), np.float32)
                 for start in range(0, t, len(block)):
                     stop = min(t, start + len(block))
@@ -210,11 +234,15 @@ def make(out_dir: str, kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
             if has_cosmo(out_dir, cosmo):
                 log(f"data: cosmology boxes {cosmo} already in {out_dir}/cosmo: kept")
                 continue
+            check_free(cosmo_paths(out_dir), cosmo_paths(out_dir))
             written = make_cosmo(out_dir, cosmo)
         else:
             if has_era5(out_dir, era5_steps, era5_size):
                 log(f"data: ERA5 files of {era5_steps} steps already in {out_dir}/era5: kept")
                 continue
+            stats = [os.path.join(out_dir, "era5", "stats", f"{n}.npy")
+                     for n in ("global_means", "global_stds", "time_means")]
+            check_free([*era5_paths(out_dir), *stats], era5_paths(out_dir))
             written = make_era5(out_dir, era5_steps, era5_size)
         total = sum(n for _, n in written)
         log(f"data: {kind} written in {time.perf_counter() - t1:.1f} s, {total / 1e9:.2f} GB: "
@@ -223,22 +251,23 @@ def make(out_dir: str, kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_data",
-                                description=__doc__.split("\n\n")[0])
+    from settings.errors import OneLineParser, at_least, refuse
+
+    p = OneLineParser(prog="python -m benchmarks.gpu_data", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory to write cosmo/ and era5/ into")
     p.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS),
                    help="data sets to make (default: both)")
-    p.add_argument("--cosmo", type=int, nargs=2, default=list(COSMO_SIDES),
+    p.add_argument("--cosmo", type=at_least(2), nargs=2, default=list(COSMO_SIDES),
                    metavar=("TRAIN", "VALID"), help="box sides (default: %(default)s)")
-    p.add_argument("--era5-steps", type=int, nargs=2, default=list(ERA5_STEPS),
+    p.add_argument("--era5-steps", type=at_least(2), nargs=2, default=list(ERA5_STEPS),
                    metavar=("TRAIN", "VALID"), help="steps per file (default: %(default)s)")
-    p.add_argument("--era5-size", type=int, nargs=2, default=list(ERA5_SIZE),
+    p.add_argument("--era5-size", type=at_least(2), nargs=2, default=list(ERA5_SIZE),
                    metavar=("H", "W"), help="grid (default: %(default)s)")
     a = p.parse_args(argv)
     try:
         make(a.out, a.only, a.cosmo, a.era5_steps, a.era5_size)
     except ValueError as e:
-        p.error(str(e))
+        refuse(str(e))
 
 
 if __name__ == "__main__":

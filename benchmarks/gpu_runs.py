@@ -71,7 +71,6 @@ status 1 when any row failed or was skipped (and nothing is written when none su
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import gzip
@@ -93,6 +92,7 @@ if __package__ in (None, ""):  # run as a script: the packages from the reposito
 
 from benchmarks import gpu_data  # noqa: E402
 from observe.profiling import unused_path  # noqa: E402
+from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 540.0  # one call: under the device's 10-minute command limit, with room to spare
@@ -935,6 +935,8 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
         print(f"[{run.series}] {run.label}: {shown(cmd)}", flush=True)
         t0 = time.monotonic()
         os.makedirs(expdir, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # an earlier attempt's (a search's), which
+            os.remove(os.path.join(expdir, "report.json"))  # the report scripts never write over
         code, output = run_logged(cmd, env, timeout)
         writer.log_run(run, cmd, code, time.monotonic() - t0, output)
         if run.kind == "report":
@@ -997,7 +999,7 @@ def _terminated(signum, frame):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.gpu_runs", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(SERIES) + list(RUNS),
                    help="run these series only, in this order (default: all)")
     p.add_argument("--data", default=os.path.join(ROOT, "data", "gpu_bench"),
@@ -1005,27 +1007,23 @@ def main(argv=None):
     p.add_argument("--make-data", action="store_true",
                    help="write the data the chosen series read under --data first (kept when "
                         "already there)")
-    p.add_argument("--cosmo", type=int, nargs=2, default=list(gpu_data.COSMO_SIDES),
+    p.add_argument("--cosmo", type=at_least(2), nargs=2, default=list(gpu_data.COSMO_SIDES),
                    metavar=("TRAIN", "VALID"), help="cosmology box sides (default: %(default)s)")
-    p.add_argument("--era5-steps", type=int, nargs=2, default=list(gpu_data.ERA5_STEPS),
+    p.add_argument("--era5-steps", type=at_least(2), nargs=2, default=list(gpu_data.ERA5_STEPS),
                    metavar=("TRAIN", "VALID"),
                    help="steps of the ERA5 files, 360 x 720 (default: %(default)s)")
     p.add_argument("--out-dir", default=None,
                    help="where the table (GPU.md), the runs' log and the trace go (default: $OUT "
                         "when set, else benchmarks/)")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=at_least(1.0, float), default=None,
                    help="seconds each run may take before it is killed and marked failed "
                         "(default: twice its estimate and 30 s)")
-    p.add_argument("--budget", type=float, default=BUDGET_S,
+    p.add_argument("--budget", type=at_least(1.0, float), default=BUDGET_S,
                    help="seconds for the whole call; runs that would not fit are skipped rows "
                         "(default: %(default)g)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands and their estimates, run nothing")
     a = p.parse_args(argv)
-    if a.timeout is not None and a.timeout <= 0:
-        p.error("--timeout must be a positive number of seconds")
-    if a.budget <= 0:
-        p.error("--budget must be a positive number of seconds")
     runs = select(a.only or CALLS[0])
     data_dir = os.path.abspath(a.data)
     out_dir = a.out_dir or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks")
@@ -1035,7 +1033,7 @@ def main(argv=None):
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("error: no CUDA GPU here: run this on a GPU node (--dry-run prints the commands)")
+        refuse("no CUDA GPU here: run this on a GPU node (--dry-run prints the commands)")
     budget = Budget(a.budget)
     kinds = data_kinds(runs)
     made = ""

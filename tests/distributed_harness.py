@@ -38,7 +38,10 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-import preloaded
+try:
+    import preloaded
+except ModuleNotFoundError:  # imported as tests.distributed_harness (benchmarks/)
+    from tests import preloaded
 
 __all__ = ["run_ranks", "find_free_port", "RankError"]
 

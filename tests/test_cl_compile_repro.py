@@ -48,6 +48,19 @@ def test_a_failure_is_its_exceptions_first_line(tmp_path):
     assert written["markdown"] == "```\n" + "\n".join(lines) + "\n```"
 
 
+def test_bad_input_is_one_line_and_an_existing_json_is_kept(tmp_path):
+    kept = tmp_path / "v.json"
+    kept.write_text("earlier verdicts")
+    for args, says in ((["--json", str(kept)], f"--json {kept} exists: choose another name"),
+                       (["--side", "12"], "--side 12: must be a power of 2"),
+                       (["--batch", "0"], "--batch must be 1 or more")):
+        p = subprocess.run([sys.executable, SCRIPT, *TINY, *args], capture_output=True, text=True,
+                           timeout=120, cwd="/")
+        assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+        assert p.stderr.startswith("error: ") and says in p.stderr, p.stderr
+    assert kept.read_text() == "earlier verdicts"
+
+
 def test_the_root_cause_of_a_chained_exception():
     sys.path.insert(0, f"{ROOT}/benchmarks")
     try:

@@ -2,6 +2,7 @@
 import argparse
 import dataclasses
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -114,3 +115,26 @@ def test_bad_settings_and_help_are_answered_before_torch_loads(script, wrong):
         assert r.stderr.startswith(message) and r.stderr.count("\n") == 2, r.stderr
     else:
         assert script in r.stdout.splitlines()[0], r.stdout[:300]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["benchmarks.fsdp_accumulation", "--ranks", "0"], "argument --ranks: 0 is below 1"),
+    (["benchmarks.mp_memory", "--help"], None),
+    (["benchmarks.channels_last_compile", "--steps", "1"], "no CUDA GPU here"),
+])
+def test_benchmarks_run_as_documented_from_the_repository_root(args, says):
+    """``python -m benchmarks.X`` from the repository, with nothing added to the path (the
+    benchmarks that spawn ranks take the tests' harness): --help works, bad input and a missing
+    GPU are one line and exit code 2."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                       env=env, timeout=120)
+    if says is None:
+        assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+        return
+    if says == "no CUDA GPU here":
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is here: the benchmark would run, not refuse")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {says}"), r.stderr

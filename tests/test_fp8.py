@@ -18,6 +18,7 @@ run is bitwise the uninterrupted one.
 import copy
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -311,7 +312,19 @@ def test_benchmark_times_bf16_against_each_recipe_in_emulation(capsys, tmp_path)
     assert out[-1].startswith("fastest fp8: fp8 ") and "the 1.15x bar" in out[-1]
 
 
-def test_benchmark_without_a_gpu_says_to_use_small():
+def test_benchmark_without_a_gpu_says_to_use_small(tmp_path, capsys):
     from benchmarks import fp8_linears as bench
-    with pytest.raises(SystemExit, match="no CUDA GPU here: .* --small runs a toy ViT"):
+    with pytest.raises(SystemExit) as e:
         bench.main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert re.match("error: no CUDA GPU here: .* --small runs a toy ViT", err), err
+    kept = tmp_path / "rows.json"
+    kept.write_text("earlier rows")
+    for argv, says in ((["--small", "--json", str(kept)], f"argument --json: {kept} exists"),
+                       (["--small", "--rounds", "1"], "argument --rounds: 1 is below 2")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 1
+    assert kept.read_text() == "earlier rows"

@@ -249,6 +249,22 @@ def test_data_maker_writes_files_the_project_loaders_read(tmp_path):
                   log=lines.append)
     assert all(line.endswith(": kept") for line in lines)
     assert os.path.getmtime(gpu_data.era5_paths(out)[0]) == before
+    # Its own files, of other shapes, are written again; anyone else's are refused, untouched.
+    gpu_data.make(out, ("era5",), era5_steps=(5, 4), era5_size=(16, 32), log=lines.append)
+    assert gpu_data.has_era5(out, (5, 4), (16, 32))
+    for n, (kind, where) in enumerate((("era5", lambda d: gpu_data.era5_paths(d)[0]),
+                                       ("era5", lambda d: f"{d}/era5/stats/global_means.npy"),
+                                       ("cosmo", lambda d: gpu_data.cosmo_paths(d)[1]))):
+        root = str(tmp_path / f"other{n}")
+        path = where(root)
+        os.makedirs(os.path.dirname(path))
+        with open(path, "wb") as f:
+            f.write(b"a user's file")
+        with pytest.raises(ValueError, match=f"{re.escape(path)} exists and was not written by "
+                           f"benchmarks.gpu_data: choose another --out, or move it away"):
+            gpu_data.make(root, (kind,), cosmo=(20, 12), era5_steps=(6, 4),
+                          era5_size=(16, 32), log=lines.append)
+        assert open(path, "rb").read() == b"a user's file"
 
 
 # ------------------------------------------------------------------------------ the parsers
@@ -758,14 +774,33 @@ def test_budget_gives_timeouts_and_skips():
 def test_refuses_without_a_gpu_and_changes_nothing(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(SystemExit, match="error: no CUDA GPU here"):
+    with pytest.raises(SystemExit) as e:
         gpu_runs.main(["--out-dir", str(out), "--make-data", "--data", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: no CUDA GPU here") and err.count("\n") == 1
     assert not out.exists() and not (tmp_path / "d").exists()
-    for bad, says in ((["--timeout", "0"], "--timeout must be a positive number"),
-                      (["--budget", "-1"], "--budget must be a positive number")):
-        with pytest.raises(SystemExit):
+    for bad, says in ((["--timeout", "0"], "argument --timeout: 0 is below 1.0"),
+                      (["--budget", "-1"], "argument --budget: -1 is below 1.0"),
+                      (["--cosmo", "1", "8"], "argument --cosmo: 1 is below 2")):
+        with pytest.raises(SystemExit) as e:
             gpu_runs.main(["--out-dir", str(out)] + bad)
-        assert says in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 1
+
+
+def test_the_data_makers_refusals_are_one_line_and_change_nothing(tmp_path, capsys):
+    taken = tmp_path / "d" / "era5" / "train" / "2014.h5"
+    taken.parent.mkdir(parents=True)
+    taken.write_bytes(b"a user's file")
+    for argv, says in ((["--out", str(tmp_path / "d"), "--only", "era5", "--era5-steps", "4",
+                         "2", "--era5-size", "8", "16"], f"{taken} exists and was not written"),
+                       (["--out", str(tmp_path / "e"), "--era5-size", "1", "16"],
+                        "argument --era5-size: 1 is below 2")):
+        with pytest.raises(SystemExit) as e:
+            gpu_data.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 1
+    assert taken.read_bytes() == b"a user's file" and not (tmp_path / "e").exists()
 
 
 def test_reads_the_start_lines_as_train_py_wraps_them(monkeypatch):
