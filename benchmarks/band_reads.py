@@ -28,7 +28,6 @@ Measurements are interleaved over ``--rounds`` rounds; samples/s is the best rou
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, ROOT)
 
 from distributed.parallelize import token_layout  # noqa: E402
 from datapipe import synthetic  # noqa: E402
+from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
 from settings.parse import build_config  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
 
@@ -142,16 +142,19 @@ class Reader:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.band_reads", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.band_reads", description=__doc__.split("\n")[0])
     p.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS,
                    help="TPxCP or TPxCP@HEIGHT (image cropped to HEIGHT rows)")
-    p.add_argument("--img_size", type=int, nargs=2, default=[360, 720], metavar=("H", "W"),
-                   help="image size of the synthetic files (default: %(default)s)")
-    p.add_argument("--years", type=int, default=2, help="training year files")
-    p.add_argument("--steps", type=int, default=12, help="time steps per year file")
-    p.add_argument("--batch", type=int, default=2, help="local batch size")
-    p.add_argument("--batches", type=int, default=6, help="batches per measurement")
-    p.add_argument("--rounds", type=int, default=3, help="repeats of each measurement (mean)")
+    p.add_argument("--img_size", type=at_least(1), nargs=2, default=[360, 720],
+                   metavar=("H", "W"), help="image size of the synthetic files (default: %(default)s)")
+    p.add_argument("--years", type=at_least(1), default=2, help="training year files")
+    p.add_argument("--steps", type=at_least(2), default=12,
+                   help="time steps per year file (2 or more: a sample is a pair)")
+    p.add_argument("--batch", type=at_least(1), default=2, help="local batch size")
+    p.add_argument("--batches", type=at_least(1), default=6, help="batches per measurement")
+    p.add_argument("--rounds", type=at_least(1), default=3,
+                   help="repeats of each measurement: samples/s is the best round, MB read the "
+                        "mean over the rounds")
     p.add_argument("--data", help="directory for the synthetic files (kept); default: a temporary one")
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count())
@@ -159,12 +162,14 @@ def main(argv=None):
     try:
         cases = [parse_layout(s, H) for s in args.layouts]
         for tp, cp, h in cases:
+            if tp < 1 or cp < 1:
+                raise ValueError(f"layout {tp}x{cp} has no ranks: give TP and CP of 1 or more, "
+                                 f"e.g. 4x1")
             if not 0 < h <= H:
                 raise ValueError(f"layout {tp}x{cp}@{h} crops to {h} rows; the files have {H}: "
                                  f"choose a height in 1..{H}")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        refuse(str(e))
 
     data = args.data or tempfile.mkdtemp(prefix="band_reads_")
     try:

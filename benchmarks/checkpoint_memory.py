@@ -18,7 +18,6 @@ shards, as the other ranks' do here).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
@@ -29,6 +28,7 @@ import time
 import torch.multiprocessing as mp
 
 from benchmarks.mp_memory import _resident_bytes
+from settings.errors import ConfigError, OneLineParser, at_least, refuse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,6 +51,17 @@ class Peak:
         return peak
 
 
+def config(args, out: str):
+    """The ``mp_cpu`` config each rank trains, at the given size."""
+    from settings.parse import build_config
+
+    return build_config(os.path.join(ROOT, "config", "ViT.yaml"), "mp_cpu", dict(
+        expdir=out, data_root=os.path.join(out, "data"), fsdp="true", tensor_parallel="2",
+        embed_dim=str(args.embed_dim), depth=str(args.depth), num_iters="2",
+        data_loader_config="synthetic", checkpoint_every="0", global_batch_size="2",
+        base_batch_size="2", log_every="1"))
+
+
 def _rank(rank, world, port, out, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
@@ -62,17 +73,12 @@ def _rank(rank, world, port, out, args, queue):
 
     torch.set_num_threads(1)
     from engine.runtime import setup_runtime
-    from settings.parse import build_config
     from train import Trainer
 
     logging.disable(logging.INFO)
     base = _resident_bytes()
     peak = Peak()
-    cfg = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "mp_cpu", dict(
-        expdir=out, data_root=os.path.join(out, "data"), fsdp="true", tensor_parallel="2",
-        embed_dim=str(args.embed_dim), depth=str(args.depth), num_iters="2",
-        data_loader_config="synthetic", checkpoint_every="0", global_batch_size="2",
-        base_batch_size="2", log_every="1"))
+    cfg = config(args, out)
     tr = Trainer(cfg, setup_runtime(cfg))
     peak.reset()
     tr.train_epoch()
@@ -97,10 +103,16 @@ def _rank(rank, world, port, out, args, queue):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--embed_dim", type=int, default=512, help="the ViT's width")
-    parser.add_argument("--depth", type=int, default=8, help="the ViT's blocks")
+    parser = OneLineParser(prog="python -m benchmarks.checkpoint_memory",
+                           description=__doc__.split("\n\n")[0])
+    parser.add_argument("--embed_dim", type=at_least(1), default=512, help="the ViT's width")
+    parser.add_argument("--depth", type=at_least(1), default=8, help="the ViT's blocks")
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as out:  # the ranks' config, checked before they start
+        try:
+            config(args, out)
+        except ConfigError as e:
+            refuse(f"--embed_dim {args.embed_dim} --depth {args.depth} (the mp_cpu config): {e}")
     world = 4
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

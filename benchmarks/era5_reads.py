@@ -16,8 +16,10 @@ its checks are timed:
 * raw mmap copy: ``np.copyto`` from the files mapped into memory, every page already mapped in
   this process (a copy from the page cache without a system call or a fault; no check);
 * raw h5py: ``read_direct`` of the same hyperslabs (what h5py alone reaches, no check);
-* read_batch before: the dataset as it was (``git show HEAD:datapipe/era5_data.py``: h5py
-  ``read_direct`` per field, then one finite check over the batch);
+* read_batch before: the dataset before reads by offset (``utils/era5_data.py`` of commit
+  4635056, the parent of 48e8702 that brought them in, taken from git: h5py ``read_direct`` per
+  field, then one finite check over the batch; the script refuses to start where git or that
+  commit is not at hand, e.g. in a shallow clone);
 * read_batch now, N threads: reads by offset over N threads, each piece checked as it lands.
 
 Processes 2: two processes (forked, one torch thread each, as loader workers) run the same
@@ -29,14 +31,15 @@ says the second core was busy).
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
+import importlib
+import io
 import mmap
 import multiprocessing as mp
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 
@@ -48,28 +51,54 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from datapipe import era5_data, synthetic  # noqa: E402
+from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
+
+# The read path before reads by offset: the parent of commit 48e8702 ("ERA5 year files stored
+# contiguous as little-endian float32 are read by byte offset"), where the dataset was
+# utils/era5_data.py (with the modules it imports from utils/).
+BEFORE = "46350567505a3996acfde4686ba97168867d1a8d"
+BEFORE_FILES = ("utils/__init__.py", "utils/era5_data.py", "utils/batch_dataset.py",
+                "utils/errors.py")
 
 
 def old_module():
-    """datapipe/era5_data.py as committed (the read path before reads by offset)."""
-    src = subprocess.run(["git", "show", "HEAD:datapipe/era5_data.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    """utils/era5_data.py of commit ``BEFORE`` (the read path before reads by offset), imported
+    from a copy of that commit's files; refused in one line where git or the commit is not at
+    hand."""
+    try:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", BEFORE, *BEFORE_FILES],
+                                 check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", b"") or str(e)
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
+        refuse(f"the 'read_batch before' rows need commit {BEFORE[:7]} of this repository from "
+               f"git ({' '.join(detail.split()) or 'git failed'}): run the script in a git clone "
+               f"with the project's history (git fetch --unshallow in a shallow one)")
+    saved = {k: v for k, v in sys.modules.items() if k == "utils" or k.startswith("utils.")}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "era5_data_before.py")
-        with open(path, "w") as f:
-            f.write(src)
-        spec = importlib.util.spec_from_file_location("era5_data_before", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return mod
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            try:
+                tar.extractall(tmp, filter="data")
+            except TypeError:  # a Python without extraction filters
+                tar.extractall(tmp)
+        sys.path.insert(0, tmp)
+        try:
+            for k in saved:
+                del sys.modules[k]
+            return importlib.import_module("utils.era5_data")
+        finally:  # that commit's package, under its own names only while it is imported
+            sys.path.remove(tmp)
+            for k in [k for k in sys.modules if k == "utils" or k.startswith("utils.")]:
+                del sys.modules[k]
+            sys.modules.update(saved)
 
 
 class Variants:
-    def __init__(self, data, img_size, rows, batch, seed=0):
+    def __init__(self, data, img_size, rows, batch, before, seed=0):
         kw = dict(data_root=data, img_size=img_size, rows=rows)
         self.new = era5_data.ERA5Dataset(os.path.join(data, "train"), **kw)
         assert all(lay is not None for lay in self.new._layouts), "not stored contiguous float32"
-        self.old = old_module().ERA5Dataset(os.path.join(data, "train"), **kw)
+        self.old = before.ERA5Dataset(os.path.join(data, "train"), **kw)
         self.rows, self.w, self.batch = self.new.rows, img_size[1], batch
         self.rng = np.random.default_rng(seed)
         sx, sy = self.new.sample_shapes
@@ -175,18 +204,27 @@ def timed_processes(v: Variants, fn, n_batches, n_proc=2):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--img_size", type=int, nargs=2, default=(360, 720),
+    p = OneLineParser(prog="python -m benchmarks.era5_reads", description=__doc__.splitlines()[0])
+    p.add_argument("--img_size", type=at_least(1), nargs=2, default=(360, 720),
                    help="height and width of the synthetic fields")
-    p.add_argument("--band", type=int, nargs=2, default=(96, 184),
+    p.add_argument("--band", type=at_least(0), nargs=2, default=(96, 184),
                    help="the row band timed beside whole images (a quarter at 4x4 on 360 x 720)")
-    p.add_argument("--steps", type=int, default=12, help="time steps per synthetic year file")
-    p.add_argument("--batch", type=int, default=4, help="samples per batch")
-    p.add_argument("--batches", type=int, default=6, help="batches per measurement")
-    p.add_argument("--rounds", type=int, default=7,
+    p.add_argument("--steps", type=at_least(2), default=12,
+                   help="time steps per synthetic year file (2 or more: a sample is a pair)")
+    p.add_argument("--batch", type=at_least(1), default=4, help="samples per batch")
+    p.add_argument("--batches", type=at_least(1), default=6, help="batches per measurement")
+    p.add_argument("--rounds", type=at_least(1), default=7,
                    help="interleaved rounds; each figure is the best round")
     p.add_argument("--data", help="directory for the synthetic data (kept); default: a temporary one")
     args = p.parse_args(argv)
+    try:
+        era5_data.check_rows(tuple(args.band), args.img_size[0])
+    except ValueError:
+        start, stop = args.band
+        refuse(f"--band {start} {stop} is not a band of the {args.img_size[0]} image rows of "
+               f"--img_size {args.img_size[0]} {args.img_size[1]}: give START STOP with 0 <= START "
+               f"< STOP <= {args.img_size[0]}")
+    before = old_module()
 
     data = args.data or tempfile.mkdtemp(prefix="era5_reads_")
     try:
@@ -203,7 +241,7 @@ def main(argv=None):
         print("| rows | variant | processes | samples/s | GB/s | ratio to raw h5py |")
         print("|---|---|---|---:|---:|---:|")
         for rows in (None, tuple(args.band)):
-            v = Variants(data, tuple(args.img_size), rows, args.batch)
+            v = Variants(data, tuple(args.img_size), rows, args.batch, before)
             cases = [("memory copy", v.copy, 1), ("raw pread", v.pread, 1),
                      ("raw mmap copy", v.mmap, 1), ("raw h5py", v.h5py, 1),
                      ("read_batch before", v.before, 1),

@@ -34,6 +34,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from settings.errors import OneLineParser, refuse  # noqa: E402
+
 UNET = ["--yaml_config", "config/UNet.yaml", "--config", "quickstart"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
@@ -128,8 +133,8 @@ def plot(out: str) -> str:
         sys.exit("error: matplotlib is not installed: pip install -r requirements-plots.txt")
     groups = [g for g in RUNS if _runs(os.path.join(out, g))]
     if not groups:
-        sys.exit(f"error: no runs under {out}: run python -m benchmarks.example_runs --out {out} "
-                 f"first")
+        refuse(f"--out {out}: no runs there to draw: run python -m benchmarks.example_runs "
+               f"--out {out} first")
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.4), squeeze=False)
     for ax, group in zip(axes[0], groups):
         for run_dir in _runs(os.path.join(out, group)):
@@ -147,8 +152,9 @@ def plot(out: str) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m benchmarks.example_runs",
+                      description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for the runs (new or empty) and the "
                    "picture")
     p.add_argument("--only", nargs="+", choices=list(RUNS), help="run these groups only")
@@ -156,10 +162,12 @@ def main(argv=None):
                    "already in --out")
     a = p.parse_args(argv)
     out = os.path.abspath(a.out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        refuse(f"--out {out} is a file, not a directory: name a new directory")
     if not a.plot_only:
         if os.path.exists(out) and os.listdir(out):
-            sys.exit(f"error: --out {out} is not empty: name a new directory (runs already there "
-                     f"are never written over)")
+            refuse(f"--out {out} is not empty: name a new directory (runs already there are "
+                   f"never written over)")
         for group in a.only or RUNS:
             run_group(group, os.path.join(out, group))
     print(f"picture: {plot(out)}")

@@ -11,8 +11,9 @@ Any config key can be overridden (``--key value``, as for train.py). The model's
 ``--data_parallel`` (dp; default 1, world = tp x cp x dp; the local batch is
 ``global_batch_size / dp`` unless ``--local_batch_size`` is given), ``--attention``
 (``flash``, ``efficient`` or ``math``), ``--measure`` (``cuda``: what the allocator holds;
-``cpu``: what the engine's CPU byte count sees), ``--gpu_memory_gb`` (capacity to compare with),
-and ``--json``. The layout is the engine's (``distributed.parallelize.token_layout``):
+``cpu``: what the engine's CPU byte count sees), ``--gpu_memory_gb`` (one GPU's memory in GiB:
+with ``--measure cuda`` the peak is given as a share of it, with the verdict fits or does not
+fit), and ``--json``. The layout is the engine's (``distributed.parallelize.token_layout``):
 ``--sequence_parallel false`` turns sequence parallelism off as it does for train_mp.py.
 
 What is counted (bytes per rank, for one training step of the engine)
@@ -109,7 +110,6 @@ Tested against the CPU byte count (``observe.memory.MemoryProbe``) in tests/test
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -119,7 +119,7 @@ from typing import List, Tuple
 from distributed.groups import ParallelGroups
 from distributed.parallelize import sequence_parallel_summary, validate_vit_layout
 from settings.parse import build_config, parse_overrides
-from settings.errors import ConfigError
+from settings.errors import ConfigError, OneLineParser, at_least, refuse
 from engine.runtime import batch_sizes
 
 ATTENTION = ("flash", "efficient", "math")
@@ -503,7 +503,9 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
                  f"{_gb(p.after_forward)}")
     if p.transient:
         lines.append(f"  {'backward transients (estimate)':<52}{_gb(p.transient)}")
-    share = f"   ({p.peak / GiB / gpu_gb:.0%} of {gpu_gb:g} GiB)" if measure == "cuda" else ""
+    verdict = "fits" if p.peak <= gpu_gb * GiB else "does not fit"
+    share = (f"   ({p.peak / GiB / gpu_gb:.0%} of {gpu_gb:g} GiB: {verdict})"
+             if measure == "cuda" else "")
     grads = "unsharded grads" if p.unsharded_grads else "gradients"
     lines.append(f"  {'peak (after forward + ' + grads + (' + transients)' if p.transient else ')'):<52}"
                  f"{_gb(p.peak)}{share}")
@@ -532,19 +534,20 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_model", add_help=True,
-                                 description="Per-rank memory and communication of the parallel ViT; any "
-                                             "other --key value overrides the config")
+    ap = OneLineParser(prog="python -m benchmarks.memory_model", add_help=True,
+                       description="Per-rank memory and communication of the parallel ViT; any "
+                                   "other --key value overrides the config")
     ap.add_argument("--yaml_config", default="config/ViT.yaml", help="YAML file of configs")
     ap.add_argument("--config", default="mp", help="config to model (default: %(default)s)")
-    ap.add_argument("--data_parallel", type=int, default=1,
+    ap.add_argument("--data_parallel", type=at_least(1), default=1,
                     help="data-parallel ranks beside tp x cp (default: %(default)s)")
     ap.add_argument("--attention", choices=ATTENTION, default="flash",
                     help="flash: CPU flash kernel or CUDA flash; efficient: CUDA memory-efficient; math")
     ap.add_argument("--measure", choices=MEASURE, default="cuda",
                     help="cuda: what the allocator holds; cpu: the engine's CPU byte count")
-    ap.add_argument("--gpu_memory_gb", type=float, default=80.0,
-                    help="memory of one GPU, for the fits / does not fit verdict")
+    ap.add_argument("--gpu_memory_gb", type=at_least(0.1, float), default=80.0,
+                    help="memory of one GPU in GiB (2^30 bytes), for the fits / does not fit "
+                         "verdict of --measure cuda (default: %(default)g)")
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     own, rest = ap.parse_known_args(argv)
     try:
@@ -559,8 +562,7 @@ def main(argv=None):
             raise ConfigError(f"--data_parallel must be >= 1, got {own.data_parallel}")
         p = predict_config(cfg, own.data_parallel, own.attention, own.measure)
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        refuse(str(e))
     if own.json:
         print(json.dumps(asdict(p), indent=1))
     else:

@@ -33,7 +33,6 @@ optimizer's loop, autograd's engine), and ops the rules place nowhere ("other").
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -44,6 +43,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.step_options import time_calls  # noqa: E402
+from settings.errors import OneLineParser, at_least, new_file  # noqa: E402
 
 MODULE_RANGE = "roofline.module:"  # + the module's path below the model ("" for the model)
 OPT_RANGE = "roofline.optimizer"
@@ -388,22 +388,24 @@ def run(small: bool = False, budget: float = 300.0, models=("vit", "unet"),
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true",
                    help="toy models in fp32 on the CPU (seconds), whatever the machine")
-    p.add_argument("--budget", type=float, default=300.0,
+    p.add_argument("--budget", type=at_least(1.0, float), default=300.0,
                    help="seconds for everything; models that no longer fit are skipped "
                         "(default: %(default)g)")
-    p.add_argument("--only", nargs="+", choices=["vit", "unet"], default=["vit", "unet"])
+    p.add_argument("--only", nargs="+", choices=["vit", "unet"], default=["vit", "unet"],
+                   help="the models to measure (default: both)")
     p.add_argument("--memory-format", default="auto",
                    choices=["auto", "contiguous", "channels_last"],
                    help="the U-Net's layout (default: %(default)s, the project's choice: "
                         "channels-last on a GPU in bf16, where its first step autotunes ~45 s)")
-    p.add_argument("--json", default="", help="also write the result to this JSON file")
+    p.add_argument("--json", type=new_file, default=None,
+                   help="also write the result to this JSON file (a new file: never written over)")
     a = p.parse_args(argv)
     result = run(a.small, a.budget, a.only, a.memory_format)
     if a.json:
-        with open(a.json, "w") as f:
+        with open(a.json, "x") as f:
             json.dump(result, f, indent=1)
     print(result["markdown"])
 

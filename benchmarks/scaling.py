@@ -16,8 +16,8 @@ On a machine shared with other work, before each run the script waits up to --ma
 for the other processes to go quiet (under 10% of the cores busy, from /proc/stat); after it,
 it compares the machine's busy time with its own children's CPU time, and a run during which
 other processes took more than --disturbed of the cores is run again (at most --retries times;
-the least disturbed run is kept). results.json keeps every epoch, the best epoch and these
-records.
+the least disturbed run is kept, and marked "(disturbed)" in the tables when it was still
+disturbed). results.json keeps every epoch, the best epoch and these records.
 
 Series (samples/s counts the global batch):
   weak:   fixed local batch per rank, global batch = local x ranks;
@@ -46,6 +46,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "scaling")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
 
 # Per model: YAML, overrides making a step long enough to time, weak local batch, strong global
 # batch, steps per epoch.
@@ -165,17 +169,22 @@ def summarise(epochs):
 
 def measure(point, args, work, log_dir):
     """One point; run again (at most --retries times) while other processes took more than
-    --disturbed of the cores during the run, and keep the least disturbed run."""
+    --disturbed of the cores during the run, and keep the least disturbed run (``disturbed``:
+    whether even that one was)."""
     runs = []
-    for _ in range(1 + args.retries):
+    for attempt in range(1 + args.retries):
         r = run_point(*point, work, log_dir, args.max_wait)
         runs.append(r)
         if r["others_during"] is None or r["others_during"] <= args.disturbed:
             break
+        again = ("running it again" if attempt < args.retries else
+                 f"no retries left (--retries {args.retries}): the least disturbed run is kept, "
+                 f"marked disturbed")
         print(f"    disturbed: other processes used {r['others_during']:.0%} of the cores "
-              f"during the run; running it again", flush=True)
+              f"during the run; {again}", flush=True)
     best = min(runs, key=lambda r: r["others_during"] or 0.0)
     best["attempts"] = len(runs)
+    best["disturbed"] = best["others_during"] is not None and best["others_during"] > args.disturbed
     return best
 
 
@@ -211,8 +220,18 @@ def series(results, model, kind, noddp):
     return out
 
 
+def disturbed_ranks(results, model, kind, noddp) -> set:
+    """The rank counts of a series (as ``series`` picks them) whose kept run was disturbed."""
+    m = MODELS[model]
+    return {r["ranks"] for r in results if r.get("disturbed") and r["model"] == model
+            and (r["noddp"] == noddp or r["ranks"] == 1)
+            and (r["local_batch"] == m["weak_local"] if kind == "weak"
+                 else r["global_batch"] == m["strong_global"])}
+
+
 def tables(results, cores) -> str:
     lines = []
+    marked = False
     for model in MODELS:
         if not any(r["model"] == model for r in results):
             continue
@@ -226,17 +245,25 @@ def tables(results, cores) -> str:
                       "| noddp efficiency | all-reduce share |",
                       "|---:|---:|---:|---:|---:|---:|---:|"]
             ddp, nod = dict(series(results, model, kind, False)), dict(series(results, model, kind, True))
+            bad_ddp = disturbed_ranks(results, model, kind, False)
+            bad_nod = disturbed_ranks(results, model, kind, True)
+            marked = marked or bool(bad_ddp or bad_nod)
             base = ddp.get(1)
             for n in sorted(ddp):
                 g = m["weak_local"] * n if kind == "weak" else m["strong_global"]
                 eff = f"{ddp[n] / (n * base):.0%}" if base else "-"
                 ne = f"{nod[n] / (n * base):.0%}" if base and n in nod else "-"
-                ns = f"{nod[n]:.1f}" if n in nod else "-"
+                ns = f"{nod[n]:.1f}{' (disturbed)' if n in bad_nod else ''}" if n in nod else "-"
+                ds = f"{ddp[n]:.1f}{' (disturbed)' if n in bad_ddp else ''}"
                 share = 1 - ddp[n] / nod[n] if n in nod and n > 1 else None
                 comm = "-" if share is None else f"{share:.0%}" if abs(share) >= 0.005 else "0%"
                 over = " (oversubscribed)" if n > cores else ""
-                lines.append(f"| {n}{over} | {g} | {ddp[n]:.1f} | {eff} | {ns} | {ne} | {comm} |")
+                lines.append(f"| {n}{over} | {g} | {ds} | {eff} | {ns} | {ne} | {comm} |")
             lines.append("")
+    if marked:
+        lines += ["(disturbed): other processes took more than --disturbed of the cores during "
+                  "every run of that point (its least disturbed run is kept): run it again on a "
+                  "quiet machine, or with more --retries", ""]
     return "\n".join(lines)
 
 
@@ -316,11 +343,13 @@ def run_series(args, work):
                 for key in ("others_busy", "others_during"):
                     r[key] = max(r[key] or 0, before[key] or 0)
                 r["attempts"] += before["attempts"]
+                r["disturbed"] = r["disturbed"] or before["disturbed"]
                 r["wall_s"] = round(r["wall_s"] + before["wall_s"], 1)
                 r.update(summarise(r["epochs"]))
             pooled[point] = r
             others = "" if r["others_during"] is None else \
-                f", others used {r['others_during']:.0%} of the cores"
+                f", others used {r['others_during']:.0%} of the cores" + (
+                    ", disturbed" if r["disturbed"] else "")
             print(f"[{rep + 1}.{i + 1}/{len(todo)}] {model} ranks={n} local={b} global={b * n}"
                   f"{' noddp' if noddp else ''}: {r['samples_per_s']:.1f} samples/s "
                   f"(run {r['wall_s']} s{others})", flush=True)
@@ -348,20 +377,45 @@ def read_results(path):
                          f"({type(e).__name__}: {e}): {fix}") from None
 
 
+def model_names(text: str) -> str:
+    """An argparse ``type``: models of MODELS, comma-separated (kept as the text)."""
+    unknown = [m for m in text.split(",") if m not in MODELS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: no model {unknown[0]!r}: choose from "
+                                         f"{', '.join(MODELS)}, comma-separated")
+    return text
+
+
+def rank_counts(text: str) -> str:
+    """An argparse ``type``: rank counts of 1 or more, comma-separated (kept as the text)."""
+    for item in text.split(","):
+        try:
+            n = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not an integer: give rank "
+                                             f"counts such as 1,2,4") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: {n} ranks: give counts of 1 or more, "
+                                             f"e.g. 1,2,4")
+    return text
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="vit,unet", help="models to measure, comma-separated")
-    p.add_argument("--ranks", default="1,2,4", help="rank counts of each series, comma-separated")
+    p = OneLineParser(prog="python -m benchmarks.scaling", description=__doc__.split("\n")[0])
+    p.add_argument("--models", type=model_names, default="vit,unet",
+                   help="models to measure, comma-separated")
+    p.add_argument("--ranks", type=rank_counts, default="1,2,4",
+                   help="rank counts of each series, comma-separated")
     p.add_argument("--out", default=OUT, help="directory of results.json and the plots "
                    "(default: %(default)s)")
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
-    p.add_argument("--max-wait", type=float, default=30,
+    p.add_argument("--max-wait", type=at_least(0.0, float), default=30,
                    help="seconds to wait before each run for other processes to go quiet")
-    p.add_argument("--retries", type=int, default=2,
+    p.add_argument("--retries", type=at_least(0), default=2,
                    help="extra runs of a point that other processes disturbed")
-    p.add_argument("--disturbed", type=float, default=0.1,
+    p.add_argument("--disturbed", type=at_least(0.0, float), default=0.1,
                    help="share of the cores other processes may use during a run")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=at_least(1), default=1,
                    help="run the whole series this many times, pooling each point's epochs")
     p.add_argument("--plot-only", action="store_true",
                    help="only redraw the plots and tables from --out's results.json")
@@ -372,8 +426,7 @@ def main(argv=None):
         try:
             results, cores = read_results(results_path)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
+            refuse(str(e))
     else:
         os.makedirs(args.out, exist_ok=True)
         work = args.work or tempfile.mkdtemp(prefix="scaling-")

@@ -9,12 +9,13 @@ Data: synthetic ERA5 years (``datapipe.synthetic``) at the config's ``img_size``
 temporary directory (removed at the end unless ``--data`` names a directory to keep). The model
 has random weights (nothing is trained: the speed does not depend on the weights).
 
-Three rates, each in samples (one initial condition advanced one step) per second, over the
-same number of samples, ``--n_init`` x the rollout's steps:
+Three rates, each in samples (one initial condition advanced one step) per second, over
+``--n_init`` x the rollout's steps samples:
 
 * forward: the model's forward pass on a batch of ``--batch`` random inputs, in eval and
   inference mode, under the autocast and attention kernels of scoring: what one rollout step
-  costs at best;
+  costs at best (as many whole batches as fit in those samples, at least one; the rate counts
+  the samples they ran);
 * rollout: ``tasks.forecast_skill.rollout`` alone, each step's output the next step's input;
 * scoring: ``tasks.forecast_skill.score`` whole, as ``score.py`` runs it: the stored states
   read from the year files at every lead time, RMSE and ACC of the three forecasts, the report.
@@ -49,6 +50,7 @@ sys.path.insert(0, ROOT)
 
 from datapipe import synthetic  # noqa: E402
 from engine.runtime import check_amp, choose_device  # noqa: E402
+from settings.errors import ConfigError, OneLineParser, at_least, refuse  # noqa: E402
 from settings.parse import build_config  # noqa: E402
 from engine.runtime import AMP_DTYPES  # noqa: E402
 from score import forward_context  # noqa: E402
@@ -57,25 +59,25 @@ from tasks import forecast_skill, make_task  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.score_speed",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m benchmarks.score_speed",
+                      description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="quickstart",
                    help="config of config/ViT.yaml whose model is timed (default quickstart)")
-    p.add_argument("--batch", type=int, default=8,
+    p.add_argument("--batch", type=at_least(1), default=8,
                    help="initial conditions per forward pass, score.py's --batch_size (default 8, "
                         "its default)")
-    p.add_argument("--n_init", type=int, default=16,
+    p.add_argument("--n_init", type=at_least(1), default=16,
                    help="initial conditions scored per round (default 16: two batches of 8)")
-    p.add_argument("--lead_steps", type=int, default=None,
+    p.add_argument("--lead_steps", type=at_least(1), default=None,
                    help="rollout steps (default: 10 days of the model's 6-hour steps, 40 at dt=1)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=at_least(1), default=3,
                    help="rounds of the three measurements; each rate is the best round (default 3)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
                    help="where the model runs (default cpu; auto: a GPU when there is one)")
     p.add_argument("--amp_mode", choices=tuple(AMP_DTYPES), default="none",
                    help="mixed precision of the forward passes (default none: fp32)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=at_least(1), default=None,
                    help="torch's intra-op threads on the CPU (default: torch's choice)")
     p.add_argument("--keep_denormals", action="store_true",
                    help="CPU: compute with subnormal floats, as score.py does, instead of flushing "
@@ -91,8 +93,20 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def config(args, data: str):
+    """The config whose model is timed, its data in ``data``."""
+    return build_config(os.path.join(ROOT, "config", "ViT.yaml"), args.config,
+                        {"data_root": data, "synthesize_if_missing": "false",
+                         "device": args.device, "amp_mode": args.amp_mode})
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
+    try:  # refused before any data is written
+        cfg = config(args, args.data or tempfile.gettempdir())
+        check_amp(cfg, choose_device(cfg, 0))
+    except ConfigError as e:
+        refuse(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     flushed = not args.keep_denormals and torch.set_flush_denormal(True)
@@ -106,9 +120,7 @@ def main(argv=None):
 
 
 def run(args, data: str, flushed: bool):
-    cfg = build_config(os.path.join(ROOT, "config", "ViT.yaml"), args.config,
-                       {"data_root": data, "synthesize_if_missing": "false",
-                        "device": args.device, "amp_mode": args.amp_mode})
+    cfg = config(args, data)
     n_steps = args.lead_steps or forecast_skill.DEFAULT_LEAD_HOURS // (
         forecast_skill.HOURS_PER_STEP * cfg.dt)
     if not os.path.isdir(os.path.join(data, "valid")):
@@ -132,8 +144,12 @@ def run(args, data: str, flushed: bool):
     opts = argparse.Namespace(split="valid", lead_steps=n_steps, n_init=args.n_init,
                               batch_size=args.batch)
 
+    # the whole batches that fit in the samples, at least one: its rate counts the samples run
+    passes = max(1, samples // args.batch)
+    run_samples = {"forward": passes * args.batch, "rollout": samples, "scoring": samples}
+
     def forward():
-        for _ in range(samples // args.batch):
+        for _ in range(passes):
             step(x)
 
     def rollout():
@@ -166,10 +182,14 @@ def run(args, data: str, flushed: bool):
           f"{', subnormals flushed' if flushed and device.type == 'cpu' else ''}")
     print(f"{args.n_init} initial conditions x {n_steps} steps = {samples} samples per round, "
           f"batch {args.batch}, best of {args.rounds} rounds")
+    if run_samples["forward"] != samples:
+        print(f"forward: {passes} pass{'es' if passes > 1 else ''} of batch {args.batch} = "
+              f"{run_samples['forward']} samples per round (whole batches, at least one)")
+    rates = {name: run_samples[name] / best[name] for name in timed}
     print(f"{'':10} {'seconds':>8} {'samples/s':>10} {'of forward':>10}")
     for name in timed:
-        rate = samples / best[name]
-        print(f"{name:10} {best[name]:8.3f} {rate:10.1f} {rate * best['forward'] / samples:10.2f}")
+        print(f"{name:10} {best[name]:8.3f} {rates[name]:10.1f} "
+              f"{rates[name] / rates['forward']:10.2f}")
     print(f"host syncs per rollout step while scoring: {syncs}")
 
 

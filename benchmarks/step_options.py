@@ -33,7 +33,6 @@ limit says so. The table is printed last; ``--json`` also writes it.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -45,6 +44,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from settings.errors import ConfigError, OneLineParser, at_least, new_file, refuse  # noqa: E402
 
 BACKENDS = ("flash", "cudnn", "efficient", "math")
 # (name, config args, per-variant options); the options a child understands are in child().
@@ -278,22 +279,44 @@ def first_step(row: dict) -> str:
     return f"{cold} / {fmt(row['warm_first_step_s'], '.1f')}"
 
 
+def check_vit_overrides(text: str):
+    """``--vit-overrides``: a JSON object of settings the ViT's short config takes; refused in
+    one line before any variant runs (a child would fail on it, every ViT row with it)."""
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as e:
+        refuse(f"--vit-overrides {text!r} is not valid JSON ({e}): give an object, e.g. "
+               f"'{{\"img_size\": [64, 128]}}'")
+    if not isinstance(overrides, dict):
+        refuse(f"--vit-overrides {text!r} is not a JSON object of settings: give one, e.g. "
+               f"'{{\"img_size\": [64, 128]}}'")
+    from settings.parse import build_config
+
+    try:
+        build_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "config", "ViT.yaml"), "short", {"amp_mode": "bf16", **overrides})
+    except ConfigError as e:
+        refuse(f"--vit-overrides {text!r}: {e}")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         child(argv[1:])
         return
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.step_options",
+                      description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=["attention", "vit", "unet", "heuristics"],
                    default=["attention", "vit", "unet"],
                    help="groups of variants (default: %(default)s; heuristics: the U-Net eager "
                         "without cuDNN's autotuning)")
-    p.add_argument("--budget", type=float, default=300.0,
+    p.add_argument("--budget", type=at_least(1.0, float), default=300.0,
                    help="seconds for all variants; the rest are skipped (default: %(default)g)")
-    p.add_argument("--json", default="", help="also write the rows to this JSON file")
-    p.add_argument("--steps", type=int, default=10, help="steps per timed round (default: "
+    p.add_argument("--json", type=new_file, default=None,
+                   help="also write the rows to this JSON file (a new file: never written over)")
+    p.add_argument("--steps", type=at_least(1), default=10, help="steps per timed round (default: "
                    "%(default)s)")
-    p.add_argument("--attention-shape", nargs=4, type=int, default=[16, 8, 4050, 48],
+    p.add_argument("--attention-shape", nargs=4, type=at_least(1), default=[16, 8, 4050, 48],
                    metavar=("BATCH", "HEADS", "TOKENS", "HEAD_DIM"),
                    help="the attention rows' shape (default: the short ViT's, %(default)s)")
     p.add_argument("--vit-overrides", default="{}", metavar="JSON",
@@ -305,6 +328,7 @@ def main(argv=None):
                         "run's (the first step s column: cold / warm)")
     p.add_argument("--dry-run", action="store_true", help="list the variants, run nothing")
     a = p.parse_args(argv)
+    check_vit_overrides(a.vit_overrides)
     plan = []
     if "attention" in a.only:
         plan.append(("attention", ["attention", json.dumps(a.attention_shape)], 90))
@@ -355,7 +379,7 @@ def main(argv=None):
         out["steps"].append(row)
         print(json.dumps(row), flush=True)
     if a.json:
-        with open(a.json, "w") as f:
+        with open(a.json, "x") as f:
             json.dump(out, f, indent=1)
     print(table(out))
 

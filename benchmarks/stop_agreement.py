@@ -45,6 +45,28 @@ import tempfile
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
+
+
+def rank_counts(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated rank counts, each 2 or more (one rank has no peers
+    to agree with)."""
+    counts = []
+    for item in text.split(","):
+        try:
+            n = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {item!r} is not an integer: give rank counts such as 2,4,8") from None
+        if n < 2:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {n} ranks have no peers to agree with: give counts of 2 or more, "
+                f"e.g. 2,4,8")
+        counts.append(n)
+    return counts
 
 
 def simulate_long_ring(ring_s: float):
@@ -185,9 +207,8 @@ def write_delay_library(directory: str) -> str:
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise SystemExit("error: --write-delay-us needs a C compiler (cc or gcc) to build its "
-                         "preloaded library: install one (Debian: apt install gcc), or leave "
-                         "--write-delay-us out")
+        refuse("--write-delay-us needs a C compiler (cc or gcc) to build its preloaded library: "
+               "install one (Debian: apt install gcc), or leave --write-delay-us out")
     source, library = os.path.join(directory, "write_delay.c"), os.path.join(directory,
                                                                               "write_delay.so")
     with open(source, "w") as f:
@@ -279,22 +300,24 @@ def exchange(ranks: list[int], delay_us: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", default="2,4,8", help="rank counts, comma-separated")
-    parser.add_argument("--rounds", type=int, default=5, help="epochs of each way per point")
-    parser.add_argument("--ring-ms", type=float, default=0.0,
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=rank_counts, default=[2, 4, 8],
+                        help="rank counts, comma-separated, each 2 or more (default: 2,4,8)")
+    parser.add_argument("--rounds", type=at_least(1), default=5,
+                        help="epochs of each way per point")
+    parser.add_argument("--ring-ms", type=at_least(0.0, float), default=0.0,
                         help="simulate a ring this long: lag 1 against the lag the ranks choose")
     parser.add_argument("--exchange", action="store_true",
                         help="one agreement's time: gloo's ring against the rounds")
-    parser.add_argument("--write-delay-us", type=int, default=0,
+    parser.add_argument("--write-delay-us", type=at_least(0), default=0,
                         help="with --exchange: delay every socket write this long")
     args = parser.parse_args(argv)
     if args.exchange:
-        return exchange(list(map(int, args.ranks.split(","))), args.write_delay_us)
+        return exchange(args.ranks, args.write_delay_us)
     with tempfile.TemporaryDirectory() as base:
         data_root = os.path.join(base, "data")  # the quickstart's synthetic files, made once
         rows = []
-        for world in map(int, args.ranks.split(",")):
+        for world in args.ranks:
             t = measure(world, args.rounds, data_root, base, args.ring_ms / 1e3)
             rows.append((world, t["before"] * 1e3, t["after"] * 1e3, t["lag"]))
             print(f"{world} ranks: before {rows[-1][1]:.2f} ms, after {rows[-1][2]:.2f} ms per "

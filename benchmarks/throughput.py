@@ -33,7 +33,6 @@ tutorial's reference model sizes, on cached data (compute only) and through the 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import glob
@@ -58,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.loader_timing import batches, close_loaders, measure  # noqa: E402
 from datapipe import synthetic  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
+from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
 from settings.parse import build_config  # noqa: E402
 from tasks import make_task  # noqa: E402
 
@@ -176,6 +176,16 @@ def _config(case: Case, setting: str, workers: int):
 
 
 # ----------------------------------------------------------------------------- the older loaders
+
+
+def check_revision(rev: str):
+    """``--before``: a commit git knows in this repository holding ``utils``; else one line."""
+    try:
+        subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet",
+                        f"{rev}^{{commit}}:utils"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        refuse(f"--before {rev}: git knows no commit {rev} with a utils/ directory in this "
+               f"repository: give an older revision (default {BEFORE}), or --before none")
 
 
 class OldLoaders:
@@ -587,17 +597,17 @@ def load_line() -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n")[0])
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bench"),
                    help="directory of the synthetic benchmark data (made when missing)")
     p.add_argument("--only", choices=("loaders", "raw", "train", "profile"),
                    help="run one part: the loaders, raw reads, training steps, or the profile of "
                         "the crops read from the file")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2],
+    p.add_argument("--workers", type=at_least(0), nargs="+", default=[0, 1, 2],
                    help="loader worker counts to measure (default: %(default)s)")
-    p.add_argument("--batches", type=int, default=20,
+    p.add_argument("--batches", type=at_least(1), default=20,
                    help="batches timed per measurement, after those that fill the prefetch queue")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=at_least(1), default=3,
                    help="rounds of the interleaved measurements; the best round counts")
     p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
                    help="loader settings to measure (DALI's only where it is installed)")
@@ -607,6 +617,8 @@ def main(argv=None):
                    help="git revision whose loaders are measured beside this tree's, in a child "
                         "process (default: %(default)s, before the batch pool); none: skip")
     args = p.parse_args(argv)
+    if args.only in (None, "loaders") and args.before.lower() != "none":
+        check_revision(args.before)  # before any data is made
     torch.set_num_threads(os.cpu_count())
     era5, cosmo = ensure_data(args.data)
     print(f"# torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} "
