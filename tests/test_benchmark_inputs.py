@@ -2,11 +2,11 @@
 code 2, no traceback, refused before any measurement, and nothing on disk changed (an existing
 output file is never written over)."""
 import argparse
-import subprocess
 import sys
 
 import pytest
 
+import preloaded
 from conftest import ROOT
 
 SCRIPTS = ["stop_agreement", "era5_reads", "generated_batches", "band_reads",
@@ -17,8 +17,10 @@ EXISTING = b'{"kept": "as it was"}\n'
 
 
 def bench(name, *args):
-    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    """``python -m benchmarks.<name> args``, forked from the preloaded server (tests/preloaded.py:
+    torch is loaded there once, not in every case)."""
+    return preloaded.run([sys.executable, "-m", f"benchmarks.{name}", *map(str, args)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def refused(r, *named):
