@@ -121,7 +121,7 @@ def test_bad_settings_and_help_are_answered_before_torch_loads(script, wrong):
     (["benchmarks.fsdp_accumulation", "--ranks", "0"], "argument --ranks: 0 is below 1"),
     (["benchmarks.mp_memory", "--help"], None),
     (["benchmarks.channels_last_compile", "--steps", "1"], "no CUDA GPU here"),
-])
+], ids=["fsdp_accumulation", "mp_memory", "channels_last_compile"])
 def test_benchmarks_run_as_documented_from_the_repository_root(args, says):
     """``python -m benchmarks.X`` from the repository, with nothing added to the path (the
     benchmarks that spawn ranks take the tests' harness): --help works, bad input and a missing
