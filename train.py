@@ -47,6 +47,7 @@ from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_ch
 from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.slow_paths import warn_slow_paths
+from engine.start_weights import load_start_weights
 from engine.stop_agreement import StopAgreement
 from engine.train_state import TrainState, keep_run_length
 from observe.flops import peak_tflops, tflops_per_device
@@ -60,7 +61,6 @@ from settings.config import Config, to_dict
 from settings.errors import ConfigError, TrainingError, UserError, print_error
 from settings.signals import STOPPED_EXIT_CODE
 from tasks import make_task
-from tasks.reference_weights import load_start_weights
 
 log = logging.getLogger("train")
 

@@ -12,6 +12,7 @@ from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import ViTConfig
+from settings.errors import ConfigError
 from tasks import attention, forecast_skill
 from tasks.base import Task
 from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
@@ -126,6 +127,8 @@ class ERA5Task(Task):
 
     def from_reference(self, sd: dict, model) -> dict:
         """The tutorial model's weights ``sd`` under this model's names and layouts."""
+        if self.cfg.head_bias and "head.bias" not in sd:
+            raise ConfigError("the tutorial's ViT head has no bias: set head_bias false")
         return vit_from_reference(sd, self.cfg.patch_size, self.cfg.n_out_channels)
 
 

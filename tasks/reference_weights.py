@@ -1,11 +1,5 @@
-"""Start a new run from saved weights (``init_from``): a checkpoint of this project (a
-``ckpt_<step>.pt`` file or an FSDP run's ``ckpt_<step>.dcp`` directory), whose weights are in
-this model's layout and are taken as they are, or the weights of the tutorial's own models.
-
-The tutorial's weights: a model's ``state_dict()`` saved with ``torch.save`` (from under
-DistributedDataParallel or ``torch.compile`` too), or a checkpoint dict holding one under
-``model_state``, ``state_dict`` or ``model``. Its names and layouts differ from ours in three
-places:
+"""The weights of the tutorial's own models under this project's names and layouts
+(``init_from``; ``engine.start_weights`` reads them). They differ from ours in three places:
 
 * ViT head: the tutorial orders each token's outputs as (p, p, C_out), ours as (C_out, p, p);
   the rows of ``head.weight`` (and ``head.bias``, if any) are permuted.
@@ -16,23 +10,9 @@ places:
 """
 from __future__ import annotations
 
-import os
 import re
 
 import torch
-
-from engine import checkpoint
-from engine.train_state import setting_changes
-from settings.config import to_dict
-from settings.errors import ConfigError
-
-_WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
-
-
-def _strip(name: str) -> str:
-    while name.startswith(_WRAPPERS):
-        name = name.split(".", 1)[1]
-    return name
 
 
 def vit_from_reference(sd: dict, patch_size: int, out_chans: int) -> dict:
@@ -64,69 +44,3 @@ def unet_from_reference(sd: dict, levels: int) -> dict:
             name = "last." + name[len("conv_last."):]
         out[name] = t
     return out
-
-
-def _read(path: str):
-    """(state dict, this project's checkpoint state or None) saved at ``path``."""
-    if os.path.isdir(path):
-        if not checkpoint.is_sharded(path):
-            raise ConfigError(f"init_from={path} is a directory: give a checkpoint (a "
-                              f"ckpt_<step>.pt file or a ckpt_<step>.dcp directory) or a file "
-                              f"of saved weights")
-        state, _ = checkpoint.load_file(path)
-        if state is None:
-            raise ConfigError(f"init_from={path} does not load (incomplete or damaged; the line "
-                              f"above says why): give an earlier checkpoint of that run")
-        return checkpoint.read_tensors(path, keys={"model"})["model"], state
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ConfigError(f"init_from={path}: no such file") from None
-    except Exception as e:
-        raise ConfigError(f"init_from={path} is not a saved state dict ({type(e).__name__}: "
-                          f"{e}): save the tutorial model's state_dict() with torch.save") from None
-    if not isinstance(sd, dict):
-        raise ConfigError(f"init_from={path} holds a {type(sd).__name__}, not a state dict: save the "
-                          f"tutorial model's state_dict() with torch.save")
-    if isinstance(sd.get("model"), dict) and "config" in sd and "iteration" in sd:
-        return sd["model"], sd  # this project's checkpoint
-    for key in ("model_state", "state_dict", "model"):  # a state dict inside a larger record
-        if isinstance(sd.get(key), dict):
-            sd = sd[key]
-    return {_strip(k): v for k, v in sd.items()}, None
-
-
-def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -> str:
-    """Copy the weights saved at ``path`` into the serial ``model`` (before any sharding) of a
-    new run of ``cfg``; returns the line that says where they came from. The weights of a
-    checkpoint of this project are taken as they are (not its optimizer state, step or
-    schedule: the run starts at step 0); the tutorial's are renamed by ``from_reference(sd,
-    model)`` (the task's). Every parameter must be matched: a missing, extra or differently
-    shaped tensor is a ``ConfigError`` naming it."""
-    sd, own = _read(path)
-    if own is None:
-        sd, line = from_reference(sd, model), f"Weights from {path} (the tutorial's layout)"
-    else:
-        saved = own.get("config", {})
-        if saved.get("model", cfg.model) != cfg.model:
-            raise ConfigError(f"init_from={path} holds the weights of a {saved['model']} "
-                              f"model, and this run trains a {cfg.model} model: give a "
-                              f"checkpoint of a {cfg.model} run")
-        how, what = setting_changes(saved, to_dict(cfg, identity=False))
-        how = [c for c in how if c.split()[0] not in ("init_from", "expdir", "run_num")]
-        line = (f"Weights from {path} (step {own['iteration']} of the run of config "
-                f"{saved.get('name') or '?'}); a new run from step 0, with a new optimizer and "
-                f"schedule. Settings that differ from that run: of what it learns: "
-                f"{', '.join(what) or 'none'}; of how it runs: {', '.join(how) or 'none'}")
-    own_sd = model.state_dict()
-    missing, extra = sorted(set(own_sd) - set(sd)), sorted(set(sd) - set(own_sd))
-    shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own_sd[k].shape)})"
-              for k in own_sd if k in sd and sd[k].shape != own_sd[k].shape]
-    if missing or extra or shapes:
-        hint = (" (the tutorial's ViT head has no bias: set head_bias false)"
-                if own is None and missing == ["head.bias"] else "")
-        raise ConfigError(f"init_from={path} does not fit this model: missing {missing}, "
-                          f"unexpected {extra}, shapes {shapes}{hint}; use the model settings "
-                          f"the weights were trained with")
-    model.load_state_dict(sd)
-    return line
