@@ -23,8 +23,10 @@ class CosmoData:
         self.cfg = cfg
 
     def missing(self) -> list[str]:
+        """The volume files training needs under data_root and that are not there."""
         c = self.cfg
-        return [] if os.path.exists(os.path.join(c.data_root, c.train_file)) else [c.train_file]
+        return [name for name in (c.train_file, c.val_file)
+                if not os.path.exists(os.path.join(c.data_root, name))]
 
     def synthesize(self):
         from datapipe import synthetic

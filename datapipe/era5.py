@@ -22,9 +22,15 @@ class ERA5Data:
         self.cfg = cfg
 
     def missing(self) -> list[str]:
+        """What training needs under data_root and is not there: the year files' directories
+        and the normalisation statistics (a whole directory named when it is absent)."""
         root = self.cfg.data_root
-        return [name for name in ("train/", "stats/")
-                if not os.path.isdir(os.path.join(root, name.rstrip("/")))]
+        absent = [name for name in ("train/", "valid/", "stats/")
+                  if not os.path.isdir(os.path.join(root, name.rstrip("/")))]
+        if "stats/" not in absent:
+            absent += [f"stats/{name}.npy" for name in ("global_means", "global_stds")
+                       if not os.path.isfile(os.path.join(root, "stats", f"{name}.npy"))]
+        return absent
 
     def synthesize(self):
         from datapipe import synthetic

@@ -444,13 +444,29 @@ def test_training_regenerates_incomplete_synthetic_data_and_says_so(tmp_path, ca
                     "test/2017.h5", "stats/global_means.npy", "stats/global_stds.npy",
                     "stats/time_means.npy"}
     import shutil
-    shutil.rmtree(root / "stats")  # a synthesis cut short
-    caplog.clear()  # only this call's lines
+    for part in ("stats", "valid", "stats/global_stds.npy"):  # a synthesis cut short, or a
+        path = root / part  # part removed since: any part training reads
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        caplog.clear()  # only this call's lines
+        with caplog.at_level(logging.INFO):
+            assert run_setup.make_data_once(cfg) is True
+        named = part + "/" if "." not in part else part
+        assert f"Incomplete synthetic data under {root} (missing: {named}): regenerating" \
+            in caplog.text
+        assert "No data under" not in caplog.text
+        assert set(file_digests(root)) == made and sorted(os.listdir(tmp_path)) == ["era5"]
+    # the U-Net's: its validation volume too
+    from settings.parse import build_config
+    cosmo = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "quickstart",
+                         {"synthetic_size": "[16,16]", "synthesize_if_missing": "true",
+                          "data_root": str(tmp_path / "cosmo")})
+    assert run_setup.make_data_once(cosmo) is True
+    (tmp_path / "cosmo" / cosmo.val_file).unlink()
+    caplog.clear()
     with caplog.at_level(logging.INFO):
-        assert run_setup.make_data_once(cfg) is True
-    assert f"Incomplete synthetic data under {root} (missing: stats/): regenerating" in caplog.text
-    assert "No data under" not in caplog.text
-    assert set(file_digests(root)) == made and sorted(os.listdir(tmp_path)) == ["era5"]
+        assert run_setup.make_data_once(cosmo) is True
+    assert f"(missing: {cosmo.val_file}): regenerating" in caplog.text
+    assert (tmp_path / "cosmo" / cosmo.val_file).is_file()
 
 
 def test_training_keeps_the_files_a_user_added_to_synthetic_data(tmp_path):
