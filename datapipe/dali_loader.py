@@ -27,6 +27,13 @@ instead of being given them. A sample callback past the epoch's keys, or from an
 epoch, raises StopIteration; a partial last batch (validation) is filled with repeats of the last
 key and cut back to its true size.
 
+The Python workers ignore the run's stop signals, as the PyTorch loaders' workers do: the main
+process acts on them, and Slurm sends them to every process of the job step. They are started
+with those signals held back (``settings.signals.held``, around the build), and a callback
+ignores them, then lets them through, the first time it runs in a worker. An error a worker
+raises on the data (a non-finite value, a damaged file) ends the run as that error, in one line,
+as in the main process.
+
 The hand-off to torch (``handoff``, ``to_torch``) never waits on the host for the pipeline. On a
 GPU the outputs are bound to torch's current stream and copied once, on that stream, into a tensor
 from torch's allocator; on CPU the tensor wraps DALI's own output buffer (DLPack, no copy).
@@ -47,7 +54,9 @@ import torch
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.era5_data import ERA5Dataset
 from datapipe.rotations import ROTATIONS
+from settings import errors
 from settings.errors import ConfigError
+from settings.signals import held, release_ignored, signal_number
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config
@@ -118,13 +127,30 @@ def _remove(path: str, owner: int):
         os.remove(path)
 
 
-class ERA5Source:
+class _Source:
+    """A per-sample callback, which DALI runs in its Python workers (a parallel source) or in the
+    main process: in a worker, the first call ignores the run's ``stop_signals``, which the
+    worker was started holding back, and then lets them through."""
+
+    def __init__(self, stop_signals):
+        self.stop_signals, self.owner, self.entered = tuple(stop_signals), os.getpid(), None
+
+    def enter(self):
+        if self.entered != os.getpid():
+            if os.getpid() != self.owner:
+                release_ignored(self.stop_signals)
+            self.entered = os.getpid()
+
+
+class ERA5Source(_Source):
     """Per-sample callback: the raw (x, y) pair of the key's time step."""
 
-    def __init__(self, dataset, keys: EpochKeys):
+    def __init__(self, dataset, keys: EpochKeys, stop_signals=()):
+        super().__init__(stop_signals)
         self.dataset, self.keys = dataset, keys
 
     def __call__(self, info):
+        self.enter()
         x, y = self.dataset[self.keys.key(info)]
         return x.numpy(), y.numpy()
 
@@ -140,14 +166,16 @@ def rotation_arguments(rot: int, vector_channels, n_channels: int):
     return np.array(PERMS.index(tuple(perm)), np.int32), flips, src, mul
 
 
-class CosmoSource:
+class CosmoSource(_Source):
     """Per-sample callback: the rotation arguments of both fields, then with ``read=True`` the
     unrotated crops read from the file, else the crop's corner."""
 
-    def __init__(self, dataset, keys: EpochKeys, read: bool):
+    def __init__(self, dataset, keys: EpochKeys, read: bool, stop_signals=()):
+        super().__init__(stop_signals)
         self.dataset, self.keys, self.read = dataset, keys, read
 
     def __call__(self, info):
+        self.enter()
         ds = self.dataset
         epoch, i = self.keys.key(info)
         (a, b, c), rot = ds.window(epoch if ds.augment else 0, i)  # validation: fixed crops
@@ -253,9 +281,11 @@ def to_torch(out, device, plan: Handoff, feed) -> torch.Tensor:
 class DALILoader:
     """Batches (x, y) of one pipeline in the order of ``sampler``, like a DataLoader over it."""
 
-    def __init__(self, build_pipeline, sampler, batch_size, keys: EpochKeys, device, feed):
+    def __init__(self, build_pipeline, sampler, batch_size, keys: EpochKeys, device, feed,
+                 stop_signals=()):
         self.build_pipeline, self.sampler, self.b = build_pipeline, sampler, batch_size
         self.keys, self.device, self.feed = keys, device, feed
+        self.stop_signals = tuple(stop_signals)  # held back while the build starts the workers
         self.pipe = None
         self.dali_epoch = 0
         self.open = False  # an epoch started and not run to its end
@@ -273,7 +303,8 @@ class DALILoader:
             self.keys.write(self.dali_epoch, keys)
             self.pipe = self.build_pipeline()
             try:
-                self.pipe.build()
+                with held(self.stop_signals):
+                    self.pipe.build()
             except RuntimeError as e:
                 raise ConfigError(f"DALI could not build its pipeline on {self.device} "
                                   f"({str(e).strip().splitlines()[0]}): check the DALI build "
@@ -311,11 +342,29 @@ class DALILoader:
             self._finish()
         except GeneratorExit:  # abandoned between batches: the pipeline is as it should be
             raise
-        except BaseException:
+        except BaseException as e:
             # Raised inside DALI's calls (by a signal handler: a stop request, a stall timeout),
             # the pipeline may be half built or half run: the next pass builds a new one.
             self.pipe, self.open, self.dali_epoch = None, False, 0
+            raised = worker_error(e)
+            if raised is not None:
+                raise raised from None
             raise
+
+
+def worker_error(e: BaseException):
+    """The project's own error (``settings.errors``: a DataError on a non-finite value, ...)
+    that a Python worker raised, which DALI passes on as a plain Exception holding the worker's
+    traceback as text, remade from its last line; None for any other exception."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if "traceback received from worker" not in str(e) or not lines:
+        return None
+    name, _, message = lines[-1].partition(": ")
+    cls = getattr(errors, name.removeprefix("settings.errors."), None) \
+        if name.startswith("settings.errors.") else None
+    if not (isinstance(cls, type) and issubclass(cls, errors.UserError)):
+        return None
+    return cls(message)
 
 
 def _start_method(device) -> str:
@@ -340,11 +389,13 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
                     prefetch_queue_depth=cfg.prefetch_depth, py_num_workers=max(1, workers),
                     py_start_method=_start_method(device), enable_conditionals=True)
     source = dict(batch=False, parallel=workers > 0)
+    stop = [signal_number(name) for name in cfg.stop_signals]  # ignored in the Python workers
 
     def era5_pipeline(dataset, keys):
         @pipeline_def(**settings)
         def pipe():
-            x, y = fn.external_source(source=ERA5Source(dataset, keys), num_outputs=2, **source)
+            x, y = fn.external_source(source=ERA5Source(dataset, keys, stop), num_outputs=2,
+                                      **source)
             return (x.gpu(), y.gpu()) if gpu else (x, y)
 
         return pipe
@@ -354,7 +405,7 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
 
         @pipeline_def(**settings)
         def pipe():
-            outs = fn.external_source(source=CosmoSource(dataset, keys, read=not inmem),
+            outs = fn.external_source(source=CosmoSource(dataset, keys, not inmem, stop),
                                       num_outputs=7 if inmem else 8, **source)
             k, flips, src_x, mul_x, src_y, mul_y = outs[:6]
             if inmem:  # the crop cut from the volumes held in memory, passed without a copy
@@ -384,7 +435,7 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
                               f"reads {type(dataset).__name__}: use --data_loader_config lowmem "
                               f"or inmem")
         keys = EpochKeys(-(-len(sampler) // local_batch) * local_batch)
-        return DALILoader(make(dataset, keys), sampler, local_batch, keys, device, feed)
+        return DALILoader(make(dataset, keys), sampler, local_batch, keys, device, feed, stop)
 
     return dataclasses.replace(ref, train=loader(ref.train, ref.train_sampler),
                                valid=loader(ref.valid, ref.valid.sampler))

@@ -4,6 +4,7 @@ handlers the run replaced (``engine.preemption.StopRequest.install`` adds them),
 workers and an exiting process ignore."""
 from __future__ import annotations
 
+import contextlib
 import signal
 
 from settings.errors import ConfigError
@@ -24,13 +25,33 @@ def signal_number(name: str) -> int:
     return int(number)
 
 
-def ignore_stop_signals():
-    """From now on the stop signals do nothing in this process. In a data-loader worker: they
+def ignore_stop_signals(numbers=None):
+    """From now on the stop signals (``numbers``; by default those whose handler this process
+    replaced) do nothing in this process. In a data-loader worker: they
     are the main process's to act on; Slurm sends them to every process of the job step, and a
     worker killed by one (torch's worker handler for SIGTERM ends it) makes the main process
     fail with "DataLoader worker ... is killed by signal" instead of stopping cleanly (the main
     process ends its workers itself). At exit: a late signal (submit_pm.sh repeats its warning
     until the ranks end) must not kill the exiting process, as the default handlers that Python
     restores while it shuts down would."""
-    for number in installed:
+    for number in installed if numbers is None else numbers:
         signal.signal(number, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def held(numbers):
+    """Signals ``numbers`` held back (blocked, not lost) in this thread while inside: a process
+    started meanwhile starts with them blocked, so that it can ignore them (``release_ignored``)
+    before one reaches a handler it inherited or the default one, which would end it."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def release_ignored(numbers):
+    """In a process started under ``held(numbers)``: ignore those signals, then unblock them (one
+    that came meanwhile is dropped)."""
+    ignore_stop_signals(numbers)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)

@@ -368,3 +368,38 @@ def test_quickstarts_train_with_dali(dali, tmp_path):
                            "--num_data_workers", "1"])
     assert len(baseline_and_val(r.stdout)) == 2
     assert os.path.isdir(tmp_path / "unet")
+
+
+def test_dali_workers_ignore_the_stop_signals_and_their_errors_are_one_line(dali, era5_root):
+    """The Python workers of a parallel source survive the run's stop signals (Slurm sends them
+    to every process of the job step; the main process acts on them), and the epoch goes on; a
+    DataError a worker raises reaches the engine as that DataError, not DALI's traceback."""
+    import multiprocessing
+    import signal
+    import time
+
+    import h5py
+
+    from settings.errors import DataError
+    cfg = vit_cfg(era5_root, "dali-lowmem", workers=2)
+    want = batches(build_loaders(vit_cfg(era5_root, "lowmem"), 1, 0, 4, CPU).train)
+    loader = build_loaders(cfg, 1, 0, 4, CPU).train
+    it = iter(loader)
+    got = [tuple(t.clone() for t in next(it))]
+    workers = multiprocessing.active_children()  # DALI's Python workers
+    assert len(workers) == 2
+    for w in workers:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # the default stop_signals
+            os.kill(w.pid, sig)
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in workers)
+    got += [(x.clone(), y.clone()) for x, y in it]
+    assert_same(got, want)
+
+    with h5py.File(os.path.join(era5_root, "train", os.listdir(f"{era5_root}/train")[0]),
+                   "r+") as f:
+        f["fields"][0, 0, 0, 0] = np.nan
+    with pytest.raises(DataError, match=r"^non-finite values in .*: repair the file or remove "
+                       r"it from"):
+        for _ in build_loaders(cfg, 1, 0, 4, CPU).train:
+            pass

@@ -1,6 +1,7 @@
 """Stop signals (a time limit's warning, a preemption): the run checkpoints at the next log
 point, says how to resume, exits 3; resuming ends exactly as an uninterrupted run. Also a kill
 between the last checkpoint and the last validation, and ``--resume auto``."""
+import contextlib
 import os
 import re
 import shlex
@@ -16,7 +17,7 @@ import preloaded
 from conftest import ROOT, write_era5
 from distributed_harness import find_free_port
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from settings.signals import STOPPED_EXIT_CODE
+from settings.signals import STOPPED_EXIT_CODE, held, release_ignored
 
 # 2 years x 39 pairs // 4 = 19 steps per epoch, 57 in all; loss points every 2 steps.
 COMMON = TINY_VIT + ["--num_epochs", "3", "--dropout", "0.1", "--checkpoint_keep", "10"]
@@ -334,6 +335,33 @@ def test_a_stop_during_validation_resumes_to_the_validation_alone(tmp_path, data
     assert "Epoch 2: its steps ran before the resume" in resumed.stdout
     assert "for 0 steps" not in resumed.stdout
     assert_same_as_reference(reference, run_dir(exp), tags=("Loss/valid",))
+
+
+def _held_child(ready, sig):
+    ready.wait(10)  # the signal is sent before this process is ready for it
+    release_ignored([sig])
+    time.sleep(0.2)  # (a signal not dropped would be delivered here)
+
+
+def test_a_process_started_holding_a_stop_signal_drops_one_sent_before_it_is_ready():
+    """settings.signals.held / release_ignored, as the DALI loader's workers use them: a process
+    started while the signal is held back outlives one sent before its first call ignores it;
+    started without, the default action ends it. The starting thread's mask is restored."""
+    import multiprocessing
+
+    ctx, sig = multiprocessing.get_context("fork"), signal.SIGUSR2
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    for holding, exitcode in ((True, 0), (False, -sig)):
+        ready = ctx.Event()
+        with held([sig]) if holding else contextlib.nullcontext():
+            p = ctx.Process(target=_held_child, args=(ready, sig))
+            p.start()
+        os.kill(p.pid, sig)
+        time.sleep(0.1)
+        ready.set()
+        p.join(10)
+        assert p.exitcode == exitcode, (holding, p.exitcode)
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
 
 
 def test_resume_and_stop_signals_settings():
