@@ -248,7 +248,7 @@ def _load_checked(path: str, map_location, required) -> tuple:
             # FSDP shards), not the whole file
             state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as e:  # truncated or corrupt file
-        log.warning(f"skipping unreadable checkpoint {path}: {_unreadable(e)}")
+        log.warning(f"skipping unreadable checkpoint {path}: {unreadable(e)}")
         return None, None
     missing = [k for k in required if k not in state]
     if missing:
@@ -257,7 +257,7 @@ def _load_checked(path: str, map_location, required) -> tuple:
     return state, path
 
 
-def _unreadable(exc: Exception) -> str:
+def unreadable(exc: Exception) -> str:
     """Why a file did not load, in one line. torch's own text may run to paragraphs (for bytes
     that are no checkpoint, the weights-only unpickler's advice to load untrusted files with
     ``weights_only=False`` and to file an issue): only its first sentence is kept, and none of
@@ -282,7 +282,7 @@ def _load_dcp_dir(path: str, map_location):
         if short:
             raise OSError(f"shard files missing or cut short: {sorted(short)}")
     except Exception as e:  # an unreadable or incomplete directory
-        log.warning(f"skipping unreadable checkpoint {path}: {_unreadable(e)}")
+        log.warning(f"skipping unreadable checkpoint {path}: {unreadable(e)}")
         return None, None
     state, _ = _load_checked(os.path.join(path, TRAIN_STATE), map_location,
                              [k for k in REQUIRED if k not in TENSORS])

@@ -17,6 +17,11 @@ from settings.config import to_dict
 from settings.errors import ConfigError
 
 _WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
+BATCH = ("global_batch_size", "local_batch_size")  # change what a new run learns
+
+
+def _some(names: list, n: int = 3) -> str:
+    return f": {', '.join(names[:n])}{', ...' if len(names) > n else ''}" if names else ""
 
 
 def _strip(name: str) -> str:
@@ -28,10 +33,11 @@ def _strip(name: str) -> str:
 def _read(path: str):
     """(state dict, this project's checkpoint state or None) saved at ``path``."""
     if os.path.isdir(path):
-        if not checkpoint.is_sharded(path):
-            raise ConfigError(f"init_from={path} is a directory: give a checkpoint (a "
-                              f"ckpt_<step>.pt file or a ckpt_<step>.dcp directory) or a file "
-                              f"of saved weights")
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise ConfigError(f"init_from={path} is a directory but not a sharded checkpoint (it "
+                              f"holds no .metadata): give a checkpoint (a ckpt_<step>.pt file or "
+                              f"an FSDP run's ckpt_<step>.dcp directory) or a file of saved "
+                              f"weights")
         state, _ = checkpoint.load_file(path)
         if state is None:
             raise ConfigError(f"init_from={path} does not load (incomplete or damaged; the line "
@@ -42,8 +48,9 @@ def _read(path: str):
     except FileNotFoundError:
         raise ConfigError(f"init_from={path}: no such file") from None
     except Exception as e:
-        raise ConfigError(f"init_from={path} is not a saved state dict ({type(e).__name__}: "
-                          f"{e}): save the tutorial model's state_dict() with torch.save") from None
+        raise ConfigError(f"init_from={path} does not load ({checkpoint.unreadable(e)}): give "
+                          f"another checkpoint of that run, or the tutorial model's "
+                          f"state_dict() saved with torch.save") from None
     if not isinstance(sd, dict):
         raise ConfigError(f"init_from={path} holds a {type(sd).__name__}, not a state dict: save the "
                           f"tutorial model's state_dict() with torch.save")
@@ -63,12 +70,14 @@ def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -
     model)`` (the task's). Every parameter must be matched: a missing, extra or differently
     shaped tensor is a ``ConfigError`` naming it."""
     sd, own = _read(path)
+    differ = ""
     if own is None:
         try:
             sd = from_reference(sd, model)
         except ConfigError as e:
             raise ConfigError(f"init_from={path}: {e}") from None
-        line = f"Weights from {path} (the tutorial's layout)"
+        line = (f"Weights from {path}, read as a model of the tutorial's code (its names and "
+                f"layouts turned into this model's; this project's weights come as a checkpoint)")
     else:
         saved = own.get("config", {})
         if saved.get("model", cfg.model) != cfg.model:
@@ -77,6 +86,9 @@ def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -
                               f"checkpoint of a {cfg.model} run")
         how, what = setting_changes(saved, to_dict(cfg, identity=False))
         how = [c for c in how if c.split()[0] not in ("init_from", "expdir", "run_num")]
+        what += [c for c in how if c.split()[0] in BATCH]  # (a resume keeps the global batch)
+        how = [c for c in how if c.split()[0] not in BATCH]
+        differ = f"; that run's settings that differ: {', '.join(what)}" if what else ""
         line = (f"Weights from {path} (step {own['iteration']} of the run of config "
                 f"{saved.get('name') or '?'}); a new run from step 0, with a new optimizer and "
                 f"schedule. Settings that differ from that run: of what it learns: "
@@ -86,8 +98,10 @@ def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -
     shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own_sd[k].shape)})"
               for k in own_sd if k in sd and sd[k].shape != own_sd[k].shape]
     if missing or extra or shapes:
-        raise ConfigError(f"init_from={path} does not fit this model: missing {missing}, "
-                          f"unexpected {extra}, shapes {shapes}; use the model settings the "
-                          f"weights were trained with")
+        found = [f"{len(names)} {what}{_some(names)}" for what, names in (
+            ("of this model's tensors missing", missing), ("unexpected", extra),
+            ("of other shapes", shapes)) if names]
+        raise ConfigError(f"init_from={path} does not fit this model ({', '.join(found)})"
+                          f"{differ}: use the model settings the weights were trained with")
     model.load_state_dict(sd)
     return line

@@ -158,7 +158,8 @@ class Config:
                           "run's ckpt_<step>.dcp directory), or the newest in this run directory "
                           "(e.g. one written with another number of ranks)", resume=True)
     init_from: str = _f("", "start a new run (step 0, a new optimizer and schedule) from saved "
-                        "weights: a checkpoint of this project (ckpt_<step>.pt or .dcp) or a model "
+                        "weights: a checkpoint of this project (ckpt_<step>.pt or .dcp; not a "
+                        "state dict taken out of one, which is read as the tutorial's) or a model "
                         "of the tutorial's own code saved with torch.save(model.state_dict()) "
                         "(empty: fresh weights)", resume=True)
     throughput_report: bool = _f(False, "after training, time the loader alone (IO), the model on "
@@ -431,6 +432,10 @@ def validate(cfg: Config):
         raise ConfigError("compile_blocks=true says what torch.compile compiles, and enable_jit is "
                           "false, so nothing would be: add --enable_jit true, or drop "
                           "--compile_blocks")
+    if cfg.init_from and cfg.resume_from:
+        raise ConfigError(f"init_from={cfg.init_from} starts a new run from those weights, and "
+                          f"resume_from={cfg.resume_from} continues that run from its checkpoint: "
+                          f"give one of --init_from and --resume_from")
     if cfg.num_epochs is None and cfg.num_iters is None:
         raise ConfigError("neither num_epochs nor num_iters is set: give one, e.g. --num_epochs 3")
     if cfg.num_epochs is not None and cfg.num_iters is not None:

@@ -14,6 +14,8 @@ import re
 
 import torch
 
+from settings.errors import ConfigError
+
 
 def vit_from_reference(sd: dict, patch_size: int, out_chans: int) -> dict:
     out = {}
@@ -21,8 +23,11 @@ def vit_from_reference(sd: dict, patch_size: int, out_chans: int) -> dict:
         m = re.fullmatch(r"(.*attn\.)([qkv])\.(weight|bias)", name)
         if m:
             if m.group(2) == "q":  # [q | k | v] along the output dimension
-                out[f"{m.group(1)}qkv.{m.group(3)}"] = torch.cat(
-                    [sd[f"{m.group(1)}{x}.{m.group(3)}"] for x in "qkv"])
+                parts = [f"{m.group(1)}{x}.{m.group(3)}" for x in "qkv"]
+                if not all(p in sd for p in parts):
+                    raise ConfigError(f"{name} has no {' and '.join(p for p in parts if p not in sd)} "
+                                      f"beside it: give the whole model's state_dict()")
+                out[f"{m.group(1)}qkv.{m.group(3)}"] = torch.cat([sd[p] for p in parts])
             continue
         if name in ("head.weight", "head.bias") and t.shape[0] == out_chans * patch_size ** 2:
             # rows (p, q, c) -> (c, p, q)

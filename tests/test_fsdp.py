@@ -413,10 +413,16 @@ def test_init_from_a_sharded_checkpoint_starts_a_serial_run(fsdp4, data, tmp_pat
     tr.fit()
     tr.loaders.close()
     assert tr.iteration == 1
+    renamed = tmp_path / "pretrained"  # any name: a directory of DCP shards with .metadata
+    shutil.copytree(src, renamed)
+    cfg = vit_cfg(data["era5"], str(tmp_path / "renamed"), fsdp=False, init_from=renamed)
+    assert_close(Recording(cfg, setup_runtime(cfg)).model.state_dict(),
+                 fsdp4[0]["vit"]["final"], 0, 0, "weight from the renamed shards")
     damaged = tmp_path / "ckpt_00000006.dcp"
     shutil.copytree(src, damaged)
     os.remove(damaged / "train_state.pt")
-    for bad, why in ((damaged, "does not load"), (tmp_path, "is a directory")):
+    for bad, why in ((damaged, "does not load"), (tmp_path, "is a directory but not a sharded "
+                                                             "checkpoint")):
         cfg = vit_cfg(data["era5"], str(tmp_path / "bad"), fsdp=False, init_from=str(bad))
         with pytest.raises(ValueError, match=f"init_from={bad} {why}"):
             Recording(cfg, setup_runtime(cfg))

@@ -300,6 +300,8 @@ def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
     assert not torch.equal(want["head.weight"], source.head.weight)
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, want[name]), name
+    assert f"Weights from {tmp_path / 'w.pt'}, read as a model of the tutorial's code" in \
+        open(os.path.join(trainer.run_dir, "out.log")).read()
     bad = _cfg(era5_root, tmp_path / "c", init_from=str(tmp_path / "missing.pt"))
     with pytest.raises(ConfigError, match="init_from=.*missing.pt: no such file"):
         Trainer(bad, setup_runtime(bad))
@@ -310,7 +312,8 @@ def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
     ckpt = os.path.join(trainer.ckpt_dir, sorted(os.listdir(trainer.ckpt_dir))[-1])
     saved = torch.load(ckpt, weights_only=True)
     assert saved["iteration"] == 2 and saved["optimizer"]["state"]
-    own = _cfg(era5_root, tmp_path / "d", num_iters="3", lr="2e-4", init_from=ckpt)
+    own = _cfg(era5_root, tmp_path / "d", num_iters="3", lr="2e-4", global_batch_size="8",
+               init_from=ckpt)
     tuned = Trainer(own, setup_runtime(own))
     for name, p in tuned.model.named_parameters():
         assert torch.equal(p, saved["model"][name]), name
@@ -319,8 +322,8 @@ def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
     log = open(os.path.join(tuned.run_dir, "out.log")).read()
     assert re.search(rf"Weights from {re.escape(ckpt)} \(step 2 of the run of config quickstart\); "
                      r"a new run from step 0, with a new optimizer and schedule\. Settings that "
-                     r"differ from that run: of what it learns: lr 0\.001 -> 0\.0002; of how it "
-                     r"runs: num_iters 2 -> 3\n", log), log
+                     r"differ from that run: of what it learns: lr 0\.001 -> 0\.0002, "
+                     r"global_batch_size 4 -> 8; of how it runs: num_iters 2 -> 3\n", log), log
     tuned.fit()
     tuned.loaders.close()
     assert tuned.iteration == 3
@@ -330,6 +333,23 @@ def test_init_from_starts_a_run_from_saved_weights(tmp_path, era5_root):
     with pytest.raises(ConfigError, match="holds the weights of a unet model, and this run "
                        "trains a vit model: give a checkpoint of a vit run"):
         Trainer(other, setup_runtime(other))
+    # a model of another size: the counts, a few names and that run's settings, in one line
+    wider = _cfg(era5_root, tmp_path / "f", embed_dim="64", init_from=ckpt)
+    with pytest.raises(ConfigError, match=r"does not fit this model \(\d+ of other shapes: "
+                       r"pos_embed .*, \.\.\.\); that run's settings that differ: embed_dim "
+                       r"32 -> 64: use the model settings the weights were trained with$") as e:
+        Trainer(wider, setup_runtime(wider))
+    assert len(str(e.value)) < 600 and "\n" not in str(e.value)
+    # a damaged checkpoint is named as such, with the fix
+    cut = tmp_path / "ckpt_00000002.pt"
+    cut.write_bytes(open(ckpt, "rb").read()[:5000])
+    damaged = _cfg(era5_root, tmp_path / "g", init_from=str(cut))
+    with pytest.raises(ConfigError, match=rf"init_from={re.escape(str(cut))} does not load \(it "
+                       r"is not a complete checkpoint .*\): give another checkpoint of that run"):
+        Trainer(damaged, setup_runtime(damaged))
+    # init_from starts a new run, resume_from continues one: not both
+    with pytest.raises(ConfigError, match="give one of --init_from and --resume_from"):
+        _cfg(era5_root, tmp_path / "h", init_from=ckpt, resume_from=ckpt)
 
 
 def test_global_batch_must_divide_ranks(monkeypatch, era5_root, tmp_path):
