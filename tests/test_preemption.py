@@ -351,16 +351,29 @@ def test_a_process_started_holding_a_stop_signal_drops_one_sent_before_it_is_rea
 
     ctx, sig = multiprocessing.get_context("fork"), signal.SIGUSR2
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    handler = signal.signal(sig, signal.SIG_DFL)  # (one another test's run left here)
+    try:
+        _drops_held_signal(ctx, sig, before)
+    finally:
+        signal.signal(sig, handler)
+
+
+def _drops_held_signal(ctx, sig, before):
     for holding, exitcode in ((True, 0), (False, -sig)):
         ready = ctx.Event()
         with held([sig]) if holding else contextlib.nullcontext():
-            p = ctx.Process(target=_held_child, args=(ready, sig))
+            p = ctx.Process(target=_held_child, args=(ready, sig), daemon=True)
             p.start()
-        os.kill(p.pid, sig)
-        time.sleep(0.1)
-        ready.set()
-        p.join(10)
-        assert p.exitcode == exitcode, (holding, p.exitcode)
+        try:
+            os.kill(p.pid, sig)
+            time.sleep(0.1)
+            ready.set()
+            p.join(10)
+            assert p.exitcode == exitcode, (holding, p.exitcode)
+        finally:
+            if p.is_alive():  # (never left behind for the interpreter's exit to wait on)
+                p.kill()
+                p.join()
         assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
 
 
