@@ -98,7 +98,7 @@ def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -
     shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own_sd[k].shape)})"
               for k in own_sd if k in sd and sd[k].shape != own_sd[k].shape]
     if missing or extra or shapes:
-        found = [f"{len(names)} {what}{_some(names)}" for what, names in (
+        found = [f"{len(names)} {kind}{_some(names)}" for kind, names in (
             ("of this model's tensors missing", missing), ("unexpected", extra),
             ("of other shapes", shapes)) if names]
         raise ConfigError(f"init_from={path} does not fit this model ({', '.join(found)})"
