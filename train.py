@@ -140,7 +140,7 @@ class Trainer:
         model = self.task.build_model()
         warn_slow_paths(model, self.device, cfg.amp_mode, self.memory_format, rt.is_main)
         if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
-            log.info(load_start_weights(model, cfg.init_from, self.task.from_reference, cfg))
+            log.info(load_start_weights(model, cfg.init_from, self.task.from_reference, cfg, rt))
         if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
             self.start_clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
         parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from engine import checkpoint
 from engine.train_state import setting_changes
@@ -62,13 +63,32 @@ def _read(path: str):
     return {_strip(k): v for k, v in sd.items()}, None
 
 
-def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -> str:
+def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, rt) -> str:
     """Copy the weights saved at ``path`` into the serial ``model`` (before any sharding) of a
-    new run of ``cfg``; returns the line that says where they came from. The weights of a
-    checkpoint of this project are taken as they are (not its optimizer state, step or
-    schedule: the run starts at step 0); the tutorial's are renamed by ``from_reference(sd,
-    model)`` (the task's). Every parameter must be matched: a missing, extra or differently
-    shaped tensor is a ``ConfigError`` naming it."""
+    new run of ``cfg``, on every rank of ``rt``; returns the line that says where they came
+    from. The weights of a checkpoint of this project are taken as they are (not its optimizer
+    state, step or schedule: the run starts at step 0); the tutorial's are renamed by
+    ``from_reference(sd, model)`` (the task's). Every parameter must be matched: a missing,
+    extra or differently shaped tensor is a ``ConfigError`` naming it. Every rank reads the
+    file, and all go on or all raise the same line (naming the first rank that could not load
+    it), so that no rank goes on to wait for one that stopped."""
+    failure = line = None
+    try:
+        line = _load(model, path, from_reference, cfg)
+    except ConfigError as e:
+        failure = str(e)
+    if rt.distributed:
+        outcomes = [None] * rt.world_size
+        dist.all_gather_object(outcomes, failure, group=rt.host_group)
+        rank, failure = next(((r, f) for r, f in enumerate(outcomes) if f), (None, None))
+        if failure is not None:
+            failure = f"rank {rank}: {failure}"
+    if failure is not None:
+        raise ConfigError(failure)
+    return line
+
+
+def _load(model, path, from_reference, cfg) -> str:
     sd, own = _read(path)
     differ = ""
     if own is None:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from conftest import write_era5
 from distributed_harness import run_ranks
-from engine import checkpoint
+from engine import checkpoint, start_weights
 from engine.checkpoint_convert import main as convert_main
 from engine.run_setup import find_resume_checkpoint
 from engine.runtime import Runtime, setup_runtime
@@ -187,6 +187,46 @@ def test_a_write_failing_on_one_rank_ends_every_rank_with_one_line(write_failure
     assert path == previous and state["iteration"] == 1
     if form == "dcp":
         assert checkpoint.read_tensors(path)["model"]
+
+
+# ----------------------------------------------------------------------------- init_from
+
+
+def rank_init_from(era5, expdir, path, broken_rank):
+    """Every rank: a new run from the weights at ``path``, which ``broken_rank`` cannot read (a
+    file system error there); the error this rank raised, or "started"."""
+    cfg = vit_cfg(era5, expdir, init_from=path, num_iters=1)
+    rt = setup_runtime(cfg)
+    broken = OSError(errno.EIO, os.strerror(errno.EIO))
+    with mock.patch.object(start_weights.torch, "load", side_effect=broken) \
+            if dist.get_rank() == broken_rank else contextlib.nullcontext():
+        try:
+            tr = Trainer(cfg, rt)
+        except ConfigError as e:
+            return str(e)
+    tr.loaders.close()
+    return "started"
+
+
+def test_weights_one_rank_cannot_read_end_every_rank_with_one_line(tmp_path):
+    """--init_from is read by every rank, and the ranks agree on the outcome: one rank that
+    cannot read the file stops all of them with the same line naming it, at once (the others
+    would otherwise wait for it in their first collective)."""
+    era5 = write_era5(str(tmp_path / "era5"), steps=40)
+    cfg = vit_cfg(era5, str(tmp_path / "first"), num_iters=1)
+    tr = Trainer(cfg, setup_runtime(cfg))
+    tr.fit()
+    tr.loaders.close()
+    path = checkpoint.list_checkpoints(tr.ckpt_dir)[0]
+    results = run_ranks(rank_init_from, RANKS, era5, str(tmp_path / "tuned"), path, 2,
+                        timeout=90, pg_timeout=30)
+    assert results == [f"rank 2: init_from={path} does not load (it is not a complete "
+                       f"checkpoint (damaged, cut short, or not written by torch.save): "
+                       f"OSError: [Errno 5] Input/output error): give another checkpoint of "
+                       f"that run, or the tutorial model's state_dict() saved with "
+                       f"torch.save"] * RANKS, results
+    assert run_ranks(rank_init_from, RANKS, era5, str(tmp_path / "tuned2"), path, -1,
+                     timeout=90, pg_timeout=30) == ["started"] * RANKS
 
 
 def test_checkpoint_exception_is_the_one_line(tmp_path):
