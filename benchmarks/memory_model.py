@@ -558,8 +558,6 @@ def main(argv=None):
         cfg = build_config(own.yaml_config, own.config, overrides)
         if cfg.model != "vit":
             raise ConfigError(f"config '{cfg.name}' is a {cfg.model} config: the model covers the ViT")
-        if own.data_parallel < 1:
-            raise ConfigError(f"--data_parallel must be >= 1, got {own.data_parallel}")
         p = predict_config(cfg, own.data_parallel, own.attention, own.measure)
     except (ConfigError, ValueError) as e:
         refuse(str(e))

@@ -49,7 +49,7 @@ OUT = os.path.join(ROOT, "benchmarks", "scaling")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
+from settings.errors import OneLineParser, at_least, counts, refuse  # noqa: E402
 
 # Per model: YAML, overrides making a step long enough to time, weak local batch, strong global
 # batch, steps per epoch.
@@ -326,7 +326,7 @@ def plot(results, cores, out_dir):
 def run_series(args, work):
     """Every point of the plan, --repeats times; returns the document results.json holds."""
     models = args.models.split(",")
-    ranks = [int(n) for n in args.ranks.split(",")]
+    ranks = args.ranks
     log_dir = os.path.join(work, "logs")  # every run's full log
     os.makedirs(log_dir, exist_ok=True)
     pooled, t0 = {}, time.time()
@@ -386,25 +386,11 @@ def model_names(text: str) -> str:
     return text
 
 
-def rank_counts(text: str) -> str:
-    """An argparse ``type``: rank counts of 1 or more, comma-separated (kept as the text)."""
-    for item in text.split(","):
-        try:
-            n = int(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not an integer: give rank "
-                                             f"counts such as 1,2,4") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: {n} ranks: give counts of 1 or more, "
-                                             f"e.g. 1,2,4")
-    return text
-
-
 def main(argv=None):
     p = OneLineParser(prog="python -m benchmarks.scaling", description=__doc__.split("\n")[0])
     p.add_argument("--models", type=model_names, default="vit,unet",
                    help="models to measure, comma-separated")
-    p.add_argument("--ranks", type=rank_counts, default="1,2,4",
+    p.add_argument("--ranks", type=counts(1, "1,2,4", " ranks"), default="1,2,4",
                    help="rank counts of each series, comma-separated")
     p.add_argument("--out", default=OUT, help="directory of results.json and the plots "
                    "(default: %(default)s)")

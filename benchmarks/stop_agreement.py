@@ -36,7 +36,6 @@ as over a network of hundreds of ranks and unlike loopback on a few cores:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -48,25 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
-
-
-def rank_counts(text: str) -> list[int]:
-    """An argparse ``type``: comma-separated rank counts, each 2 or more (one rank has no peers
-    to agree with)."""
-    counts = []
-    for item in text.split(","):
-        try:
-            n = int(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: {item!r} is not an integer: give rank counts such as 2,4,8") from None
-        if n < 2:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: {n} ranks have no peers to agree with: give counts of 2 or more, "
-                f"e.g. 2,4,8")
-        counts.append(n)
-    return counts
+from settings.errors import OneLineParser, at_least, counts, refuse  # noqa: E402
 
 
 def simulate_long_ring(ring_s: float):
@@ -300,8 +281,10 @@ def exchange(ranks: list[int], delay_us: int):
 
 
 def main(argv=None):
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=rank_counts, default=[2, 4, 8],
+    parser = OneLineParser(prog="python -m benchmarks.stop_agreement",
+                           description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=counts(2, "2,4,8", " ranks have no peers to agree with"),
+                        default=[2, 4, 8],
                         help="rank counts, comma-separated, each 2 or more (default: 2,4,8)")
     parser.add_argument("--rounds", type=at_least(1), default=5,
                         help="epochs of each way per point")

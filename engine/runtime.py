@@ -59,6 +59,20 @@ class Runtime:
             dist.all_reduce(t, group=self.dp_group)
         return t
 
+    def first_failure(self, failure) -> str | None:
+        """Collective on all ranks (host group): every rank's ``failure`` (``(rank, line)`` or
+        None) to every rank; the first there is as the line every rank raises (``rank N: ...``
+        under several ranks), or None. So all go on or all raise the same line: a rank that
+        raised alone would leave the others waiting in their next collective."""
+        if self.distributed:
+            outcomes = [None] * self.world_size
+            dist.all_gather_object(outcomes, failure, group=self.host_group)
+            failure = next((f for f in outcomes if f is not None), None)
+        if failure is None:
+            return None
+        rank, line = failure
+        return f"rank {rank}: {line}" if self.distributed else line
+
     def barrier(self):
         if self.distributed:
             dist.barrier()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from engine import checkpoint
 from engine.train_state import setting_changes
@@ -76,13 +75,8 @@ def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, r
     try:
         line = _load(model, path, from_reference, cfg)
     except ConfigError as e:
-        failure = str(e)
-    if rt.distributed:
-        outcomes = [None] * rt.world_size
-        dist.all_gather_object(outcomes, failure, group=rt.host_group)
-        rank, failure = next(((r, f) for r, f in enumerate(outcomes) if f), (None, None))
-        if failure is not None:
-            failure = f"rank {rank}: {failure}"
+        failure = (rt.rank, str(e))
+    failure = rt.first_failure(failure)
     if failure is not None:
         raise ConfigError(failure)
     return line

@@ -103,16 +103,11 @@ class TrainState:
                 path = checkpoint.save(directory, self.iteration, state, keep)
         except checkpoint.WriteFailed as e:
             failure = (rt.rank if e.rank is None else e.rank, str(e))
-        if rt.distributed:
-            # Every rank's outcome to every rank, so that all go on or all raise the same line (a
-            # rank that raised alone would leave the others waiting in their next collective);
-            # it also holds every rank until rank 0 has put the checkpoint in place.
-            outcomes = [None] * rt.world_size
-            dist.all_gather_object(outcomes, failure, group=rt.host_group)
-            failure = next((f for f in outcomes if f is not None), None)
-        if failure is not None:
-            rank, line = failure
-            raise TrainingError(f"rank {rank}: {line}" if rt.distributed else line)
+        # (the outcomes' exchange also holds every rank until rank 0 has put the checkpoint in
+        # place)
+        line = rt.first_failure(failure)
+        if line is not None:
+            raise TrainingError(line)
         return path if rt.is_main else None
 
     def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),

@@ -72,3 +72,23 @@ def new_file(text: str) -> str:
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text}: no directory {parent}: create it first")
     return text
+
+
+def counts(low: int, example: str, why: str = ""):
+    """An argparse ``type``: comma-separated integers of ``low`` or more, as a list; ``why``
+    follows a number that is too small in the message, ``example`` shows valid ones."""
+    def parse(text: str) -> list[int]:
+        out = []
+        for item in text.split(","):
+            try:
+                n = int(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not an integer: give "
+                                                 f"counts such as {example}") from None
+            if n < low:
+                raise argparse.ArgumentTypeError(f"{text!r}: {n}{why}: give counts of {low} or "
+                                                 f"more, e.g. {example}")
+            out.append(n)
+        return out
+    parse.__name__ = f"counts >= {low}"
+    return parse
