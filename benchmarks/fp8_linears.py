@@ -44,7 +44,7 @@ def build_variant(recipe: str, overrides: dict, batch: int, device, compiled: bo
     seconds. ``recipe``: ``none`` (bf16) or an fp8 recipe."""
     import torch
 
-    from benchmarks.step_options import compute_only_step
+    from benchmarks.roofline import compute_only_step
     from engine import fp8_linears
     from engine.optimizer import build_optimizer
     from settings.parse import build_config

@@ -11,7 +11,7 @@ compute-only training steps (the batch on the device, bf16 autocast and fused Ad
 fp32 on the CPU; the project's attention choice, loss and U-Net layout: channels-last on a GPU
 in bf16, ``--memory-format`` to choose), timed without the profiler (3 warm-up steps, then the
 median of 3 rounds of 10), then 3 steps profiled with torch.profiler. The analytic model
-(``observe/roofline.py``) gives each group's FLOPs and bytes, and its floor = max(FLOPs /
+(``benchmarks/roofline_model.py``) gives each group's FLOPs and bytes, and its floor = max(FLOPs /
 matmul rate, bytes / bandwidth); the profile gives its measured time, per step.
 
 How measured time is attributed: during the profiled steps forward hooks put a
@@ -33,8 +33,10 @@ optimizer's loop, autograd's engine), and ops the rules place nowhere ("other").
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -42,7 +44,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.step_options import time_calls  # noqa: E402
 from settings.errors import OneLineParser, at_least, new_file  # noqa: E402
 
 MODULE_RANGE = "roofline.module:"  # + the module's path below the model ("" for the model)
@@ -55,6 +56,50 @@ YAML = {"vit": "config/ViT.yaml", "unet": "config/UNet.yaml"}
 SMALL = {"vit": ({"img_size": [32, 64], "patch_size": 4, "embed_dim": 64, "depth": 2,
                   "num_heads": 4}, 4),
          "unet": ({"base_width": 4, "max_width": 16, "full_scale": False, "data_size": 32}, 2)}
+
+
+def time_calls(fn, rounds: int = 5, calls: int = 10, device=None, best: bool = False) -> float:
+    """Median (``best``: least) milliseconds of one call of ``fn`` over ``rounds`` rounds of
+    ``calls`` calls (CUDA events on a GPU, the wall clock elsewhere); ``device``: where ``fn``
+    runs (default: a GPU when there is one)."""
+    import torch
+    gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
+    times = []
+    for _ in range(rounds):
+        if gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1000 / calls)
+    return min(times) if best else statistics.median(times)
+
+
+def compute_only_step(task, model, optimizer, x, y, dtype, kernels=contextlib.nullcontext,
+                      optimizer_range=contextlib.nullcontext):
+    """A compute-only training step as the benchmarks time it: the forward of ``model`` on the
+    batch ``x`` under autocast to ``dtype`` (float32: none) and ``kernels()``, the task's loss
+    (mean) against ``y``, the backward, and ``optimizer``'s step inside ``optimizer_range()``.
+    The step returns its loss, not synchronised."""
+    import torch
+
+    def step():
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32), \
+                kernels():
+            loss = task.loss(model(x), y).mean()
+        loss.backward()
+        with optimizer_range():
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    return step
 
 
 # --------------------------------------------------------------------------- the device's rates
@@ -114,9 +159,8 @@ def build_case(name: str, small: bool, device, memory_format: str = "auto"):
     """The task, model, batch on the device, fused Adam and the step function of one model."""
     import torch
 
-    from benchmarks.step_options import compute_only_step
     from engine.optimizer import build_optimizer
-    from observe.roofline import step_model
+    from benchmarks.roofline_model import step_model
     from settings.parse import build_config
     from tasks import make_task
     gpu = device.type == "cuda"
@@ -154,7 +198,7 @@ def _ancestors(e):
 def attribute(events, step, gpu: bool) -> dict:
     """The profiled time (ms, all steps together) of each of ``step``'s groups, and what stayed
     unattributed, from torch.profiler's events (``prof.events()``); see the module's doc."""
-    from observe.roofline import CASTS, op_name
+    from benchmarks.roofline_model import CASTS, op_name
     cpu_events = [e for e in events if e.device_type.name == "CPU"
                   and not any(a.name == WARMUP_RANGE for a in _ancestors(e))]
     steps = [e for e in cpu_events if e.name == STEP_RANGE]

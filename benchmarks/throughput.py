@@ -2,7 +2,6 @@
 
     python -m benchmarks.throughput                  # everything, prints Markdown tables
     python -m benchmarks.throughput --only loaders   # or: raw, train, profile
-    python -m benchmarks.throughput --before none    # loaders without the older revision's
 
 Data: synthetic files in the real formats under --data (made once): an ERA5 year of 120 steps at
 the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
@@ -11,10 +10,7 @@ crops, plus the quickstart sizes.
 Loader rows: whole batches of each setting (lowmem, inmem; for the U-Net also ``device``; DALI's
 ``dali-lowmem`` and ``dali-inmem`` where DALI is installed, CPU pipelines here) and worker count
 (the device loader has no workers: one row), each beside the raw read of the same bytes (h5py,
-one process, nothing else) timed in the same rounds, and beside the loaders of an older revision
-(``--before``, by default 2a51d93, the torch DataLoader path before the batch pool): that
-revision's ``utils`` is taken from git and run in a child process of its own, served batch by
-batch the same way, its measurement interleaved with this tree's. Per row: samples/s and GB/s
+one process, nothing else) timed in the same rounds. Per row: samples/s and GB/s
 delivered (input and target, float32, in the memory the step reads), the ratio to the raw read,
 and the main process's CPU time per batch while it receives batches (``time.process_time``: all
 its threads; without workers that is the whole read), also as a share of the raw read time of a
@@ -33,17 +29,13 @@ tutorial's reference model sizes, on cached data (compute only) and through the 
 """
 from __future__ import annotations
 
-import contextlib
 import cProfile
+import gc
 import glob
-import io
-import json
 import os
 import pstats
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -54,15 +46,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.loader_timing import batches, close_loaders, measure  # noqa: E402
 from datapipe import synthetic  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
-from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
+from settings.errors import OneLineParser, at_least  # noqa: E402
 from settings.parse import build_config  # noqa: E402
 from tasks import make_task  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEFORE = "2a51d93"  # the data path before the batch pool, reads by offset and the device loader
 ERA5_STEPS = 120  # steps of the ERA5 training year: 119 pairs, 29 batches of 4 per epoch
 SETTINGS = ("lowmem", "inmem", "device", "dali-lowmem", "dali-inmem")
 GOAL_RATIO, GOAL_MAIN_SHARE = 0.9, 0.05
@@ -175,81 +165,48 @@ def _config(case: Case, setting: str, workers: int):
                         dict(case.overrides, data_loader_config=setting, num_data_workers=str(workers)))
 
 
-# ----------------------------------------------------------------------------- the older loaders
-
-
-def check_revision(rev: str):
-    """``--before``: a commit git knows in this repository holding ``utils``; else one line."""
-    try:
-        subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet",
-                        f"{rev}^{{commit}}:utils"], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError):
-        refuse(f"--before {rev}: git knows no commit {rev} with a utils/ directory in this "
-               f"repository: give an older revision (default {BEFORE}), or --before none")
-
-
-class OldLoaders:
-    """The loaders of revision ``rev`` (its ``utils``, from git) in a child process of their own,
-    built and measured on request (``serve``), so that they run interleaved with this tree's."""
-
-    def __init__(self, rev: str, threads: int):
-        try:
-            self.rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True,
-                                      capture_output=True, text=True).stdout.strip()
-            archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "utils"], check=True,
-                                     capture_output=True).stdout
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", b"") or str(e)
-            detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
-            raise SystemExit(f"--before {rev}: cannot read that revision's utils from git "
-                             f"({detail.strip()}): pass --before none") from None
-        self.tree = tempfile.mkdtemp(prefix=f"loaders-{self.rev}-")
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            try:
-                tar.extractall(self.tree, filter="data")
-            except TypeError:  # a Python without extraction filters
-                tar.extractall(self.tree)
-        code = ("import sys; from benchmarks import loader_timing; "
-                "loader_timing.serve(sys.argv[1], int(sys.argv[2]))")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, self.tree, str(threads)],
-                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
-
-    def _ask(self, **cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the loaders of {self.rev} ended (exit {self.proc.wait()})")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"loaders of {self.rev}: {reply['error']}")
-        return reply
-
-    def build(self, case: Case, setting: str, workers: int):
-        self._ask(op="build", yaml=os.path.join(ROOT, "config", case.yaml), config=case.config,
-                  overrides=dict(case.overrides, data_loader_config=setting,
-                                 num_data_workers=str(workers)))
-
-    def measure(self, n_batches, warmup, epoch, ahead):
-        return self._ask(op="measure", batches=n_batches, warmup=warmup, epoch=epoch, ahead=ahead)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.tree, ignore_errors=True)
-
-
 # ----------------------------------------------------------------------------- loader rows
 
+def batches(loader, epoch=0):
+    """Batches without end: epoch after epoch, from ``epoch``."""
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def measure(loader, n_batches, warmup, epoch, ahead):
+    """One measurement of ``loader``: samples/s (``rate``), GB/s delivered (``gbs``) and the
+    main process's CPU ms per batch (``cpu_ms``) over ``n_batches`` batches of a pass started at
+    ``epoch``, after ``warmup`` batches (the prefetch queue's); then waits while the ``ahead``
+    batches prefetched meanwhile are read (at the measured rate), so that they do not run beside
+    the next measurement."""
+    it = batches(loader, epoch)
+    for _ in range(warmup):
+        next(it)
+    n = nbytes = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(n_batches):
+        x, y = next(it)
+        n += x.shape[0]
+        nbytes += x.nbytes + y.nbytes
+        del x, y  # as the training loop: nothing holds the batch while the next one is fetched
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    it.close()
+    time.sleep(min(3.0, ahead * dt / n_batches))
+    return {"rate": n / dt, "gbs": nbytes / dt / 1e9, "cpu_ms": 1e3 * cpu / n_batches}
+
+
+def close_loaders(loaders):
+    """End the loaders' workers; returns None, to drop the last reference with."""
+    close = getattr(loaders, "close", None)
+    if callable(close):
+        close()
+    gc.collect()
+
+
 COLUMNS = ["data", "setting", "workers", "raw read, samples/s", "raw read, GB/s",
-           "before, samples/s", "before / raw", "before, main CPU ms/batch",
-           "now, samples/s", "now, GB/s", "now / raw", "now / before", "now, main CPU ms/batch",
+           "now, samples/s", "now, GB/s", "now / raw", "now, main CPU ms/batch",
            "now, main CPU / raw read of a batch", "load (1 min)"]
 
 
@@ -262,20 +219,17 @@ def _f(v, spec):
 
 
 def format_row(r: dict) -> str:
-    raw, old, now = r["raw"], r["before"], r["now"]
+    raw, now = r["raw"], r["now"]
     cells = [r["data"], r["setting"], "–" if r["setting"] == "device" else str(r["workers"]),
-             f"{raw['rate']:.1f}", f"{raw['gbs']:.2f}",
-             _f(old and old["rate"], ".1f"), _f(old and old["rate"] / raw["rate"], ".2f"),
-             _f(old and old["cpu_ms"], ".1f"),
-             f"{now['rate']:.1f}", f"{now['gbs']:.2f}", f"{r['ratio']:.2f}",
-             _f(old and now["rate"] / old["rate"], ".2f"), f"{now['cpu_ms']:.1f}",
-             f"{r['main_share']:.1%}", _f(r.get("load"), ".1f")]
+             f"{raw['rate']:.1f}", f"{raw['gbs']:.2f}", f"{now['rate']:.1f}", f"{now['gbs']:.2f}",
+             f"{r['ratio']:.2f}", f"{now['cpu_ms']:.1f}", f"{r['main_share']:.1%}",
+             _f(r.get("load"), ".1f")]
     return "| " + " | ".join(cells) + " |"
 
 
-def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS, old=None):
+def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS):
     """Measure every loader setting of ``cases`` (those in ``settings``; DALI only where installed)
-    and worker count, beside the raw read (and, with ``old``, an ``OldLoaders``), interleaved
+    and worker count, beside the raw read, interleaved
     over ``rounds`` rounds; prints each row as it is done and returns them (dicts)."""
     rows = []
     have_dali = dali_installed()
@@ -291,9 +245,6 @@ def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS, old
                 warmup = ahead + 2
                 rng = np.random.default_rng(0)
                 paths = {"raw": lambda: dict(zip(("rate", "gbs"), case.raw(n_batches * b, rng)))}
-                if old is not None and setting in ("lowmem", "inmem"):
-                    old.build(case, setting, w)
-                    paths["before"] = lambda e: old.measure(n_batches, warmup, e, ahead)
                 paths["now"] = lambda e: measure(loaders.train, n_batches, warmup, e, ahead)
                 best = {}
                 names = list(paths)
@@ -306,7 +257,7 @@ def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS, old
                 loaders = close_loaders(loaders)  # None: its memory (inmem: the data) goes now
                 raw, now = best["raw"], best["now"]
                 row = {"data": case.label, "setting": setting, "workers": w, "batch": b,
-                       "raw": raw, "before": best.get("before"), "now": now,
+                       "raw": raw, "now": now,
                        "ratio": now["rate"] / raw["rate"],
                        "main_share": now["cpu_ms"] / (1e3 * b / raw["rate"]), "load": _load()}
                 rows.append(row)
@@ -613,12 +564,7 @@ def main(argv=None):
                    help="loader settings to measure (DALI's only where it is installed)")
     p.add_argument("--models", nargs="+", choices=("vit", "unet"), default=["vit", "unet"],
                    help="whose loaders to measure: the ViT's ERA5 pairs, the U-Net's crops")
-    p.add_argument("--before", default=BEFORE,
-                   help="git revision whose loaders are measured beside this tree's, in a child "
-                        "process (default: %(default)s, before the batch pool); none: skip")
     args = p.parse_args(argv)
-    if args.only in (None, "loaders") and args.before.lower() != "none":
-        check_revision(args.before)  # before any data is made
     torch.set_num_threads(os.cpu_count())
     era5, cosmo = ensure_data(args.data)
     print(f"# torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} "
@@ -628,15 +574,9 @@ def main(argv=None):
         raw_rows(era5, cosmo, 200)
         print()
     if args.only in (None, "loaders"):
-        with contextlib.ExitStack() as stack:
-            old = None
-            if args.before.lower() != "none":
-                old = OldLoaders(args.before, torch.get_num_threads())
-                stack.callback(old.close)
-                print(f"before: the loaders of {old.rev}; now: this tree\n")
-            print(table_header())
-            cases = [c for c in loader_cases(era5, cosmo) if c.yaml[:-5].lower() in args.models]
-            rows = loader_rows(cases, args.workers, args.batches, args.rounds, args.settings, old)
+        print(table_header())
+        cases = [c for c in loader_cases(era5, cosmo) if c.yaml[:-5].lower() in args.models]
+        rows = loader_rows(cases, args.workers, args.batches, args.rounds, args.settings)
         print(f"\n{load_line()}\n\nGoals:\n")
         print("\n".join(goal_lines(rows)))
         print()

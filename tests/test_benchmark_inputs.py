@@ -2,7 +2,6 @@
 code 2, no traceback, refused before any measurement, and nothing on disk changed (an existing
 output file is never written over)."""
 import argparse
-import math
 import sys
 
 import pytest
@@ -10,9 +9,8 @@ import pytest
 import preloaded
 from conftest import ROOT
 
-SCRIPTS = ["stop_agreement", "era5_reads", "generated_batches", "band_reads",
-           "checkpoint_memory", "score_speed", "example_runs", "memory_model", "roofline",
-           "step_options", "scaling", "throughput"]
+SCRIPTS = ["stop_agreement", "example_runs", "memory_model", "roofline", "scaling",
+           "throughput"]
 
 EXISTING = b'{"kept": "as it was"}\n'
 
@@ -41,34 +39,9 @@ BAD = {
                                       ["-2", "2 or more"]),
     "stop_agreement ranks not a number": ("stop_agreement", ["--ranks", "abc"], ["abc"]),
     "stop_agreement rounds 0": ("stop_agreement", ["--rounds", "0"], ["--rounds", "0"]),
-    "era5_reads band outside the image": ("era5_reads", ["--band", "8", "64", "--img_size",
-                                                         "32", "64"], ["--band 8 64", "32"]),
-    "era5_reads batch negative": ("era5_reads", ["--batch", "-1"], ["--batch", "-1"]),
-    "generated_batches config without yaml": ("generated_batches", ["--configs", "ViT"],
-                                              ["--configs ViT", "ViT:short", "UNet:short"]),
-    "generated_batches rounds 0": ("generated_batches", ["--rounds", "0"], ["--rounds", "0"]),
-    "generated_batches unknown config": ("generated_batches", ["--configs", "ViT:nope"],
-                                         ["ViT:nope", "ViT:quickstart"]),
-    "band_reads batches 0": ("band_reads", ["--batches", "0"], ["--batches", "0"]),
-    "band_reads layout without ranks": ("band_reads", ["--layouts", "0x1"], ["0x1"]),
-    "checkpoint_memory depth negative": ("checkpoint_memory", ["--depth", "-1"],
-                                         ["--depth", "-1"]),
-    "checkpoint_memory width the heads do not divide": ("checkpoint_memory",
-                                                        ["--embed_dim", "30"], ["30"]),
-    "score_speed unknown config": ("score_speed", ["--config", "nope"], ["nope", "quickstart"]),
-    "score_speed n_init negative": ("score_speed", ["--n_init", "-3"], ["--n_init", "-3"]),
     "memory_model memory negative": ("memory_model", ["--gpu_memory_gb", "-5"],
                                      ["--gpu_memory_gb", "-5"]),
     "roofline budget negative": ("roofline", ["--budget", "-1"], ["--budget", "-1"]),
-    "step_options malformed overrides": ("step_options",
-                                         ["--vit-overrides", '{"img_size": [64, 128]'],
-                                         ["--vit-overrides", "img_size", "delimiter"]),
-    "step_options overrides not an object": ("step_options", ["--vit-overrides", "[64]"],
-                                             ["--vit-overrides", "[64]", "object"]),
-    "step_options unknown override": ("step_options", ["--vit-overrides", '{"nope": 1}'],
-                                      ["nope"]),
-    "step_options steps negative": ("step_options", ["--steps", "-1", "--dry-run"],
-                                    ["--steps", "-1"]),
     "scaling retries negative": ("scaling", ["--retries", "-1"], ["--retries", "-1"]),
     "scaling ranks 0": ("scaling", ["--ranks", "1,0"], ["--ranks", "1,0"]),
     "scaling unknown model": ("scaling", ["--models", "vit,vti"], ["vti", "unet"]),
@@ -87,7 +60,6 @@ def test_a_bad_value_is_one_error_line(case):
     ("example_runs", ["--out", "{path}"]),
     ("example_runs", ["--out", "{path}", "--plot-only"]),
     ("roofline", ["--small", "--only", "vit", "--json", "{path}"]),
-    ("step_options", ["--only", "attention", "--json", "{path}"]),
 ])
 def test_an_existing_output_file_is_refused_and_kept(tmp_path, name, args):
     path = tmp_path / "existing.json"
@@ -97,18 +69,7 @@ def test_an_existing_output_file_is_refused_and_kept(tmp_path, name, args):
     assert [p.name for p in tmp_path.iterdir()] == ["existing.json"]
 
 
-@pytest.mark.parametrize("name, args, named", [
-    ("score_speed", ["--config", "nope", "--data", "{data}"], ["nope"]),
-    ("throughput", ["--before", "no-such-rev", "--data", "{data}"],
-     ["--before no-such-rev", "--before none"]),
-])
-def test_a_refusal_makes_no_data_directory(tmp_path, name, args, named):
-    refused(bench(name, *(a.format(data=tmp_path / "data") for a in args)), *named)
-    assert list(tmp_path.iterdir()) == []
-
-
-HELP_SAYS = {"band_reads": ["samples/s is the best round"],
-             "memory_model": ["in GiB", "fits / does not fit"]}
+HELP_SAYS = {"memory_model": ["in GiB", "fits / does not fit"]}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -128,15 +89,6 @@ def test_memory_model_gives_its_verdict(capsys, memory, verdict):
 
     memory_model.main(["--config", "mp_cpu", "--gpu_memory_gb", str(memory)])
     assert verdict in capsys.readouterr().out
-
-
-def test_score_speed_times_at_least_one_forward_pass(tmp_path):
-    r = bench("score_speed", "--batch", "8", "--n_init", "2", "--lead_steps", "2", "--rounds",
-              "1", "--threads", "1", "--data", tmp_path / "data")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "forward: 1 pass of batch 8 = 8 samples per round" in r.stdout, r.stdout
-    forward = next(ln.split() for ln in r.stdout.splitlines() if ln.startswith("forward "))
-    assert math.isfinite(float(forward[2])), r.stdout  # a rate over work done, not over none
 
 
 def test_scaling_without_retries_keeps_a_disturbed_point_and_marks_it(monkeypatch, capsys):
@@ -166,22 +118,3 @@ def test_scaling_without_retries_keeps_a_disturbed_point_and_marks_it(monkeypatc
     r = scaling.measure(("vit", 2, 8, False), args, "work", "logs")
     assert calls == [2, 2] and r["attempts"] == 2 and r["disturbed"]
     assert "running it again" in capsys.readouterr().out
-
-
-def test_era5_reads_times_the_read_path_before_reads_by_offset(monkeypatch, capsys):
-    from benchmarks import era5_reads
-
-    before = era5_reads.old_module()
-    assert before.__file__.endswith("utils/era5_data.py") and before.ERA5Dataset.read_batch
-    # the h5py read path: none of the reads by offset that the working tree's module has
-    assert hasattr(era5_reads.era5_data, "read_pieces") and not hasattr(before, "read_pieces")
-    assert "utils" not in sys.modules  # that commit's package imported under its names only
-    assert "4635056" in era5_reads.__doc__ and "HEAD:" not in era5_reads.__doc__
-
-    monkeypatch.setattr(era5_reads, "BEFORE", "0" * 40)
-    with pytest.raises(SystemExit) as e:
-        era5_reads.old_module()
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: the 'read_batch before' rows need commit 0000000") \
-        and err.count("\n") == 1, err

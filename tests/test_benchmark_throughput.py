@@ -1,14 +1,10 @@
 """benchmarks/throughput.py on tiny data: every loader row (the device loader's one row, DALI's
-where installed), the main process's CPU time per batch, the goals, the older revision's loaders
-in their own process, and the profile of the crops read from the file."""
-import os
-import shutil
-import subprocess
-
+where installed), the main process's CPU time per batch, the goals, and the profile of the crops
+read from the file."""
 import pytest
 
 from benchmarks import throughput as tp
-from conftest import ROOT, write_cosmo_pair, write_era5
+from conftest import write_cosmo_pair, write_era5
 
 ERA5_SAMPLE = 2 * 20 * 16 * 32 * 4  # bytes of an input + target pair, float32
 CROP_SAMPLE = (4 + 5) * 32**3 * 4
@@ -31,7 +27,7 @@ def test_loader_rows_cover_every_setting_and_worker_count(cases, capsys):
                    (crops, "lowmem", 0), (crops, "lowmem", 1), (crops, "inmem", 0), (crops, "inmem", 1),
                    (crops, "device", 0)]  # the device loader: one row, no workers
     for r in rows:
-        assert r["raw"]["rate"] > 0 and r["now"]["rate"] > 0 and r["before"] is None
+        assert r["raw"]["rate"] > 0 and r["now"]["rate"] > 0
         assert r["now"]["cpu_ms"] >= 0 and r["main_share"] == pytest.approx(
             r["now"]["cpu_ms"] / (1e3 * r["batch"] / r["raw"]["rate"]))
         per_sample = ERA5_SAMPLE if r["data"] == era5 else CROP_SAMPLE
@@ -67,41 +63,11 @@ def test_goals_met_and_not_met():
     assert len(lines) == 7
 
 
-def _has_revision(rev):
-    if shutil.which("git") is None:
-        return False
-    return subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{rev}^{{commit}}"],
-                          capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(not _has_revision(tp.BEFORE), reason=f"needs git and commit {tp.BEFORE}")
-def test_before_rows_run_the_older_revisions_loaders(cases, capsys):
-    old = tp.OldLoaders(tp.BEFORE, 1)
-    try:
-        assert not os.path.exists(os.path.join(old.tree, "utils", "batch_pool.py"))  # before it
-        rows = tp.loader_rows(cases[:1], [0, 1], n_batches=2, rounds=1, settings=("lowmem",), old=old)
-    finally:
-        old.close()
-    assert not os.path.exists(old.tree) and old.proc.returncode == 0
-    assert [r["workers"] for r in rows] == [0, 1]
-    for r in rows:
-        before = r["before"]
-        assert before["rate"] > 0 and before["cpu_ms"] >= 0
-        assert before["gbs"] * 1e9 / before["rate"] == pytest.approx(ERA5_SAMPLE)
-    cells = capsys.readouterr().out.splitlines()[-1].split(" | ")
-    assert float(cells[5]) > 0 and float(cells[11]) > 0  # before samples/s, now / before
-
-
-def test_before_refuses_an_unknown_revision():
-    with pytest.raises(SystemExit, match="--before no-such-rev: cannot read .* pass --before none"):
-        tp.OldLoaders("no-such-rev", 1)
-
-
 def test_dali_rows(cases):
     pytest.importorskip("nvidia.dali")
     rows = tp.loader_rows(cases, [0], n_batches=2, rounds=1, settings=("dali-lowmem", "dali-inmem"))
     assert [(r["setting"], r["workers"]) for r in rows] == [("dali-lowmem", 0), ("dali-inmem", 0)] * 2
-    assert all(r["now"]["rate"] > 0 and r["before"] is None for r in rows)
+    assert all(r["now"]["rate"] > 0 for r in rows)
 
 
 def test_profile_of_the_crops_read_from_the_file(cases):

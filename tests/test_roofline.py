@@ -1,4 +1,4 @@
-"""The roofline model (observe/roofline.py) against the real models' ops at toy sizes: every
+"""The roofline model (benchmarks/roofline_model.py) against the real models' ops at toy sizes: every
 group's FLOPs against torch's FLOP counter and the task's count, its bytes against the tensors
 its ops read and write; the floor; and benchmarks/roofline.py end to end on the CPU."""
 import contextlib
@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backwa
 from torch.utils.module_tracker import ModuleTracker
 
 from conftest import ROOT
-from observe import roofline
+from benchmarks import roofline_model as roofline
 from settings.parse import build_config
 from tasks import make_task
 
