@@ -287,32 +287,6 @@ def test_loader_rows_limit_training_batches_only(era5_root, tmp_path, mode):
         build_loaders(unet, 1, 0, 4, torch.device("cpu"), rows=(0, 8))
 
 
-def test_band_reads_benchmark_counts_the_band(tmp_path):
-    """benchmarks.band_reads: the engine's bands cover the image (uneven over cp, one cp band per
-    tp group when padded), and a rank's loader reads the band's bytes, not the whole sample's."""
-    from benchmarks.band_reads import Reader, rank_bands
-
-    assert rank_bands(1, 1, (32, 32), 8)[1] == {(0, 32): [0]}
-    assert rank_bands(1, 3, (32, 32), 8)[1] == {(0, 16): [0], (16, 24): [1], (24, 32): [2]}
-    assert rank_bands(2, 2, (32, 32), 8)[1] == {(0, 8): [0], (8, 16): [1], (16, 24): [2], (24, 32): [3]}
-    kind, bands = rank_bands(2, 1, (24, 32), 8)  # 3 patch rows: padded, both tp ranks embed all
-    assert kind.startswith("padded") and bands == {(0, 24): [0, 1]}
-    # A channel of 128 kB: more than HDF5's 64 kB sieve buffer, which reads across smaller gaps.
-    root = write_era5(str(tmp_path / "e"), steps=4, h=64, w=512)
-    files = sorted(os.path.join(root, "train", f) for f in os.listdir(os.path.join(root, "train")))
-    mb = {}
-    for rows in (None, (32, 64)):
-        r = Reader(root, 64, 512, rows, 2, files)
-        ds = r.loader.dataset
-        ds[0], ds[len(ds) - 1]  # open both year files: their metadata reads are not a sample's
-        r.measure(3, cold=False)
-        r.measure(1, cold=True)
-        mb[rows] = r.result("warm")[0]
-    whole = 2 * 20 * 64 * 512 * 4 / 1e6  # input and target, float32
-    assert whole <= mb[None] < whole + 0.01  # a few kB of HDF5 metadata per sample
-    assert whole / 2 <= mb[(32, 64)] < whole / 2 + 0.01
-
-
 def test_memory_model_counts_the_batch_rows_a_rank_loads():
     """The memory model's batch on the device is the rank's rows: 1/T of the image with row
     bands, the cp band when padded (cp = 2 on 45 patch rows: 23 rows, the longer band)."""
