@@ -1,79 +1,33 @@
 """The tutorial's single-GPU chapter on a real GPU, in one device call of under 9 minutes: its
 baselines and its optimised configs for the U-Net and the ViT (the device loader, compile, the
 throughput report, the time to the first step, a second run on warm compile caches), CUDA graphs
-at a small batch, a profiler trace with its top kernels and the GPU tests, tabulated beside the
-tutorial's A100 figures and the goals.
+at a small batch and the GPU tests, tabulated beside the tutorial's A100 figures and the goals.
 
     python -m benchmarks.gpu_runs --dry-run              # the plan: commands, estimates
     python -m benchmarks.gpu_runs --make-data            # the device call (~8 min on an H200)
-    python -m benchmarks.gpu_runs --make-data --only largest   # the ViT's largest batch (~2 min)
+    python -m benchmarks.gpu_runs --make-data --only unet vit   # series, or runs by key
 
 ``--budget`` (540 s) bounds the whole call, data making included. A run gets a timeout of
 twice its estimate and 30 s (``--timeout`` sets one for all), cut to what is left of the
 budget; a run that would start with less than half its estimate left is a ``skipped`` row.
 After every run the table is written again, so a call stopped from outside keeps what it
-measured.
+measured. ``--make-data`` first writes random data at the tutorial's sizes under ``--data``, in
+seconds (benchmarks/gpu_data.py); without it, missing data stops the call before any run.
 
-``--make-data`` writes the data under ``--data`` first, in seconds (benchmarks/gpu_data.py):
-a 256^3 training and a 128^3 validation cosmology box, ERA5 files of 200 and 48 steps of
-360 x 720 (4.1 + 1.0 GB) with their statistics; only what the chosen series read, and data
-already there is kept. Without it, missing data stops the call before any run.
-
-Series (``--only``; rows in this order, each a short training of real size):
-
-- ``unet``: U-Net ``short`` (fp32, 2 loader workers; 2 epochs of 512 crops of 64^3, batch 64),
-  then ``short_opt`` (fp16 with the scaler, fused Adam, compile, the memory format's default)
-  with the device loader (volumes in GPU memory; 3 epochs of 1536 crops) and
-  ``--throughput_report``, and ``short_opt`` eager as a CUDA graph (``train_graph.py``, in the
-  layout ``auto`` gives it without compile: channels-last), the fallback should compiled
-  channels-last not work (in the third call, beside a ``short_opt`` of its own);
-- ``vit``: ViT ``short`` (fp32, no workers, 12 steps of 16 on 96 samples), ``short_opt`` in
-  bf16 (8 workers, fused, compile, the attention kernel's default; 48 steps, with
-  ``--throughput_report``), the same again, which finds the compile caches of the run
-  before: its first epoch against its steady ones, and ``short_opt`` with ``compile_blocks``
-  (each transformer block compiled on its own: its start and its step against the whole
-  model's, both in the second call, the blocks first, so that the whole model's compile finds
-  no cache of its own graph);
-- ``tests``: ``pytest -m gpu`` over the test files that need a GPU (the others import packages a
-  GPU node may lack);
-- ``graphs``: ``train_graph.py`` at batch 8 (device loader, bf16, fused): replayed against eager
-  steps, where launch overheads show;
-- ``profile``: ``--profile_trace`` over a few ViT steps (bf16, compute only), the Chrome/Perfetto
-  JSON checked (it parses, holds traceEvents, CUDA kernels among them), its top kernels by GPU
-  time listed, and the trace copied to the out dir, gzipped;
-- ``largest`` (not in the default call): the ViT's largest batch that trains,
-  ``--global_batch_size`` doubled from 32 (bf16, fused, eager, no workers: 6 steps each) until
-  the one-line out-of-memory error (exit 2) of train.py, or 256;
-- ``roofline``, ``cl``, ``fp8``: benchmark scripts of their own (``kind`` "report": each writes
-  its result as JSON, ``--json``, with the markdown of its section in GPU.md):
-  ``benchmarks/roofline.py`` (each model's step against its floor, per layer or op group, at the
-  device's rates measured in the same call), ``benchmarks/cl_compile_repro.py`` (compiled
-  channels-last, torch alone: its verdict within a time limit; ``cl/per_level``, in the second
-  call, compiles each level on its own) and ``benchmarks/fp8_linears.py``
-  (fp8 linears at the ``mp`` ViT's size against bf16, both compiled).
-
-The calls (``CALLS``; ``--only`` takes series or single runs by key, e.g. ``unet/short_opt``):
-the default call measures what the goals read (the roofline, compiled channels-last, fp8, the
-optimised configs and a second run on warm compile caches); the second the baselines,
-``compile_blocks`` beside the whole model's compile, the GPU tests, CUDA graphs and the trace;
-the third the batch search and the U-Net's ``short_opt`` compiled against captured.
-
-The table (``--out-dir``: $OUT when set, else benchmarks/; GPU.md, a new name beside an existing
-one, with gpu_runs.log holding every run's command and output, and gpu_runs.json the parsed
-numbers): per run samples/s (train.py's epoch figure: the epoch's samples over its wall time,
-median of the epochs after the first) and the share of the epoch the GPU waited for data; the
-speed-up over the row before and over the series' first row; TFLOP/s, MFU and peak memory from
-train.py's lines; the tutorial's A100 figure where it has one, and the ratio; the start's
-seconds, the first epoch's and the compile caches' hits; then the throughput reports (IO,
-SYNTHETIC, FULL), the top kernels, the goals with the measured figure, and the device, driver,
-torch and CUDA versions. A run that fails, times out or logs no epoch is a row saying so. Exit
-status 1 when any row failed or was skipped (and nothing is written when none succeeded).
+The series (``SERIES``: ``unet``, ``vit``, ``tests``, ``graphs``, and the benchmark scripts
+``roofline``, ``cl``, ``fp8``, which write their result as JSON with the markdown of their
+section) and the calls (``CALLS``) are described where they are defined; docs/performance.md
+has the whole account. The table (GPU.md in ``--out-dir``: $OUT when set, else benchmarks/; a
+new name beside an existing one; gpu_runs.log holds every run's command and output,
+gpu_runs.json the parsed numbers): per run samples/s (the median of the epochs after the first)
+and the data-wait share, the speed-ups over the row before and the series' first, TFLOP/s, MFU,
+peak memory, the tutorial's A100 figure, the start's and first epoch's seconds; then the
+throughput reports, the goals and the versions. A run that fails, times out or logs no epoch is
+a row saying so; exit status 1 when any row failed or was skipped.
 """
 from __future__ import annotations
 
 import contextlib
-import glob
-import gzip
 import json
 import os
 import re
@@ -124,9 +78,8 @@ def est(samples: float, rate: float, extra: float = 0.0) -> float:
 class Run:
     """One row. ``key`` is "series/name" (the goals and the tutorial figures refer to it);
     ``script``: train.py, train_graph.py, a Python file, or "pytest"; ``kind``: "train",
-    "trace" (a train run with --profile_trace, its trace checked and its top kernels listed),
-    "search" (``args`` without the batch, run at each of ``SEARCH_BATCHES``), "pytest" or
-    "report" (a benchmark script that writes its result to ``--json``, ``markdown`` in it);
+    "pytest" or "report" (a benchmark script that writes its result to ``--json``, ``markdown``
+    in it);
     ``data``: the data set it reads under --data ("cosmo", "era5" or None); ``est_s``: seconds
     on an H200."""
 
@@ -153,7 +106,6 @@ VIT_SHORT = ("--config", "short", "--limit_nsamples", "96", "--limit_nsamples_va
 VIT_OPT = ("--config", "short_opt", "--limit_nsamples", "192", "--num_iters", "48",
            "--amp_mode", "bf16")
 REPORT = ("--throughput_report",)
-SEARCH_BATCHES = (32, 64, 128, 256)  # 16 is short_opt's; 192 training samples cap it at 64
 # The test files that hold gpu-marked tests, named to pytest: the others import packages a bare
 # GPU node may lack (nbclient).
 GPU_TESTS = tuple(sorted(f"tests/{name}" for name in os.listdir(os.path.join(ROOT, "tests"))
@@ -196,18 +148,6 @@ SERIES: dict[str, list[Run]] = {
                                                 "8", "--graph_warmup_steps", "6") + DEVICE,
             est(2 * 576, 270, CAPTURE_S + AUTOTUNE_S), data="cosmo"),
     ],
-    "profile": [
-        Run("profile/vit", "torch.profiler trace: ViT short, bf16, fused, compute only",
-            "train.py", ("--config", "short", "--amp_mode", "bf16", "--enable_fused",
-                         "--data_loader_config", "synthetic", "--limit_nsamples", "64",
-                         "--limit_nsamples_val", "16", "--num_iters", "12"),
-            est(12 * 16 + 2 * 16, 130, 5), kind="trace"),
-    ],
-    "largest": [
-        Run("largest/vit", "largest ViT batch: short, bf16, fused, eager, no workers",
-            "train.py", ("--config", "short", "--amp_mode", "bf16", "--enable_fused",
-                         "--num_iters", "6"), 0, kind="search", data="era5"),
-    ],
     "roofline": [
         Run("roofline/models", "roofline: each model's eager step (bf16, fused Adam, compute "
             "only) against its floor", "benchmarks/roofline.py", ("--budget", "90"), 100,
@@ -227,11 +167,14 @@ SERIES: dict[str, list[Run]] = {
     ],
 }
 # The device calls, each under 9 minutes (estimates in --dry-run): series, or runs by key.
-# The first measures what the goals read; the others what stays as it was measured before.
+# The first measures what the goals read; the second the baselines, compile_blocks beside the
+# whole model's compile, the GPU tests and CUDA graphs; the third the U-Net's short_opt compiled
+# against captured. (The largest ViT batch and a profiler trace's top kernels were series of
+# benchmarks/gpu_runs.py at commit d5877b9; their figures are in benchmarks/GPU.md.)
 CALLS = (("roofline", "cl/repro", "fp8", "unet/short_opt", "vit/short_opt",
           "vit/short_opt_again"),
          ("unet/baseline", "vit/short", "vit/short_opt_blocks", "vit/short_opt", "cl/per_level",
-          "tests", "graphs", "profile"), ("largest", "unet/short_opt", "unet/short_opt_graph"))
+          "tests", "graphs"), ("unet/short_opt", "unet/short_opt_graph"))
 RUNS = {run.key: run for runs in SERIES.values() for run in runs}
 
 
@@ -245,25 +188,9 @@ def select(names) -> list[Run]:
     return runs
 
 
-def search_args(run: Run, batch: int) -> list[str]:
-    """A batch-search run at ``batch``: 3 steps per epoch (two epochs), on at most the 192
-    training samples of the ERA5 file."""
-    return list(run.args) + ["--global_batch_size", str(batch),
-                             "--limit_nsamples", str(min(3 * batch, 192))]
-
-
-def search_est(batch: int) -> float:
-    """Seconds of one batch-search run: no workers read ~60 samples/s of 360 x 720."""
-    return est(2 * (min(3 * batch, 192) + VIT_VALID), 60)
-
-
 def run_timeout(est_s: float) -> float:
     """A run's default timeout: twice its estimate and 30 s more (starts vary)."""
     return 2 * est_s + 30
-
-
-def run_est(run: Run) -> float:
-    return sum(map(search_est, SEARCH_BATCHES)) if run.kind == "search" else run.est_s
 
 
 # The tutorials' A100-40GB figures, samples/s, as our rows compute theirs: the median of the
@@ -432,97 +359,6 @@ def report_outcome(code: int | None, output: str, timeout: float, path: str) -> 
     return {"failed": f"exit {code}, no result written: {last_error_line(output)}"}
 
 
-def is_out_of_memory(result: dict) -> bool:
-    return "out of memory" in result.get("failed", "").lower()
-
-
-def search_batch(batches, attempt) -> dict:
-    """The largest batch that trains: ``attempt(batch)`` (an ``outcome`` dict) for each of
-    ``batches`` in turn, up to the first out-of-memory error (or other failure, or skip).
-    Returns the largest that trained with its numbers, every batch tried, and why it stopped."""
-    tried, best = [], None
-    for batch in batches:
-        result = attempt(batch)
-        tried.append((batch, result))
-        if "failed" in result or "skipped" in result:
-            break
-        best = (batch, result)
-    last_batch, last = tried[-1]
-    if "failed" in last:
-        stop = (f"{last_batch}: out of memory" if is_out_of_memory(last)
-                else f"{last_batch}: {last['failed']}")
-    elif "skipped" in last:
-        stop = f"{last_batch}: {last['skipped']}"
-    else:
-        stop = f"every batch up to {last_batch} trained (the search's cap)"
-    clean = is_out_of_memory(last) or not ("failed" in last or "skipped" in last)
-    return {"largest": best[0] if best else None, "result": best[1] if best else None,
-            "tried": [b for b, _ in tried], "stop": stop, "clean": clean}
-
-
-def search_row(found: dict) -> dict:
-    """The table's row of a search: the largest batch's numbers, or a failure."""
-    if found["largest"] is None:
-        return {"failed": f"no batch trained; {found['stop']}"}
-    if not found["clean"]:
-        return {"failed": f"largest that trained {found['largest']}, then {found['stop']}"}
-    tried = ", ".join(map(str, found["tried"]))
-    return dict(found["result"], batch=found["largest"],
-                note=f"largest batch {found['largest']} (tried {tried}; {found['stop']})")
-
-
-def check_trace(directory: str) -> dict:
-    """A torch.profiler trace of rank 0 under ``directory``: it parses as JSON, holds
-    traceEvents, and CUDA kernels among them (category "kernel"). ``{"trace": what, "path": p}``
-    or ``{"failed": why}``."""
-    files = sorted(glob.glob(os.path.join(directory, "trace_rank0_step*.json")))
-    if not files:
-        return {"failed": f"no trace_rank0_step*.json in {directory}"}
-    path = files[0]
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        return {"failed": f"{os.path.basename(path)} does not parse as JSON ({e})"}
-    events = data.get("traceEvents") if isinstance(data, dict) else None
-    if not isinstance(events, list) or not events:
-        return {"failed": f"{os.path.basename(path)} holds no traceEvents"}
-    kernels = sum(isinstance(e, dict) and e.get("cat") == "kernel" for e in events)
-    ranges = sorted({e.get("name") for e in events if isinstance(e, dict)} &
-                    {"forward", "backward", "optimizer", "data wait"})
-    what = (f"{os.path.basename(path)}: {os.path.getsize(path) / 1e6:.1f} MB, {len(events)} "
-            f"events, {kernels} CUDA kernels, ranges {', '.join(ranges) or 'none'}")
-    if not kernels:
-        return {"failed": f"{what}: no CUDA kernel events"}
-    return {"trace": what, "path": path, "kernels": top_kernels(events)}
-
-
-def top_kernels(events: list, n: int = 12) -> list[tuple[str, float, int, float]]:
-    """The CUDA kernels that took the most GPU time in a trace's events: (name, milliseconds in
-    all, calls, share of all kernels' time), most first."""
-    total, calls = {}, {}
-    for e in events:
-        if isinstance(e, dict) and e.get("cat") == "kernel" and isinstance(e.get("dur"), (int, float)):
-            name = str(e.get("name", "?"))
-            total[name] = total.get(name, 0.0) + e["dur"] / 1000  # microseconds -> ms
-            calls[name] = calls.get(name, 0) + 1
-    whole = sum(total.values()) or 1.0
-    ranked = sorted(total, key=total.get, reverse=True)[:n]
-    return [(name, total[name], calls[name], total[name] / whole) for name in ranked]
-
-
-def kernels_table(rows: list[tuple[Run, dict]]) -> str:
-    out = []
-    for run, r in rows:
-        if r.get("kernels"):
-            out += [f"{run.label} (the trace's steps):", "",
-                    "| kernel | ms | calls | share of kernel time |", "|---|---:|---:|---:|"]
-            out += [f"| {_cell(name[:110])} | {ms:.1f} | {calls} | {100 * share:.1f}% |"
-                    for name, ms, calls, share in r["kernels"]]
-            out.append("")
-    return "\n".join(out).strip()
-
-
 # ---------------------------------------------------------------------------- the budget
 
 class Budget:
@@ -558,8 +394,6 @@ def _cell(text: str) -> str:
 
 def notes(r: dict) -> str:
     out = []
-    if r.get("note"):
-        out.append(r["note"])
     if r.get("start_s") is not None:
         out.append(f"start {r['start_s']:.0f} s (first step {r['first_step_s']:.0f} s)")
     if r.get("epoch_s"):
@@ -571,8 +405,6 @@ def notes(r: dict) -> str:
     if r.get("throughput"):
         t = r["throughput"]
         out.append(f"FULL/SYNTHETIC {t['FULL'] / t['SYNTHETIC']:.2f}")
-    if r.get("trace"):
-        out.append(r["trace"])
     if r.get("tests"):
         out.append(r["tests"])
     if r.get("report"):
@@ -765,9 +597,6 @@ def document(header: list[str], rows: list[tuple[Run, dict]]) -> str:
     through = throughput_table(rows)
     if through:
         parts += ["## Data path (--throughput_report, samples/s)", through]
-    kernels = kernels_table(rows)
-    if kernels:
-        parts += ["## Where the GPU's time goes (torch.profiler, top kernels)", kernels]
     reached = goals(rows)
     if reached:
         parts += ["## Goals", "| goal | measured | result |\n|---|---|---|\n" + "\n".join(
@@ -817,17 +646,15 @@ def nothing_ran(rows: list[tuple[Run, dict]], timeout: float | None) -> str:
 
 # ---------------------------------------------------------------------------- running
 
-def command(run: Run, data_dir: str, expdir: str, args=None) -> list[str]:
-    """The command line of ``run`` (``args``: instead of its own, e.g. a search's batch)."""
-    args = list(run.args if args is None else args)
+def command(run: Run, data_dir: str, expdir: str) -> list[str]:
+    """The command line of ``run``."""
+    args = list(run.args)
     if run.kind == "pytest":
         return [sys.executable, "-m", "pytest", *args]
     if run.kind == "report":
         return [sys.executable, run.script, *args, "--json", os.path.join(expdir, "report.json")]
     extra = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
     extra += ["--expdir", expdir, "--run_num", "0"]
-    if run.kind == "trace":
-        extra += ["--profile_trace", os.path.join(expdir, "trace")]
     return [sys.executable, run.script, *args, *extra]
 
 
@@ -864,27 +691,17 @@ def dry_run(runs: list[Run], a, data_dir: str, budget: float):
               f"{shown(gpu_data.command(data_dir, kinds, a.cosmo, a.era5_steps))}")
     for i, run in enumerate(runs):
         expdir = os.path.join(tempfile.gettempdir(), "gpu_runs-XXXX", f"run{i}")
-        cap = a.timeout or run_timeout(run_est(run))
-        if run.kind == "search":
-            for batch in SEARCH_BATCHES:
-                print(f"[{run.series}] {run.label}, batch {batch}: est {search_est(batch):.0f} "
-                      f"s, timeout {a.timeout or run_timeout(search_est(batch)):.0f} s")
-                print(f"    {shown(command(run, data_dir, expdir, search_args(run, batch)))}")
-            print("    (doubling stops at the first out-of-memory error, exit 2; the largest "
-                  "batch that trained is the row)")
-        else:
-            print(f"[{run.series}] {run.label}: est {run_est(run):.0f} s, timeout {cap:.0f} s")
-            print(f"    {shown(command(run, data_dir, expdir))}")
-            if run.kind == "trace":
-                print("    then: the trace parses as JSON, holds traceEvents and CUDA kernels")
-        total += run_est(run)
+        cap = a.timeout or run_timeout(run.est_s)
+        print(f"[{run.series}] {run.label}: est {run.est_s:.0f} s, timeout {cap:.0f} s")
+        print(f"    {shown(command(run, data_dir, expdir))}")
+        total += run.est_s
     over = "" if total <= budget else ": more than one call's, see the calls below"
     print(f"estimated: {total:.0f} s for a {budget:g} s --budget{over} (on an H200, from its "
           f"earlier runs' figures)")
     if a.only is None:
         for i, call in enumerate(CALLS, 1):
             calls = select(call)
-            t = sum(map(run_est, calls)) + gpu_data.estimate_s(data_kinds(calls), a.cosmo,
+            t = sum((run.est_s for run in calls)) + gpu_data.estimate_s(data_kinds(calls), a.cosmo,
                                                                 a.era5_steps)
             only = "" if i == 1 else f" --only {' '.join(call)}"
             print(f"device call {i}: python -m benchmarks.gpu_runs --make-data{only}  "
@@ -925,51 +742,23 @@ class Writer:
 
 def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Budget,
             writer: Writer) -> dict:
-    """Run one row (every batch of a search) and return its result."""
-    def attempt(args, est_s):
-        timeout = budget.timeout(est_s, a.timeout or run_timeout(est_s))
-        if timeout is None:
-            return budget.skipped(est_s), None
-        expdir = os.path.join(tmp, f"run{i}")
-        cmd = command(run, data_dir, expdir, args)
-        print(f"[{run.series}] {run.label}: {shown(cmd)}", flush=True)
-        t0 = time.monotonic()
-        os.makedirs(expdir, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):  # an earlier attempt's (a search's), which
-            os.remove(os.path.join(expdir, "report.json"))  # the report scripts never write over
-        code, output = run_logged(cmd, env, timeout)
-        writer.log_run(run, cmd, code, time.monotonic() - t0, output)
-        if run.kind == "report":
-            result = report_outcome(code, output, timeout, os.path.join(expdir, "report.json"))
-        else:
-            result = (pytest_outcome if run.kind == "pytest" else outcome)(code, output, timeout)
-        result["seconds"] = round(time.monotonic() - t0, 1)
-        return result, expdir
-
-    if run.kind == "search":
-        def one(batch):
-            result, expdir = attempt(search_args(run, batch), search_est(batch))
-            if expdir:
-                shutil.rmtree(expdir, ignore_errors=True)
-            print(f"    batch {batch}: " + (f"{result['samples_per_s']:.1f} samples/s"
-                                            if "samples_per_s" in result else
-                                            result.get("failed") or result.get("skipped")),
-                  flush=True)
-            return result
-        return search_row(search_batch(SEARCH_BATCHES, one))
-    result, expdir = attempt(None, run.est_s)
-    if expdir and run.kind == "trace" and "failed" not in result:
-        checked = check_trace(os.path.join(expdir, "trace"))
-        if "failed" in checked:
-            result = {"failed": "trace: " + checked["failed"]}
-        else:
-            result["trace"], result["kernels"] = checked["trace"], checked["kernels"]
-            kept = unused_path(os.path.join(writer.out_dir, "profile_trace.json.gz"))
-            with open(checked["path"], "rb") as src, gzip.open(kept, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            result["trace"] += f" (kept as {os.path.basename(kept)})"
-    if expdir:  # checkpoints of a 117 M-parameter model: 1.4 GB a run
-        shutil.rmtree(expdir, ignore_errors=True)
+    """Run one row and return its result."""
+    timeout = budget.timeout(run.est_s, a.timeout or run_timeout(run.est_s))
+    if timeout is None:
+        return budget.skipped(run.est_s)
+    expdir = os.path.join(tmp, f"run{i}")
+    cmd = command(run, data_dir, expdir)
+    print(f"[{run.series}] {run.label}: {shown(cmd)}", flush=True)
+    t0 = time.monotonic()
+    os.makedirs(expdir, exist_ok=True)
+    code, output = run_logged(cmd, env, timeout)
+    writer.log_run(run, cmd, code, time.monotonic() - t0, output)
+    if run.kind == "report":
+        result = report_outcome(code, output, timeout, os.path.join(expdir, "report.json"))
+    else:
+        result = (pytest_outcome if run.kind == "pytest" else outcome)(code, output, timeout)
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    shutil.rmtree(expdir, ignore_errors=True)  # checkpoints of a 117 M-parameter model: 1.4 GB
     return result
 
 
@@ -983,7 +772,7 @@ def summary(result: dict) -> str:
         bits.append(f"{result['samples_per_s']:.1f} samples/s")
     if result.get("wait_pct") is not None:
         bits.append(f"waited for data {result['wait_pct']:.0f}%")
-    for key in ("graph", "note", "trace", "tests"):
+    for key in ("graph", "tests"):
         if result.get(key):
             bits.append(result[key])
     if result.get("report"):
@@ -1013,7 +802,7 @@ def main(argv=None):
                    metavar=("TRAIN", "VALID"),
                    help="steps of the ERA5 files, 360 x 720 (default: %(default)s)")
     p.add_argument("--out-dir", default=None,
-                   help="where the table (GPU.md), the runs' log and the trace go (default: $OUT "
+                   help="where the table (GPU.md) and the runs' log go (default: $OUT "
                         "when set, else benchmarks/)")
     p.add_argument("--timeout", type=at_least(1.0, float), default=None,
                    help="seconds each run may take before it is killed and marked failed "
