@@ -14,19 +14,7 @@ median of 3 rounds of 10), then 3 steps profiled with torch.profiler. The analyt
 (``benchmarks/roofline_model.py``) gives each group's FLOPs and bytes, and its floor = max(FLOPs /
 matmul rate, bytes / bandwidth); the profile gives its measured time, per step.
 
-How measured time is attributed: during the profiled steps forward hooks put a
-``record_function`` range around every module, so each forward op has a module; the op's name
-(the autograd-level op, e.g. ``aten::addmm``, ``aten::_to_copy``) and its module give its group
-by the same rules the tests check the bytes with (``StepModel.classify``). A backward op runs
-inside autograd's ``evaluate_function: <Node>`` range, whose sequence number is that of the
-forward op that made the node: it takes that op's group, except casts (autograd casting a
-gradient to its input's dtype: the cast group) and the sums autograd makes of two gradients of
-one tensor (the accumulation group). Ops inside the ``optimizer`` range are the optimizer's. On
-a GPU a group's time is that of the CUDA kernels its ops launched; on a CPU the ops' own CPU
-time. What stays unattributed, reported in its own row: on a GPU the kernels launched outside
-any op (none expected) and the GPU's idle time between kernels (launch gaps, host work: the
-step's time less the kernels' time); on a CPU the Python between ops (the hooks', the
-optimizer's loop, autograd's engine), and ops the rules place nowhere ("other").
+How measured time is attributed to the groups: benchmarks/roofline.md.
 
 ``run(small, budget)`` returns the rows and the markdown (for ``benchmarks/gpu_runs.py``);
 ``--json`` writes the same as JSON.

@@ -1,41 +1,7 @@
 """The roofline of a training step: FLOPs and bytes of each layer (U-Net) or op group (ViT),
 computed from the config, and each one's floor at a device's matmul rate and memory bandwidth.
 
-A step is modelled as the list of ATen operations eager PyTorch runs for it (``Op``): the forward
-pass, the backward pass (autograd's kernels, including the casts autocast inserts and the sums
-of the gradients of a tensor used twice) and torch's fused Adam. Each op's bytes are the sizes of
-the tensors it reads and writes, counted under these assumptions:
-
-- every op reads each tensor argument once from memory and writes each output once: no reuse
-  through caches between ops, and within an op none beyond that (a floor: a convolution's
-  backward, which cuDNN runs as two or three kernels that each read the output gradient, counts
-  it once);
-- views (reshape of a contiguous tensor, transpose, permute, slices, detach) move nothing, and a
-  broadcast operand is read at its stored size;
-- under autocast (bf16 or fp16, 2 bytes) the matmuls and convolutions read and write 2-byte
-  activations and 2-byte copies of the fp32 weights, made by a cast in every forward; the
-  weight gradients come out in 2 bytes and are cast back to the fp32 ``.grad``; LayerNorm, the
-  ViT's residual stream (the position embedding's add promotes it) and the losses are fp32.
-  Without autocast everything is 4 bytes and there are no casts;
-- the attention kernel is a fused one (FlashAttention, cuDNN, the CPU's flash kernel): it reads
-  q, k, v and writes the output and a log-sum-exp per row (fp32); its backward reads those and
-  the output gradient and writes the gradients of q, k and v. Its output comes out as
-  (B, N, heads, head_dim), so the transpose back to (B, N, E) is a view;
-- fused Adam (``torch.optim.Adam(fused=True)``) reads parameter, gradient and both moments and
-  writes parameter and moments, fp32: 28 bytes per parameter, and 12 bytes per tensor for its
-  step count;
-- the per-sample values of the loss (B of them: sums, ratios, the mean) are left out.
-
-FLOPs are those of the matrix products and convolutions only (elementwise ops are counted as
-bytes alone), a multiply-add 2 FLOPs. ``model_flops`` count as the task does
-(``observe/flops.py``: a backward is twice its forward, less the first layer's input gradient),
-so that they add up to ``task.flops_per_sample()`` per sample; ``flops`` are what the kernels
-execute, which differs in one place: a fused attention backward recomputes the scores, 2.5 x
-its forward instead of 2 x (``torch.utils.flop_counter`` counts the fused kernels so).
-
-A group's floor is max(FLOPs / matmul rate, bytes / bandwidth); the sum of the floors is the
-step's roofline. ``tests/test_roofline.py`` checks every group's FLOPs against torch's FLOP
-counter and its bytes against the tensors the real model's ops read and write, at toy sizes.
+How a step is modelled, and every assumption: benchmarks/roofline.md.
 """
 from __future__ import annotations
 
