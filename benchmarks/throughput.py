@@ -1,7 +1,7 @@
 """Loader and training throughput on this machine, beside the raw HDF5 read rate (the limit).
 
     python -m benchmarks.throughput                  # everything, prints Markdown tables
-    python -m benchmarks.throughput --only loaders   # or: raw, train, profile
+    python -m benchmarks.throughput --only loaders   # or: raw, train
 
 Data: synthetic files in the real formats under --data (made once): an ERA5 year of 120 steps at
 the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
@@ -19,21 +19,14 @@ batch. Each measurement starts a pass, skips the batches that fill the prefetch 
 does not run beside the next; ``--rounds`` rounds, the paths in a rotating order, the best round
 of each path counts.
 
-Profile (``--only profile``): the CPU time of a batch of 64^3 crops by part, in one process without
-a profiler (read from the file: the read into place, the turn, the finite check, beside the raw
-read; from memory: inmem's copy and the device loader's index and gathers), then cProfile of the
-main process and of the workers (their reads) for the crops read from the file, 2 workers.
-
 Raw rows: h5py reads alone. Training rows time optimizer steps of the quickstart and the
 tutorial's reference model sizes, on cached data (compute only) and through the loader.
 """
 from __future__ import annotations
 
-import cProfile
 import gc
 import glob
 import os
-import pstats
 import shutil
 import sys
 import tempfile
@@ -295,186 +288,6 @@ def goal_lines(rows) -> list[str]:
     return out
 
 
-# ----------------------------------------------------------------------------- profile
-
-
-class ProfiledReads:
-    """``dataset`` with every ``read_batch`` under cProfile, per process (the loader's workers
-    inherit it when forked): each process's profile is written to ``directory`` after each read,
-    as workers end by a kill."""
-
-    def __init__(self, dataset, directory):
-        self.dataset, self.directory = dataset, directory
-        self.sample_shapes = dataset.sample_shapes
-        self.profile, self.pid = None, None
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def read_batch(self, keys, x, y):
-        if self.pid != os.getpid():
-            self.profile, self.pid = cProfile.Profile(time.process_time), os.getpid()
-        self.profile.enable()
-        try:
-            self.dataset.read_batch(keys, x, y)
-        finally:
-            self.profile.disable()
-            self.profile.dump_stats(os.path.join(self.directory, f"reads-{os.getpid()}.prof"))
-
-
-def _top(stats: pstats.Stats, per: int, top: int) -> list[str]:
-    """The ``top`` functions by own time, in ms per batch (``per`` batches)."""
-    total = stats.total_tt
-    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    out = ["| function | calls per batch | own CPU ms per batch | own share | with callees, ms per batch |",
-           "|---|---|---|---|---|"]
-    for (path, line, name), (_, calls, tt, ct, _) in rows:
-        where = f"{os.path.basename(path)}:{line} {name}" if line else name
-        out.append(f"| `{where}` | {calls / per:.1f} | {1e3 * tt / per:.2f} | {tt / total:.0%} | "
-                   f"{1e3 * ct / per:.2f} |")
-    return out
-
-
-def profile_rows(case: Case, workers=2, n_batches=40, top=12):
-    """cProfile of the main process while it receives ``n_batches`` batches of ``case``'s lowmem
-    loader with ``workers`` workers, and of the workers' reads of them; Markdown lines."""
-    cfg = _config(case, "lowmem", workers)
-    loaders = build_loaders(cfg, 1, 0, cfg.global_batch_size, torch.device("cpu"))
-    ahead = cfg.prefetch_depth * max(1, workers)
-    lines = []
-    with tempfile.TemporaryDirectory() as d:
-        loaders.train.dataset = ProfiledReads(loaders.train.dataset, d)  # before the workers fork
-        measure(loaders.train, 2, ahead + 2, 0, 0)  # started, warm
-        for f in glob.glob(os.path.join(d, "*.prof")):
-            os.remove(f)
-        main = cProfile.Profile(time.process_time)  # CPU time: not the waits for the workers
-        main.enable()
-        got = measure(loaders.train, n_batches, 0, 1, 0)
-        main.disable()
-        time.sleep(1.0)  # the prefetched batches' reads end before the workers do
-        close_loaders(loaders)
-        reads = [f for f in glob.glob(os.path.join(d, "*.prof"))
-                 if not f.endswith(f"-{os.getpid()}.prof")]
-        lines.append(f"{case.label}, lowmem, {workers} workers, {n_batches} batches: "
-                     f"{got['rate']:.1f} samples/s, main process {got['cpu_ms']:.1f} ms CPU per batch")
-        lines += ["", "Main process (cProfile in CPU time, the measuring loop included):", ""]
-        lines += _top(pstats.Stats(main), n_batches, top)
-        if reads:
-            worker = pstats.Stats(*reads)
-            # Batches read by the workers in the window: those timed plus the prefetched ones.
-            n_read = worker.stats[next(k for k in worker.stats if k[2] == "read_batch"
-                                       and k[0].endswith("cosmo_data.py"))][1] / workers
-            lines += ["", f"Workers ({len(reads)} processes, cProfile in CPU time of their "
-                          f"reads: {n_read:.0f} batches, the window's and those prefetched; per "
-                          f"batch of {cfg.global_batch_size}, the workers' parts together):", ""]
-            lines += _top(worker, max(1, round(n_read)), top)
-    return lines
-
-
-def _best_times(parts: dict, rounds: int) -> dict:
-    """Best (CPU seconds, wall seconds) over ``rounds`` rounds of each of ``parts`` (name:
-    callable), in turn; the CPU time is the process's, all its threads."""
-    best = {}
-    for _ in range(rounds):
-        for name, run in parts.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            run()
-            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-            old = best.get(name, (float("inf"), float("inf")))
-            best[name] = (min(old[0], cpu), min(old[1], wall))
-    return best
-
-
-def _part_lines(best: dict, n_batches: int, share_of: str) -> list[str]:
-    ref = next(iter(best.values()))[0]
-    return ([f"| part | CPU ms per batch | wall ms per batch | CPU, share of {share_of} |",
-             "|---|---|---|---|"]
-            + [f"| {name} | {1e3 * cpu / n_batches:.1f} | {1e3 * wall / n_batches:.1f} | "
-               f"{cpu / ref:.2f} |" for name, (cpu, wall) in best.items()])
-
-
-def breakdown_rows(case: Case, n_batches=4, rounds=5):
-    """Where a batch of ``case``'s crops spends its CPU time in one process, without a profiler:
-    for the crops read from the file (lowmem), its parts beside the raw read of the same
-    windows; for the device loader, its parts beside inmem's copy of the same crops. CPU ms per
-    batch, best of ``rounds``; Markdown lines."""
-    from datapipe.batch_dataset import finite_sums
-    from datapipe.rotations import ROTATIONS, channel_plan, rotate_in_place
-
-    cfg = _config(case, "lowmem", 0)
-    b = cfg.global_batch_size
-    ds = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.dataset
-    sx, sy = ds.sample_shapes
-    x, y = np.zeros((b, *sx), np.float32), np.zeros((b, *sy), np.float32)
-    keys = [[(e, i) for i in range(b)] for e in range(n_batches)]
-    wins = [[ds.window(*k) for k in ks] for ks in keys]
-    nbody, hydro = ds._volumes()
-    s = ds.size
-    fields = ((nbody, ds.n_in, ds.in_vec, x), (hydro, ds.n_out, ds.out_vec, y))
-
-    def raw():
-        for ws in wins:
-            for (i, j, k), _ in ws:
-                for f, n, _, _ in fields:
-                    f[:n, i:i + s, j:j + s, k:k + s]
-
-    def into_place():
-        for ws in wins:
-            for m, ((i, j, k), _) in enumerate(ws):
-                for f, n, _, out in fields:
-                    f.read_direct(out[m], np.s_[:n, i:i + s, j:j + s, k:k + s])
-
-    def turn():
-        for ws in wins:
-            for m, (_, rot) in enumerate(ws):
-                for _, n, vec, out in fields:
-                    if rot:
-                        rotate_in_place(out[m], ROTATIONS[rot], channel_plan(ROTATIONS[rot], vec, n)[1])
-
-    def whole():
-        for ks in keys:
-            ds.read_batch(ks, x, y)
-
-    parts = {"raw h5py read of the same windows (new arrays, one process)": raw,
-             "read into the batch, unturned (`read_direct`)": into_place,
-             "turn the rotated crops in place (`rotate_in_place`)": turn,
-             "finite check (`finite_sums`)": lambda: [finite_sums(x, y) for _ in keys],
-             "all of `read_batch`": whole}
-    rotated = sum(bool(r) for ws in wins for _, r in ws)
-    lines = [f"{case.label} read from the file (lowmem), one process, ms per batch (best of "
-             f"{rounds}, {n_batches} batches, {rotated} of {b * n_batches} crops rotated):", ""]
-    lines += _part_lines(_best_times(parts, rounds), n_batches, "the raw read")
-
-    cfg = _config(case, "inmem", 0)
-    inmem = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.dataset
-    cfg = _config(case, "device", 0)
-    gather = build_loaders(cfg, 1, 0, b, torch.device("cpu")).train.gather
-    gather.method = "gather"  # the GPU's way, timed here beside the CPU's copies
-    windows = [gather.windows(ks) for ks in keys]
-    index = [gather.index(torch.from_numpy(w)) for w in windows]
-
-    def gathers():
-        for w, ix in zip(windows, index):
-            rot = torch.from_numpy(w[:, 3])
-            for flat, src, _, _ in gather.fields:
-                flat[src[rot][:, :, None, None, None], ix]
-
-    parts = {"inmem: copy through rotated views (`read_batch`)": lambda: [inmem.read_batch(ks, x, y)
-                                                                           for ks in keys],
-             "device: crop windows drawn on the host": lambda: [gather.windows(ks) for ks in keys],
-             "device: the batch's index (B, 1, s, s, s)": lambda: [gather.index(torch.from_numpy(w))
-                                                                   for w in windows],
-             "device: one gather per field": gathers,
-             "device: all of it, one gather per field (a GPU's way)":
-                 lambda: [gather.gather(w) for w in windows],
-             "device: all of it, a copy per crop over the threads (a CPU's way)":
-                 lambda: [gather.copy(w) for w in windows]}
-    lines += ["", f"{case.label} from memory, {torch.get_num_threads()} torch threads, ms per "
-                  f"batch (best of {rounds}):", ""]
-    lines += _part_lines(_best_times(parts, rounds), n_batches, "inmem's")
-    return lines
-
-
 # ----------------------------------------------------------------------------- training steps
 
 
@@ -551,9 +364,8 @@ def main(argv=None):
     p = OneLineParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n")[0])
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bench"),
                    help="directory of the synthetic benchmark data (made when missing)")
-    p.add_argument("--only", choices=("loaders", "raw", "train", "profile"),
-                   help="run one part: the loaders, raw reads, training steps, or the profile of "
-                        "the crops read from the file")
+    p.add_argument("--only", choices=("loaders", "raw", "train"),
+                   help="run one part: the loaders, raw reads or training steps")
     p.add_argument("--workers", type=at_least(0), nargs="+", default=[0, 1, 2],
                    help="loader worker counts to measure (default: %(default)s)")
     p.add_argument("--batches", type=at_least(1), default=20,
@@ -579,10 +391,6 @@ def main(argv=None):
         rows = loader_rows(cases, args.workers, args.batches, args.rounds, args.settings)
         print(f"\n{load_line()}\n\nGoals:\n")
         print("\n".join(goal_lines(rows)))
-        print()
-    if args.only == "profile":
-        crops = loader_cases(era5, cosmo)[1]
-        print("\n".join(breakdown_rows(crops) + [""] + profile_rows(crops)))
         print()
     if args.only in (None, "train"):
         print("| training step | cached data, samples/s | through the loader, samples/s |\n|---|---|---|")

@@ -1,6 +1,5 @@
 """benchmarks/throughput.py on tiny data: every loader row (the device loader's one row, DALI's
-where installed), the main process's CPU time per batch, the goals, and the profile of the crops
-read from the file."""
+where installed), the main process's CPU time per batch, and the goals."""
 import pytest
 
 from benchmarks import throughput as tp
@@ -68,27 +67,3 @@ def test_dali_rows(cases):
     rows = tp.loader_rows(cases, [0], n_batches=2, rounds=1, settings=("dali-lowmem", "dali-inmem"))
     assert [(r["setting"], r["workers"]) for r in rows] == [("dali-lowmem", 0), ("dali-inmem", 0)] * 2
     assert all(r["now"]["rate"] > 0 for r in rows)
-
-
-def test_profile_of_the_crops_read_from_the_file(cases):
-    lines = tp.profile_rows(cases[1], workers=1, n_batches=3, top=5)
-    text = "\n".join(lines)
-    assert "Main process" in text and "Workers (1 processes" in text
-    assert "read_batch" in text or "read_direct" in text
-
-
-def test_breakdown_of_a_crop_batch(cases):
-    lines = tp.breakdown_rows(cases[1], n_batches=1, rounds=1)
-    parts = [line.split(" | ")[0][2:] for line in lines if line.startswith("| ") and "---" not in line]
-    assert [p for p in parts if p != "part"] == [
-        "raw h5py read of the same windows (new arrays, one process)",
-        "read into the batch, unturned (`read_direct`)",
-        "turn the rotated crops in place (`rotate_in_place`)", "finite check (`finite_sums`)",
-        "all of `read_batch`", "inmem: copy through rotated views (`read_batch`)",
-        "device: crop windows drawn on the host", "device: the batch's index (B, 1, s, s, s)",
-        "device: one gather per field",
-        "device: all of it, one gather per field (a GPU's way)",
-        "device: all of it, a copy per crop over the threads (a CPU's way)"]
-    rows = [line.split(" | ") for line in lines if line.startswith("| ") and "---" not in line
-            and not line.startswith("| part")]
-    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), rows
