@@ -13,25 +13,18 @@ concatenated, a last ConvTranspose3d and a tanh; widths ``--width`` doubling up 
 the step runs under bf16 autocast on a GPU (fp32 on a CPU), cuDNN's autotuning is on (as in the
 project's runs), the loss is the L1 distance to a random target.
 
-It prints torch's, CUDA's and cuDNN's versions, then two phases, each in a child process that
-the parent gives ``--timeout`` seconds (``--eager-timeout`` for the first):
-
-- ``eager``: one forward + backward of the eager model (the reference);
-- ``compiled``: ``torch.compile`` of the same model from the same weights (``--per-level``:
-  each encoder and decoder level compiled on its own, in place, the concatenations, the last
-  transposed convolution and the tanh eager, as the project's ``compile_blocks`` does), one
-  forward + backward, compared with eager: the loss to within bf16 rounding (2e-2 relative;
-  1e-4 in fp32) and the gradients pointing the same way (cosine > 0.99).
-
-and one line for the compiled phase: ``compiled and ran in X s`` (with the comparison: "same
-numbers" or "DIFFERENT numbers"), ``FAILED: <the exception's type and first line>`` (the root
-cause of a chained exception), or ``no result within T s`` (the child is killed). Exit status 0
-when the compiled step ran and gave the eager numbers, 1 otherwise.
+It prints torch's, CUDA's and cuDNN's versions, then two phases, each in a child process given
+``--timeout`` seconds (``--eager-timeout`` for the first): ``eager``, one forward + backward (the
+reference), and ``compiled`` (``--per-level``: each level compiled on its own, in place, as
+``compile_blocks`` does), compared with eager: the loss within bf16 rounding (2e-2 relative;
+1e-4 in fp32), the gradients' cosine > 0.99. One line says ``compiled and ran in X s`` ("same
+numbers" or "DIFFERENT numbers"), ``FAILED: <the root exception's type and first line>``, or
+``no result within T s``. Exit status 0 when the compiled step gave the eager numbers, else 1.
 
 On an H200 with torch 2.11 the project's compiled channels-last backward failed with
 ``AssertionError: expected size 512==512, stride 64==1 at dim=1`` in
 ``aten.convolution_backward``, and later gave no result within 100 s
-(benchmarks/channels_last_compile.py, docs/performance.md).
+(benchmarks/channels_last_compile.py at commit d5877b9; docs/performance.md).
 """
 from __future__ import annotations
 
