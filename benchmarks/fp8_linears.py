@@ -5,23 +5,20 @@ compute-only training steps, both compiled, in one process, timed in alternating
     python -m benchmarks.fp8_linears --recipes tensorwise rowwise --budget 540
     python -m benchmarks.fp8_linears --small                 # a toy ViT on a CPU, emulated
 
-The step is the engine's without data or communication: the ``mp`` config's ViT (embed 1536,
-12 blocks of 8 heads, 360 x 720 at patch 8: 4050 tokens, 350 M parameters) built by the task
-from the same seed, a batch of ``--batch`` random samples held on the GPU, bf16 autocast with the
-task's attention kernel, the task's loss, fused Adam, ``torch.compile`` (``--eager``: not
-compiled). The fp8 variants convert the blocks' linears as a run does (``engine.fp8_linears``)
-before compiling. Every variant is built and compiled first (its model, optimizer state and
-compiled graphs stay in memory), then rounds of ``--steps`` steps run each variant in turn
-until ``--budget`` seconds are spent or ``--rounds`` are done (at least two rounds): clock and temperature drift reach
-every variant alike. Per variant: milliseconds per step (median of the rounds), samples/s,
-model TFLOP/s (the bf16 model's FLOPs: fp8 does the same work faster), the speed-up over bf16,
-the seconds to its first step (conversion, compile) and the memory its step adds on top of what
-is held (activations, gradients). The issue's bar: fp8 stays on by default for the ``mp`` config
-only at 1.15x bf16 or more; the last line says whether the fastest fp8 variant reaches it.
+The step is the engine's without data or communication: the ``mp`` ViT (embed 1536, 12 blocks
+of 8 heads, 4050 tokens, 350 M parameters) from the same seed, ``--batch`` random samples on the
+GPU, bf16 autocast, the task's attention kernel and loss, fused Adam, ``torch.compile``
+(``--eager``: not compiled); the fp8 variants convert the blocks' linears as a run does
+(``engine.fp8_linears``) before compiling. Every variant is built and compiled first, then rounds
+of ``--steps`` steps run each in turn until ``--budget`` seconds or ``--rounds`` (at least two):
+drift reaches every variant alike. Per variant: ms per step (median of the rounds), samples/s,
+model TFLOP/s (the bf16 model's FLOPs), the speed-up over bf16, the seconds to its first step
+and the memory its step adds. fp8 stays on by default for ``mp`` only at 1.15x bf16 or more;
+the last line says whether the fastest fp8 variant reaches it.
 
 A GPU without fp8 (compute capability below 8.9) or without torchao is refused in one line
-(exit 2). ``--small``: a 64-wide, 2-block ViT on 16 x 32 images, batch 2, eager, on the CPU in
-torchao's emulation (the numbers say nothing about speed: the test runs the whole script).
+(exit 2). ``--small``: a toy ViT on the CPU in torchao's emulation (for the tests; its numbers
+say nothing about speed).
 """
 from __future__ import annotations
 

@@ -763,24 +763,11 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
 
 
 def summary(result: dict) -> str:
-    if "failed" in result:
-        return f"failed: {result['failed']}"
-    if "skipped" in result:
-        return result["skipped"]
-    bits = []
-    if result.get("samples_per_s") is not None:
-        bits.append(f"{result['samples_per_s']:.1f} samples/s")
-    if result.get("wait_pct") is not None:
-        bits.append(f"waited for data {result['wait_pct']:.0f}%")
-    for key in ("graph", "tests"):
-        if result.get(key):
-            bits.append(result[key])
-    if result.get("report"):
-        bits.append("its JSON and markdown written")
-    if result.get("throughput"):
-        t = result["throughput"]
-        bits.append(f"IO {t['IO']:.1f}, SYNTHETIC {t['SYNTHETIC']:.1f}, FULL {t['FULL']:.1f}")
-    return "; ".join(bits)
+    """A run's line on the console: why it failed or was skipped, else its rate and notes."""
+    if "failed" in result or "skipped" in result:
+        return ("failed: " + result["failed"]) if "failed" in result else result["skipped"]
+    rate = result.get("samples_per_s")
+    return (f"{rate:.1f} samples/s; " if rate is not None else "") + notes(result)
 
 
 def _terminated(signum, frame):
