@@ -1,11 +1,5 @@
 """Synthetic data at the tutorial's sizes, written in seconds, for timing runs on a GPU node
-(``benchmarks/gpu_runs.py --make-data``, or on its own)::
-
-    python -m benchmarks.gpu_data --out data/gpu_bench                # both data sets
-    python -m benchmarks.gpu_data --out data/gpu_bench --only cosmo   # the U-Net's alone
-    python -m benchmarks.gpu_data --out data/gpu_bench --cosmo 256 128 --era5-steps 400 80
-
-The files are in the formats the project's loaders read (see datapipe/synthetic.py), with random
+(``python -m benchmarks.gpu_runs --make-data``). The files are in the formats the project's loaders read (see datapipe/synthetic.py), with random
 values instead of datapipe.synthetic's physical models, which take minutes at these sizes:
 
 - ``<out>/cosmo/``: config/UNet.yaml's ``train_file`` and ``val_file`` (a training box of
@@ -27,18 +21,15 @@ shapes, or any other file, in the way is refused in one line, and nothing is wri
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import h5py
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from elsewhere
-    sys.path.insert(0, ROOT)
+from datapipe.formats import ERA5_CHANNELS
+from datapipe.synthetic import YEARS
 
-from datapipe.formats import ERA5_CHANNELS  # noqa: E402
-from datapipe.synthetic import YEARS  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COSMO_SIDES = (256, 128)  # the first GPU run's boxes (the tutorial's crops are 64^3)
 ERA5_STEPS = (200, 48)  # training and validation steps: 192 training samples of short + dt
@@ -200,17 +191,6 @@ def make_era5(out_dir: str, steps=ERA5_STEPS, img_size=ERA5_SIZE, seed: int = 0,
     return written
 
 
-def command(out_dir: str, kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
-            era5_size=ERA5_SIZE) -> list[str]:
-    """The command line that makes this data (what ``--dry-run`` prints)."""
-    cmd = ["python", "-m", "benchmarks.gpu_data", "--out", out_dir, "--only", *kinds]
-    if "cosmo" in kinds:
-        cmd += ["--cosmo", *map(str, cosmo)]
-    if "era5" in kinds:
-        cmd += ["--era5-steps", *map(str, era5_steps), "--era5-size", *map(str, era5_size)]
-    return cmd
-
-
 def estimate_s(kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
                era5_size=ERA5_SIZE) -> float:
     """Seconds to make the data on a GPU node (the first GPU run: a 256^3 box in 1 s, 400 steps
@@ -248,27 +228,3 @@ def make(out_dir: str, kinds=KINDS, cosmo=COSMO_SIDES, era5_steps=ERA5_STEPS,
         log(f"data: {kind} written in {time.perf_counter() - t1:.1f} s, {total / 1e9:.2f} GB: "
             + ", ".join(os.path.relpath(p, out_dir) for p, _ in written))
     return time.perf_counter() - t0
-
-
-def main(argv=None):
-    from settings.errors import OneLineParser, at_least, refuse
-
-    p = OneLineParser(prog="python -m benchmarks.gpu_data", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="directory to write cosmo/ and era5/ into")
-    p.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS),
-                   help="data sets to make (default: both)")
-    p.add_argument("--cosmo", type=at_least(2), nargs=2, default=list(COSMO_SIDES),
-                   metavar=("TRAIN", "VALID"), help="box sides (default: %(default)s)")
-    p.add_argument("--era5-steps", type=at_least(2), nargs=2, default=list(ERA5_STEPS),
-                   metavar=("TRAIN", "VALID"), help="steps per file (default: %(default)s)")
-    p.add_argument("--era5-size", type=at_least(2), nargs=2, default=list(ERA5_SIZE),
-                   metavar=("H", "W"), help="grid (default: %(default)s)")
-    a = p.parse_args(argv)
-    try:
-        make(a.out, a.only, a.cosmo, a.era5_steps, a.era5_size)
-    except ValueError as e:
-        refuse(str(e))
-
-
-if __name__ == "__main__":
-    main()

@@ -687,8 +687,10 @@ def dry_run(runs: list[Run], a, data_dir: str, budget: float):
         make = gpu_data.estimate_s(kinds, a.cosmo, a.era5_steps)
         total += make
         how = "make data" if a.make_data else "data needed (--make-data writes it first)"
-        print(f"{how}, est {make:.0f} s: "
-              f"{shown(gpu_data.command(data_dir, kinds, a.cosmo, a.era5_steps))}")
+        sizes = {"cosmo": f"cosmology boxes of sides {a.cosmo[0]} and {a.cosmo[1]}",
+                 "era5": f"ERA5 files of {a.era5_steps[0]} and {a.era5_steps[1]} steps of "
+                         f"{gpu_data.ERA5_SIZE[0]} x {gpu_data.ERA5_SIZE[1]}"}
+        print(f"{how}, est {make:.0f} s: {'; '.join(sizes[k] for k in kinds)} under {data_dir}")
     for i, run in enumerate(runs):
         expdir = os.path.join(tempfile.gettempdir(), "gpu_runs-XXXX", f"run{i}")
         cap = a.timeout or run_timeout(run.est_s)
@@ -814,7 +816,10 @@ def main(argv=None):
     kinds = data_kinds(runs)
     made = ""
     if kinds and a.make_data:
-        made = f"data made in {gpu_data.make(data_dir, kinds, a.cosmo, a.era5_steps):.1f} s"
+        try:
+            made = f"data made in {gpu_data.make(data_dir, kinds, a.cosmo, a.era5_steps):.1f} s"
+        except ValueError as e:  # another data set's files in the way: nothing written
+            refuse(str(e))
     missing = data_missing(data_dir, kinds, a)
     if missing:
         sys.exit(f"error: no {' or '.join(missing)} data of the planned sizes under {data_dir}: "

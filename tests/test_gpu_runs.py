@@ -106,8 +106,9 @@ def test_dry_run_lists_every_command_with_its_estimate_and_runs_nothing(tmp_path
     assert len(opt) == 2
     strip = [re.sub(r" --throughput_report| --expdir \S+", "", c) for c in opt]
     assert strip[0] == strip[1]
-    make = next(line for line in printed if "python -m benchmarks.gpu_data" in line)
-    assert "--cosmo 256 128 --era5-steps 200 48 --era5-size 360 720" in make
+    make = next(line for line in printed if line.startswith("data needed"))
+    assert ("cosmology boxes of sides 256 and 128; ERA5 files of 200 and 48 steps of 360 x 720 "
+            f"under {data}") in make
     # Each device call fits the budget, and together they run every series.
     calls = [line for line in printed if line.startswith("device call ")]
     assert calls[0].startswith("device call 1: python -m benchmarks.gpu_runs --make-data  ")
@@ -641,19 +642,17 @@ def test_refuses_without_a_gpu_and_changes_nothing(tmp_path, monkeypatch, capsys
         assert e.value.code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 1
 
 
-def test_the_data_makers_refusals_are_one_line_and_change_nothing(tmp_path, capsys):
+def test_the_data_makers_refusal_is_one_line_and_changes_nothing(tmp_path, fake_gpu, capsys):
     taken = tmp_path / "d" / "era5" / "train" / "2014.h5"
     taken.parent.mkdir(parents=True)
     taken.write_bytes(b"a user's file")
-    for argv, says in ((["--out", str(tmp_path / "d"), "--only", "era5", "--era5-steps", "4",
-                         "2", "--era5-size", "8", "16"], f"{taken} exists and was not written"),
-                       (["--out", str(tmp_path / "e"), "--era5-size", "1", "16"],
-                        "argument --era5-size: 1 is below 2")):
-        with pytest.raises(SystemExit) as e:
-            gpu_data.main(argv)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 1
-    assert taken.read_bytes() == b"a user's file" and not (tmp_path / "e").exists()
+    with pytest.raises(SystemExit) as e:
+        gpu_runs.main(["--make-data", "--only", "vit/short", "--data", str(tmp_path / "d"),
+                       "--era5-steps", "4", "2", "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: {taken} exists and was not written")
+    assert taken.read_bytes() == b"a user's file" and not (tmp_path / "out").exists()
 
 
 def test_reads_the_start_lines_as_train_py_wraps_them(monkeypatch):
