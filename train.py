@@ -33,6 +33,7 @@ import torch  # from here on: torch and the engine (seconds to load)
 import torch.distributed as dist
 
 from datapipe.data_loader import build_loaders, validation_batch_sizes
+from datapipe.make_data import ensure_data
 from engine import checkpoint, throughput_report
 from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
 from engine.exits import arm_hard_exit
@@ -41,9 +42,8 @@ from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at,
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
 from engine.preemption import NeverStop, RunStopped, StopRequest
-from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_checkpoint,
-                              log_run_header, release_run_locks, resolve_run_num, run_dir_for,
-                              write_config)
+from engine.run_dir import discard_unstarted_run, release_run_locks, resolve_run_num, run_dir_for
+from engine.run_setup import find_resume_checkpoint
 from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.slow_paths import warn_slow_paths
@@ -56,9 +56,11 @@ from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range
 from observe.startup import StartClock, use_compile_cache_dir
 from observe.progress import DataWait, Progress
+from observe.run_header import log_run_header
 from observe.tensorboard import Board, NullBoard
 from settings.config import Config, to_dict
 from settings.errors import ConfigError, TrainingError, UserError, print_error
+from settings.parse import write_config
 from settings.signals import STOPPED_EXIT_CODE
 from tasks import make_task
 
@@ -120,7 +122,7 @@ class Trainer:
             log.info(f"Nothing to do: run {cfg.run_num} has finished its {resume[0]['iteration']} "
                      f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
                      f"(the learning-rate schedule then spans the new total)")
-        ensure_data(cfg, rt)
+        ensure_data(cfg, rt.rank, rt.world_size)
         self.start_clock.mark("data")
         self.task = make_task(cfg)
 

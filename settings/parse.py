@@ -1,13 +1,14 @@
 """Reading settings: a named config of a YAML file, the command line's overrides on top, each
 value coerced to its setting's type and checked against its bounds (``settings.config`` says
 both), the tutorial's spellings accepted, and the result validated; and ``dump``, the resolved
-config as YAML that reads back the same."""
+config as YAML that reads back the same, and ``write_config``, which writes it beside a run."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import glob
 import itertools
+import logging
 import math
 import os
 import re
@@ -19,6 +20,8 @@ import yaml
 from settings.config import (CONFIG_CLASSES, Config, default_value, field_types,
                              identity_fields, to_dict, validate)
 from settings.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 RENAMED = {
     "lr_schedule": "lr, end_lr, warmup_steps and lr_scaling",
@@ -442,3 +445,13 @@ def dump(cfg: Config, derived: Optional[dict] = None) -> str:
         notes["run"] = run
     notes.update(derived or {})
     return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text
+
+
+def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
+    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml``
+    (a resumed run keeps the file of the run it continues)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not resumed or not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(dump(cfg, derived))
+    log.info(f"Resolved config: {path} (all settings; python train.py --help lists them)")

@@ -23,7 +23,8 @@ import pytest
 
 import preloaded
 from conftest import ROOT, write_era5
-from engine import checkpoint, run_setup
+from datapipe import make_data
+from engine import checkpoint, run_dir as run_dirs
 from settings.parse import build_config
 from datapipe.data_loader import has_data
 from settings.errors import ConfigError
@@ -161,7 +162,7 @@ def test_runs_started_together_each_train_a_run_of_their_own(tmp_path, era5):
         state, path = checkpoint.load_latest(str(d / "checkpoints"))
         assert state is not None and state["iteration"] == 2, path
         assert len(glob.glob(str(d / "tensorboard" / "events.out.tfevents.*"))) == 1
-        assert not (d / run_setup.LOCK_NAME).exists()  # released at the end
+        assert not (d / run_dirs.LOCK_NAME).exists()  # released at the end
 
 
 def test_claims_race_for_numbers_not_for_directories(tmp_path):
@@ -177,7 +178,7 @@ def test_claims_race_for_numbers_not_for_directories(tmp_path):
 
     def claim():
         barrier.wait()
-        results.put(run_setup._claim_run(cfg, 1)[0])
+        results.put(run_dirs._claim_run(cfg, 1)[0])
 
     procs = [multiprocessing.get_context("fork").Process(target=claim) for _ in range(6)]
     for p in procs:
@@ -202,12 +203,12 @@ def test_resume_picks_the_newest_run_of_its_own_model(tmp_path):
             (parent / run / "config.yaml").write_text(f"quickstart:\n  model: {model}\n")
     vit = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
                        {"expdir": str(exp), "resume": "true"})
-    assert run_setup._claim_run(vit, 1)[0] == "0"  # not run 1, the U-Net's, though newer
-    run_setup.release_run_locks()
+    assert run_dirs._claim_run(vit, 1)[0] == "0"  # not run 1, the U-Net's, though newer
+    run_dirs.release_run_locks()
     unet = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "quickstart",
                         {"expdir": str(exp), "resume": "true"})
-    assert run_setup._claim_run(unet, 1)[0] == "1"
-    run_setup.release_run_locks()
+    assert run_dirs._claim_run(unet, 1)[0] == "1"
+    run_dirs.release_run_locks()
 
 
 # ----------------------------------------------------------------------------- the run's lock
@@ -242,7 +243,7 @@ def test_two_resumes_of_one_run_one_trains_the_other_is_told_who_holds_it(tmp_pa
     hold.touch()
     assert winner.wait(timeout=120) == 3, started.output(1 - loser)
     assert "Stopped on SIGTERM after step 3" in started.output(1 - loser)[0]
-    assert not os.path.exists(os.path.join(run0, run_setup.LOCK_NAME))
+    assert not os.path.exists(os.path.join(run0, run_dirs.LOCK_NAME))
     log = open(os.path.join(run0, "out.log")).read()
     assert len(RUN_HEADER.findall(log)) == 2 and " - ERROR - " not in log  # none from the refused
 
@@ -258,7 +259,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, era5):
         time.sleep(0.02)
     killed.kill()  # as kill -9 (or a lost node): its lock stays behind
     killed.wait()
-    lock = os.path.join(exp, "quickstart", "1", "0", run_setup.LOCK_NAME)
+    lock = os.path.join(exp, "quickstart", "1", "0", run_dirs.LOCK_NAME)
     assert json.load(open(lock))["pid"] == killed.pid
     r = train(common)
     assert f"Run 0 (--run_num 0: took over the lock of process {killed.pid} on " in r.stdout
@@ -272,7 +273,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, era5):
 
 def _write_lock(run_dir, **record):
     os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, run_setup.LOCK_NAME)
+    path = os.path.join(run_dir, run_dirs.LOCK_NAME)
     with open(path, "w") as f:
         json.dump({"host": socket.gethostname(), "since": "2026-01-01T00:00:00",
                    "command": "python train.py", **record}, f)
@@ -291,15 +292,15 @@ def test_lock_holders_alive_dead_reused_or_elsewhere(tmp_path):
     # a live process of this host: refused, naming it
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        path = _write_lock(run, pid=sleeper.pid, start=run_setup._start_time(sleeper.pid))
-        with pytest.raises(run_setup.RunInUse, match=f"in use: process {sleeper.pid} on "):
-            run_setup.lock_run_dir(run)
+        path = _write_lock(run, pid=sleeper.pid, start=run_dirs._start_time(sleeper.pid))
+        with pytest.raises(run_dirs.RunInUse, match=f"in use: process {sleeper.pid} on "):
+            run_dirs.lock_run_dir(run)
         # the same PID, but another process started under it (the PID was reused): stale
         _write_lock(run, pid=sleeper.pid, start="1")
-        assert "took over the lock of process" in run_setup.lock_run_dir(run)
+        assert "took over the lock of process" in run_dirs.lock_run_dir(run)
         assert json.load(open(path))["pid"] == os.getpid()
-        assert run_setup.lock_run_dir(run) == ""  # this process holds it already: kept
-        run_setup.release_run_locks()
+        assert run_dirs.lock_run_dir(run) == ""  # this process holds it already: kept
+        run_dirs.release_run_locks()
         assert not os.path.exists(path)
     finally:
         sleeper.kill()
@@ -310,21 +311,21 @@ def test_lock_holders_alive_dead_reused_or_elsewhere(tmp_path):
     while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
         assert time.time() < deadline
         time.sleep(0.01)
-    _write_lock(run, pid=zombie.pid, start=run_setup._start_time(zombie.pid))
-    assert f"process {zombie.pid}" in run_setup.lock_run_dir(run)
-    run_setup.release_run_locks()
+    _write_lock(run, pid=zombie.pid, start=run_dirs._start_time(zombie.pid))
+    assert f"process {zombie.pid}" in run_dirs.lock_run_dir(run)
+    run_dirs.release_run_locks()
     zombie.wait()
     # another host: not judged from here; the line says how to remove it
     path = _write_lock(run, pid=_dead_pid(), host="node0042")
     with pytest.raises(ConfigError) as e:
-        run_setup.lock_run_dir(run)
+        run_dirs.lock_run_dir(run)
     assert "on node0042" in str(e.value) and f"remove {path} and start again" in str(e.value)
     assert "\n" not in str(e.value)
     # a lock file that names no process (its writer died between creating and writing it)
     with open(path, "w"):
         pass
     with pytest.raises(ConfigError, match=f"the lock file {path} names no process"):
-        run_setup.lock_run_dir(run)
+        run_dirs.lock_run_dir(run)
 
 
 def test_a_requeued_slurm_job_takes_over_the_lock_of_its_earlier_attempt(tmp_path,
@@ -337,15 +338,15 @@ def test_a_requeued_slurm_job_takes_over_the_lock_of_its_earlier_attempt(tmp_pat
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     for job, restart in (("4712", 1), ("4711", 2)):
         _write_lock(run, pid=123, host="nid001", slurm_job=job, slurm_restart=restart)
-        with pytest.raises(run_setup.RunInUse, match=f"process 123 on nid001 .*Slurm job {job}"):
-            run_setup.lock_run_dir(run)
+        with pytest.raises(run_dirs.RunInUse, match=f"process 123 on nid001 .*Slurm job {job}"):
+            run_dirs.lock_run_dir(run)
     path = _write_lock(run, pid=123, host="nid001", slurm_job="4711", slurm_restart=1)
-    note = run_setup.lock_run_dir(run)
+    note = run_dirs.lock_run_dir(run)
     assert note.startswith("took over the lock of process 123 on nid001 ") and \
         note.endswith("an earlier attempt of this Slurm job")
     record = json.load(open(path))
     assert (record["pid"], record["slurm_job"], record["slurm_restart"]) == (os.getpid(), "4711", 2)
-    run_setup.release_run_locks()
+    run_dirs.release_run_locks()
     assert not os.path.exists(path)
 
 
@@ -360,10 +361,10 @@ def test_a_stale_lock_is_taken_over_by_exactly_one_process(tmp_path):
     def take():
         barrier.wait()
         try:
-            run_setup.lock_run_dir(run)
+            run_dirs.lock_run_dir(run)
             results.put(("took", os.getpid()))
             time.sleep(1)  # holds it while the others look
-        except run_setup.RunInUse as e:
+        except run_dirs.RunInUse as e:
             results.put(("refused", str(e)))
 
     procs = [ctx.Process(target=take) for _ in range(6)]
@@ -416,14 +417,14 @@ def test_a_maker_that_dies_leaves_no_data_set_and_the_next_makes_it(tmp_path, mo
                                                                      caplog):
     cfg = _tiny_cfg(tmp_path)
     # failed with an exception part-way: nothing is left, neither data_root nor staging
-    monkeypatch.setattr(run_setup, "synthesize", _write_part_then(lambda: 1 / 0))
+    monkeypatch.setattr(make_data, "synthesize", _write_part_then(lambda: 1 / 0))
     with pytest.raises(ZeroDivisionError):
-        run_setup.make_data_once(cfg)
+        make_data.make_data_once(cfg)
     assert not has_data(cfg) and os.listdir(tmp_path) == []
     # killed (kill -9) part-way: only its staging directory is left, which is not data_root
-    monkeypatch.setattr(run_setup, "synthesize",
+    monkeypatch.setattr(make_data, "synthesize",
                         _write_part_then(lambda: os.kill(os.getpid(), signal.SIGKILL)))
-    p = multiprocessing.get_context("fork").Process(target=run_setup.make_data_once, args=(cfg,))
+    p = multiprocessing.get_context("fork").Process(target=make_data.make_data_once, args=(cfg,))
     p.start()
     p.join(timeout=60)
     assert p.exitcode == -signal.SIGKILL
@@ -432,17 +433,17 @@ def test_a_maker_that_dies_leaves_no_data_set_and_the_next_makes_it(tmp_path, mo
     # the next maker removes the dead one's staging directory and makes the set afresh
     monkeypatch.undo()
     with caplog.at_level("INFO"):
-        assert run_setup.make_data_once(cfg) is True
+        assert make_data.make_data_once(cfg) is True
     assert f"Removed {tmp_path / staging}, left by a synthesis that did not finish" in caplog.text
     assert has_data(cfg) and sorted(os.listdir(tmp_path)) == ["era5"]
-    assert run_setup.make_data_once(cfg) is False  # there now: made once
+    assert make_data.make_data_once(cfg) is False  # there now: made once
 
 
 def test_data_is_renamed_onto_an_empty_or_an_unfinished_synthetic_data_root(tmp_path):
     cfg = _tiny_cfg(tmp_path)
     os.makedirs(cfg.data_root)  # empty: replaced in one rename
-    assert run_setup.make_data_once(cfg) is True and has_data(cfg)
+    assert make_data.make_data_once(cfg) is True and has_data(cfg)
     import shutil
     shutil.rmtree(os.path.join(cfg.data_root, "stats"))  # a synthetic set missing a part
-    assert run_setup.make_data_once(cfg) is True and has_data(cfg)
+    assert make_data.make_data_once(cfg) is True and has_data(cfg)
     assert sorted(os.listdir(tmp_path)) == ["era5"]

@@ -165,7 +165,7 @@ def run_synthesis_race(root, expdir):
     import time
 
     import torch.distributed as dist
-    import engine.run_setup as engine
+    import datapipe.make_data as engine
 
     real_synthesize, real_has_data = engine.synthesize, engine.has_data
     train = os.path.join(root, "train.h5")
@@ -556,7 +556,7 @@ def run_slow_synthesis(root, expdir):
     """Rank 0 takes longer to write the data than a collective of the default group may wait."""
     import time
 
-    import engine.run_setup as engine
+    import datapipe.make_data as engine
 
     real = engine.synthesize
 

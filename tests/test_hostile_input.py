@@ -33,7 +33,8 @@ import yaml
 
 import preloaded
 from conftest import ROOT, file_digests, write_era5
-from engine import checkpoint, run_setup
+from datapipe import make_data
+from engine import checkpoint
 from settings.config import CONFIG_CLASSES, field_types, identity_fields, to_dict
 from settings.parse import build_config
 from settings.cli import from_argv
@@ -409,7 +410,7 @@ def test_synthesis_that_cannot_write_is_one_line(tmp_path, monkeypatch, failure,
 
     monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(error) as e:
-        run_setup.make_data_once(cfg)
+        make_data.make_data_once(cfg)
     message = str(e.value)
     assert message.startswith(f"data_root={cfg.data_root}: ") and "\n" not in message
     assert words.format(path=cfg.data_root) in message, message

@@ -435,10 +435,10 @@ def _vit_cfg(root):
 def test_training_regenerates_incomplete_synthetic_data_and_says_so(tmp_path, caplog):
     """A marked data_root that lacks a part and holds nothing but the generator's files is made
     anew, and the log calls it incomplete synthetic data, not "No data"."""
-    from engine import run_setup
+    from datapipe import make_data
     root = tmp_path / "era5"
     cfg = _vit_cfg(root)
-    assert run_setup.make_data_once(cfg) is True
+    assert make_data.make_data_once(cfg) is True
     made = set(file_digests(root))
     assert made == {"SYNTHETIC.txt", "train/2014.h5", "train/2015.h5", "valid/2016.h5",
                     "test/2017.h5", "stats/global_means.npy", "stats/global_stds.npy",
@@ -449,7 +449,7 @@ def test_training_regenerates_incomplete_synthetic_data_and_says_so(tmp_path, ca
         shutil.rmtree(path) if path.is_dir() else path.unlink()
         caplog.clear()  # only this call's lines
         with caplog.at_level(logging.INFO):
-            assert run_setup.make_data_once(cfg) is True
+            assert make_data.make_data_once(cfg) is True
         named = part + "/" if "." not in part else part
         assert f"Incomplete synthetic data under {root} (missing: {named}): regenerating" \
             in caplog.text
@@ -460,11 +460,11 @@ def test_training_regenerates_incomplete_synthetic_data_and_says_so(tmp_path, ca
     cosmo = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "quickstart",
                          {"synthetic_size": "[16,16]", "synthesize_if_missing": "true",
                           "data_root": str(tmp_path / "cosmo")})
-    assert run_setup.make_data_once(cosmo) is True
+    assert make_data.make_data_once(cosmo) is True
     (tmp_path / "cosmo" / cosmo.val_file).unlink()
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        assert run_setup.make_data_once(cosmo) is True
+        assert make_data.make_data_once(cosmo) is True
     assert f"(missing: {cosmo.val_file}): regenerating" in caplog.text
     assert (tmp_path / "cosmo" / cosmo.val_file).is_file()
 
@@ -472,18 +472,18 @@ def test_training_regenerates_incomplete_synthetic_data_and_says_so(tmp_path, ca
 def test_training_keeps_the_files_a_user_added_to_synthetic_data(tmp_path):
     """A marked data_root that lacks a part but holds files the generator does not write (the
     user's notes, a year of their own) is refused by name, and nothing in it is touched."""
-    from engine import run_setup
+    from datapipe import make_data
     from settings.errors import ConfigError
     root = tmp_path / "era5"
     cfg = _vit_cfg(root)
-    run_setup.make_data_once(cfg)
+    make_data.make_data_once(cfg)
     import shutil
     shutil.rmtree(root / "stats")
     (root / "NOTES.txt").write_text("my notes\n")
     (root / "train" / "2019.h5").write_bytes(b"a year of my own " * 50)
     before = file_digests(root)
     with pytest.raises(ConfigError) as e:
-        run_setup.make_data_once(cfg)
+        make_data.make_data_once(cfg)
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"data_root={root} holds synthetic data")
     assert "NOTES.txt, train/2019.h5" in message and "choose another --data_root" in message
@@ -510,22 +510,22 @@ def test_train_py_refuses_to_replace_a_user_file_in_synthetic_data(tmp_path):
 
 def test_a_file_added_during_synthesis_stops_the_replacement(tmp_path, monkeypatch):
     """Checked again when the new set is renamed into place: the old set goes back untouched."""
-    from engine import run_setup
+    from datapipe import make_data
     from settings.errors import ConfigError
     root = tmp_path / "era5"
     cfg = _vit_cfg(root)
-    run_setup.make_data_once(cfg)
+    make_data.make_data_once(cfg)
     import shutil
     shutil.rmtree(root / "stats")
-    real_synthesize = run_setup.synthesize
+    real_synthesize = make_data.synthesize
 
     def synthesize(staging_cfg):
         real_synthesize(staging_cfg)
         (root / "NOTES.txt").write_text("written while the new set was being made\n")
 
-    monkeypatch.setattr(run_setup, "synthesize", synthesize)
+    monkeypatch.setattr(make_data, "synthesize", synthesize)
     with pytest.raises(ConfigError, match="also NOTES.txt, which"):
-        run_setup.make_data_once(cfg)
+        make_data.make_data_once(cfg)
     assert not (root / "stats").exists() and (root / "NOTES.txt").exists()
     assert sorted(os.listdir(tmp_path)) == ["era5"]  # no staging, nothing moved aside
 
@@ -533,13 +533,13 @@ def test_a_file_added_during_synthesis_stops_the_replacement(tmp_path, monkeypat
 def test_a_set_moved_aside_by_a_maker_that_died_is_put_back(tmp_path, caplog):
     """Killed between moving the old set aside and renaming the new one in: the next maker puts
     the old set back rather than removing it."""
-    from engine import run_setup
+    from datapipe import make_data
     root = tmp_path / "era5"
     cfg = _vit_cfg(root)
-    run_setup.make_data_once(cfg)
+    make_data.make_data_once(cfg)
     before = file_digests(root)
     os.rename(root, tmp_path / "era5.old-somehost-123")
     with caplog.at_level(logging.INFO):
-        assert run_setup.make_data_once(cfg) is False  # whole again: nothing to make
+        assert make_data.make_data_once(cfg) is False  # whole again: nothing to make
     assert "Put back" in caplog.text and file_digests(root) == before
     assert sorted(os.listdir(tmp_path)) == ["era5"]

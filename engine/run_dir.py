@@ -1,0 +1,380 @@
+"""The run directory: ``<expdir>/<config>/<world size>/<run_num>/``, holding ``out.log``,
+``config.yaml``, ``tensorboard/`` and ``checkpoints/`` (and ``.run.lock`` while a process trains
+it).
+
+Many runs may start at once into one experiment directory (a job array, a sweep):
+
+- a run number is taken by creating its directory (``os.mkdir`` succeeds for exactly one
+  process), the next number when it exists;
+- a run directory is trained by one process at a time: ``.run.lock``, created with
+  ``O_CREAT | O_EXCL``, names the host and process that hold it; it is removed when the run ends
+  (finished, failed or stopped) and taken over when its process no longer runs on this host;
+- a start that fails in set-up leaves no run behind (``discard_unstarted_run``).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from datapipe.make_data import HOST, file_lock
+from engine import checkpoint
+from engine.runtime import Runtime
+from settings.parse import load_yaml_configs
+from settings.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the settings are read by name
+    from settings.config import Config
+
+
+COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the config's real runs
+
+
+def run_dir_for(cfg: Config, world_size: int) -> str:
+    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (``data_loader_config
+    synthetic``: compute-only timing, its losses those of one repeated batch) under
+    ``<config>-synthetic``, so that neither TensorBoard's run list nor a bare ``--resume`` takes
+    it for a run of the config."""
+    name = cfg.name + (COMPUTE_ONLY if cfg.data_is_generated else "")
+    return os.path.join(cfg.expdir, name, str(world_size), str(cfg.run_num))
+
+
+AUTO = "auto"
+
+
+def resolve_run_num(cfg: Config, rt: Runtime) -> str:
+    """Claim this run's directory and lock it for this process, on rank 0; replace ``run_num:
+    auto`` by the run's name (in ``cfg``), the same on every rank (the others are told). Returns
+    how the run was chosen, for the log ("" for a named run, unless a stale lock was taken over).
+
+    - a fresh run (also ``--resume_from``): the next free number, from one above the highest
+      number among the runs of this config and rank count (0 for the first): the first number
+      whose directory this process creates (``os.mkdir``: one process wins each number);
+    - ``--resume``: the run that wrote the newest checkpoint;
+    - ``--resume auto``: that run when there is one, else the next free number.
+    A run directory that another live process trains is refused (ConfigError naming it), for a
+    named run and a resumed one alike. ``submit_pm.sh`` names batch jobs ``job<id>`` instead, so
+    that a requeued job resumes its own run and never another job's."""
+    choice = [None]
+    if rt.is_main:
+        try:
+            choice = [_claim_run(cfg, rt.world_size)]
+        except ConfigError as e:
+            choice = [e]  # every rank raises it
+    if rt.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], ConfigError):
+        raise choice[0]
+    cfg.run_num, why = choice[0]
+    return why
+
+
+def _model_of(run_dir: str) -> str | None:
+    """The model family a run directory's config.yaml names; None when it cannot be read."""
+    try:
+        (settings,) = load_yaml_configs(os.path.join(run_dir, "config.yaml")).values()
+        return settings.get("model")
+    except ValueError:  # (ConfigError included: missing, unreadable, not a config)
+        return None
+
+
+def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
+    """(run name, how it was chosen) of the run directory this process now holds the lock of."""
+    _made.forget()
+    if cfg.run_num != AUTO:
+        run_dir = run_dir_for(cfg, world_size)
+        existed = os.path.isdir(run_dir)
+        _make_dirs(cfg, run_dir)
+        note = lock_run_dir(run_dir)
+        if not existed:
+            _made.run = os.path.abspath(run_dir)
+        elif not os.path.exists(os.path.join(run_dir, "out.log")):
+            _made.log = os.path.abspath(os.path.join(run_dir, "out.log"))
+        return cfg.run_num, f"--run_num {cfg.run_num}: {note}" if note else ""
+    parent = os.path.dirname(run_dir_for(cfg, world_size))
+    runs = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+    if cfg.resume and not cfg.resume_from:
+        newest = {}
+        for run in runs:
+            found = checkpoint.list_checkpoints(os.path.join(parent, run, "checkpoints"))
+            # (under an --expdir both models' runs of a config name share the parent)
+            if found and _model_of(os.path.join(parent, run)) in (None, cfg.model):
+                newest[run] = os.path.getmtime(found[0])
+        if newest:
+            run = max(newest, key=newest.get)
+            note = lock_run_dir(os.path.join(parent, run))
+            return run, ("--run_num auto with --resume: the run with the newest checkpoint"
+                         + (f"; {note}" if note else ""))
+        if cfg.resume is True:
+            raise ConfigError(f"--resume: no run under {parent} holds a checkpoint: check "
+                              f"--config, --expdir and the number of ranks ({world_size}), or "
+                              f"use --resume_from PATH")
+    numbers = [int(r) for r in runs if r.isdigit()]
+    _make_dirs(cfg, parent)
+    number = max(numbers) + 1 if numbers else 0
+    while True:  # the listing only says where to start: creating the directory decides
+        run_dir = os.path.join(parent, str(number))
+        try:
+            os.mkdir(run_dir)
+        except FileExistsError:
+            number += 1
+            continue
+        except OSError as e:
+            raise _cannot_create(cfg, run_dir, e) from None
+        try:
+            note = lock_run_dir(run_dir)
+        except RunInUse:  # a run started with --run_num <number> locked it first
+            number += 1
+            continue
+        _made.dirs.append(os.path.abspath(run_dir))
+        _made.run = os.path.abspath(run_dir)
+        return str(number), (f"--run_num auto: the next free number under {parent}"
+                             + (f"; {note}" if note else ""))
+
+
+def _make_dirs(cfg: Config, path: str):
+    """``os.makedirs``, noting the directories it creates (``discard_unstarted_run``)."""
+    missing, probe = [], os.path.abspath(path)
+    while not os.path.exists(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise _cannot_create(cfg, path, e) from None
+    _made.dirs.extend(reversed(missing))
+
+
+class _Made:
+    """What this process created for the run it is starting: a start that fails in set-up
+    removes it again, so that it leaves no run behind (nor uses up its number)."""
+
+    def __init__(self):
+        self.forget()
+
+    def forget(self):
+        self.dirs: list[str] = []  # the directories it created, outermost first
+        self.run: str | None = None  # the run directory itself, when this process made it
+        # the out.log a start in a run directory that existed without one is about to create
+        self.log: str | None = None
+
+
+_made = _Made()
+
+
+def discard_unstarted_run():
+    """After a start that failed before training (in set-up): remove the run directory this
+    process created for it (its out.log and lock with it) and the parents it created, when they
+    are empty. A run directory that existed before (a named run, a resumed one) stays, without
+    the out.log this start wrote there when it had none."""
+    root = logging.getLogger()
+    for path in [*reversed(_made.dirs), *filter(None, [_made.log])]:
+        for h in list(root.handlers):  # out.log: closed before it or its directory goes
+            if isinstance(h, logging.FileHandler) and (
+                    h.baseFilename == path or h.baseFilename.startswith(path + os.sep)):
+                root.removeHandler(h)
+                h.close()
+        if path == _made.log:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            continue
+        if path == _made.run and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # only when empty: another run may have come meanwhile
+    _made.forget()
+
+
+def _cannot_create(cfg: Config, path: str, e: OSError) -> ConfigError:
+    return ConfigError(f"expdir={cfg.expdir}: cannot create the run directory {path} "
+                       f"({e.strerror}): choose a directory you can write to")
+
+
+# ----------------------------------------------------------------------------- the run's lock
+
+LOCK_NAME = ".run.lock"
+_held: dict[str, int] = {}  # lock file -> the process holding it (a forked child holds none)
+
+
+class RunInUse(ConfigError):
+    """Another process holds the run directory's lock."""
+
+
+def lock_run_dir(run_dir: str) -> str:
+    """Take ``run_dir``'s lock for this process (a process that holds it already keeps it).
+    Returns a note for the log when it took over the lock of a process that no longer runs, ""
+    otherwise. ConfigError (one line: which process holds it, and what to do) when another
+    process of this host that still runs holds it, or a process of another host (whether that
+    one still runs cannot be told from here)."""
+    path = os.path.join(run_dir, LOCK_NAME)
+    note = ""
+    try:
+        for _ in range(100):
+            if _held.get(path) == os.getpid():
+                return note
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                record = _read_lock(path)
+                if record is None:
+                    continue  # released meanwhile: try again
+                if record.get("host") == HOST and record.get("pid") == os.getpid():
+                    _held[path] = os.getpid()  # its own (a second Trainer in one process)
+                    continue
+                earlier = _earlier_attempt_of_this_job(record)
+                if not earlier and (record.get("host") != HOST
+                                    or not isinstance(record.get("pid"), int)):
+                    raise RunInUse(_held_elsewhere(run_dir, path, record)) from None
+                if not earlier and _alive(record["pid"], record.get("start")):
+                    raise RunInUse(f"run directory {run_dir} is in use: {_holder(record)} "
+                                   f"trains it (lock {path}); a run directory is trained by one "
+                                   f"process at a time: wait for that run to end (or stop it), "
+                                   f"or start another run (another --run_num; auto picks a free "
+                                   f"one)") from None
+                if _take_over(path, record):
+                    note = (f"took over the lock of {_holder(record)}, "
+                            + ("an earlier attempt of this Slurm job" if earlier
+                               else "which no longer runs"))
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(_lock_record()) + "\n")
+            _held[path] = os.getpid()
+            return note
+    except OSError as e:
+        raise ConfigError(f"cannot take the lock {path} ({e.strerror}): choose an --expdir you "
+                          f"can write to") from None
+    raise ConfigError(f"cannot take the lock {path}: it keeps changing hands; start the run again")
+
+
+def release_run_locks():
+    """Remove the run locks this process holds: when its run ends (finished, failed on an
+    error, or stopped by a signal), and at exit. A forked child (a loader worker) removes none."""
+    for path, pid in list(_held.items()):
+        del _held[path]
+        if pid != os.getpid():
+            continue
+        record = _read_lock(path)
+        if record and record.get("host") == HOST and record.get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+atexit.register(release_run_locks)
+
+
+def _lock_record() -> dict:
+    pid = os.getpid()
+    return {"host": HOST, "pid": pid, "start": _start_time(pid),
+            "since": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv])[:300],
+            **_slurm_attempt()}
+
+
+def _slurm_attempt() -> dict:
+    """The Slurm job and how often it was requeued, inside a batch job."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return {}
+    try:
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        restarts = 0
+    return {"slurm_job": job, "slurm_restart": restarts}
+
+
+def _earlier_attempt_of_this_job(record: dict) -> bool:
+    """The lock was taken by an earlier attempt of this Slurm job, which was requeued since (a
+    preempted job killed before it could remove its lock, or one whose node failed): that attempt
+    has ended, on whichever node it ran, since Slurm runs one attempt of a job at a time."""
+    mine = _slurm_attempt()
+    theirs = record.get("slurm_restart")
+    return bool(mine) and record.get("slurm_job") == mine["slurm_job"] and \
+        isinstance(theirs, int) and theirs < mine["slurm_restart"]
+
+
+def _holder(record: dict) -> str:
+    job = f", Slurm job {record['slurm_job']}" if record.get("slurm_job") else ""
+    return (f"process {record.get('pid')} on {record.get('host')} (since {record.get('since')}"
+            f"{job}: {record.get('command')})")
+
+
+def _held_elsewhere(run_dir: str, path: str, record: dict) -> str:
+    if not record:
+        who = f"the lock file {path} names no process"
+    else:
+        who = f"{_holder(record)} holds it (lock {path}); whether it still runs cannot be told " \
+              f"from {HOST}"
+    return (f"run directory {run_dir} is locked: {who}: if no run of it is going on (its process "
+            f"was killed, or its node lost), remove {path} and start again; else wait for that "
+            f"run to end, or start another run (another --run_num)")
+
+
+def _read_lock(path: str) -> dict | None:
+    """The lock's record; None when there is no lock; {} when it names no process (a holder
+    that died between creating and writing it, after waiting a second for the write)."""
+    for _ in range(20):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            record = json.loads(text)
+            if isinstance(record, dict):
+                return record
+        except ValueError:
+            pass
+        time.sleep(0.05)
+    return {}
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22), which
+    tells it from a later process that reuses its PID; None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether process ``pid`` of this host runs, and is the one that started at ``start``."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return True  # no /proc: it exists
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped
+        return False
+    return start is None or fields[19] == start
+
+
+def _take_over(path: str, stale: dict) -> bool:
+    """Remove the lock ``stale`` of a process that no longer runs, when it is still the lock:
+    one process of this host at a time (``flock`` on ``.run.lock.takeover``), so that two takers
+    never both remove it (the second finds the first's lock instead)."""
+    with file_lock(path + ".takeover"):
+        if _read_lock(path) != stale:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
