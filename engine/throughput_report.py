@@ -18,8 +18,8 @@ rank and the median); it writes ``<run dir>/throughput.json`` and the
 TensorBoard scalars ``Throughput/IO``, ``Throughput/SYNTHETIC``, ``Throughput/FULL``.
 
 The trials take optimizer steps. They run after the final checkpoint is written, and the model,
-optimizer, gradient scaler, LR schedule and RNG streams are put back afterwards by the
-checkpointer (``Checkpointer.put_back_after``), the sampler's position here, so neither the
+optimizer, gradient scaler, LR schedule and RNG streams are read back from that checkpoint
+afterwards (``Checkpointer.reload``), and the sampler's position put back, so neither the
 checkpoints nor the trainer's state differ from a run without the report.
 """
 from __future__ import annotations
@@ -178,8 +178,8 @@ def run(tr) -> dict | None:
                     f"fetched inside a timed window (batches are fetched {tr.agreement.lag} "
                     f"step(s) ahead): IO and FULL leave the loading out; train with more steps "
                     f"per epoch to time it")
-    with tr.checkpointer.put_back_after():  # the trials' steps leave no trace
-        mine = measure(tr)
+    mine = measure(tr)
+    tr.checkpointer.reload()  # the trials' steps leave no trace: the final checkpoint read back
     tr.loaders.train_sampler.set_epoch(tr.state.epoch, tr.state.step_in_epoch)
     per_rank = [mine]
     if rt.distributed:

@@ -14,17 +14,14 @@ Two forms, each loading into any run (any number of ranks, DDP, FSDP or tp/cp):
 a checkpoint holds and the settings a resume may change; ``checkpointer``: the ``Checkpointer``
 the training loop talks to (which checkpoint to resume, load, save).
 """
-from engine.checkpoint.files import (REQUIRED, TENSORS, CheckpointException, WriteFailed,
-                                     clean_leftovers, convert, is_sharded, list_checkpoints,
-                                     load_file, load_latest, path_for, read_pt, read_tensors,
-                                     save, save_sharded, state_nbytes, unreadable, weights,
-                                     write_file, written_for)
-from engine.checkpoint.state import (TrainState, finished, keep_run_length, rng_state,
-                                     set_rng_state, setting_changes)
-from engine.checkpoint.checkpointer import Checkpointer, Resume  # noqa: E402 (after its parts)
+from engine.checkpoint.files import (REQUIRED, TENSORS, CheckpointException, convert,
+                                     is_sharded, list_checkpoints, load_file, load_latest,
+                                     path_for, read_pt, read_tensors, save, save_sharded,
+                                     state_nbytes, unreadable, weights, written_for)
+from engine.checkpoint.state import TrainState, setting_changes
+from engine.checkpoint.checkpointer import Checkpointer
 
-__all__ = ["REQUIRED", "TENSORS", "CheckpointException", "WriteFailed", "clean_leftovers",
-           "convert", "is_sharded", "list_checkpoints", "load_file", "load_latest", "path_for",
-           "read_pt", "read_tensors", "save", "save_sharded", "state_nbytes", "unreadable",
-           "weights", "write_file", "written_for", "TrainState", "finished", "keep_run_length",
-           "rng_state", "set_rng_state", "setting_changes", "Checkpointer", "Resume"]
+__all__ = ["REQUIRED", "TENSORS", "CheckpointException", "convert", "is_sharded",
+           "list_checkpoints", "load_file", "load_latest", "path_for", "read_pt", "read_tensors",
+           "save", "save_sharded", "state_nbytes", "unreadable", "weights", "written_for",
+           "TrainState", "setting_changes", "Checkpointer"]

@@ -4,7 +4,6 @@ it, writes the checkpoint of a step, and says what a run leaves to resume from.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -14,9 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import files
-from engine.checkpoint.state import (TrainState, finished, keep_run_length, rng_state,
-                                     set_rng_state)
-from engine.optimizer import load_optimizer_state
+from engine.checkpoint.state import TrainState, finished, keep_run_length
 from settings.errors import ConfigError, TrainingError
 
 log = logging.getLogger("engine.checkpoint")
@@ -160,7 +157,10 @@ class Checkpointer:
         self.state = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt, self.cfg,
                                 steps_per_epoch)
         if self.resumed is not None:
-            self.state.load_state_dict(self.resumed.state, self.resumed.path)
+            st = self.state
+            st.load_state_dict(self.resumed.state, self.resumed.path)
+            log.info(f"Resumed from {self.resumed.path} at step {st.iteration} (epoch "
+                     f"{st.epoch + 1}, step {st.step_in_epoch} of {st.steps_per_epoch})")
         return self.state
 
     def save(self, epoch_sum: torch.Tensor | None, window: torch.Tensor,
@@ -179,16 +179,13 @@ class Checkpointer:
         carried = 0.0 if epoch_sum is None else rt.dp_sum(epoch_sum.clone().float()).item()
         window = (*window.tolist(), window_steps)
         path, failure = None, None
-        if st.sharding.writes_shards:
-            rest = st.state_dict(carried, window, tensors=False)
-            shards = files.shards(st.model, st.optimizer)
-        else:
-            state = st.state_dict(carried, window)
-        try:
+        try:  # (state_dict: collective, its contents on rank 0)
             if st.sharding.writes_shards:
-                path = files.save_sharded(self.directory, st.iteration, shards, rest, keep,
+                rest = st.state_dict(carried, window, tensors=False)
+                path = files.save_sharded(self.directory, st.iteration,
+                                          files.shards(st.model, st.optimizer), rest, keep,
                                           rt.is_main)
-            elif state is not None:
+            elif (state := st.state_dict(carried, window)) is not None:
                 path = files.save(self.directory, st.iteration, state, keep)
         except files.WriteFailed as e:
             failure = (rt.rank if e.rank is None else e.rank, str(e))
@@ -213,34 +210,11 @@ class Checkpointer:
         return (f"Nothing was written: the newest checkpoint, {kept[0]}, is kept (continue with "
                 f"--resume auto)")
 
-    @contextlib.contextmanager
-    def put_back_after(self):
-        """Everything a training step changes (this rank's weights, optimizer, gradient
-        scaler, LR schedule and RNG streams) as it was before the block, whatever the block did
-        (trial steps): copied to host memory, so device memory stays free for the block, and
-        put back after it. No collective: each rank keeps its own part."""
-        st = self.state
-        kept = {"model": _to_host(st.model.state_dict()),  # this rank's shards under tp/cp
-                "optimizer": _to_host(st.optimizer.state_dict()),
-                "scaler": _to_host(st.scaler.state_dict()),
-                "scheduler": _to_host(st.scheduler.state_dict()), "rng": rng_state()}
-        try:
-            yield
-        finally:
-            st.model.load_state_dict(kept["model"])  # copies into the parameters DDP holds
-            load_optimizer_state(st.optimizer, kept["optimizer"])
-            st.scaler.load_state_dict(kept["scaler"])
-            st.scheduler.load_state_dict(kept["scheduler"])
-            set_rng_state(kept["rng"])
-            st.optimizer.zero_grad(set_to_none=True)
-
-
-def _to_host(obj):
-    """A copy of a (nested) state dict with every tensor cloned to host memory."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
-    return obj
+    def reload(self):
+        """Collective: put the run's state back as its newest checkpoint holds it (after the
+        throughput report's trial steps, which follow the final checkpoint)."""
+        state, path = files.load_latest(self.directory)
+        if state is None:
+            raise TrainingError(f"cannot put the training state back: no checkpoint in "
+                                f"{self.directory} loads")
+        self.state.load_state_dict(state, path)

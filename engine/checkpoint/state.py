@@ -125,14 +125,6 @@ class TrainState:
             "global_batch": rt.global_batch,
         }
 
-    def read_dcp(self, path: str) -> dict:
-        """The model and optimizer state of the DCP checkpoint ``path`` (an FSDP run's): under
-        FSDP alone each rank reads its own shards (collective), on any other layout every rank
-        reads the whole tensors, as it reads a ``.pt`` checkpoint."""
-        if self.sharding.writes_shards:
-            return files.read_shards(self.model, self.optimizer, path)
-        return files.read_tensors(path)
-
     def check_settings(self, state: dict, path: str):
         """Refuse a resume whose settings make a different run (one line listing every such
         difference); log each allowed change on a line of its own."""
@@ -159,8 +151,12 @@ class TrainState:
                               f"epoch but this run has {self.steps_per_epoch}: resume with the "
                               f"same data and global batch size")
         try:
-            if "dcp" in state:  # a directory of shards: read onto this run's layout
-                state = state | self.read_dcp(state["dcp"])
+            # A directory of shards (an FSDP run's): under FSDP alone each rank reads its own
+            # shards (collective), on any other layout the whole tensors, as of a .pt file.
+            if "dcp" in state and self.sharding.writes_shards:
+                state = state | files.read_shards(self.model, self.optimizer, state["dcp"])
+            elif "dcp" in state:
+                state = state | files.read_tensors(state["dcp"])
             self.sharding.load_model_state(self.model, state["model"])
             self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         except (KeyError, ValueError, RuntimeError, files.CheckpointException) as e:
@@ -177,8 +173,6 @@ class TrainState:
         windows = state.get("loss_window", [])
         if len(windows) == self.rt.world_size:  # (on other ranks: the next point averages less)
             self.window_carry = tuple(windows[self.rt.rank])
-        log.info(f"Resumed from {path} at step {self.iteration} (epoch {self.epoch + 1}, step "
-                 f"{self.step_in_epoch} of {self.steps_per_epoch})")
 
 
 def finished(state: dict, cfg) -> bool:
