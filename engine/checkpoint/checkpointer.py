@@ -1,7 +1,4 @@
-"""The checkpointer: the one object the training loop asks about checkpoints. It chooses the
-checkpoint a run resumes from (once, on rank 0, for every rank), puts the run's state back from
-it, writes the checkpoint of a step, and says what a run leaves to resume from.
-"""
+"""The checkpointer: the one object the training loop asks about checkpoints."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,15 +22,15 @@ class Resume:
 
     state: dict  # its contents (a DCP directory's without the tensors: they are read on load)
     path: str
-    cfg: object  # the run's settings, with the run length the checkpoint's run had (unless the
-    # command gives one): a plain --resume continues a run to the end it had
+    cfg: object  # the run's settings, with the run length it had unless the command gives one
     nothing_to_do: bool  # every step taken and the last epoch's validation done
 
 
 class Checkpointer:
     """The checkpoints of the run of ``cfg`` in ``directory`` (its ``checkpoints/``), on the
-    ranks of ``rt``. ``resume`` first (before the model is built), then ``load`` (once the
-    model, optimizer, scaler and schedule exist), then ``save`` at each checkpoint."""
+    ranks of ``rt``: ``resume`` chooses the checkpoint to continue from (before the model is
+    built), ``load`` puts the run's state back from it (once the model, optimizer, scaler and
+    schedule exist), ``save`` writes the checkpoint of a step."""
 
     def __init__(self, directory: str, cfg, rt):
         self.directory, self.cfg, self.rt = directory, cfg, rt
