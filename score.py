@@ -217,7 +217,7 @@ def check_model_options(args, cfg, run: str):
 
 def load_weights(model: torch.nn.Module, state: dict, path: str):
     """The checkpoint's weights in the serial layout into ``model``; a mismatch is refused."""
-    weights = checkpoint.read_tensors(state["dcp"])["model"] if "dcp" in state else state["model"]
+    weights = checkpoint.weights(state)
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:

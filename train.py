@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from datapipe.data_loader import build_loaders, validation_batch_sizes
 from datapipe.make_data import ensure_data
-from engine import checkpoint, throughput_report
+from engine import throughput_report
+from engine.checkpoint import Checkpointer
 from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
 from engine.exits import arm_hard_exit
 from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at, peak_lr,
@@ -43,13 +44,11 @@ from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
 from engine.preemption import NeverStop, RunStopped, StopRequest
 from engine.run_dir import discard_unstarted_run, release_run_locks, resolve_run_num, run_dir_for
-from engine.run_setup import find_resume_checkpoint
 from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.slow_paths import warn_slow_paths
 from engine.start_weights import load_start_weights
 from engine.stop_agreement import StopAgreement
-from engine.train_state import TrainState, keep_run_length
 from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import over_ranks, setup_logging
 from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
@@ -59,7 +58,7 @@ from observe.progress import DataWait, Progress
 from observe.run_header import log_run_header
 from observe.tensorboard import Board, NullBoard
 from settings.config import Config, to_dict
-from settings.errors import ConfigError, TrainingError, UserError, print_error
+from settings.errors import TrainingError, UserError, print_error
 from settings.parse import write_config
 from settings.signals import STOPPED_EXIT_CODE
 from tasks import make_task
@@ -80,15 +79,6 @@ class EpochStats:
     checkpoint_s: float = 0.0  # of elapsed_s, the time spent writing checkpoints mid-epoch
 
 
-def finished(state: dict, cfg: Config) -> bool:
-    """Whether the run of checkpoint ``state`` has nothing left to do under ``cfg``: every step
-    taken and the last epoch's validation done."""
-    if "steps_per_epoch" not in state:
-        return False
-    total = cfg.num_iters or cfg.num_epochs * state["steps_per_epoch"]
-    return state["iteration"] >= total and state["step_in_epoch"] == 0
-
-
 class Trainer:
     captures_step = False  # True in train_graph.py: the step is replayed as a CUDA graph
 
@@ -107,21 +97,11 @@ class Trainer:
         setup_logging(rt.rank, os.path.join(self.run_dir, "out.log"))
         if run_num_choice:
             log.info(f"Run {cfg.run_num} ({run_num_choice})")
-        resume = find_resume_checkpoint(cfg, self.run_dir, rt)  # (state, path) or None
+        self.checkpointer = Checkpointer(self.ckpt_dir, cfg, rt)
+        resume = self.checkpointer.resume()  # rank 0's choice, read by every rank; None: fresh
         if resume is not None:  # to the end it had, unless the command gives another
-            cfg = self.cfg = keep_run_length(cfg, resume[0].get("config", {}))
-        self.nothing_to_do = resume is not None and finished(resume[0], cfg)
-        from_elsewhere = resume is not None and os.path.realpath(os.path.dirname(
-            resume[1].rstrip(os.sep))) != os.path.realpath(self.ckpt_dir)  # --resume_from
-        if self.nothing_to_do and from_elsewhere:
-            raise ConfigError(f"--resume_from {cfg.resume_from}: that run has finished its "
-                              f"{resume[0]['iteration']} steps, so run {cfg.run_num} would train "
-                              f"nothing: add a larger --num_epochs or --num_iters to train on "
-                              f"from it")
-        if self.nothing_to_do:  # said before the start-up lines, which follow as for any resume
-            log.info(f"Nothing to do: run {cfg.run_num} has finished its {resume[0]['iteration']} "
-                     f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
-                     f"(the learning-rate schedule then spans the new total)")
+            cfg = self.cfg = resume.cfg
+        self.nothing_to_do = resume is not None and resume.nothing_to_do
         ensure_data(cfg, rt.rank, rt.world_size)
         self.start_clock.mark("data")
         self.task = make_task(cfg)
@@ -174,11 +154,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp_mode == "fp16")
         self.kernels = self.task.forward_kernels(self.device, amp or torch.float32)
 
-        self.state = TrainState(self.model, self.sharding, self.optimizer, self.scaler,
-                                self.scheduler, rt, cfg, self.steps_per_epoch)
+        self.state = self.checkpointer.load(self.model, self.sharding, self.optimizer,
+                                            self.scaler, self.scheduler, self.steps_per_epoch)
         if resume is not None:
-            self.state.load_state_dict(*resume)
-            change = resumed_schedule(self.optimizer, resume[0]["config"], self.steps_per_epoch,
+            change = resumed_schedule(self.optimizer, resume.state["config"], self.steps_per_epoch,
                                       self.iteration, self.peak_lr, cfg.end_lr, cfg.warmup_steps,
                                       self.total_steps)
             if change and not self.nothing_to_do:  # (a shorter end than reached: no schedule)
@@ -202,7 +181,7 @@ class Trainer:
         self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
         self.data_wait = DataWait.for_device(self.device)
         # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.
-        self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.kept_checkpoints,
+        self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.checkpointer.kept,
                                lambda message: _fail(rt, message, 1, self, broken_group=True))
         # When and how the ranks agree to stop (a host collective, never waited for per step)
         self.agreement = StopAgreement(self.stop_request, rt.distributed, rt.agreement_group,
@@ -226,12 +205,12 @@ class Trainer:
     def start_loaders(self, resume, rows=None):
         """The training and validation loaders (``rows``: the image rows this rank reads, None
         for all), the training pass the run starts with begun (where ``resume``, the checkpoint
-        and its path or None, left off)."""
+        the run continues from or None, left off)."""
         rt = self.rt
         loaders = build_loaders(self.cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device,
                                 rows, self.memory_format)
         if not self.nothing_to_do:
-            state = resume[0] if resume is not None else {}
+            state = resume.state if resume is not None else {}
             loaders.begin_training_pass(state.get("epoch", 0), state.get("step_in_epoch", 0))
         self.start_clock.mark("loaders")
         return loaders
@@ -428,16 +407,7 @@ class Trainer:
         steps, or after a validation that a stop signal cut short."""
         if not (self.checkpoint_due() and not self.validation_next()):
             self.save_checkpoint(self.epoch_sum)  # (unless this step's periodic one is written)
-        raise RunStopped(signum, self.iteration,
-                         checkpoint.written_for(self.ckpt_dir, self.iteration))
-
-    def kept_checkpoints(self) -> str:
-        """For the line of a run that ends without writing: what it leaves to resume from."""
-        kept = checkpoint.list_checkpoints(self.ckpt_dir)
-        if not kept:
-            return "Nothing was written; the run has no checkpoint yet"
-        return (f"Nothing was written: the newest checkpoint, {kept[0]}, is kept (continue with "
-                f"--resume auto)")
+        raise RunStopped(signum, self.iteration, self.checkpointer.written_for(self.iteration))
 
     def log_train_window(self, window: torch.Tensor, steps: int):
         # Host sync at the log interval: mean loss of the last `steps` steps over the dp ranks.
@@ -446,7 +416,7 @@ class Trainer:
             raise TrainingError(
                 f"the training loss became {loss} before step {self.iteration}: lower lr "
                 f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data. "
-                f"{self.kept_checkpoints()}")
+                f"{self.checkpointer.kept()}")
         lr = self.next_lr()
         self.progress.step(self.state.step_in_epoch, loss, lr)  # the progress line
         self.board.scalar("Loss/train", loss, self.iteration)
@@ -653,13 +623,7 @@ class Trainer:
         """Collective on all ranks; rank 0 writes (under FSDP every rank writes its shards).
         ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
         end)."""
-        t0 = time.perf_counter()
-        carried = 0.0 if epoch_sum is None else self.rt.dp_sum(epoch_sum.clone().float()).item()
-        path = self.state.save(self.ckpt_dir, self.cfg.checkpoint_keep, carried,
-                               (*self.window.tolist(), self.window_steps))
-        self.checkpoint_s += time.perf_counter() - t0
-        if path is not None:
-            log.info(f"Checkpoint written: {path} ({time.perf_counter() - t0:.2f} s)")
+        self.checkpoint_s += self.checkpointer.save(epoch_sum, self.window, self.window_steps)
 
     # ------------------------------------------------------------------ the loop
 
@@ -683,7 +647,7 @@ class Trainer:
             # validation is done.
             if self.checkpoint_due() or self.iteration >= self.total_steps:
                 self.save_checkpoint()
-        if not validated and checkpoint.written_for(self.ckpt_dir, self.iteration) is None:
+        if not validated and self.checkpointer.written_for(self.iteration) is None:
             self.save_checkpoint()  # (a run with no step to take)
         wall_s = time.time() - t_start  # the report's passes below are not training
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back

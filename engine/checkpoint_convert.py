@@ -12,38 +12,8 @@ never overwritten) is one ``error:`` line and exit code 2, and nothing is writte
 """
 from __future__ import annotations
 
-import os
-
-from torch.distributed.checkpoint.api import CheckpointException
-
-from engine import checkpoint
+from engine.checkpoint import CheckpointException, convert, state_nbytes
 from settings.errors import OneLineParser, refuse
-
-
-def convert(src: str, out: str) -> dict:
-    """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one file
-    ``out`` (which must not exist); returns what was written. Raises ValueError naming the
-    problem."""
-    if not os.path.exists(src):
-        raise ValueError(f"{src} does not exist: give a ckpt_<step>.dcp directory or a "
-                         f"checkpoints directory")
-    if os.path.lexists(out):
-        raise ValueError(f"{out} exists: choose another name for the output, or remove it")
-    if os.path.isdir(src) and not checkpoint.is_sharded(src):
-        found = [p for p in checkpoint.list_checkpoints(src) if os.path.isdir(p)]
-        if not found:
-            raise ValueError(f"{src} holds no sharded checkpoint (ckpt_<step>.dcp): give one")
-        src = found[0]
-    if not os.path.isdir(src):
-        raise ValueError(f"{src} is not a sharded checkpoint directory (ckpt_<step>.dcp); a .pt "
-                         f"checkpoint is a single file already")
-    state, path = checkpoint.load_file(src)
-    if state is None:
-        raise ValueError(f"{src} does not load (incomplete or corrupt; the log line above says "
-                         f"why): convert an earlier checkpoint")
-    whole = {k: v for k, v in state.items() if k != "dcp"} | checkpoint.read_tensors(path)
-    checkpoint.write_file(out, whole)
-    return whole
 
 
 def main(argv=None):
@@ -59,7 +29,7 @@ def main(argv=None):
         refuse(str(e))
     n = sum(t.numel() for t in whole["model"].values())
     print(f"{args.out}: step {whole['iteration']}, {n / 1e6:.3g} M parameters, "
-          f"{checkpoint.state_nbytes(whole) / 1e6:.1f} MB")
+          f"{state_nbytes(whole) / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 try:  # FSDP2: public from torch 2.6; torch 2.5 (the floor) has the same API under _composable
@@ -31,7 +29,6 @@ except ImportError:  # pragma: no cover (torch 2.5)
 from distributed.layers import (reduce_replicated_grad_shards, replicated_grads_comm_hook,
                                tensors_from_serial, tensors_to_serial)
 from distributed.parallelize import sharded_loss
-from engine import checkpoint
 from engine.optimizer import load_optimizer_state
 
 
@@ -108,11 +105,6 @@ class Unsharded:
                   | {"params": [names[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         return {"state": state, "param_groups": groups}
-
-    def read_checkpoint(self, model, optimizer, path: str) -> dict:
-        """The model and optimizer state of the DCP checkpoint ``path`` (an FSDP run's) in the
-        serial layout: every rank reads all of it, as it reads a ``.pt`` checkpoint."""
-        return checkpoint.read_tensors(path)
 
     def load_optimizer_state(self, model, optimizer, saved: dict):
         names = {id(p): n for n, p in model.named_parameters()}
@@ -225,22 +217,6 @@ class FullyShardedSharding(Unsharded):
 
     def load_optimizer_state(self, model, optimizer, saved: dict):
         super().load_optimizer_state(resharded(model), optimizer, saved)
-
-    def sharded_state(self, model, optimizer) -> dict:
-        """This rank's shards of the weights and of the Adam state, keyed by parameter name
-        (torch's distributed state dict: the layout DCP saves and reads)."""
-        model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
-
-    def read_checkpoint(self, model, optimizer, path: str) -> dict:
-        """Collective: each rank reads its own shards of a DCP checkpoint written on any number
-        of ranks (by an FSDP run; a ``.pt`` checkpoint goes through ``from_serial``); with
-        tp/cp, the whole tensors, as for a ``.pt`` checkpoint."""
-        if not self.writes_shards:
-            return super().read_checkpoint(model, optimizer, path)
-        state = self.sharded_state(model, optimizer)
-        dcp.load(state, checkpoint_id=path)
-        return state
 
     def to_serial(self, model, tensors, keep=True):
         # One tensor at a time: its dp shards gathered (collective over dp), then put together

@@ -12,7 +12,6 @@ import os
 import torch
 
 from engine import checkpoint
-from engine.train_state import setting_changes
 from settings.config import to_dict
 from settings.errors import ConfigError
 
@@ -42,9 +41,9 @@ def _read(path: str):
         if state is None:
             raise ConfigError(f"init_from={path} does not load (incomplete or damaged; the line "
                               f"above says why): give an earlier checkpoint of that run")
-        return checkpoint.read_tensors(path, keys={"model"})["model"], state
+        return checkpoint.weights(state), state
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = checkpoint.read_pt(path)
     except FileNotFoundError:
         raise ConfigError(f"init_from={path}: no such file") from None
     except Exception as e:
@@ -98,7 +97,7 @@ def _load(model, path, from_reference, cfg) -> str:
             raise ConfigError(f"init_from={path} holds the weights of a {saved['model']} "
                               f"model, and this run trains a {cfg.model} model: give a "
                               f"checkpoint of a {cfg.model} run")
-        how, what = setting_changes(saved, to_dict(cfg, identity=False))
+        how, what = checkpoint.setting_changes(saved, to_dict(cfg, identity=False))
         how = [c for c in how if c.split()[0] not in ("init_from", "expdir", "run_num")]
         what += [c for c in how if c.split()[0] in BATCH]  # (a resume keeps the global batch)
         how = [c for c in how if c.split()[0] not in BATCH]

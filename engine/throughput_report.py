@@ -18,9 +18,9 @@ rank and the median); it writes ``<run dir>/throughput.json`` and the
 TensorBoard scalars ``Throughput/IO``, ``Throughput/SYNTHETIC``, ``Throughput/FULL``.
 
 The trials take optimizer steps. They run after the final checkpoint is written, and the model,
-optimizer, gradient scaler, LR schedule, RNG streams and the sampler's position are put back
-afterwards, so neither the checkpoints nor the trainer's state differ from a run without the
-report.
+optimizer, gradient scaler, LR schedule and RNG streams are read back from that checkpoint
+afterwards (``Checkpointer.reload``), and the sampler's position put back, so neither the
+checkpoints nor the trainer's state differ from a run without the report.
 """
 from __future__ import annotations
 
@@ -34,9 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine import checkpoint
 from engine.preemption import RunStopped
-from engine.optimizer import load_optimizer_state
 from observe.logging_utils import EVERY_RANK_UP_TO, over_ranks
 from observe.profiling import nvtx_range
 
@@ -56,38 +54,6 @@ def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
     room = max(steps_per_epoch - lag, 1)
     warmup = min(WARMUP, room - 1)
     return warmup, min(MAX_TIMED, room - warmup)
-
-
-def _to_host(obj):
-    """A copy of a (nested) state dict with every tensor cloned to host memory."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
-    return obj
-
-
-class _Snapshot:
-    """Everything a training step changes, copied to host memory (device memory stays free for
-    the trials) and put back by ``restore``."""
-
-    def __init__(self, tr):
-        self.model = _to_host(tr.model.state_dict())  # this rank's shards under tp/cp
-        self.optimizer = _to_host(tr.optimizer.state_dict())
-        self.scaler = _to_host(tr.scaler.state_dict())
-        self.scheduler = _to_host(tr.scheduler.state_dict())
-        self.rng = checkpoint.rng_state()
-
-    def restore(self, tr):
-        tr.model.load_state_dict(self.model)  # copies into the parameters DDP holds
-        load_optimizer_state(tr.optimizer, self.optimizer)
-        tr.scaler.load_state_dict(self.scaler)
-        tr.scheduler.load_state_dict(self.scheduler)
-        checkpoint.set_rng_state(self.rng)
-        tr.optimizer.zero_grad(set_to_none=True)
-        tr.loaders.train_sampler.set_epoch(tr.state.epoch, tr.state.step_in_epoch)
 
 
 def _sync(device):
@@ -118,8 +84,7 @@ def _loader_pass(tr, epoch: int):
         # A stop signal on any rank, recorded or ending its wait, ends the report on every
         # rank (the run's final checkpoint is written already).
         if signum:
-            raise RunStopped(signum, tr.iteration,
-                             checkpoint.written_for(tr.ckpt_dir, tr.iteration))
+            raise RunStopped(signum, tr.iteration, tr.checkpointer.written_for(tr.iteration))
         yield batch
 
 
@@ -213,11 +178,9 @@ def run(tr) -> dict | None:
                     f"fetched inside a timed window (batches are fetched {tr.agreement.lag} "
                     f"step(s) ahead): IO and FULL leave the loading out; train with more steps "
                     f"per epoch to time it")
-    snapshot = _Snapshot(tr)
-    try:
-        mine = measure(tr)
-    finally:
-        snapshot.restore(tr)
+    mine = measure(tr)
+    tr.checkpointer.reload()  # the trials' steps leave no trace: the final checkpoint read back
+    tr.loaders.train_sampler.set_epoch(tr.state.epoch, tr.state.step_in_epoch)
     per_rank = [mine]
     if rt.distributed:
         per_rank = [None] * rt.world_size

@@ -31,7 +31,7 @@ from conftest import write_era5
 from distributed_harness import run_ranks
 from engine import checkpoint, start_weights
 from engine.checkpoint_convert import main as convert_main
-from engine.run_setup import find_resume_checkpoint
+from engine.checkpoint import Checkpointer, files
 from engine.runtime import Runtime, setup_runtime
 from settings.errors import ConfigError, TrainingError
 from test_ddp import vit_cfg
@@ -60,7 +60,7 @@ def write_dcp(directory: str, step: int) -> str:
 
 
 def rank_resume(run_dir, scenarios):
-    """Every rank: ``find_resume_checkpoint`` under each scenario ``{name: (rank, view)}``, where
+    """Every rank: ``Checkpointer.resume`` under each scenario ``{name: (rank, view)}``, where
     that rank's view of the newest checkpoint is ``stale`` (not listed) or ``damaged`` (does
     not load); the step each rank resumes from, or its error."""
     rank = dist.get_rank()
@@ -68,15 +68,16 @@ def rank_resume(run_dir, scenarios):
     rt = setup_runtime(cfg)
     newest = checkpoint.path_for(os.path.join(run_dir, "checkpoints"), 4)
     listed, load = checkpoint.list_checkpoints, checkpoint.load_file
-    views = {"stale": (checkpoint, "list_checkpoints", lambda d: [p for p in listed(d)
-                                                                  if p != newest]),
-             "damaged": (checkpoint, "load_file", lambda p, *a: (None, None) if p == newest
+    views = {"stale": (files, "list_checkpoints", lambda d: [p for p in listed(d)
+                                                             if p != newest]),
+             "damaged": (files, "load_file", lambda p, *a: (None, None) if p == newest
                          else load(p, *a))}
     out = {}
     for name, (who, view) in scenarios.items():
         with mock.patch.object(*views[view]) if rank == who else contextlib.nullcontext():
             try:
-                state, path = find_resume_checkpoint(cfg, run_dir, rt)
+                resume = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg, rt).resume()
+                state, path = resume.state, resume.path
                 out[name] = (state["iteration"], path)
             except ConfigError as e:
                 out[name] = str(e)
@@ -127,7 +128,7 @@ class FailingWrite(Trainer):
         if self.iteration != 2:
             return super().save_checkpoint(epoch_sum)
         self.save_started = time.monotonic()
-        target = {"write_file": (checkpoint, "write_file"),
+        target = {"write_file": (files, "write_file"),
                   "write_data": (FileSystemWriter, "write_data")}[self.fail]
         failing = mock.patch.object(*target, side_effect=NO_SPACE)
         with failing if self.rt.rank == self.fail_rank else contextlib.nullcontext():
@@ -263,7 +264,8 @@ def test_leftovers_of_interrupted_writes_are_cleaned_and_a_set_aside_checkpoint_
         (ckpts / name).write_bytes(b"not a leftover")
     cfg = vit_cfg(str(tmp_path / "no_data"), str(tmp_path), resume="true")
     with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
-        state, path = find_resume_checkpoint(cfg, str(run_dir), Runtime(torch.device("cpu")))
+        resume = Checkpointer(str(ckpts), cfg, Runtime(torch.device("cpu"))).resume()
+        state, path = resume.state, resume.path
     assert path == str(ckpts / "ckpt_00000008.dcp") and state["iteration"] == 8
     assert sorted(os.listdir(ckpts)) == sorted(
         ["ckpt_00000002.pt", "ckpt_00000004.dcp", "ckpt_00000008.dcp"] + others)

@@ -28,10 +28,11 @@ ENTRIES = ("train.py", "train_mp.py", "train_graph.py")
 def modules():
     """(module name, path) of every library module."""
     for room in ALLOWED:
-        for name in sorted(os.listdir(os.path.join(ROOT, room))):
-            if name.endswith(".py"):
-                module = room if name == "__init__.py" else f"{room}.{name[:-3]}"
-                yield module, os.path.join(ROOT, room, name)
+        for folder, _, names in sorted(os.walk(os.path.join(ROOT, room))):  # packages included
+            package = os.path.relpath(folder, ROOT).replace(os.sep, ".")
+            for name in sorted(n for n in names if n.endswith(".py")):
+                module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
+                yield module, os.path.join(folder, name)
 
 
 def imported(path):

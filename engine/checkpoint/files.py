@@ -1,15 +1,6 @@
-"""Checkpoints written atomically, the newest K kept, loaded with ``weights_only=True``.
-
-Two forms, each loading into any run (any number of ranks, DDP, FSDP or tp/cp):
-
-- ``ckpt_<step>.pt``: one file holding the whole state in the serial layout (parameters and
-  Adam state keyed by parameter name), written by rank 0: every run but FSDP writes these.
-- ``ckpt_<step>.dcp/``: a directory in torch's distributed-checkpoint format (DCP), written by
-  an FSDP run: each rank writes its own shards of the parameters and the Adam state (no rank
-  gathers the whole model), rank 0 the metadata and ``train_state.pt`` (the rest: step, epoch,
-  schedule, RNG streams, config). DCP reads the shards onto another number of ranks; a run
-  without FSDP reads the whole tensors. ``python -m engine.checkpoint_convert`` turns one into
-  a ``.pt`` file.
+"""The checkpoint's two forms on disk (``engine.checkpoint`` describes them): written
+atomically, listed newest first, the newest K kept, checked whole and loaded with
+``weights_only=True``; the one module that calls torch's distributed checkpoint (DCP).
 
 A checkpoint is written under a temporary name in the same directory, flushed to disk, and
 renamed into place: a crash mid-write leaves at worst a stray ``.tmp`` file or directory (or a
@@ -25,22 +16,20 @@ import contextlib
 import glob
 import logging
 import os
-import random
 import re
 import shutil
 import warnings
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from engine.sharding import resharded
 from settings.errors import TrainingError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("engine.checkpoint")  # the package's one logger
 MB = 1e6
 
 _NAME = re.compile(r"ckpt_(\d{8})\.(pt|dcp)$")
@@ -240,13 +229,18 @@ def load_file(path: str, map_location="cpu"):
     return _load_checked(path, map_location, REQUIRED)
 
 
+def read_pt(path: str, map_location="cpu", mmap: bool = False):
+    """What ``torch.save`` wrote to ``path``, in types ``weights_only`` loading accepts. ``mmap``:
+    mapped, not read (a checkpoint: a rank reads the pages of the slices it takes, its tp/cp
+    and FSDP shards, not the whole file)."""
+    with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
 def _load_checked(path: str, map_location, required) -> tuple:
     try:
-        with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
-            warnings.simplefilter("ignore")
-            # mapped, not read: a rank reads the pages of the slices it takes (its tp/cp and
-            # FSDP shards), not the whole file
-            state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        state = read_pt(path, map_location, mmap=True)
     except Exception as e:  # truncated or corrupt file
         log.warning(f"skipping unreadable checkpoint {path}: {unreadable(e)}")
         return None, None
@@ -296,10 +290,38 @@ def read_tensors(path: str, keys=None) -> dict:
     them): ``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``, the
     serial layout of a ``.pt`` checkpoint; only the entries ``keys`` names (e.g. ``{"model"}``)
     when given."""
+    # Torch (to 2.13 at least) has no public call that reads a DCP checkpoint without a state
+    # dict to fill: ``dcp.load`` hands back only the keys it was given. This is what torch's own
+    # ``format_utils.dcp_to_torch_save`` does; it becomes ``dcp.load`` once that fills an empty
+    # state dict from the metadata.
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     tensors = {}
     _load_state_dict(tensors, storage_reader=FileSystemReader(path),
                      planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     return tensors
+
+
+def shards(model, optimizer) -> dict:
+    """This rank's shards of an FSDP model's weights and Adam state, keyed by parameter name
+    (torch's distributed state dict: the layout DCP saves and reads)."""
+    model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def read_shards(model, optimizer, path: str) -> dict:
+    """Collective: each rank reads its own shards of the DCP checkpoint ``path``, written on any
+    number of ranks, into the layout of ``shards``."""
+    state = shards(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    return state
+
+
+def weights(state: dict) -> dict:
+    """The model's weights, in the serial layout, of a checkpoint ``load_file`` loaded (a DCP
+    directory's are read from its shards)."""
+    return read_tensors(state["dcp"], keys={"model"})["model"] if "dcp" in state \
+        else state["model"]
 
 
 def load_latest(directory: str, map_location="cpu"):
@@ -311,28 +333,27 @@ def load_latest(directory: str, map_location="cpu"):
     return None, None
 
 
-# ----------------------------------------------------------------------------- RNG state
-
-
-def rng_state() -> dict:
-    """Torch, CUDA, numpy and Python RNG states in types that ``weights_only`` loading accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, py_state, gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
-        "python": {"version": version, "state": list(py_state), "gauss": gauss},
-    }
-
-
-def set_rng_state(state: dict):
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+def convert(src: str, out: str) -> dict:
+    """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one file
+    ``out`` (which must not exist); returns what was written. Raises ValueError naming the
+    problem."""
+    if not os.path.exists(src):
+        raise ValueError(f"{src} does not exist: give a ckpt_<step>.dcp directory or a "
+                         f"checkpoints directory")
+    if os.path.lexists(out):
+        raise ValueError(f"{out} exists: choose another name for the output, or remove it")
+    if os.path.isdir(src) and not is_sharded(src):
+        found = [p for p in list_checkpoints(src) if os.path.isdir(p)]
+        if not found:
+            raise ValueError(f"{src} holds no sharded checkpoint (ckpt_<step>.dcp): give one")
+        src = found[0]
+    if not os.path.isdir(src):
+        raise ValueError(f"{src} is not a sharded checkpoint directory (ckpt_<step>.dcp); a .pt "
+                         f"checkpoint is a single file already")
+    state, path = load_file(src)
+    if state is None:
+        raise ValueError(f"{src} does not load (incomplete or corrupt; the log line above says "
+                         f"why): convert an earlier checkpoint")
+    whole = {k: v for k, v in state.items() if k != "dcp"} | read_tensors(path)
+    write_file(out, whole)
+    return whole

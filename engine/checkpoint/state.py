@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
 
+import numpy as np
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
-from engine import checkpoint
+from engine.checkpoint import files
 from settings.config import CONFIG_CLASSES, to_dict
 from settings.errors import ConfigError, TrainingError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("engine.checkpoint")
 
 
 # Settings a resumed run may change (``resume=True`` in their field's metadata): how long to
@@ -81,35 +83,6 @@ class TrainState:
         self.step_in_epoch = 0
         self.epoch_loss_carry = 0.0
 
-    def save(self, directory: str, keep: int, epoch_loss_sum: float,
-             window=(0.0, 0.0, 0)) -> str | None:
-        """Collective on all ranks: write this step's checkpoint into ``directory`` (the newest
-        ``keep`` kept); its path on rank 0. Under FSDP each rank writes its shards (DCP), else
-        rank 0 writes the whole state in the serial layout. A write that failed on any rank
-        raises TrainingError on every rank, one line naming that rank and the checkpoint; the
-        earlier checkpoints are kept. ``epoch_loss_sum`` and ``window``: as ``state_dict``
-        takes them."""
-        rt, path, failure = self.rt, None, None
-        if self.sharding.writes_shards:
-            rest = self.state_dict(epoch_loss_sum, window, tensors=False)
-            shards = self.sharding.sharded_state(self.model, self.optimizer)
-        else:
-            state = self.state_dict(epoch_loss_sum, window)
-        try:
-            if self.sharding.writes_shards:
-                path = checkpoint.save_sharded(directory, self.iteration, shards, rest, keep,
-                                               rt.is_main)
-            elif state is not None:
-                path = checkpoint.save(directory, self.iteration, state, keep)
-        except checkpoint.WriteFailed as e:
-            failure = (rt.rank if e.rank is None else e.rank, str(e))
-        # (the outcomes' exchange also holds every rank until rank 0 has put the checkpoint in
-        # place)
-        line = rt.first_failure(failure)
-        if line is not None:
-            raise TrainingError(line)
-        return path if rt.is_main else None
-
     def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
                    tensors: bool = True) -> dict | None:
         """Collective on all ranks (RNG states and loss windows are gathered, sharded tensors
@@ -124,7 +97,7 @@ class TrainState:
             raise TrainingError(f"the training loss is not finite at step {self.iteration}; not "
                                 f"writing a checkpoint. Lower lr or check the data; earlier "
                                 f"checkpoints are kept")
-        mine = (checkpoint.rng_state(), tuple(window))
+        mine = (rng_state(), tuple(window))
         per_rank = [mine]
         if rt.distributed:
             per_rank = [None] * rt.world_size
@@ -178,12 +151,15 @@ class TrainState:
                               f"epoch but this run has {self.steps_per_epoch}: resume with the "
                               f"same data and global batch size")
         try:
-            if "dcp" in state:  # a directory of shards: read onto this run's layout
-                state = state | self.sharding.read_checkpoint(self.model, self.optimizer,
-                                                              state["dcp"])
+            # A directory of shards (an FSDP run's): under FSDP alone each rank reads its own
+            # shards (collective), on any other layout the whole tensors, as of a .pt file.
+            if "dcp" in state and self.sharding.writes_shards:
+                state = state | files.read_shards(self.model, self.optimizer, state["dcp"])
+            elif "dcp" in state:
+                state = state | files.read_tensors(state["dcp"])
             self.sharding.load_model_state(self.model, state["model"])
             self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        except (KeyError, ValueError, RuntimeError, CheckpointException) as e:
+        except (KeyError, ValueError, RuntimeError, files.CheckpointException) as e:
             raise ConfigError(f"{path} does not fit this model ({type(e).__name__}: {e}): resume "
                               f"with the config that wrote it") from None
         self.scaler.load_state_dict(state["scaler"])
@@ -193,9 +169,40 @@ class TrainState:
         self.step_in_epoch = state["step_in_epoch"]
         self.epoch_loss_carry = state["epoch_loss_sum"]
         rngs = state["rng"]
-        checkpoint.set_rng_state(rngs[self.rt.rank % len(rngs)])
+        set_rng_state(rngs[self.rt.rank % len(rngs)])
         windows = state.get("loss_window", [])
         if len(windows) == self.rt.world_size:  # (on other ranks: the next point averages less)
             self.window_carry = tuple(windows[self.rt.rank])
-        log.info(f"Resumed from {path} at step {self.iteration} (epoch {self.epoch + 1}, step "
-                 f"{self.step_in_epoch} of {self.steps_per_epoch})")
+
+
+def finished(state: dict, cfg) -> bool:
+    """Whether the run of checkpoint ``state`` has nothing left to do under ``cfg``: every step
+    taken and the last epoch's validation done."""
+    if "steps_per_epoch" not in state:
+        return False
+    total = cfg.num_iters or cfg.num_epochs * state["steps_per_epoch"]
+    return state["iteration"] >= total and state["step_in_epoch"] == 0
+
+
+def rng_state() -> dict:
+    """Torch, CUDA, numpy and Python RNG states in types that ``weights_only`` loading accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": {"version": version, "state": list(py_state), "gauss": gauss},
+    }
+
+
+def set_rng_state(state: dict):
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))

@@ -1,0 +1,217 @@
+"""The checkpointer: the one object the training loop asks about checkpoints."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint import files
+from engine.checkpoint.state import TrainState, finished, keep_run_length
+from settings.errors import ConfigError, TrainingError
+
+log = logging.getLogger("engine.checkpoint")
+
+
+@dataclasses.dataclass
+class Resume:
+    """The checkpoint a run continues from, which every rank has read."""
+
+    state: dict  # its contents (a DCP directory's without the tensors: they are read on load)
+    path: str
+    cfg: object  # the run's settings, with the run length it had unless the command gives one
+    nothing_to_do: bool  # every step taken and the last epoch's validation done
+
+
+class Checkpointer:
+    """The checkpoints of the run of ``cfg`` in ``directory`` (its ``checkpoints/``), on the
+    ranks of ``rt``: ``resume`` chooses the checkpoint to continue from (before the model is
+    built), ``load`` puts the run's state back from it (once the model, optimizer, scaler and
+    schedule exist), ``save`` writes the checkpoint of a step."""
+
+    def __init__(self, directory: str, cfg, rt):
+        self.directory, self.cfg, self.rt = directory, cfg, rt
+        self.resumed = None  # the Resume that ``resume`` chose, or None for a fresh run
+        self.state = None  # the run's TrainState, made by ``load``
+
+    # ------------------------------------------------------------------ which to resume
+
+    def resume(self) -> Resume | None:
+        """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a
+        fresh run: one choice for all ranks. Rank 0 puts right what interrupted writes left in
+        the run's checkpoints (``files.clean_leftovers``) and chooses; the others load exactly
+        the checkpoint it chose, so that a rank with another view of the directory (a stale
+        listing, a read error) never resumes from another step. A choice that does not load on
+        some rank ends every rank with one line naming that rank."""
+        choice = self._agreed_choice()
+        if choice is None:
+            return None
+        state, path = choice
+        cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
+        self.resumed = Resume(state, path, cfg, finished(state, cfg))
+        from_elsewhere = os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
+            os.path.realpath(self.directory)  # --resume_from
+        if self.resumed.nothing_to_do and from_elsewhere:
+            raise ConfigError(f"--resume_from {cfg.resume_from}: that run has finished its "
+                              f"{state['iteration']} steps, so run {cfg.run_num} would train "
+                              f"nothing: add a larger --num_epochs or --num_iters to train on "
+                              f"from it")
+        if self.resumed.nothing_to_do:  # said before the start-up lines, as for any resume
+            log.info(f"Nothing to do: run {cfg.run_num} has finished its {state['iteration']} "
+                     f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
+                     f"(the learning-rate schedule then spans the new total)")
+        return self.resumed
+
+    def _agreed_choice(self):
+        rt = self.rt
+        choice = None  # (state, path), None for a fresh run, or the ConfigError every rank raises
+        if rt.is_main:
+            try:
+                choice = self._choose()
+            except ConfigError as e:
+                choice = e
+        if not rt.distributed:
+            if isinstance(choice, ConfigError):
+                raise choice
+            return choice
+        sent = [choice[1] if isinstance(choice, tuple) else choice]
+        # Rank 0's choice to every rank: the path, None for a fresh run, or the error all raise.
+        dist.broadcast_object_list(sent, src=0, group=rt.host_group)
+        if isinstance(sent[0], ConfigError):
+            raise sent[0]
+        if sent[0] is None:
+            return None
+        path = sent[0]
+        if not rt.is_main:
+            choice = files.load_file(path)
+        loaded = [None] * rt.world_size
+        # Whether the chosen checkpoint loaded on every rank: all go on with it, or all raise.
+        dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
+        if not all(loaded):
+            rank = loaded.index(False)
+            raise ConfigError(f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to "
+                              f"resume from (rank {rank}'s warning line says why): every rank "
+                              f"must see the same files; check the file system they share, or "
+                              f"move that checkpoint aside to resume from the one before")
+        return choice
+
+    def _choose(self):
+        """Rank 0's part of ``resume``. Refuses to start a fresh run over one that holds
+        checkpoints. ``--resume auto`` (a requeued job) continues this run directory when it
+        holds checkpoints, even one first started with ``--resume_from``, and otherwise starts
+        as without it."""
+        cfg, ckpt_dir = self.cfg, self.directory
+        run_dir = os.path.dirname(ckpt_dir)
+        files.clean_leftovers(ckpt_dir)
+        existing = files.list_checkpoints(ckpt_dir)
+        if cfg.resume == "auto" and existing:
+            return self._newest()
+        if cfg.resume_from:
+            if existing:
+                raise ConfigError(f"--resume_from: {run_dir} already holds checkpoints: use "
+                                  f"--resume to continue it, or choose another --run_num")
+            src = cfg.resume_from
+            if os.path.isdir(os.path.join(src, "checkpoints")):
+                src = os.path.join(src, "checkpoints")
+            if os.path.isfile(src) or files.is_sharded(src):
+                state, path = files.load_file(src)
+            elif os.path.isdir(src):
+                state, path = files.load_latest(src)
+            else:
+                raise ConfigError(f"--resume_from {src}: no such file or directory")
+            if state is None:
+                raise ConfigError(f"--resume_from {src}: no checkpoint there loads")
+            return state, path
+        if cfg.resume is not True:  # false, or auto with nothing to continue
+            if existing:
+                raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to "
+                                  f"continue that run, or choose another --run_num")
+            return None
+        if not existing:
+            raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}: check --config, "
+                              f"--run_num, --expdir and the number of ranks "
+                              f"({self.rt.world_size}), or use --resume_from PATH")
+        return self._newest()
+
+    def _newest(self):
+        state, path = files.load_latest(self.directory)
+        if state is None:
+            raise ConfigError(f"--resume: none of the checkpoints in {self.directory} loads "
+                              f"(each is damaged or cut short; the log above names why): resume "
+                              f"from a copy you kept with --resume_from PATH, or start a new "
+                              f"run without --resume")
+        return state, path
+
+    # ------------------------------------------------------------------ the run's state
+
+    def load(self, model, sharding, optimizer, scaler, scheduler,
+             steps_per_epoch: int) -> TrainState:
+        """The run's state, which the checkpoints hold from now on: at step 0, or put back from
+        the checkpoint ``resume`` chose (on this run's layout of the weights)."""
+        self.state = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt, self.cfg,
+                                steps_per_epoch)
+        if self.resumed is not None:
+            st = self.state
+            st.load_state_dict(self.resumed.state, self.resumed.path)
+            log.info(f"Resumed from {self.resumed.path} at step {st.iteration} (epoch "
+                     f"{st.epoch + 1}, step {st.step_in_epoch} of {st.steps_per_epoch})")
+        return self.state
+
+    def save(self, epoch_sum: torch.Tensor | None, window: torch.Tensor,
+             window_steps: int) -> float:
+        """Collective on all ranks: write the checkpoint of the step just taken (the newest
+        ``checkpoint_keep`` kept) and log its path; the seconds it took. Under FSDP each rank
+        writes its shards (DCP), else rank 0 writes the whole state in the serial layout. A
+        write that failed on any rank raises TrainingError on every rank, one line naming that
+        rank and the checkpoint; the earlier checkpoints are kept. ``epoch_sum``: this rank's
+        summed step losses of the epoch so far (None at an epoch's end); ``window``,
+        ``window_steps``: this rank's [loss, grad norm] sums and steps since the last log
+        point."""
+        t0 = time.perf_counter()
+        rt, st, keep = self.rt, self.state, self.cfg.checkpoint_keep
+        # Host sync and one collective: the epoch's losses so far, over the data-parallel ranks
+        carried = 0.0 if epoch_sum is None else rt.dp_sum(epoch_sum.clone().float()).item()
+        window = (*window.tolist(), window_steps)
+        path, failure = None, None
+        try:  # (state_dict: collective, its contents on rank 0)
+            if st.sharding.writes_shards:
+                rest = st.state_dict(carried, window, tensors=False)
+                path = files.save_sharded(self.directory, st.iteration,
+                                          files.shards(st.model, st.optimizer), rest, keep,
+                                          rt.is_main)
+            elif (state := st.state_dict(carried, window)) is not None:
+                path = files.save(self.directory, st.iteration, state, keep)
+        except files.WriteFailed as e:
+            failure = (rt.rank if e.rank is None else e.rank, str(e))
+        # (the outcomes' exchange also holds every rank until rank 0 has put the checkpoint in
+        # place)
+        line = rt.first_failure(failure)
+        if line is not None:
+            raise TrainingError(line)
+        if rt.is_main:
+            log.info(f"Checkpoint written: {path} ({time.perf_counter() - t0:.2f} s)")
+        return time.perf_counter() - t0
+
+    def written_for(self, step: int) -> str | None:
+        """The checkpoint of ``step``, of either form, or None."""
+        return files.written_for(self.directory, step)
+
+    def kept(self) -> str:
+        """For the line of a run that ends without writing: what it leaves to resume from."""
+        kept = files.list_checkpoints(self.directory)
+        if not kept:
+            return "Nothing was written; the run has no checkpoint yet"
+        return (f"Nothing was written: the newest checkpoint, {kept[0]}, is kept (continue with "
+                f"--resume auto)")
+
+    def reload(self):
+        """Collective: put the run's state back as its newest checkpoint holds it (after the
+        throughput report's trial steps, which follow the final checkpoint)."""
+        state, path = files.load_latest(self.directory)
+        if state is None:
+            raise TrainingError(f"cannot put the training state back: no checkpoint in "
+                                f"{self.directory} loads")
+        self.state.load_state_dict(state, path)
