@@ -325,10 +325,9 @@ def test_reads_the_lines_train_py_logs_with_mfu_and_the_wait(tmp_path, era5_root
     trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch)
     val = trainer.validate()
     for epoch, wait in enumerate((0.5, 0.25)):
-        trainer.state.epoch = epoch
-        trainer.log_epoch(train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10,
-                                           samples_per_s=8.0e5, steady_samples_per_s=9.0e5,
-                                           data_wait=wait), val, 0.1)
+        trainer.run_log.epoch(train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10,
+                                               samples_per_s=8.0e5, steady_samples_per_s=9.0e5,
+                                               data_wait=wait), val, 0.1, epoch, trainer.iteration)
     log = open(os.path.join(trainer.run_dir, "out.log")).read()
     tflops = make_task(cfg).flops_per_sample() * 2.0e5 * 4 / 1e12  # 2e5 steps/s of 4 samples on 1 device
     got = gpu_runs.read_log(log)
