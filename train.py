@@ -35,7 +35,8 @@ from datapipe.data_loader import build_loaders, validation_batch_sizes
 from engine import checkpoint, throughput_report
 from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
 from engine.exits import arm_hard_exit
-from engine.lr_schedule import build_scheduler, describe as describe_lr, peak_lr, resumed_schedule
+from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at, peak_lr,
+                                resumed_schedule)
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
 from engine.preemption import NeverStop, RunStopped, StopRequest
@@ -170,6 +171,7 @@ class Trainer:
             probe=MemoryProbe.for_run(self.device, self.model, self.optimizer, cfg.enable_jit),
             steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
             iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
+            lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
             finished=self.nothing_to_do, derived=self.derived(),
             kept_checkpoints=self.kept_checkpoints)
         # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.

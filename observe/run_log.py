@@ -1,44 +1,187 @@
-"""The run log: everything a run shows, owned by one object that the training loop calls.
+"""The run log: everything a run shows, owned by one object (``RunLog``) that the training loop
+tells of each step. Log lines go to rank 0's output, one per event, fit for a Slurm output file;
+TensorBoard events to the run directory (rank 0, ``tensorboard.py``).
 
-- Inside an epoch: the progress lines (``progress.py``) and, at each log point (every
-  ``log_every`` steps), the training loss and gradient norm of the steps since the last one in
-  TensorBoard. The losses are summed on the device; the host reads them only at log points and
-  at the epoch's end.
+- Inside an epoch, progress lines (``Progress``). A line comes at every log point (every
+  ``log_every`` steps, where the training loss is read back anyway) and, on long steps, at least
+  every ``every_s`` seconds in between. Such a line shows the loss of the latest log point and
+  says which step that was (reading a new one would make every rank wait, and only rank 0
+  prints); its learning rate is the current one, a host-side number:
+
+    Epoch 2 step 40/125 (32%): 81.2 samples/s, train loss 0.4312, lr 9.81e-04, epoch ETA 1m05s
+    Epoch 2 step 47/125 (37%): 80.9 samples/s, train loss 0.4312 (at step 40), lr 9.74e-04, ...
+
+  Samples/s counts the whole job's samples over the wall time since the epoch began, the one
+  definition the epoch's line uses too (there, after waiting for the device); between log points
+  on a GPU it is the host's view (the device may still be a few steps behind). Before the run's
+  first log point there is no loss to show, and the line shows none. The ETA goes by the steps
+  after the epoch's first (which may hold a compile, or the first batch after validation), once
+  there are any. The losses are summed on the device and read only at log points.
 - After the run's first step, how long the start took (``startup.py``); after each epoch's first
   step, every rank's memory (``memory.py``).
-- After an epoch's validation, its lines: time and samples/s, the share it waited for data,
-  TFLOP/s and MFU (``flops.py``), the training loss, the validation loss beside the naive
-  baseline's and the task's metrics; the task's skill lines where it scores one.
-- At the end, the summary lines.
-- TensorBoard (rank 0, ``tensorboard.py``) and the profilers' windows (``profiling.py``).
+- After an epoch's validation: its time and samples/s, the share of it the step waited for data
+  (``DataWait``: on a CPU the time spent fetching batches, on a GPU the device's idle share
+  between the steps' work), TFLOP/s and MFU (``flops.py``), the training loss, the validation
+  loss beside the naive baseline's, the task's metrics; the skill lines where the task scores
+  one. At the end, the summary.
+- The profilers' windows (``profiling.py``).
 
 The loop calls ``start_epoch``; around each step ``step_begins``, ``step_ends`` and
-``step_done``; then ``end_epoch`` (its EpochStats), ``epoch``, ``skill``, ``summary`` and
-``close``.
+``step_done``; then ``end_epoch`` (its EpochStats), ``epoch``, ``skill``, ``summary``, ``close``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from engine.lr_schedule import lr_at
-from engine.runtime import Runtime
 from observe.flops import peak_tflops, tflops_per_device
-from observe.logging_utils import over_ranks
+from observe.logging_utils import duration, over_ranks
 from observe.memory import GiB, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, TraceWindow
-from observe.progress import DataWait, Progress
 from observe.startup import StartClock
 from observe.tensorboard import Board, NullBoard
 from settings.config import Config, to_dict
 from settings.errors import TrainingError
 
 log = logging.getLogger("train")
+
+
+class Progress:
+    def __init__(self, steps_per_epoch: int, global_batch: int, enabled: bool,
+                 every_s: float = 30.0, clock=time.monotonic):
+        self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
+        self.enabled, self.every_s, self.clock = enabled, every_s, clock
+        self.loss = math.nan
+        self.loss_at = None  # (epoch, step in epoch) of the log point that read ``loss``
+        self.lr = math.nan
+
+    def start_epoch(self, epoch: int, step_in_epoch: int, last: int):
+        """Before the epoch's first step (``step_in_epoch`` > 0 after a resume mid-epoch);
+        ``last``: the step in the epoch this call of it will end at (the run may end before the
+        epoch does)."""
+        self.epoch, self.first, self.last = epoch, step_in_epoch, last
+        self.t0 = self.last_line = self.clock()
+        self.t1 = None  # when this epoch's first step ended
+
+    def rate(self, step_in_epoch: int) -> float:
+        """Samples/s of the job since ``start_epoch``."""
+        elapsed = self.clock() - self.t0
+        return (step_in_epoch - self.first) * self.global_batch / max(elapsed, 1e-9)
+
+    def step(self, step_in_epoch: int, loss: float | None = None, lr: float | None = None):
+        """After each step, with the learning rate of the next: a line when ``loss`` (a log
+        point's) is given, or when ``every_s`` has passed since the last line."""
+        now = self.clock()
+        if step_in_epoch == self.first + 1:
+            self.t1 = now
+        if lr is not None:
+            self.lr = lr
+        if loss is not None:
+            self.loss, self.loss_at = loss, (self.epoch, step_in_epoch)
+        elif now - self.last_line < self.every_s:
+            return
+        self.last_line = now
+        if self.enabled:
+            log.info(self.line(step_in_epoch))
+
+    def line(self, step_in_epoch: int) -> str:
+        n = self.steps_per_epoch
+        done = step_in_epoch - self.first
+        elapsed = self.clock() - self.t0
+        if done > 1 and self.t1 is not None:  # the pace after the first step
+            eta = (self.clock() - self.t1) / (done - 1) * (self.last - step_in_epoch)
+        else:
+            eta = elapsed / done * (self.last - step_in_epoch) if done else math.nan
+        loss = ""
+        if math.isfinite(self.loss):
+            epoch, at = self.loss_at
+            if (epoch, at) != (self.epoch, step_in_epoch):  # an earlier log point's
+                at = f"step {at}" if epoch == self.epoch else f"epoch {epoch + 1} step {at}"
+                loss = f"train loss {self.loss:.4g} (at {at}), "
+            else:
+                loss = f"train loss {self.loss:.4g}, "
+        if math.isfinite(self.lr):
+            loss += f"lr {self.lr:.3g}, "
+        return (f"Epoch {self.epoch + 1} step {step_in_epoch}/{n} ({100 * step_in_epoch // n}%): "
+                f"{self.rate(step_in_epoch):.1f} samples/s, {loss}"
+                f"epoch ETA {duration(eta) if done else '?'}")
+
+
+class DataWait:
+    """The share of an epoch the step waited for data, on a CPU: the time spent fetching batches
+    (the host runs the step, so while it fetches nothing is computed)."""
+
+    label = "fetching batches"
+
+    def __init__(self, clock=time.monotonic):
+        self.clock, self.waited = clock, 0.0
+
+    @staticmethod
+    def for_device(device: torch.device) -> "DataWait":
+        return DeviceIdle() if device.type == "cuda" else DataWait()
+
+    def start_epoch(self):
+        self.waited = 0.0
+
+    @contextlib.contextmanager
+    def fetching(self):
+        """Around the fetch of one batch."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.waited += self.clock() - t0
+
+    def step_begins(self):
+        pass
+
+    def step_ends(self):
+        pass
+
+    def share(self, elapsed_s: float) -> float:
+        """At the epoch's end (after the device finished): the waiting share of ``elapsed_s``."""
+        return min(1.0, self.waited / max(elapsed_s, 1e-9))
+
+
+class DeviceIdle(DataWait):
+    """On a GPU: the device's idle share of the epoch. A pair of CUDA events brackets each
+    step's device work (the batch's copy to the device included); the device is busy from the
+    moment it reaches the first to the moment it reaches the second, and idle in between steps,
+    when the host has not yet queued the next one: waiting for its batch, or for itself. The
+    events are read at the epoch's end, after it waited for the device anyway, so no step
+    waits for them."""
+
+    label = "device idle"
+
+    def __init__(self, event=lambda: torch.cuda.Event(enable_timing=True)):
+        super().__init__()
+        self.event, self.pairs, self.n = event, [], 0  # events are made once and reused
+
+    def start_epoch(self):
+        self.n = 0
+
+    def fetching(self):
+        return contextlib.nullcontext()
+
+    def step_begins(self):
+        if self.n == len(self.pairs):
+            self.pairs.append((self.event(), self.event()))
+        self.pairs[self.n][0].record()
+
+    def step_ends(self):
+        self.pairs[self.n][1].record()
+        self.n += 1
+
+    def share(self, elapsed_s: float) -> float:
+        busy_s = sum(a.elapsed_time(b) for a, b in self.pairs[:self.n]) / 1e3  # ms -> s
+        return min(1.0, max(0.0, 1.0 - busy_s / max(elapsed_s, 1e-9)))
 
 
 @dataclass
@@ -55,18 +198,21 @@ class EpochStats:
 
 
 class RunLog:
-    def __init__(self, cfg: Config, rt: Runtime, task, *, run_dir: str, start_clock: StartClock,
-                 probe, steps_per_epoch: int, total_steps: int, iteration: int, peak_lr: float,
+    def __init__(self, cfg: Config, rt, task, *, run_dir: str, start_clock: StartClock, probe,
+                 steps_per_epoch: int, total_steps: int, iteration: int, lr, peak_lr: float,
                  resumed: bool, finished: bool, derived: dict, kept_checkpoints):
-        """``start_clock``: the set-up's parts so far (the first step ends the start); ``probe``:
-        the memory probe of each epoch's first step; ``iteration``: the step the launch starts
-        at; ``finished``: a resumed run with nothing left to do (it writes no TensorBoard events);
+        """``rt``: the runtime (ranks, device, the data-parallel sum); ``start_clock``: the
+        set-up's parts so far (the run's first step ends the start); ``probe``: the memory probe
+        of each epoch's first step; ``iteration``: the step this launch starts at; ``lr(n)``: the
+        learning rate of update ``n``, computed on the host as the schedule computes it (a
+        captured step's rate is a device tensor: reading it would wait for the device);
+        ``finished``: a resumed run with nothing left to do (it writes no TensorBoard events);
         ``derived``: the values the config implies, shown beside it in TensorBoard;
         ``kept_checkpoints()``: what a run that ends on a bad loss leaves to resume from."""
         self.cfg, self.rt, self.task, self.device = cfg, rt, task, rt.device
         self.run_dir, self.start_clock, self.probe = run_dir, start_clock, probe
-        self.steps_per_epoch, self.total_steps, self.peak_lr = steps_per_epoch, total_steps, peak_lr
-        self.kept_checkpoints = kept_checkpoints
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.lr, self.peak_lr, self.kept_checkpoints = lr, peak_lr, kept_checkpoints
         self.flops_per_sample = task.flops_per_sample()  # forward + backward, one sample
         # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step; a
         # finished one, with nothing to add, gets no new event file.
@@ -132,7 +278,7 @@ class RunLog:
         if iteration % self.cfg.log_every == 0:
             self.log_window(iteration, step_in_epoch)
         elif step_in_epoch != self.progress.last:  # (the window's line ends the epoch)
-            self.progress.step(step_in_epoch, lr=self.next_lr(iteration))  # a line if 30 s passed
+            self.progress.step(step_in_epoch, lr=self.lr(iteration))  # a line if 30 s passed
 
     def step_done(self, iteration: int):
         """After a step and its checkpoint: ends the step's range in the torch.profiler trace."""
@@ -206,13 +352,6 @@ class RunLog:
         if self.device.type == "cpu":
             log.info(f"  Process resident peak (GiB, per rank): {over_ranks(resident, '.2f')}")
 
-    def next_lr(self, iteration: int) -> float:
-        """The learning rate of the update after step ``iteration``, computed on the host as the
-        schedule computes it (a captured step's rate is a device tensor: reading it would wait
-        for the device)."""
-        return lr_at(iteration, self.peak_lr, self.cfg.end_lr, self.cfg.warmup_steps,
-                     self.total_steps)
-
     def log_window(self, iteration: int, step_in_epoch: int):
         """A log point: the steps' mean loss and gradient norm since the last one."""
         steps, window = self.window_steps, self.window
@@ -223,7 +362,7 @@ class RunLog:
                 f"the training loss became {loss} before step {iteration}: lower lr "
                 f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data. "
                 f"{self.kept_checkpoints()}")
-        lr = self.next_lr(iteration)
+        lr = self.lr(iteration)  # of the next update
         self.progress.step(step_in_epoch, loss, lr)  # the progress line
         self.board.scalar("Loss/train", loss, iteration)
         self.board.scalar("Learning Rate", lr, iteration)
@@ -239,7 +378,10 @@ class RunLog:
         validation (``val``, which took ``val_s`` seconds); the run at step ``iteration``."""
         it, board = iteration, self.board
         steps_per_s = stats.samples_per_s / self.rt.global_batch
-        if stats.steps:
+        if not stats.steps:  # resumed from a stop during this epoch's validation
+            log.info(f"Epoch {epoch + 1}: its steps ran before the resume; its "
+                     f"validation is run now")
+        else:  # samples/s: the whole job's, over the epoch's wall time
             log.info(f"Epoch {epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} "
                      f"steps, {stats.samples_per_s:.2f} samples/s ({steps_per_s:.2f} steps/s)")
             if stats.checkpoint_s:  # in the epoch's time, as the tutorial's has none to hold
@@ -247,10 +389,6 @@ class RunLog:
                     stats.elapsed_s - stats.checkpoint_s, 1e-9)
                 log.info(f"  {stats.checkpoint_s:.2f} s of it writing checkpoints; "
                          f"{rest:.2f} samples/s without them")
-        else:  # resumed from a stop during this epoch's validation
-            log.info(f"Epoch {epoch + 1}: its steps ran before the resume; its "
-                     f"validation is run now")
-        if stats.steps:
             # Who sets the pace: the loader when the step waited for data much of the epoch.
             steady = stats.steady_samples_per_s
             if stats.data_wait is not None:
@@ -259,10 +397,10 @@ class RunLog:
                          f"({self.data_wait.label}{on})" + (f"; steady state (after step 1) "
                                                        f"{steady:.2f} samples/s" if steady else ""))
                 board.scalar("Performance/data wait share", stats.data_wait, it)
-            samples_per_s = stats.samples_per_s  # the whole job's, over the epoch's wall time
             board.scalar("Avg iters per sec", steps_per_s, it)
-            board.scalar("Avg samples per sec", samples_per_s, it)
-            tflops = tflops_per_device(self.flops_per_sample, samples_per_s, self.rt.world_size)
+            board.scalar("Avg samples per sec", stats.samples_per_s, it)
+            tflops = tflops_per_device(self.flops_per_sample, stats.samples_per_s,
+                                       self.rt.world_size)
             peak = peak_tflops(self.device, self.cfg.amp_mode,  # None on a CPU or unknown GPU
                                self.task.fp32_in_tf32())
             mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""

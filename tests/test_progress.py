@@ -12,7 +12,8 @@ from train import Trainer
 from settings.parse import build_config
 from observe.flops import tflops_per_device
 from observe.memory import NullProbe
-from observe.progress import DataWait, DeviceIdle, Progress, duration
+from observe.logging_utils import duration
+from observe.run_log import DataWait, DeviceIdle, Progress
 from engine.runtime import setup_runtime
 
 
