@@ -9,11 +9,12 @@ Data parallel over every rank the launcher starts; tensor/context parallel when 
 tensor_parallel/context_parallel are above 1 (see train_mp.py).
 
 The file reads top to bottom as a run does: set-up (``Trainer.__init__``), one optimizer step
-(``train_step``), an epoch of them (``train_epoch``), validation (``validate``), the epoch's
-log lines (``log_epoch``), checkpoints (``save_checkpoint``) and the loop over epochs (``fit``).
-Host-device synchronisations (``.item()``, collectives for logging) happen only at log points
-(every ``log_every`` steps), at epoch ends and at checkpoints; a step itself never waits for the
-device.
+(``train_step``), an epoch of them (``train_epoch``), validation (``validate``), checkpoints
+(``save_checkpoint``) and the loop over epochs (``fit``). What the run shows (its log lines,
+TensorBoard, the profilers) is the run log's (observe/run_log.py), which the loop tells of each
+step. Host-device synchronisations (``.item()``, collectives for logging) happen only at log
+points (every ``log_every`` steps), at epoch ends and at checkpoints; a step itself never waits
+for the device.
 """
 import contextlib
 import gc
@@ -22,7 +23,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 from settings.cli import from_argv
 
@@ -30,7 +30,6 @@ if __name__ == "__main__":  # bad settings and --help are answered before torch 
     COMMAND_LINE_CONFIG = from_argv(sys.argv[1:])
 
 import torch  # from here on: torch and the engine (seconds to load)
-import torch.distributed as dist
 
 from datapipe.data_loader import build_loaders, validation_batch_sizes
 from datapipe.make_data import ensure_data
@@ -49,15 +48,13 @@ from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_a
 from engine.slow_paths import warn_slow_paths
 from engine.start_weights import load_start_weights
 from engine.stop_agreement import StopAgreement
-from observe.flops import peak_tflops, tflops_per_device
-from observe.logging_utils import over_ranks, setup_logging
-from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
-from observe.profiling import ProfilerWindow, TraceWindow, nvtx_range
-from observe.startup import StartClock, use_compile_cache_dir
-from observe.progress import DataWait, Progress
+from observe.logging_utils import setup_logging
+from observe.memory import MemoryProbe, NullProbe
+from observe.profiling import nvtx_range
 from observe.run_header import log_run_header
-from observe.tensorboard import Board, NullBoard
-from settings.config import Config, to_dict
+from observe.run_log import EpochStats, RunLog
+from observe.startup import StartClock, use_compile_cache_dir
+from settings.config import Config
 from settings.errors import TrainingError, UserError, print_error
 from settings.parse import write_config
 from settings.signals import STOPPED_EXIT_CODE
@@ -66,17 +63,6 @@ from tasks import make_task
 log = logging.getLogger("train")
 
 
-@dataclass
-class EpochStats:
-    """What one pass of ``train_epoch`` measured."""
-
-    avg_loss: float  # mean training loss of the epoch's steps, over all data-parallel ranks
-    elapsed_s: float  # wall time of the epoch, from before its first batch to its last step's end
-    steps: int  # steps this call ran (fewer than an epoch after a resume mid-epoch)
-    samples_per_s: float  # the job's samples over elapsed_s: what the epoch really delivered
-    steady_samples_per_s: float | None = None  # from the end of the first step on (> 1 step)
-    data_wait: float | None = None  # share of elapsed_s the step waited for data (DataWait)
-    checkpoint_s: float = 0.0  # of elapsed_s, the time spent writing checkpoints mid-epoch
 
 
 class Trainer:
@@ -87,8 +73,8 @@ class Trainer:
         default none stops the run."""
         self.cfg, self.rt, self.device = cfg, rt, rt.device
         self.stop_request = stop_request or NeverStop()
-        self.start_clock = StartClock()  # the start's parts, logged after the first step
-        self.start_clock.mark("imports and set-up")
+        clock = StartClock()  # the start's parts, logged after the first step (the run log's)
+        clock.mark("imports and set-up")
         # Claims the run directory (--run_num auto, the default: the next free number) and locks
         # it for this process: a run directory another process trains is refused.
         run_num_choice = resolve_run_num(cfg, rt)
@@ -103,7 +89,7 @@ class Trainer:
             cfg = self.cfg = resume.cfg
         self.nothing_to_do = resume is not None and resume.nothing_to_do
         ensure_data(cfg, rt.rank, rt.world_size)
-        self.start_clock.mark("data")
+        clock.mark("data")
         self.task = make_task(cfg)
 
         # The layout of the weights and batches on the device (the task's choice: channels-last
@@ -115,7 +101,7 @@ class Trainer:
         # The loaders before the model, their first training pass begun: the loader workers read
         # its first batches while the model is built. A model-parallel rank reads only the image
         # rows it computes on, which its model knows: its loaders follow the model.
-        self.loaders = self.start_loaders(resume) if rt.groups is None else None
+        self.loaders = self.start_loaders(resume, clock) if rt.groups is None else None
 
         # The model: the serial model from the seed on every rank, then parallelised in one place.
         torch.manual_seed(cfg.seed)
@@ -124,7 +110,7 @@ class Trainer:
         if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
             log.info(load_start_weights(model, cfg.init_from, self.task.from_reference, cfg, rt))
         if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
-            self.start_clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
+            clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
         parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)
         self.parallel = parallel
         self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
@@ -132,12 +118,11 @@ class Trainer:
         self.sharding = parallel.sharding  # how batches and state map to this rank's model
         torch.manual_seed(cfg.seed + 1 + rt.rank)  # per-rank stream for dropout
 
-        self.start_clock.mark("model")
+        clock.mark("model")
         if self.loaders is None:
-            self.loaders = self.start_loaders(resume, self.model.image_rows())
+            self.loaders = self.start_loaders(resume, clock, self.model.image_rows())
         self.steps_per_epoch = self.loaders.steps_per_epoch
         self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
-        self.flops_per_sample = self.task.flops_per_sample()  # forward + backward, one sample
 
         self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
         self.optimizer = build_optimizer(self.model.parameters(), self.peak_lr, cfg.adam_betas,
@@ -163,56 +148,43 @@ class Trainer:
             if change and not self.nothing_to_do:  # (a shorter end than reached: no schedule)
                 log.info(change)
         self.resumed = resume is not None
-        # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step; a
-        # finished one, with nothing to add, gets no new event file.
-        self.board = Board(os.path.join(self.run_dir, "tensorboard"),
-                           purge_step=self.state.iteration + 1 if resume else None) \
-            if rt.is_main and not self.nothing_to_do else NullBoard()
-        # The CPU probe hooks autograd's saved tensors, which compiled graphs do not expose.
-        measurable = self.device.type == "cuda" or not cfg.enable_jit
-        self.probe = MemoryProbe(self.device, self.model, self.optimizer) if measurable \
-            else NullProbe()
-        self.profiler = ProfilerWindow.for_run(cfg.enable_manual_profiling, self.device,
-                                               self.iteration, self.steps_per_epoch,
-                                               self.total_steps)
-        self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, self.iteration,
-                                         self.steps_per_epoch, self.total_steps)
-        self.progress = Progress(self.steps_per_epoch, rt.global_batch, rt.is_main)
-        self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
-        self.data_wait = DataWait.for_device(self.device)
+        # Everything the run shows: log lines, TensorBoard, the profilers' windows.
+        self.run_log = RunLog(
+            cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock,
+            probe=MemoryProbe.for_run(self.device, self.model, self.optimizer, cfg.enable_jit),
+            steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
+            iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
+            lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
+            finished=self.nothing_to_do, derived=self.derived(),
+            kept_checkpoints=self.checkpointer.kept)
         # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.
         self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.checkpointer.kept,
                                lambda message: _fail(rt, message, 1, self, broken_group=True))
         # When and how the ranks agree to stop (a host collective, never waited for per step)
         self.agreement = StopAgreement(self.stop_request, rt.distributed, rt.agreement_group,
                                        every=cfg.log_every)
-        self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
-        self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
-        self.window_steps = 0
         self._baseline = None  # the naive baseline's validation loss, computed once
 
         log.info(f"Run directory: {self.run_dir}")
         if rt.is_main:
             write_config(cfg, self.run_dir, self.derived(), resumed=resume is not None)
-        self.board.describe_run(self.derived() | to_dict(cfg),
-                                f"Loss/valid_{self.task.baseline_name}")
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)())
         log.info(describe_lr(cfg.lr, self.peak_lr, rt.global_batch, cfg.base_batch_size,
                              cfg.lr_scaling, cfg.warmup_steps, cfg.end_lr))
-        self.start_clock.mark("optimizer and logs")
+        clock.mark("optimizer and logs")
 
-    def start_loaders(self, resume, rows=None):
+    def start_loaders(self, resume, clock: StartClock, rows=None):
         """The training and validation loaders (``rows``: the image rows this rank reads, None
         for all), the training pass the run starts with begun (where ``resume``, the checkpoint
-        the run continues from or None, left off)."""
+        the run continues from or None, left off); the start's ``clock`` marks them."""
         rt = self.rt
         loaders = build_loaders(self.cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device,
                                 rows, self.memory_format)
         if not self.nothing_to_do:
             state = resume.state if resume is not None else {}
             loaders.begin_training_pass(state.get("epoch", 0), state.get("step_in_epoch", 0))
-        self.start_clock.mark("loaders")
+        clock.mark("loaders")
         return loaders
 
     @property
@@ -299,25 +271,15 @@ class Trainer:
     # ------------------------------------------------------------------ an epoch of steps
 
     def train_epoch(self) -> EpochStats:
-        cfg, rt, st = self.cfg, self.rt, self.state
+        st = self.state
         self.loaders.train_sampler.set_epoch(st.epoch, st.step_in_epoch)
         self.model.train()
-        # sum over steps of dp-mean losses; [loss, grad norm] summed since the last log point
-        self.epoch_sum = epoch_sum = torch.zeros((), device=self.device)
-        *carried, self.window_steps = st.window_carry  # a stop between log points: its window
-        st.window_carry = (0.0, 0.0, 0)
-        self.window = window = torch.tensor(carried, device=self.device)
-        steps_run = 0
-        self.progress.start_epoch(st.epoch, st.step_in_epoch, last=min(
-            self.steps_per_epoch, st.step_in_epoch + self.total_steps - st.iteration))
-        self.data_wait.start_epoch()
-        self.checkpoint_s = 0.0
-        t_first = None
-        self.trace.step(st.iteration)  # the torch.profiler window may start here
+        self.run_log.start_epoch(st.epoch, st.step_in_epoch, st.iteration, st.window_carry)
+        st.window_carry = (0.0, 0.0, 0)  # (a stop between log points: its window, now logged)
         # each wait for a batch as a range, and timed; a stop signal or a stall ends it
         begun = self.loaders.begun_training_pass(st.epoch, st.step_in_epoch)  # (the run's first)
         batches = self.waits.batches(self.loaders.train, "training", st.epoch, st.step_in_epoch,
-                                     self.data_wait.fetching, begun)
+                                     self.run_log.fetching, begun)
         # Each step's batch is fetched ahead (none past the run's last step), and the ranks'
         # stop proposals after each fetch are combined while the steps before run
         # (engine.stop_agreement).
@@ -328,67 +290,27 @@ class Trainer:
             if signum:
                 self.stop_here(signum)
             x, y = batch
-            self.profiler.step(st.iteration)
-            probe = self.probe if steps_run == 0 else NullProbe()  # first step of each epoch
-            first_of_run = self.start_clock is not None
-            if first_of_run:
-                self.start_clock.mark("first batch")
-            self.data_wait.step_begins()
+            probe = self.run_log.step_begins(st.iteration)  # measures each epoch's first step
             with nvtx_range(f"step {st.iteration}"):
                 x, y = self.to_device(x, y)
                 # (not before a captured step: its eager warm-up counts DDP's iterations)
-                if first_of_run and self.resumed and self.parallel.ddp is not None \
-                        and not self.captures_step:
+                if self.resumed and self.parallel.ddp is not None and not self.captures_step:
                     self.regroup_gradients(x, y)
+                    self.resumed = False  # (once: before the launch's first step)
                 loss, grad_norm = self.train_step(x, y, probe)
-            self.data_wait.step_ends()
-            if first_of_run:
-                self.log_start()
-            if steps_run == 0:
-                self.log_memory(probe)
-                t_first = self.progress.clock()  # the steady state is timed from here
-            epoch_sum += loss / rt.dp_size
-            window += torch.stack([loss, grad_norm])
-            self.window_steps += 1
-            steps_run += 1
             st.iteration += 1
             st.step_in_epoch += 1
-            if st.iteration % cfg.log_every == 0:
-                self.log_train_window(window, self.window_steps)
-                window.zero_()
-                self.window_steps = 0
-            elif st.step_in_epoch != self.progress.last:  # (the window's line ends the epoch)
-                self.progress.step(st.step_in_epoch, lr=self.next_lr())  # a line if 30 s passed
+            self.run_log.step_ends(loss, grad_norm, st.iteration, st.step_in_epoch,
+                                   measured=self.measured_memory())
             if self.checkpoint_due() and not self.validation_next():
-                self.save_checkpoint(epoch_sum)  # (the epoch's last step: after its validation)
-            self.trace.step(st.iteration)  # ends this step's range in the torch.profiler trace
-        if self.window_steps:
-            self.log_train_window(window, self.window_steps)
-            window.zero_()
-            self.window_steps = 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the epoch time must include the queued kernels
-        # The progress lines' definition: the job's samples over the wall time since the epoch
-        # began, its first step (memory probe, first batch after validation) included.
-        elapsed = self.progress.clock() - self.progress.t0
-        samples_per_s = self.progress.rate(st.step_in_epoch)
-        steady = (steps_run - 1) * rt.global_batch / max(self.progress.clock() - t_first, 1e-9) \
-            if steps_run > 1 else None
-        # One collective per epoch: the summed losses of all data-parallel ranks.
-        total = rt.dp_sum(epoch_sum.clone().float()).item()
-        avg = (total + st.epoch_loss_carry) / max(st.step_in_epoch, 1)
-        return EpochStats(avg, elapsed, steps_run, samples_per_s, steady,
-                          self.data_wait.share(elapsed) if steps_run else None,
-                          self.checkpoint_s)
+                # (the epoch's last step: after its validation)
+                self.save_checkpoint(self.run_log.epoch_loss_sum())
+            self.run_log.step_done(st.iteration)
+        return self.run_log.end_epoch(st.iteration, st.step_in_epoch, st.epoch_loss_carry)
 
-    def log_start(self):
-        """After the run's first step (waited for, once): how long the start took, by part."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.start_clock.mark("first step")
-        for line in self.start_clock.lines():
-            log.info(line)
-        self.start_clock = None
+    def measured_memory(self) -> bool:
+        """Whether the step just taken measured its memory (train_graph.py's replays do not)."""
+        return True
 
     def checkpoint_due(self) -> bool:
         """Whether ``checkpoint_every`` asks for the checkpoint of the step just taken."""
@@ -406,48 +328,9 @@ class Trainer:
         Reached when the ranks' stop agreement says so, the same on every rank: between two
         steps, or after a validation that a stop signal cut short."""
         if not (self.checkpoint_due() and not self.validation_next()):
-            self.save_checkpoint(self.epoch_sum)  # (unless this step's periodic one is written)
+            # (unless this step's periodic one is written)
+            self.save_checkpoint(self.run_log.epoch_loss_sum())
         raise RunStopped(signum, self.iteration, self.checkpointer.written_for(self.iteration))
-
-    def log_train_window(self, window: torch.Tensor, steps: int):
-        # Host sync at the log interval: mean loss of the last `steps` steps over the dp ranks.
-        loss = self.rt.dp_sum(window[0].clone().float()).item() / (steps * self.rt.dp_size)
-        if not math.isfinite(loss):
-            raise TrainingError(
-                f"the training loss became {loss} before step {self.iteration}: lower lr "
-                f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data. "
-                f"{self.checkpointer.kept()}")
-        lr = self.next_lr()
-        self.progress.step(self.state.step_in_epoch, loss, lr)  # the progress line
-        self.board.scalar("Loss/train", loss, self.iteration)
-        self.board.scalar("Learning Rate", lr, self.iteration)
-        self.board.scalar("Performance/samples per sec (epoch so far)",
-                          self.progress.rate(self.state.step_in_epoch), self.iteration)
-        # The norm is that of the whole (serial) gradient, the same on every rank.
-        self.board.scalar("Grad norm", window[1].item() / steps, self.iteration)
-
-    def next_lr(self) -> float:
-        """The learning rate of the next update, computed on the host as the schedule computes
-        it (a captured step's rate is a device tensor: reading it would wait for the device)."""
-        return lr_at(self.iteration, self.peak_lr, self.cfg.end_lr, self.cfg.warmup_steps,
-                     self.total_steps)
-
-    def log_memory(self, probe):
-        """Every rank's memory after the forward pass and at the step's peak (rank 0 logs)."""
-        mine = (probe.after_forward / GiB, probe.peak / GiB, resident_peak_bytes() / GiB)
-        everyone = [mine] * self.rt.world_size
-        if self.rt.distributed:
-            dist.all_gather_object(everyone, mine)  # once per epoch
-        fwd, peak, resident = zip(*everyone)
-        if probe.after_forward:
-            log.info(f"Memory after forward pass (GiB, per rank): {over_ranks(fwd, '.3f')}; "
-                     f"peak: {over_ranks(peak, '.3f')}")
-            log.info(f"  (measured as: {probe.method()})")
-        else:
-            log.info("Memory after forward pass: not measured (on a CPU it is counted from "
-                     "autograd's saved tensors, which a compiled model does not expose)")
-        if self.device.type == "cpu":
-            log.info(f"  Process resident peak (GiB, per rank): {over_ranks(resident, '.2f')}")
 
     # ------------------------------------------------------------------ validation
 
@@ -540,10 +423,10 @@ class Trainer:
         fill = torch.zeros(self.rt.local_batch - x.shape[0], dtype=torch.long, device=x.device)
         return x[torch.cat([torch.arange(x.shape[0], device=x.device), fill])]  # keeps its layout
 
-    def log_skill(self):
+    def skill(self):
         """After an epoch's validation, the model's skill as its science scores it, where the
-        task gives one then (the ViT's ``skill_every``): in the log and TensorBoard. Collective:
-        every data-parallel rank scores its share."""
+        task gives one then (the ViT's ``skill_every``), to the run log. Collective: every
+        data-parallel rank scores its share."""
         def forward():  # the training forward's context: autocast, the attention kernel
             stack = contextlib.ExitStack()
             stack.enter_context(self.autocast())
@@ -557,65 +440,9 @@ class Trainer:
                                   self.rt.dp_rank, self.rt.dp_size)
         finally:
             self.model.train()
-        if got is None:
-            return
-        scalars, lines = got
-        for line in lines:
-            log.info(line)
-        log.info(f"  Skill took {time.time() - t0:.2f} s")
-        for tag, value in scalars.items():
-            self.board.scalar(tag, value, self.iteration)
-        self.board.flush()
-
-    def log_epoch(self, stats: EpochStats, val: dict, val_s: float):
-        """The epoch's lines in the log and its points in TensorBoard."""
-        it, board = self.iteration, self.board
-        steps_per_s = stats.samples_per_s / self.rt.global_batch
-        if stats.steps:
-            log.info(f"Epoch {self.state.epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} "
-                     f"steps, {stats.samples_per_s:.2f} samples/s ({steps_per_s:.2f} steps/s)")
-            if stats.checkpoint_s:  # in the epoch's time, as the tutorial's has none to hold
-                rest = stats.samples_per_s * stats.elapsed_s / max(
-                    stats.elapsed_s - stats.checkpoint_s, 1e-9)
-                log.info(f"  {stats.checkpoint_s:.2f} s of it writing checkpoints; "
-                         f"{rest:.2f} samples/s without them")
-        else:  # resumed from a stop during this epoch's validation
-            log.info(f"Epoch {self.state.epoch + 1}: its steps ran before the resume; its "
-                     f"validation is run now")
-        if stats.steps:
-            # Who sets the pace: the loader when the step waited for data much of the epoch.
-            steady = stats.steady_samples_per_s
-            if stats.data_wait is not None:
-                on = f", on rank 0 of {self.rt.world_size}" if self.rt.world_size > 1 else ""
-                log.info(f"  Waited for data {100 * stats.data_wait:.0f}% of the epoch "
-                         f"({self.data_wait.label}{on})" + (f"; steady state (after step 1) "
-                                                       f"{steady:.2f} samples/s" if steady else ""))
-                board.scalar("Performance/data wait share", stats.data_wait, it)
-            samples_per_s = stats.samples_per_s  # the whole job's, over the epoch's wall time
-            board.scalar("Avg iters per sec", steps_per_s, it)
-            board.scalar("Avg samples per sec", samples_per_s, it)
-            tflops = tflops_per_device(self.flops_per_sample, samples_per_s, self.rt.world_size)
-            peak = peak_tflops(self.device, self.cfg.amp_mode,  # None on a CPU or unknown GPU
-                               self.task.fp32_in_tf32())
-            mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""
-            log.info(f"  Model {tflops:.3g} TFLOP/s per device "
-                     f"({self.flops_per_sample / 1e9:.4g} GFLOP per sample){mfu}")
-            board.scalar("Performance/TFLOPs per sec", tflops, it)
-            if peak:
-                board.scalar("Performance/MFU", tflops / peak, it)
-        log.info(f"  Avg train loss={stats.avg_loss:.6f}")
-        name = self.task.baseline_name
-        log.info(f"  Avg val loss={val['loss']:.6f} ({name} baseline {val['baseline_loss']:.6f})")
-        for line in self.task.metric_lines(val["metrics"], val["baseline_metrics"]):
-            log.info(line)
-        log.info(f"  Validation took {val_s:.2f} s")
-        board.scalar("Loss/valid", val["loss"], it)
-        board.scalar(f"Loss/valid_{name}", val["baseline_loss"], it)
-        for tag, v in self.task.metric_scalars(val["metrics"]).items():
-            board.scalar(tag, v, it)
-        if val["picture"] is not None:
-            board.image("Prediction vs target/valid", val["picture"], it)
-        board.flush()
+        if got is not None:
+            scalars, lines = got
+            self.run_log.skill(scalars, lines, time.time() - t0, self.iteration)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -623,7 +450,8 @@ class Trainer:
         """Collective on all ranks; rank 0 writes (under FSDP every rank writes its shards).
         ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
         end)."""
-        self.checkpoint_s += self.checkpointer.save(epoch_sum, self.window, self.window_steps)
+        seconds = self.checkpointer.save(epoch_sum, self.run_log.window_carry())
+        self.run_log.checkpoint_took(seconds)
 
     # ------------------------------------------------------------------ the loop
 
@@ -637,8 +465,8 @@ class Trainer:
             stats = self.train_epoch()
             t0 = time.time()
             val = self.validate()
-            self.log_epoch(stats, val, time.time() - t0)
-            self.log_skill()
+            self.run_log.epoch(stats, val, time.time() - t0, self.state.epoch, self.iteration)
+            self.skill()
             self.last_val = val
             self.state.next_epoch()
             validated = True
@@ -652,25 +480,10 @@ class Trainer:
         wall_s = time.time() - t_start  # the report's passes below are not training
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
             throughput_report.run(self)
-        self.board.close()
+        self.run_log.close()
         self.loaders.close()
         log.info(f"Done: {self.iteration} steps, checkpoints in {self.ckpt_dir}")
-        for line in self.summary(wall_s, validated):
-            log.info(line)
-
-    def summary(self, wall_s: float, validated: bool) -> list[str]:
-        """The closing lines: the final validation loss beside the baseline, the wall time, where
-        the run is and how to look at it."""
-        lines = [f"Summary: {self.cfg.name} run {self.cfg.run_num}, {wall_s:.1f} s of training "
-                 f"and validation"]
-        val = self.last_val if validated else None
-        if val is not None:
-            lines.append(f"  Final validation loss {val['loss']:.6g} ({self.task.baseline_name} "
-                         f"baseline {val['baseline_loss']:.6g}) after {self.iteration} steps")
-        lines.append(f"  Run directory: {self.run_dir}")
-        lines.append(f"  Look at it: tensorboard --logdir {self.cfg.expdir}")
-        return lines
-
+        self.run_log.summary(wall_s, self.last_val if validated else None, self.iteration)
 
 # ---------------------------------------------------------------------- entry point
 
@@ -696,7 +509,7 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     print_error(message, prefix)
     if broken_group:
         if trainer is not None:
-            trainer.board.close()
+            trainer.run_log.close()
         release_run_locks()  # (os._exit runs no exit hooks)
         if trainer is None:
             discard_unstarted_run()

@@ -56,7 +56,7 @@ class GraphTrainer(Trainer):
         log.info(f"{NCCL_ERROR_HANDLING}={value} ({source})" + (
             "; capturing DDP's NCCL all-reduce needs 0" if ddp and value != "0" else ""))
         capture_at = self.iteration + warmup  # the step that is captured, in this launch
-        self.trace.avoid(capture_at)  # no torch.profiler window over the capture
+        self.run_log.keep_out_of_trace(capture_at)  # no torch.profiler window over the capture
         self.step_graph = StepGraph(self.update, lambda: self.optimizer.zero_grad(set_to_none=True),
                                     ops, warmup)
 
@@ -65,9 +65,8 @@ class GraphTrainer(Trainer):
         self.scheduler.step()  # fills the learning-rate tensor the captured update reads
         return loss, grad_norm
 
-    def log_memory(self, probe):
-        if self.step_graph.last_mode == "eager":  # a replay is not measured step by step
-            super().log_memory(probe)
+    def measured_memory(self) -> bool:
+        return self.step_graph.last_mode == "eager"  # a replay is not measured step by step
 
 
 if __name__ == "__main__":

@@ -212,7 +212,5 @@ def run(tr) -> dict | None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     log.info(f"Throughput report written: {path}")
-    for m in MODES:
-        tr.board.scalar(f"Throughput/{m}", total[m]["mean"], tr.iteration)
-    tr.board.flush()
+    tr.run_log.points({f"Throughput/{m}": total[m]["mean"] for m in MODES}, tr.iteration)
     return report

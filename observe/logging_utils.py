@@ -63,3 +63,13 @@ def over_ranks(values, spec: str) -> str:
     high = max(range(len(values)), key=values.__getitem__)
     return (f"min {values[low]:{spec}} (rank {low}), median {statistics.median(values):{spec}}, "
             f"max {values[high]:{spec}} (rank {high}) of {len(values)} ranks")
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -69,6 +69,13 @@ class MemoryProbe:
         self.after_forward = 0
         self.peak = 0
 
+    @classmethod
+    def for_run(cls, device: torch.device, model: torch.nn.Module, optimizer, compiled: bool):
+        """The probe of a run; a do-nothing one for a compiled model on a CPU: the CPU probe
+        hooks autograd's saved tensors, which compiled graphs do not expose."""
+        return cls(device, model, optimizer) if device.type == "cuda" or not compiled \
+            else NullProbe()
+
     def _static_bytes(self, with_grads: bool) -> int:
         tensors = list(self.model.parameters())
         if with_grads:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from datapipe.era5_data import ERA5Dataset, load_stats
-from observe.progress import duration
+from observe.logging_utils import duration
 from observe.score_report import Figure, Panel, Report
 from settings.errors import ConfigError, DataError
 from tasks.losses import weighted_rmse

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe import generated_data
-from observe.progress import duration
+from observe.logging_utils import duration
 from observe.score_report import Figure, Panel, Report
 from settings.errors import ConfigError, DataError
 

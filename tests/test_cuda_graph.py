@@ -251,7 +251,7 @@ def test_the_profiler_window_never_opens_over_the_capture(tmp_path, era5_root):
     graph = _train(NotingGraphTrainer, era5_root, tmp_path / "g", 12, graph_warmup_steps=6,
                    profile_trace=str(trace))
     assert graph.steps_per_epoch == 5 and graph.step_graph.ops.captures == 1
-    assert graph.trace.written == [str(trace / "trace_rank0_step9.json")]
+    assert graph.run_log.trace.written == [str(trace / "trace_rank0_step9.json")]
     log = open(os.path.join(graph.run_dir, "out.log")).read()
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (set by train_graph.py)" in log \
         or "TORCH_NCCL_ASYNC_ERROR_HANDLING=" in log and "(from the environment)" in log, log

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
 from settings.parse import build_config
+from observe import run_log
 from observe.flops import PEAK_TFLOPS, peak_tflops, tflops_per_device
 from tasks import make_task
 from observe.tensorboard import NullBoard
@@ -124,7 +125,7 @@ def h100_trainer(tmp_path, era5_root, monkeypatch):
     ov.update(data_root=era5_root, expdir=str(tmp_path), num_iters="2", amp_mode="bf16")
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
     trainer = train.Trainer(cfg, setup_runtime(cfg))
-    monkeypatch.setattr(train, "peak_tflops",
+    monkeypatch.setattr(run_log, "peak_tflops",
                         lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
     return trainer, cfg
 
@@ -134,11 +135,11 @@ def test_epoch_logs_mfu_when_the_peak_is_known(tmp_path, era5_root, monkeypatch)
     import train
 
     trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch)
-    trainer.board = RecordingBoard()
+    trainer.run_log.board = RecordingBoard()
     stats = train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10, samples_per_s=8.0, data_wait=0.25)
-    trainer.log_epoch(stats, trainer.validate(), 0.1)
+    trainer.run_log.epoch(stats, trainer.validate(), 0.1, 0, trainer.iteration)
     tflops = make_task(cfg).flops_per_sample() * 2.0 * 4 / 1e12  # 2 steps/s of 4 samples on 1 device
-    got = trainer.board.scalars
+    got = trainer.run_log.board.scalars
     assert got["Performance/TFLOPs per sec"] == pytest.approx(tflops)
     assert got["Performance/MFU"] == pytest.approx(tflops / 989.0)
     log = open(os.path.join(trainer.run_dir, "out.log")).read()
@@ -170,13 +171,14 @@ def test_fp32_mfu_uses_the_peak_of_the_switch_that_governs_the_models_flops(
                        dict(tiny, expdir=str(tmp_path), data_root=str(tmp_path / "data"),
                             num_iters=1, amp_mode="none"))
     trainer = train.Trainer(cfg, setup_runtime(cfg))
-    monkeypatch.setattr(train, "peak_tflops",
+    monkeypatch.setattr(run_log, "peak_tflops",
                         lambda device, amp, tf32: peak_tflops("NVIDIA H100 80GB HBM3", amp, tf32))
-    trainer.board = RecordingBoard()
-    trainer.log_epoch(train.EpochStats(1.0, 1.0, 10, 16.0, data_wait=0.0), trainer.validate(), 0.1)
+    trainer.run_log.board = RecordingBoard()
+    trainer.run_log.epoch(train.EpochStats(1.0, 1.0, 10, 16.0, data_wait=0.0), trainer.validate(),
+                          0.1, 0, trainer.iteration)
     trainer.loaders.close()
-    tflops = trainer.board.scalars["Performance/TFLOPs per sec"]
-    assert trainer.board.scalars["Performance/MFU"] == pytest.approx(tflops / peak)
+    tflops = trainer.run_log.board.scalars["Performance/TFLOPs per sec"]
+    assert trainer.run_log.board.scalars["Performance/MFU"] == pytest.approx(tflops / peak)
     # Flipping the other switch changes nothing; flipping the model's own does.
     other, own = ((torch.backends.cuda.matmul, torch.backends.cudnn) if yaml == "UNet.yaml"
                   else (torch.backends.cudnn, torch.backends.cuda.matmul))
@@ -200,7 +202,7 @@ def _tp2_rank(overrides):
 
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", overrides)
     trainer = train.Trainer(cfg, setup_runtime(cfg))
-    board = trainer.board = RecordingBoard()
+    board = trainer.run_log.board = RecordingBoard()
     trainer.fit()
     return board.scalars if dist.get_rank() == 0 else None
 

@@ -1,7 +1,8 @@
 """benchmarks/gpu_runs.py and benchmarks/gpu_data.py without a GPU: the plan (dry run, every
 command a valid config, the calls within their budget), the data maker (files the project's
 loaders read), the parsers on train.py's real lines (CPU ones from a run, GPU ones as train.py,
-engine/throughput_report.py and observe/logging_utils.py write them), the goals, the table, failed, timed-out and skipped runs as rows, and the refusals."""
+engine/throughput_report.py and observe/logging_utils.py write them), the goals, the table,
+failed, timed-out and skipped runs as rows, and the refusals."""
 import dataclasses
 import json
 import logging
@@ -292,10 +293,9 @@ def test_reads_the_lines_train_py_logs_with_mfu_and_the_wait(tmp_path, era5_root
     trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch)
     val = trainer.validate()
     for epoch, wait in enumerate((0.5, 0.25)):
-        trainer.state.epoch = epoch
-        trainer.log_epoch(train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10,
-                                           samples_per_s=8.0e5, steady_samples_per_s=9.0e5,
-                                           data_wait=wait), val, 0.1)
+        trainer.run_log.epoch(train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10,
+                                               samples_per_s=8.0e5, steady_samples_per_s=9.0e5,
+                                               data_wait=wait), val, 0.1, epoch, trainer.iteration)
     log = open(os.path.join(trainer.run_dir, "out.log")).read()
     tflops = make_task(cfg).flops_per_sample() * 2.0e5 * 4 / 1e12  # 2e5 steps/s of 4 samples on 1 device
     got = gpu_runs.read_log(log)

@@ -115,8 +115,8 @@ def test_the_rule_tests_see_real_imports(tmp_path):
     """The reader finds imports at any depth, in both forms."""
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from engine import checkpoint\n    import settings.errors\n"
-                 "from observe.progress import Progress\n")
-    assert imported(str(f)) == {"engine.checkpoint", "settings.errors", "observe.progress"}
+                 "from observe.run_log import Progress\n")
+    assert imported(str(f)) == {"engine.checkpoint", "settings.errors", "observe.run_log"}
 
 
 def test_nothing_outside_the_tasks_branches_on_the_model_family():

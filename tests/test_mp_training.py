@@ -87,7 +87,7 @@ def _train_rank(overrides, record_start=False):
         with open(log_path) as f:
             mode_lines = [line.split(" - INFO - ", 1)[-1].rstrip("\n") for line in f if "Sequence parallelism" in line]
     return dict(losses=losses, norms=norms, start=start, ckpt_dir=trainer.ckpt_dir, model=type(trainer.model).__name__,
-                after_forward=trainer.probe.after_forward, peak=trainer.probe.peak,
+                after_forward=trainer.run_log.probe.after_forward, peak=trainer.run_log.probe.peak,
                 params=tensor_bytes(trainer.model.parameters()), adam=tensor_bytes(opt_state),
                 sequence_parallel=getattr(trainer.model, "sequence_parallel", None), mode_lines=mode_lines)
 

@@ -195,7 +195,7 @@ def trace_a_short_run(era5_root, expdir, trace_dir):
     cfg = _cfg(era5_root, expdir, num_iters="5", profile_trace=trace_dir)
     tr = Trainer(cfg, setup_runtime(cfg))
     tr.fit()
-    return tr.trace.written
+    return tr.run_log.trace.written
 
 
 def is_collective(name):

@@ -12,7 +12,8 @@ from train import Trainer
 from settings.parse import build_config
 from observe.flops import tflops_per_device
 from observe.memory import NullProbe
-from observe.progress import DataWait, DeviceIdle, Progress, duration
+from observe.logging_utils import duration
+from observe.run_log import DataWait, DeviceIdle, Progress
 from engine.runtime import setup_runtime
 
 
@@ -162,12 +163,12 @@ def test_the_epoch_figure_is_its_samples_over_its_wall_time_first_step_included(
     samples = stats.steps * tr.rt.global_batch
     assert stats.elapsed_s > 1.5 and stats.samples_per_s == pytest.approx(samples / wall, rel=0.01)
     assert stats.steady_samples_per_s > 1.5 * stats.samples_per_s  # the slow first step left out
-    tr.log_epoch(stats, tr.validate(), 0.1)
+    tr.run_log.epoch(stats, tr.validate(), 0.1, tr.state.epoch, tr.iteration)
     tr.loaders.close()
     text = open(os.path.join(tr.run_dir, "out.log")).read()
     assert f"{stats.samples_per_s:.2f} samples/s" in text
     assert f"steady state (after step 1) {stats.steady_samples_per_s:.2f} samples/s" in text
-    sps = f"{tflops_per_device(tr.flops_per_sample, stats.samples_per_s, 1):.3g} TFLOP/s"
+    sps = f"{tflops_per_device(tr.run_log.flops_per_sample, stats.samples_per_s, 1):.3g} TFLOP/s"
     assert sps in text  # TFLOP/s from the same figure
 
 
@@ -177,7 +178,7 @@ def test_a_slow_loader_shows_its_share_of_the_epoch(tmp_path, era5_root):
     stats = tr.train_epoch()
     true_share = stats.steps * 0.15 / stats.elapsed_s
     assert true_share > 0.2 and stats.data_wait == pytest.approx(true_share, abs=0.05)
-    tr.log_epoch(stats, tr.validate(), 0.1)
+    tr.run_log.epoch(stats, tr.validate(), 0.1, tr.state.epoch, tr.iteration)
     tr.loaders.close()
     assert f"Waited for data {100 * stats.data_wait:.0f}% of the epoch (fetching batches)" \
         in open(os.path.join(tr.run_dir, "out.log")).read()
@@ -187,10 +188,10 @@ def test_a_timed_line_shows_the_learning_rate_of_the_step_to_come(tmp_path, era5
     """Between log points a line comes every 30 s (here: after every step); its rate is the
     optimizer's for the next step, computed on the host, the loss that of the last log point."""
     tr = _trainer(Trainer, tmp_path, era5_root, log_every="3", warmup_steps="2")
-    tr.progress.every_s = 0
+    tr.run_log.progress.every_s = 0
     rates = []
-    step = tr.progress.step
-    tr.progress.step = lambda *a, **kw: (rates.append(tr.optimizer.param_groups[0]["lr"]),
+    step = tr.run_log.progress.step
+    tr.run_log.progress.step = lambda *a, **kw: (rates.append(tr.optimizer.param_groups[0]["lr"]),
                                          step(*a, **kw))
     tr.train_epoch()
     tr.loaders.close()

@@ -160,21 +160,18 @@ class Checkpointer:
                      f"{st.epoch + 1}, step {st.step_in_epoch} of {st.steps_per_epoch})")
         return self.state
 
-    def save(self, epoch_sum: torch.Tensor | None, window: torch.Tensor,
-             window_steps: int) -> float:
+    def save(self, epoch_sum: torch.Tensor | None, window: tuple) -> float:
         """Collective on all ranks: write the checkpoint of the step just taken (the newest
         ``checkpoint_keep`` kept) and log its path; the seconds it took. Under FSDP each rank
         writes its shards (DCP), else rank 0 writes the whole state in the serial layout. A
         write that failed on any rank raises TrainingError on every rank, one line naming that
         rank and the checkpoint; the earlier checkpoints are kept. ``epoch_sum``: this rank's
-        summed step losses of the epoch so far (None at an epoch's end); ``window``,
-        ``window_steps``: this rank's [loss, grad norm] sums and steps since the last log
-        point."""
+        summed step losses of the epoch so far (None at an epoch's end); ``window``: this
+        rank's loss and grad norm sums and steps since the last log point."""
         t0 = time.perf_counter()
         rt, st, keep = self.rt, self.state, self.cfg.checkpoint_keep
         # Host sync and one collective: the epoch's losses so far, over the data-parallel ranks
         carried = 0.0 if epoch_sum is None else rt.dp_sum(epoch_sum.clone().float()).item()
-        window = (*window.tolist(), window_steps)
         path, failure = None, None
         try:  # (state_dict: collective, its contents on rank 0)
             if st.sharding.writes_shards:

@@ -1,0 +1,454 @@
+"""The run log: everything a run shows, owned by one object (``RunLog``) that the training loop
+tells of each step. Log lines go to rank 0's output, one per event, fit for a Slurm output file;
+TensorBoard events to the run directory (rank 0, ``tensorboard.py``).
+
+- Inside an epoch, progress lines (``Progress``). A line comes at every log point (every
+  ``log_every`` steps, where the training loss is read back anyway) and, on long steps, at least
+  every ``every_s`` seconds in between. Such a line shows the loss of the latest log point and
+  says which step that was (reading a new one would make every rank wait, and only rank 0
+  prints); its learning rate is the current one, a host-side number:
+
+    Epoch 2 step 40/125 (32%): 81.2 samples/s, train loss 0.4312, lr 9.81e-04, epoch ETA 1m05s
+    Epoch 2 step 47/125 (37%): 80.9 samples/s, train loss 0.4312 (at step 40), lr 9.74e-04, ...
+
+  Samples/s counts the whole job's samples over the wall time since the epoch began, the one
+  definition the epoch's line uses too (there, after waiting for the device); between log points
+  on a GPU it is the host's view (the device may still be a few steps behind). Before the run's
+  first log point there is no loss to show, and the line shows none. The ETA goes by the steps
+  after the epoch's first (which may hold a compile, or the first batch after validation), once
+  there are any. The losses are summed on the device and read only at log points.
+- After the run's first step, how long the start took (``startup.py``); after each epoch's first
+  step, every rank's memory (``memory.py``).
+- After an epoch's validation: its time and samples/s, the share of it the step waited for data
+  (``DataWait``: on a CPU the time spent fetching batches, on a GPU the device's idle share
+  between the steps' work), TFLOP/s and MFU (``flops.py``), the training loss, the validation
+  loss beside the naive baseline's, the task's metrics; the skill lines where the task scores
+  one. At the end, the summary.
+- The profilers' windows (``profiling.py``).
+
+The loop calls ``start_epoch``; around each step ``step_begins``, ``step_ends`` and
+``step_done``; then ``end_epoch`` (its EpochStats), ``epoch``, ``skill``, ``summary``, ``close``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from observe.flops import peak_tflops, tflops_per_device
+from observe.logging_utils import duration, over_ranks
+from observe.memory import GiB, NullProbe, resident_peak_bytes
+from observe.profiling import ProfilerWindow, TraceWindow
+from observe.startup import StartClock
+from observe.tensorboard import Board, NullBoard
+from settings.config import Config, to_dict
+from settings.errors import TrainingError
+
+log = logging.getLogger("train")
+
+
+class Progress:
+    def __init__(self, steps_per_epoch: int, global_batch: int, enabled: bool,
+                 every_s: float = 30.0, clock=time.monotonic):
+        self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
+        self.enabled, self.every_s, self.clock = enabled, every_s, clock
+        self.loss = math.nan
+        self.loss_at = None  # (epoch, step in epoch) of the log point that read ``loss``
+        self.lr = math.nan
+
+    def start_epoch(self, epoch: int, step_in_epoch: int, last: int):
+        """Before the epoch's first step (``step_in_epoch`` > 0 after a resume mid-epoch);
+        ``last``: the step in the epoch this call of it will end at (the run may end before the
+        epoch does)."""
+        self.epoch, self.first, self.last = epoch, step_in_epoch, last
+        self.t0 = self.last_line = self.clock()
+        self.t1 = None  # when this epoch's first step ended
+
+    def rate(self, step_in_epoch: int) -> float:
+        """Samples/s of the job since ``start_epoch``."""
+        elapsed = self.clock() - self.t0
+        return (step_in_epoch - self.first) * self.global_batch / max(elapsed, 1e-9)
+
+    def step(self, step_in_epoch: int, loss: float | None = None, lr: float | None = None):
+        """After each step, with the learning rate of the next: a line when ``loss`` (a log
+        point's) is given, or when ``every_s`` has passed since the last line."""
+        now = self.clock()
+        if step_in_epoch == self.first + 1:
+            self.t1 = now
+        if lr is not None:
+            self.lr = lr
+        if loss is not None:
+            self.loss, self.loss_at = loss, (self.epoch, step_in_epoch)
+        elif now - self.last_line < self.every_s:
+            return
+        self.last_line = now
+        if self.enabled:
+            log.info(self.line(step_in_epoch))
+
+    def line(self, step_in_epoch: int) -> str:
+        n = self.steps_per_epoch
+        done = step_in_epoch - self.first
+        elapsed = self.clock() - self.t0
+        if done > 1 and self.t1 is not None:  # the pace after the first step
+            eta = (self.clock() - self.t1) / (done - 1) * (self.last - step_in_epoch)
+        else:
+            eta = elapsed / done * (self.last - step_in_epoch) if done else math.nan
+        loss = ""
+        if math.isfinite(self.loss):
+            epoch, at = self.loss_at
+            if (epoch, at) != (self.epoch, step_in_epoch):  # an earlier log point's
+                at = f"step {at}" if epoch == self.epoch else f"epoch {epoch + 1} step {at}"
+                loss = f"train loss {self.loss:.4g} (at {at}), "
+            else:
+                loss = f"train loss {self.loss:.4g}, "
+        if math.isfinite(self.lr):
+            loss += f"lr {self.lr:.3g}, "
+        return (f"Epoch {self.epoch + 1} step {step_in_epoch}/{n} ({100 * step_in_epoch // n}%): "
+                f"{self.rate(step_in_epoch):.1f} samples/s, {loss}"
+                f"epoch ETA {duration(eta) if done else '?'}")
+
+
+class DataWait:
+    """The share of an epoch the step waited for data, on a CPU: the time spent fetching batches
+    (the host runs the step, so while it fetches nothing is computed)."""
+
+    label = "fetching batches"
+
+    def __init__(self, clock=time.monotonic):
+        self.clock, self.waited = clock, 0.0
+
+    @staticmethod
+    def for_device(device: torch.device) -> "DataWait":
+        return DeviceIdle() if device.type == "cuda" else DataWait()
+
+    def start_epoch(self):
+        self.waited = 0.0
+
+    @contextlib.contextmanager
+    def fetching(self):
+        """Around the fetch of one batch."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.waited += self.clock() - t0
+
+    def step_begins(self):
+        pass
+
+    def step_ends(self):
+        pass
+
+    def share(self, elapsed_s: float) -> float:
+        """At the epoch's end (after the device finished): the waiting share of ``elapsed_s``."""
+        return min(1.0, self.waited / max(elapsed_s, 1e-9))
+
+
+class DeviceIdle(DataWait):
+    """On a GPU: the device's idle share of the epoch. A pair of CUDA events brackets each
+    step's device work (the batch's copy to the device included); the device is busy from the
+    moment it reaches the first to the moment it reaches the second, and idle in between steps,
+    when the host has not yet queued the next one: waiting for its batch, or for itself. The
+    events are read at the epoch's end, after it waited for the device anyway, so no step
+    waits for them."""
+
+    label = "device idle"
+
+    def __init__(self, event=lambda: torch.cuda.Event(enable_timing=True)):
+        super().__init__()
+        self.event, self.pairs, self.n = event, [], 0  # events are made once and reused
+
+    def start_epoch(self):
+        self.n = 0
+
+    def fetching(self):
+        return contextlib.nullcontext()
+
+    def step_begins(self):
+        if self.n == len(self.pairs):
+            self.pairs.append((self.event(), self.event()))
+        self.pairs[self.n][0].record()
+
+    def step_ends(self):
+        self.pairs[self.n][1].record()
+        self.n += 1
+
+    def share(self, elapsed_s: float) -> float:
+        busy_s = sum(a.elapsed_time(b) for a, b in self.pairs[:self.n]) / 1e3  # ms -> s
+        return min(1.0, max(0.0, 1.0 - busy_s / max(elapsed_s, 1e-9)))
+
+
+@dataclass
+class EpochStats:
+    """What one epoch's steps measured (``RunLog.end_epoch``)."""
+
+    avg_loss: float  # mean training loss of the epoch's steps, over all data-parallel ranks
+    elapsed_s: float  # wall time of the epoch, from before its first batch to its last step's end
+    steps: int  # steps this call ran (fewer than an epoch after a resume mid-epoch)
+    samples_per_s: float  # the job's samples over elapsed_s: what the epoch really delivered
+    steady_samples_per_s: float | None = None  # from the end of the first step on (> 1 step)
+    data_wait: float | None = None  # share of elapsed_s the step waited for data (DataWait)
+    checkpoint_s: float = 0.0  # of elapsed_s, the time spent writing checkpoints mid-epoch
+
+
+class RunLog:
+    def __init__(self, cfg: Config, rt, task, *, run_dir: str, start_clock: StartClock, probe,
+                 steps_per_epoch: int, total_steps: int, iteration: int, lr, peak_lr: float,
+                 resumed: bool, finished: bool, derived: dict, kept_checkpoints):
+        """``rt``: the runtime (ranks, device, the data-parallel sum); ``start_clock``: the
+        set-up's parts so far (the run's first step ends the start); ``probe``: the memory probe
+        of each epoch's first step; ``iteration``: the step this launch starts at; ``lr(n)``: the
+        learning rate of update ``n``, computed on the host as the schedule computes it (a
+        captured step's rate is a device tensor: reading it would wait for the device);
+        ``finished``: a resumed run with nothing left to do (it writes no TensorBoard events);
+        ``derived``: the values the config implies, shown beside it in TensorBoard;
+        ``kept_checkpoints()``: what a run that ends on a bad loss leaves to resume from."""
+        self.cfg, self.rt, self.task, self.device = cfg, rt, task, rt.device
+        self.run_dir, self.start_clock, self.probe = run_dir, start_clock, probe
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.lr, self.peak_lr, self.kept_checkpoints = lr, peak_lr, kept_checkpoints
+        self.flops_per_sample = task.flops_per_sample()  # forward + backward, one sample
+        # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step; a
+        # finished one, with nothing to add, gets no new event file.
+        self.board = Board(os.path.join(run_dir, "tensorboard"),
+                           purge_step=iteration + 1 if resumed else None) \
+            if rt.is_main and not finished else NullBoard()
+        self.profiler = ProfilerWindow.for_run(cfg.enable_manual_profiling, self.device,
+                                               iteration, steps_per_epoch, total_steps)
+        self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, iteration, steps_per_epoch,
+                                         total_steps)
+        self.progress = Progress(steps_per_epoch, rt.global_batch, rt.is_main)
+        self.data_wait = DataWait.for_device(self.device)
+        self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
+        self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
+        self.window_steps = 0
+        self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
+        self.board.describe_run(derived | to_dict(cfg), f"Loss/valid_{task.baseline_name}")
+
+    # ------------------------------------------------------------------ an epoch of steps
+
+    def start_epoch(self, epoch: int, step_in_epoch: int, iteration: int, window_carry: tuple):
+        """Before an epoch's first step (``step_in_epoch`` > 0 after a resume mid-epoch), the
+        run at step ``iteration``; ``window_carry``: the loss window a stop between log points
+        left in its checkpoint (loss and grad norm sums, steps)."""
+        *carried, self.window_steps = window_carry
+        self.window = torch.tensor(carried, device=self.device)
+        self.epoch_sum = torch.zeros((), device=self.device)
+        self.steps_run, self.t_first, self.checkpoint_s = 0, None, 0.0
+        self.progress.start_epoch(epoch, step_in_epoch, last=min(
+            self.steps_per_epoch, step_in_epoch + self.total_steps - iteration))
+        self.data_wait.start_epoch()
+        self.trace.step(iteration)  # the torch.profiler window may start here
+
+    def fetching(self):
+        """Around the fetch of one batch: timed as a wait for data."""
+        return self.data_wait.fetching()
+
+    def step_begins(self, iteration: int):
+        """Before step ``iteration``, its batch fetched. Returns the memory probe for the step:
+        the epoch's first step is measured."""
+        self.profiler.step(iteration)
+        if self.start_clock is not None:
+            self.start_clock.mark("first batch")
+        self.data_wait.step_begins()
+        return self.probe if self.steps_run == 0 else NullProbe()
+
+    def step_ends(self, loss: torch.Tensor, grad_norm: torch.Tensor, iteration: int,
+                  step_in_epoch: int, measured: bool = True):
+        """After a step, with its loss and gradient norm (device tensors, read at log points
+        only) and the run's counts that include it; ``measured``: whether the step measured its
+        memory (a replayed CUDA graph does not)."""
+        self.data_wait.step_ends()
+        if self.start_clock is not None:
+            self.log_start()
+        if self.steps_run == 0:
+            if measured:
+                self.log_memory()
+            self.t_first = self.progress.clock()  # the steady state is timed from here
+        self.epoch_sum += loss / self.rt.dp_size  # sum over steps of dp-mean losses
+        self.window += torch.stack([loss, grad_norm])
+        self.window_steps += 1
+        self.steps_run += 1
+        if iteration % self.cfg.log_every == 0:
+            self.log_window(iteration, step_in_epoch)
+        elif step_in_epoch != self.progress.last:  # (the window's line ends the epoch)
+            self.progress.step(step_in_epoch, lr=self.lr(iteration))  # a line if 30 s passed
+
+    def step_done(self, iteration: int):
+        """After a step and its checkpoint: ends the step's range in the torch.profiler trace."""
+        self.trace.step(iteration)
+
+    def keep_out_of_trace(self, iteration: int):
+        """No torch.profiler window over step ``iteration`` (train_graph.py's capture)."""
+        self.trace.avoid(iteration)
+
+    def end_epoch(self, iteration: int, step_in_epoch: int, loss_carry: float) -> EpochStats:
+        """After the epoch's last step (or the run's); ``loss_carry``: the epoch's summed step
+        losses before a resume mid-epoch. Waits for the device."""
+        if self.window_steps:
+            self.log_window(iteration, step_in_epoch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the epoch time must include the queued kernels
+        # The progress lines' definition: the job's samples over the wall time since the epoch
+        # began, its first step (memory probe, first batch after validation) included.
+        elapsed = self.progress.clock() - self.progress.t0
+        samples_per_s = self.progress.rate(step_in_epoch)
+        steady = (self.steps_run - 1) * self.rt.global_batch / max(
+            self.progress.clock() - self.t_first, 1e-9) if self.steps_run > 1 else None
+        # One collective per epoch: the summed losses of all data-parallel ranks.
+        total = self.rt.dp_sum(self.epoch_sum.clone().float()).item()
+        avg = (total + loss_carry) / max(step_in_epoch, 1)
+        return EpochStats(avg, elapsed, self.steps_run, samples_per_s, steady,
+                          self.data_wait.share(elapsed) if self.steps_run else None,
+                          self.checkpoint_s)
+
+    # ------------------------------------------------------------------ what checkpoints keep
+
+    def epoch_loss_sum(self) -> torch.Tensor:
+        """This rank's summed step losses of the epoch so far (a device tensor)."""
+        return self.epoch_sum
+
+    def window_carry(self) -> tuple:
+        """The loss window since the last log point (loss and grad norm sums, steps), which a
+        checkpoint between log points keeps. Waits for the device."""
+        return (*self.window.tolist(), self.window_steps)
+
+    def checkpoint_took(self, seconds: float):
+        """A checkpoint write took ``seconds`` of the epoch's wall time."""
+        self.checkpoint_s += seconds
+
+    # ------------------------------------------------------------------ the lines
+
+    def log_start(self):
+        """After the run's first step (waited for, once): how long the start took, by part."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.start_clock.mark("first step")
+        for line in self.start_clock.lines():
+            log.info(line)
+        self.start_clock = None
+
+    def log_memory(self):
+        """Every rank's memory after the forward pass and at the step's peak (rank 0 logs)."""
+        probe = self.probe
+        mine = (probe.after_forward / GiB, probe.peak / GiB, resident_peak_bytes() / GiB)
+        everyone = [mine] * self.rt.world_size
+        if self.rt.distributed:
+            dist.all_gather_object(everyone, mine)  # once per epoch
+        fwd, peak, resident = zip(*everyone)
+        if probe.after_forward:
+            log.info(f"Memory after forward pass (GiB, per rank): {over_ranks(fwd, '.3f')}; "
+                     f"peak: {over_ranks(peak, '.3f')}")
+            log.info(f"  (measured as: {probe.method()})")
+        else:
+            log.info("Memory after forward pass: not measured (on a CPU it is counted from "
+                     "autograd's saved tensors, which a compiled model does not expose)")
+        if self.device.type == "cpu":
+            log.info(f"  Process resident peak (GiB, per rank): {over_ranks(resident, '.2f')}")
+
+    def log_window(self, iteration: int, step_in_epoch: int):
+        """A log point: the steps' mean loss and gradient norm since the last one."""
+        steps, window = self.window_steps, self.window
+        # Host sync at the log interval: mean loss of the last `steps` steps over the dp ranks.
+        loss = self.rt.dp_sum(window[0].clone().float()).item() / (steps * self.rt.dp_size)
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"the training loss became {loss} before step {iteration}: lower lr "
+                f"(peak {self.peak_lr:.3g}), use --amp_mode bf16 or none, and check the data. "
+                f"{self.kept_checkpoints()}")
+        lr = self.lr(iteration)  # of the next update
+        self.progress.step(step_in_epoch, loss, lr)  # the progress line
+        self.board.scalar("Loss/train", loss, iteration)
+        self.board.scalar("Learning Rate", lr, iteration)
+        self.board.scalar("Performance/samples per sec (epoch so far)",
+                          self.progress.rate(step_in_epoch), iteration)
+        # The norm is that of the whole (serial) gradient, the same on every rank.
+        self.board.scalar("Grad norm", window[1].item() / steps, iteration)
+        window.zero_()
+        self.window_steps = 0
+
+    def epoch(self, stats: EpochStats, val: dict, val_s: float, epoch: int, iteration: int):
+        """Epoch ``epoch``'s lines in the log and its points in TensorBoard, after its
+        validation (``val``, which took ``val_s`` seconds); the run at step ``iteration``."""
+        it, board = iteration, self.board
+        steps_per_s = stats.samples_per_s / self.rt.global_batch
+        if not stats.steps:  # resumed from a stop during this epoch's validation
+            log.info(f"Epoch {epoch + 1}: its steps ran before the resume; its "
+                     f"validation is run now")
+        else:  # samples/s: the whole job's, over the epoch's wall time
+            log.info(f"Epoch {epoch + 1}: {stats.elapsed_s:.2f} s for {stats.steps} "
+                     f"steps, {stats.samples_per_s:.2f} samples/s ({steps_per_s:.2f} steps/s)")
+            if stats.checkpoint_s:  # in the epoch's time, as the tutorial's has none to hold
+                rest = stats.samples_per_s * stats.elapsed_s / max(
+                    stats.elapsed_s - stats.checkpoint_s, 1e-9)
+                log.info(f"  {stats.checkpoint_s:.2f} s of it writing checkpoints; "
+                         f"{rest:.2f} samples/s without them")
+            # Who sets the pace: the loader when the step waited for data much of the epoch.
+            steady = stats.steady_samples_per_s
+            if stats.data_wait is not None:
+                on = f", on rank 0 of {self.rt.world_size}" if self.rt.world_size > 1 else ""
+                log.info(f"  Waited for data {100 * stats.data_wait:.0f}% of the epoch "
+                         f"({self.data_wait.label}{on})" + (f"; steady state (after step 1) "
+                                                       f"{steady:.2f} samples/s" if steady else ""))
+                board.scalar("Performance/data wait share", stats.data_wait, it)
+            board.scalar("Avg iters per sec", steps_per_s, it)
+            board.scalar("Avg samples per sec", stats.samples_per_s, it)
+            tflops = tflops_per_device(self.flops_per_sample, stats.samples_per_s,
+                                       self.rt.world_size)
+            peak = peak_tflops(self.device, self.cfg.amp_mode,  # None on a CPU or unknown GPU
+                               self.task.fp32_in_tf32())
+            mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""
+            log.info(f"  Model {tflops:.3g} TFLOP/s per device "
+                     f"({self.flops_per_sample / 1e9:.4g} GFLOP per sample){mfu}")
+            board.scalar("Performance/TFLOPs per sec", tflops, it)
+            if peak:
+                board.scalar("Performance/MFU", tflops / peak, it)
+        log.info(f"  Avg train loss={stats.avg_loss:.6f}")
+        name = self.task.baseline_name
+        log.info(f"  Avg val loss={val['loss']:.6f} ({name} baseline {val['baseline_loss']:.6f})")
+        for line in self.task.metric_lines(val["metrics"], val["baseline_metrics"]):
+            log.info(line)
+        log.info(f"  Validation took {val_s:.2f} s")
+        board.scalar("Loss/valid", val["loss"], it)
+        board.scalar(f"Loss/valid_{name}", val["baseline_loss"], it)
+        for tag, v in self.task.metric_scalars(val["metrics"]).items():
+            board.scalar(tag, v, it)
+        if val["picture"] is not None:
+            board.image("Prediction vs target/valid", val["picture"], it)
+        board.flush()
+
+    def skill(self, scalars: dict, lines: list[str], seconds: float, iteration: int):
+        """The model's skill as its science scores it (the task's ``skill``), which took
+        ``seconds``: in the log and TensorBoard."""
+        for line in lines:
+            log.info(line)
+        log.info(f"  Skill took {seconds:.2f} s")
+        self.points(scalars, iteration)
+
+    def points(self, scalars: dict, iteration: int):
+        """TensorBoard points ``{tag: value}`` at step ``iteration``, written out now."""
+        for tag, value in scalars.items():
+            self.board.scalar(tag, value, iteration)
+        self.board.flush()
+
+    def summary(self, wall_s: float, val: dict | None, iteration: int):
+        """The closing lines: the final validation loss (``val``, None when the run ended without
+        one) beside the baseline, the wall time, where the run is and how to look at it."""
+        cfg = self.cfg
+        log.info(f"Summary: {cfg.name} run {cfg.run_num}, {wall_s:.1f} s of training and "
+                 f"validation")
+        if val is not None:
+            log.info(f"  Final validation loss {val['loss']:.6g} ({self.task.baseline_name} "
+                     f"baseline {val['baseline_loss']:.6g}) after {iteration} steps")
+        log.info(f"  Run directory: {self.run_dir}")
+        log.info(f"  Look at it: tensorboard --logdir {cfg.expdir}")
+
+    def close(self):
+        """The TensorBoard events written out and the file closed."""
+        self.board.close()
