@@ -1,6 +1,7 @@
 """Synthetic data at the tutorial's sizes, written in seconds, for timing runs on a GPU node
 (``python -m benchmarks.gpu_runs --make-data``). The files are in the formats the project's
-loaders read (see datapipe/synthetic.py), with random values instead of datapipe.synthetic's physical models, which take minutes at these sizes:
+loaders read (see datapipe/synthetic.py), with random values instead of datapipe.synthetic's
+physical models, which take minutes at these sizes:
 
 - ``<out>/cosmo/``: config/UNet.yaml's ``train_file`` and ``val_file`` (a training box of
   side 256 and a validation box of side 128 by default), each with ``Nbody`` (4, L, L, L) and
