@@ -34,13 +34,10 @@ import torch.distributed as dist
 
 from datapipe.data_loader import build_loaders, validation_batch_sizes
 from engine import checkpoint, throughput_report
-from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
-from engine.exits import arm_hard_exit
 from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at, peak_lr,
                                 resumed_schedule)
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
-from engine.preemption import NeverStop, RunStopped, StopRequest
 from engine.run_setup import (discard_unstarted_run, ensure_data, find_resume_checkpoint,
                               log_run_header, release_run_locks, resolve_run_num, run_dir_for,
                               write_config)
@@ -48,7 +45,8 @@ from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_a
                             describe_dist_failure, setup_runtime)
 from engine.slow_paths import warn_slow_paths
 from engine.start_weights import load_start_weights
-from engine.stop_agreement import StopAgreement
+from engine.stop import (LoaderStalled, NeverStop, RunStopped, Stopper, StopRequest,
+                         arm_hard_exit)
 from engine.train_state import TrainState, keep_run_length
 from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import over_ranks, setup_logging
@@ -94,7 +92,6 @@ class Trainer:
         """``stop_request``: what the stop signals' handlers set (``run`` installs them); by
         default none stops the run."""
         self.cfg, self.rt, self.device = cfg, rt, rt.device
-        self.stop_request = stop_request or NeverStop()
         self.start_clock = StartClock()  # the start's parts, logged after the first step
         self.start_clock.mark("imports and set-up")
         # Claims the run directory (--run_num auto, the default: the next free number) and locks
@@ -199,12 +196,11 @@ class Trainer:
         self.progress = Progress(self.steps_per_epoch, rt.global_batch, rt.is_main)
         self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
         self.data_wait = DataWait.for_device(self.device)
-        # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.
-        self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.kept_checkpoints,
+        # Every fetch of a batch a wait that a stop signal or loader_timeout_s ends, and the
+        # ranks' agreement to stop (a host collective, never waited for per step).
+        self.stopper = Stopper(stop_request or NeverStop(), rt.distributed, rt.host_group,
+                               cfg.log_every, cfg.loader_timeout_s, self.kept_checkpoints,
                                lambda message: _fail(rt, message, 1, self, broken_group=True))
-        # When and how the ranks agree to stop (a host collective, never waited for per step)
-        self.agreement = StopAgreement(self.stop_request, rt.distributed, rt.agreement_group,
-                                       every=cfg.log_every)
         self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
         self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
         self.window_steps = 0
@@ -335,18 +331,13 @@ class Trainer:
         self.trace.step(st.iteration)  # the torch.profiler window may start here
         # each wait for a batch as a range, and timed; a stop signal or a stall ends it
         begun = self.loaders.begun_training_pass(st.epoch, st.step_in_epoch)  # (the run's first)
-        batches = self.waits.batches(self.loaders.train, "training", st.epoch, st.step_in_epoch,
-                                     self.data_wait.fetching, begun)
         # Each step's batch is fetched ahead (none past the run's last step), and the ranks'
-        # stop proposals after each fetch are combined while the steps before run
-        # (engine.stop_agreement).
-        for signum, batch in self.agreement.batches(self.loaders.train, batches, st.iteration,
-                                                    end=self.total_steps):
-            # Every rank stops here, after the same step: on a signal that any rank proposed
-            # after fetching this step's batch (a signal recorded, or one that ended its wait).
-            if signum:
-                self.stop_here(signum)
-            x, y = batch
+        # stop proposals after each fetch are combined while the steps before run: on a signal
+        # that any rank proposed (recorded, or ending its wait) every rank stops at the same
+        # step, in stop_here (engine.stop).
+        for x, y in self.stopper.batches(self.loaders.train, "training", st.epoch, st.iteration,
+                                         st.step_in_epoch, self.total_steps, self.stop_here,
+                                         self.data_wait.fetching, begun):
             self.profiler.step(st.iteration)
             probe = self.probe if steps_run == 0 else NullProbe()  # first step of each epoch
             first_of_run = self.start_clock is not None
@@ -492,20 +483,13 @@ class Trainer:
         want_base = self._baseline is None
         sums = picture = stand_in = None
         rt, valid = self.rt, self.loaders.valid
-        batches = self.waits.batches(valid, "validation", self.state.epoch)
         sizes = validation_batch_sizes(self.loaders.n_valid, rt.dp_size, rt.dp_rank,
                                        rt.local_batch)
-        interrupted = 0
-        for i, size in enumerate(sizes):
-            batch = None
-            if size and not interrupted:
-                batch, interrupted = next_batch(batches)
-            if i == 0 and may_wait(valid):
-                # Collective (host, once per validation): a rank whose first wait a stop signal
-                # ended has no stand-in; every rank then leaves before any forward.
-                interrupted = self.agreement.now(interrupted, recorded=False)
-                if interrupted:
-                    break
+        for size, batch in self.stopper.validation_batches(valid, self.state.epoch, sizes):
+            if size is None:  # a batch past its shard's
+                raise TrainingError(f"the validation loader {type(valid).__name__} gave more "
+                                    f"batches than its shard of {self.loaders.n_valid} samples "
+                                    f"holds ({sum(map(bool, sizes))})")
             if batch is None:  # no batch for this forward: the stand-in's, results dropped
                 x = self.full_batch(stand_in[:size] if size else stand_in)
                 with self.autocast(), self.kernels():
@@ -531,16 +515,10 @@ class Trainer:
                 sums[3 + m:] += self.task.metric_sums(base, y).float()
             if picture is None and self.rt.is_main:
                 picture = self.task.picture(x, y, pred)
-        if not interrupted:  # the pass's end: its shard's batches are all taken
-            extra, interrupted = next_batch(batches)
-            if extra is not None:
-                raise TrainingError(f"the validation loader {type(valid).__name__} gave more "
-                                    f"batches than its shard of {self.loaders.n_valid} samples "
-                                    f"holds ({sum(map(bool, sizes))})")
         self.model.train()
         # Collective (host, once per validation): a wait for data that a stop signal ended, on
         # any rank, stops every rank before the validation's sums are combined.
-        signum = self.agreement.now(interrupted, recorded=False)
+        signum = self.stopper.stop_agreed()
         if signum:
             self.stop_here(signum)
         if sums is None:
@@ -717,7 +695,7 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     abort the process while a peer is still connected), so the logs and TensorBoard events are
     flushed and the process exits at once (loader workers end with it: exit_with_parent). That
     cleanup writes to file systems that may have stalled too: a timer armed before any of it
-    ends the process with ``exit_code`` after ``engine.exits.HARD_EXIT_AFTER_S`` seconds even if
+    ends the process with ``exit_code`` after ``engine.stop.signals.HARD_EXIT_AFTER_S`` seconds even if
     a write never returns.
     """
     if broken_group:
@@ -773,8 +751,7 @@ def run(cfg, trainer_cls=Trainer):
     finally:
         if trainer is not None:
             trainer.loaders.close()
-            trainer.waits.close()
-            trainer.agreement.close()
+            trainer.stopper.close()
         release_run_locks()  # the run directory is free for another process (also on errors)
         if trainer is None:  # the start failed in set-up: it leaves no run behind
             discard_unstarted_run()
