@@ -17,7 +17,8 @@ import preloaded
 from conftest import ROOT, write_era5
 from distributed_harness import find_free_port
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from settings.signals import STOPPED_EXIT_CODE, held, release_ignored
+from engine.stop.signals import held, release_ignored
+from settings.signals import STOPPED_EXIT_CODE
 
 # 2 years x 39 pairs // 4 = 19 steps per epoch, 57 in all; loss points every 2 steps.
 COMMON = TINY_VIT + ["--num_epochs", "3", "--dropout", "0.1", "--checkpoint_keep", "10"]
@@ -336,7 +337,7 @@ def _held_child(ready, sig):
 
 
 def test_a_process_started_holding_a_stop_signal_drops_one_sent_before_it_is_ready():
-    """settings.signals.held / release_ignored, as the DALI loader's workers use them: a process
+    """engine.stop.signals.held / release_ignored, as the DALI loader's workers use them: a process
     started while the signal is held back outlives one sent before its first call ignores it;
     started without, the default action ends it. The starting thread's mask is restored."""
     import multiprocessing
