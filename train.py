@@ -695,8 +695,8 @@ def _fail(rt, message, exit_code, trainer=None, broken_group=False):
     abort the process while a peer is still connected), so the logs and TensorBoard events are
     flushed and the process exits at once (loader workers end with it: exit_with_parent). That
     cleanup writes to file systems that may have stalled too: a timer armed before any of it
-    ends the process with ``exit_code`` after ``engine.stop.signals.HARD_EXIT_AFTER_S`` seconds even if
-    a write never returns.
+    ends the process with ``exit_code`` after ``engine.stop.signals.HARD_EXIT_AFTER_S`` seconds
+    even if a write never returns.
     """
     if broken_group:
         arm_hard_exit(exit_code)

@@ -3,6 +3,7 @@ all-reduce launched after each fetch, read before the batch's step) and without 
 
     python -m benchmarks.stop_agreement                 # 2, 4 and 8 gloo ranks, ~3 min on 2 cores
     python -m benchmarks.stop_agreement --ranks 2,4,8,16 --rounds 3
+    python -m benchmarks.stop_agreement --ranks 2,4 --ring-ms 40   # a ring of 40 ms
 
 Each point is N gloo ranks on this machine (one thread each) training the ViT quickstart, cut
 to one block of width 32, on files (``lowmem``, no worker processes: a loader that may wait, so
@@ -12,6 +13,11 @@ way, alternating in the same processes; a way's figure is the median over its ep
 steady-state step time (rank 0's: the ranks step together), and the agreement's own time per
 step: what its calls (the proposal's launch, the decision's read) took on rank 0. The CPU
 figures say nothing of a GPU cluster's absolute times (docs/preemption.md).
+
+``--ring-ms``: every all-reduce launched without waiting holds one of 2 threads that long (a
+ring of hundreds of ranks simulated on a few: gloo runs a group's collectives on 2 threads, each
+held for the whole ring); the agreement's lag, chosen after the warm-up epoch, shows how much of
+it the steps hide.
 """
 from __future__ import annotations
 
@@ -63,7 +69,8 @@ def simulate_long_ring(ring_s: float):
     dist.all_reduce = held
 
 
-def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds: int, queue):
+def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds: int, queue,
+          ring_s: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     sys.path.insert(0, ROOT)
@@ -93,6 +100,8 @@ def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds:
             self.spent += time.perf_counter() - t0
             return signum
 
+    if ring_s:
+        simulate_long_ring(ring_s)
     cfg = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart", dict(
         data_root=data_root, expdir=expdir, num_data_workers="0", global_batch_size=str(world),
         base_batch_size=str(world), num_epochs="100", log_every="1000", checkpoint_every="0",
@@ -134,10 +143,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int, rounds: int, data_root: str, base: str) -> dict:
+def measure(world: int, rounds: int, data_root: str, base: str, ring_s: float = 0.0) -> dict:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_rank, args=(world, _free_port(), data_root,
-                                    os.path.join(base, f"ws{world}"), rounds, queue),
+                                    os.path.join(base, f"ws{world}"), rounds, queue, ring_s),
                        nprocs=world, start_method="spawn")
     return queue.get()
 
@@ -150,13 +159,15 @@ def main(argv=None):
                         help="rank counts, comma-separated, each 2 or more (default: 2,4,8)")
     parser.add_argument("--rounds", type=at_least(1), default=3,
                         help="epochs of each way per point")
+    parser.add_argument("--ring-ms", type=at_least(0.0, float), default=0.0,
+                        help="simulate a ring this long (the lag the ranks choose hides it)")
     args = parser.parse_args(argv)
     print("| ranks | step without the agreement (ms) | step with it (ms) | its calls per step "
           "(ms) | lag |\n|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as base:
         data_root = os.path.join(base, "data")  # the quickstart's synthetic files, made once
         for world in args.ranks:
-            t = measure(world, args.rounds, data_root, base)
+            t = measure(world, args.rounds, data_root, base, args.ring_ms / 1e3)
             print(f"| {world} | {t['without'] * 1e3:.2f} | {t['with'] * 1e3:.2f} | "
                   f"{t['spent'] * 1e3:.3f} | {t['lag']} |", flush=True)
 

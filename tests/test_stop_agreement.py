@@ -338,3 +338,42 @@ def test_stress_every_rank_runs_the_same_steps_and_stops_where_the_rules_say():
             assert p["fetched"][len(cut):] in ([], ["interrupted"])  # nothing after it
             assert len(cut) <= min(len(steps) + lag, s["end"] if s["end"] is not None else 99)
     assert lags == {1, 2, 3, 4}  # every lag was played
+
+
+# ----------------------------------------------------------------------------- the stopper
+
+
+class _Listed(list):  # a loader that may wait: a pass is the list
+    pass
+
+
+def test_the_stopper_stops_a_pass_in_one_call_and_agrees_after_a_validation():
+    """``Stopper.batches`` yields each step's batch and calls ``stop`` once where the ranks agree
+    (a signal recorded in step 2 is proposed at the log point of step 4, whose batch was fetched
+    after it); ``validation_batches`` gives each forward its batch, None after a wait a signal
+    ended, and a batch past the sizes last; ``stop_agreed`` then stops on that signal."""
+    import signal
+
+    from engine.stop import Stopper
+    from engine.stop.waits import Interrupted
+
+    request = _Request()
+    stopper = Stopper(request, False, every=2)
+    steps, stops = [], []
+    for batch in stopper.batches(_Listed(range(10)), "training", 0, 0, stop=stops.append):
+        steps.append(batch)
+        if batch == 2:
+            request.signum = signal.SIGUSR1
+    assert steps == [0, 1, 2, 3] and stops == [signal.SIGUSR1]
+
+    class Interrupting(list):
+        def __iter__(self):
+            yield self[0]
+            raise Interrupted(signal.SIGTERM)
+
+    request.signum = 0
+    got = list(stopper.validation_batches(Interrupting("ab"), 0, [2, 2, 1]))
+    assert got == [(2, "a"), (2, None), (1, None)] and stopper.stop_agreed() == signal.SIGTERM
+    got = list(stopper.validation_batches(_Listed("xyz"), 0, [1, 1]))
+    assert got == [(1, "x"), (1, "y"), (None, "z")] and stopper.stop_agreed() == 0
+    stopper.close()
