@@ -35,19 +35,16 @@ from datapipe.data_loader import build_loaders, validation_batch_sizes
 from datapipe.make_data import ensure_data
 from engine import throughput_report
 from engine.checkpoint import Checkpointer
-from engine.data_waits import DataWaits, LoaderStalled, may_wait, next_batch
-from engine.exits import arm_hard_exit
 from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at, peak_lr,
                                 resumed_schedule)
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
-from engine.preemption import NeverStop, RunStopped, StopRequest
 from engine.run_dir import discard_unstarted_run, release_run_locks, resolve_run_num, run_dir_for
 from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_allocation_failure,
                             describe_dist_failure, setup_runtime)
 from engine.slow_paths import warn_slow_paths
 from engine.start_weights import load_start_weights
-from engine.stop_agreement import StopAgreement
+from engine.stop import LoaderStalled, NeverStop, RunStopped, Stopper, StopRequest, arm_hard_exit
 from observe.logging_utils import setup_logging
 from observe.memory import MemoryProbe, NullProbe
 from observe.profiling import nvtx_range
@@ -72,7 +69,6 @@ class Trainer:
         """``stop_request``: what the stop signals' handlers set (``run`` installs them); by
         default none stops the run."""
         self.cfg, self.rt, self.device = cfg, rt, rt.device
-        self.stop_request = stop_request or NeverStop()
         clock = StartClock()  # the start's parts, logged after the first step (the run log's)
         clock.mark("imports and set-up")
         # Claims the run directory (--run_num auto, the default: the next free number) and locks
@@ -157,12 +153,11 @@ class Trainer:
             lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
             finished=self.nothing_to_do, derived=self.derived(),
             kept_checkpoints=self.checkpointer.kept)
-        # Every fetch of a batch: a stop signal or loader_timeout_s ends the wait.
-        self.waits = DataWaits(self.stop_request, cfg.loader_timeout_s, self.checkpointer.kept,
+        # Every fetch of a batch a wait that a stop signal or loader_timeout_s ends, and the
+        # ranks' agreement to stop (a host collective, never waited for per step).
+        self.stopper = Stopper(stop_request or NeverStop(), rt.distributed, rt.host_group,
+                               cfg.log_every, cfg.loader_timeout_s, self.checkpointer.kept,
                                lambda message: _fail(rt, message, 1, self, broken_group=True))
-        # When and how the ranks agree to stop (a host collective, never waited for per step)
-        self.agreement = StopAgreement(self.stop_request, rt.distributed, rt.agreement_group,
-                                       every=cfg.log_every)
         self._baseline = None  # the naive baseline's validation loss, computed once
 
         log.info(f"Run directory: {self.run_dir}")
@@ -278,18 +273,13 @@ class Trainer:
         st.window_carry = (0.0, 0.0, 0)  # (a stop between log points: its window, now logged)
         # each wait for a batch as a range, and timed; a stop signal or a stall ends it
         begun = self.loaders.begun_training_pass(st.epoch, st.step_in_epoch)  # (the run's first)
-        batches = self.waits.batches(self.loaders.train, "training", st.epoch, st.step_in_epoch,
-                                     self.run_log.fetching, begun)
         # Each step's batch is fetched ahead (none past the run's last step), and the ranks'
-        # stop proposals after each fetch are combined while the steps before run
-        # (engine.stop_agreement).
-        for signum, batch in self.agreement.batches(self.loaders.train, batches, st.iteration,
-                                                    end=self.total_steps):
-            # Every rank stops here, after the same step: on a signal that any rank proposed
-            # after fetching this step's batch (a signal recorded, or one that ended its wait).
-            if signum:
-                self.stop_here(signum)
-            x, y = batch
+        # stop proposals after each fetch are combined while the steps before run: on a signal
+        # that any rank proposed (recorded, or ending its wait) every rank stops at the same
+        # step, in stop_here (engine.stop).
+        for x, y in self.stopper.batches(self.loaders.train, "training", st.epoch, st.iteration,
+                                         st.step_in_epoch, self.total_steps, self.stop_here,
+                                         self.run_log.fetching, begun):
             probe = self.run_log.step_begins(st.iteration)  # measures each epoch's first step
             with nvtx_range(f"step {st.iteration}"):
                 x, y = self.to_device(x, y)
@@ -347,20 +337,13 @@ class Trainer:
         want_base = self._baseline is None
         sums = picture = stand_in = None
         rt, valid = self.rt, self.loaders.valid
-        batches = self.waits.batches(valid, "validation", self.state.epoch)
         sizes = validation_batch_sizes(self.loaders.n_valid, rt.dp_size, rt.dp_rank,
                                        rt.local_batch)
-        interrupted = 0
-        for i, size in enumerate(sizes):
-            batch = None
-            if size and not interrupted:
-                batch, interrupted = next_batch(batches)
-            if i == 0 and may_wait(valid):
-                # Collective (host, once per validation): a rank whose first wait a stop signal
-                # ended has no stand-in; every rank then leaves before any forward.
-                interrupted = self.agreement.now(interrupted, recorded=False)
-                if interrupted:
-                    break
+        for size, batch in self.stopper.validation_batches(valid, self.state.epoch, sizes):
+            if size is None:  # a batch past its shard's
+                raise TrainingError(f"the validation loader {type(valid).__name__} gave more "
+                                    f"batches than its shard of {self.loaders.n_valid} samples "
+                                    f"holds ({sum(map(bool, sizes))})")
             if batch is None:  # no batch for this forward: the stand-in's, results dropped
                 x = self.full_batch(stand_in[:size] if size else stand_in)
                 with self.autocast(), self.kernels():
@@ -386,16 +369,10 @@ class Trainer:
                 sums[3 + m:] += self.task.metric_sums(base, y).float()
             if picture is None and self.rt.is_main:
                 picture = self.task.picture(x, y, pred)
-        if not interrupted:  # the pass's end: its shard's batches are all taken
-            extra, interrupted = next_batch(batches)
-            if extra is not None:
-                raise TrainingError(f"the validation loader {type(valid).__name__} gave more "
-                                    f"batches than its shard of {self.loaders.n_valid} samples "
-                                    f"holds ({sum(map(bool, sizes))})")
         self.model.train()
         # Collective (host, once per validation): a wait for data that a stop signal ended, on
         # any rank, stops every rank before the validation's sums are combined.
-        signum = self.agreement.now(interrupted, recorded=False)
+        signum = self.stopper.stop_agreed()
         if signum:
             self.stop_here(signum)
         if sums is None:
@@ -552,8 +529,7 @@ def run(cfg, trainer_cls=Trainer):
     finally:
         if trainer is not None:
             trainer.loaders.close()
-            trainer.waits.close()
-            trainer.agreement.close()
+            trainer.stopper.close()
         release_run_locks()  # the run directory is free for another process (also on errors)
         if trainer is None:  # the start failed in set-up: it leaves no run behind
             discard_unstarted_run()

@@ -35,7 +35,7 @@ no copy into pinned memory.
   batch (the engine's ``to_device``, on the stream it then computes on) is then done. A batch
   therefore stays valid for as long as it is referenced, as one from torch's DataLoader would;
   the engine, which holds the batch of its step and those fetched ahead of it (1, or 2 where
-  the ranks' stop agreement fetches further ahead: ``engine.stop_agreement``), cycles through
+  the ranks' stop agreement fetches further ahead: ``engine.stop.agreement``), cycles through
   ``prefetch_depth * workers + 2`` slots (one more at a lag of 2), and a consumer that keeps
   batches (``list(loader)``, a cached batch) makes the pool grow by what it keeps, nothing is
   overwritten.
@@ -105,8 +105,8 @@ from multiprocessing import connection, reduction
 import numpy as np
 import torch
 
+from engine.stop.signals import ignore_stop_signals
 from settings.errors import TrainingError, UserError
-from settings.signals import ignore_stop_signals
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in when mapping, not per page

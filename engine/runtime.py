@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distributed.groups import ParallelGroups, build_groups, validate_parallel_config
 from distributed.parallelize import validate_vit_layout
-from engine import fp8_linears, stop_agreement
+from engine import fp8_linears
 from engine.lr_schedule import check_end
 from settings.errors import ConfigError
 
@@ -41,7 +41,6 @@ class Runtime:
     dp_group: object = None  # the data-parallel process group; None is torch's default (world) group
     groups: ParallelGroups | None = None  # the tp x cp x dp groups when tensor/context parallel
     host_group: object = None  # all ranks, for collectives on host tensors (gloo); None: default
-    agreement_group: object = None  # the stop agreement's: host_group, or its own from 64 ranks
     local_batch: int = 1
     global_batch: int = 1
 
@@ -272,12 +271,9 @@ def setup_runtime(cfg: Config) -> Runtime:
                                  timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
         rt.dp_group, rt.dp_rank, rt.dp_size = rt.groups.dp_group, rt.groups.dp_rank, rt.groups.dp_size
     if world > 1 and dist.get_backend() != "gloo":
-        # The ranks' stop agreement (engine.stop_agreement) runs on the host, without
+        # The ranks' stop agreement (engine.stop.agreement) runs on the host, without
         # waiting: on NCCL reading it would be a host-device sync.
         rt.host_group = new_host_group(datetime.timedelta(seconds=cfg.dist_timeout_s))
-    rt.agreement_group = rt.host_group
-    if world >= stop_agreement.ROUNDS_FROM:  # its rounds' threads use a group of their own
-        rt.agreement_group = new_host_group(datetime.timedelta(seconds=cfg.dist_timeout_s))
     rt.local_batch, rt.global_batch = local_batch, global_batch
     return rt
 

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.preemption import RunStopped
+from engine.stop import RunStopped
 from observe.logging_utils import EVERY_RANK_UP_TO, over_ranks
 from observe.profiling import nvtx_range
 
@@ -76,21 +76,21 @@ def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
 
 def _loader_pass(tr, epoch: int):
     """A fresh pass of the training loader, as epoch ``epoch`` of its sampler: each fetch a
-    data wait (``Trainer.waits``), each batch fetched ahead and the ranks' stop proposals
-    decided while the batches before are used, as in training (``engine.stop_agreement``)."""
-    tr.loaders.train_sampler.set_epoch(epoch, 0)
-    batches = tr.waits.batches(tr.loaders.train, "training (throughput report)", epoch)
-    for signum, batch in tr.agreement.batches(tr.loaders.train, batches, 0, first_recorded=True):
+    data wait, each batch fetched ahead and the ranks' stop proposals decided while the batches
+    before are used, as in training (``Trainer.stopper``)."""
+    def stop(signum):
         # A stop signal on any rank, recorded or ending its wait, ends the report on every
         # rank (the run's final checkpoint is written already).
-        if signum:
-            raise RunStopped(signum, tr.iteration, tr.checkpointer.written_for(tr.iteration))
-        yield batch
+        raise RunStopped(signum, tr.iteration, tr.checkpointer.written_for(tr.iteration))
+
+    tr.loaders.train_sampler.set_epoch(epoch, 0)
+    yield from tr.stopper.batches(tr.loaders.train, "training (throughput report)", epoch, 0,
+                                  stop=stop, first_recorded=True)
 
 
 def measure(tr) -> dict[str, list[float]]:
     """This rank's samples/s in each round of each mode. Collective: every rank must call it."""
-    warmup, timed = trial_sizes(tr.steps_per_epoch, tr.agreement.lag)
+    warmup, timed = trial_sizes(tr.steps_per_epoch, tr.stopper.lag)
     samples = tr.rt.local_batch * timed
     first_epoch = tr.state.epoch + 1  # past the run's epochs: samples it has not used last
     tr.model.train()
@@ -170,12 +170,12 @@ def run(tr) -> dict | None:
     """Measure on every rank, then (rank 0) log the summary, write ``throughput.json`` and the
     TensorBoard scalars, and put the trainer's state back. Returns the report on rank 0."""
     rt = tr.rt
-    warmup, timed = trial_sizes(tr.steps_per_epoch, tr.agreement.lag)
+    warmup, timed = trial_sizes(tr.steps_per_epoch, tr.stopper.lag)
     log.info(f"Throughput report: IO, SYNTHETIC and FULL trials, {ROUNDS} rounds of {warmup} "
              f"warm-up + {timed} timed batches each (training state is put back afterwards)")
-    if tr.steps_per_epoch <= tr.agreement.lag:
+    if tr.steps_per_epoch <= tr.stopper.lag:
         log.warning(f"Throughput report: an epoch of {tr.steps_per_epoch} step(s) holds no batch "
-                    f"fetched inside a timed window (batches are fetched {tr.agreement.lag} "
+                    f"fetched inside a timed window (batches are fetched {tr.stopper.lag} "
                     f"step(s) ahead): IO and FULL leave the loading out; train with more steps "
                     f"per epoch to time it")
     mine = measure(tr)

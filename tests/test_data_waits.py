@@ -347,8 +347,8 @@ def test_data_wait_ends_on_a_signal_and_on_its_timeout(monkeypatch):
     """In one process: a blocking read inside ``DataWaits.fetch`` ends with Interrupted two
     seconds after a stop signal, or with LoaderStalled after the timeout; handlers and timer
     are put back after each wait."""
-    from engine.data_waits import DataWaits, Interrupted, LoaderStalled
-    from engine.preemption import StopRequest
+    from engine.stop.waits import DataWaits, Interrupted, LoaderStalled
+    from engine.stop.signals import StopRequest
 
     request = StopRequest.install(["SIGUSR2"])
     try:
@@ -389,8 +389,8 @@ def test_a_loader_that_never_waits_is_fetched_without_a_data_wait():
     from datapipe.dali_loader import DALILoader
     from datapipe.data_loader import CachedBatchLoader
     from datapipe.device_loader import DeviceCropLoader
-    from engine.data_waits import DataWaits, may_wait
-    from engine.preemption import NeverStop
+    from engine.stop.waits import DataWaits, may_wait
+    from engine.stop.signals import NeverStop
 
     assert [may_wait(cls.__new__(cls)) for cls in
             (BatchLoader, DALILoader, CachedBatchLoader, DeviceCropLoader)] == \
@@ -416,8 +416,8 @@ def test_close_ends_the_watchdog_thread_and_lets_go_of_the_advice():
     import gc
     import weakref
 
-    from engine.data_waits import DataWaits
-    from engine.preemption import NeverStop
+    from engine.stop.waits import DataWaits
+    from engine.stop.signals import NeverStop
 
     class Owner:  # as a trainer: its method is the advice
         def advice(self):
@@ -443,8 +443,8 @@ def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
     """A wait in C code that never returns to Python (here: the main thread blocks the timer's
     signal, as such code keeps it from running a handler) is ended by the watchdog thread with
     the same line, ``watchdog_grace_s`` after the timeout."""
-    from engine.data_waits import DataWaits, LoaderStalled
-    from engine.preemption import NeverStop
+    from engine.stop.waits import DataWaits, LoaderStalled
+    from engine.stop.signals import NeverStop
 
     said = []
     waits = DataWaits(NeverStop(), 0.5, lambda: "advice", said.append, watchdog_grace_s=0.5)
@@ -471,8 +471,8 @@ def test_the_watchdog_stays_armed_while_an_ended_wait_unwinds(ended_by):
     """A loader whose clean-up blocks once its wait was ended (a timeout or a stop signal
     raised in it; DALI drops its pipeline then): the watchdog ends the process
     ``watchdog_grace_s`` later, with a line that says the clean-up blocks."""
-    from engine.data_waits import DataWaits, Interrupted, LoaderStalled
-    from engine.preemption import StopRequest
+    from engine.stop.waits import DataWaits, Interrupted, LoaderStalled
+    from engine.stop.signals import StopRequest
 
     said = []
     request = StopRequest.install(["SIGUSR1"])
@@ -514,9 +514,9 @@ def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):
     import random
     import threading
 
-    from engine import data_waits
-    from engine.data_waits import DataWaits, Interrupted, LoaderStalled
-    from engine.preemption import StopRequest
+    from engine.stop import waits as data_waits
+    from engine.stop.waits import DataWaits, Interrupted, LoaderStalled
+    from engine.stop.signals import StopRequest
 
     grace, slack = 0.2, 0.4
     monkeypatch.setattr(data_waits, "SIGNAL_GRACE_S", grace)

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 from conftest import ROOT
-from engine.exits import end_children
+from engine.stop.signals import end_children
 
 BOUND = 1.0
 SLACK = 8.0  # process teardown on a loaded 2-core machine
@@ -45,7 +45,7 @@ def run_script(tmp_path, body: str, timeout: float = 60):
 
 def test_hard_exit_timer_ends_a_blocked_process_with_its_code(tmp_path):
     code, _, _, took = run_script(tmp_path, f"""
-        from engine.exits import arm_hard_exit
+        from engine.stop.signals import arm_hard_exit
         print("start", time.monotonic(), flush=True)
         arm_hard_exit(7, {BOUND})
         time.sleep(600)  # a write that never returns
@@ -57,8 +57,8 @@ def test_hard_exit_timer_ends_a_blocked_process_with_its_code(tmp_path):
 def test_fail_on_a_broken_group_exits_even_if_its_cleanup_blocks(tmp_path):
     code, out, err, took = run_script(tmp_path, f"""
         import types
-        import engine.exits
-        engine.exits.HARD_EXIT_AFTER_S = {BOUND}
+        import engine.stop.signals
+        engine.stop.signals.HARD_EXIT_AFTER_S = {BOUND}
         import train
 
         class StalledBoard:
@@ -80,9 +80,8 @@ def test_exit_hook_does_not_wait_for_workers_sigkill_cannot_end(tmp_path):
     worker for ever."""
     code, out, err, took = run_script(tmp_path, f"""
         import atexit, multiprocessing, signal
-        import engine.exits
-        from engine import preemption
-        engine.exits.CHILD_JOIN_S = {BOUND}
+        import engine.stop.signals
+        engine.stop.signals.CHILD_JOIN_S = {BOUND}
 
         def worker():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as loader workers do
@@ -93,7 +92,7 @@ def test_exit_hook_does_not_wait_for_workers_sigkill_cannot_end(tmp_path):
             p.start()
             time.sleep(0.5)  # its SIGTERM handler is in place
             p.kill = lambda: None  # stuck in an uninterruptible read: SIGKILL does not end it yet
-            atexit.register(preemption._at_exit)  # as StopRequest.install does
+            atexit.register(engine.stop.signals._at_exit)  # as StopRequest.install does
             print("worker", p.pid, flush=True)
             print("start", time.monotonic(), flush=True)
             sys.exit(3)

@@ -17,7 +17,8 @@ import preloaded
 from conftest import ROOT, write_era5
 from distributed_harness import find_free_port
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from settings.signals import STOPPED_EXIT_CODE, held, release_ignored
+from engine.stop.signals import held, release_ignored
+from settings.signals import STOPPED_EXIT_CODE
 
 # 2 years x 39 pairs // 4 = 19 steps per epoch, 57 in all; loss points every 2 steps.
 COMMON = TINY_VIT + ["--num_epochs", "3", "--dropout", "0.1", "--checkpoint_keep", "10"]
@@ -37,18 +38,13 @@ from settings.cli import from_argv
 if os.environ.get("RING_S"):  # a ring of all-reduces that holds gloo's threads this long
     from benchmarks.stop_agreement import simulate_long_ring
     simulate_long_ring(float(os.environ["RING_S"]))
-if os.environ.get("ROUNDS_FROM"):  # the proposals in rounds (engine.stop_agreement.Rounds)
-    from engine import stop_agreement
-    stop_agreement.ROUNDS_FROM = int(os.environ["ROUNDS_FROM"])
 
 class Signalled(train.Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if os.environ.get("ROUNDS_FROM"):
-            print(f"stop agreement: {{len(self.agreement.rounds.peers)}} rounds", flush=True)
         if os.environ.get("COUNT_AGREEMENTS"):  # the ranks' stop proposals (host collectives)
-            atexit.register(lambda: print(f"stop agreements: {{self.agreement.proposals}}",
-                                          flush=True))
+            atexit.register(lambda: print(
+                f"stop agreements: {{self.stopper.agreement.proposals}}", flush=True))
 
     def train_step(self, *args, **kwargs):
         if str(self.iteration) == os.environ.get("SIGNAL_AT_STEP") and \\
@@ -57,7 +53,7 @@ class Signalled(train.Trainer):
         return super().train_step(*args, **kwargs)
 
     def save_checkpoint(self, epoch_sum=None):
-        if self.stop_request.signum and os.environ.get("SIGNAL_DURING_SAVE"):
+        if self.stopper.signum and os.environ.get("SIGNAL_DURING_SAVE"):
             os.kill(os.getpid(), signal.SIGTERM)  # handled in the middle of the write below
         super().save_checkpoint(epoch_sum)
 
@@ -224,16 +220,13 @@ def stop_resume_ranks(tmp_path, args, stop_step, final_step, ranks=2, **env):
     return outs[0][0], resumed_out, dirs, b
 
 
-@pytest.mark.parametrize("rounds_from", ["", "2"], ids=["ring", "rounds"])
-def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data, rounds_from):
+def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
     """Rank 1 alone gets a signal in step 3: both stop after step 6, and the run resumed from
-    there ends as an uninterrupted one; the same with the proposals combined in rounds (as
-    from 64 ranks, on a group of their own)."""
+    there ends as an uninterrupted one."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
                        "--num_data_workers", "0"]
     out, _, dirs, final = stop_resume_ranks(tmp_path, args, 6, 12, SIGNAL_AT_STEP="3",
-                                            SIGNAL_RANK="1", ROUNDS_FROM=rounds_from)
-    assert ("stop agreement: 1 rounds" in out) == bool(rounds_from), out[-2000:]
+                                            SIGNAL_RANK="1")
     assert final["rng"] != [] and len(final["rng"]) == 2
     ref_tb, got_tb = (tb_scalars(os.path.join(d, "tensorboard")) for d in dirs)
     assert [e.value for e in got_tb.Scalars("Loss/train")] == \
@@ -344,7 +337,7 @@ def _held_child(ready, sig):
 
 
 def test_a_process_started_holding_a_stop_signal_drops_one_sent_before_it_is_ready():
-    """settings.signals.held / release_ignored, as the DALI loader's workers use them: a process
+    """engine.stop.signals.held / release_ignored, as the DALI loader's workers use them: a process
     started while the signal is held back outlives one sent before its first call ignores it;
     started without, the default action ends it. The starting thread's mask is restored."""
     import multiprocessing
@@ -398,7 +391,7 @@ def test_resume_and_stop_signals_settings():
 
 
 def test_resume_command_replaces_any_resume_argument():
-    from engine.preemption import resume_command
+    from engine.stop.signals import resume_command
 
     argv = ["train.py", "--config", "short", "--resume", "--run_num", "a b"]
     assert resume_command(argv, 1) == \

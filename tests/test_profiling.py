@@ -169,8 +169,8 @@ def test_ranges_without_the_nvtx_package(monkeypatch):
 
 
 def test_each_fetch_of_a_pass_is_a_data_wait_range_and_items_are_kept():
-    from engine.data_waits import DataWaits
-    from engine.preemption import NeverStop
+    from engine.stop.waits import DataWaits
+    from engine.stop.signals import NeverStop
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         items = list(DataWaits(NeverStop(), 0).batches([1, 2, 3], "training", 0))
     assert items == [1, 2, 3]

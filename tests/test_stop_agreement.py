@@ -1,14 +1,11 @@
-"""The ranks' stop agreement (engine.stop_agreement) on real gloo ranks: a proposal never waits
+"""The ranks' stop agreement (engine.stop.agreement) on real gloo ranks: a proposal never waits
 for the peers, the decision is the same on every rank, and the cadence is the same on every
 rank whatever the loader; batches fetched ``lag`` steps ahead, the lag the ranks choose
 together where the ring outlasts a step, and a stateful stress test of the rules over random
-passes; the rounds that replace gloo's ring from 64 ranks (``Rounds``), and the benchmark's
-tools."""
+passes."""
 import itertools
-import os
 import time
 
-import pytest
 from distributed_harness import run_ranks
 
 
@@ -33,7 +30,7 @@ def rank_agreements(world):
     import torch.distributed as dist
 
     from engine.runtime import new_host_group
-    from engine.stop_agreement import StopAgreement
+    from engine.stop.agreement import StopAgreement
 
     rank = dist.get_rank()
     group = new_host_group(datetime.timedelta(seconds=60))  # lazily connected
@@ -76,8 +73,8 @@ def test_proposals_never_wait_and_every_rank_decides_the_same():
 
 
 def test_a_stop_request_that_never_agrees_takes_part_in_no_collective():
-    from engine.preemption import NeverStop
-    from engine.stop_agreement import StopAgreement
+    from engine.stop import NeverStop
+    from engine.stop.agreement import StopAgreement
 
     agreement = StopAgreement(NeverStop(), True)  # no process group exists here
     agreement.after_fetch(_Reads(), 0, interrupted=0)
@@ -101,7 +98,7 @@ class _Pass:
     def __next__(self):
         import signal
 
-        from engine.data_waits import Interrupted
+        from engine.stop.waits import Interrupted
 
         i = len(self.fetched)
         if i == self.interrupt_at:
@@ -122,7 +119,7 @@ def _steps(agreement, batches, **kw):
 def test_each_batch_is_fetched_lag_steps_ahead_and_none_past_the_end():
     import signal
 
-    from engine.stop_agreement import StopAgreement
+    from engine.stop.agreement import StopAgreement
 
     agreement = StopAgreement(_Request(), False)
     agreement.lag = 3  # (raised by the ranks' agreement; see below)
@@ -140,7 +137,7 @@ def test_each_batch_is_fetched_lag_steps_ahead_and_none_past_the_end():
 
 
 def test_a_recorded_signal_stops_at_the_next_log_point_whatever_the_lag():
-    from engine.stop_agreement import StopAgreement
+    from engine.stop.agreement import StopAgreement
 
     for lag in (1, 2, 4):
         request = _Request()
@@ -166,7 +163,7 @@ def rank_lag(world):
     import torch.distributed as dist
 
     from engine.runtime import new_host_group
-    from engine.stop_agreement import StopAgreement
+    from engine.stop.agreement import StopAgreement
 
     from benchmarks.stop_agreement import simulate_long_ring
 
@@ -258,20 +255,17 @@ def expected_steps(s, lag, world):
     return list(range(j)), max((sig for i, sig in stops if i == j), default=0)
 
 
-def rank_stress(world, scenarios, seed, rounds=False):
+def rank_stress(world, scenarios, seed):
     import datetime
     import random
     import signal as signals
 
     import torch.distributed as dist
 
-    from engine import stop_agreement
-    from engine.data_waits import Interrupted
     from engine.runtime import new_host_group
-    from engine.stop_agreement import MAX_LAG, StopAgreement
+    from engine.stop.agreement import MAX_LAG, StopAgreement
+    from engine.stop.waits import Interrupted
 
-    if rounds:
-        stop_agreement.ROUNDS_FROM = 2  # the proposals in rounds, as from 64 ranks
     rank = dist.get_rank()
     rng = random.Random(seed)  # the same draws on every rank
     request = _Request()
@@ -315,25 +309,21 @@ def rank_stress(world, scenarios, seed, rounds=False):
             asked = [sorted(v)[(len(v) - 1) // 2] if v else 0 for v in s["needed"]]
             assert agreement.lag == max(before, min(MAX_LAG, max(asked))), (agreement.lag, asked)
         out.append(dict(steps=steps, signum=signum, lag=lag, fetched=fetched, scenario=s))
-    assert (agreement.rounds is not None) == rounds
-    agreement.close()
     return out
 
 
-@pytest.mark.parametrize("rounds", [False, True], ids=["ring", "rounds"])
-def test_stress_every_rank_runs_the_same_steps_and_stops_where_the_rules_say(rounds):
+def test_stress_every_rank_runs_the_same_steps_and_stops_where_the_rules_say():
     """300 random passes on 3 gloo ranks (lags 1-4, cadences 1-3, loaders that wait or not,
     passes that end early, are cut by ``end`` or are left before their end, a wait ended or a
     signal recorded on any ranks), the lag raised every third pass as after a validation (the
     passes between start with proposals of the pass before in flight): every rank runs the same steps
     with its own batches, stops before the same step on the same signal as the rules give,
     fetches nothing after a wait a signal ended, nor past ``end``, nor more than ``lag`` steps
-    ahead, and leaves nothing in flight; the same with the proposals combined in rounds
-    (``Rounds``, as from 64 ranks)."""
+    ahead, and leaves nothing in flight."""
     import signal as signals
 
     world = 3
-    ranks = run_ranks(rank_stress, world, world, 300, 20261127, rounds, timeout=240)
+    ranks = run_ranks(rank_stress, world, world, 300, 20261127, timeout=240)
     lags = set()
     for k in range(300):
         passes = [r[k] for r in ranks]
@@ -350,113 +340,40 @@ def test_stress_every_rank_runs_the_same_steps_and_stops_where_the_rules_say(rou
     assert lags == {1, 2, 3, 4}  # every lag was played
 
 
-# ----------------------------------------------------------------------------- rounds
+# ----------------------------------------------------------------------------- the stopper
 
 
-def rank_rounds(world, calls, seed):
-    """``calls`` MAX exchanges (``Rounds``) of values drawn the same on every rank, read back
-    at random depths (up to 4 in flight) with random pauses between: each result is the MAX
-    over the ranks of that call's own values."""
-    import datetime
-    import random
-
-    import torch
-    import torch.distributed as dist
-
-    from engine.runtime import new_host_group
-    from engine.stop_agreement import Rounds
-
-    rank = dist.get_rank()
-    rounds = Rounds(new_host_group(datetime.timedelta(seconds=60)))
-    values = random.Random(seed)  # the same draws on every rank
-    timing = random.Random(seed + rank)  # each rank's own pace
-    in_flight, wrong = [], []
-    for k in range(calls):
-        drawn = [[values.randint(0, 64), values.randint(0, 4)] for _ in range(world)]
-        t = torch.tensor(drawn[rank], dtype=torch.int32)
-        in_flight.append((k, rounds.max(t), t, [max(v) for v in zip(*drawn)]))
-        if timing.random() < 0.3:
-            time.sleep(timing.random() * 0.004)
-        while len(in_flight) > timing.randint(0, 4) or k == calls - 1 and in_flight:
-            i, call, t, want = in_flight.pop(0)
-            call.wait()
-            if t.tolist() != want:
-                wrong.append((i, t.tolist(), want))
-    rounds.close()
-    return dict(wrong=wrong, rounds=len(rounds.peers),
-                alive=[thread.is_alive() for thread in rounds.threads])
+class _Listed(list):  # a loader that may wait: a pass is the list
+    pass
 
 
-@pytest.mark.parametrize("world", [4, 5])
-def test_rounds_give_every_rank_the_max_of_each_call(world):
-    """``Rounds`` on 4 and 5 gloo ranks (5: no power of two, so some rounds count a rank
-    twice): 300 calls, up to 4 in flight on its 2 threads and read at each rank's own pace;
-    every result on every rank is the MAX of that call's values, in ceil(log2 N) rounds, and
-    the threads end at ``close``."""
-    ranks = run_ranks(rank_rounds, world, world, 300, 20261128 + world, timeout=180)
-    for r in ranks:
-        assert r == dict(wrong=[], rounds=(world - 1).bit_length(), alive=[False, False]), r
+def test_the_stopper_stops_a_pass_in_one_call_and_agrees_after_a_validation():
+    """``Stopper.batches`` yields each step's batch and calls ``stop`` once where the ranks agree
+    (a signal recorded in step 2 is proposed at the log point of step 4, whose batch was fetched
+    after it); ``validation_batches`` gives each forward its batch, None after a wait a signal
+    ended, and a batch past the sizes last; ``stop_agreed`` then stops on that signal."""
+    import signal
 
+    from engine.stop import Stopper
+    from engine.stop.waits import Interrupted
 
-def rank_rounds_peer_gone(world):
-    import datetime
+    request = _Request()
+    stopper = Stopper(request, False, every=2)
+    steps, stops = [], []
+    for batch in stopper.batches(_Listed(range(10)), "training", 0, 0, stop=stops.append):
+        steps.append(batch)
+        if batch == 2:
+            request.signum = signal.SIGUSR1
+    assert steps == [0, 1, 2, 3] and stops == [signal.SIGUSR1]
 
-    import torch
-    import torch.distributed as dist
+    class Interrupting(list):
+        def __iter__(self):
+            yield self[0]
+            raise Interrupted(signal.SIGTERM)
 
-    from engine.runtime import new_host_group
-    from engine.stop_agreement import Rounds
-
-    rounds = Rounds(new_host_group(datetime.timedelta(seconds=3)))
-    if dist.get_rank() == world - 1:
-        return "gone"  # it never takes part
-    calls = [rounds.max(torch.zeros(2, dtype=torch.int32)) for _ in range(3)]
-    t0, errors = time.perf_counter(), []
-    for call in calls:
-        try:
-            call.wait()
-        except RuntimeError as e:
-            errors.append(str(e))
-    rounds.close()
-    return dict(errors=len(errors), waited=time.perf_counter() - t0,
-                alive=[thread.is_alive() for thread in rounds.threads])
-
-
-def test_rounds_fail_every_call_when_a_peer_is_gone():
-    """A rank that never takes part: its peers' calls fail (the group's timeout, 3 s, or the
-    closed connection), every one of them, rather than waiting forever, and their threads end."""
-    ranks = run_ranks(rank_rounds_peer_gone, 3, 3, timeout=120)
-    assert ranks[2] == "gone"
-    for r in ranks[:2]:
-        assert r["errors"] == 3 and r["waited"] < 30 and r["alive"] == [False, False], r
-
-
-def test_the_exchange_benchmark_times_the_ring_and_both_kinds_of_rounds():
-    """benchmarks.stop_agreement --exchange on 2 ranks: a figure for each way, in 1 round."""
-    from benchmarks.stop_agreement import measure_exchange
-
-    t = measure_exchange(2, 0, None)
-    assert set(t) == {"ring", "in_turn", "rounds", "messages"} and t["messages"] == 1, t
-
-
-def test_the_write_delay_library_delays_each_socket_write(tmp_path):
-    """The exchange benchmark's preloaded library delays each socket write by WRITE_DELAY_US
-    (0.1 s here), which no write waits for without it."""
-    import shutil
-    import subprocess
-    import sys
-
-    from benchmarks.stop_agreement import write_delay_library
-
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler to build the write-delay library (apt install gcc)")
-    library = write_delay_library(str(tmp_path))
-    writes = ("import os, socket, time; a, b = socket.socketpair(); t0 = time.perf_counter(); "
-              "[os.writev(a.fileno(), [b'x']) for _ in range(3)]; print(time.perf_counter() - t0)")
-    took = {}
-    for delay in ("100000", "0"):
-        out = subprocess.run([sys.executable, "-c", writes], capture_output=True, text=True,
-                             check=True, env=dict(os.environ, LD_PRELOAD=library,
-                                                  WRITE_DELAY_US=delay))
-        took[delay] = float(out.stdout)
-    assert took["100000"] >= 0.3 > took["0"], took
+    request.signum = 0
+    got = list(stopper.validation_batches(Interrupting("ab"), 0, [2, 2, 1]))
+    assert got == [(2, "a"), (2, None), (1, None)] and stopper.stop_agreed() == signal.SIGTERM
+    got = list(stopper.validation_batches(_Listed("xyz"), 0, [1, 1]))
+    assert got == [(1, "x"), (1, "y"), (None, "z")] and stopper.stop_agreed() == 0
+    stopper.close()

@@ -206,7 +206,7 @@ def test_trials_train_and_the_state_is_put_back(tmp_path, era5):
     cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=5, dropout=0.1, throughput_report="true")
     tr = Counting(cfg, setup_runtime(cfg))
     tr.fit()
-    warmup, timed = tp.trial_sizes(tr.steps_per_epoch, tr.agreement.lag)
+    warmup, timed = tp.trial_sizes(tr.steps_per_epoch, tr.stopper.lag)
     assert tr.trial_steps == 2 * tp.ROUNDS * (warmup + timed)  # SYNTHETIC and FULL
     final = torch.load(os.path.join(tr.ckpt_dir, "ckpt_00000005.pt"), weights_only=True)
     after = tr.model.state_dict()
@@ -274,8 +274,8 @@ def test_the_reports_passes_agree_on_stopping_as_training_does(tmp_path, era5, l
     cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=1, data_loader_config=loader)
     tr = Trainer(cfg, setup_runtime(cfg))
     asked = []
-    propose = tr.agreement.propose
-    tr.agreement.propose = lambda *a, **kw: (asked.append(1), propose(*a, **kw))
+    propose = tr.stopper.agreement.propose
+    tr.stopper.agreement.propose = lambda *a, **kw: (asked.append(1), propose(*a, **kw))
     try:
         fetches = len(list(tp._loader_pass(tr, 5))) + 1
         assert fetches == tr.steps_per_epoch + 1 > 2

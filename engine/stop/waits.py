@@ -25,7 +25,7 @@ nothing written).
 A loader that makes each batch in this process from memory (``never_waits``: the device
 loader's crops, the cached batch of ``data_loader_config synthetic``) has nothing to wait for: its
 fetches are plain calls, no stop signal ends them, and a rank never waits on it while its peers
-step on. The ranks' stop agreement (``engine.stop_agreement``) is then needed at log points
+step on. The ranks' stop agreement (``engine.stop.agreement``) is then needed at log points
 only.
 
 Outside the main thread (a trainer driven from another thread) no handler can be set: fetches

@@ -1,21 +1,19 @@
 """How the ranks agree to stop at the same step: the cadence, the group and the collective, here
 and nowhere else.
 
-A stop signal (``engine.preemption.StopRequest``) may reach one rank, several or all, at any
+A stop signal (``engine.stop.signals.StopRequest``) may reach one rank, several or all, at any
 moment, and a rank held in a wait for data leaves it when a signal ends the wait
-(``engine.data_waits``). Every rank must then stop after the same step, write the checkpoint of
+(``engine.stop.waits``). Every rank must then stop after the same step, write the checkpoint of
 that step and exit with ``STOPPED_EXIT_CODE``.
 
 The loops that take batches (training, the throughput report's passes) take them from
-``StopAgreement.batches``, which fetches each step's batch ``lag`` steps ahead. After each fetch
-every rank *proposes* (``propose``): the signal that ended its wait for the batch, or any
-signal it has recorded, or 0. The proposals are combined by one all-reduce (MAX) launched
-without waiting (``async_op``, on a gloo group: host memory, no device sync), and the
-*decision* is read (``decision``) just before the batch's step, ``lag`` steps later, by when the
-all-reduce has finished. No rank waits on it in the steady state: it costs a launch per step,
-not a ring of 2(N-1) messages on the critical path. From ``ROUNDS_FROM`` ranks the proposals
-are combined in ceil(log2 N) rounds of messages instead (``Rounds``, on threads of its own):
-10 messages in a row at 1024 ranks where gloo's ring sends 2046.
+``Stopper.batches`` (``StopAgreement.batches``), which fetches each step's batch ``lag`` steps
+ahead. After each fetch every rank *proposes* (``propose``): the signal that ended its wait for
+the batch, or any signal it has recorded, or 0. The proposals are combined by one all-reduce
+(MAX) launched without waiting (``async_op``, on a gloo group: host memory, no device sync),
+and the *decision* is read (``decision``) just before the batch's step, ``lag`` steps later, by
+when the all-reduce has finished. No rank waits on it in the steady state: it costs a launch
+per step, not a ring of 2(N-1) messages on the critical path.
 
 Why fetching ahead keeps the guarantee: a rank whose wait for the batch of step k a signal
 ended still holds the batches before it, so it runs those steps with its peers (whose
@@ -30,9 +28,9 @@ decision would wait for it every step; each rank notes, per decision, the lag th
 hidden it, and the blocking agreement at the end of each validation (``now``) carries the median
 of these since the last one: the ranks' largest becomes the lag of every rank, at most
 ``MAX_LAG``, never lowered. A decision taken once and read by all, between epochs, when no
-proposal is in flight. At lag 2 the group's two threads (or ``Rounds``') each run every other
-agreement, so a step pays max(0, agreement / 2 - step) instead of max(0, agreement - step):
-agreements of up to 2 steps are hidden.
+proposal is in flight. At lag 2 the group's two threads each run every other agreement, so a
+step pays max(0, agreement / 2 - step) instead of max(0, agreement - step): agreements of up to
+2 steps are hidden (a ring of 2(N-1) messages at hundreds of ranks, docs/preemption.md).
 
 The cadence: after every fetch from a loader that may wait (it reads: a rank can be held in its
 fetch); with one that never waits (``never_waits``: batches made in this process from memory) no
@@ -48,26 +46,19 @@ import collections
 import itertools
 import logging
 import math
-import queue
 import statistics
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from engine.data_waits import may_wait, next_batch
+from engine.stop.waits import may_wait, next_batch
 
 # Steps a batch is fetched ahead of its step, at most (each one held in memory): gloo runs a
 # group's collectives on 2 threads, each held for the whole of its ring, so 2 in flight at once
 # is what a deeper lag could use.
 MAX_LAG = 2
 HIDDEN_S = 1e-3  # a decision's wait this short (or 5% of a step) counts as hidden
-# Ranks from which the proposals travel in ceil(log2 N) rounds of messages (``Rounds``) instead
-# of gloo's ring of 2(N - 1): at 15-50 us a message the ring of 64 ranks takes 1.9-6.3 ms, its
-# 6 rounds at most 1.6 ms (a round's Python about 0.2 ms on a slow core); below, the ring is
-# short and runs in gloo's C++ alone (docs/parallelism.md).
-ROUNDS_FROM = 64
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +67,11 @@ class StopAgreement:
     """The ranks' decisions to stop. ``stop_request``: this rank's recorded signal (``signum``);
     ``distributed``: whether there are peers to agree with (a ``NeverStop`` request never
     agrees); ``group``: the all-reduce's group (gloo; None: the default group, when it is
-    gloo; from ``ROUNDS_FROM`` ranks a group of its own, which ``Rounds``' threads use alone);
-    ``every``: the cadence with a loader that never waits."""
+    gloo); ``every``: the cadence with a loader that never waits."""
 
     def __init__(self, stop_request, distributed: bool, group=None, every: int = 1):
         self.stop_request, self.group, self.every = stop_request, group, max(1, every)
         self.distributed = distributed and getattr(stop_request, "agrees", True)
-        wide = self.distributed and dist.get_world_size(group) >= ROUNDS_FROM
-        self.rounds = Rounds(group) if wide else None  # None: gloo's ring (dist.all_reduce)
         self.lag = 1  # steps ahead of its step that a batch is fetched (the same on every rank)
         # the proposals in flight, oldest first: (index, (work, tensor, launch time) or value)
         self._pending = collections.deque()
@@ -149,10 +137,7 @@ class StopAgreement:
             return
         t = torch.tensor([proposal, lag], dtype=torch.int32)
         # Collective (host, gloo, async): read by ``decision`` before the step.
-        if self.rounds is not None:
-            work = self.rounds.max(t)
-        else:
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._pending.append((index, (work, t, time.perf_counter())))
         self.proposals += 1
 
@@ -205,99 +190,3 @@ class StopAgreement:
         self._needed = []
         self.propose(interrupted, recorded, lag=lag)
         return self.decision(note=False)  # (its wait is not a step's)
-
-    def close(self):
-        """End ``Rounds``' threads (a run's end: before its process groups are destroyed)."""
-        if self.rounds is not None:
-            self.rounds.close()
-
-
-class Rounds:
-    """The MAX of a small int32 tensor over every rank of ``group`` (gloo, all ranks, used by
-    nothing else), in ceil(log2 N) rounds of messages instead of a ring's 2(N - 1): in round k
-    each rank sends what it holds to rank + 2^k and takes the MAX with what rank - 2^k sent
-    (after round k a rank holds the MAX over the 2^(k+1) ranks up to itself; MAX does not mind
-    counting a rank twice where N is no power of two). ``max`` returns at once; its result
-    replaces the tensor's values by when ``wait()`` returns, as an all-reduce's ``async_op``.
-
-    The rounds run on ``MAX_LAG`` threads, as gloo runs a group's collectives on 2: the n-th
-    call on thread n % MAX_LAG, in the order of the calls, with tags of the thread's own, so
-    that calls made in the same order on every rank meet their peers' (the agreement's
-    proposals are). A failed round (a peer gone; a missing one after the group's timeout) fails
-    its call and every later call on its thread with the same error."""
-
-    def __init__(self, group):
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.calls = group, 0
-        self.peers = [(self._global((rank + d) % size), self._global((rank - d) % size))
-                      for d in (1 << k for k in range((size - 1).bit_length()))]
-        # The group connects lazily, a pair when first used. Receives posted for every round at
-        # once on pairs not yet connected hung on 8 ranks (gloo); a round at a time, as gloo's
-        # own collectives connect, never did: so the pairs are connected here, collectively, a
-        # round at a time, before any call.
-        self._rounds(torch.zeros(1, dtype=torch.int32), 0, in_turn=True)
-        self.queues = [queue.SimpleQueue() for _ in range(MAX_LAG)]
-        self.threads = [threading.Thread(target=self._serve, args=(q, lane), daemon=True,
-                                         name=f"stop-agreement-{lane}")
-                        for lane, q in enumerate(self.queues)]
-        for thread in self.threads:
-            thread.start()
-
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def max(self, t: torch.Tensor) -> "_Call":
-        call = _Call(t)
-        self.queues[self.calls % len(self.queues)].put(call)
-        self.calls += 1
-        return call
-
-    def _serve(self, calls, lane: int):
-        failed = None
-        while (call := calls.get()) is not None:
-            if failed is None:
-                try:
-                    call.tensor.copy_(self._rounds(call.tensor, lane))
-                except Exception as e:  # a peer gone, a timeout: raised to the caller
-                    failed = e
-            call.error = failed
-            call.done.set()
-
-    def _rounds(self, held: torch.Tensor, lane: int, in_turn: bool = False) -> torch.Tensor:
-        """``held``'s MAX over the ranks. Every round's receive is posted first (gloo sends a
-        message once its receiver has said that it waits for it, and that word then travels
-        while the rounds before run), or ``in_turn``: each in its round."""
-        got = [torch.empty_like(held) for _ in self.peers]
-
-        def receive(k: int):
-            return dist.irecv(got[k], self.peers[k][1], group=self.group, tag=lane * 64 + k)
-
-        received = [None if in_turn else receive(k) for k in range(len(self.peers))]
-        for k, (to, _) in enumerate(self.peers):
-            sent = dist.isend(held, to, group=self.group, tag=lane * 64 + k)
-            (receive(k) if received[k] is None else received[k]).wait()
-            sent.wait()
-            held = torch.maximum(held, got[k])
-        return held
-
-    def close(self, timeout: float = 5.0):
-        """End the threads once the calls given them are done (at most ``timeout`` seconds
-        each: a round still waiting for a peer gone is left to the process's end)."""
-        for q in self.queues:
-            q.put(None)
-        for thread in self.threads:
-            thread.join(timeout)
-
-
-class _Call:
-    """A ``Rounds.max`` in flight: ``wait()`` returns once the tensor holds the MAX, or raises
-    what failed it."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.error, self.done = tensor, None, threading.Event()
-
-    def wait(self) -> bool:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return True

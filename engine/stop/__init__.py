@@ -1,0 +1,101 @@
+"""Stopping a run: the stop signals (``signals``), the waits for data that a signal or
+``loader_timeout_s`` ends (``waits``) and the ranks' agreement on the step to stop after
+(``agreement``), behind one object the loop talks to, ``Stopper``:
+
+    for batch in stopper.batches(loader, "training", epoch, step, stop=save_and_stop): ...
+    for size, batch in stopper.validation_batches(loader, epoch, sizes): ...
+    signum = stopper.stop_agreed()  # after the validation: the ranks stop together, or go on
+    stopper.close()
+"""
+from __future__ import annotations
+
+import contextlib
+
+from engine.stop.agreement import StopAgreement
+from engine.stop.signals import (NeverStop, RunStopped, StopRequest, arm_hard_exit,
+                                 end_children, resume_command)
+from engine.stop.waits import DataWaits, LoaderStalled, may_wait, next_batch
+
+__all__ = ["Stopper", "StopRequest", "NeverStop", "RunStopped", "LoaderStalled",
+           "arm_hard_exit", "end_children", "resume_command"]
+
+
+class Stopper:
+    """A run's stopping: ``request``, the stop signals' record (``StopRequest.install``, or
+    ``NeverStop``); ``distributed`` and ``group``: the peers to agree with, on a gloo group
+    (None: the default group); ``every``: the log interval (a recorded signal stops at a log
+    point); ``timeout_s``: ``loader_timeout_s`` (0: none); ``advice()``: what the line of a run
+    that ends without writing says it leaves (the checkpoint kept); ``fail(message)``: ends the
+    process with that line, from the watchdog thread that catches waits no handler can end."""
+
+    def __init__(self, request: StopRequest, distributed: bool, group=None, every: int = 1,
+                 timeout_s: float = 0, advice=lambda: "", fail=None):
+        self.request = request
+        self.waits = DataWaits(request, timeout_s, advice, fail)
+        self.agreement = StopAgreement(request, distributed, group, every)
+        self._interrupted = 0  # the signal that ended the validation's wait for a batch, or 0
+
+    @property
+    def signum(self) -> int:
+        """The signal this rank has recorded (0: none)."""
+        return self.request.signum
+
+    @property
+    def lag(self) -> int:
+        """Steps ahead of its step that each batch is fetched (the same on every rank)."""
+        return self.agreement.lag
+
+    def batches(self, loader, what: str, epoch: int, step: int, first: int = 0,
+                end: int | None = None, stop=None, around=contextlib.nullcontext, begun=None,
+                first_recorded: bool = False):
+        """The batches of a pass of ``loader`` for the steps ``step``, ``step + 1``, ... (up to
+        ``end``), each fetched in a data wait (``what`` pass, ``epoch``; ``first``: the index of
+        the pass's first batch; ``around()``: a context around each fetch; ``begun``: the pass
+        already begun, or None) ahead of its step, the ranks' stop proposals decided while the
+        steps before run. When every rank agreed to stop before a step, ``stop(signum)`` is
+        called there (it writes the checkpoint and raises ``RunStopped``) and the pass ends.
+        A signal recorded before the pass stops it at once only if ``first_recorded``."""
+        fetches = self.waits.batches(loader, what, epoch, first, around, begun)
+        for signum, batch in self.agreement.batches(loader, fetches, step, end, first_recorded):
+            if signum:
+                stop(signum)
+                return
+            yield batch
+
+    def validation_batches(self, loader, epoch: int, sizes: list[int]):
+        """``(size, batch)`` for each of the validation's forwards, ``sizes`` its batch sizes on
+        this rank (0: a forward with no batch of its own): ``batch`` None where it has none, or
+        where a stop signal ended its wait for one (the forwards go on, on a stand-in, so that
+        their collectives meet the peers'). ``(None, batch)`` last: a batch past ``sizes``.
+        With a loader that may wait, the ranks agree after the first fetch: a rank whose first
+        wait a signal ended has no stand-in, so every rank then leaves before any forward, and
+        ``stop_agreed`` stops them."""
+        fetches = self.waits.batches(loader, "validation", epoch)
+        self._interrupted = 0
+        for i, size in enumerate(sizes):
+            batch = None
+            if size and not self._interrupted:
+                batch, self._interrupted = next_batch(fetches)
+            if i == 0 and may_wait(loader):
+                # Collective (host, once per validation): the first wait, ended on any rank.
+                self._interrupted = self.agreement.now(self._interrupted, recorded=False)
+                if self._interrupted:
+                    return
+            yield size, batch
+        if not self._interrupted:  # the pass's end: its shard's batches are all taken
+            extra, self._interrupted = next_batch(fetches)
+            if extra is not None:
+                yield None, extra
+
+    def stop_agreed(self) -> int:
+        """After a validation: the signal every rank stops on now (0: go on), when a stop signal
+        ended a wait for its data on any rank. Collective (host, blocking: once per
+        validation). A signal recorded then but ending no wait is left to training (the epoch's
+        validation is logged and written first)."""
+        interrupted, self._interrupted = self._interrupted, 0
+        return self.agreement.now(interrupted, recorded=False)
+
+    def close(self):
+        """The run is over: the data waits' watchdog thread ends (while it runs it holds what
+        ``advice`` and ``fail`` refer to)."""
+        self.waits.close()

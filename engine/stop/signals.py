@@ -1,0 +1,211 @@
+"""The stop signals and the ends of the process: a time limit's warning or a preemption recorded,
+the line that says how to resume, and exits that cannot block.
+
+``StopRequest.install(names)`` replaces the handlers of the named signals (default SIGTERM and
+SIGUSR1, the signals Slurm sends before a time limit and on preemption) with one that only
+records the signal: no Python code runs in between a step's operations, nothing is written from
+a handler, and a second signal (even during the checkpoint write) merely records it again.
+The ranks agree on the step to stop after (``engine.stop.agreement``), even when only one of
+them got the signal, or when a signal ended a rank's wait for data (``engine.stop.waits``). The
+run then writes a checkpoint and ends with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns
+into a requeue.
+
+``arm_hard_exit(code)`` starts a daemon timer that ends the process with ``os._exit(code)`` after
+``HARD_EXIT_AFTER_S`` seconds: armed before the cleanup of an exit meant to be immediate (the
+log, TensorBoard's events, the run lock: each may block on a file system that has just stalled),
+so that the process ends with its exit code even when one of them never returns.
+
+``end_children(children)`` SIGKILLs child processes, waits for them ``CHILD_JOIN_S`` seconds in
+all, and takes those still alive (a process in an uninterruptible read dies only when the read
+returns) off multiprocessing's list of children, so that its exit hook does not wait for them
+without limit.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import shlex
+import signal
+import threading
+import time
+
+from settings.signals import STOPPED_EXIT_CODE, signal_number
+
+HARD_EXIT_AFTER_S = 10.0  # seconds the cleanup of an immediate exit may take
+CHILD_JOIN_S = 10.0  # seconds to wait, in all, for SIGKILLed children to end
+
+installed: set[int] = set()  # signals whose handler this process replaced (workers inherit it)
+_exit_hook_registered = False
+
+
+class RunStopped(Exception):
+    """Raised on every rank after the stop checkpoint; the entry point turns it into one log
+    line and ``STOPPED_EXIT_CODE``."""
+
+    def __init__(self, signum: int, iteration: int, checkpoint_path: str):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.iteration, self.checkpoint_path = signum, iteration, checkpoint_path
+
+    def message(self, argv: list[str], ranks: int) -> str:
+        return (f"Stopped on {signal.Signals(self.signum).name} after step {self.iteration}: "
+                f"checkpoint {self.checkpoint_path}; resume with: {resume_command(argv, ranks)} "
+                f"(exit code {STOPPED_EXIT_CODE})")
+
+
+def resume_command(argv: list[str], ranks: int) -> str:
+    """The command line that continues this run: its own arguments, ``--resume auto`` instead
+    of any ``--resume`` they had."""
+    args, i = [], 1
+    while i < len(argv):
+        if argv[i] == "--resume":  # a bare --resume, or --resume VALUE
+            i += 2 if i + 1 < len(argv) and not argv[i + 1].startswith("--") else 1
+            continue
+        if not argv[i].startswith("--resume="):
+            args.append(argv[i])
+        i += 1
+    command = shlex.join([argv[0], *args, "--resume", "auto"])
+    if ranks > 1:  # torchrun or srun: the launcher's own options are not in argv
+        return f"the same launcher and {ranks} ranks running {command}"
+    return f"python {command}"
+
+
+class StopRequest:
+    """The signal received (0: none), set by the handlers, read at the loop's log points."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}  # signal number -> the handler before install
+        self.while_waiting = None  # set by ``DataWaits.fetch`` while the rank waits for data
+
+    @classmethod
+    def install(cls, names: list[str]) -> StopRequest:
+        request = cls()
+        for name in names:
+            number = signal_number(name)
+            request._previous[number] = signal.signal(number, request._record)
+            installed.add(number)
+        global _exit_hook_registered
+        if not _exit_hook_registered:
+            atexit.register(_at_exit)  # runs before multiprocessing's own exit hook
+            _exit_hook_registered = True
+        return request
+
+    def restore(self):
+        """The handlers from before ``install`` (for a caller that goes on after the run)."""
+        for number, previous in self._previous.items():
+            signal.signal(number, signal.SIG_DFL if previous is None else previous)
+
+    def _record(self, signum, frame):
+        self.signum = signum  # nothing else: the loop acts on it at a step boundary
+        waiting = self.while_waiting
+        if waiting is not None:  # a wait for data: it ends if the batch does not come soon
+            waiting()
+
+
+class NeverStop(StopRequest):
+    """For trainers driven without the entry point (tests, benchmarks): never asks to stop and
+    never takes part in the ranks' stop agreement (``engine.stop.agreement``)."""
+
+    agrees = False
+
+
+def ignore_stop_signals(numbers=None):
+    """From now on the stop signals (``numbers``; by default those whose handler this process
+    replaced) do nothing in this process. In a data-loader worker: they
+    are the main process's to act on; Slurm sends them to every process of the job step, and a
+    worker killed by one (torch's worker handler for SIGTERM ends it) makes the main process
+    fail with "DataLoader worker ... is killed by signal" instead of stopping cleanly (the main
+    process ends its workers itself). At exit: a late signal (submit_pm.sh repeats its warning
+    until the ranks end) must not kill the exiting process, as the default handlers that Python
+    restores while it shuts down would."""
+    for number in installed if numbers is None else numbers:
+        signal.signal(number, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def held(numbers):
+    """Signals ``numbers`` held back (blocked, not lost) in this thread while inside: a process
+    started meanwhile starts with them blocked, so that it can ignore them (``release_ignored``)
+    before one reaches a handler it inherited or the default one, which would end it."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def release_ignored(numbers):
+    """In a process started under ``held(numbers)``: ignore those signals, then unblock them (one
+    that came meanwhile is dropped)."""
+    ignore_stop_signals(numbers)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)
+
+
+# ---------------------------------------------------------------------- exits that cannot block
+
+
+def _at_exit():
+    """The process is ending: no stop signal may kill it now, nor loader workers keep it."""
+    ignore_stop_signals()
+    _end_loader_workers()
+
+
+def _end_loader_workers():
+    """At exit, loader workers still running (a run that ended on an exception keeps its loaders
+    referenced) ignore SIGTERM, with which multiprocessing's exit hook would end them before
+    waiting for them: end them here with SIGKILL instead. Their ends are expected, so torch's
+    SIGCHLD check (which raises on a worker killed by a signal) is switched off first. A worker
+    in an uninterruptible read dies only when the read returns: after a bounded wait
+    (``CHILD_JOIN_S``) those still alive are left to end on their own, off the list that
+    multiprocessing's exit hook would join without a limit (``end_children``)."""
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        end_children(children)
+
+
+def arm_hard_exit(exit_code: int, seconds: float | None = None) -> threading.Timer:
+    """``os._exit(exit_code)`` in ``seconds`` (default ``HARD_EXIT_AFTER_S``) unless the process
+    has ended by then. A timer thread rather than SIGALRM: a signal handler runs only between
+    the main thread's bytecodes, never while it is blocked in a system call that does not return
+    (a write to a hung NFS mount), while another thread still runs. Daemon: it never keeps the
+    process alive. It writes nothing (stderr may be the stalled file). Returns the timer (its
+    ``cancel()`` disarms it)."""
+    timer = threading.Timer(HARD_EXIT_AFTER_S if seconds is None else seconds, os._exit,
+                            args=(exit_code,))
+    timer.daemon = True
+    timer.name = f"hard-exit({exit_code})"
+    timer.start()
+    return timer
+
+
+def end_children(children: list, timeout: float | None = None) -> list:
+    """SIGKILL ``children`` (``multiprocessing.Process``), wait up to ``timeout`` seconds in all
+    (default ``CHILD_JOIN_S``) for them to end, and return those still alive after it, which
+    multiprocessing's exit hook will then not wait for."""
+    deadline = time.monotonic() + (CHILD_JOIN_S if timeout is None else timeout)
+    for p in children:
+        p.kill()
+    for p in children:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in children if p.is_alive()]
+    for p in alive:
+        _forget_child(p)
+    return alive
+
+
+def _forget_child(p) -> None:
+    """Take ``p`` off multiprocessing's registry of this process's children. Its exit hook
+    (``multiprocessing.util._exit_function``) joins every child in that registry without a
+    limit, after the other exit hooks; a child that SIGKILL has not ended (uninterruptible I/O)
+    would keep the process from ever exiting. Of the ways round it this is the least intrusive:
+    ``os._exit`` from an exit hook would skip the hooks after it and cannot know the exit code
+    of ``sys.exit``, and replacing the hook would change it for every child. The registry,
+    ``multiprocessing.process._children``, is the set ``active_children()`` reads; the forgotten
+    child is reparented to init when this process ends and dies when its read returns (it was
+    SIGKILLed)."""
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.discard(p)
