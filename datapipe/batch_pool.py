@@ -105,8 +105,8 @@ from multiprocessing import connection, reduction
 import numpy as np
 import torch
 
-from engine.stop.signals import ignore_stop_signals
 from settings.errors import TrainingError, UserError
+from settings.signals import ignore_stop_signals
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in when mapping, not per page

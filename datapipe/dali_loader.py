@@ -29,7 +29,7 @@ key and cut back to its true size.
 
 The Python workers ignore the run's stop signals, as the PyTorch loaders' workers do: the main
 process acts on them, and Slurm sends them to every process of the job step. They are started
-with those signals held back (``engine.stop.signals.held``, around the build), and a callback
+with those signals held back (``settings.signals.held``, around the build), and a callback
 ignores them, then lets them through, the first time it runs in a worker. An error a worker
 raises on the data (a non-finite value, a damaged file) ends the run as that error, in one line,
 as in the main process.
@@ -54,10 +54,9 @@ import torch
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.era5_data import ERA5Dataset
 from datapipe.rotations import ROTATIONS
-from engine.stop.signals import held, release_ignored
 from settings import errors
 from settings.errors import ConfigError
-from settings.signals import signal_number
+from settings.signals import held, release_ignored, signal_number
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config

@@ -17,7 +17,7 @@ import preloaded
 from conftest import ROOT, write_era5
 from distributed_harness import find_free_port
 from test_training import TINY_VIT, run_dir, tb_scalars, train
-from engine.stop.signals import held, release_ignored
+from settings.signals import held, release_ignored
 from settings.signals import STOPPED_EXIT_CODE
 
 # 2 years x 39 pairs // 4 = 19 steps per epoch, 57 in all; loss points every 2 steps.

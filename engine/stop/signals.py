@@ -23,7 +23,6 @@ without limit.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import multiprocessing
 import os
 import shlex
@@ -31,12 +30,11 @@ import signal
 import threading
 import time
 
-from settings.signals import STOPPED_EXIT_CODE, signal_number
+from settings.signals import STOPPED_EXIT_CODE, ignore_stop_signals, installed, signal_number
 
 HARD_EXIT_AFTER_S = 10.0  # seconds the cleanup of an immediate exit may take
 CHILD_JOIN_S = 10.0  # seconds to wait, in all, for SIGKILLed children to end
 
-installed: set[int] = set()  # signals whose handler this process replaced (workers inherit it)
 _exit_hook_registered = False
 
 
@@ -109,38 +107,6 @@ class NeverStop(StopRequest):
     never takes part in the ranks' stop agreement (``engine.stop.agreement``)."""
 
     agrees = False
-
-
-def ignore_stop_signals(numbers=None):
-    """From now on the stop signals (``numbers``; by default those whose handler this process
-    replaced) do nothing in this process. In a data-loader worker: they
-    are the main process's to act on; Slurm sends them to every process of the job step, and a
-    worker killed by one (torch's worker handler for SIGTERM ends it) makes the main process
-    fail with "DataLoader worker ... is killed by signal" instead of stopping cleanly (the main
-    process ends its workers itself). At exit: a late signal (submit_pm.sh repeats its warning
-    until the ranks end) must not kill the exiting process, as the default handlers that Python
-    restores while it shuts down would."""
-    for number in installed if numbers is None else numbers:
-        signal.signal(number, signal.SIG_IGN)
-
-
-@contextlib.contextmanager
-def held(numbers):
-    """Signals ``numbers`` held back (blocked, not lost) in this thread while inside: a process
-    started meanwhile starts with them blocked, so that it can ignore them (``release_ignored``)
-    before one reaches a handler it inherited or the default one, which would end it."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-def release_ignored(numbers):
-    """In a process started under ``held(numbers)``: ignore those signals, then unblock them (one
-    that came meanwhile is dropped)."""
-    ignore_stop_signals(numbers)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)
 
 
 # ---------------------------------------------------------------------- exits that cannot block
