@@ -8,16 +8,17 @@
 Data parallel over every rank the launcher starts; tensor/context parallel when the config's
 tensor_parallel/context_parallel are above 1 (see train_mp.py).
 
-The file reads top to bottom as a run does: set-up (``Trainer.__init__``), one optimizer step
-(``train_step``), an epoch of them (``train_epoch``), validation (``validate``), checkpoints
-(``save_checkpoint``) and the loop over epochs (``fit``). What the run shows (its log lines,
-TensorBoard, the profilers) is the run log's (observe/run_log.py), which the loop tells of each
-step. Host-device synchronisations (``.item()``, collectives for logging) happen only at log
-points (every ``log_every`` steps), at epoch ends and at checkpoints; a step itself never waits
-for the device.
+The file reads top to bottom as a run does. Set-up is the recipe (``Trainer.__init__``): the run
+directory, the data, the model and its parallelism, the optimizer and schedule, then the three
+collaborators the loop talks to: the checkpointer (engine/checkpoint: which checkpoint to
+resume, save), the stopper (engine/stop: the batches, whether the ranks stop) and the run log
+(observe/run_log.py: progress lines, epoch lines, TensorBoard, profiler windows). Then one
+optimizer step (``train_step``), an epoch of them (``train_epoch``), validation (``validate``)
+and the loop over epochs (``fit``). Host-device synchronisations (``.item()``, collectives for
+logging) happen only at log points (every ``log_every`` steps), at epoch ends and at
+checkpoints; a step itself never waits for the device.
 """
 import contextlib
-import gc
 import logging
 import math
 import os
@@ -39,40 +40,61 @@ from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at,
                                 resumed_schedule)
 from engine.optimizer import build_optimizer
 from engine.parallelism import apply_parallelism
-from engine.run_dir import discard_unstarted_run, release_run_locks, resolve_run_num, run_dir_for
-from engine.runtime import (AMP_DTYPES, Runtime, check_torch_version, describe_allocation_failure,
-                            describe_dist_failure, setup_runtime)
+from engine.run_dir import resolve_run_num, run_dir_for
+from engine.runtime import AMP_DTYPES, check_torch_version, setup_runtime
 from engine.slow_paths import warn_slow_paths
-from engine.start_weights import load_start_weights
-from engine.stop import LoaderStalled, NeverStop, RunStopped, Stopper, StopRequest, arm_hard_exit
+from engine.stop import NeverStop, RunEnding, RunStopped, Stopper
 from observe.logging_utils import setup_logging
 from observe.memory import MemoryProbe, NullProbe
 from observe.profiling import nvtx_range
 from observe.run_header import log_run_header
 from observe.run_log import EpochStats, RunLog
 from observe.startup import StartClock, use_compile_cache_dir
-from settings.config import Config
-from settings.errors import TrainingError, UserError, print_error
+from settings.errors import TrainingError
 from settings.parse import write_config
-from settings.signals import STOPPED_EXIT_CODE
 from tasks import make_task
 
 log = logging.getLogger("train")
 
 
-
-
 class Trainer:
     captures_step = False  # True in train_graph.py: the step is replayed as a CUDA graph
 
-    def __init__(self, cfg: Config, rt: Runtime, stop_request: StopRequest | None = None):
-        """``stop_request``: what the stop signals' handlers set (``run`` installs them); by
-        default none stops the run."""
+    def __init__(self, cfg, rt, ending: RunEnding | None = None):
+        """The recipe: ``cfg`` the resolved settings, ``rt`` the runtime (device, ranks, process
+        groups); ``ending``: how the run ends (``run`` makes it: it installs the stop signals'
+        handlers), by default no signal stops the run."""
         self.cfg, self.rt, self.device = cfg, rt, rt.device
         clock = StartClock()  # the start's parts, logged after the first step (the run log's)
         clock.mark("imports and set-up")
-        # Claims the run directory (--run_num auto, the default: the next free number) and locks
-        # it for this process: a run directory another process trains is refused.
+        resume = self.open_run()  # 1. the run directory, its log, the checkpoint to resume
+        ensure_data(self.cfg, rt.rank, rt.world_size)  # 2. the data (synthetic: made once)
+        clock.mark("data")
+        self.task = make_task(self.cfg)
+        # The layout of the weights and batches on the device (the task's choice: channels-last
+        # for the U-Net on a GPU in half precision); the numbers are the same either way.
+        self.memory_format, why = self.task.memory_format(self.device)
+        if why:
+            log.info(f"Memory format: {str(self.memory_format).removeprefix('torch.')} ({why})")
+        # The loaders before the model, their first training pass begun: the loader workers read
+        # its first batches while the model is built. A model-parallel rank reads only the image
+        # rows it computes on, which its model knows: its loaders follow the model.
+        self.loaders = self.start_loaders(resume, clock) if rt.groups is None else None
+        self.build_model(clock)  # 3. the model, parallelised in one place
+        clock.mark("model")
+        if self.loaders is None:
+            self.loaders = self.start_loaders(resume, clock, self.model.image_rows())
+        self.steps_per_epoch = self.loaders.steps_per_epoch
+        self.total_steps = self.cfg.num_iters or self.cfg.num_epochs * self.steps_per_epoch
+        self.build_optimizer(resume)  # 4. the optimizer and schedule, the run's state
+        self.start_collaborators(ending or RunEnding(self.cfg, NeverStop()), clock)  # 5.
+        clock.mark("optimizer and logs")
+
+    def open_run(self):
+        """Claims the run directory (--run_num auto, the default: the next free number) and
+        locks it for this process (one another process trains is refused); opens its out.log;
+        the checkpointer chooses the checkpoint to continue from (None: a fresh run)."""
+        cfg, rt = self.cfg, self.rt
         run_num_choice = resolve_run_num(cfg, rt)
         self.run_dir = run_dir_for(cfg, rt.world_size)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
@@ -80,94 +102,12 @@ class Trainer:
         if run_num_choice:
             log.info(f"Run {cfg.run_num} ({run_num_choice})")
         self.checkpointer = Checkpointer(self.ckpt_dir, cfg, rt)
-        resume = self.checkpointer.resume()  # rank 0's choice, read by every rank; None: fresh
+        resume = self.checkpointer.resume()  # rank 0's choice, read by every rank
         if resume is not None:  # to the end it had, unless the command gives another
-            cfg = self.cfg = resume.cfg
+            self.cfg = resume.cfg
         self.nothing_to_do = resume is not None and resume.nothing_to_do
-        ensure_data(cfg, rt.rank, rt.world_size)
-        clock.mark("data")
-        self.task = make_task(cfg)
-
-        # The layout of the weights and batches on the device (the task's choice: channels-last
-        # for the U-Net on a GPU in half precision); the numbers are the same either way.
-        self.memory_format, why = self.task.memory_format(self.device)
-        if why:
-            log.info(f"Memory format: {str(self.memory_format).removeprefix('torch.')} ({why})")
-
-        # The loaders before the model, their first training pass begun: the loader workers read
-        # its first batches while the model is built. A model-parallel rank reads only the image
-        # rows it computes on, which its model knows: its loaders follow the model.
-        self.loaders = self.start_loaders(resume, clock) if rt.groups is None else None
-
-        # The model: the serial model from the seed on every rank, then parallelised in one place.
-        torch.manual_seed(cfg.seed)
-        model = self.task.build_model()
-        warn_slow_paths(model, self.device, cfg.amp_mode, self.memory_format, rt.is_main)
-        if cfg.init_from and resume is None:  # a checkpoint, when resuming, has the weights
-            log.info(load_start_weights(model, cfg.init_from, self.task.from_reference, cfg, rt))
-        if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
-            clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
-        parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)
-        self.parallel = parallel
-        self.model = parallel.module  # parameters and state (this rank's shards under tp/cp)
-        self.wrapped_model = parallel.wrapped  # what the step calls: under DDP / torch.compile
-        self.sharding = parallel.sharding  # how batches and state map to this rank's model
-        torch.manual_seed(cfg.seed + 1 + rt.rank)  # per-rank stream for dropout
-
-        clock.mark("model")
-        if self.loaders is None:
-            self.loaders = self.start_loaders(resume, clock, self.model.image_rows())
-        self.steps_per_epoch = self.loaders.steps_per_epoch
-        self.total_steps = cfg.num_iters or cfg.num_epochs * self.steps_per_epoch
-
-        self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
-        self.optimizer = build_optimizer(self.model.parameters(), self.peak_lr, cfg.adam_betas,
-                                         cfg.enable_fused, self.device,
-                                         for_cuda_graph=self.captures_step)
-        self.scheduler = build_scheduler(self.optimizer, self.peak_lr, cfg.end_lr,
-                                         cfg.warmup_steps, self.total_steps)
-        # Disabled AMP is a do-nothing autocast and a do-nothing scaler, not a branch.
-        amp = AMP_DTYPES[cfg.amp_mode]
-        # (a captured step cannot reuse autocast's cached weight casts between replays)
-        self.autocast = lambda: torch.autocast(self.device.type, dtype=amp or torch.float32,
-                                               enabled=amp is not None,
-                                               cache_enabled=not self.captures_step)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp_mode == "fp16")
-        self.kernels = self.task.forward_kernels(self.device, amp or torch.float32)
-
-        self.state = self.checkpointer.load(self.model, self.sharding, self.optimizer,
-                                            self.scaler, self.scheduler, self.steps_per_epoch)
-        if resume is not None:
-            change = resumed_schedule(self.optimizer, resume.state["config"], self.steps_per_epoch,
-                                      self.iteration, self.peak_lr, cfg.end_lr, cfg.warmup_steps,
-                                      self.total_steps)
-            if change and not self.nothing_to_do:  # (a shorter end than reached: no schedule)
-                log.info(change)
         self.resumed = resume is not None
-        # Everything the run shows: log lines, TensorBoard, the profilers' windows.
-        self.run_log = RunLog(
-            cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock,
-            probe=MemoryProbe.for_run(self.device, self.model, self.optimizer, cfg.enable_jit),
-            steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
-            iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
-            lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
-            finished=self.nothing_to_do, derived=self.derived(),
-            kept_checkpoints=self.checkpointer.kept)
-        # Every fetch of a batch a wait that a stop signal or loader_timeout_s ends, and the
-        # ranks' agreement to stop (a host collective, never waited for per step).
-        self.stopper = Stopper(stop_request or NeverStop(), rt.distributed, rt.host_group,
-                               cfg.log_every, cfg.loader_timeout_s, self.checkpointer.kept,
-                               lambda message: _fail(rt, message, 1, self, broken_group=True))
-        self._baseline = None  # the naive baseline's validation loss, computed once
-
-        log.info(f"Run directory: {self.run_dir}")
-        if rt.is_main:
-            write_config(cfg, self.run_dir, self.derived(), resumed=resume is not None)
-        log_run_header(self.model, rt, self.loaders, self.total_steps,
-                       getattr(self.model, "sequence_parallel_summary", lambda: None)())
-        log.info(describe_lr(cfg.lr, self.peak_lr, rt.global_batch, cfg.base_batch_size,
-                             cfg.lr_scaling, cfg.warmup_steps, cfg.end_lr))
-        clock.mark("optimizer and logs")
+        return resume
 
     def start_loaders(self, resume, clock: StartClock, rows=None):
         """The training and validation loaders (``rows``: the image rows this rank reads, None
@@ -181,6 +121,74 @@ class Trainer:
             loaders.begin_training_pass(state.get("epoch", 0), state.get("step_in_epoch", 0))
         clock.mark("loaders")
         return loaders
+
+    def build_model(self, clock: StartClock):
+        """The serial model from the seed on every rank (or an earlier run's weights:
+        --init_from), then parallelised in one place (``apply_parallelism``)."""
+        cfg, rt = self.cfg, self.rt
+        torch.manual_seed(cfg.seed)
+        model = self.task.build_model()
+        warn_slow_paths(model, self.device, cfg.amp_mode, self.memory_format, rt.is_main)
+        self.checkpointer.start_weights(model, self.task.from_reference)
+        if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
+            clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
+        self.parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)
+        self.model = self.parallel.module  # parameters and state (this rank's shards: tp/cp)
+        self.wrapped_model = self.parallel.wrapped  # what the step calls: DDP / torch.compile
+        self.sharding = self.parallel.sharding  # how batches and state map to this rank's model
+        torch.manual_seed(cfg.seed + 1 + rt.rank)  # per-rank stream for dropout
+
+    def build_optimizer(self, resume):
+        """Adam with the schedule's peak learning rate, the schedule, mixed precision (disabled
+        AMP is a do-nothing autocast and scaler, not a branch), and the run's state: at step 0,
+        or put back from the checkpoint ``resume``."""
+        cfg, rt = self.cfg, self.rt
+        self.peak_lr = peak_lr(cfg.lr, rt.global_batch, cfg.base_batch_size, cfg.lr_scaling)
+        self.optimizer = build_optimizer(self.model.parameters(), self.peak_lr, cfg.adam_betas,
+                                         cfg.enable_fused, self.device,
+                                         for_cuda_graph=self.captures_step)
+        self.scheduler = build_scheduler(self.optimizer, self.peak_lr, cfg.end_lr,
+                                         cfg.warmup_steps, self.total_steps)
+        amp = AMP_DTYPES[cfg.amp_mode]
+        # (a captured step cannot reuse autocast's cached weight casts between replays)
+        self.autocast = lambda: torch.autocast(self.device.type, dtype=amp or torch.float32,
+                                               enabled=amp is not None,
+                                               cache_enabled=not self.captures_step)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp_mode == "fp16")
+        self.kernels = self.task.forward_kernels(self.device, amp or torch.float32)
+        self.state = self.checkpointer.load(self.model, self.sharding, self.optimizer,
+                                            self.scaler, self.scheduler, self.steps_per_epoch)
+        if resume is not None:
+            change = resumed_schedule(self.optimizer, resume.state["config"], self.steps_per_epoch,
+                                      self.iteration, self.peak_lr, cfg.end_lr, cfg.warmup_steps,
+                                      self.total_steps)
+            if change and not self.nothing_to_do:  # (a shorter end than reached: no schedule)
+                log.info(change)
+
+    def start_collaborators(self, ending: RunEnding, clock: StartClock):
+        """The run log (everything the run shows) and the stopper (every fetch of a batch a
+        wait that a stop signal or loader_timeout_s ends, and the ranks' agreement to stop: a
+        host collective, never waited for per step); then the run's opening lines."""
+        cfg, rt = self.cfg, self.rt
+        self.run_log = RunLog(
+            cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock,
+            probe=MemoryProbe.for_run(self.device, self.model, self.optimizer, cfg.enable_jit),
+            steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
+            iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
+            lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
+            finished=self.nothing_to_do, derived=self.derived(),
+            kept_checkpoints=self.checkpointer.kept)
+        self.stopper = Stopper(ending.request, rt.distributed, rt.host_group, cfg.log_every,
+                               cfg.loader_timeout_s, self.checkpointer.kept,
+                               lambda message: ending.fail(message, 1, broken_group=True))
+        self._baseline = None  # the naive baseline's validation loss, computed once
+        log.info(f"Run directory: {self.run_dir}")
+        if rt.is_main:
+            write_config(cfg, self.run_dir, self.derived(), resumed=self.resumed)
+        log_run_header(self.model, rt, self.loaders, self.total_steps,
+                       getattr(self.model, "sequence_parallel_summary", lambda: None)())
+        log.info(describe_lr(cfg.lr, self.peak_lr, rt.global_batch, cfg.base_batch_size,
+                             cfg.lr_scaling, cfg.warmup_steps, cfg.end_lr))
 
     @property
     def iteration(self) -> int:
@@ -201,6 +209,13 @@ class Trainer:
         x, y = (t.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
                 for t in (x, y))
         return self.task.device_batch(x, y)  # e.g. ERA5 normalisation, on the device
+
+    def forward_context(self):
+        """The training forward's context: autocast and the task's kernels (attention)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast())
+        stack.enter_context(self.kernels())
+        return stack
 
     # ------------------------------------------------------------------ one optimizer step
 
@@ -255,7 +270,7 @@ class Trainer:
         xm, ym = x.chunk(self.cfg.grad_accum_steps)[0], y.chunk(self.cfg.grad_accum_steps)[0]
         buffers = [(b, b.clone()) for b in self.model.buffers()]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            with self.autocast(), self.kernels():
+            with self.forward_context():
                 loss = self.sharding.loss(self.wrapped_model(xm), ym).sum()
             loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
@@ -271,12 +286,11 @@ class Trainer:
         self.model.train()
         self.run_log.start_epoch(st.epoch, st.step_in_epoch, st.iteration, st.window_carry)
         st.window_carry = (0.0, 0.0, 0)  # (a stop between log points: its window, now logged)
-        # each wait for a batch as a range, and timed; a stop signal or a stall ends it
         begun = self.loaders.begun_training_pass(st.epoch, st.step_in_epoch)  # (the run's first)
-        # Each step's batch is fetched ahead (none past the run's last step), and the ranks'
-        # stop proposals after each fetch are combined while the steps before run: on a signal
-        # that any rank proposed (recorded, or ending its wait) every rank stops at the same
-        # step, in stop_here (engine.stop).
+        # Each step's batch is fetched ahead (none past the run's last step) in a wait that a
+        # stop signal or a stall ends, and the ranks' stop proposals after each fetch are
+        # combined while the steps before run: on a signal that any rank proposed, every rank
+        # stops at the same step, in stop_here.
         for x, y in self.stopper.batches(self.loaders.train, "training", st.epoch, st.iteration,
                                          st.step_in_epoch, self.total_steps, self.stop_here,
                                          self.run_log.fetching, begun):
@@ -286,7 +300,7 @@ class Trainer:
                 # (not before a captured step: its eager warm-up counts DDP's iterations)
                 if self.resumed and self.parallel.ddp is not None and not self.captures_step:
                     self.regroup_gradients(x, y)
-                    self.resumed = False  # (once: before the launch's first step)
+                self.resumed = False  # (the launch's first step is taken)
                 loss, grad_norm = self.train_step(x, y, probe)
             st.iteration += 1
             st.step_in_epoch += 1
@@ -313,6 +327,13 @@ class Trainer:
         return self.state.step_in_epoch == self.steps_per_epoch \
             or self.iteration >= self.total_steps
 
+    def save_checkpoint(self, epoch_sum: torch.Tensor | None = None):
+        """Collective on all ranks; rank 0 writes (under FSDP every rank writes its shards).
+        ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
+        end)."""
+        seconds = self.checkpointer.save(epoch_sum, self.run_log.window_carry())
+        self.run_log.checkpoint_took(seconds)
+
     def stop_here(self, signum: int):
         """Every rank writes the checkpoint of the last finished step and raises RunStopped.
         Reached when the ranks' stop agreement says so, the same on every rank: between two
@@ -334,7 +355,6 @@ class Trainer:
         the results, so the forwards' collectives (FSDP's weight gathers, tp/cp's activations)
         always meet their peers'; the sums are those of the real batches alone."""
         self.model.eval()
-        want_base = self._baseline is None
         sums = picture = stand_in = None
         rt, valid = self.rt, self.loaders.valid
         sizes = validation_batch_sizes(self.loaders.n_valid, rt.dp_size, rt.dp_rank,
@@ -346,27 +366,17 @@ class Trainer:
                                     f"holds ({sum(map(bool, sizes))})")
             if batch is None:  # no batch for this forward: the stand-in's, results dropped
                 x = self.full_batch(stand_in[:size] if size else stand_in)
-                with self.autocast(), self.kernels():
+                with self.forward_context():
                     self.sharding.whole_output(self.wrapped_model(
                         self.sharding.local_batch(x, x)[0]))
                 continue
             x, y = self.to_device(*batch)
             stand_in = x if stand_in is None else stand_in
             xs = self.full_batch(x)
-            with self.autocast(), self.kernels():
+            with self.forward_context():
                 pred = self.wrapped_model(self.sharding.local_batch(xs, xs)[0])
             pred = self.sharding.whole_output(pred)[:y.shape[0]]
-            metrics = self.task.metric_sums(pred, y).float()
-            m = metrics.numel()
-            if sums is None:  # [loss, count, metrics..., baseline loss, baseline metrics...]
-                sums = torch.zeros(3 + 2 * m, device=self.device, dtype=torch.float64)
-            sums[0] += self.task.loss(pred, y).float().sum()
-            sums[1] += y.shape[0]
-            sums[2:2 + m] += metrics
-            base = self.task.baseline_pred(x, y) if want_base else None
-            if base is not None:
-                sums[2 + m] += self.task.loss(base, y).float().sum()
-                sums[3 + m:] += self.task.metric_sums(base, y).float()
+            sums = self.add_sums(sums, x, y, pred)
             if picture is None and self.rt.is_main:
                 picture = self.task.picture(x, y, pred)
         self.model.train()
@@ -375,20 +385,41 @@ class Trainer:
         signum = self.stopper.stop_agreed()
         if signum:
             self.stop_here(signum)
+        return self.combine_sums(sums) | {"picture": picture}
+
+    def add_sums(self, sums, x, y, pred) -> torch.Tensor:
+        """``sums`` (None at first) with the batch's added, in float64 on the device: [loss,
+        count, metrics..., baseline loss, baseline metrics...] (the baseline's while its
+        validation loss is not known yet)."""
+        metrics = self.task.metric_sums(pred, y).float()
+        m = metrics.numel()
+        if sums is None:
+            sums = torch.zeros(3 + 2 * m, device=self.device, dtype=torch.float64)
+        sums[0] += self.task.loss(pred, y).float().sum()
+        sums[1] += y.shape[0]
+        sums[2:2 + m] += metrics
+        base = self.task.baseline_pred(x, y) if self._baseline is None else None
+        if base is not None:
+            sums[2 + m] += self.task.loss(base, y).float().sum()
+            sums[3 + m:] += self.task.metric_sums(base, y).float()
+        return sums
+
+    def combine_sums(self, sums) -> dict:
+        """The validation's means over all data-parallel ranks, from each rank's ``sums``."""
         if sums is None:
             raise TrainingError("the validation set is empty: check the validation data")
+        m = (len(sums) - 3) // 2
         sums = self.rt.dp_sum(sums).cpu().numpy()  # one collective per validation
         count = sums[1]
-        if want_base:
+        if self._baseline is None:
             self._baseline = (sums[2 + m] / count, sums[3 + m:] / count)
         loss = sums[0] / count
         if not math.isfinite(loss):
             raise TrainingError(f"the validation loss is {loss} at step {self.iteration}: the "
                                 f"model diverged; lower lr or check the data; checkpoints "
                                 f"already written are kept in {self.ckpt_dir}")
-        return {"loss": loss, "metrics": sums[2:2 + m] / count, "picture": picture,
-                "count": int(count), "baseline_loss": self._baseline[0],
-                "baseline_metrics": self._baseline[1]}
+        return {"loss": loss, "metrics": sums[2:2 + m] / count, "count": int(count),
+                "baseline_loss": self._baseline[0], "baseline_metrics": self._baseline[1]}
 
     def full_batch(self, x):
         """A compiled model's validation batch filled up to the local batch with copies of its
@@ -404,38 +435,23 @@ class Trainer:
         """After an epoch's validation, the model's skill as its science scores it, where the
         task gives one then (the ViT's ``skill_every``), to the run log. Collective: every
         data-parallel rank scores its share."""
-        def forward():  # the training forward's context: autocast, the attention kernel
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.autocast())
-            stack.enter_context(self.kernels())
-            return stack
-
         t0 = time.time()
         self.model.eval()
         try:
-            got = self.task.skill(self.model, self.device, forward, self.state.epoch,
-                                  self.rt.dp_rank, self.rt.dp_size)
+            got = self.task.skill(self.model, self.device, self.forward_context,
+                                  self.state.epoch, self.rt.dp_rank, self.rt.dp_size)
         finally:
             self.model.train()
         if got is not None:
             scalars, lines = got
             self.run_log.skill(scalars, lines, time.time() - t0, self.iteration)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_checkpoint(self, epoch_sum: torch.Tensor | None = None):
-        """Collective on all ranks; rank 0 writes (under FSDP every rank writes its shards).
-        ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
-        end)."""
-        seconds = self.checkpointer.save(epoch_sum, self.run_log.window_carry())
-        self.run_log.checkpoint_took(seconds)
-
     # ------------------------------------------------------------------ the loop
 
     def fit(self):
         log.info("Starting training loop...")
         t_start = time.time()
-        validated = False
+        val = None
         # step_in_epoch > 0 at the end: a stop or a kill came after the last step's checkpoint
         # but before that epoch's validation, which is then run here (train_epoch takes no step).
         while self.iteration < self.total_steps or self.state.step_in_epoch > 0:
@@ -446,13 +462,12 @@ class Trainer:
             self.skill()
             self.last_val = val
             self.state.next_epoch()
-            validated = True
             # The checkpoint of an epoch's last step, and of the run's, is written after the
             # validation (train_epoch leaves it here): once, and a resume from it knows the
             # validation is done.
             if self.checkpoint_due() or self.iteration >= self.total_steps:
                 self.save_checkpoint()
-        if not validated and self.checkpointer.written_for(self.iteration) is None:
+        if val is None and self.checkpointer.written_for(self.iteration) is None:
             self.save_checkpoint()  # (a run with no step to take)
         wall_s = time.time() - t_start  # the report's passes below are not training
         if self.cfg.throughput_report:  # after the final checkpoint; puts the state back
@@ -460,89 +475,28 @@ class Trainer:
         self.run_log.close()
         self.loaders.close()
         log.info(f"Done: {self.iteration} steps, checkpoints in {self.ckpt_dir}")
-        self.run_log.summary(wall_s, self.last_val if validated else None, self.iteration)
+        self.run_log.summary(wall_s, val, self.iteration)
 
-# ---------------------------------------------------------------------- entry point
-
-def _fail(rt, message, exit_code, trainer=None, broken_group=False):
-    """End the process with one line on stderr (and in the run's out.log, on rank 0).
-
-    ``broken_group``: a collective failed (a peer died or hangs), or a loader stalled (its peers
-    wait in a collective; its workers in reads that even SIGKILL may not end soon, so joining
-    them could hang). The process group cannot be shut down cleanly then (gloo's destructors may
-    abort the process while a peer is still connected), so the logs and TensorBoard events are
-    flushed and the process exits at once (loader workers end with it: exit_with_parent). That
-    cleanup writes to file systems that may have stalled too: a timer armed before any of it
-    ends the process with ``exit_code`` after ``engine.exits.HARD_EXIT_AFTER_S`` seconds even if
-    a write never returns.
-    """
-    if broken_group:
-        arm_hard_exit(exit_code)
-    prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed else ""
-    record = logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:  # keep the reason in the run's out.log
-        if isinstance(handler, logging.FileHandler):
-            handler.emit(record)
-    print_error(message, prefix)
-    if broken_group:
-        if trainer is not None:
-            trainer.run_log.close()
-        release_run_locks()  # (os._exit runs no exit hooks)
-        if trainer is None:
-            discard_unstarted_run()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
-    raise SystemExit(exit_code)
+    def close(self, at_once: bool = False):
+        """The run is over: its loaders and data waits end. ``at_once`` (a peer or a loader
+        failed, and joining the loader workers could hang): only what the run shows is
+        flushed, and the process exits next."""
+        if at_once:
+            self.run_log.close()
+            return
+        self.loaders.close()
+        self.stopper.close()
 
 
 def run(cfg, trainer_cls=Trainer):
-    """Set up the runtime and train; user errors and failed collectives (a dead or hung peer
-    rank) end the process with one line and a non-zero exit code; a stop signal (stop_signals)
-    with a checkpoint, one line saying how to resume, and exit code 3."""
-    rt = trainer = None
-    stop_request = StopRequest.install(cfg.stop_signals)  # from here on a signal stops cleanly
-    try:
+    """Train under ``cfg``. How the run ends, every way (trained; a stop signal: the checkpoint,
+    the resume line and exit code 3; one error line and its exit code), is engine.stop's
+    RunEnding: from here on a stop signal stops cleanly."""
+    with RunEnding(cfg) as end:
         check_torch_version()
-        rt = setup_runtime(cfg)
-        trainer = trainer_cls(cfg, rt, stop_request=stop_request)
-        trainer.fit()
-        rt.barrier()  # every rank has finished before any tears its process groups down
-    except RunStopped as e:
-        rt.barrier()  # all ranks stopped at the same step: none tears down while one still works
-        log.info(e.message(sys.argv, rt.world_size))
-        raise SystemExit(STOPPED_EXIT_CODE) from None
-    except LoaderStalled as e:  # at once: its peers wait in a collective, its workers in a read
-        _fail(rt, str(e), e.exit_code, trainer, broken_group=True)
-    except UserError as e:
-        _fail(rt, str(e), e.exit_code)
-    except (RuntimeError, MemoryError) as e:  # includes torch.distributed.DistError
-        where = f"after step {trainer.iteration}" if trainer is not None else "during set-up"
-        too_big = describe_allocation_failure(e, cfg, rt, where)
-        if too_big is not None:
-            _fail(rt, too_big, 2, trainer)
-        message = describe_dist_failure(e, cfg, where)
-        if message is None:
-            raise  # a bug, not a peer's failure: keep the traceback
-        _fail(rt, message, 1, trainer, broken_group=True)
-    finally:
-        if trainer is not None:
-            trainer.loaders.close()
-            trainer.stopper.close()
-        release_run_locks()  # the run directory is free for another process (also on errors)
-        if trainer is None:  # the start failed in set-up: it leaves no run behind
-            discard_unstarted_run()
-        # The trainer (its DDP reducer, the work it queued) is freed before the process groups
-        # are destroyed, while the interpreter is whole (its data waits' watchdog thread, which
-        # held it, has ended): left to the interpreter's exit, gloo's threads could free it
-        # during finalization, which aborts the process (SIGABRT, "terminate called without an
-        # active exception") after a run that succeeded.
-        trainer = None
-        gc.collect()
-        if rt is not None:
-            rt.shutdown()
-        stop_request.restore()
+        end.rt = setup_runtime(cfg)
+        end.trainer = trainer_cls(cfg, end.rt, end)
+        end.trainer.fit()
 
 
 if __name__ == "__main__":

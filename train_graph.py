@@ -39,7 +39,7 @@ log = logging.getLogger("train")
 class GraphTrainer(Trainer):
     captures_step = True  # capturable Adam with a tensor learning rate; autocast without cache
 
-    def __init__(self, cfg, rt, ops=None, stop_request=None):
+    def __init__(self, cfg, rt, ending=None, ops=None):
         """``ops``: the CUDA side of capture (a stand-in drives the same logic in CPU tests)."""
         if ops is None:
             check_can_capture(cfg, rt.device, model_parallel=rt.groups is not None)
@@ -47,7 +47,7 @@ class GraphTrainer(Trainer):
         ddp = rt.dp_size > 1 and not cfg.noddp
         warmup = capture_warmup_steps(cfg, ddp)  # refused here, before anything is written
         with ops.side_stream():  # DDP is wrapped on the stream the step is captured on
-            super().__init__(cfg, rt, stop_request)
+            super().__init__(cfg, rt, ending)
         if warmup != cfg.graph_warmup_steps:
             log.info(f"CUDA graph: {warmup} eager warm-up steps (graph_warmup_steps="
                      f"{cfg.graph_warmup_steps}; DDP needs at least 11 before capture)")

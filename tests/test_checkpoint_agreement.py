@@ -29,7 +29,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from conftest import write_era5
 from distributed_harness import run_ranks
-from engine import checkpoint, start_weights
+from engine import checkpoint
+from engine.checkpoint import start_weights
 from engine.checkpoint_convert import main as convert_main
 from engine.checkpoint import Checkpointer, files
 from engine.runtime import Runtime, setup_runtime

@@ -1,5 +1,5 @@
 """Exits meant to be immediate end within their bound even when something they wait for blocks:
-the cleanup of ``train._fail`` on a broken process group (a TensorBoard close that never
+the cleanup of ``RunEnding.fail`` on a broken process group (a TensorBoard close that never
 returns, as on a stalled file system), and the exit hook's end of loader workers that SIGKILL does
 not end (a worker in an uninterruptible read, simulated: its kill does nothing and it ignores
 SIGTERM). Each runs in a subprocess with the bounds lowered to 1 s."""
@@ -59,15 +59,16 @@ def test_fail_on_a_broken_group_exits_even_if_its_cleanup_blocks(tmp_path):
         import types
         import engine.stop.signals
         engine.stop.signals.HARD_EXIT_AFTER_S = {BOUND}
-        import train
+        from engine.stop import NeverStop, RunEnding
 
-        class StalledBoard:
-            def close(self):  # TensorBoard's flush on a file system that stalled
+        class StalledTrainer:
+            def close(self, at_once=False):  # TensorBoard's flush on a file system that stalled
                 time.sleep(600)
 
+        end = RunEnding(types.SimpleNamespace(stop_signals=[]), NeverStop())
+        end.trainer = StalledTrainer()
         print("start", time.monotonic(), flush=True)
-        train._fail(None, "a peer rank died", 5, types.SimpleNamespace(board=StalledBoard()),
-                    broken_group=True)
+        end.fail("a peer rank died", 5, broken_group=True)
     """)
     assert code == 5, err
     assert "error: a peer rank died" in err

@@ -166,7 +166,7 @@ def _trunk(model, x):
 
 def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
     from engine.runtime import Runtime
-    from engine.start_weights import load_start_weights
+    from engine.checkpoint.start_weights import load_start_weights
 
     cfg = build_config(VIT, "base", {**SMALL_VIT, "n_out_channels": "3"})
     p, c = cfg.patch_size, 3
@@ -211,7 +211,7 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
 
 def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
     from engine.runtime import Runtime
-    from engine.start_weights import load_start_weights
+    from engine.checkpoint.start_weights import load_start_weights
 
     cfg = build_config(UNET, "base", {**SMALL_UNET, "full_scale": "true", "data_size": "64"})
     torch.manual_seed(0)

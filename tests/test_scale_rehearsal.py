@@ -45,7 +45,7 @@ from conftest import ROOT, write_cosmo, write_era5
 from distributed_harness import run_ranks
 from datapipe.data_loader import ValidationSampler, validation_batch_sizes
 from engine import sharding
-from engine.stop.signals import StopRequest
+from engine.stop import RunEnding, StopRequest
 from engine.runtime import setup_runtime
 from test_ddp import unet_cfg, vit_cfg
 from train import Trainer
@@ -140,7 +140,7 @@ def rehearse(era5, cosmo, exp, world):
         kw = _scaled(kw, world) | dict(num_iters=STEPS, log_every=LOG_EVERY, checkpoint_every=0)
         make = unet_cfg if name.startswith("unet") else vit_cfg
         cfg = make(cosmo if name.startswith("unet") else era5, os.path.join(exp, name), **kw)
-        tr = Census(cfg, setup_runtime(cfg), stop_request=StopRequest())
+        tr = Census(cfg, setup_runtime(cfg), ending=RunEnding(cfg, StopRequest()))
         forward = tr.wrapped_model.forward
 
         def counted_forward(*args, _tr=tr, _f=forward, **kwargs):
@@ -192,7 +192,7 @@ def rank_validate_only(era5, cosmo, exp, world):
         make = unet_cfg if name.startswith("unet") else vit_cfg
         cfg = make(cosmo if name.startswith("unet") else era5,
                    os.path.join(exp, "v_" + name), **kw)
-        tr = Trainer(cfg, setup_runtime(cfg), stop_request=StopRequest())
+        tr = Trainer(cfg, setup_runtime(cfg), ending=RunEnding(cfg, StopRequest()))
         try:
             val = tr.validate()
         finally:
@@ -342,7 +342,7 @@ def rank_census(era5, exp):
     for loader in ("lowmem", "synthetic"):
         cfg = vit_cfg(era5, os.path.join(exp, loader), num_iters=STEPS, log_every=LOG_EVERY,
                       checkpoint_every=0, data_loader_config=loader)
-        tr = Census(cfg, setup_runtime(cfg), stop_request=StopRequest())
+        tr = Census(cfg, setup_runtime(cfg), ending=RunEnding(cfg, StopRequest()))
         originals = _counting(tr)
         import torch.distributed as dist
         try:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from engine.checkpoint import files
 from engine.checkpoint.state import TrainState, finished, keep_run_length
+from engine.checkpoint.start_weights import load_start_weights
 from settings.errors import ConfigError, TrainingError
 
 log = logging.getLogger("engine.checkpoint")
@@ -144,6 +145,14 @@ class Checkpointer:
                               f"from a copy you kept with --resume_from PATH, or start a new "
                               f"run without --resume")
         return state, path
+
+    def start_weights(self, model, from_reference):
+        """``--init_from``: a fresh run's ``model`` starts from an earlier run's checkpoint or the
+        tutorial's weights (``from_reference``: the task's renaming of those), and the log says
+        what it took. Nothing when resuming (the checkpoint has the weights)."""
+        if self.cfg.init_from and self.resumed is None:
+            log.info(load_start_weights(model, self.cfg.init_from, from_reference, self.cfg,
+                                        self.rt))
 
     # ------------------------------------------------------------------ the run's state
 

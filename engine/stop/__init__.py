@@ -1,6 +1,7 @@
 """Stopping a run: the stop signals (``signals``), the waits for data that a signal or
-``loader_timeout_s`` ends (``waits``) and the ranks' agreement on the step to stop after
-(``agreement``), behind one object the loop talks to, ``Stopper``:
+``loader_timeout_s`` ends (``waits``), the ranks' agreement on the step to stop after
+(``agreement``) and every way a run ends (``ending``: ``RunEnding``, around the entry point),
+behind one object the loop talks to, ``Stopper``:
 
     for batch in stopper.batches(loader, "training", epoch, step, stop=save_and_stop): ...
     for size, batch in stopper.validation_batches(loader, epoch, sizes): ...
@@ -15,8 +16,9 @@ from engine.stop.agreement import StopAgreement
 from engine.stop.signals import (NeverStop, RunStopped, StopRequest, arm_hard_exit,
                                  end_children, resume_command)
 from engine.stop.waits import DataWaits, LoaderStalled, may_wait, next_batch
+from engine.stop.ending import RunEnding
 
-__all__ = ["Stopper", "StopRequest", "NeverStop", "RunStopped", "LoaderStalled",
+__all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped", "LoaderStalled",
            "arm_hard_exit", "end_children", "resume_command"]
 
 

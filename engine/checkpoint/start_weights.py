@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from engine import checkpoint
+from engine.checkpoint import files
+from engine.checkpoint.state import setting_changes
 from settings.config import to_dict
 from settings.errors import ConfigError
 
@@ -37,17 +38,17 @@ def _read(path: str):
                               f"holds no .metadata): give a checkpoint (a ckpt_<step>.pt file or "
                               f"an FSDP run's ckpt_<step>.dcp directory) or a file of saved "
                               f"weights")
-        state, _ = checkpoint.load_file(path)
+        state, _ = files.load_file(path)
         if state is None:
             raise ConfigError(f"init_from={path} does not load (incomplete or damaged; the line "
                               f"above says why): give an earlier checkpoint of that run")
-        return checkpoint.weights(state), state
+        return files.weights(state), state
     try:
-        sd = checkpoint.read_pt(path)
+        sd = files.read_pt(path)
     except FileNotFoundError:
         raise ConfigError(f"init_from={path}: no such file") from None
     except Exception as e:
-        raise ConfigError(f"init_from={path} does not load ({checkpoint.unreadable(e)}): give "
+        raise ConfigError(f"init_from={path} does not load ({files.unreadable(e)}): give "
                           f"another checkpoint of that run, or the tutorial model's "
                           f"state_dict() saved with torch.save") from None
     if not isinstance(sd, dict):
@@ -97,7 +98,7 @@ def _load(model, path, from_reference, cfg) -> str:
             raise ConfigError(f"init_from={path} holds the weights of a {saved['model']} "
                               f"model, and this run trains a {cfg.model} model: give a "
                               f"checkpoint of a {cfg.model} run")
-        how, what = checkpoint.setting_changes(saved, to_dict(cfg, identity=False))
+        how, what = setting_changes(saved, to_dict(cfg, identity=False))
         how = [c for c in how if c.split()[0] not in ("init_from", "expdir", "run_num")]
         what += [c for c in how if c.split()[0] in BATCH]  # (a resume keeps the global batch)
         how = [c for c in how if c.split()[0] not in BATCH]
