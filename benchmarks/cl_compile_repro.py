@@ -3,28 +3,11 @@ project imports), to run with whatever torch a machine has::
 
     python benchmarks/cl_compile_repro.py                        # a GPU: the U-Net's widths
     python benchmarks/cl_compile_repro.py --width 4 --max-width 16 --side 32    # small, CPU too
-    python benchmarks/cl_compile_repro.py --options '{"layout_optimization": false}'
-    python benchmarks/cl_compile_repro.py --per-level    # each level compiled on its own
 
-The model is the project's U-Net rebuilt here (networks/unet.py): Conv3d(k=4, s=2, p=1) +
-LeakyReLU down to a 1^3 bottom, ConvTranspose3d + ReLU back up with each level's encoder output
-concatenated, a last ConvTranspose3d and a tanh; widths ``--width`` doubling up to
-``--max-width`` (64..512, the tutorial's). Weights and input are in ``torch.channels_last_3d``,
-the step runs under bf16 autocast on a GPU (fp32 on a CPU), cuDNN's autotuning is on (as in the
-project's runs), the loss is the L1 distance to a random target.
-
-It prints torch's, CUDA's and cuDNN's versions, then two phases, each in a child process given
-``--timeout`` seconds (``--eager-timeout`` for the first): ``eager``, one forward + backward (the
-reference), and ``compiled`` (``--per-level``: each level compiled on its own, in place, as
-``compile_blocks`` does), compared with eager: the loss within bf16 rounding (2e-2 relative;
-1e-4 in fp32), the gradients' cosine > 0.99. One line says ``compiled and ran in X s`` ("same
-numbers" or "DIFFERENT numbers"), ``FAILED: <the root exception's type and first line>``, or
-``no result within T s``. Exit status 0 when the compiled step gave the eager numbers, else 1.
-
-On an H200 with torch 2.11 the project's compiled channels-last backward failed with
-``AssertionError: expected size 512==512, stride 64==1 at dim=1`` in
-``aten.convolution_backward``, and later gave no result within 100 s
-(benchmarks/channels_last_compile.py at commit d5877b9; docs/performance.md).
+The model, the phases (eager, then compiled, each with its own limit), the comparison and the
+verdict lines are described in docs/performance.md ("channels-last"); ``--contiguous``,
+``--options`` and ``--per-level`` were options of this script at commit 68986f8. Exit status 0
+when the compiled step gave the eager numbers, else 1.
 """
 from __future__ import annotations
 
@@ -75,7 +58,7 @@ def build_model(width: int, max_width: int, levels: int):
         if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)):
             nn.init.normal_(m.weight, 0.0, 0.02)
             nn.init.zeros_(m.bias)
-    return model, widths
+    return model
 
 
 def first_line(e: BaseException) -> str:
@@ -100,10 +83,10 @@ def child(a) -> None:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     torch.backends.cudnn.benchmark = True
-    fmt = torch.contiguous_format if a.contiguous else torch.channels_last_3d
+    fmt = torch.channels_last_3d
     levels = a.side.bit_length() - 1  # down to 1^3
     torch.manual_seed(0)
-    model, _ = build_model(a.width, a.max_width, levels)
+    model = build_model(a.width, a.max_width, levels)
     model = model.to(device, memory_format=fmt)
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(a.batch, 4, a.side, a.side, a.side, device=device, generator=g)
@@ -126,20 +109,10 @@ def child(a) -> None:
     t0 = time.perf_counter()
     ref_loss, ref_grad = step(model)
     say(phase="eager", event="done", seconds=time.perf_counter() - t0, loss=ref_loss)
-    if a.phase == "eager":
-        return
     say(phase="compiled", event="start")
     t0 = time.perf_counter()
     try:
-        options = json.loads(a.options) if a.options else None
-        kw = {"backend": a.backend, **({"options": options} if options else {})}
-        if a.per_level:
-            for level in [*model.down, *model.up]:
-                level.compile(**kw)
-            compiled = model
-        else:
-            compiled = torch.compile(model, **kw)
-        loss, grad = step(compiled)
+        loss, grad = step(torch.compile(model, backend=a.backend))
     except Exception as e:  # noqa: BLE001 (the failure is the finding)
         say(phase="compiled", event="failed", seconds=time.perf_counter() - t0,
             error=first_line(e))
@@ -193,14 +166,12 @@ def run_phases(argv: list[str], eager_timeout: float, timeout: float) -> dict:
         else:
             phase, deadline = None, None
     proc.wait()
+    tail = [ln.strip() for ln in err if ln.strip()][-1:] or [f"exit {proc.returncode}"]
+    died = {"event": "failed", "error": f"the process died: {tail[0][:300]}"}
     for name, ev in list(events.items()):
         if ev["event"] == "start":  # the child died in this phase
-            tail = [ln.strip() for ln in err if ln.strip()][-1:] or [f"exit {proc.returncode}"]
-            events[name] = {"event": "failed", "error": f"the process died: {tail[0][:300]}"}
-    if not events:
-        tail = [ln.strip() for ln in err if ln.strip()][-1:] or [f"exit {proc.returncode}"]
-        events["eager"] = {"event": "failed", "error": f"the process died: {tail[0][:300]}"}
-    return events
+            events[name] = died
+    return events or {"eager": died}
 
 
 def verdict(ev: dict | None, phase: str) -> str:
@@ -231,20 +202,13 @@ def main(argv=None) -> int:
     p.add_argument("--side", type=int, default=64,
                    help="crop side, a power of 2: log2(side) levels, down to 1^3")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
-    p.add_argument("--contiguous", action="store_true",
-                   help="the default layout instead of channels-last (the control)")
     p.add_argument("--backend", default="inductor", help="torch.compile's backend")
-    p.add_argument("--options", default="", help="torch.compile's options, as JSON")
-    p.add_argument("--per-level", action="store_true",
-                   help="compile each encoder and decoder level on its own (compile_blocks)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds for the compiled phase (compile + forward + backward)")
     p.add_argument("--eager-timeout", type=float, default=None,
                    help="seconds for the eager phase (default: --timeout)")
     p.add_argument("--json", default="", help="also write the verdicts to this JSON file")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--phase", default="compiled", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.side < 2 or a.side & (a.side - 1):
         p.error(f"--side {a.side}: must be a power of 2")
@@ -252,10 +216,11 @@ def main(argv=None) -> int:
         p.error("--width, --max-width and --batch must be 1 or more, --timeout above 0")
     if a.json and os.path.lexists(a.json) and not a.child:
         p.error(f"--json {a.json} exists: choose another name, or remove it")
+    import torch
+    a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.child:
         child(a)
         return 0
-    import torch
     cuda = torch.version.cuda or "none"
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none"
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU"
@@ -267,9 +232,7 @@ def main(argv=None) -> int:
     amp = ("bf16 autocast, cuDNN autotuning on" if a.device.startswith("cuda")
            else "fp32 (no autocast on a CPU)")
     head.append(f"model: {levels} levels, widths {widths[0]}..{widths[-1]}, input {a.batch} x 4 "
-                f"x {a.side}^3, {'contiguous' if a.contiguous else 'channels_last_3d'}, {amp}; "
-                f"torch.compile(backend={a.backend!r}, options={a.options or '{}'})"
-                + (", each level on its own" if a.per_level else ""))
+                f"x {a.side}^3, channels_last_3d, {amp}; torch.compile(backend={a.backend!r})")
     print(head[1], flush=True)
     events = run_phases(list(argv if argv is not None else sys.argv[1:]),
                         a.eager_timeout or a.timeout, a.timeout)
@@ -283,14 +246,6 @@ def main(argv=None) -> int:
             json.dump({"works": ok, "events": events, "lines": lines,
                        "markdown": "```\n" + "\n".join(head + lines) + "\n```"}, f, indent=1)
     return 0 if ok else 1
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":
