@@ -5,20 +5,9 @@ compute-only training steps, both compiled, in one process, timed in alternating
     python -m benchmarks.fp8_linears --recipes tensorwise rowwise --budget 540
     python -m benchmarks.fp8_linears --small                 # a toy ViT on a CPU, emulated
 
-The step is the engine's without data or communication: the ``mp`` ViT (embed 1536, 12 blocks
-of 8 heads, 4050 tokens, 350 M parameters) from the same seed, ``--batch`` random samples on the
-GPU, bf16 autocast, the task's attention kernel and loss, fused Adam, ``torch.compile``
-(``--eager``: not compiled); the fp8 variants convert the blocks' linears as a run does
-(``engine.fp8_linears``) before compiling. Every variant is built and compiled first, then rounds
-of ``--steps`` steps run each in turn until ``--budget`` seconds or ``--rounds`` (at least two):
-drift reaches every variant alike. Per variant: ms per step (median of the rounds), samples/s,
-model TFLOP/s (the bf16 model's FLOPs), the speed-up over bf16, the seconds to its first step
-and the memory its step adds. fp8 stays on by default for ``mp`` only at 1.15x bf16 or more;
-the last line says whether the fastest fp8 variant reaches it.
-
-A GPU without fp8 (compute capability below 8.9) or without torchao is refused in one line
-(exit 2). ``--small``: a toy ViT on the CPU in torchao's emulation (for the tests; its numbers
-say nothing about speed).
+The steps, the rounds and the table are described in docs/performance.md ("fp8 linear
+layers"); ``--eager`` was an option at commit 68986f8. A GPU without fp8 or without torchao is
+refused in one line (exit 2).
 """
 from __future__ import annotations
 
@@ -181,7 +170,6 @@ def main(argv=None):
     p.add_argument("--budget", type=at_least(1.0, float), default=240.0,
                    help="seconds for building and timing; variants not built by then are "
                         "skipped, rounds stop (at least 2) (default: %(default)g)")
-    p.add_argument("--eager", action="store_true", help="do not compile (--small never does)")
     p.add_argument("--small", action="store_true",
                    help="a toy ViT on the CPU in torchao's emulation, for the tests")
     p.add_argument("--json", type=new_file, default="",
@@ -192,7 +180,7 @@ def main(argv=None):
     steps = a.steps or (2 if a.small else 10)
     try:
         out = measure(a.recipes, batch, steps, a.budget, a.small,
-                      compiled=not (a.eager or a.small), max_rounds=a.rounds)
+                      compiled=not a.small, max_rounds=a.rounds)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
