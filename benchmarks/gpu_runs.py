@@ -7,24 +7,10 @@ channels-last and fp8, tabulated beside the tutorial's A100 figures and the goal
     python -m benchmarks.gpu_runs --make-data            # the device call (~8 min on an H200)
     python -m benchmarks.gpu_runs --make-data --only unet vit   # series, or runs by key
 
-``--budget`` (540 s) bounds the whole call, data making included. A run gets a timeout of
-twice its estimate and 30 s (``--timeout`` sets one for all), cut to what is left of the
-budget; a run that would start with less than half its estimate left is a ``skipped`` row.
-After every run the table is written again, so a call stopped from outside keeps what it
-measured. ``--make-data`` first writes random data at the tutorial's sizes under ``--data``, in
-seconds (benchmarks/gpu_data.py); without it, missing data stops the call before any run.
-
-The series (``SERIES``: ``unet``, ``vit``, and the benchmark scripts ``roofline``, ``cl``,
-``fp8``, which write their result as JSON with the markdown of their section) are described
-where they are defined; docs/performance.md has the whole account. The baselines, compile_blocks,
-CUDA graphs and the GPU tests were series of this script at commit d5877b9; their figures are in
-benchmarks/GPU.md. The table (GPU.md in ``--out-dir``: $OUT when set, else benchmarks/; a
-new name beside an existing one; gpu_runs.log holds every run's command and output,
-gpu_runs.json the parsed numbers): per run samples/s (the median of the epochs after the first)
-and the data-wait share, the speed-ups over the row before and the series' first, TFLOP/s, MFU,
-peak memory, the tutorial's A100 figure, the start's and first epoch's seconds; then the
-throughput reports, the goals and the versions. A run that fails, times out or logs no epoch is
-a row saying so; exit status 1 when any row failed or was skipped.
+The series (``SERIES``), the budget and timeouts, the data ``--make-data`` writes and the
+table (GPU.md in ``--out-dir``, beside gpu_runs.log and gpu_runs.json) are described in
+docs/performance.md ("Measuring on a GPU"). A run that fails, times out or logs no epoch is a
+row saying so; exit status 1 when any row failed or was skipped.
 """
 from __future__ import annotations
 
@@ -54,11 +40,8 @@ BUDGET_S = 540.0  # one call: under the device's 10-minute command limit, with r
 MIN_RUN_S = 20.0  # no run starts with less than this left of the budget
 
 # ---------------------------------------------------------------------------- the estimates
-# From the GPU runs on an H200 (notes gpu-second-run.md and the step options of 2026-11-26):
-# a process's start to its first step about 15 s (imports, CUDA context, model, loaders), cuDNN's
-# autotuning of the U-Net's convolutions 15-40 s more on a first step; wall-clock samples/s of
-# the U-Net at batch 64: fp32 2 workers 135, the device loader ~1500-1900; ViT at batch 16: fp32
-# no workers 17, bf16 + fused + compile with 8 workers 150; compile 20-40 s.
+# From the GPU runs on an H200 (benchmarks/GPU.md): wall-clock samples/s of the U-Net at batch
+# 64 with the device loader ~1500-1900; ViT at batch 16, bf16 + fused + compile with 8 workers 150.
 START_S = 15.0  # process start to the first step: imports, CUDA context, model, loader
 AUTOTUNE_S = 20.0  # cuDNN's autotuning of the U-Net's convolutions on a first step
 COMPILE_S = 35.0  # torch.compile's first steps, caches cold
