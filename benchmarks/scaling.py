@@ -4,27 +4,17 @@
     python -m benchmarks.scaling --models vit --ranks 1,2
     python -m benchmarks.scaling --plot-only        # redraw from benchmarks/scaling/results.json
 
-Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo on CPU, one thread per
-rank, OMP_NUM_THREADS=1 also for the 1-rank runs so that points compare) of a model's
-``quickstart`` with ``--data_loader_config synthetic``: one batch made in memory and served
-every step (no data set needed), so file I/O and the loader are excluded and what scales is compute plus the
-gradient all-reduce. Each run trains 5 epochs of the same number of steps; the throughput of a
-point is the median samples/s of epochs 2-5 read from the run's log (epoch 1 holds the one-off
-costs: first-touch allocation, DDP's bucket rebuild), pooled over --repeats rounds.
+Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo, one thread per rank) of a
+model's ``quickstart`` with ``--data_loader_config synthetic`` (compute plus the gradient
+all-reduce), 5 epochs; its throughput is the median samples/s of epochs 2-5, pooled over
+--repeats rounds. Series: weak (fixed local batch) and strong (fixed global batch) scaling, each
+with DDP and with --noddp (compute alone); efficiency = throughput(N) / (N x throughput(1)).
+The method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine: other
+processes' load would be timed as ours (at commit 68986f8 the script waited for quiet and ran a
+disturbed point again).
 
-Run it on a quiet machine: other processes' load would be timed as ours (at commit 68986f8 the
-script waited for quiet and ran a disturbed point again). results.json keeps every epoch and
-the best epoch.
-
-Series (samples/s counts the global batch):
-  weak:   fixed local batch per rank, global batch = local x ranks;
-  strong: fixed global batch, local batch = global / ranks;
-each with DDP (gradient all-reduce) and with --noddp (no gradient communication: the replicas
-drift apart, the time is compute alone). Efficiency = throughput(N) / (N x throughput(1)).
-
-Writes benchmarks/scaling/results.json, prints Markdown tables, and with matplotlib installed
-(a benchmark-only dependency: pip install -r requirements-plots.txt) draws throughput.png and
-efficiency.png beside them.
+Writes benchmarks/scaling/results.json (every epoch, the best epoch), prints Markdown tables, and
+with matplotlib (pip install -r requirements-plots.txt) draws throughput.png and efficiency.png.
 """
 from __future__ import annotations
 

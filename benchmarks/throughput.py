@@ -5,22 +5,11 @@
 
 Data: synthetic files in the real formats under --data (made once): an ERA5 year of 120 steps at
 the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
-crops.
-
-Loader rows: whole batches of each setting (lowmem, inmem; for the U-Net also ``device``; DALI's
-``dali-lowmem`` and ``dali-inmem`` where DALI is installed, CPU pipelines here) and worker count
-(the device loader has no workers: one row), each beside the raw read of the same bytes (h5py,
-one process, nothing else) timed in the same rounds. Per row: samples/s and GB/s
-delivered (input and target, float32, in the memory the step reads), the ratio to the raw read,
-and the main process's CPU time per batch while it receives batches (``time.process_time``: all
-its threads; without workers that is the whole read), also as a share of the raw read time of a
-batch. Each measurement starts a pass, skips the batches that fill the prefetch queue, times
-``--batches`` batches, then waits until the batches prefetched meanwhile are read, so that it
-does not run beside the next; ``--rounds`` rounds, the paths in a rotating order, the best round
-of each path counts.
-
-Raw rows: h5py reads alone. Training steps were timed here at commit 68986f8 (their figures in
-benchmarks/RESULTS.md); train.py's epoch lines and ``--throughput_report`` measure them now.
+crops. Loader rows: each setting (lowmem, inmem; for the U-Net also ``device``; DALI's where it
+is installed) and worker count beside the raw h5py read of the same bytes, timed interleaved
+(how, and the columns: benchmarks/RESULTS.md). Raw rows: h5py reads alone. Training steps were
+timed here at commit 68986f8 (their figures in benchmarks/RESULTS.md); train.py's epoch lines
+and ``--throughput_report`` measure them now.
 """
 from __future__ import annotations
 
