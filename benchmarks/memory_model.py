@@ -7,17 +7,12 @@
     python -m benchmarks.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
     python -m benchmarks.memory_model --config mp --amp_mode bf16 --data_parallel 8 --fsdp
 
-Any config key can be overridden (``--key value``, as for train.py). The model's own options:
-``--data_parallel`` (dp; default 1, world = tp x cp x dp; the local batch is
-``global_batch_size / dp`` unless ``--local_batch_size`` is given), ``--attention``
-(``flash``, ``efficient`` or ``math``), ``--measure`` (``cuda``: what the allocator holds;
-``cpu``: what the engine's CPU byte count sees), ``--gpu_memory_gb`` (one GPU's memory in GiB:
-with ``--measure cuda`` the peak is given as a share of it, with the verdict fits or does not
-fit), and ``--json``. The layout is the engine's (``distributed.parallelize.token_layout``):
-``--sequence_parallel false`` turns sequence parallelism off as it does for train_mp.py.
-
-What is counted, and every assumption: benchmarks/memory_model.md. Tested against the CPU byte
-count (``observe.memory.MemoryProbe``) in tests/test_mp_training.py.
+Any config key can be overridden (``--key value``, as for train.py); the model's own options are
+in ``--help``. World = tp x cp x dp; the local batch is ``global_batch_size / dp`` unless
+``--local_batch_size`` is given. The layout is the engine's
+(``distributed.parallelize.token_layout``; ``--sequence_parallel false`` as for train_mp.py). What is
+counted, and every assumption: benchmarks/memory_model.md. Tested against the CPU byte count
+(``observe.memory.MemoryProbe``) in tests/test_mp_training.py.
 """
 from __future__ import annotations
 
