@@ -142,15 +142,14 @@ def main(argv=None):
     p.add_argument("--json", type=new_file, default="",
                    help="also write the rows to this JSON file (a new file)")
     a = p.parse_args(argv)
-    from settings.errors import ConfigError
+    from settings.errors import ConfigError, refuse
     batch = a.batch or (2 if a.small else 8)
     steps = a.steps or (2 if a.small else 10)
     try:
         out = measure(a.recipes, batch, steps, a.budget, a.small,
                       compiled=not a.small, max_rounds=a.rounds)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(str(e))
     out["markdown"] = table(out)
     if a.json:
         with open(a.json, "w") as f:

@@ -117,12 +117,7 @@ RUNS = {run.key: run for runs in SERIES.values() for run in runs}
 
 def select(names) -> list[Run]:
     """The runs of ``names`` (series or run keys), in that order, each once."""
-    runs = []
-    for name in names:
-        for run in SERIES.get(name) or [RUNS[name]]:
-            if run not in runs:
-                runs.append(run)
-    return runs
+    return list(dict.fromkeys(run for name in names for run in SERIES.get(name) or [RUNS[name]]))
 
 
 def run_timeout(est_s: float) -> float:

@@ -176,7 +176,8 @@ def _ancestors(e):
 
 def attribute(events, step, gpu: bool) -> dict:
     """The profiled time (ms, all steps together) of each of ``step``'s groups, and what stayed
-    unattributed, from torch.profiler's events (``prof.events()``); see the module's doc."""
+    unattributed, from torch.profiler's events (``prof.events()``): benchmarks/roofline.md,
+    "Attributing the measured time"."""
     from benchmarks.roofline_model import CASTS, op_name
     cpu_events = [e for e in events if e.device_type.name == "CPU"
                   and not any(a.name == WARMUP_RANGE for a in _ancestors(e))]

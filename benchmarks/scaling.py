@@ -119,9 +119,8 @@ def series(results, model, kind, noddp):
     for r in sorted(results, key=lambda r: r["ranks"]):
         if r["model"] != model or (r["noddp"] != noddp and r["ranks"] > 1):
             continue
-        if kind == "weak" and r["local_batch"] == m["weak_local"]:
-            out.append((r["ranks"], r["samples_per_s"]))
-        if kind == "strong" and r["global_batch"] == m["strong_global"]:
+        if (r["local_batch"] == m["weak_local"] if kind == "weak"
+                else r["global_batch"] == m["strong_global"]):
             out.append((r["ranks"], r["samples_per_s"]))
     return out
 

@@ -178,14 +178,6 @@ def measure(loader, n_batches, warmup, epoch, ahead):
     return {"rate": n / dt, "gbs": nbytes / dt / 1e9, "cpu_ms": 1e3 * cpu / n_batches}
 
 
-def close_loaders(loaders):
-    """End the loaders' workers; returns None, to drop the last reference with."""
-    close = getattr(loaders, "close", None)
-    if callable(close):
-        close()
-    gc.collect()
-
-
 COLUMNS = ["data", "setting", "workers", "raw read, samples/s", "raw read, GB/s",
            "now, samples/s", "now, GB/s", "now / raw", "now, main CPU ms/batch",
            "now, main CPU / raw read of a batch", "load (1 min)"]
@@ -195,16 +187,12 @@ def table_header() -> str:
     return "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS)
 
 
-def _f(v, spec):
-    return "–" if v is None else format(v, spec)
-
-
 def format_row(r: dict) -> str:
     raw, now = r["raw"], r["now"]
     cells = [r["data"], r["setting"], "–" if r["setting"] == "device" else str(r["workers"]),
              f"{raw['rate']:.1f}", f"{raw['gbs']:.2f}", f"{now['rate']:.1f}", f"{now['gbs']:.2f}",
              f"{r['ratio']:.2f}", f"{now['cpu_ms']:.1f}", f"{r['main_share']:.1%}",
-             _f(r.get("load"), ".1f")]
+             "–" if r.get("load") is None else f"{r['load']:.1f}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -225,17 +213,16 @@ def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS):
                 ahead = cfg.prefetch_depth * max(1, w)  # batches a loader reads ahead
                 warmup = ahead + 2
                 rng = np.random.default_rng(0)
-                paths = {"raw": lambda: dict(zip(("rate", "gbs"), case.raw(n_batches * b, rng)))}
-                paths["now"] = lambda e: measure(loaders.train, n_batches, warmup, e, ahead)
                 best = {}
-                names = list(paths)
-                for r in range(rounds):
-                    for k in names[r % len(names):] + names[:r % len(names)]:
-                        got = paths[k]() if k == "raw" else paths[k](r)
+                for r in range(rounds):  # the two paths in a rotating order
+                    for k in (("raw", "now") if r % 2 == 0 else ("now", "raw")):
+                        got = (dict(zip(("rate", "gbs"), case.raw(n_batches * b, rng))) if k == "raw"
+                               else measure(loaders.train, n_batches, warmup, r, ahead))
                         if k not in best or got["rate"] > best[k]["rate"]:
                             best[k] = got
-                paths.clear()
-                loaders = close_loaders(loaders)  # None: its memory (inmem: the data) goes now
+                loaders.close()  # its workers end
+                loaders = None  # and its memory (inmem: the data) goes now
+                gc.collect()
                 raw, now = best["raw"], best["now"]
                 row = {"data": case.label, "setting": setting, "workers": w, "batch": b,
                        "raw": raw, "now": now,
