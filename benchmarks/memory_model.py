@@ -295,10 +295,6 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
         raise ValueError(f"fsdp with tensor_parallel={tp} x context_parallel={cp}: this model "
                          f"counts FSDP alone (tp = cp = 1); for the combination, divide the tp/cp "
                          f"layout's parameters, gradients and Adam state by data_parallel")
-    if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r}: choose {', '.join(ATTENTION)}")
-    if measure not in MEASURE:
-        raise ValueError(f"measure={measure!r}: choose {', '.join(MEASURE)}")
     lay = check_layout(s, tp, cp, sequence_parallel)
     sp = lay.sequence_parallel
     f, a = 4, 2 if amp else 4
@@ -376,16 +372,12 @@ def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measur
 
 # ---- command line ---------------------------------------------------------------------------------
 
-def _fmt(x, unit) -> str:
-    return f"{x / unit:10.3f}"
-
-
 def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda", attention: str = "flash") -> str:
     lines = []
     unit, name = (GiB, "GiB") if p.peak >= GiB else (2**20, "MiB")
 
     def _gb(x):
-        return _fmt(x, unit)
+        return f"{x / unit:10.3f}"
 
     if cfg is not None:
         lines.append(f"config {cfg.name}: img {cfg.img_size}, patch {cfg.patch_size}, embed {cfg.embed_dim}, depth "
