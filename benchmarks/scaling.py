@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,19 +53,13 @@ EPOCHS = 5
 EPOCH = re.compile(r"Epoch (\d+): ([0-9.]+) s for \d+ steps, ([0-9.]+) samples/s")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_point(model: str, ranks: int, local_batch: int, noddp: bool, work: str, log_dir: str):
     """One torchrun; returns samples/s (median of epochs 2..) and the per-epoch numbers."""
     m = MODELS[model]
     tag = f"{model}_n{ranks}_b{local_batch}{'_noddp' if noddp else ''}_{time.time_ns()}"
     n_train = local_batch * ranks * m["steps"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(ranks), os.path.join(ROOT, "train.py"),
            "--yaml_config", os.path.join(ROOT, m["yaml"]), "--config", "quickstart",
            "--data_loader_config", "synthetic", "--num_data_workers", "0",
            "--local_batch_size", str(local_batch), "--num_epochs", str(EPOCHS),
