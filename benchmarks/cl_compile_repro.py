@@ -3,37 +3,17 @@ project imports), to run with whatever torch a machine has::
 
     python benchmarks/cl_compile_repro.py                        # a GPU: the U-Net's widths
     python benchmarks/cl_compile_repro.py --width 4 --max-width 16 --side 32    # small, CPU too
-    python benchmarks/cl_compile_repro.py --options '{"layout_optimization": false}'
-    python benchmarks/cl_compile_repro.py --per-level    # each level compiled on its own
 
-The model is the project's U-Net rebuilt here (networks/unet.py): Conv3d(k=4, s=2, p=1) +
-LeakyReLU down to a 1^3 bottom, ConvTranspose3d + ReLU back up with each level's encoder output
-concatenated, a last ConvTranspose3d and a tanh; widths ``--width`` doubling up to
-``--max-width`` (64..512, the tutorial's). Weights and input are in ``torch.channels_last_3d``,
-the step runs under bf16 autocast on a GPU (fp32 on a CPU), cuDNN's autotuning is on (as in the
-project's runs), the loss is the L1 distance to a random target.
-
-It prints torch's, CUDA's and cuDNN's versions, then two phases, each in a child process given
-``--timeout`` seconds (``--eager-timeout`` for the first): ``eager``, one forward + backward (the
-reference), and ``compiled`` (``--per-level``: each level compiled on its own, in place, as
-``compile_blocks`` does), compared with eager: the loss within bf16 rounding (2e-2 relative;
-1e-4 in fp32), the gradients' cosine > 0.99. One line says ``compiled and ran in X s`` ("same
-numbers" or "DIFFERENT numbers"), ``FAILED: <the root exception's type and first line>``, or
-``no result within T s``. Exit status 0 when the compiled step gave the eager numbers, else 1.
-
-On an H200 with torch 2.11 the project's compiled channels-last backward failed with
-``AssertionError: expected size 512==512, stride 64==1 at dim=1`` in
-``aten.convolution_backward``, and later gave no result within 100 s
-(benchmarks/channels_last_compile.py at commit d5877b9; docs/performance.md).
+The model, the phases (eager, then compiled, each with its own limit), the comparison and the
+verdict lines are described in docs/performance.md ("channels-last"); ``--contiguous``,
+``--options`` and ``--per-level`` were options of this script at commit 68986f8, which ran each
+phase in a child process. Exit status 0 when the compiled step gave the eager numbers, else 1.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import queue
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -75,7 +55,7 @@ def build_model(width: int, max_width: int, levels: int):
         if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)):
             nn.init.normal_(m.weight, 0.0, 0.02)
             nn.init.zeros_(m.bias)
-    return model, widths
+    return model
 
 
 def first_line(e: BaseException) -> str:
@@ -90,20 +70,16 @@ def first_line(e: BaseException) -> str:
     return text[:400]
 
 
-def child(a) -> None:
-    """One phase in this process: prints JSON lines {"phase", "event": start|done|failed}."""
+def make_step(a, device):
+    """The model (channels-last) and a function of one forward + backward of it (or of its
+    compiled form) on a fixed random batch: (loss, the gradient as one fp64 vector)."""
     import torch
 
-    def say(**kw):
-        print(json.dumps(kw), flush=True)
-
-    device = torch.device(a.device)
     cuda = device.type == "cuda"
-    torch.backends.cudnn.benchmark = True
-    fmt = torch.contiguous_format if a.contiguous else torch.channels_last_3d
-    levels = a.side.bit_length() - 1  # down to 1^3
+    torch.backends.cudnn.benchmark = True  # as in the project's runs
+    fmt = torch.channels_last_3d
     torch.manual_seed(0)
-    model, _ = build_model(a.width, a.max_width, levels)
+    model = build_model(a.width, a.max_width, a.side.bit_length() - 1)  # down to 1^3
     model = model.to(device, memory_format=fmt)
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(a.batch, 4, a.side, a.side, a.side, device=device, generator=g)
@@ -121,101 +97,32 @@ def child(a) -> None:
         if cuda:
             torch.cuda.synchronize()
         return float(loss), grad
+    return model, step
 
-    say(phase="eager", event="start")
-    t0 = time.perf_counter()
-    ref_loss, ref_grad = step(model)
-    say(phase="eager", event="done", seconds=time.perf_counter() - t0, loss=ref_loss)
-    if a.phase == "eager":
-        return
-    say(phase="compiled", event="start")
+
+def watchdog(seconds: float, report, line: str) -> threading.Timer:
+    """Past ``seconds``, ``report(line)`` and exit at once (status 1): a compile that hangs
+    cannot be interrupted from Python (its compile workers end with this process)."""
+    def expire():
+        report(line)
+        os._exit(1)
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def timed(phase: str, limit: float, report, fn):
+    """``fn()`` and its seconds, within ``limit``; None (reported) when it raised."""
+    timer = watchdog(limit, report, f"{phase}: no result within {limit:g} s")
     t0 = time.perf_counter()
     try:
-        options = json.loads(a.options) if a.options else None
-        kw = {"backend": a.backend, **({"options": options} if options else {})}
-        if a.per_level:
-            for level in [*model.down, *model.up]:
-                level.compile(**kw)
-            compiled = model
-        else:
-            compiled = torch.compile(model, **kw)
-        loss, grad = step(compiled)
+        return fn(), time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 (the failure is the finding)
-        say(phase="compiled", event="failed", seconds=time.perf_counter() - t0,
-            error=first_line(e))
-        return
-    seconds = time.perf_counter() - t0
-    cos = float(grad @ ref_grad / (grad.norm() * ref_grad.norm()))
-    diff = float((grad - ref_grad).abs().max() / ref_grad.abs().max())
-    tol = 2e-2 if cuda else 1e-4
-    same = abs(loss - ref_loss) <= tol * abs(ref_loss) and cos > 0.99
-    say(phase="compiled", event="done", seconds=seconds, loss=loss, eager_loss=ref_loss,
-        cosine=cos, max_rel_diff=diff, same=same)
-
-
-def run_phases(argv: list[str], eager_timeout: float, timeout: float) -> dict:
-    """Run the phases in a child; the parent enforces each phase's limit (killing the child).
-    Returns {phase: the phase's last event (a dict)}."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", *argv]
-    # a session of its own: a child past its limit is killed with the compile workers it started
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-
-    def pump(stream):
-        for ln in stream:
-            lines.put(ln)
-        lines.put(None)
-    threading.Thread(target=pump, args=(proc.stdout,), daemon=True).start()
-    err: list[str] = []
-    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
-    events, phase, deadline = {}, None, None
-    start_deadline = time.monotonic() + max(eager_timeout, 60)  # imports before the first phase
-    while True:
-        limit = deadline if deadline is not None else start_deadline
-        try:
-            ln = lines.get(timeout=max(0.0, limit - time.monotonic()))
-        except queue.Empty:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            events[phase or "eager"] = {"event": "timeout",
-                                        "limit": timeout if phase == "compiled" else eager_timeout}
-            return events
-        if ln is None:
-            break
-        if not ln.startswith("{"):
-            continue
-        ev = json.loads(ln)
-        events[ev["phase"]] = ev
-        if ev["event"] == "start":
-            phase = ev["phase"]
-            deadline = time.monotonic() + (timeout if phase == "compiled" else eager_timeout)
-        else:
-            phase, deadline = None, None
-    proc.wait()
-    for name, ev in list(events.items()):
-        if ev["event"] == "start":  # the child died in this phase
-            tail = [ln.strip() for ln in err if ln.strip()][-1:] or [f"exit {proc.returncode}"]
-            events[name] = {"event": "failed", "error": f"the process died: {tail[0][:300]}"}
-    if not events:
-        tail = [ln.strip() for ln in err if ln.strip()][-1:] or [f"exit {proc.returncode}"]
-        events["eager"] = {"event": "failed", "error": f"the process died: {tail[0][:300]}"}
-    return events
-
-
-def verdict(ev: dict | None, phase: str) -> str:
-    if ev is None:
-        return "not run"
-    if ev["event"] == "timeout":
-        return f"no result within {ev['limit']:g} s"
-    if ev["event"] == "failed":
-        return f"FAILED: {ev['error']}"
-    if phase == "eager":
-        return f"forward + backward in {ev['seconds']:.1f} s (loss {ev['loss']:.6f})"
-    return (f"compiled and ran in {ev['seconds']:.1f} s; loss {ev['loss']:.6f} vs eager "
-            f"{ev['eager_loss']:.6f}, gradient cosine {ev['cosine']:.6f}, max |difference| / "
-            f"max |gradient| {ev['max_rel_diff']:.1e}: "
-            + ("same numbers" if ev["same"] else "DIFFERENT numbers"))
+        report(f"{phase}: FAILED: {first_line(e)}")
+        return None
+    finally:
+        timer.cancel()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -231,66 +138,63 @@ def main(argv=None) -> int:
     p.add_argument("--side", type=int, default=64,
                    help="crop side, a power of 2: log2(side) levels, down to 1^3")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
-    p.add_argument("--contiguous", action="store_true",
-                   help="the default layout instead of channels-last (the control)")
     p.add_argument("--backend", default="inductor", help="torch.compile's backend")
-    p.add_argument("--options", default="", help="torch.compile's options, as JSON")
-    p.add_argument("--per-level", action="store_true",
-                   help="compile each encoder and decoder level on its own (compile_blocks)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds for the compiled phase (compile + forward + backward)")
     p.add_argument("--eager-timeout", type=float, default=None,
                    help="seconds for the eager phase (default: --timeout)")
     p.add_argument("--json", default="", help="also write the verdicts to this JSON file")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--phase", default="compiled", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.side < 2 or a.side & (a.side - 1):
         p.error(f"--side {a.side}: must be a power of 2")
     if min(a.width, a.max_width, a.batch) < 1 or a.timeout <= 0:
         p.error("--width, --max-width and --batch must be 1 or more, --timeout above 0")
-    if a.json and os.path.lexists(a.json) and not a.child:
+    if a.json and os.path.lexists(a.json):
         p.error(f"--json {a.json} exists: choose another name, or remove it")
-    if a.child:
-        child(a)
-        return 0
     import torch
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = torch.version.cuda or "none"
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none"
-    gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU"
-    head = [f"torch {torch.__version__}, CUDA {cuda}, cuDNN {cudnn}; Python "
-            f"{sys.version.split()[0]}; {gpu}"]
-    print(head[0], flush=True)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     levels = a.side.bit_length() - 1
     widths = [min(a.width * 2**i, a.max_width) for i in range(levels)]
-    amp = ("bf16 autocast, cuDNN autotuning on" if a.device.startswith("cuda")
+    amp = ("bf16 autocast, cuDNN autotuning on" if device.type == "cuda"
            else "fp32 (no autocast on a CPU)")
-    head.append(f"model: {levels} levels, widths {widths[0]}..{widths[-1]}, input {a.batch} x 4 "
-                f"x {a.side}^3, {'contiguous' if a.contiguous else 'channels_last_3d'}, {amp}; "
-                f"torch.compile(backend={a.backend!r}, options={a.options or '{}'})"
-                + (", each level on its own" if a.per_level else ""))
-    print(head[1], flush=True)
-    events = run_phases(list(argv if argv is not None else sys.argv[1:]),
-                        a.eager_timeout or a.timeout, a.timeout)
-    lines = [f"eager: {verdict(events.get('eager'), 'eager')}"]
-    if events.get("eager", {}).get("event") == "done":
-        lines.append(f"compiled: {verdict(events.get('compiled'), 'compiled')}")
-    print("\n".join(lines), flush=True)
-    ok = events.get("compiled", {}).get("same") is True
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"works": ok, "events": events, "lines": lines,
-                       "markdown": "```\n" + "\n".join(head + lines) + "\n```"}, f, indent=1)
-    return 0 if ok else 1
+    head = [f"torch {torch.__version__}, CUDA {cuda}, cuDNN {cudnn}; Python "
+            f"{sys.version.split()[0]}; {gpu}",
+            f"model: {levels} levels, widths {widths[0]}..{widths[-1]}, input {a.batch} x 4 "
+            f"x {a.side}^3, channels_last_3d, {amp}; torch.compile(backend={a.backend!r})"]
+    print("\n".join(head), flush=True)
+    lines = []
 
+    def report(line: str, works: bool = False):
+        """Print a verdict line and write --json with the lines so far."""
+        lines.append(line)
+        print(line, flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"works": works, "lines": lines,
+                           "markdown": "```\n" + "\n".join(head + lines) + "\n```"}, f, indent=1)
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+    model, step = make_step(a, device)
+    eager = timed("eager", a.eager_timeout or a.timeout, report, lambda: step(model))
+    if eager is None:
+        return 1
+    (ref_loss, ref_grad), seconds = eager
+    report(f"eager: forward + backward in {seconds:.1f} s (loss {ref_loss:.6f})")
+    compiled = timed("compiled", a.timeout, report,
+                     lambda: step(torch.compile(model, backend=a.backend)))
+    if compiled is None:
+        return 1
+    (loss, grad), seconds = compiled
+    cos = float(grad @ ref_grad / (grad.norm() * ref_grad.norm()))
+    diff = float((grad - ref_grad).abs().max() / ref_grad.abs().max())
+    tol = 2e-2 if device.type == "cuda" else 1e-4
+    same = abs(loss - ref_loss) <= tol * abs(ref_loss) and cos > 0.99
+    report(f"compiled: compiled and ran in {seconds:.1f} s; loss {loss:.6f} vs eager "
+           f"{ref_loss:.6f}, gradient cosine {cos:.6f}, max |difference| / max |gradient| "
+           f"{diff:.1e}: " + ("same numbers" if same else "DIFFERENT numbers"), works=same)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -5,19 +5,8 @@ that show what the tutorial's chapters discuss, and the picture of their loss cu
     python -m benchmarks.example_runs --out DIR --only large_batch
     python -m benchmarks.example_runs --plot-only --out example_logs   # redraw the picture
 
-Groups (each a directory of ``--out``, runs laid out as train.py lays them out):
-
-- ``quickstart``: the two quickstarts (ViT and U-Net) as the README's first commands run them
-  (runs ``vit`` and ``unet``: both configs are named quickstart).
-- ``large_batch``: the ViT quickstart at global batch 16 and 64 for the same number of epochs
-  (a quarter of the steps at 64): 64 with lr_scaling none, sqrt and linear, warmed up over 5
-  steps (the quickstart's 20 steps of batch 16, in samples), and linear without warm-up. Run
-  names say which.
-- ``data_parallel``: the ViT quickstart on 1, 2 and 4 gloo ranks with torchrun, the same global
-  batch: the same curve, the samples spread over the ranks.
-- ``model_parallel``: ``mp_cpu`` serially (train.py) and with tensor_parallel 2 (train_mp.py):
-  the same curve from sharded weights.
-
+Groups (``RUNS``: quickstart, large_batch, data_parallel, model_parallel; each a directory of
+``--out``, runs laid out as train.py lays them out) and what each shows: example_logs/README.md.
 Only events, ``out.log`` and ``config.yaml`` are kept (checkpoints are removed). ``--out`` must
 not exist or be empty. The picture (``loss_curves.png`` in ``--out``; needs matplotlib,
 ``pip install -r requirements-plots.txt``) has one panel per group with the validation loss of
@@ -80,9 +69,7 @@ def _command(group, launcher, args, out):
     args = [a.replace("{out}", out) for a in args]
     if "--expdir" not in args:
         args += ["--expdir", out]
-    if launcher:
-        return [*launcher, script, *args]
-    return [sys.executable, script, *args]
+    return [*(launcher or [sys.executable]), script, *args]
 
 
 def run_group(group: str, out: str):

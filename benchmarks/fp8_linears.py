@@ -5,20 +5,10 @@ compute-only training steps, both compiled, in one process, timed in alternating
     python -m benchmarks.fp8_linears --recipes tensorwise rowwise --budget 540
     python -m benchmarks.fp8_linears --small                 # a toy ViT on a CPU, emulated
 
-The step is the engine's without data or communication: the ``mp`` ViT (embed 1536, 12 blocks
-of 8 heads, 4050 tokens, 350 M parameters) from the same seed, ``--batch`` random samples on the
-GPU, bf16 autocast, the task's attention kernel and loss, fused Adam, ``torch.compile``
-(``--eager``: not compiled); the fp8 variants convert the blocks' linears as a run does
-(``engine.fp8_linears``) before compiling. Every variant is built and compiled first, then rounds
-of ``--steps`` steps run each in turn until ``--budget`` seconds or ``--rounds`` (at least two):
-drift reaches every variant alike. Per variant: ms per step (median of the rounds), samples/s,
-model TFLOP/s (the bf16 model's FLOPs), the speed-up over bf16, the seconds to its first step
-and the memory its step adds. fp8 stays on by default for ``mp`` only at 1.15x bf16 or more;
-the last line says whether the fastest fp8 variant reaches it.
-
-A GPU without fp8 (compute capability below 8.9) or without torchao is refused in one line
-(exit 2). ``--small``: a toy ViT on the CPU in torchao's emulation (for the tests; its numbers
-say nothing about speed).
+The steps, the rounds and the table are described in docs/performance.md ("fp8 linear
+layers"); ``--eager``, the memory each step adds and the skipping of variants not built within
+``--budget`` were in this script at commit 68986f8. A GPU without fp8 or without torchao is
+refused in one line (exit 2).
 """
 from __future__ import annotations
 
@@ -71,32 +61,12 @@ def build_variant(recipe: str, overrides: dict, batch: int, device, compiled: bo
                 flops=task.flops_per_sample(), parameters=sum(p.numel() for p in model.parameters()))
 
 
-def timed_ms(step, steps: int, device) -> tuple[float, float | None]:
-    """Milliseconds per step over ``steps`` steps (CUDA events on a GPU), and the GiB the steps
-    allocate above what was held before them (None on a CPU)."""
-    import torch
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - t0) * 1000 / steps, None
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    end.synchronize()  # host waits for the GPU: the end of the round
-    return start.elapsed_time(end) / steps, (torch.cuda.max_memory_allocated() - held) / 2**30
-
-
 def measure(recipes: list[str], batch: int, steps: int, budget: float, small: bool,
             compiled: bool, max_rounds: int = 10) -> dict:
     """bf16 and each fp8 recipe: built, then timed in alternating rounds (see the module)."""
     import torch
 
+    from benchmarks.roofline import time_calls
     from engine import fp8_linears
     device = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
     if device.type == "cpu" and not small:
@@ -106,37 +76,29 @@ def measure(recipes: list[str], batch: int, steps: int, budget: float, small: bo
     for recipe in recipes:
         fp8_linears.check(recipe, device)  # ConfigError: no torchao, no fp8 on this GPU
     t_end = time.monotonic() + budget
-    overrides = dict(SMALL) if small else {}
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "batch": batch, "compiled": compiled, "rows": []}
-    built, skipped = [], []
+    built = []
     for recipe in ["none", *recipes]:
-        if built and time.monotonic() > t_end:
-            skipped.append({"recipe": recipe, "failed": "skipped: budget spent"})
-            continue
-        v = build_variant(recipe, overrides, batch, device, compiled)
+        v = build_variant(recipe, dict(SMALL) if small else {}, batch, device, compiled)
         print(f"{label(recipe)}: first step after {v['first_s']:.1f} s, loss {v['first_loss']:.4f}",
               flush=True)
         built.append(v)
     times = {v["recipe"]: [] for v in built}
-    extra = {v["recipe"]: None for v in built}
     rounds = 0
     while rounds < 2 or (rounds < max_rounds and time.monotonic() < t_end):
-        for v in built:
-            ms, gb = timed_ms(v["step"], steps, device)
-            times[v["recipe"]].append(ms)
-            extra[v["recipe"]] = gb if extra[v["recipe"]] is None else max(extra[v["recipe"]], gb)
+        for v in built:  # one round: ``steps`` steps of each variant in turn
+            times[v["recipe"]].append(time_calls(v["step"], rounds=1, calls=steps, device=device))
         rounds += 1
     base = statistics.median(times["none"])
+    rows = []
     for v in built:
         ms = statistics.median(times[v["recipe"]])
         rate = batch * 1000 / ms
-        out["rows"].append({"recipe": v["recipe"], "ms": ms, "samples_per_s": rate,
-                            "tflops": v["flops"] * rate / 1e12, "speedup": base / ms,
-                            "first_step_s": v["first_s"], "step_gb": extra[v["recipe"]],
-                            "rounds": rounds, "parameters": v["parameters"]})
-    out["rows"] += skipped
-    return out
+        rows.append({"recipe": v["recipe"], "ms": ms, "samples_per_s": rate,
+                     "tflops": v["flops"] * rate / 1e12, "speedup": base / ms,
+                     "first_step_s": v["first_s"], "rounds": rounds,
+                     "parameters": v["parameters"]})
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "batch": batch, "compiled": compiled, "rows": rows}
 
 
 def label(recipe: str) -> str:
@@ -147,21 +109,15 @@ def table(out: dict) -> str:
     mode = "torch.compile" if out["compiled"] else "eager"
     lines = [f"{out['device']}, torch {out['torch']}, batch {out['batch']}, bf16 autocast, fused "
              f"Adam, {mode}, compute only",
-             "| linears | ms/step | samples/s | model TFLOP/s | x bf16 | first step s | "
-             "step GiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| linears | ms/step | samples/s | model TFLOP/s | x bf16 | first step s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in out["rows"]:
-        if "failed" in r:
-            lines.append(f"| {label(r['recipe'])} | {r['failed']} | | | | | |")
-            continue
-        gb = "-" if r["step_gb"] is None else f"{r['step_gb']:.1f}"
         lines.append(f"| {label(r['recipe'])} | {r['ms']:.1f} | {r['samples_per_s']:.2f} | "
-                     f"{r['tflops']:.1f} | {r['speedup']:.3f} | {r['first_step_s']:.1f} | {gb} |")
-    fp8 = [r for r in out["rows"] if r["recipe"] != "none" and "failed" not in r]
-    if fp8:
-        best = max(fp8, key=lambda r: r["speedup"])
-        verdict = "reaches" if best["speedup"] >= BAR else "does not reach"
-        lines.append(f"fastest fp8: {label(best['recipe'])}, {best['speedup']:.3f}x bf16 "
-                     f"({min(r['rounds'] for r in fp8)} rounds): {verdict} the {BAR}x bar")
+                     f"{r['tflops']:.1f} | {r['speedup']:.3f} | {r['first_step_s']:.1f} |")
+    best = max(out["rows"][1:], key=lambda r: r["speedup"])  # the fastest fp8 variant
+    verdict = "reaches" if best["speedup"] >= BAR else "does not reach"
+    lines.append(f"fastest fp8: {label(best['recipe'])}, {best['speedup']:.3f}x bf16 "
+                 f"({best['rounds']} rounds): {verdict} the {BAR}x bar")
     return "\n".join(lines)
 
 
@@ -179,23 +135,21 @@ def main(argv=None):
     p.add_argument("--rounds", type=at_least(2), default=10,
                    help="timed rounds at most (at least 2 are run) (default: %(default)s)")
     p.add_argument("--budget", type=at_least(1.0, float), default=240.0,
-                   help="seconds for building and timing; variants not built by then are "
-                        "skipped, rounds stop (at least 2) (default: %(default)g)")
-    p.add_argument("--eager", action="store_true", help="do not compile (--small never does)")
+                   help="seconds for building and timing; rounds stop (at least 2) "
+                        "(default: %(default)g)")
     p.add_argument("--small", action="store_true",
                    help="a toy ViT on the CPU in torchao's emulation, for the tests")
     p.add_argument("--json", type=new_file, default="",
                    help="also write the rows to this JSON file (a new file)")
     a = p.parse_args(argv)
-    from settings.errors import ConfigError
+    from settings.errors import ConfigError, refuse
     batch = a.batch or (2 if a.small else 8)
     steps = a.steps or (2 if a.small else 10)
     try:
         out = measure(a.recipes, batch, steps, a.budget, a.small,
-                      compiled=not (a.eager or a.small), max_rounds=a.rounds)
+                      compiled=not a.small, max_rounds=a.rounds)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(str(e))
     out["markdown"] = table(out)
     if a.json:
         with open(a.json, "w") as f:

@@ -1,23 +1,14 @@
 """Synthetic data at the tutorial's sizes, written in seconds, for timing runs on a GPU node
-(``python -m benchmarks.gpu_runs --make-data``). The files are in the formats the project's
-loaders read (see datapipe/synthetic.py), with random values instead of datapipe.synthetic's
-physical models, which take minutes at these sizes:
+(``python -m benchmarks.gpu_runs --make-data``): ``<out>/cosmo/`` (config/UNet.yaml's
+``train_file`` and ``val_file``: ``Nbody`` and ``Hydro`` boxes) and ``<out>/era5/`` (a training
+and a validation year file of ``fields`` and their ``stats/``), in the formats the project's
+loaders read (datapipe/synthetic.py) but with random values instead of its physical models,
+which take minutes at these sizes: a model trained on them learns nothing. An ERA5 file repeats
+one random block of ``BLOCK`` steps, so the statistics are exact: those of the training block.
 
-- ``<out>/cosmo/``: config/UNet.yaml's ``train_file`` and ``val_file`` (a training box of
-  side 256 and a validation box of side 128 by default), each with ``Nbody`` (4, L, L, L) and
-  ``Hydro`` (5, L, L, L), float32, contiguous. Nbody values are normal with std 0.5, Hydro values
-  uniform in [-0.95, 0.95] (inside the tanh output's range);
-- ``<out>/era5/``: ``train/2014.h5`` (400 steps) and ``valid/2016.h5`` (80 steps) of ``fields``
-  (T, 20, 360, 720), float32, contiguous, and ``stats/global_means.npy``, ``global_stds.npy``
-  (1, 20, 1, 1) and ``time_means.npy`` (1, 20, H, W). A file repeats one random block of
-  ``BLOCK`` steps (channel c: mean 10 c, std 1 + c), so the statistics are exact: those of the
-  training block. 400 steps of 360 x 720 are 8.3 GB.
-
-Timing needs the sizes, not the physics: a model trained on these learns nothing. A data set
-already there with the asked shapes is kept (a second run on the same node starts at once);
-every file is written under a temporary name and moved into place. Files are only ever written
-over where this tool wrote them (its HDF5 files say so in an attribute): a data set of other
-shapes, or any other file, in the way is refused in one line, and nothing is written.
+A data set already there with the asked shapes is kept; every file is written under a temporary
+name and moved into place, and only ever over a file this tool wrote (its HDF5 files say so in
+an attribute): another data set's files in the way are refused in one line, nothing written.
 """
 from __future__ import annotations
 

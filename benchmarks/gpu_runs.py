@@ -1,29 +1,16 @@
-"""The tutorial's single-GPU chapter on a real GPU, in one device call of under 9 minutes: its
-baselines and its optimised configs for the U-Net and the ViT (the device loader, compile, the
-throughput report, the time to the first step, a second run on warm compile caches), CUDA graphs
-at a small batch and the GPU tests, tabulated beside the tutorial's A100 figures and the goals.
+"""The tutorial's single-GPU chapter on a real GPU, in one device call of under 9 minutes: the
+optimised configs of the U-Net and the ViT (the device loader, compile, the throughput report,
+the time to the first step, a second run on warm compile caches), the roofline, compiled
+channels-last and fp8, tabulated beside the tutorial's A100 figures and the goals.
 
     python -m benchmarks.gpu_runs --dry-run              # the plan: commands, estimates
     python -m benchmarks.gpu_runs --make-data            # the device call (~8 min on an H200)
     python -m benchmarks.gpu_runs --make-data --only unet vit   # series, or runs by key
 
-``--budget`` (540 s) bounds the whole call, data making included. A run gets a timeout of
-twice its estimate and 30 s (``--timeout`` sets one for all), cut to what is left of the
-budget; a run that would start with less than half its estimate left is a ``skipped`` row.
-After every run the table is written again, so a call stopped from outside keeps what it
-measured. ``--make-data`` first writes random data at the tutorial's sizes under ``--data``, in
-seconds (benchmarks/gpu_data.py); without it, missing data stops the call before any run.
-
-The series (``SERIES``: ``unet``, ``vit``, ``tests``, ``graphs``, and the benchmark scripts
-``roofline``, ``cl``, ``fp8``, which write their result as JSON with the markdown of their
-section) and the calls (``CALLS``) are described where they are defined; docs/performance.md
-has the whole account. The table (GPU.md in ``--out-dir``: $OUT when set, else benchmarks/; a
-new name beside an existing one; gpu_runs.log holds every run's command and output,
-gpu_runs.json the parsed numbers): per run samples/s (the median of the epochs after the first)
-and the data-wait share, the speed-ups over the row before and the series' first, TFLOP/s, MFU,
-peak memory, the tutorial's A100 figure, the start's and first epoch's seconds; then the
-throughput reports, the goals and the versions. A run that fails, times out or logs no epoch is
-a row saying so; exit status 1 when any row failed or was skipped.
+The series (``SERIES``), the budget and timeouts, the data ``--make-data`` writes and the
+table (GPU.md in ``--out-dir``, beside gpu_runs.log and gpu_runs.json) are described in
+docs/performance.md ("Measuring on a GPU"). A run that fails, times out or logs no epoch is a
+row saying so; exit status 1 when any row failed or was skipped.
 """
 from __future__ import annotations
 
@@ -53,16 +40,12 @@ BUDGET_S = 540.0  # one call: under the device's 10-minute command limit, with r
 MIN_RUN_S = 20.0  # no run starts with less than this left of the budget
 
 # ---------------------------------------------------------------------------- the estimates
-# From the GPU runs on an H200 (notes gpu-second-run.md and the step options of 2026-11-26):
-# a process's start to its first step about 15 s (imports, CUDA context, model, loaders), cuDNN's
-# autotuning of the U-Net's convolutions 15-40 s more on a first step; wall-clock samples/s of
-# the U-Net at batch 64: fp32 2 workers 135, the device loader ~1500-1900; ViT at batch 16: fp32
-# no workers 17, bf16 + fused + compile with 8 workers 150; compile 20-40 s.
+# From the GPU runs on an H200 (benchmarks/GPU.md): wall-clock samples/s of the U-Net at batch
+# 64 with the device loader ~1500-1900; ViT at batch 16, bf16 + fused + compile with 8 workers 150.
 START_S = 15.0  # process start to the first step: imports, CUDA context, model, loader
 AUTOTUNE_S = 20.0  # cuDNN's autotuning of the U-Net's convolutions on a first step
 COMPILE_S = 35.0  # torch.compile's first steps, caches cold
 WARM_COMPILE_S = 10.0  # the same with the caches of an earlier run
-CAPTURE_S = 5.0  # train_graph.py's warm-up and capture
 REPORT_S = 25.0  # --throughput_report's 3 modes x 3 rounds of 20 batches, and its set-up
 VIT_VALID = 47  # the 48-step validation file's pairs, per validation
 
@@ -77,11 +60,9 @@ def est(samples: float, rate: float, extra: float = 0.0) -> float:
 @dataclass(frozen=True)
 class Run:
     """One row. ``key`` is "series/name" (the goals and the tutorial figures refer to it);
-    ``script``: train.py, train_graph.py, a Python file, or "pytest"; ``kind``: "train",
-    "pytest" or "report" (a benchmark script that writes its result to ``--json``, ``markdown``
-    in it);
-    ``data``: the data set it reads under --data ("cosmo", "era5" or None); ``est_s``: seconds
-    on an H200."""
+    ``script``: train.py or a Python file; ``kind``: "train" or "report" (a benchmark script
+    that writes its result to ``--json``, ``markdown`` in it); ``data``: the data set it reads
+    under --data ("cosmo", "era5" or None); ``est_s``: seconds on an H200."""
 
     key: str
     label: str
@@ -96,57 +77,23 @@ class Run:
         return self.key.split("/")[0]
 
 
-UNET_SMALL = ("--yaml_config", "config/UNet.yaml", "--config", "short", "--num_epochs", "2",
-              "--Nsamples", "512", "--Nsamples_val", "64")
 UNET_OPT = ("--yaml_config", "config/UNet.yaml", "--config", "short_opt", "--num_epochs", "3",
             "--Nsamples", "1536", "--Nsamples_val", "256", "--data_loader_config", "device")
-DEVICE = ("--data_loader_config", "device", "--amp_mode", "bf16", "--enable_fused")
-VIT_SHORT = ("--config", "short", "--limit_nsamples", "96", "--limit_nsamples_val", "32",
-             "--num_iters", "12")
 VIT_OPT = ("--config", "short_opt", "--limit_nsamples", "192", "--num_iters", "48",
            "--amp_mode", "bf16")
 REPORT = ("--throughput_report",)
-# The test files that hold gpu-marked tests, named to pytest: the others import packages a bare
-# GPU node may lack (nbclient).
-GPU_TESTS = tuple(sorted(f"tests/{name}" for name in os.listdir(os.path.join(ROOT, "tests"))
-                         if name.startswith("test_") and name.endswith(".py")
-                         and "pytest.mark.gpu" in open(os.path.join(ROOT, "tests", name)).read()))
-
 SERIES: dict[str, list[Run]] = {
     "unet": [
-        Run("unet/baseline", "baseline: short, fp32, 2 loader workers", "train.py", UNET_SMALL,
-            est(2 * 576, 135, AUTOTUNE_S), data="cosmo"),
         Run("unet/short_opt", "short_opt (fp16, fused Adam, compile, memory format auto) with the "
             "device loader, + throughput report", "train.py", UNET_OPT + REPORT,
             est(3 * 1792, 1500, AUTOTUNE_S + COMPILE_S + REPORT_S), data="cosmo"),
-        Run("unet/short_opt_graph", "short_opt eager as a CUDA graph (train_graph.py; memory "
-            "format auto: channels-last) with the device loader", "train_graph.py",
-            UNET_OPT + ("--enable_jit", "false"), est(3 * 1792, 1900, 2 * AUTOTUNE_S + CAPTURE_S),
-            data="cosmo"),
     ],
     "vit": [
-        Run("vit/short", "short: fp32, no loader workers", "train.py", VIT_SHORT,
-            est(12 * 16 + 2 * 32, 17), data="era5"),
         Run("vit/short_opt", "short_opt in bf16: 8 workers, fused Adam, compile, attention auto, "
             "+ throughput report", "train.py", VIT_OPT + REPORT,
             est(48 * 16 + 4 * VIT_VALID, 150, COMPILE_S + REPORT_S), data="era5"),
         Run("vit/short_opt_again", "the same again: the compile caches of the run before",
             "train.py", VIT_OPT, est(48 * 16 + 4 * VIT_VALID, 150, WARM_COMPILE_S), data="era5"),
-        Run("vit/short_opt_blocks", "short_opt in bf16 with compile_blocks (each transformer "
-            "block compiled on its own), + throughput report", "train.py",
-            VIT_OPT + ("--compile_blocks", "true") + REPORT,
-            est(48 * 16 + 4 * VIT_VALID, 150, COMPILE_S / 2 + REPORT_S), data="era5"),
-    ],
-    "tests": [
-        Run("tests/gpu", "pytest -m gpu", "pytest", ("-q", "-m", "gpu") + GPU_TESTS, 45,
-            kind="pytest"),
-    ],
-    "graphs": [
-        Run("graphs/b8", "CUDA graphs at batch 8: train_graph.py, device loader, bf16, fused",
-            "train_graph.py", UNET_SMALL[:4] + ("--num_epochs", "2", "--Nsamples", "512",
-                                                "--Nsamples_val", "64", "--global_batch_size",
-                                                "8", "--graph_warmup_steps", "6") + DEVICE,
-            est(2 * 576, 270, CAPTURE_S + AUTOTUNE_S), data="cosmo"),
     ],
     "roofline": [
         Run("roofline/models", "roofline: each model's eager step (bf16, fused Adam, compute "
@@ -157,35 +104,20 @@ SERIES: dict[str, list[Run]] = {
         Run("cl/repro", "compiled channels-last U-Net levels, torch alone",
             "benchmarks/cl_compile_repro.py", ("--timeout", "90", "--eager-timeout", "45"),
             110, kind="report"),
-        Run("cl/per_level", "compiled channels-last U-Net, each level compiled on its own "
-            "(as compile_blocks does), torch alone", "benchmarks/cl_compile_repro.py",
-            ("--timeout", "90", "--eager-timeout", "45", "--per-level"), 110, kind="report"),
     ],
     "fp8": [
         Run("fp8/mp", "linears in fp8 (tensorwise) against bf16 at the mp ViT's size, compiled",
             "benchmarks/fp8_linears.py", ("--budget", "90"), 110, kind="report"),
     ],
 }
-# The device calls, each under 9 minutes (estimates in --dry-run): series, or runs by key.
-# The first measures what the goals read; the second the baselines, compile_blocks beside the
-# whole model's compile, the GPU tests and CUDA graphs; the third the U-Net's short_opt compiled
-# against captured. (The largest ViT batch and a profiler trace's top kernels were series of
-# benchmarks/gpu_runs.py at commit d5877b9; their figures are in benchmarks/GPU.md.)
-CALLS = (("roofline", "cl/repro", "fp8", "unet/short_opt", "vit/short_opt",
-          "vit/short_opt_again"),
-         ("unet/baseline", "vit/short", "vit/short_opt_blocks", "vit/short_opt", "cl/per_level",
-          "tests", "graphs"), ("unet/short_opt", "unet/short_opt_graph"))
+# The one device call (its estimate in --dry-run): series, or runs by key.
+PLAN = ("roofline", "cl/repro", "fp8", "unet/short_opt", "vit/short_opt", "vit/short_opt_again")
 RUNS = {run.key: run for runs in SERIES.values() for run in runs}
 
 
 def select(names) -> list[Run]:
     """The runs of ``names`` (series or run keys), in that order, each once."""
-    runs = []
-    for name in names:
-        for run in SERIES.get(name) or [RUNS[name]]:
-            if run not in runs:
-                runs.append(run)
-    return runs
+    return list(dict.fromkeys(run for name in names for run in SERIES.get(name) or [RUNS[name]]))
 
 
 def run_timeout(est_s: float) -> float:
@@ -195,20 +127,17 @@ def run_timeout(est_s: float) -> float:
 
 # The tutorials' A100-40GB figures, samples/s, as our rows compute theirs: the median of the
 # epochs after the first of the runs their READMEs print (in /work/shared/reference/seeds).
-# U-Net: SC22 "Deep Learning at Scale" README (seeds/000; SC21's, seeds/002, prints the same
-# runs), config short, batch 64, 3 epochs. ViT: DL4SCI25 README (seeds/003) and SC23 README
-# (seeds/001), config short, batch 16, 4 epochs.
+# U-Net: SC22 "Deep Learning at Scale" README (seeds/000), config short, batch 64, 3 epochs.
+# ViT: SC23 README (seeds/001), config short, batch 16, 4 epochs.
 TUTORIAL = {
-    "unet/baseline": (85.2, "SC22, baseline (2 workers): epochs 2-3 83.96, 86.52 ('about 85')"),
     "unet/short_opt": (519.2, "SC22's fastest single-GPU run, DALI + AMP + APEX + JIT "
                               "(TorchScript): 496.45, 542.01"),
-    "vit/short": (8.80, "DL4SCI25, baseline (no workers, fp32): epochs 2-4 9.22, 8.63, 8.80"),
     "vit/short_opt": (42.84, "SC23, DALI + AMP bf16 + fused Adam + torch.compile: "
                              "42.74, 42.85, 42.84 (DL4SCI25, 8 workers, fp16: 41.67)"),
 }
 
 # ---------------------------------------------------------------------------- reading logs
-# What train.py prints (log_epoch, log_memory; engine/cuda_graph.py, engine/throughput_report.py),
+# What train.py prints (log_epoch, log_memory; engine/throughput_report.py),
 # after logging_utils' "<time> - INFO - " prefix.
 _NUM = r"[\d.]+(?:e[+-]\d+)?"
 _EPOCH = re.compile(r"Epoch (\d+): ([\d.]+) s for \d+ steps, ([\d.]+) samples/s")
@@ -220,22 +149,19 @@ _START = re.compile(r"Start: ([\d.]+) s to the end of the first step(?:.|\n)*?fi
 _CACHES = re.compile(r"compile caches .*: (\d+) hits, (\d+) misses")
 _PEAK = re.compile(r"Memory after forward pass \(Gi?B, per rank\): [^;]*; "
                    r"peak: ([\d.]+(?:, [\d.]+)*)")
-_GRAPH = re.compile(r"CUDA graph: step ([\d.]+) ms replayed, ([\d.]+) ms eager.*?: ([\d.]+)x")
 _THROUGHPUT = re.compile(r"Throughput \([^)]*\): IO ([\d.]+) \+/- [\d.]+, SYNTHETIC ([\d.]+) "
                          r"\+/- [\d.]+, FULL ([\d.]+) \+/- [\d.]+")
 _BOTTLENECK = re.compile(r"Bottleneck: (.*)$", re.MULTILINE)
 _ERROR = re.compile(r"^(?:\[rank \d+\] )?error: ")  # the entry scripts' one-line errors
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\w*: \S")  # a traceback's
-_PYTEST = re.compile(r"^=*\s*((?:\d+ \w+)(?:, \d+ \w+)*) in [\d.]+s")
 
 
 def read_log(text: str) -> dict:
     """A run's numbers: samples/s, the data-wait share (%) and the steady-state rate (medians
     over the epochs after the first, or the only one); TFLOP/s and MFU of the last epoch; peak
-    memory (GiB, max over ranks and epochs); the CUDA-graph line and its speed-up; the
-    throughput report (IO, SYNTHETIC, FULL means) and its bottleneck line; the epochs' seconds;
-    the start's seconds to the end of the first step (and the first step's own) and the compile
-    caches' hits and misses."""
+    memory (GiB, max over ranks and epochs); the throughput report (IO, SYNTHETIC, FULL means)
+    and its bottleneck line; the epochs' seconds; the start's seconds to the end of the first
+    step (and the first step's own) and the compile caches' hits and misses."""
     rates, seconds, waits, steady = [], [], [], []
     for line in text.splitlines():
         if m := _EPOCH.search(line):
@@ -254,7 +180,6 @@ def read_log(text: str) -> dict:
         return statistics.median(kept) if kept else None
     flops = _TFLOPS.findall(text)
     peaks = [float(v) for line in _PEAK.findall(text) for v in line.split(", ")]
-    graph = _GRAPH.search(text)
     report = _THROUGHPUT.search(text)
     bottleneck = _BOTTLENECK.search(text.split("Throughput (")[-1]) if report else None
     start = _START.search(text)
@@ -273,8 +198,6 @@ def read_log(text: str) -> dict:
         "mfu": float(flops[-1][2]) if flops and flops[-1][2] else None,
         "peak_tflops": float(flops[-1][3]) if flops and flops[-1][3] else None,
         "peak_gb": max(peaks) if peaks else None,
-        "graph": graph.group(0) if graph else None,
-        "graph_x": float(graph.group(3)) if graph else None,
         "throughput": dict(zip(("IO", "SYNTHETIC", "FULL"), map(float, report.groups())))
         if report else None,
         "bottleneck": bottleneck.group(1).strip() if bottleneck else None,
@@ -328,20 +251,6 @@ def outcome(code: int | None, output: str, timeout: float) -> dict:
         return read_log(output)
     except ValueError as e:
         return {"failed": f"exit 0 but {e}; last line: {last_error_line(output)}"}
-
-
-def pytest_outcome(code: int | None, output: str, timeout: float) -> dict:
-    """``{"tests": "3 passed, 2 skipped"}`` when pytest passed with at least one test run, else
-    ``{"failed": why}``."""
-    summary = next((m.group(1) for line in reversed(output.splitlines())
-                    if (m := _PYTEST.match(line.strip()))), None)
-    if code is None:
-        return {"failed": f"timed out after {timeout:g} s; last line: {last_error_line(output)}"}
-    if code != 0:
-        return {"failed": f"exit {code}: {summary or last_error_line(output)}"}
-    if not summary or not re.search(r"\d+ passed", summary):
-        return {"failed": f"exit 0 but no test passed: {summary or last_error_line(output)}"}
-    return {"tests": summary}
 
 
 def report_outcome(code: int | None, output: str, timeout: float, path: str) -> dict:
@@ -400,13 +309,9 @@ def notes(r: dict) -> str:
         out.append(f"first epoch {r['epoch_s'][0]:.1f} s")
     if r.get("cache_hits"):
         out.append(f"compile caches {r['cache_hits'][0]} hits, {r['cache_hits'][1]} misses")
-    if r.get("graph_x") is not None:
-        out.append(f"graph {r['graph_x']:.2f}x eager")
     if r.get("throughput"):
         t = r["throughput"]
         out.append(f"FULL/SYNTHETIC {t['FULL'] / t['SYNTHETIC']:.2f}")
-    if r.get("tests"):
-        out.append(r["tests"])
     if r.get("report"):
         out.append("its section below")
     return "; ".join(out)
@@ -471,13 +376,6 @@ def _rate(r, goal):
     return (f"{x:.1f} samples/s", x >= goal) if x is not None else None
 
 
-def _speedup(by, fast, slow, goal):
-    a, b = by.get(fast, {}).get("samples_per_s"), by.get(slow, {}).get("samples_per_s")
-    if not a or not b:
-        return None
-    return f"{a:.1f} / {b:.1f} = {a / b:.2f}x", a / b >= goal
-
-
 def _synthetic_mfu(r, goal):
     """MFU of the throughput report's SYNTHETIC rate (the step alone, compute only)."""
     t, gflop, peak = r.get("throughput"), r.get("gflop_per_sample"), r.get("peak_tflops")
@@ -539,19 +437,12 @@ def _fp8(by, goal):
             best["speedup"] >= goal)
 
 
-def _graph(r):
-    return ((r["graph"].split(": ", 1)[1], r["graph_x"] >= 1.1)
-            if r.get("graph_x") is not None else None)
-
-
 # (goal, the rows it reads: all must be in the plan, how it is measured from their results)
 GOALS = [
     ("U-Net short_opt, device loader: >= 2500 samples/s", ("unet/short_opt",),
      lambda by: _rate(by.get("unet/short_opt", {}), 2500)),
     ("U-Net, device loader: FULL >= 0.9 SYNTHETIC", ("unet/short_opt",),
      lambda by: _ratio(by.get("unet/short_opt", {}), 0.9)),
-    ("U-Net short_opt >= 6x the short baseline", ("unet/baseline", "unet/short_opt"),
-     lambda by: _speedup(by, "unet/short_opt", "unet/baseline", 6.0)),
     ("U-Net short_opt, device loader: >= 0.8 of the roofline's rate", ("unet/short_opt",
                                                                         "roofline/models"),
      lambda by: _against_roofline(by, 0.8)),
@@ -561,8 +452,6 @@ GOALS = [
      ("vit/short_opt",), lambda by: _synthetic_mfu(by.get("vit/short_opt", {}), 35.0)),
     ("ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC", ("vit/short_opt",),
      lambda by: _ratio(by.get("vit/short_opt", {}), 0.9)),
-    ("CUDA graphs >= 1.1x eager, U-Net at batch 8", ("graphs/b8",),
-     lambda by: _graph(by.get("graphs/b8", {}))),
     ("ViT, a second run: first epoch <= 2 x steady + 5 s", ("vit/short_opt_again",),
      lambda by: _first_epoch(by.get("vit/short_opt_again", {}))),
     ("Compiled channels-last (torch alone): eager's numbers within its limit", ("cl/repro",),
@@ -649,8 +538,6 @@ def nothing_ran(rows: list[tuple[Run, dict]], timeout: float | None) -> str:
 def command(run: Run, data_dir: str, expdir: str) -> list[str]:
     """The command line of ``run``."""
     args = list(run.args)
-    if run.kind == "pytest":
-        return [sys.executable, "-m", "pytest", *args]
     if run.kind == "report":
         return [sys.executable, run.script, *args, "--json", os.path.join(expdir, "report.json")]
     extra = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
@@ -697,17 +584,9 @@ def dry_run(runs: list[Run], a, data_dir: str, budget: float):
         print(f"[{run.series}] {run.label}: est {run.est_s:.0f} s, timeout {cap:.0f} s")
         print(f"    {shown(command(run, data_dir, expdir))}")
         total += run.est_s
-    over = "" if total <= budget else ": more than one call's, see the calls below"
+    over = "" if total <= budget else ": more than one call's, split it with --only"
     print(f"estimated: {total:.0f} s for a {budget:g} s --budget{over} (on an H200, from its "
           f"earlier runs' figures)")
-    if a.only is None:
-        for i, call in enumerate(CALLS, 1):
-            calls = select(call)
-            t = sum((run.est_s for run in calls)) + gpu_data.estimate_s(data_kinds(calls), a.cosmo,
-                                                                a.era5_steps)
-            only = "" if i == 1 else f" --only {' '.join(call)}"
-            print(f"device call {i}: python -m benchmarks.gpu_runs --make-data{only}  "
-                  f"(est {t:.0f} s)")
 
 
 class Writer:
@@ -758,7 +637,7 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
     if run.kind == "report":
         result = report_outcome(code, output, timeout, os.path.join(expdir, "report.json"))
     else:
-        result = (pytest_outcome if run.kind == "pytest" else outcome)(code, output, timeout)
+        result = outcome(code, output, timeout)
     result["seconds"] = round(time.monotonic() - t0, 1)
     shutil.rmtree(expdir, ignore_errors=True)  # checkpoints of a 117 M-parameter model: 1.4 GB
     return result
@@ -802,7 +681,7 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands and their estimates, run nothing")
     a = p.parse_args(argv)
-    runs = select(a.only or CALLS[0])
+    runs = select(a.only or PLAN)
     data_dir = os.path.abspath(a.data)
     out_dir = a.out_dir or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks")
     if a.dry_run:

@@ -7,17 +7,12 @@
     python -m benchmarks.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
     python -m benchmarks.memory_model --config mp --amp_mode bf16 --data_parallel 8 --fsdp
 
-Any config key can be overridden (``--key value``, as for train.py). The model's own options:
-``--data_parallel`` (dp; default 1, world = tp x cp x dp; the local batch is
-``global_batch_size / dp`` unless ``--local_batch_size`` is given), ``--attention``
-(``flash``, ``efficient`` or ``math``), ``--measure`` (``cuda``: what the allocator holds;
-``cpu``: what the engine's CPU byte count sees), ``--gpu_memory_gb`` (one GPU's memory in GiB:
-with ``--measure cuda`` the peak is given as a share of it, with the verdict fits or does not
-fit), and ``--json``. The layout is the engine's (``distributed.parallelize.token_layout``):
-``--sequence_parallel false`` turns sequence parallelism off as it does for train_mp.py.
-
-What is counted, and every assumption: benchmarks/memory_model.md. Tested against the CPU byte
-count (``observe.memory.MemoryProbe``) in tests/test_mp_training.py.
+Any config key can be overridden (``--key value``, as for train.py); the model's own options are
+in ``--help``. World = tp x cp x dp; the local batch is ``global_batch_size / dp`` unless
+``--local_batch_size`` is given. The layout is the engine's
+(``distributed.parallelize.token_layout``; ``--sequence_parallel false`` as for train_mp.py). What is
+counted, and every assumption: benchmarks/memory_model.md. Tested against the CPU byte count
+(``observe.memory.MemoryProbe``) in tests/test_mp_training.py.
 """
 from __future__ import annotations
 
@@ -300,10 +295,6 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
         raise ValueError(f"fsdp with tensor_parallel={tp} x context_parallel={cp}: this model "
                          f"counts FSDP alone (tp = cp = 1); for the combination, divide the tp/cp "
                          f"layout's parameters, gradients and Adam state by data_parallel")
-    if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r}: choose {', '.join(ATTENTION)}")
-    if measure not in MEASURE:
-        raise ValueError(f"measure={measure!r}: choose {', '.join(MEASURE)}")
     lay = check_layout(s, tp, cp, sequence_parallel)
     sp = lay.sequence_parallel
     f, a = 4, 2 if amp else 4
@@ -381,16 +372,12 @@ def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measur
 
 # ---- command line ---------------------------------------------------------------------------------
 
-def _fmt(x, unit) -> str:
-    return f"{x / unit:10.3f}"
-
-
 def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda", attention: str = "flash") -> str:
     lines = []
     unit, name = (GiB, "GiB") if p.peak >= GiB else (2**20, "MiB")
 
     def _gb(x):
-        return _fmt(x, unit)
+        return f"{x / unit:10.3f}"
 
     if cfg is not None:
         lines.append(f"config {cfg.name}: img {cfg.img_size}, patch {cfg.patch_size}, embed {cfg.embed_dim}, depth "

@@ -5,17 +5,8 @@
     python -m benchmarks.roofline --small              # the CPU, toy sizes, fp32: seconds
     python -m benchmarks.roofline --budget 120 --json roofline.json
 
-In one call: the device's matmul rate (a large GEMM: bf16 8192^3 on a GPU, fp32 on a CPU) and
-memory bandwidth (a large copy: bytes read + written over its time); then for each model a few
-compute-only training steps (the batch on the device, bf16 autocast and fused Adam on a GPU,
-fp32 on the CPU; the project's attention choice, loss and U-Net layout: channels-last on a GPU
-in bf16, ``--memory-format`` to choose), timed without the profiler (3 warm-up steps, then the
-median of 3 rounds of 10), then 3 steps profiled with torch.profiler. The analytic model
-(``benchmarks/roofline_model.py``) gives each group's FLOPs and bytes, and its floor = max(FLOPs /
-matmul rate, bytes / bandwidth); the profile gives its measured time, per step.
-
-How measured time is attributed to the groups: benchmarks/roofline.md.
-
+The device's rates, the timed and profiled compute-only steps, each group's floor and how the
+measured time is attributed to it: docs/performance.md and benchmarks/roofline.md.
 ``run(small, budget)`` returns the rows and the markdown (for ``benchmarks/gpu_runs.py``);
 ``--json`` writes the same as JSON.
 """
@@ -185,7 +176,8 @@ def _ancestors(e):
 
 def attribute(events, step, gpu: bool) -> dict:
     """The profiled time (ms, all steps together) of each of ``step``'s groups, and what stayed
-    unattributed, from torch.profiler's events (``prof.events()``); see the module's doc."""
+    unattributed, from torch.profiler's events (``prof.events()``): benchmarks/roofline.md,
+    "Attributing the measured time"."""
     from benchmarks.roofline_model import CASTS, op_name
     cpu_events = [e for e in events if e.device_type.name == "CPU"
                   and not any(a.name == WARMUP_RANGE for a in _ancestors(e))]

@@ -77,6 +77,16 @@ def floor(flops: float, nbytes: float, matmul_flops_per_s: float, bytes_per_s: f
             "bound": "compute" if compute_ms > memory_ms else "memory"}
 
 
+def model_params(cfg) -> list[tuple[str, int]]:
+    """(name, numel) of every parameter of the model of ``cfg``, built on the meta device."""
+    import torch
+
+    from tasks import make_task
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = make_task(cfg).build_model()
+    return [(name, p.numel()) for name, p in model.named_parameters()]
+
+
 def op_name(name: str) -> str:
     """'aten::addmm' (profiler) or 'aten.addmm.default' (dispatch) -> 'addmm'."""
     if name.startswith("aten::"):
@@ -215,27 +225,6 @@ def vit_group(module: str | None, op: str, cat_index: int | None = None) -> str:
     return "other"
 
 
-def vit_params(cfg) -> list[tuple[str, int]]:
-    h, w = cfg.img_size
-    p, e = cfg.patch_size, cfg.embed_dim
-    n, hidden = (h // p) * (w // p), int(e * cfg.mlp_ratio)
-    out = [("pos_embed", n * e), ("patch_embed.proj.weight", e * cfg.n_in_channels * p * p),
-           ("patch_embed.proj.bias", e)]
-    for i in range(cfg.depth):
-        b = f"blocks.{i}."
-        out += [(b + "norm1.weight", e), (b + "norm1.bias", e),
-                (b + "attn.qkv.weight", 3 * e * e), (b + "attn.qkv.bias", 3 * e),
-                (b + "attn.proj.weight", e * e), (b + "attn.proj.bias", e),
-                (b + "norm2.weight", e), (b + "norm2.bias", e),
-                (b + "mlp.fc1.weight", hidden * e), (b + "mlp.fc1.bias", hidden),
-                (b + "mlp.fc2.weight", e * hidden), (b + "mlp.fc2.bias", e)]
-    out += [("norm.weight", e), ("norm.bias", e),
-            ("head.weight", cfg.n_out_channels * p * p * e)]
-    if cfg.head_bias:
-        out.append(("head.bias", cfg.n_out_channels * p * p))
-    return out
-
-
 def vit_model(cfg, batch: int, amp: bool) -> StepModel:
     """The ops of a training step of the ViT of ``cfg`` (a ViTConfig) on ``batch`` samples."""
     h, w = cfg.img_size
@@ -293,7 +282,7 @@ def vit_model(cfg, batch: int, amp: bool) -> StepModel:
     ops.add("copies", "fwd", "tokens to image (permute copy)", a * t * q, a * t * q)
     ops.add("copies", "bwd", "tokens to image backward (permute copy)", a * t * q, a * t * q)
     _relative_l2(ops, batch, t * q)
-    params = vit_params(cfg)
+    params = model_params(cfg)
     ops.adam(params)
     return StepModel("vit", batch, amp, list(ops), VIT_GROUPS, params, vit_group, "copies",
                      "adds", VIT_NOTES)
@@ -374,22 +363,6 @@ def unet_group(module: str | None, op: str, cat_index: int | None = None,
     return "other"
 
 
-def unet_params(cfg) -> list[tuple[str, int]]:
-    widths = unet_widths(cfg)
-    levels = len(widths)
-    out = []
-    cin = cfg.n_in_channels
-    for i, w in enumerate(widths):
-        out += [(f"down.{i}.0.weight", cin * w * 64), (f"down.{i}.0.bias", w)]
-        cin = w
-    for j, i in enumerate(reversed(range(1, levels))):
-        cin = widths[i] if i == levels - 1 else 2 * widths[i]
-        out += [(f"up.{j}.0.weight", cin * widths[i - 1] * 64), (f"up.{j}.0.bias", widths[i - 1])]
-    out += [("last.weight", 2 * widths[0] * cfg.n_out_channels * 64),
-            ("last.bias", cfg.n_out_channels)]
-    return out
-
-
 def unet_model(cfg, batch: int, amp: bool, channels_last: bool = False) -> StepModel:
     """The ops of a training step of the U-Net of ``cfg`` (a UNetConfig) on ``batch`` crops,
     its weights and batch in the default layout or ``channels_last`` (torch.channels_last_3d:
@@ -432,7 +405,7 @@ def unet_model(cfg, batch: int, amp: bool, channels_last: bool = False) -> StepM
     for i in range(levels - 1):
         n = batch * widths[i] * vox[i]
         ops.add("skip grad sums", "bwd", f"skip {i} gradient sum", 2 * a * n, a * n)
-    params = unet_params(cfg)
+    params = model_params(cfg)
     ops.adam(params)
     notes = {"casts": "autocast: the input, weights and biases to the 2-byte dtype, their "
                       "gradients back; the loss's prediction to fp32 and its gradient back",

@@ -4,30 +4,17 @@
     python -m benchmarks.scaling --models vit --ranks 1,2
     python -m benchmarks.scaling --plot-only        # redraw from benchmarks/scaling/results.json
 
-Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo on CPU, one thread per
-rank, OMP_NUM_THREADS=1 also for the 1-rank runs so that points compare) of a model's
-``quickstart`` with ``--data_loader_config synthetic``: one batch made in memory and served
-every step (no data set needed), so file I/O and the loader are excluded and what scales is compute plus the
-gradient all-reduce. Each run trains 5 epochs of the same number of steps; the throughput of a
-point is the median samples/s of epochs 2-5 read from the run's log (epoch 1 holds the one-off
-costs: first-touch allocation, DDP's bucket rebuild), pooled over --repeats rounds.
+Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo, one thread per rank) of a
+model's ``quickstart`` with ``--data_loader_config synthetic`` (compute plus the gradient
+all-reduce), 5 epochs; its throughput is the median samples/s of epochs 2-5, pooled over
+--repeats rounds. Series: weak (fixed local batch) and strong (fixed global batch) scaling, each
+with DDP and with --noddp (compute alone); efficiency = throughput(N) / (N x throughput(1)).
+The method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine: other
+processes' load would be timed as ours (at commit 68986f8 the script waited for quiet and ran a
+disturbed point again).
 
-On a machine shared with other work, before each run the script waits up to --max-wait seconds
-for the other processes to go quiet (under 10% of the cores busy, from /proc/stat); after it,
-it compares the machine's busy time with its own children's CPU time, and a run during which
-other processes took more than --disturbed of the cores is run again (at most --retries times;
-the least disturbed run is kept, and marked "(disturbed)" in the tables when it was still
-disturbed). results.json keeps every epoch, the best epoch and these records.
-
-Series (samples/s counts the global batch):
-  weak:   fixed local batch per rank, global batch = local x ranks;
-  strong: fixed global batch, local batch = global / ranks;
-each with DDP (gradient all-reduce) and with --noddp (no gradient communication: the replicas
-drift apart, the time is compute alone). Efficiency = throughput(N) / (N x throughput(1)).
-
-Writes benchmarks/scaling/results.json, prints Markdown tables, and with matplotlib installed
-(a benchmark-only dependency: pip install -r requirements-plots.txt) draws throughput.png and
-efficiency.png beside them.
+Writes benchmarks/scaling/results.json (every epoch, the best epoch), prints Markdown tables, and
+with matplotlib (pip install -r requirements-plots.txt) draws throughput.png and efficiency.png.
 """
 from __future__ import annotations
 
@@ -36,9 +23,8 @@ import json
 import os
 import platform
 import re
-import resource
 import shutil
-import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,63 +53,13 @@ EPOCHS = 5
 EPOCH = re.compile(r"Epoch (\d+): ([0-9.]+) s for \d+ steps, ([0-9.]+) samples/s")
 
 
-def machine_busy_seconds() -> float | None:
-    """CPU-seconds all cores have been busy since boot (from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    user, nice, system, idle, iowait, irq, softirq, steal = v
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_children_seconds() -> float:
-    """CPU-seconds used by this script's finished child processes (torchrun and its ranks)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def busy_fraction(seconds: float = 1.0) -> float | None:
-    """Share of all cores busy over ``seconds`` (from /proc/stat; None where there is none)."""
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]  # total, idle + iowait
-
-    try:
-        t0, i0 = sample()
-        time.sleep(seconds)
-        t1, i1 = sample()
-    except OSError:
-        return None
-    return 1 - (i1 - i0) / max(t1 - t0, 1)
-
-
-def wait_for_quiet(max_wait: float, threshold: float = 0.1) -> float | None:
-    """Wait (at most max_wait s) until other processes use under ``threshold`` of the cores:
-    on a shared machine their load would be timed as ours. Returns the last busy share."""
-    deadline = time.time() + max_wait
-    busy = busy_fraction()
-    while busy is not None and busy > threshold and time.time() < deadline:
-        busy = busy_fraction(2.0)
-    return busy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_point(model: str, ranks: int, local_batch: int, noddp: bool, work: str, log_dir: str,
-              max_wait: float = 0):
+def run_point(model: str, ranks: int, local_batch: int, noddp: bool, work: str, log_dir: str):
     """One torchrun; returns samples/s (median of epochs 2..) and the per-epoch numbers."""
     m = MODELS[model]
     tag = f"{model}_n{ranks}_b{local_batch}{'_noddp' if noddp else ''}_{time.time_ns()}"
     n_train = local_batch * ranks * m["steps"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(ranks), os.path.join(ROOT, "train.py"),
            "--yaml_config", os.path.join(ROOT, m["yaml"]), "--config", "quickstart",
            "--data_loader_config", "synthetic", "--num_data_workers", "0",
            "--local_batch_size", str(local_batch), "--num_epochs", str(EPOCHS),
@@ -133,17 +69,10 @@ def run_point(model: str, ranks: int, local_batch: int, noddp: bool, work: str, 
     if noddp:
         cmd.append("--noddp")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    busy = wait_for_quiet(max_wait)
     load = os.getloadavg()[0]
-    machine0, own0, t0 = machine_busy_seconds(), own_children_seconds(), time.time()
+    t0 = time.time()
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.time() - t0
-    # CPU time other processes took while this run ran, as a share of all cores: their work
-    # would have been timed as ours.
-    others = None
-    if machine0 is not None:
-        spent = machine_busy_seconds() - machine0 - (own_children_seconds() - own0)
-        others = max(0.0, spent) / (wall * (os.cpu_count() or 1))
     with open(os.path.join(log_dir, tag + ".log"), "w") as f:
         f.write(r.stdout + r.stderr)
     if r.returncode != 0:
@@ -154,38 +83,13 @@ def run_point(model: str, ranks: int, local_batch: int, noddp: bool, work: str, 
         raise RuntimeError(f"{tag}: no 'Epoch N: ... samples/s' lines after epoch 1 in its log")
     return dict(model=model, ranks=ranks, local_batch=local_batch, global_batch=local_batch * ranks,
                 noddp=noddp, **summarise(epochs), epochs=epochs, wall_s=round(wall, 1),
-                load_before=round(load, 2),
-                others_busy=None if busy is None else round(busy, 3),
-                others_during=None if others is None else round(others, 3))
+                load_before=round(load, 2))
 
 
 def summarise(epochs):
     """Median (the reported value) and best samples/s over the epochs after each run's first."""
-    rates = sorted(e["samples_per_s"] for e in epochs if e["epoch"] >= 2)
-    mid = len(rates) // 2
-    median = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
-    return dict(samples_per_s=median, best_samples_per_s=rates[-1])
-
-
-def measure(point, args, work, log_dir):
-    """One point; run again (at most --retries times) while other processes took more than
-    --disturbed of the cores during the run, and keep the least disturbed run (``disturbed``:
-    whether even that one was)."""
-    runs = []
-    for attempt in range(1 + args.retries):
-        r = run_point(*point, work, log_dir, args.max_wait)
-        runs.append(r)
-        if r["others_during"] is None or r["others_during"] <= args.disturbed:
-            break
-        again = ("running it again" if attempt < args.retries else
-                 f"no retries left (--retries {args.retries}): the least disturbed run is kept, "
-                 f"marked disturbed")
-        print(f"    disturbed: other processes used {r['others_during']:.0%} of the cores "
-              f"during the run; {again}", flush=True)
-    best = min(runs, key=lambda r: r["others_during"] or 0.0)
-    best["attempts"] = len(runs)
-    best["disturbed"] = best["others_during"] is not None and best["others_during"] > args.disturbed
-    return best
+    rates = [e["samples_per_s"] for e in epochs if e["epoch"] >= 2]
+    return dict(samples_per_s=statistics.median(rates), best_samples_per_s=max(rates))
 
 
 def plan(models, ranks):
@@ -198,12 +102,7 @@ def plan(models, ranks):
                 points.append((model, n, m["weak_local"], noddp))
                 if m["strong_global"] % n == 0:
                     points.append((model, n, m["strong_global"] // n, noddp))
-    seen, unique = set(), []
-    for p in points:
-        if p not in seen:
-            seen.add(p)
-            unique.append(p)
-    return unique
+    return list(dict.fromkeys(points))
 
 
 def series(results, model, kind, noddp):
@@ -213,25 +112,14 @@ def series(results, model, kind, noddp):
     for r in sorted(results, key=lambda r: r["ranks"]):
         if r["model"] != model or (r["noddp"] != noddp and r["ranks"] > 1):
             continue
-        if kind == "weak" and r["local_batch"] == m["weak_local"]:
-            out.append((r["ranks"], r["samples_per_s"]))
-        if kind == "strong" and r["global_batch"] == m["strong_global"]:
+        if (r["local_batch"] == m["weak_local"] if kind == "weak"
+                else r["global_batch"] == m["strong_global"]):
             out.append((r["ranks"], r["samples_per_s"]))
     return out
 
 
-def disturbed_ranks(results, model, kind, noddp) -> set:
-    """The rank counts of a series (as ``series`` picks them) whose kept run was disturbed."""
-    m = MODELS[model]
-    return {r["ranks"] for r in results if r.get("disturbed") and r["model"] == model
-            and (r["noddp"] == noddp or r["ranks"] == 1)
-            and (r["local_batch"] == m["weak_local"] if kind == "weak"
-                 else r["global_batch"] == m["strong_global"])}
-
-
 def tables(results, cores) -> str:
     lines = []
-    marked = False
     for model in MODELS:
         if not any(r["model"] == model for r in results):
             continue
@@ -245,25 +133,18 @@ def tables(results, cores) -> str:
                       "| noddp efficiency | all-reduce share |",
                       "|---:|---:|---:|---:|---:|---:|---:|"]
             ddp, nod = dict(series(results, model, kind, False)), dict(series(results, model, kind, True))
-            bad_ddp = disturbed_ranks(results, model, kind, False)
-            bad_nod = disturbed_ranks(results, model, kind, True)
-            marked = marked or bool(bad_ddp or bad_nod)
             base = ddp.get(1)
             for n in sorted(ddp):
                 g = m["weak_local"] * n if kind == "weak" else m["strong_global"]
                 eff = f"{ddp[n] / (n * base):.0%}" if base else "-"
                 ne = f"{nod[n] / (n * base):.0%}" if base and n in nod else "-"
-                ns = f"{nod[n]:.1f}{' (disturbed)' if n in bad_nod else ''}" if n in nod else "-"
-                ds = f"{ddp[n]:.1f}{' (disturbed)' if n in bad_ddp else ''}"
+                ns = f"{nod[n]:.1f}" if n in nod else "-"
+                ds = f"{ddp[n]:.1f}"
                 share = 1 - ddp[n] / nod[n] if n in nod and n > 1 else None
                 comm = "-" if share is None else f"{share:.0%}" if abs(share) >= 0.005 else "0%"
                 over = " (oversubscribed)" if n > cores else ""
                 lines.append(f"| {n}{over} | {g} | {ds} | {eff} | {ns} | {ne} | {comm} |")
             lines.append("")
-    if marked:
-        lines += ["(disturbed): other processes took more than --disturbed of the cores during "
-                  "every run of that point (its least disturbed run is kept): run it again on a "
-                  "quiet machine, or with more --retries", ""]
     return "\n".join(lines)
 
 
@@ -335,24 +216,17 @@ def run_series(args, work):
         # every other round in reverse order, so slow drifts of the machine even out
         for i, point in enumerate(todo if rep % 2 == 0 else todo[::-1]):
             model, n, b, noddp = point
-            r = measure(point, args, work, log_dir)
+            r = run_point(*point, work, log_dir)
             if point in pooled:  # pool the epochs of every round
                 before = pooled[point]
                 r["epochs"] = before["epochs"] + r["epochs"]
                 r["load_before"] = max(r["load_before"], before["load_before"])
-                for key in ("others_busy", "others_during"):
-                    r[key] = max(r[key] or 0, before[key] or 0)
-                r["attempts"] += before["attempts"]
-                r["disturbed"] = r["disturbed"] or before["disturbed"]
                 r["wall_s"] = round(r["wall_s"] + before["wall_s"], 1)
                 r.update(summarise(r["epochs"]))
             pooled[point] = r
-            others = "" if r["others_during"] is None else \
-                f", others used {r['others_during']:.0%} of the cores" + (
-                    ", disturbed" if r["disturbed"] else "")
             print(f"[{rep + 1}.{i + 1}/{len(todo)}] {model} ranks={n} local={b} global={b * n}"
                   f"{' noddp' if noddp else ''}: {r['samples_per_s']:.1f} samples/s "
-                  f"(run {r['wall_s']} s{others})", flush=True)
+                  f"(run {r['wall_s']} s)", flush=True)
     import torch
 
     return dict(machine=dict(cores=os.cpu_count() or 1, platform=platform.platform(),
@@ -395,12 +269,6 @@ def main(argv=None):
     p.add_argument("--out", default=OUT, help="directory of results.json and the plots "
                    "(default: %(default)s)")
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
-    p.add_argument("--max-wait", type=at_least(0.0, float), default=30,
-                   help="seconds to wait before each run for other processes to go quiet")
-    p.add_argument("--retries", type=at_least(0), default=2,
-                   help="extra runs of a point that other processes disturbed")
-    p.add_argument("--disturbed", type=at_least(0.0, float), default=0.1,
-                   help="share of the cores other processes may use during a run")
     p.add_argument("--repeats", type=at_least(1), default=1,
                    help="run the whole series this many times, pooling each point's epochs")
     p.add_argument("--plot-only", action="store_true",

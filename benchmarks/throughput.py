@@ -1,26 +1,15 @@
-"""Loader and training throughput on this machine, beside the raw HDF5 read rate (the limit).
+"""Loader throughput on this machine, beside the raw HDF5 read rate (the limit).
 
     python -m benchmarks.throughput                  # everything, prints Markdown tables
-    python -m benchmarks.throughput --only loaders   # or: raw, train
+    python -m benchmarks.throughput --only loaders   # or: raw
 
 Data: synthetic files in the real formats under --data (made once): an ERA5 year of 120 steps at
 the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
-crops, plus the quickstart sizes.
-
-Loader rows: whole batches of each setting (lowmem, inmem; for the U-Net also ``device``; DALI's
-``dali-lowmem`` and ``dali-inmem`` where DALI is installed, CPU pipelines here) and worker count
-(the device loader has no workers: one row), each beside the raw read of the same bytes (h5py,
-one process, nothing else) timed in the same rounds. Per row: samples/s and GB/s
-delivered (input and target, float32, in the memory the step reads), the ratio to the raw read,
-and the main process's CPU time per batch while it receives batches (``time.process_time``: all
-its threads; without workers that is the whole read), also as a share of the raw read time of a
-batch. Each measurement starts a pass, skips the batches that fill the prefetch queue, times
-``--batches`` batches, then waits until the batches prefetched meanwhile are read, so that it
-does not run beside the next; ``--rounds`` rounds, the paths in a rotating order, the best round
-of each path counts.
-
-Raw rows: h5py reads alone. Training rows time optimizer steps of the quickstart and the
-tutorial's reference model sizes, on cached data (compute only) and through the loader.
+crops. Loader rows: each setting (lowmem, inmem; for the U-Net also ``device``; DALI's where it
+is installed) and worker count beside the raw h5py read of the same bytes, timed interleaved
+(how, and the columns: benchmarks/RESULTS.md). Raw rows: h5py reads alone. Training steps were
+timed here at commit 68986f8 (their figures in benchmarks/RESULTS.md); train.py's epoch lines
+and ``--throughput_report`` measure them now.
 """
 from __future__ import annotations
 
@@ -43,7 +32,6 @@ from datapipe import synthetic  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
 from settings.errors import OneLineParser, at_least  # noqa: E402
 from settings.parse import build_config  # noqa: E402
-from tasks import make_task  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ERA5_STEPS = 120  # steps of the ERA5 training year: 119 pairs, 29 batches of 4 per epoch
@@ -190,14 +178,6 @@ def measure(loader, n_batches, warmup, epoch, ahead):
     return {"rate": n / dt, "gbs": nbytes / dt / 1e9, "cpu_ms": 1e3 * cpu / n_batches}
 
 
-def close_loaders(loaders):
-    """End the loaders' workers; returns None, to drop the last reference with."""
-    close = getattr(loaders, "close", None)
-    if callable(close):
-        close()
-    gc.collect()
-
-
 COLUMNS = ["data", "setting", "workers", "raw read, samples/s", "raw read, GB/s",
            "now, samples/s", "now, GB/s", "now / raw", "now, main CPU ms/batch",
            "now, main CPU / raw read of a batch", "load (1 min)"]
@@ -207,16 +187,12 @@ def table_header() -> str:
     return "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS)
 
 
-def _f(v, spec):
-    return "–" if v is None else format(v, spec)
-
-
 def format_row(r: dict) -> str:
     raw, now = r["raw"], r["now"]
     cells = [r["data"], r["setting"], "–" if r["setting"] == "device" else str(r["workers"]),
              f"{raw['rate']:.1f}", f"{raw['gbs']:.2f}", f"{now['rate']:.1f}", f"{now['gbs']:.2f}",
              f"{r['ratio']:.2f}", f"{now['cpu_ms']:.1f}", f"{r['main_share']:.1%}",
-             _f(r.get("load"), ".1f")]
+             "–" if r.get("load") is None else f"{r['load']:.1f}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -237,17 +213,16 @@ def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS):
                 ahead = cfg.prefetch_depth * max(1, w)  # batches a loader reads ahead
                 warmup = ahead + 2
                 rng = np.random.default_rng(0)
-                paths = {"raw": lambda: dict(zip(("rate", "gbs"), case.raw(n_batches * b, rng)))}
-                paths["now"] = lambda e: measure(loaders.train, n_batches, warmup, e, ahead)
                 best = {}
-                names = list(paths)
-                for r in range(rounds):
-                    for k in names[r % len(names):] + names[:r % len(names)]:
-                        got = paths[k]() if k == "raw" else paths[k](r)
+                for r in range(rounds):  # the two paths in a rotating order
+                    for k in (("raw", "now") if r % 2 == 0 else ("now", "raw")):
+                        got = (dict(zip(("rate", "gbs"), case.raw(n_batches * b, rng))) if k == "raw"
+                               else measure(loaders.train, n_batches, warmup, r, ahead))
                         if k not in best or got["rate"] > best[k]["rate"]:
                             best[k] = got
-                paths.clear()
-                loaders = close_loaders(loaders)  # None: its memory (inmem: the data) goes now
+                loaders.close()  # its workers end
+                loaders = None  # and its memory (inmem: the data) goes now
+                gc.collect()
                 raw, now = best["raw"], best["now"]
                 row = {"data": case.label, "setting": setting, "workers": w, "batch": b,
                        "raw": raw, "now": now,
@@ -288,63 +263,6 @@ def goal_lines(rows) -> list[str]:
     return out
 
 
-# ----------------------------------------------------------------------------- training steps
-
-
-def train_rate(yaml_name, name, overrides, steps, cached=True):
-    """Samples/s of full optimizer steps (forward, backward, Adam) on one process."""
-    cfg = build_config(os.path.join(ROOT, "config", yaml_name), name,
-                       dict(overrides, data_loader_config="synthetic" if cached else "lowmem"))
-    task = make_task(cfg)
-    torch.manual_seed(0)
-    model = task.build_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    ld = build_loaders(cfg, 1, 0, cfg.global_batch_size, torch.device("cpu"))
-    it = batches(ld.train)
-    x, y = next(it)
-
-    def step(x, y):
-        x, y = task.device_batch(x, y)  # as the engine's first operation of the step
-        loss = task.loss(model(x), y).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step(x, y)  # warm-up: allocations, first-touch
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        x, y = next(it)
-        step(x, y)
-    return steps * cfg.global_batch_size / (time.perf_counter() - t0)
-
-
-def train_rows(era5, cosmo, base):
-    qs_era5 = os.path.join(base, "era5_quickstart")
-    qs_cosmo = os.path.join(base, "cosmo_quickstart")
-    if not os.path.isdir(os.path.join(qs_era5, "train")):
-        synthetic.make_era5(qs_era5, seed=0)
-    if not os.path.exists(os.path.join(qs_cosmo, "train.h5")):
-        synthetic.make_cosmo(qs_cosmo, seed=0)
-    cases = [
-        ("ViT quickstart (32x64, embed 128, depth 4), batch 16", "ViT.yaml", "quickstart",
-         {"data_root": qs_era5}, 20),
-        ("ViT reference (360x720, patch 8, embed 384, depth 12), batch 2", "ViT.yaml", "base",
-         {"data_root": era5, "global_batch_size": "2"}, 3),
-        ("U-Net quickstart (32^3, width 8, 5 levels), batch 8", "UNet.yaml", "quickstart",
-         {"data_root": qs_cosmo}, 10),
-        ("U-Net reference (64^3, width 64, 6 levels), batch 4", "UNet.yaml", "base",
-         {"data_root": cosmo, "train_file": "train.h5", "val_file": "valid.h5",
-          "global_batch_size": "4", "Nsamples": "64"}, 3),
-    ]
-    rows = []
-    for label, yaml_name, name, ov, steps in cases:
-        cached = train_rate(yaml_name, name, ov, steps, cached=True)
-        loaded = train_rate(yaml_name, name, ov, steps, cached=False)
-        rows.append((label, cached, loaded))
-        print(f"| {label} | {cached:.2f} | {loaded:.2f} |", flush=True)
-    return rows
-
-
 def _load():
     """The 1-minute load average (this benchmark's own processes included), None if unknown."""
     try:
@@ -364,8 +282,8 @@ def main(argv=None):
     p = OneLineParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n")[0])
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bench"),
                    help="directory of the synthetic benchmark data (made when missing)")
-    p.add_argument("--only", choices=("loaders", "raw", "train"),
-                   help="run one part: the loaders, raw reads or training steps")
+    p.add_argument("--only", choices=("loaders", "raw"),
+                   help="run one part: the loaders or raw reads")
     p.add_argument("--workers", type=at_least(0), nargs="+", default=[0, 1, 2],
                    help="loader worker counts to measure (default: %(default)s)")
     p.add_argument("--batches", type=at_least(1), default=20,
@@ -392,9 +310,6 @@ def main(argv=None):
         print(f"\n{load_line()}\n\nGoals:\n")
         print("\n".join(goal_lines(rows)))
         print()
-    if args.only in (None, "train"):
-        print("| training step | cached data, samples/s | through the loader, samples/s |\n|---|---|---|")
-        train_rows(era5, cosmo, args.data)
 
 
 if __name__ == "__main__":

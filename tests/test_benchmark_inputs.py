@@ -1,7 +1,6 @@
 """Bad input to the benchmark commands: one ``error:`` line on stderr naming the value, exit
 code 2, no traceback, refused before any measurement, and nothing on disk changed (an existing
 output file is never written over)."""
-import argparse
 import sys
 
 import pytest
@@ -42,7 +41,7 @@ BAD = {
     "memory_model memory negative": ("memory_model", ["--gpu_memory_gb", "-5"],
                                      ["--gpu_memory_gb", "-5"]),
     "roofline budget negative": ("roofline", ["--budget", "-1"], ["--budget", "-1"]),
-    "scaling retries negative": ("scaling", ["--retries", "-1"], ["--retries", "-1"]),
+    "scaling repeats 0": ("scaling", ["--repeats", "0"], ["--repeats", "0"]),
     "scaling ranks 0": ("scaling", ["--ranks", "1,0"], ["--ranks", "1,0"]),
     "scaling unknown model": ("scaling", ["--models", "vit,vti"], ["vti", "unet"]),
     "throughput workers negative": ("throughput", ["--workers", "0", "-1"], ["--workers", "-1"]),
@@ -89,32 +88,3 @@ def test_memory_model_gives_its_verdict(capsys, memory, verdict):
 
     memory_model.main(["--config", "mp_cpu", "--gpu_memory_gb", str(memory)])
     assert verdict in capsys.readouterr().out
-
-
-def test_scaling_without_retries_keeps_a_disturbed_point_and_marks_it(monkeypatch, capsys):
-    from benchmarks import scaling
-
-    calls = []
-
-    def run_point(model, ranks, local_batch, noddp, work, log_dir, max_wait):
-        calls.append(ranks)
-        return dict(model=model, ranks=ranks, local_batch=local_batch, noddp=noddp,
-                    global_batch=local_batch * ranks, samples_per_s=10.0 * ranks,
-                    others_during=0.5 if ranks == 2 else 0.0)
-
-    monkeypatch.setattr(scaling, "run_point", run_point)
-    args = argparse.Namespace(retries=0, disturbed=0.1, max_wait=0)
-    results = [scaling.measure(p, args, "work", "logs") for p in scaling.plan(["vit"], [1, 2])]
-    out = capsys.readouterr().out
-    assert len(calls) == len(results) and "running it again" not in out
-    assert "no retries left (--retries 0)" in out and "kept" in out
-    assert [r["disturbed"] for r in results] == [r["ranks"] == 2 for r in results]
-    table = scaling.tables(results, cores=2)
-    assert "| 2 | 16 | 20.0 (disturbed) |" in table and "| 1 | 8 | 10.0 |" in table, table
-    assert "(disturbed): other processes" in table
-
-    args.retries = 1  # a retry left: run again, then kept as disturbed
-    calls.clear()
-    r = scaling.measure(("vit", 2, 8, False), args, "work", "logs")
-    assert calls == [2, 2] and r["attempts"] == 2 and r["disturbed"]
-    assert "running it again" in capsys.readouterr().out

@@ -75,11 +75,11 @@ def plan(monkeypatch, series: dict):
     """``series`` as the whole plan, run by a call without --only."""
     monkeypatch.setattr(gpu_runs, "SERIES", series)
     monkeypatch.setattr(gpu_runs, "RUNS", {r.key: r for runs in series.values() for r in runs})
-    monkeypatch.setattr(gpu_runs, "CALLS", (tuple(series),))
+    monkeypatch.setattr(gpu_runs, "PLAN", tuple(series))
 
 
 def default_runs():
-    return gpu_runs.select(gpu_runs.CALLS[0])
+    return gpu_runs.select(gpu_runs.PLAN)
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -110,44 +110,23 @@ def test_dry_run_lists_every_command_with_its_estimate_and_runs_nothing(tmp_path
     make = next(line for line in printed if line.startswith("data needed"))
     assert ("cosmology boxes of sides 256 and 128; ERA5 files of 200 and 48 steps of 360 x 720 "
             f"under {data}") in make
-    # Each device call fits the budget, and together they run every series.
-    calls = [line for line in printed if line.startswith("device call ")]
-    assert calls[0].startswith("device call 1: python -m benchmarks.gpu_runs --make-data  ")
-    assert len(calls) == 3 and "--only unet/short_opt unet/short_opt_graph" in calls[2]
-    for line in calls:
-        assert float(re.search(r"est (\d+) s", line).group(1)) < gpu_runs.BUDGET_S <= 540
-    # together the calls run every run once, but for the short_opt runs, each run again in the
-    # call of a variant of it, to compare on the same machine: the ViT's beside its
-    # compile_blocks variant (which comes first: its compile before any of the whole model's),
-    # the U-Net's beside its CUDA graph
-    planned = [run.key for call in gpu_runs.CALLS for run in gpu_runs.select(call)]
-    assert set(planned) == set(gpu_runs.RUNS)
-    assert sorted(k for k in planned if planned.count(k) > 1) == ["unet/short_opt"] * 2 + [
-        "vit/short_opt"] * 2
-    second, third = ([run.key for run in gpu_runs.select(c)] for c in gpu_runs.CALLS[1:])
-    assert second.index("vit/short_opt_blocks") + 1 == second.index("vit/short_opt")
-    assert {"unet/short_opt", "unet/short_opt_graph"} <= set(third)
+    # The call fits the budget and runs every run of the plan once.
+    total = next(line for line in printed if line.startswith("estimated: "))
+    assert float(re.search(r"estimated: (\d+) s", total).group(1)) < gpu_runs.BUDGET_S <= 540
+    assert sorted(run.key for run in default_runs()) == sorted(gpu_runs.RUNS)
     assert not data.exists() and not (tmp_path / "out").exists()  # nothing made or written
     assert not any("DDP" in line or "NCCL" in line for line in printed)
-    gpu_runs.main(["--dry-run", "--data", str(data), "--only", *gpu_runs.CALLS[1]])
-    commands = [line.strip() for line in capsys.readouterr().out.splitlines()
-                if line.startswith("    python ")]
-    assert sum(c.startswith("python train_graph.py ") for c in commands) == 1
-    pytest_line = next(c for c in commands if c.startswith("python -m pytest -q -m gpu "))
-    assert "tests/test_attention.py" in pytest_line and "tests/test_cuda_graph.py" in pytest_line
 
 
 def test_every_train_command_is_a_valid_config_for_its_script(tmp_path):
     seen = set()
     for i, run in enumerate(all_runs()):
-        if run.kind == "pytest":
-            continue
         if run.kind == "report":  # a benchmark script (its own tests run it)
             assert os.path.exists(os.path.join(ROOT, run.script)), run.script
             continue
         cmd = gpu_runs.command(run, str(tmp_path), str(tmp_path / f"run{i}"))
         script = cmd[1]
-        assert script in ("train.py", "train_graph.py") and os.path.exists(
+        assert script == "train.py" and os.path.exists(
             os.path.join(ROOT, script))
         cfg = from_argv(cmd[2:], f"{ROOT}/config/ViT.yaml", prog=script)
         model = {"cosmo": "unet", "era5": "vit", None: "vit"}[run.data]
@@ -161,13 +140,9 @@ def test_every_train_command_is_a_valid_config_for_its_script(tmp_path):
         seen.add((run.key, cfg.amp_mode, cfg.data_loader_config, cfg.enable_fused,
                   cfg.enable_jit, cfg.num_data_workers, script))
     got = {key: rest for key, *rest in seen}
-    # The tutorial's baselines, then its optimised configs (the U-Net's with the device loader).
-    assert got["unet/baseline"] == ["none", "lowmem", False, False, 2, "train.py"]
+    # The tutorial's optimised configs (the U-Net's with the device loader).
     assert got["unet/short_opt"] == [
         "fp16", "device", True, True, 8, "train.py"]
-    assert got["graphs/b8"][:3] + got["graphs/b8"][-1:] == [
-        "bf16", "device", True, "train_graph.py"]
-    assert got["vit/short"] == ["none", "lowmem", False, False, 0, "train.py"]
     assert got["vit/short_opt"] == got["vit/short_opt_again"] == [
         "bf16", "lowmem", True, True, 8, "train.py"]
     # short_opt is the config of its name, but in bf16.
@@ -179,7 +154,6 @@ def test_every_train_command_is_a_valid_config_for_its_script(tmp_path):
 def test_the_tutorial_figures_name_rows_of_the_plan():
     keys = {run.key for run in all_runs()}
     assert set(gpu_runs.TUTORIAL) <= keys
-    assert gpu_runs.TUTORIAL["unet/baseline"][0] == pytest.approx(85, abs=1)  # 'about 85'
     assert all(src for _, src in gpu_runs.TUTORIAL.values())
 
 
@@ -256,7 +230,7 @@ def test_reads_a_real_log_and_its_throughput_report(tmp_path, era5_root):
     assert got["samples_per_s"] == pytest.approx((float(epochs[1]) + float(epochs[2])) / 2)
     assert got["wait_pct"] == pytest.approx((float(waits[1]) + float(waits[2])) / 2)
     assert got["tflops"] > 0 and got["mfu"] is None  # no peak table entry for a CPU
-    assert got["peak_gb"] is not None and got["graph"] is None
+    assert got["peak_gb"] is not None
     printed = re.search(r"IO ([\d.]+) \+/- [\d.]+, SYNTHETIC ([\d.]+) \+/- [\d.]+, FULL ([\d.]+)",
                         out).groups()
     assert got["throughput"] == dict(zip(("IO", "SYNTHETIC", "FULL"), map(float, printed)))
@@ -267,7 +241,6 @@ def test_reads_gpu_lines_with_their_log_prefix_mfu_wait_report_and_every_rank():
     text = logged(*gpu_epoch(1, 300.0, 40.1, [20.0, 20.5], wait=0.6),
                   *gpu_epoch(2, 400.0, 47.3, [20.1, 21.25], wait=0.3),
                   *gpu_epoch(3, 500.0, 47.3, [20.0, 20.0], wait=0.1),
-                  "CUDA graph: step 131.60 ms replayed, 147.90 ms eager (2 warm-up steps): 1.12x",
                   *report_lines(288.0, 1467.0, 313.0))
     assert " - INFO -   Model 47.3 TFLOP/s per device (139.9 GFLOP per sample), MFU 9.6% of 494 " \
            "TFLOP/s peak\n" in text  # the line of a real H100 run, prefix included
@@ -276,7 +249,6 @@ def test_reads_gpu_lines_with_their_log_prefix_mfu_wait_report_and_every_rank():
     assert got["wait_pct"] == 20.0 and got["steady_per_s"] == 675.0  # medians of epochs 2, 3
     assert got["tflops"] == 47.3 and got["mfu"] == 9.6  # the last epoch's
     assert got["peak_gb"] == 21.25  # the second rank's, in epoch 2
-    assert got["graph_x"] == 1.12 and got["graph"].endswith("1.12x")
     assert got["throughput"] == {"IO": 288.0, "SYNTHETIC": 1467.0, "FULL": 313.0}
     assert got["bottleneck"].startswith("the loader is the bottleneck (IO 288.0 < SYNTHETIC")
     big = gpu_runs.read_log(logged(*gpu_epoch(1, 9e3, 1234.5, [1.0])))  # printed as 1.23e+03
@@ -317,16 +289,6 @@ def test_last_error_line_names_the_cause():
     assert gpu_runs.last_error_line("step 1\nstep 2\n\n") == "step 2"
 
 
-def test_pytest_outcome_reads_the_summary():
-    out = "....s\n4 passed, 1 skipped, 30 deselected in 41.20s\n"
-    assert gpu_runs.pytest_outcome(0, out, 90) == {"tests": "4 passed, 1 skipped, 30 deselected"}
-    assert gpu_runs.pytest_outcome(1, "F.\n==== 1 failed, 1 passed in 3.00s ====\n", 90) == {
-        "failed": "exit 1: 1 failed, 1 passed"}
-    assert gpu_runs.pytest_outcome(0, "sss\n3 skipped in 0.10s\n", 90)["failed"].startswith(
-        "exit 0 but no test passed: 3 skipped")
-    assert gpu_runs.pytest_outcome(None, "collecting", 90)["failed"].startswith("timed out after")
-
-
 # ------------------------------------------------------------------------------ goals
 
 def epochs_log(rate: float) -> str:
@@ -335,7 +297,7 @@ def epochs_log(rate: float) -> str:
 
 def result(rate=None, **kw):
     return dict({"samples_per_s": rate, "wait_pct": None, "tflops": None, "mfu": None,
-                 "peak_gb": None, "graph_x": None, "throughput": None}, **kw)
+                 "peak_gb": None, "throughput": None}, **kw)
 
 
 def plan_rows(results: dict) -> list:
@@ -345,23 +307,18 @@ def plan_rows(results: dict) -> list:
 
 def test_goals_on_synthetic_results():
     rows = plan_rows({
-        "unet/baseline": result(135.0),
         "unet/short_opt": result(2600.0, throughput={"IO": 9000.0, "SYNTHETIC": 2800.0,
                                                      "FULL": 2600.0}),
         "vit/short_opt": result(150.0, gflop_per_sample=1442.9, peak_tflops=989.0,
                                 throughput={"IO": 455.0, "SYNTHETIC": 166.0, "FULL": 150.0}),
         "vit/short_opt_again": result(150.0, epoch_s=[3.5, 0.6, 0.59], start_s=20.0,
                                       first_step_s=8.0, cache_hits=(6, 0)),
-        "graphs/b8": result(300.0, graph_x=1.15, graph="CUDA graph: step 2.00 ms replayed, "
-                                                         "2.30 ms eager (5 warm-up steps): 1.15x"),
     })
     got = {g: (m, v) for g, m, v in gpu_runs.goals(rows)}
     assert got["U-Net short_opt, device loader: >= 2500 samples/s"] == (
         "2600.0 samples/s", "reached")
     assert got["U-Net, device loader: FULL >= 0.9 SYNTHETIC"] == (
         "FULL 2600.0 / SYNTHETIC 2800.0 = 0.93", "reached")
-    assert got["U-Net short_opt >= 6x the short baseline"] == (
-        "2600.0 / 135.0 = 19.26x", "reached")
     # 166 samples/s x 1442.9 GFLOP = 239.5 TFLOP/s of 989: 24.2%
     assert got["ViT compute only (short_opt's SYNTHETIC) >= 30% MFU (bf16)"] == (
         "SYNTHETIC 166.0 samples/s x 1442.9 GFLOP = MFU 24.2%", "not reached")
@@ -369,8 +326,6 @@ def test_goals_on_synthetic_results():
         == "not reached"
     assert got["ViT, 8 workers (short_opt): FULL >= 0.9 SYNTHETIC"] == (
         "FULL 150.0 / SYNTHETIC 166.0 = 0.90", "reached")
-    assert got["CUDA graphs >= 1.1x eager, U-Net at batch 8"] == (
-        "step 2.00 ms replayed, 2.30 ms eager (5 warm-up steps): 1.15x", "reached")
     assert got["ViT, a second run: first epoch <= 2 x steady + 5 s"] == (
         "first epoch 3.5 s, steady 0.59 s: limit 6.2 s; start 20 s, first step 8 s; compile "
         "caches 6 hits, 0 misses", "reached")
@@ -431,27 +386,25 @@ def test_report_rows_their_sections_and_goals(tmp_path):
 
 
 def test_table_speed_ups_tutorial_ratio_and_special_rows():
+    third = dataclasses.replace(gpu_runs.RUNS["vit/short_opt_again"], key="vit/third",
+                                label="third")
     rows = plan_rows({
-        "unet/baseline": result(170.4, wait_pct=60.0, tflops=40.1, mfu=8.1, peak_gb=20.5),
-        "unet/short_opt": result(340.8),
-        "vit/short": result(10.0),
-        "vit/short_opt": {"failed": "exit 1: a|b"},
-        "vit/short_opt_again": result(40.0, start_s=12.4, first_step_s=5.2, epoch_s=[2.0, 1.0],
-                                      cache_hits=(3, 0)),
-        "tests/gpu": {"tests": "5 passed"},
-    })
+        "unet/short_opt": result(2596.8, wait_pct=60.0, tflops=40.1, mfu=8.1, peak_gb=20.5),
+        "vit/short_opt": result(21.42),
+        "vit/short_opt_again": {"failed": "exit 1: a|b"},
+    }) + [(third, result(42.84, start_s=12.4, first_step_s=5.2, epoch_s=[2.0, 1.0],
+                         cache_hits=(3, 0)))]
     lines = gpu_runs.table(rows).splitlines()
     cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
-    assert cells[0] == ["unet", "baseline: short, fp32, 2 loader workers", "170.4", "-",
-                        "1.00x", "60%", "40.1", "8.1%", "20.50", "85.2", "2.00x", ""]
-    assert cells[1][2:5] == ["340.8", "2.00x", "2.00x"] and cells[1][9:11] == ["519.2", "0.66x"]
-    assert cells[3][2] == "failed: exit 1: a\\|b" and cells[3][3:] == ["-"] * 9
-    assert cells[4][2:5] == ["40.0", "-", "4.00x"]  # the row before failed: no 'vs prev'
-    assert cells[4][-1] == ("start 12 s (first step 5 s); first epoch 2.0 s; compile caches 3 "
+    assert cells[0] == ["unet", gpu_runs.RUNS["unet/short_opt"].label, "2596.8", "-", "1.00x",
+                        "60%", "40.1", "8.1%", "20.50", "519.2", "5.00x", ""]
+    assert cells[1][2:5] == ["21.4", "-", "1.00x"] and cells[1][9:11] == ["42.8", "0.50x"]
+    assert cells[2][2] == "failed: exit 1: a\\|b" and cells[2][3:] == ["-"] * 9
+    assert cells[3][2:5] == ["42.8", "-", "2.00x"]  # the row before failed: no 'vs prev'
+    assert cells[3][-1] == ("start 12 s (first step 5 s); first epoch 2.0 s; compile caches 3 "
                             "hits, 0 misses")
-    assert cells[5][2] == "-" and cells[5][-1] == "5 passed"
     doc = gpu_runs.document(["header"], rows)
-    assert "## The tutorials' A100-40GB figures" in doc and "- unet/baseline: 85.2 samples/s" in doc
+    assert "## The tutorials' A100-40GB figures" in doc and "- unet/short_opt: 519.2 samples/s" in doc
 
 
 # ------------------------------------------------------------------------------ main()
@@ -647,7 +600,7 @@ def test_the_data_makers_refusal_is_one_line_and_changes_nothing(tmp_path, fake_
     taken.parent.mkdir(parents=True)
     taken.write_bytes(b"a user's file")
     with pytest.raises(SystemExit) as e:
-        gpu_runs.main(["--make-data", "--only", "vit/short", "--data", str(tmp_path / "d"),
+        gpu_runs.main(["--make-data", "--only", "vit/short_opt", "--data", str(tmp_path / "d"),
                        "--era5-steps", "4", "2", "--out-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
