@@ -1,16 +1,5 @@
-"""Model FLOPs of a training step, and the GPU peaks that turn achieved TFLOP/s into MFU.
-
-FLOPs are counted analytically by each task from its config (``forward_flops``), a multiply-add
-being 2 FLOPs, for the matrix products and convolutions only (biases, norms, activations,
-softmax and the position-embedding add are a fraction of a percent and left out, as
-``torch.utils.flop_counter`` leaves them out).
-A training step is forward + backward, and the backward of a layer costs twice its forward (the
-gradient of its input and of its weight): 3 x forward, the usual convention, less the input
-gradient of the first layer, which autograd never computes because the batch needs no gradient.
-
-These are *model* FLOPs: recomputation under activation checkpointing is not counted, so MFU
-says how much of the peak went into the model's own arithmetic.
-"""
+"""Model FLOPs of a training step, and the GPU peaks that turn achieved TFLOP/s into MFU: what
+is counted, and why, is in docs/performance.md ("Model FLOPs and MFU")."""
 from __future__ import annotations
 
 import torch
@@ -27,11 +16,9 @@ PEAK_TFLOPS = {
 
 def training_flops(forward: int, first: int) -> int:
     """Training FLOPs (forward + backward) of one sample of the serial model from its forward
-    FLOPs and those of its first layer (the task counts both: ``forward_flops``).
-
-    Under tensor/context parallelism the replica's ranks share each sample's FLOPs between
-    them, so the total per sample is the same.
-    """
+    FLOPs and those of its first layer (the task counts both: ``forward_flops``): 3 x forward,
+    the backward of a layer costing twice its forward. Under tensor/context parallelism the
+    replica's ranks share each sample's FLOPs, so the total per sample is the same."""
     return 3 * forward - first  # the first layer computes no input gradient
 
 
@@ -59,13 +46,3 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
         precision = amp_mode
     return PEAK_TFLOPS[model][precision]
 
-
-def tflops_per_device(flops_per_sample: int, samples_per_s: float, world_size: int) -> float:
-    """Achieved model TFLOP/s of one device, averaged over the job's devices.
-
-    ``samples_per_s`` is the whole job's (every data-parallel replica's samples). Under
-    tensor/context parallelism a replica's ranks share each sample, and the world size counts
-    every rank of every replica, so dividing the job's FLOP/s by the world size still gives the
-    average of one device.
-    """
-    return flops_per_sample * samples_per_s / world_size / 1e12

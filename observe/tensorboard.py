@@ -14,23 +14,16 @@ from torch.utils.tensorboard.summary import hparams
 
 
 class NullBoard:
-    def scalar(self, tag, value, step):
-        pass
+    """A board that writes nothing (every rank but 0; a finished run): each of ``Board``'s
+    calls does nothing."""
 
-    def image(self, tag, img, step):
-        pass
-
-    def describe_run(self, settings: dict, baseline_tag: str):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
+    def __getattr__(self, name):
+        if name.startswith("__"):  # (copy, pickle: as for any object)
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
 
 
-class Board(NullBoard):
+class Board:
     def __init__(self, logdir: str, purge_step: int | None = None):
         # purge_step drops events a crashed run wrote after its last checkpoint.
         self.writer = SummaryWriter(log_dir=logdir, purge_step=purge_step)
