@@ -69,9 +69,7 @@ class ProfilerWindow:
         return cls(True, start, length)
 
     def step(self, iteration: int):
-        if not self.enabled:
-            return
-        if iteration == self.start and not self.active:
+        if iteration == self.start and self.enabled and not self.active:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
             self.active = True
@@ -159,12 +157,8 @@ class TraceWindow:
     def step(self, iteration: int):
         if self.prof is None:
             if iteration == self.start:
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if torch.cuda.is_available():
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
-                self.prof = torch.profiler.profile(
-                    activities=activities, schedule=self.schedule, on_trace_ready=self._write,
-                    record_shapes=False)
+                self.prof = torch.profiler.profile(  # CPU, and CUDA when there is a GPU
+                    schedule=self.schedule, on_trace_ready=self._write, record_shapes=False)
                 self.prof.start()
                 self.last = iteration
             return
@@ -197,5 +191,4 @@ class TraceWindow:
             ms += 1
         shutil.copyfile(path, tb_path)
         self.written.append(path)
-        log.info(f"Profiler trace written: {path} (TensorBoard profile in "
-                 f"{os.path.join(self.dir, 'tensorboard')})")
+        log.info(f"Profiler trace written: {path} (TensorBoard profile in {tb_dir})")

@@ -73,20 +73,14 @@ class StartClock:
         """The part called ``name`` ends now (it began where the previous one ended)."""
         self.marks.append((name, self.clock()))
 
-    def parts(self) -> list[tuple[str, float]]:
-        out, t = [], self.start
-        for name, end in self.marks:
-            out.append((name, end - t))
-            t = end
-        return out
-
     def lines(self, width: int = 100) -> list[str]:
         """The log's lines: the total, then the parts, wrapped at ``width`` characters (so that a
         line with its time stamp fits a terminal)."""
         total = (self.marks[-1][1] if self.marks else self.clock()) - self.start
         out = [f"Start: {total:.1f} s to the end of the first step, by part:"]
-        for name, seconds in self.parts():
-            item = f"{name} {seconds:.1f} s"
+        begins = [self.start] + [end for _, end in self.marks]
+        for (name, end), begin in zip(self.marks, begins):
+            item = f"{name} {end - begin:.1f} s"
             if len(out) > 1 and len(out[-1]) + 2 + len(item) <= width:
                 out[-1] += f", {item}"
             else:
