@@ -1,18 +1,10 @@
 """The run log: everything a run shows, owned by one object (``RunLog``) that the training loop
-tells of each step. Log lines go to rank 0's output, one per event, fit for a Slurm output file
-(docs/training.md, "What a run prints"); TensorBoard events to the run directory (rank 0).
-
-- Inside an epoch, progress lines (``Progress``): at every log point (every ``log_every`` steps,
-  where the training loss is read back anyway) and, on long steps, at least every ``every_s``
-  seconds. A line between log points shows the latest log point's loss and names its step
-  (reading a new one would make every rank wait, and only rank 0 prints).
-- After the run's first step, how long the start took (``startup.py``); after each epoch's first
-  step, every rank's memory (``memory.py``).
-- After an epoch's validation: its time and samples/s, the share of it the step waited for data
-  (``DataWait``), TFLOP/s and MFU (``flops.py``), the losses beside the naive baseline's, the
-  task's metrics; the skill lines where the task scores one. At the end, the summary.
-- The profilers' windows (``profiling.py``). Samples/s, the data wait, the start's parts and MFU
-  are defined in docs/performance.md.
+tells of each step: progress lines inside an epoch (``Progress``), how long the start took after
+the run's first step (``startup.py``), every rank's memory after each epoch's first step
+(``memory.py``), the epoch's lines after its validation, the skill and summary lines,
+TensorBoard (rank 0) and the profilers' windows. The lines go to rank 0's output, one per event,
+fit for a Slurm output file: docs/training.md ("What a run prints") and docs/performance.md
+show and define them.
 
 The loop calls ``start_epoch``; around each step ``step_begins``, ``step_ends`` and
 ``step_done``; then ``end_epoch`` (its EpochStats), ``epoch``, ``skill``, ``summary``, ``close``.
@@ -29,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from observe.flops import peak_tflops
 from observe.logging_utils import duration, over_ranks
 from observe.memory import GiB, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, TraceWindow
@@ -39,6 +30,36 @@ from settings.config import Config, to_dict
 from settings.errors import TrainingError
 
 log = logging.getLogger("train")
+
+
+# Dense (no sparsity) peak TFLOP/s of the SXM boards, from NVIDIA's datasheets; the PCIe/NVL
+# boards run at lower clocks, so on them MFU reads high. The H200 has the H100 SXM's compute.
+PEAK_TFLOPS = {
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+}
+
+
+def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float | None:
+    """Dense peak TFLOP/s of ``device`` (a ``torch.device``, or a GPU's name as
+    ``torch.cuda.get_device_name`` gives it) at the precision ``amp_mode`` computes in; None for
+    a CPU or a GPU not in ``PEAK_TFLOPS``. ``amp_mode`` none computes at the tf32 peak when
+    ``allow_tf32``: whether the switch that governs the model's FLOPs (the task's) allows TF32."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            return None
+        device = torch.cuda.get_device_name(device)
+    model = next((m for m in PEAK_TFLOPS if m in device.upper()), None)
+    if model is None:
+        return None
+    if amp_mode == "none":
+        if allow_tf32 is None:
+            raise ValueError("amp_mode none: say whether the model's fp32 FLOPs run in TF32")
+        precision = "tf32" if allow_tf32 else "fp32"
+    else:
+        precision = amp_mode
+    return PEAK_TFLOPS[model][precision]
 
 
 def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None):
@@ -58,6 +79,10 @@ def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | N
 
 
 class Progress:
+    """The progress lines: at every log point (every ``log_every`` steps, where the loss is read
+    back anyway) and, on long steps, at least every ``every_s`` seconds; those show the latest
+    log point's loss and name its step (reading a new one would make every rank wait)."""
+
     def __init__(self, steps_per_epoch: int, global_batch: int, enabled: bool,
                  every_s: float = 30.0, clock=time.monotonic):
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch

@@ -11,7 +11,7 @@ from conftest import ROOT
 from test_training import TINY_VIT, run_dir, tb_scalars, train
 from settings.parse import build_config
 from observe import run_log
-from observe.flops import PEAK_TFLOPS, peak_tflops
+from observe.run_log import PEAK_TFLOPS, peak_tflops
 from tasks import make_task
 from observe.tensorboard import NullBoard
 
