@@ -1,15 +1,12 @@
 """Memory of one rank after the forward pass and at its peak during a training step.
 
-GPU: what the caching allocator hands out, ``torch.cuda.memory_allocated()`` right after the
-forward pass and ``torch.cuda.max_memory_allocated()`` over the step.
-
-CPU: there are no allocator statistics, so the probe counts bytes: parameters, gradients and
-optimizer state that exist (this rank's shards under FSDP), plus every tensor the forward pass
-saves for backward (caught with ``torch.autograd.graph.saved_tensors_hooks``, each storage
-counted once, parameters excluded).
-The peak adds the gradients the backward pass creates. Temporaries that live inside one
-operation are not counted; the process's resident high-water mark (VmHWM) is reported beside it
-as an upper bound that includes the Python interpreter and libraries.
+GPU: the caching allocator's ``memory_allocated()`` right after the forward pass and
+``max_memory_allocated()`` over the step. CPU, which has no allocator statistics: the bytes of
+the parameters, gradients and optimizer state that exist (this rank's shards under FSDP), plus
+every storage the forward pass saves for backward (``saved_tensors_hooks``; parameters
+excluded); the peak adds the gradients the backward pass creates. Temporaries inside one
+operation are not counted; the process's resident high-water mark (VmHWM), logged beside it, is
+an upper bound that includes the Python interpreter and libraries.
 """
 from __future__ import annotations
 
