@@ -80,7 +80,6 @@ def _hparams(values: dict, metrics: dict):
 _ANCHORS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
                     dtype=np.float32)
 
-
 # A diverging map for signed errors: blue (negative) -> white (zero) -> red (positive).
 _DIVERGING = np.array([[33, 102, 172], [146, 197, 222], [247, 247, 247], [244, 165, 130],
                        [178, 24, 43]], dtype=np.float32)
