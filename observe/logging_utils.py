@@ -12,21 +12,14 @@ EVERY_RANK_UP_TO = 8  # per-rank figures: listed one by one up to this many rank
 
 
 def setup_logging(rank: int = 0, log_file: str | None = None):
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-        h.close()
-    fmt = logging.Formatter(FORMAT if rank == 0 else
-                            f"%(asctime)s - [rank {rank}] %(levelname)s - %(message)s")
-    stream = logging.StreamHandler(sys.stdout)
-    stream.setFormatter(fmt)
-    root.addHandler(stream)
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    """The root logger's handlers, in place of any set before."""
+    handlers = [logging.StreamHandler(sys.stdout)]
     if log_file and rank == 0:
         os.makedirs(os.path.dirname(log_file), exist_ok=True)
-        fh = logging.FileHandler(log_file, mode="a")  # a resumed run continues the same file
-        fh.setFormatter(fmt)
-        root.addHandler(fh)
+        handlers.append(logging.FileHandler(log_file, mode="a"))  # a resumed run continues it
+    logging.basicConfig(
+        format=FORMAT if rank == 0 else f"%(asctime)s - [rank {rank}] %(levelname)s - %(message)s",
+        level=logging.INFO if rank == 0 else logging.WARNING, handlers=handlers, force=True)
 
 
 def wrapped(head: str, items: list[str], width: int = 100, indent: str = "    ") -> list[str]:

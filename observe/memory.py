@@ -1,15 +1,12 @@
 """Memory of one rank after the forward pass and at its peak during a training step.
 
-GPU: what the caching allocator hands out, ``torch.cuda.memory_allocated()`` right after the
-forward pass and ``torch.cuda.max_memory_allocated()`` over the step.
-
-CPU: there are no allocator statistics, so the probe counts bytes: parameters, gradients and
-optimizer state that exist (this rank's shards under FSDP), plus every tensor the forward pass
-saves for backward (caught with ``torch.autograd.graph.saved_tensors_hooks``, each storage
-counted once, parameters excluded).
-The peak adds the gradients the backward pass creates. Temporaries that live inside one
-operation are not counted; the process's resident high-water mark (VmHWM) is reported beside it
-as an upper bound that includes the Python interpreter and libraries.
+GPU: the caching allocator's ``memory_allocated()`` right after the forward pass and
+``max_memory_allocated()`` over the step. CPU, which has no allocator statistics: the bytes of
+the parameters, gradients and optimizer state that exist (this rank's shards under FSDP), plus
+every storage the forward pass saves for backward (``saved_tensors_hooks``; parameters
+excluded); the peak adds the gradients the backward pass creates. Temporaries inside one
+operation are not counted; the process's resident high-water mark (VmHWM), logged beside it, is
+an upper bound that includes the Python interpreter and libraries.
 """
 from __future__ import annotations
 
@@ -30,12 +27,9 @@ def _storage_key(t: torch.Tensor):
 
 
 def tensor_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if torch.is_tensor(t) and t.device.type != "meta":
-            k = _storage_key(t)
-            seen[k] = k[1]
-    return sum(seen.values())
+    """Bytes of the storages behind ``tensors`` (anything else skipped), each counted once."""
+    keys = {_storage_key(t) for t in tensors if torch.is_tensor(t) and t.device.type != "meta"}
+    return sum(nbytes for _, nbytes in keys)
 
 
 def resident_peak_bytes() -> int:
@@ -76,37 +70,26 @@ class MemoryProbe:
         return cls(device, model, optimizer) if device.type == "cuda" or not compiled \
             else NullProbe()
 
-    def _static_bytes(self, with_grads: bool) -> int:
-        tensors = list(self.model.parameters())
-        if with_grads:
-            tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
-        for st in self.optimizer.state.values():
-            tensors += [v for v in st.values() if torch.is_tensor(v)]
-        return tensor_bytes(tensors)
-
     @contextlib.contextmanager
     def step(self):
         """Wrap one whole training step; call ``forward_done()`` right after the forward pass."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self.device)
-            yield contextlib.nullcontext()
+            yield
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated(self.device)
             return
         params = {_storage_key(p) for p in self.model.parameters()}
-        saved = {}
+        self._saved = set()  # the storages (address, bytes) saved for backward
 
         def pack(t):
-            if torch.is_tensor(t):
-                k = _storage_key(t)
-                if k not in params:
-                    saved[k] = k[1]
+            if torch.is_tensor(t) and (k := _storage_key(t)) not in params:
+                self._saved.add(k)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) as hooks:
-            self._saved = saved
-            yield hooks
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
         grads = tensor_bytes(p for p in self.model.parameters())  # one gradient per parameter
         self.peak = self.after_forward + grads
 
@@ -114,7 +97,11 @@ class MemoryProbe:
         if self.device.type == "cuda":
             self.after_forward = torch.cuda.memory_allocated(self.device)
         else:
-            self.after_forward = self._static_bytes(with_grads=True) + sum(self._saved.values())
+            params = list(self.model.parameters())
+            state = [v for st in self.optimizer.state.values() for v in st.values()]
+            grads = [p.grad for p in params]  # (tensor_bytes skips the None of the ones not made)
+            saved = sum(nbytes for _, nbytes in self._saved)
+            self.after_forward = tensor_bytes(params + grads + state) + saved
 
     def method(self) -> str:
         if self.device.type == "cuda":

@@ -1,17 +1,6 @@
-"""Named ranges and two profilers: the CUDA profiler API window for Nsight Systems, and a
-torch.profiler trace that also works without a GPU.
-
-Every range (``nvtx_range``) is both an NVTX range, for ``nsys``, and a
-``torch.profiler.record_function``, so the same names (``forward``, ``backward``, ``optimizer``,
-``data wait``) appear in both profilers' timelines. Both cost next to nothing while no profiler
-listens. The ``nvtx`` package works with no GPU (torch.cuda.nvtx raises on a CPU build); without
-it the NVTX half is a no-op.
-
-- ``ProfilerWindow`` (``--enable_manual_profiling``, or any run under Nsight Systems): the CUDA
-  profiler API brackets a window of steps, for ``nsys profile -c cudaProfilerApi``.
-- ``TraceWindow`` (``--profile_trace DIR``): a ``torch.profiler.profile`` over a few steps that
-  writes a Chrome/Perfetto trace and a TensorBoard profile per rank.
-"""
+"""Named ranges and two profilers' windows of steps (docs/performance.md, "Profiling"): the CUDA
+profiler API's for Nsight Systems (``ProfilerWindow``), and a torch.profiler trace that also
+works without a GPU (``TraceWindow``)."""
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +23,9 @@ log = logging.getLogger("train")
 
 @contextlib.contextmanager
 def nvtx_range(name: str):
-    """An NVTX range and a torch.profiler range of the same name around the block."""
+    """An NVTX range and a torch.profiler range of the same name around the block, so that both
+    profilers' timelines show it; next to free while none listens. The ``nvtx`` package works
+    without a GPU (torch.cuda.nvtx raises on a CPU build); without it the NVTX half is a no-op."""
     nvtx = _nvtx.annotate(name) if _nvtx is not None else contextlib.nullcontext()
     with torch.profiler.record_function(name), nvtx:
         yield
@@ -57,11 +48,8 @@ class ProfilerWindow:
                 steps_per_epoch: int, total_steps: int, length: int = 30):
         """The window of a run: ``length`` steps from the second epoch's first step (the first
         holds compilation, loader start-up and autotuning), or from this launch's first step when
-        it was resumed past that point; cut at the run's end. Open with
-        ``--enable_manual_profiling`` or, without it, whenever the run is under Nsight Systems
-        (its ``NSYS_PROFILING_SESSION_ID``), so that ``nsys profile -c cudaProfilerApi python
-        train.py ...`` records the window without the flag. A request without a CUDA device gets
-        one warning and no window."""
+        it was resumed past that point; cut at the run's end. Open when asked for or when the run
+        is under Nsight Systems, so that ``nsys profile -c cudaProfilerApi`` needs no flag."""
         under_nsys = bool(os.environ.get(NSYS_ENV))
         if requested and device.type != "cuda":
             log.warning("enable_manual_profiling: no CUDA device, so no CUDA profiler window "
@@ -81,9 +69,7 @@ class ProfilerWindow:
         return cls(True, start, length)
 
     def step(self, iteration: int):
-        if not self.enabled:
-            return
-        if iteration == self.start and not self.active:
+        if iteration == self.start and self.enabled and not self.active:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
             self.active = True
@@ -131,16 +117,13 @@ class NullTrace:
 
 
 class TraceWindow:
-    """A ``torch.profiler.profile`` over ``wait + warmup + active`` steps from step ``start``.
+    """A ``torch.profiler.profile`` over ``wait + warmup + active`` steps from step ``start``,
+    stopped after them or at ``end`` (the run's last step), whichever comes first.
 
     Call ``step(it)`` with the index of the step about to run: once before an epoch's first step
-    and after every step (repeated indices are ignored). The profiler starts when ``it`` reaches
-    ``start``; each later call ends one profiler step, so a step's range covers its wait for the
-    batch, forward, backward and optimizer. The ``active`` steps are written to
-    ``<dir>/trace_rank<r>_step<n>.json`` (Chrome/Perfetto; ``n`` is the first traced step) and,
-    for TensorBoard's profile plugin, ``<dir>/tensorboard/rank<r>.<ms>.pt.trace.json``. The
-    profiler stops after the window or at ``end`` (the run's last step), whichever comes first.
-    """
+    and after every step (repeated indices are ignored). Each call after the start ends one
+    profiler step, so a step's range covers its wait for the batch, forward, backward and
+    optimizer. Its files are named in docs/performance.md."""
 
     def __init__(self, directory: str, rank: int, start: int, end: int, wait: int = 1,
                  warmup: int = 1, active: int = 3):
@@ -154,10 +137,9 @@ class TraceWindow:
     @classmethod
     def for_run(cls, directory: str, rank: int, iteration: int, steps_per_epoch: int,
                 total_steps: int):
-        """The window of a run: from the second epoch's first step (the first epoch includes
-        start-up costs: compilation, loader workers, caches), or from this launch's first step
-        (``iteration``) when the run has fewer steps than the window after its first epoch or was
-        resumed past that point. ``NullTrace`` when ``directory`` is empty."""
+        """The window of a run: from the second epoch's first step, or from this launch's first
+        step (``iteration``) when the run has fewer steps than the window after its first epoch
+        or was resumed past that point. ``NullTrace`` when ``directory`` is empty."""
         if not directory:
             return NullTrace()
         window = cls(check_trace_dir(directory), rank, 0, total_steps)
@@ -175,12 +157,8 @@ class TraceWindow:
     def step(self, iteration: int):
         if self.prof is None:
             if iteration == self.start:
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if torch.cuda.is_available():
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
-                self.prof = torch.profiler.profile(
-                    activities=activities, schedule=self.schedule, on_trace_ready=self._write,
-                    record_shapes=False)
+                self.prof = torch.profiler.profile(  # CPU, and CUDA when there is a GPU
+                    schedule=self.schedule, on_trace_ready=self._write, record_shapes=False)
                 self.prof.start()
                 self.last = iteration
             return
@@ -213,5 +191,4 @@ class TraceWindow:
             ms += 1
         shutil.copyfile(path, tb_path)
         self.written.append(path)
-        log.info(f"Profiler trace written: {path} (TensorBoard profile in "
-                 f"{os.path.join(self.dir, 'tensorboard')})")
+        log.info(f"Profiler trace written: {path} (TensorBoard profile in {tb_dir})")

@@ -1,30 +1,10 @@
 """The run log: everything a run shows, owned by one object (``RunLog``) that the training loop
-tells of each step. Log lines go to rank 0's output, one per event, fit for a Slurm output file;
-TensorBoard events to the run directory (rank 0, ``tensorboard.py``).
-
-- Inside an epoch, progress lines (``Progress``). A line comes at every log point (every
-  ``log_every`` steps, where the training loss is read back anyway) and, on long steps, at least
-  every ``every_s`` seconds in between. Such a line shows the loss of the latest log point and
-  says which step that was (reading a new one would make every rank wait, and only rank 0
-  prints); its learning rate is the current one, a host-side number:
-
-    Epoch 2 step 40/125 (32%): 81.2 samples/s, train loss 0.4312, lr 9.81e-04, epoch ETA 1m05s
-    Epoch 2 step 47/125 (37%): 80.9 samples/s, train loss 0.4312 (at step 40), lr 9.74e-04, ...
-
-  Samples/s counts the whole job's samples over the wall time since the epoch began, the one
-  definition the epoch's line uses too (there, after waiting for the device); between log points
-  on a GPU it is the host's view (the device may still be a few steps behind). Before the run's
-  first log point there is no loss to show, and the line shows none. The ETA goes by the steps
-  after the epoch's first (which may hold a compile, or the first batch after validation), once
-  there are any. The losses are summed on the device and read only at log points.
-- After the run's first step, how long the start took (``startup.py``); after each epoch's first
-  step, every rank's memory (``memory.py``).
-- After an epoch's validation: its time and samples/s, the share of it the step waited for data
-  (``DataWait``: on a CPU the time spent fetching batches, on a GPU the device's idle share
-  between the steps' work), TFLOP/s and MFU (``flops.py``), the training loss, the validation
-  loss beside the naive baseline's, the task's metrics; the skill lines where the task scores
-  one. At the end, the summary.
-- The profilers' windows (``profiling.py``).
+tells of each step: progress lines inside an epoch (``Progress``), how long the start took after
+the run's first step (``startup.py``), every rank's memory after each epoch's first step
+(``memory.py``), the epoch's lines after its validation, the skill and summary lines,
+TensorBoard (rank 0) and the profilers' windows. The lines go to rank 0's output, one per event,
+fit for a Slurm output file: docs/training.md ("What a run prints") and docs/performance.md
+show and define them.
 
 The loop calls ``start_epoch``; around each step ``step_begins``, ``step_ends`` and
 ``step_done``; then ``end_epoch`` (its EpochStats), ``epoch``, ``skill``, ``summary``, ``close``.
@@ -41,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from observe.flops import peak_tflops, tflops_per_device
 from observe.logging_utils import duration, over_ranks
 from observe.memory import GiB, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, TraceWindow
@@ -53,7 +32,57 @@ from settings.errors import TrainingError
 log = logging.getLogger("train")
 
 
+# Dense (no sparsity) peak TFLOP/s of the SXM boards, from NVIDIA's datasheets; the PCIe/NVL
+# boards run at lower clocks, so on them MFU reads high. The H200 has the H100 SXM's compute.
+PEAK_TFLOPS = {
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+}
+
+
+def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float | None:
+    """Dense peak TFLOP/s of ``device`` (a ``torch.device``, or a GPU's name as
+    ``torch.cuda.get_device_name`` gives it) at the precision ``amp_mode`` computes in; None for
+    a CPU or a GPU not in ``PEAK_TFLOPS``. ``amp_mode`` none computes at the tf32 peak when
+    ``allow_tf32``: whether the switch that governs the model's FLOPs (the task's) allows TF32."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            return None
+        device = torch.cuda.get_device_name(device)
+    model = next((m for m in PEAK_TFLOPS if m in device.upper()), None)
+    if model is None:
+        return None
+    if amp_mode == "none":
+        if allow_tf32 is None:
+            raise ValueError("amp_mode none: say whether the model's fp32 FLOPs run in TF32")
+        precision = "tf32" if allow_tf32 else "fp32"
+    else:
+        precision = amp_mode
+    return PEAK_TFLOPS[model][precision]
+
+
+def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None):
+    """The device and ranks, the model and its size, the model-parallel layout, and the data and
+    steps the run will train on. ``rt``: the run's ranks, device and batch sizes
+    (``engine.runtime.Runtime``); ``loaders``: its sample and step counts."""
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
+             f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
+             + (" on this rank" if rt.groups is not None else ""))
+    if rt.groups is not None:
+        log.info("Model-parallel layout: " + rt.groups.describe())
+        log.info(layout_summary)
+    log.info(f"{loaders.n_train} training samples, {loaders.n_valid} validation samples; "
+             f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
+             f"({rt.local_batch} per rank); {total_steps} steps in all")
+
+
 class Progress:
+    """The progress lines: at every log point (every ``log_every`` steps, where the loss is read
+    back anyway) and, on long steps, at least every ``every_s`` seconds; those show the latest
+    log point's loss and name its step (reading a new one would make every rank wait)."""
+
     def __init__(self, steps_per_epoch: int, global_batch: int, enabled: bool,
                  every_s: float = 30.0, clock=time.monotonic):
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
@@ -151,12 +180,9 @@ class DataWait:
 
 
 class DeviceIdle(DataWait):
-    """On a GPU: the device's idle share of the epoch. A pair of CUDA events brackets each
-    step's device work (the batch's copy to the device included); the device is busy from the
-    moment it reaches the first to the moment it reaches the second, and idle in between steps,
-    when the host has not yet queued the next one: waiting for its batch, or for itself. The
-    events are read at the epoch's end, after it waited for the device anyway, so no step
-    waits for them."""
+    """On a GPU: the device's idle share of the epoch, between the pairs of CUDA events that
+    bracket each step's device work (the batch's copy included); idle, the host has not yet
+    queued the next step. Read at the epoch's end, when it waits for the device anyway."""
 
     label = "device idle"
 
@@ -399,8 +425,9 @@ class RunLog:
                 board.scalar("Performance/data wait share", stats.data_wait, it)
             board.scalar("Avg iters per sec", steps_per_s, it)
             board.scalar("Avg samples per sec", stats.samples_per_s, it)
-            tflops = tflops_per_device(self.flops_per_sample, stats.samples_per_s,
-                                       self.rt.world_size)
+            # Per device: the job's FLOP/s over every rank, those of a tensor/context-parallel
+            # replica, which share each sample, included.
+            tflops = self.flops_per_sample * stats.samples_per_s / self.rt.world_size / 1e12
             peak = peak_tflops(self.device, self.cfg.amp_mode,  # None on a CPU or unknown GPU
                                self.task.fp32_in_tf32())
             mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""

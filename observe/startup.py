@@ -1,25 +1,7 @@
-"""How long a run took to start: the seconds from the process's start to the end of its first
-step, by part, as one log line after that step:
-
-    Start: 31.4 s to the end of the first step, by part:
-      imports and set-up 6.2 s, data 2.1 s, loaders 0.2 s, model 1.4 s, optimizer and logs 0.1 s,
-      first batch 0.3 s, first step 21.1 s
-      compile caches /tmp/torchinductor_alice: 12 hits, 0 misses (a later run ...)
-
-(the parts wrapped to fit a terminal; the last line only when the model is compiled; the first
-batch's part includes the fetch of the batch after it, fetched ahead of the first step).
-The process's start is the kernel's record of it (``/proc/self/stat``), so the imports before
-any of the project's code ran are counted; elsewhere the clock starts when this module is
-imported. The first step's time includes what a first step does once: compiling the model,
-choosing cuDNN's convolution algorithms for each new shape, CUDA's lazy loading of kernels.
-
-torch.compile keeps what it compiled in its caches (FX graphs, the autograd graphs, Triton
-kernels) under ``$TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``: a second
-run of the same config on the same node finds them there and starts in seconds.
-``compile_cache_dir`` (or the environment variable itself) puts them elsewhere: on a shared file
-system ($SCRATCH) every rank of a job and every later job on any node reads the same caches
-(entries are written whole and renamed into place, so ranks writing at once are safe).
-"""
+"""How long a run took to start: the seconds from the process's start (the kernel's record of
+it, so the imports are counted) to the end of its first step, by part, logged after that step;
+and where torch.compile keeps its caches. Both are described in docs/performance.md ("Seconds
+to the first step")."""
 from __future__ import annotations
 
 import os
@@ -91,20 +73,14 @@ class StartClock:
         """The part called ``name`` ends now (it began where the previous one ended)."""
         self.marks.append((name, self.clock()))
 
-    def parts(self) -> list[tuple[str, float]]:
-        out, t = [], self.start
-        for name, end in self.marks:
-            out.append((name, end - t))
-            t = end
-        return out
-
     def lines(self, width: int = 100) -> list[str]:
         """The log's lines: the total, then the parts, wrapped at ``width`` characters (so that a
         line with its time stamp fits a terminal)."""
         total = (self.marks[-1][1] if self.marks else self.clock()) - self.start
         out = [f"Start: {total:.1f} s to the end of the first step, by part:"]
-        for name, seconds in self.parts():
-            item = f"{name} {seconds:.1f} s"
+        begins = [self.start] + [end for _, end in self.marks]
+        for (name, end), begin in zip(self.marks, begins):
+            item = f"{name} {end - begin:.1f} s"
             if len(out) > 1 and len(out[-1]) + 2 + len(item) <= width:
                 out[-1] += f", {item}"
             else:

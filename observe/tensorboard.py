@@ -1,9 +1,6 @@
-"""TensorBoard events for rank 0; other ranks get a do-nothing board.
-
-Tags follow the tutorials, so runs compare against their example logs: ``Loss/train``,
-``Loss/valid``, ``Learning Rate``, ``Avg iters per sec``, ``Avg samples per sec``, and for the ViT
-``RMSE(u10m)/valid``; ``Grad norm`` is the 2-norm of the whole gradient before clipping.
-"""
+"""TensorBoard events for rank 0, other ranks get a do-nothing board; and the pictures drawn
+for it. What a run writes there: docs/example-runs.md (its tags are the tutorials', so that runs
+compare against their example logs)."""
 from __future__ import annotations
 
 import re
@@ -14,23 +11,16 @@ from torch.utils.tensorboard.summary import hparams
 
 
 class NullBoard:
-    def scalar(self, tag, value, step):
-        pass
+    """A board that writes nothing (every rank but 0; a finished run): each of ``Board``'s
+    calls does nothing."""
 
-    def image(self, tag, img, step):
-        pass
-
-    def describe_run(self, settings: dict, baseline_tag: str):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
+    def __getattr__(self, name):
+        if name.startswith("__"):  # (copy, pickle: as for any object)
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
 
 
-class Board(NullBoard):
+class Board:
     def __init__(self, logdir: str, purge_step: int | None = None):
         # purge_step drops events a crashed run wrote after its last checkpoint.
         self.writer = SummaryWriter(log_dir=logdir, purge_step=purge_step)
@@ -42,9 +32,8 @@ class Board(NullBoard):
         self.writer.add_image(tag, img, step, dataformats="HWC")
 
     def describe_run(self, settings: dict, baseline_tag: str):
-        """The run's resolved settings as text (TEXT tab) and as hyperparameters (HPARAMS tab,
-        which filters and compares runs by them against their final losses), and the training,
-        validation and baseline losses on one chart (CUSTOM SCALARS tab)."""
+        """The run's resolved settings (TEXT and HPARAMS tabs), and the training, validation and
+        baseline losses on one chart (CUSTOM SCALARS tab)."""
         lines = [f"{k}: {v}" for k, v in settings.items()]
         self.writer.add_text("Config", "    " + "\n    ".join(lines), 0)  # a code block
         plain = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
@@ -90,7 +79,6 @@ def _hparams(values: dict, metrics: dict):
 # A perceptually ordered colour map (dark blue -> teal -> yellow), interpolated from 5 anchors.
 _ANCHORS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
                     dtype=np.float32)
-
 
 # A diverging map for signed errors: blue (negative) -> white (zero) -> red (positive).
 _DIVERGING = np.array([[33, 102, 172], [146, 197, 222], [247, 247, 247], [244, 165, 130],
@@ -145,12 +133,9 @@ def _caption(width: int, size: int, left: str, right: str = "") -> np.ndarray:
 
 def comparison_image(target: np.ndarray, pred: np.ndarray, scale: int = 1,
                      title: str = "", units: str = "") -> np.ndarray:
-    """Target | prediction | error (prediction - target) side by side, (H', W', 3) uint8.
-
-    Each panel is titled and has its colour bar underneath, labelled with the values at its
-    ends; target and prediction share a colour scale (the target's range), the error's is a
-    diverging one centred on zero (white; blue below, red above) with half that range.
-    ``title`` (e.g. the variable and its units) heads the picture."""
+    """Target | prediction | error (prediction - target) side by side, (H', W', 3) uint8, each
+    titled over its colour bar; the error's scale is centred on zero with half the target's
+    range. ``title`` (e.g. the variable and its units) heads the picture."""
     lo, hi = float(target.min()), float(target.max())
     half = (hi - lo) / 2
     fields = [(target, "target", lo, hi, _ANCHORS), (pred, "prediction", lo, hi, _ANCHORS),

@@ -1,10 +1,6 @@
-"""Start a new run from saved weights (``init_from``): a checkpoint of this project (a
-``ckpt_<step>.pt`` file or an FSDP run's ``ckpt_<step>.dcp`` directory), whose weights are in
-this model's layout and are taken as they are, or the weights of the tutorial's own models: a
-model's ``state_dict()`` saved with ``torch.save`` (from under DistributedDataParallel or
-``torch.compile`` too), or a checkpoint dict holding one under ``model_state``, ``state_dict`` or
-``model``, which the task renames into this model's layout (``Task.from_reference``).
-"""
+"""Start a new run from saved weights (``init_from``; docs/checkpoints.md): a checkpoint of this
+project, whose weights are taken as they are, or the weights of the tutorial's own models, which
+the task renames into this model's layout (``Task.from_reference``)."""
 from __future__ import annotations
 
 import os
@@ -64,13 +60,10 @@ def _read(path: str):
 
 def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, rt) -> str:
     """Copy the weights saved at ``path`` into the serial ``model`` (before any sharding) of a
-    new run of ``cfg``, on every rank of ``rt``; returns the line that says where they came
-    from. The weights of a checkpoint of this project are taken as they are (not its optimizer
-    state, step or schedule: the run starts at step 0); the tutorial's are renamed by
-    ``from_reference(sd, model)`` (the task's). Every parameter must be matched: a missing,
-    extra or differently shaped tensor is a ``ConfigError`` naming it. Every rank reads the
-    file, and all go on or all raise the same line (naming the first rank that could not load
-    it), so that no rank goes on to wait for one that stopped."""
+    new run of ``cfg``; returns the line that says where they came from. ``from_reference(sd,
+    model)``: the task's renaming of the tutorial's. Every rank of ``rt`` reads the file, and all
+    go on or all raise the same ConfigError (naming the first rank that could not load it), so
+    that no rank goes on to wait for one that stopped."""
     failure = line = None
     try:
         line = _load(model, path, from_reference, cfg)
