@@ -20,7 +20,6 @@ checkpoints; a step itself never waits for the device.
 """
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
@@ -45,12 +44,8 @@ from engine.runtime import AMP_DTYPES, check_torch_version, setup_runtime
 from engine.slow_paths import warn_slow_paths
 from engine.stop import NeverStop, RunEnding, RunStopped, Stopper
 from observe.logging_utils import setup_logging
-from observe.memory import MemoryProbe, NullProbe
-from observe.profiling import nvtx_range
-from observe.run_header import log_run_header
-from observe.run_log import EpochStats, RunLog
-from observe.startup import StartClock, use_compile_cache_dir
-from settings.errors import TrainingError
+from observe.profiling import StartClock, nvtx_range, use_compile_cache_dir
+from observe.run_log import EpochStats, RunLog, log_run_header
 from settings.parse import write_config
 from tasks import make_task
 
@@ -171,8 +166,8 @@ class Trainer:
         host collective, never waited for per step); then the run's opening lines."""
         cfg, rt = self.cfg, self.rt
         self.run_log = RunLog(
-            cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock,
-            probe=MemoryProbe.for_run(self.device, self.model, self.optimizer, cfg.enable_jit),
+            cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock, model=self.model,
+            optimizer=self.optimizer,
             steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
             iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
             lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
@@ -219,16 +214,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ one optimizer step
 
-    def train_step(self, x, y, probe=NullProbe()) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, x, y, probe) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on this rank's share of the global batch (under tensor/context
-        parallelism ``x`` and ``y`` hold this rank's image rows). Returns the mean loss over the
+        parallelism ``x`` and ``y`` hold this rank's image rows; ``probe``: what measures the
+        step's memory, or a do-nothing ``observe.memory.NullProbe``). Returns the mean loss over the
         share and the gradient norm before clipping, as device tensors (no host sync)."""
         loss, grad_norm = self.update(x, y, probe)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()  # the next step's learning rate
         return loss, grad_norm
 
-    def update(self, x, y, probe=NullProbe()) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, x, y, probe) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward passes in ``grad_accum_steps`` micro-batches, then the optimizer
         update: the part of a step that only launches device work (``train_graph.py`` captures
         it as a CUDA graph). Expects the gradients cleared (None)."""
@@ -359,11 +355,8 @@ class Trainer:
         rt, valid = self.rt, self.loaders.valid
         sizes = validation_batch_sizes(self.loaders.n_valid, rt.dp_size, rt.dp_rank,
                                        rt.local_batch)
-        for size, batch in self.stopper.validation_batches(valid, self.state.epoch, sizes):
-            if size is None:  # a batch past its shard's
-                raise TrainingError(f"the validation loader {type(valid).__name__} gave more "
-                                    f"batches than its shard of {self.loaders.n_valid} samples "
-                                    f"holds ({sum(map(bool, sizes))})")
+        for size, batch in self.stopper.validation_batches(valid, self.state.epoch, sizes,
+                                                           self.loaders.n_valid):
             if batch is None:  # no batch for this forward: the stand-in's, results dropped
                 x = self.full_batch(stand_in[:size] if size else stand_in)
                 with self.forward_context():
@@ -405,20 +398,15 @@ class Trainer:
         return sums
 
     def combine_sums(self, sums) -> dict:
-        """The validation's means over all data-parallel ranks, from each rank's ``sums``."""
-        if sums is None:
-            raise TrainingError("the validation set is empty: check the validation data")
+        """The validation's means over all data-parallel ranks, from each rank's ``sums`` (the
+        run log checks that the loss is finite)."""
+        assert sums is not None, "a validation with no batch (the stopper refuses it)"
         m = (len(sums) - 3) // 2
         sums = self.rt.dp_sum(sums).cpu().numpy()  # one collective per validation
         count = sums[1]
         if self._baseline is None:
             self._baseline = (sums[2 + m] / count, sums[3 + m:] / count)
-        loss = sums[0] / count
-        if not math.isfinite(loss):
-            raise TrainingError(f"the validation loss is {loss} at step {self.iteration}: the "
-                                f"model diverged; lower lr or check the data; checkpoints "
-                                f"already written are kept in {self.ckpt_dir}")
-        return {"loss": loss, "metrics": sums[2:2 + m] / count, "count": int(count),
+        return {"loss": sums[0] / count, "metrics": sums[2:2 + m] / count, "count": int(count),
                 "baseline_loss": self._baseline[0], "baseline_metrics": self._baseline[1]}
 
     def full_batch(self, x):

@@ -31,7 +31,6 @@ if __name__ == "__main__":  # bad settings and --help are answered before torch 
 
 from train import Trainer, run
 from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture
-from observe.memory import NullProbe
 
 log = logging.getLogger("train")
 
@@ -60,7 +59,7 @@ class GraphTrainer(Trainer):
         self.step_graph = StepGraph(self.update, lambda: self.optimizer.zero_grad(set_to_none=True),
                                     ops, warmup)
 
-    def train_step(self, x, y, probe=NullProbe()):
+    def train_step(self, x, y, probe):
         loss, grad_norm = self.step_graph(x, y, probe)
         self.scheduler.step()  # fills the learning-rate tensor the captured update reads
         return loss, grad_norm

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from engine.stop import RunStopped
 from observe.logging_utils import EVERY_RANK_UP_TO, over_ranks
+from observe.memory import NullProbe
 from observe.profiling import nvtx_range
 
 MODES = ("IO", "SYNTHETIC", "FULL")
@@ -98,8 +99,11 @@ def measure(tr) -> dict[str, list[float]]:
     def io(x, y):
         tr.to_device(x, y)
 
+    def step(x, y):
+        tr.train_step(x, y, NullProbe())
+
     def full(x, y):
-        tr.train_step(*tr.to_device(x, y))
+        step(*tr.to_device(x, y))
 
     cached = tr.to_device(*next(_loader_pass(tr, first_epoch)))
     rates = {m: [] for m in MODES}
@@ -107,7 +111,7 @@ def measure(tr) -> dict[str, list[float]]:
         for mode in MODES:
             with nvtx_range(f"throughput {mode}"):
                 if mode == "SYNTHETIC":
-                    seconds = _timed_round(tr, itertools.repeat(cached), tr.train_step,
+                    seconds = _timed_round(tr, itertools.repeat(cached), step,
                                            warmup, timed)
                 else:
                     batches = _loader_pass(tr, first_epoch + r)

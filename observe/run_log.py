@@ -1,6 +1,6 @@
 """The run log: everything a run shows, owned by one object (``RunLog``) that the training loop
 tells of each step: progress lines inside an epoch (``Progress``), how long the start took after
-the run's first step (``startup.py``), every rank's memory after each epoch's first step
+the run's first step (``profiling.StartClock``), every rank's memory after each epoch's first step
 (``memory.py``), the epoch's lines after its validation, the skill and summary lines,
 TensorBoard (rank 0) and the profilers' windows. The lines go to rank 0's output, one per event,
 fit for a Slurm output file: docs/training.md ("What a run prints") and docs/performance.md
@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 from observe.logging_utils import duration, over_ranks
-from observe.memory import GiB, NullProbe, resident_peak_bytes
-from observe.profiling import ProfilerWindow, TraceWindow
-from observe.startup import StartClock
+from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
+from observe.profiling import ProfilerWindow, StartClock, TraceWindow
 from observe.tensorboard import Board, NullBoard
 from settings.config import Config, to_dict
 from settings.errors import TrainingError
@@ -224,19 +223,20 @@ class EpochStats:
 
 
 class RunLog:
-    def __init__(self, cfg: Config, rt, task, *, run_dir: str, start_clock: StartClock, probe,
-                 steps_per_epoch: int, total_steps: int, iteration: int, lr, peak_lr: float,
-                 resumed: bool, finished: bool, derived: dict, kept_checkpoints):
+    def __init__(self, cfg: Config, rt, task, *, run_dir: str, start_clock: StartClock, model,
+                 optimizer, steps_per_epoch: int, total_steps: int, iteration: int, lr,
+                 peak_lr: float, resumed: bool, finished: bool, derived: dict, kept_checkpoints):
         """``rt``: the runtime (ranks, device, the data-parallel sum); ``start_clock``: the
-        set-up's parts so far (the run's first step ends the start); ``probe``: the memory probe
-        of each epoch's first step; ``iteration``: the step this launch starts at; ``lr(n)``: the
-        learning rate of update ``n``, computed on the host as the schedule computes it (a
-        captured step's rate is a device tensor: reading it would wait for the device);
-        ``finished``: a resumed run with nothing left to do (it writes no TensorBoard events);
+        set-up's parts so far (the run's first step ends the start); ``model``, ``optimizer``:
+        what the memory probe of each epoch's first step counts; ``iteration``: the step this
+        launch starts at; ``lr(n)``: the learning rate of update ``n``, computed on the host as
+        the schedule computes it (a captured step's rate is a device tensor: reading it would
+        wait for the device); ``finished``: a resumed run with nothing left to do (it writes no TensorBoard events);
         ``derived``: the values the config implies, shown beside it in TensorBoard;
         ``kept_checkpoints()``: what a run that ends on a bad loss leaves to resume from."""
         self.cfg, self.rt, self.task, self.device = cfg, rt, task, rt.device
-        self.run_dir, self.start_clock, self.probe = run_dir, start_clock, probe
+        self.run_dir, self.start_clock = run_dir, start_clock
+        self.probe = MemoryProbe.for_run(self.device, model, optimizer, cfg.enable_jit)
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.lr, self.peak_lr, self.kept_checkpoints = lr, peak_lr, kept_checkpoints
         self.flops_per_sample = task.flops_per_sample()  # forward + backward, one sample
@@ -402,6 +402,11 @@ class RunLog:
     def epoch(self, stats: EpochStats, val: dict, val_s: float, epoch: int, iteration: int):
         """Epoch ``epoch``'s lines in the log and its points in TensorBoard, after its
         validation (``val``, which took ``val_s`` seconds); the run at step ``iteration``."""
+        if not math.isfinite(val["loss"]):
+            raise TrainingError(f"the validation loss is {val['loss']} at step {iteration}: the "
+                                f"model diverged; lower lr or check the data; checkpoints "
+                                f"already written are kept in "
+                                f"{os.path.join(self.run_dir, 'checkpoints')}")
         it, board = iteration, self.board
         steps_per_s = stats.samples_per_s / self.rt.global_batch
         if not stats.steps:  # resumed from a stop during this epoch's validation

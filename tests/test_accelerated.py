@@ -7,6 +7,7 @@ from conftest import ROOT
 from settings.errors import ConfigError
 from settings.parse import build_config
 from engine.runtime import setup_runtime
+from observe.memory import NullProbe
 from train import Trainer
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -23,7 +24,7 @@ def losses_after(era5_root, tmp_path, steps=3, **kw):
     tr.loaders.train_sampler.set_epoch(0)
     out = []
     for x, y in tr.loaders.train:
-        out.append(tr.train_step(*tr.to_device(x, y))[0].item())
+        out.append(tr.train_step(*tr.to_device(x, y), NullProbe())[0].item())
         if len(out) == steps:
             break
     return out, tr

@@ -609,9 +609,9 @@ def test_the_data_makers_refusal_is_one_line_and_changes_nothing(tmp_path, fake_
 
 
 def test_reads_the_start_lines_as_train_py_wraps_them(monkeypatch):
-    from observe import startup
-    from observe.startup import StartClock
-    monkeypatch.setattr(startup, "compile_cache_counts", lambda: (3, 1))  # not this process's
+    from observe import profiling
+    from observe.profiling import StartClock
+    monkeypatch.setattr(profiling, "compile_cache_counts", lambda: (3, 1))  # not this process's
     now = [0.0]
     clock = StartClock(start=-31.4, clock=lambda: now[0])
     for name, t in [("imports and set-up", 0.0), ("data", 2.1), ("model", 3.5), ("loaders", 3.7),

@@ -43,6 +43,7 @@ def _eager_and_compiled_losses(data_root, expdir):
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
+    from observe.memory import NullProbe
     from train import Trainer
     from settings.parse import build_config
     from engine.runtime import setup_runtime
@@ -65,7 +66,7 @@ def _eager_and_compiled_losses(data_root, expdir):
             tr.loaders.train_sampler.set_epoch(0)
             losses = []
             for x, y in tr.loaders.train:
-                losses.append(tr.train_step(*tr.to_device(x, y))[0].item())
+                losses.append(tr.train_step(*tr.to_device(x, y), NullProbe())[0].item())
                 if len(losses) == STEPS:
                     break
             out[jit] = losses

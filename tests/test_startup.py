@@ -1,4 +1,4 @@
-"""The start's line (observe/startup.py): the process's start read from the kernel, the parts
+"""The start's line (observe/profiling.py): the process's start read from the kernel, the parts
 adding up to the total, train.py's line after the first step, and torch.compile's caches reused
 by a second run of the same config (compile_cache_dir)."""
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from observe import startup
+from observe import profiling
 from test_training import TINY_VIT, train
 
 LINE = re.compile(r"Start: ([\d.]+) s to the end of the first step, by part:\n"
@@ -17,20 +17,20 @@ LINE = re.compile(r"Start: ([\d.]+) s to the end of the first step, by part:\n"
 
 
 def test_process_start_is_the_kernels_record_of_it():
-    code = ("import time; t = time.time(); from observe import startup; "
-            "print(t - startup.process_start_time())")
+    code = ("import time; t = time.time(); from observe import profiling; "
+            "print(t - profiling.process_start_time())")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     before = time.time()
     out = subprocess.run([sys.executable, "-c", f"import time; time.sleep(0.5); {code}"],
                          cwd=root, capture_output=True, text=True, check=True).stdout
     age = float(out)  # seconds the child had lived when it asked, its sleep included
     assert 0.5 <= age <= time.time() - before + 0.05, age
-    assert startup.process_start_time() <= time.time()
+    assert profiling.process_start_time() <= time.time()
 
 
 def test_parts_follow_each_other_and_add_up():
     now = [100.0]
-    clock = startup.StartClock(start=90.0, clock=lambda: now[0])
+    clock = profiling.StartClock(start=90.0, clock=lambda: now[0])
     for name, t in [("imports and set-up", 100.0), ("data", 102.5), ("first step", 110.0)]:
         now[0] = t
         clock.mark(name)

@@ -6,6 +6,8 @@ passes."""
 import itertools
 import time
 
+import pytest
+
 from distributed_harness import run_ranks
 
 
@@ -351,8 +353,11 @@ def test_the_stopper_stops_a_pass_in_one_call_and_agrees_after_a_validation():
     """``Stopper.batches`` yields each step's batch and calls ``stop`` once where the ranks agree
     (a signal recorded in step 2 is proposed at the log point of step 4, whose batch was fetched
     after it); ``validation_batches`` gives each forward its batch, None after a wait a signal
-    ended, and a batch past the sizes last; ``stop_agreed`` then stops on that signal."""
+    ended; ``stop_agreed`` then stops on that signal. A batch past the sizes, or no forward at
+    all, is a TrainingError."""
     import signal
+
+    from settings.errors import TrainingError
 
     from engine.stop import Stopper
     from engine.stop.waits import Interrupted
@@ -372,8 +377,13 @@ def test_the_stopper_stops_a_pass_in_one_call_and_agrees_after_a_validation():
             raise Interrupted(signal.SIGTERM)
 
     request.signum = 0
-    got = list(stopper.validation_batches(Interrupting("ab"), 0, [2, 2, 1]))
+    got = list(stopper.validation_batches(Interrupting("ab"), 0, [2, 2, 1], 5))
     assert got == [(2, "a"), (2, None), (1, None)] and stopper.stop_agreed() == signal.SIGTERM
-    got = list(stopper.validation_batches(_Listed("xyz"), 0, [1, 1]))
-    assert got == [(1, "x"), (1, "y"), (None, "z")] and stopper.stop_agreed() == 0
+    got = []
+    with pytest.raises(TrainingError, match=r"_Listed gave more batches than its shard of 2 "
+                                            r"samples holds \(2\)"):
+        got.extend(stopper.validation_batches(_Listed("xyz"), 0, [1, 1], 2))
+    assert got == [(1, "x"), (1, "y")] and stopper.stop_agreed() == 0
+    with pytest.raises(TrainingError, match="the validation set is empty"):
+        list(stopper.validation_batches(_Listed(""), 0, [], 0))
     stopper.close()

@@ -4,7 +4,7 @@
 behind one object the loop talks to, ``Stopper``:
 
     for batch in stopper.batches(loader, "training", epoch, step, stop=save_and_stop): ...
-    for size, batch in stopper.validation_batches(loader, epoch, sizes): ...
+    for size, batch in stopper.validation_batches(loader, epoch, sizes, n_valid): ...
     signum = stopper.stop_agreed()  # after the validation: the ranks stop together, or go on
     stopper.close()
 """
@@ -17,6 +17,7 @@ from engine.stop.signals import (NeverStop, RunStopped, StopRequest, arm_hard_ex
                                  end_children, resume_command)
 from engine.stop.waits import DataWaits, LoaderStalled, may_wait, next_batch
 from engine.stop.ending import RunEnding
+from settings.errors import TrainingError
 
 __all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped", "LoaderStalled",
            "arm_hard_exit", "end_children", "resume_command"]
@@ -64,14 +65,17 @@ class Stopper:
                 return
             yield batch
 
-    def validation_batches(self, loader, epoch: int, sizes: list[int]):
+    def validation_batches(self, loader, epoch: int, sizes: list[int], n_valid: int):
         """``(size, batch)`` for each of the validation's forwards, ``sizes`` its batch sizes on
         this rank (0: a forward with no batch of its own): ``batch`` None where it has none, or
         where a stop signal ended its wait for one (the forwards go on, on a stand-in, so that
-        their collectives meet the peers'). ``(None, batch)`` last: a batch past ``sizes``.
+        their collectives meet the peers'). A validation set with no batch (``n_valid``
+        samples in all), or a loader that gives more batches than ``sizes``, is a TrainingError.
         With a loader that may wait, the ranks agree after the first fetch: a rank whose first
         wait a signal ended has no stand-in, so every rank then leaves before any forward, and
         ``stop_agreed`` stops them."""
+        if not sizes:
+            raise TrainingError("the validation set is empty: check the validation data")
         fetches = self.waits.batches(loader, "validation", epoch)
         self._interrupted = 0
         for i, size in enumerate(sizes):
@@ -87,7 +91,9 @@ class Stopper:
         if not self._interrupted:  # the pass's end: its shard's batches are all taken
             extra, self._interrupted = next_batch(fetches)
             if extra is not None:
-                yield None, extra
+                raise TrainingError(f"the validation loader {type(loader).__name__} gave more "
+                                    f"batches than its shard of {n_valid} samples holds "
+                                    f"({sum(map(bool, sizes))})")
 
     def stop_agreed(self) -> int:
         """After a validation: the signal every rank stops on now (0: go on), when a stop signal
