@@ -1,15 +1,9 @@
 """The run directory: ``<expdir>/<config>/<world size>/<run_num>/``, holding ``out.log``,
 ``config.yaml``, ``tensorboard/`` and ``checkpoints/`` (and ``.run.lock`` while a process trains
-it).
-
-Many runs may start at once into one experiment directory (a job array, a sweep):
-
-- a run number is taken by creating its directory (``os.mkdir`` succeeds for exactly one
-  process), the next number when it exists;
-- a run directory is trained by one process at a time: ``.run.lock``, created with
-  ``O_CREAT | O_EXCL``, names the host and process that hold it; it is removed when the run ends
-  (finished, failed or stopped) and taken over when its process no longer runs on this host;
-- a start that fails in set-up leaves no run behind (``discard_unstarted_run``).
+it). Runs started at once into one experiment directory each get their own (a number is taken by
+creating its directory; one process at a time trains a directory, under its lock, taken over
+when its holder is gone): docs/preemption.md, "Many runs at once". A start that fails in set-up
+leaves no run behind (``discard_unstarted_run``).
 """
 from __future__ import annotations
 
@@ -56,14 +50,10 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
     auto`` by the run's name (in ``cfg``), the same on every rank (the others are told). Returns
     how the run was chosen, for the log ("" for a named run, unless a stale lock was taken over).
 
-    - a fresh run (also ``--resume_from``): the next free number, from one above the highest
-      number among the runs of this config and rank count (0 for the first): the first number
-      whose directory this process creates (``os.mkdir``: one process wins each number);
-    - ``--resume``: the run that wrote the newest checkpoint;
-    - ``--resume auto``: that run when there is one, else the next free number.
-    A run directory that another live process trains is refused (ConfigError naming it), for a
-    named run and a resumed one alike. ``submit_pm.sh`` names batch jobs ``job<id>`` instead, so
-    that a requeued job resumes its own run and never another job's."""
+    ``auto`` is, for a fresh run (also ``--resume_from``), the next free number above the
+    highest of this config and rank count; with ``--resume``, the run that wrote the newest
+    checkpoint (``--resume auto``: else the next free number). A run directory that another live
+    process trains is refused (ConfigError naming it)."""
     choice = [None]
     if rt.is_main:
         try:
@@ -203,34 +193,36 @@ def _cannot_create(cfg: Config, path: str, e: OSError) -> ConfigError:
 # ----------------------------------------------------------------------------- the run's lock
 
 LOCK_NAME = ".run.lock"
-_held: dict[str, int] = {}  # lock file -> the process holding it (a forked child holds none)
+_held: set[str] = set()  # the lock files this process took (a forked child inherits, not holds)
 
 
 class RunInUse(ConfigError):
     """Another process holds the run directory's lock."""
 
 
+def _is_mine(record: dict | None) -> bool:
+    return bool(record) and record.get("host") == HOST and record.get("pid") == os.getpid()
+
+
 def lock_run_dir(run_dir: str) -> str:
     """Take ``run_dir``'s lock for this process (a process that holds it already keeps it).
     Returns a note for the log when it took over the lock of a process that no longer runs, ""
-    otherwise. ConfigError (one line: which process holds it, and what to do) when another
+    otherwise. RunInUse (one line: which process holds it, and what to do) when another
     process of this host that still runs holds it, or a process of another host (whether that
     one still runs cannot be told from here)."""
     path = os.path.join(run_dir, LOCK_NAME)
     note = ""
     try:
         for _ in range(100):
-            if _held.get(path) == os.getpid():
-                return note
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 record = _read_lock(path)
                 if record is None:
                     continue  # released meanwhile: try again
-                if record.get("host") == HOST and record.get("pid") == os.getpid():
-                    _held[path] = os.getpid()  # its own (a second Trainer in one process)
-                    continue
+                if _is_mine(record):  # (a second Trainer in one process)
+                    _held.add(path)
+                    return note
                 earlier = _earlier_attempt_of_this_job(record)
                 if not earlier and (record.get("host") != HOST
                                     or not isinstance(record.get("pid"), int)):
@@ -248,7 +240,7 @@ def lock_run_dir(run_dir: str) -> str:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(_lock_record()) + "\n")
-            _held[path] = os.getpid()
+            _held.add(path)
             return note
     except OSError as e:
         raise ConfigError(f"cannot take the lock {path} ({e.strerror}): choose an --expdir you "
@@ -259,12 +251,9 @@ def lock_run_dir(run_dir: str) -> str:
 def release_run_locks():
     """Remove the run locks this process holds: when its run ends (finished, failed on an
     error, or stopped by a signal), and at exit. A forked child (a loader worker) removes none."""
-    for path, pid in list(_held.items()):
-        del _held[path]
-        if pid != os.getpid():
-            continue
-        record = _read_lock(path)
-        if record and record.get("host") == HOST and record.get("pid") == os.getpid():
+    for path in list(_held):
+        _held.discard(path)
+        if _is_mine(_read_lock(path)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -282,14 +271,10 @@ def _lock_record() -> dict:
 
 def _slurm_attempt() -> dict:
     """The Slurm job and how often it was requeued, inside a batch job."""
-    job = os.environ.get("SLURM_JOB_ID")
+    job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "")
     if not job:
         return {}
-    try:
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    except ValueError:
-        restarts = 0
-    return {"slurm_job": job, "slurm_restart": restarts}
+    return {"slurm_job": job, "slurm_restart": int(restarts) if restarts.isdigit() else 0}
 
 
 def _earlier_attempt_of_this_job(record: dict) -> bool:
@@ -338,14 +323,20 @@ def _read_lock(path: str) -> dict | None:
     return {}
 
 
-def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22), which
-    tells it from a later process that reuses its PID; None without /proc."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command: the state first, the start time (clock
+    ticks since boot, which tells a process from a later one that reuses its PID) 20th; None
+    without /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def _start_time(pid: int) -> str | None:
+    stat = _proc_stat(pid)
+    return stat[19] if stat else None
 
 
 def _alive(pid: int, start: str | None) -> bool:
@@ -358,14 +349,10 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    stat = _proc_stat(pid)
+    if stat is None:
         return True  # no /proc: it exists
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped
-        return False
-    return start is None or fields[19] == start
+    return stat[0] not in ("Z", "X") and start in (None, stat[19])  # Z, X: exited, not reaped
 
 
 def _take_over(path: str, stale: dict) -> bool:

@@ -288,7 +288,7 @@ _BACKEND_MARKERS = ("gloo", "nccl", "processgroup", "connection reset by peer",
                     "connection closed by peer")
 
 
-def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> str | None:
+def describe_dist_failure(exc: BaseException, cfg: Config, where: str) -> str | None:
     """One line for a failed collective or rendezvous (a dead, hung or unreachable rank), or None
     when ``exc`` is not one. ``where`` says how far the run got, e.g. "after step 12"."""
     text = str(exc)
@@ -306,12 +306,11 @@ def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> s
                 f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '?')} ranks were started, that "
                 f"MASTER_ADDR/MASTER_PORT name rank 0's host and a free port; ranks wait "
                 f"{timeout} s for each other")
-    where = f" {where}" if where else ""
     if "timed out" in low or "timeout" in low:
-        return (f"a collective timed out{where} ({detail}): another rank stopped responding for "
+        return (f"a collective timed out {where} ({detail}): another rank stopped responding for "
                 f"{timeout} s (hung or died; its own output shows why), or is legitimately "
                 f"slower (compiling, writing a checkpoint): then raise --dist_timeout_s")
-    return (f"a collective failed{where} ({detail}): another rank most likely died (crash, out "
+    return (f"a collective failed {where} ({detail}): another rank most likely died (crash, out "
             f"of memory, killed, node failure); the first error in the other ranks' output is "
             f"the cause. A rank that hangs instead makes the others fail after {timeout} s")
 
@@ -320,9 +319,8 @@ def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> s
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-
 def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | None,
-                                where: str = "") -> str | None:
+                                where: str) -> str | None:
     """One line for a failed memory allocation (the model, the optimizer state or a step did not
     fit), naming the settings that decide the sizes, or None when ``exc`` is not one."""
     low = str(exc).lower()
@@ -335,7 +333,6 @@ def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | N
     settings = ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                          if f.metadata.get("size"))
     batch = rt.local_batch if rt is not None else cfg.local_batch_size or cfg.global_batch_size
-    where = f" {where}" if where else ""
-    return (f"out of memory on {device}{where}{size}: the model or a step does not fit with "
+    return (f"out of memory on {device} {where}{size}: the model or a step does not fit with "
             f"{settings}, {batch} samples per rank: lower these, or split the step with "
             f"--grad_accum_steps")

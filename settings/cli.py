@@ -1,11 +1,5 @@
 """The entry scripts' command line: ``from_argv`` reads the settings (errors as one line, exit
-2), and ``--help`` lists the settings of the config that would run, with its values.
-
-The settings are listed in the groups the config classes declare them in (``_group`` in
-``settings/config.py``), each with its type or choices, the value the chosen config
-(and any other arguments given) resolves to, marked when it differs from the built-in default,
-and its description, wrapped to 100 columns.
-"""
+2), and ``--help`` lists the settings of the config that would run, with its values."""
 from __future__ import annotations
 
 import dataclasses
@@ -105,18 +99,14 @@ def usage(prog: str, yaml_path: str, cfg: Config) -> str:
 def from_argv(argv: list[str], default_yaml: str = DEFAULT_YAML, default_name: str = "quickstart",
               prog: str = "train.py") -> Config:
     """Parse entry-script arguments; configuration errors exit with status 2 and one message."""
-    if "-h" in argv or "--help" in argv:
-        try:
-            entry, overrides = parse_overrides([a for a in argv if a not in ("-h", "--help")])
-            yaml_path = entry.get("yaml_config", default_yaml)
-            cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
-        except ConfigError as e:
-            refuse(str(e))
-        print(usage(prog, yaml_path, cfg))
-        raise SystemExit(0)
+    helping = "-h" in argv or "--help" in argv
     try:
-        entry, overrides = parse_overrides(argv)
-        return build_config(entry.get("yaml_config", default_yaml),
-                            entry.get("config", default_name), overrides)
+        entry, overrides = parse_overrides([a for a in argv if a not in ("-h", "--help")])
+        yaml_path = entry.get("yaml_config", default_yaml)
+        cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
     except ConfigError as e:
         refuse(str(e))
+    if helping:
+        print(usage(prog, yaml_path, cfg))
+        raise SystemExit(0)
+    return cfg
