@@ -34,10 +34,9 @@ COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the conf
 
 
 def run_dir_for(cfg: Config, world_size: int) -> str:
-    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (``data_loader_config
-    synthetic``: compute-only timing, its losses those of one repeated batch) under
-    ``<config>-synthetic``, so that neither TensorBoard's run list nor a bare ``--resume`` takes
-    it for a run of the config."""
+    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (compute-only timing)
+    under ``<config>-synthetic``, so that neither TensorBoard nor ``--resume`` takes it for a run
+    of the config."""
     name = cfg.name + (COMPUTE_ONLY if cfg.data_is_generated else "")
     return os.path.join(cfg.expdir, name, str(world_size), str(cfg.run_num))
 
@@ -154,34 +153,30 @@ class _Made:
     def forget(self):
         self.dirs: list[str] = []  # the directories it created, outermost first
         self.run: str | None = None  # the run directory itself, when this process made it
-        # the out.log a start in a run directory that existed without one is about to create
-        self.log: str | None = None
+        self.log: str | None = None  # the out.log it writes into an existing run without one
 
 
 _made = _Made()
 
 
 def discard_unstarted_run():
-    """After a start that failed before training (in set-up): remove the run directory this
-    process created for it (its out.log and lock with it) and the parents it created, when they
-    are empty. A run directory that existed before (a named run, a resumed one) stays, without
-    the out.log this start wrote there when it had none."""
-    root = logging.getLogger()
-    for path in [*reversed(_made.dirs), *filter(None, [_made.log])]:
-        for h in list(root.handlers):  # out.log: closed before it or its directory goes
-            if isinstance(h, logging.FileHandler) and (
-                    h.baseFilename == path or h.baseFilename.startswith(path + os.sep)):
-                root.removeHandler(h)
-                h.close()
-        if path == _made.log:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            continue
-        if path == _made.run and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)  # only when empty: another run may have come meanwhile
+    """After a start that failed in set-up: remove the run directory this process created (and
+    the parents it created, when empty); one that existed before stays, without the out.log
+    this start wrote there when it had none."""
+    root, made = logging.getLogger(), [p for p in (_made.run, _made.log) if p]
+    for h in list(root.handlers):  # out.log: closed before it or its directory goes
+        if isinstance(h, logging.FileHandler) and any(
+                h.baseFilename == p or h.baseFilename.startswith(p + os.sep) for p in made):
+            root.removeHandler(h)
+            h.close()
+    if _made.log:
+        with contextlib.suppress(OSError):
+            os.remove(_made.log)
+    if _made.run:
+        shutil.rmtree(_made.run, ignore_errors=True)
+    for path in reversed(_made.dirs):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # only when empty: another run may have come meanwhile
     _made.forget()
 
 

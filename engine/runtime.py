@@ -60,10 +60,9 @@ class Runtime:
         return t
 
     def first_failure(self, failure) -> str | None:
-        """Collective on all ranks (host group): every rank's ``failure`` (``(rank, line)`` or
-        None) to every rank; the first there is as the line every rank raises (``rank N: ...``
-        under several ranks), or None. So all go on or all raise the same line: a rank that
-        raised alone would leave the others waiting in their next collective."""
+        """Collective on all ranks (host group): the first of the ranks' ``failure`` (``(rank,
+        line)`` or None) as the line every rank raises (``rank N: ...`` under several ranks), or
+        None: a rank that raised alone would leave the others waiting in their next collective."""
         if self.distributed:
             outcomes = [None] * self.world_size
             dist.all_gather_object(outcomes, failure, group=self.host_group)
@@ -225,10 +224,9 @@ def check_model_parallel(cfg: ViTConfig, world: int):
 
 
 def new_host_group(timeout: datetime.timedelta):
-    """A gloo group of all ranks (collective: every rank makes it), connected lazily: a rank
-    opens a connection to a peer when a collective first talks to it (``TORCH_GLOO_LAZY_INIT``,
-    read as the group is made; older torch ignores it and connects to all), so the small ring
-    all-reduces made on it open 2 connections a rank, not a full mesh of N - 1 at start-up."""
+    """A gloo group of all ranks (collective), connected lazily (``TORCH_GLOO_LAZY_INIT``, read as
+    the group is made; older torch ignores it): its small ring all-reduces open 2 connections a
+    rank, not a full mesh of N - 1 at start-up."""
     before = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:

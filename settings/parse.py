@@ -1,7 +1,6 @@
-"""Reading settings: a named config of a YAML file, the command line's overrides on top, each
-value coerced to its setting's type and checked against its bounds (``settings.config`` says
-both), the tutorial's spellings accepted, and the result validated; and ``dump``, the resolved
-config as YAML that reads back the same, and ``write_config``, which writes it beside a run."""
+"""Reading settings: a named config of a YAML file with the command line's overrides on top, each
+value typed and checked as ``settings.config`` declares it, the tutorial's spellings accepted;
+and ``dump``, the resolved config as YAML that reads back the same."""
 from __future__ import annotations
 
 import contextlib
@@ -257,13 +256,9 @@ def coerce(cls, key: str, value: Any):
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
-    """Split ``--key value``, ``--key=value``, ``--key value value ...`` (a list setting, as
-    argparse's lists are written: the same as ``--key '[value,value]'``) and bare ``--flag``
-    arguments.
-
-    Returns (entry arguments, overrides) in command-line order; values stay strings, lists of
-    strings (several values) or True (a bare flag), and are typed later against the config class.
-    """
+    """(entry arguments, overrides) of ``--key value``, ``--key=value``, ``--key value value ...``
+    (a list, as ``--key '[value,value]'``) and bare ``--flag`` arguments, in command-line order:
+    strings, lists of strings or True (a bare flag), typed later against the config class."""
     entry, overrides = {}, {}
     i = 0
     while i < len(argv):
@@ -410,12 +405,10 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
 
 
 def dump(cfg: Config, derived: Optional[dict] = None) -> str:
-    """The resolved config as YAML that ``--yaml_config`` reads back under the same name: read
-    back, it starts a new run with the same settings (``run_num``, ``resume`` and ``resume_from``
-    at their defaults: how this run was started, not what it trains).
-
-    The settings go under the config's name; the file it was read from, the run's name and the
-    ``derived`` values (the per-rank batch, the peak lr, ...) are comment lines above them."""
+    """The resolved config as YAML that ``--yaml_config`` reads back under the same name, as a new
+    run with the same settings (``run_num``, ``resume`` and ``resume_from`` at their defaults).
+    The file it was read from, the run's name and the ``derived`` values (the per-rank batch,
+    the peak lr, ...) are comment lines above the settings."""
     settings = to_dict(cfg, identity=False)
     run = settings.get("run_num")
     for key in ("run_num", "resume", "resume_from"):
