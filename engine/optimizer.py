@@ -61,11 +61,10 @@ IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     """``optimizer.load_state_dict(state)`` that keeps this optimizer's implementation settings
-    and the kind of its hyperparameters: a learning rate held as a device tensor (which a CUDA
-    graph reads) stays that same tensor, filled with the saved value; a saved tensor becomes a
-    float for an optimizer that holds floats. Step counts go where the implementation wants them
-    (on the parameter's device for capturable or fused Adam, on the CPU otherwise); the moments
-    take their parameter's memory layout."""
+    and the kind of its hyperparameters (a device-tensor lr, which a CUDA graph reads, stays that
+    tensor, filled with the saved value; a saved tensor becomes a float where floats are held),
+    and puts step counts where the implementation wants them (the parameter's device for
+    capturable or fused Adam, else the CPU)."""
     own = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, before in zip(optimizer.param_groups, own):

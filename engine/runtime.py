@@ -176,8 +176,8 @@ def check_amp(cfg: Config, device: torch.device):
 
 
 def _env_int(name, default):
-    v = os.environ.get(name)
-    if v is None or v == "":
+    v = os.environ.get(name, "")
+    if not v:
         return default
     try:
         return int(v)

@@ -29,13 +29,6 @@ def _dotted(version: int) -> str:
     return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
-def _release(torch_version: str) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a released torch ("2.9.1", "2.9.1+cu128"); None for a
-    pre-release or source build ("2.9.0a0+git...", "2.9.1rc1")."""
-    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(\+[\w.]+)?", torch_version.strip())
-    return tuple(int(g) for g in m.groups()[:3]) if m else None
-
-
 def conv3d_slow_path(torch_version: str, cudnn_version: int | None, amp_mode: str,
                      device_type: str, *, cudnn_built: int | None = None,
                      memory_format: torch.memory_format = torch.contiguous_format) -> str | None:
@@ -45,15 +38,17 @@ def conv3d_slow_path(torch_version: str, cudnn_version: int | None, amp_mode: st
     if device_type != "cuda" or amp_mode not in HALF_AMP \
             or memory_format == torch.channels_last_3d:
         return None
-    release = _release(torch_version)
+    # a released torch ("2.9.1", "2.9.1+cu128"); not a pre-release or source build ("2.9.1rc1")
+    m = re.fullmatch(r"(\d+\.\d+\.\d+)(\+[\w.]+)?", torch_version.strip())
+    release = m.group(1) if m else None
     wheel = "nvidia-cudnn-cu13" if "+cu13" in torch_version else "nvidia-cudnn-cu12"
-    if release == (2, 9, 0):
+    if release == "2.9.0":
         if cudnn_built is None or cudnn_built < CUDNN_9_8:
             return None
         seen = f"torch {torch_version} (built with cuDNN {_dotted(cudnn_built)})"
         fix = (f"install torch 2.9.1 with cuDNN >= 9.15 (pip install torch==2.9.1 "
                f"'{wheel}>=9.15') or torch >= 2.10")
-    elif release == (2, 9, 1):
+    elif release == "2.9.1":
         if cudnn_version is None or not CUDNN_9_8 <= cudnn_version < CUDNN_9_15:
             return None
         seen = f"torch {torch_version} with cuDNN {_dotted(cudnn_version)}"
