@@ -21,20 +21,16 @@ def _groups(cls) -> dict:
     """Field name -> its ``--help`` group: the one it was declared under (``_group``), else its
     class's name ("ViT settings")."""
     group_of = {}
-    for klass in reversed(cls.__mro__):
-        if not (isinstance(klass, type) and issubclass(klass, Config)):
-            continue
+    for klass in filter(lambda k: issubclass(k, Config), reversed(cls.__mro__)):
         own = klass.__name__.replace("Config", " settings") if klass is not Config else ""
         for f in dataclasses.fields(klass):
-            if f.name not in group_of:
-                group_of[f.name] = f.metadata.get("group") or own
+            group_of.setdefault(f.name, f.metadata.get("group") or own)
     return group_of
 
 
 def _type_text(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
-        return "{" + ",".join(str(a).lower() if isinstance(a, bool) else str(a)
-                              for a in typing.get_args(tp)) + "}"
+        return "{" + ",".join(map(value_text, typing.get_args(tp))) + "}"
     if typing.get_origin(tp) is typing.Union:  # Optional[x]
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{_type_text(inner[0])} or null"

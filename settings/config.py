@@ -35,16 +35,14 @@ def config_class(cls):
 
 
 def _f(default, help, compare=True, **checks):
-    """A setting: its default, a one-line description and bounds on its value (``min``/``max``
-    inclusive, ``above``/``below`` exclusive; on every entry of a list) or, for a list, its
-    ``length``. Its type and any choices come from the annotation (``Literal[...]``).
-    ``identity=True`` marks the fields that say where a config came from, not how to train;
-    ``path="dir"`` a directory (never a file), ``path="out"`` a directory the run writes into
-    (``validate`` checks both, when set); ``size=True`` a setting that decides the size of the
-    model, of its activations or of a sample (named when memory runs out); ``resume=True`` a
-    setting a resumed run may change (how long and how it runs, not what it learns: every
-    other setting makes a different run, and a resume with another value is refused). Its
-    ``--help`` group is the ``_group`` it is declared under."""
+    """A setting: its default, a one-line description, bounds on its value (``min``/``max``
+    inclusive, ``above``/``below`` exclusive; on every entry of a list) or a list's ``length``;
+    type and choices come from the annotation. ``identity``: where a config came from, not how
+    to train; ``path``: "dir" a directory, "out" one the run writes into (``validate`` checks
+    both); ``size``: decides the size of the model, its activations or a sample (named when
+    memory runs out); ``resume``: a resumed run may change it (how long and how it runs, not
+    what it learns; another value of any other setting is refused). Its ``--help`` group is the
+    ``_group`` it is declared under."""
     meta = {"help": help, "group": _current_group[0], **checks}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), compare=compare, metadata=meta)
