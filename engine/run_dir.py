@@ -308,12 +308,10 @@ def _read_lock(path: str) -> dict | None:
                 text = f.read()
         except FileNotFoundError:
             return None
-        try:
+        with contextlib.suppress(ValueError):  # (partly written)
             record = json.loads(text)
             if isinstance(record, dict):
                 return record
-        except ValueError:
-            pass
         time.sleep(0.05)
     return {}
 
