@@ -1,35 +1,15 @@
-"""fp8 linear layers (the ViT setting ``fp8_linears``): the transformer blocks' matmuls in
-float8, with torchao's float8 training (``pip install -r requirements-fp8.txt``).
+"""fp8 linear layers (the ViT setting ``fp8_linears``): the transformer blocks' linear layers
+(``task.blocks``: qkv, proj, fc1, fc2) compute their matmuls in float8 with torchao's float8
+training; the patch embedding and the head keep the autocast precision, and weights, gradients
+and Adam's state stay fp32. What is scaled how, what it can gain, and how it goes with tp/cp,
+FSDP, torch.compile and checkpoints: docs/performance.md, "fp8 linear layers".
 
-Which layers: the linear layers inside the task's blocks (``task.blocks``: the ViT's
-qkv, proj, fc1 and fc2; at the ``mp`` size 99% of its linear layers' FLOPs and 69% of all its
-FLOPs, most of the rest attention's) whose two dimensions on this rank are multiples of 16, as
-fp8 matmul kernels need (``ViTConfig.check`` refuses a model whose block linears are not, so in
-a run all of them are). The patch embedding (a convolution) and the head (it makes the
-forecast itself) keep the autocast precision.
-
-How: every matmul of the forward and backward pass (the output, the input's gradient, the
-weight's gradient) casts its two operands to float8 with dynamic scales, the absolute maximum
-mapped to float8's largest value: one scale per tensor (``tensorwise``: inputs and weights in
-e4m3, output gradients in e5m2) or one per row (``rowwise``: all in e4m3, the scales powers of
-2), multiplies on the fp8 tensor cores with fp32 accumulation and returns the result in the
-autocast dtype (bf16). Weights, gradients and Adam's state stay fp32: checkpoints are the same
-tensors as without fp8.
-
-Where (``engine.parallelism.apply_parallelism``): after the tp/cp split, before FSDP and
-torch.compile. A serial model's (or an FSDP model's) ``nn.Linear`` become torchao's
-``Float8Linear`` (``convert_to_float8_training``). A tp/cp model's parallel linears
-(``distributed.layers``) keep their collectives and compute the matmul of their slices with the
-same fp8 matmul (``local_linear``): each rank scales its own weight slice by the slice's
-maximum, not the whole weight's, so a tp run rounds a little differently from the serial one.
-Under FSDP the gathered weights arrive in bf16 (the mixed-precision policy) and are cast to fp8
-after the all-gather; torchao's fp8 all-gather (``enable_fsdp_float8_all_gather``) is off, so
-the all-gather and the checkpoints are those of a bf16 run.
-
-Devices: a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); an older one is
-refused at the start. On a CPU the casts are emulated: the operands rounded to fp8 with the
-same scales, multiplied in fp32 (slower than without fp8: for checking a config and for the
-tests, not for speed).
+Applied by ``engine.parallelism.apply_parallelism`` after the tp/cp split, before FSDP and
+torch.compile: a serial (or FSDP) model's ``nn.Linear`` become torchao's ``Float8Linear``; a
+tp/cp model's parallel linears keep their collectives and compute their slice's matmul with the
+same fp8 matmul (``local_linear``), each rank scaling its weight slice by the slice's maximum.
+On a CPU the casts are emulated (operands rounded to fp8, multiplied in fp32): for checking a
+run and for the tests, not for speed.
 """
 from __future__ import annotations
 
@@ -65,9 +45,10 @@ def _quiet(*names: str):
             lg.setLevel(level)
 
 
-def load_torchao(recipe: str):
-    """``torchao.float8``, imported on first use (about 2 s); ConfigError (one line) when
-    torchao is not installed or does not import with this torch."""
+def load_torchao(recipe: str, device: torch.device):
+    """``torchao.float8``, imported on first use (about 2 s), and its ``Float8LinearConfig`` of
+    ``recipe``, emulated off a CUDA GPU; ConfigError (one line) when torchao is not installed or
+    does not import with this torch."""
     try:
         with _quiet("torchao", "torch.utils._pytree"):
             import torchao.float8 as float8
@@ -76,19 +57,13 @@ def load_torchao(recipe: str):
         raise ConfigError(f"fp8_linears={recipe} needs torchao's float8 training ({e}): pip "
                           f"install -r requirements-fp8.txt, or train without fp8 "
                           f"(--fp8_linears none)") from None
-    return float8
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    return float8, dataclasses.replace(config, emulate=device.type != "cuda")
 
 
 def fits(out_features: int, in_features: int) -> bool:
     """Whether a linear's weight of (out, in) can be an fp8 matmul operand."""
     return out_features % DIM_MULTIPLE == 0 and in_features % DIM_MULTIPLE == 0
-
-
-def float8_config(recipe: str, device: torch.device):
-    """torchao's ``Float8LinearConfig`` of ``recipe``, emulated off a CUDA GPU."""
-    float8 = load_torchao(recipe)
-    config = float8.Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, emulate=device.type != "cuda")
 
 
 def check(recipe: str, device: torch.device):
@@ -105,7 +80,7 @@ def check(recipe: str, device: torch.device):
                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer: L40S, H100, H200, B200); "
                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}: use --fp8_linears "
                 f"none (bf16 matmuls)")
-    float8, config = load_torchao(recipe), float8_config(recipe, device)
+    float8, config = load_torchao(recipe, device)
     gpus = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=gpus):  # the run's random streams left as they were
@@ -144,9 +119,8 @@ def convert(blocks: list[nn.Module], recipe: str, device: torch.device) -> int:
     Serial linears become ``Float8Linear`` (same parameters, same names); tp/cp linears keep
     their collectives and take the fp8 matmul for their slice."""
     from distributed.layers import _ParallelLinear
-    float8 = load_torchao(recipe)
+    float8, config = load_torchao(recipe, device)
     from torchao.float8.float8_linear import Float8Linear
-    config = float8_config(recipe, device)
     local = None
     n = 0
     for block in blocks:

@@ -11,20 +11,15 @@ from settings.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def _fused_device_types() -> set:
+def fused_unavailable(params: list, device: torch.device) -> str:
+    """Why the fused Adam kernel cannot update ``params`` on ``device``, or "" when it can
+    (checked before the optimizer is built: torch checks at the first step, too late to fall
+    back)."""
     try:  # the device types torch has fused optimizer kernels for, on this build
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        return set(_get_fused_kernels_supported_devices())
+        supported = set(_get_fused_kernels_supported_devices())
     except ImportError:
-        return {"cuda"}
-
-
-def fused_unavailable(params: list, device: torch.device) -> str:
-    """Why the fused Adam kernel cannot update ``params`` on ``device``, or "" when it can.
-
-    Checked before the optimizer is built: torch only checks the parameters at the first step,
-    when it is too late to fall back."""
-    supported = _fused_device_types()
+        supported = {"cuda"}
     if device.type not in supported:
         return f"no fused kernel for {device.type} (only {', '.join(sorted(supported))})"
     for p in params:
@@ -35,18 +30,13 @@ def fused_unavailable(params: list, device: torch.device) -> str:
 
 def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
                     for_cuda_graph: bool = False) -> torch.optim.Adam:
-    """Adam over ``params`` with learning rate ``lr`` and ``betas``, no weight decay.
+    """Adam over ``params`` with learning rate ``lr`` and ``betas``, no weight decay; ``fused``
+    (``enable_fused``): the fused kernel where available (else, after a warning, the default one).
 
-    ``fused`` (the setting ``enable_fused``) asks for the fused kernel (one launch for all parameters); where it is
-    unavailable the default implementation runs instead, after a warning. Both give the same
-    updates up to rounding.
-
-    ``for_cuda_graph``: an optimizer whose step can be captured in a CUDA graph and replayed
-    (``train_graph.py``). Its learning rate is a device tensor that the LR schedule fills in
-    place between replays (a Python float would be frozen into the graph), and it is the fused
-    kernel, the one the gradient scaler drives without a host sync (fp16). ``capturable`` keeps
-    its step counts on the device; torch offers that on GPUs only, so elsewhere (tests on a CPU)
-    the same optimizer is built without it."""
+    ``for_cuda_graph`` (``train_graph.py``): a step that can be captured in a CUDA graph. Its lr
+    is a device tensor the schedule fills in place between replays (a float would be frozen into
+    the graph), and it is the fused kernel, which the gradient scaler drives without a host sync.
+    ``capturable`` (step counts on the device) exists on GPUs only: on a CPU it is left off."""
     params = list(params)
     kw = dict(lr=lr, betas=tuple(betas))
     if for_cuda_graph:
@@ -71,11 +61,10 @@ IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     """``optimizer.load_state_dict(state)`` that keeps this optimizer's implementation settings
-    and the kind of its hyperparameters: a learning rate held as a device tensor (which a CUDA
-    graph reads) stays that same tensor, filled with the saved value; a saved tensor becomes a
-    float for an optimizer that holds floats. Step counts go where the implementation wants them
-    (on the parameter's device for capturable or fused Adam, on the CPU otherwise); the moments
-    take their parameter's memory layout."""
+    and the kind of its hyperparameters (a device-tensor lr, which a CUDA graph reads, stays that
+    tensor, filled with the saved value; a saved tensor becomes a float where floats are held),
+    and puts step counts where the implementation wants them (the parameter's device for
+    capturable or fused Adam, else the CPU)."""
     own = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, before in zip(optimizer.param_groups, own):

@@ -1,15 +1,9 @@
 """The run directory: ``<expdir>/<config>/<world size>/<run_num>/``, holding ``out.log``,
 ``config.yaml``, ``tensorboard/`` and ``checkpoints/`` (and ``.run.lock`` while a process trains
-it).
-
-Many runs may start at once into one experiment directory (a job array, a sweep):
-
-- a run number is taken by creating its directory (``os.mkdir`` succeeds for exactly one
-  process), the next number when it exists;
-- a run directory is trained by one process at a time: ``.run.lock``, created with
-  ``O_CREAT | O_EXCL``, names the host and process that hold it; it is removed when the run ends
-  (finished, failed or stopped) and taken over when its process no longer runs on this host;
-- a start that fails in set-up leaves no run behind (``discard_unstarted_run``).
+it). Runs started at once into one experiment directory each get their own (a number is taken by
+creating its directory; one process at a time trains a directory, under its lock, taken over
+when its holder is gone): docs/preemption.md, "Many runs at once". A start that fails in set-up
+leaves no run behind (``discard_unstarted_run``).
 """
 from __future__ import annotations
 
@@ -40,10 +34,9 @@ COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the conf
 
 
 def run_dir_for(cfg: Config, world_size: int) -> str:
-    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (``data_loader_config
-    synthetic``: compute-only timing, its losses those of one repeated batch) under
-    ``<config>-synthetic``, so that neither TensorBoard's run list nor a bare ``--resume`` takes
-    it for a run of the config."""
+    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (compute-only timing)
+    under ``<config>-synthetic``, so that neither TensorBoard nor ``--resume`` takes it for a run
+    of the config."""
     name = cfg.name + (COMPUTE_ONLY if cfg.data_is_generated else "")
     return os.path.join(cfg.expdir, name, str(world_size), str(cfg.run_num))
 
@@ -56,14 +49,10 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
     auto`` by the run's name (in ``cfg``), the same on every rank (the others are told). Returns
     how the run was chosen, for the log ("" for a named run, unless a stale lock was taken over).
 
-    - a fresh run (also ``--resume_from``): the next free number, from one above the highest
-      number among the runs of this config and rank count (0 for the first): the first number
-      whose directory this process creates (``os.mkdir``: one process wins each number);
-    - ``--resume``: the run that wrote the newest checkpoint;
-    - ``--resume auto``: that run when there is one, else the next free number.
-    A run directory that another live process trains is refused (ConfigError naming it), for a
-    named run and a resumed one alike. ``submit_pm.sh`` names batch jobs ``job<id>`` instead, so
-    that a requeued job resumes its own run and never another job's."""
+    ``auto`` is, for a fresh run (also ``--resume_from``), the next free number above the
+    highest of this config and rank count; with ``--resume``, the run that wrote the newest
+    checkpoint (``--resume auto``: else the next free number). A run directory that another live
+    process trains is refused (ConfigError naming it)."""
     choice = [None]
     if rt.is_main:
         try:
@@ -164,34 +153,30 @@ class _Made:
     def forget(self):
         self.dirs: list[str] = []  # the directories it created, outermost first
         self.run: str | None = None  # the run directory itself, when this process made it
-        # the out.log a start in a run directory that existed without one is about to create
-        self.log: str | None = None
+        self.log: str | None = None  # the out.log it writes into an existing run without one
 
 
 _made = _Made()
 
 
 def discard_unstarted_run():
-    """After a start that failed before training (in set-up): remove the run directory this
-    process created for it (its out.log and lock with it) and the parents it created, when they
-    are empty. A run directory that existed before (a named run, a resumed one) stays, without
-    the out.log this start wrote there when it had none."""
-    root = logging.getLogger()
-    for path in [*reversed(_made.dirs), *filter(None, [_made.log])]:
-        for h in list(root.handlers):  # out.log: closed before it or its directory goes
-            if isinstance(h, logging.FileHandler) and (
-                    h.baseFilename == path or h.baseFilename.startswith(path + os.sep)):
-                root.removeHandler(h)
-                h.close()
-        if path == _made.log:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            continue
-        if path == _made.run and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)  # only when empty: another run may have come meanwhile
+    """After a start that failed in set-up: remove the run directory this process created (and
+    the parents it created, when empty); one that existed before stays, without the out.log
+    this start wrote there when it had none."""
+    root, made = logging.getLogger(), [p for p in (_made.run, _made.log) if p]
+    for h in list(root.handlers):  # out.log: closed before it or its directory goes
+        if isinstance(h, logging.FileHandler) and any(
+                h.baseFilename == p or h.baseFilename.startswith(p + os.sep) for p in made):
+            root.removeHandler(h)
+            h.close()
+    if _made.log:
+        with contextlib.suppress(OSError):
+            os.remove(_made.log)
+    if _made.run:
+        shutil.rmtree(_made.run, ignore_errors=True)
+    for path in reversed(_made.dirs):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # only when empty: another run may have come meanwhile
     _made.forget()
 
 
@@ -203,34 +188,36 @@ def _cannot_create(cfg: Config, path: str, e: OSError) -> ConfigError:
 # ----------------------------------------------------------------------------- the run's lock
 
 LOCK_NAME = ".run.lock"
-_held: dict[str, int] = {}  # lock file -> the process holding it (a forked child holds none)
+_held: set[str] = set()  # the lock files this process took (a forked child inherits, not holds)
 
 
 class RunInUse(ConfigError):
     """Another process holds the run directory's lock."""
 
 
+def _is_mine(record: dict | None) -> bool:
+    return bool(record) and record.get("host") == HOST and record.get("pid") == os.getpid()
+
+
 def lock_run_dir(run_dir: str) -> str:
     """Take ``run_dir``'s lock for this process (a process that holds it already keeps it).
     Returns a note for the log when it took over the lock of a process that no longer runs, ""
-    otherwise. ConfigError (one line: which process holds it, and what to do) when another
+    otherwise. RunInUse (one line: which process holds it, and what to do) when another
     process of this host that still runs holds it, or a process of another host (whether that
     one still runs cannot be told from here)."""
     path = os.path.join(run_dir, LOCK_NAME)
     note = ""
     try:
         for _ in range(100):
-            if _held.get(path) == os.getpid():
-                return note
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 record = _read_lock(path)
                 if record is None:
                     continue  # released meanwhile: try again
-                if record.get("host") == HOST and record.get("pid") == os.getpid():
-                    _held[path] = os.getpid()  # its own (a second Trainer in one process)
-                    continue
+                if _is_mine(record):  # (a second Trainer in one process)
+                    _held.add(path)
+                    return note
                 earlier = _earlier_attempt_of_this_job(record)
                 if not earlier and (record.get("host") != HOST
                                     or not isinstance(record.get("pid"), int)):
@@ -248,7 +235,7 @@ def lock_run_dir(run_dir: str) -> str:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(_lock_record()) + "\n")
-            _held[path] = os.getpid()
+            _held.add(path)
             return note
     except OSError as e:
         raise ConfigError(f"cannot take the lock {path} ({e.strerror}): choose an --expdir you "
@@ -259,12 +246,9 @@ def lock_run_dir(run_dir: str) -> str:
 def release_run_locks():
     """Remove the run locks this process holds: when its run ends (finished, failed on an
     error, or stopped by a signal), and at exit. A forked child (a loader worker) removes none."""
-    for path, pid in list(_held.items()):
-        del _held[path]
-        if pid != os.getpid():
-            continue
-        record = _read_lock(path)
-        if record and record.get("host") == HOST and record.get("pid") == os.getpid():
+    for path in list(_held):
+        _held.discard(path)
+        if _is_mine(_read_lock(path)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -282,14 +266,10 @@ def _lock_record() -> dict:
 
 def _slurm_attempt() -> dict:
     """The Slurm job and how often it was requeued, inside a batch job."""
-    job = os.environ.get("SLURM_JOB_ID")
+    job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "")
     if not job:
         return {}
-    try:
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    except ValueError:
-        restarts = 0
-    return {"slurm_job": job, "slurm_restart": restarts}
+    return {"slurm_job": job, "slurm_restart": int(restarts) if restarts.isdigit() else 0}
 
 
 def _earlier_attempt_of_this_job(record: dict) -> bool:
@@ -328,24 +308,28 @@ def _read_lock(path: str) -> dict | None:
                 text = f.read()
         except FileNotFoundError:
             return None
-        try:
+        with contextlib.suppress(ValueError):  # (partly written)
             record = json.loads(text)
             if isinstance(record, dict):
                 return record
-        except ValueError:
-            pass
         time.sleep(0.05)
     return {}
 
 
-def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22), which
-    tells it from a later process that reuses its PID; None without /proc."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command: the state first, the start time (clock
+    ticks since boot, which tells a process from a later one that reuses its PID) 20th; None
+    without /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def _start_time(pid: int) -> str | None:
+    stat = _proc_stat(pid)
+    return stat[19] if stat else None
 
 
 def _alive(pid: int, start: str | None) -> bool:
@@ -358,14 +342,10 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    stat = _proc_stat(pid)
+    if stat is None:
         return True  # no /proc: it exists
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped
-        return False
-    return start is None or fields[19] == start
+    return stat[0] not in ("Z", "X") and start in (None, stat[19])  # Z, X: exited, not reaped
 
 
 def _take_over(path: str, stale: dict) -> bool:

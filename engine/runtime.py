@@ -59,10 +59,9 @@ class Runtime:
         return t
 
     def first_failure(self, failure) -> str | None:
-        """Collective on all ranks (host group): every rank's ``failure`` (``(rank, line)`` or
-        None) to every rank; the first there is as the line every rank raises (``rank N: ...``
-        under several ranks), or None. So all go on or all raise the same line: a rank that
-        raised alone would leave the others waiting in their next collective."""
+        """Collective on all ranks (host group): the first of the ranks' ``failure`` (``(rank,
+        line)`` or None) as the line every rank raises (``rank N: ...`` under several ranks), or
+        None: a rank that raised alone would leave the others waiting in their next collective."""
         if self.distributed:
             outcomes = [None] * self.world_size
             dist.all_gather_object(outcomes, failure, group=self.host_group)
@@ -176,8 +175,8 @@ def check_amp(cfg: Config, device: torch.device):
 
 
 def _env_int(name, default):
-    v = os.environ.get(name)
-    if v is None or v == "":
+    v = os.environ.get(name, "")
+    if not v:
         return default
     try:
         return int(v)
@@ -224,10 +223,9 @@ def check_model_parallel(cfg: ViTConfig, world: int):
 
 
 def new_host_group(timeout: datetime.timedelta):
-    """A gloo group of all ranks (collective: every rank makes it), connected lazily: a rank
-    opens a connection to a peer when a collective first talks to it (``TORCH_GLOO_LAZY_INIT``,
-    read as the group is made; older torch ignores it and connects to all), so the small ring
-    all-reduces made on it open 2 connections a rank, not a full mesh of N - 1 at start-up."""
+    """A gloo group of all ranks (collective), connected lazily (``TORCH_GLOO_LAZY_INIT``, read as
+    the group is made; older torch ignores it): its small ring all-reduces open 2 connections a
+    rank, not a full mesh of N - 1 at start-up."""
     before = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:
@@ -284,7 +282,7 @@ _BACKEND_MARKERS = ("gloo", "nccl", "processgroup", "connection reset by peer",
                     "connection closed by peer")
 
 
-def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> str | None:
+def describe_dist_failure(exc: BaseException, cfg: Config, where: str) -> str | None:
     """One line for a failed collective or rendezvous (a dead, hung or unreachable rank), or None
     when ``exc`` is not one. ``where`` says how far the run got, e.g. "after step 12"."""
     text = str(exc)
@@ -302,12 +300,11 @@ def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> s
                 f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '?')} ranks were started, that "
                 f"MASTER_ADDR/MASTER_PORT name rank 0's host and a free port; ranks wait "
                 f"{timeout} s for each other")
-    where = f" {where}" if where else ""
     if "timed out" in low or "timeout" in low:
-        return (f"a collective timed out{where} ({detail}): another rank stopped responding for "
+        return (f"a collective timed out {where} ({detail}): another rank stopped responding for "
                 f"{timeout} s (hung or died; its own output shows why), or is legitimately "
                 f"slower (compiling, writing a checkpoint): then raise --dist_timeout_s")
-    return (f"a collective failed{where} ({detail}): another rank most likely died (crash, out "
+    return (f"a collective failed {where} ({detail}): another rank most likely died (crash, out "
             f"of memory, killed, node failure); the first error in the other ranks' output is "
             f"the cause. A rank that hangs instead makes the others fail after {timeout} s")
 
@@ -316,9 +313,8 @@ def describe_dist_failure(exc: BaseException, cfg: Config, where: str = "") -> s
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-
 def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | None,
-                                where: str = "") -> str | None:
+                                where: str) -> str | None:
     """One line for a failed memory allocation (the model, the optimizer state or a step did not
     fit), naming the settings that decide the sizes, or None when ``exc`` is not one."""
     low = str(exc).lower()
@@ -331,7 +327,6 @@ def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | N
     settings = ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                          if f.metadata.get("size"))
     batch = rt.local_batch if rt is not None else cfg.local_batch_size or cfg.global_batch_size
-    where = f" {where}" if where else ""
-    return (f"out of memory on {device}{where}{size}: the model or a step does not fit with "
+    return (f"out of memory on {device} {where}{size}: the model or a step does not fit with "
             f"{settings}, {batch} samples per rank: lower these, or split the step with "
             f"--grad_accum_steps")

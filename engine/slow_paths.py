@@ -1,34 +1,7 @@
-"""Known slow paths of the torch/cuDNN stack, named in one warning line at start-up.
-
-torch 2.9.0 and 2.9.1 send half-precision 3-D convolutions past cuDNN to torch's own kernels (a
-workaround for wrong cuDNN results, torch issue 163539; the fallback was reported 4x slower and
-using about 17x the memory, torch issue 166643). The conditions are torch's, in
-``ConvParams::use_cudnn`` of ``aten/src/ATen/native/Convolution.cpp``, as compiled in the
-released torch 2.9.0 and 2.9.1 wheels. cuDNN is skipped when all of these hold:
-
-- the input is bfloat16 or float16 (``bf16``/``fp16`` autocast; float32 keeps cuDNN);
-- the weight is 5-D (``Conv3d``, ``ConvTranspose3d``) with a kernel extent other than 1
-  (1x1x1 kernels keep cuDNN);
-- input and weight are in the default layout (``cudnn_conv_suggest_memory_format`` says
-  ``Contiguous``): channels-last 3-D (``--memory_format channels_last``) keeps cuDNN;
-- the cuDNN version is in the range below, read once per process:
-
-  ========  ==========================================================  ===================
-  torch     the cuDNN version it reads                                  off cuDNN when
-  ========  ==========================================================  ===================
-  2.9.0     the one torch was built with (``versionCuDNN()``; Python:   >= 9.8.0
-            ``torch._C._cudnn.getCompileVersion()``; 9.8.0 in PyPI's
-            cu128 wheel)
-  2.9.1     the one loaded (``versionRuntimeCuDNN()``; Python:          9.8.0 to 9.14.x
-            ``torch.backends.cudnn.version()``; PyPI's wheels bring
-            9.10.2)
-  ========  ==========================================================  ===================
-
-torch 2.8.0, 2.10.0, 2.11.0 and 2.13.0 have no such condition (2.10 keeps cuDNN and leaves out
-one of its engines for 3-D convolutions instead). Pre-releases and source builds of 2.9 are not
-named: which of the two conditions they hold is not known here. A TF32 switch-off for 3-D
-convolutions on cuDNN 9.10.2 to 9.15 (proposed upstream in torch pull request 167024) is not in
-the compiled convolution code of torch 2.9.1 or 2.10.0 (PyPI cu128 wheels) and is not named.
+"""Known slow paths of the torch/cuDNN stack, named in one warning line at start-up: torch 2.9.0
+and 2.9.1 run half-precision 3-D convolutions in the default layout without cuDNN on some cuDNN
+versions (the conditions are torch's ``ConvParams::use_cudnn``, as compiled in the released
+wheels; the table of versions is in docs/performance.md, "Known slow paths of torch and cuDNN").
 """
 from __future__ import annotations
 
@@ -52,20 +25,8 @@ def cudnn_int(version) -> int:
 
 
 def _dotted(version: int) -> str:
-    major = version // 10000 if version >= 90000 else version // 1000
-    rest = version - major * (10000 if major >= 9 else 1000)
-    return f"{major}.{rest // 100}.{rest % 100}"
-
-
-def _release(torch_version: str) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a released torch ("2.9.1", "2.9.1+cu128"); None for a
-    pre-release or source build ("2.9.0a0+git...", "2.9.1rc1")."""
-    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(\+[\w.]+)?", torch_version.strip())
-    return tuple(int(g) for g in m.groups()[:3]) if m else None
-
-
-def _cudnn_wheel(torch_version: str) -> str:
-    return "nvidia-cudnn-cu13" if "+cu13" in torch_version else "nvidia-cudnn-cu12"
+    """A cuDNN 9 version as torch reports it (``cudnn_int``), dotted."""
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
 def conv3d_slow_path(torch_version: str, cudnn_version: int | None, amp_mode: str,
@@ -73,20 +34,21 @@ def conv3d_slow_path(torch_version: str, cudnn_version: int | None, amp_mode: st
                      memory_format: torch.memory_format = torch.contiguous_format) -> str | None:
     """The warning line when this torch, with cuDNN ``cudnn_version`` loaded (and
     ``cudnn_built``, the one it was built with), runs ``amp_mode`` 3-D convolutions on a
-    ``device_type`` device in ``memory_format`` past cuDNN; else None. The conditions are
-    those of the module's docstring."""
+    ``device_type`` device in ``memory_format`` past cuDNN; else None."""
     if device_type != "cuda" or amp_mode not in HALF_AMP \
             or memory_format == torch.channels_last_3d:
         return None
-    release = _release(torch_version)
-    wheel = _cudnn_wheel(torch_version)
-    if release == (2, 9, 0):
+    # a released torch ("2.9.1", "2.9.1+cu128"); not a pre-release or source build ("2.9.1rc1")
+    m = re.fullmatch(r"(\d+\.\d+\.\d+)(\+[\w.]+)?", torch_version.strip())
+    release = m.group(1) if m else None
+    wheel = "nvidia-cudnn-cu13" if "+cu13" in torch_version else "nvidia-cudnn-cu12"
+    if release == "2.9.0":
         if cudnn_built is None or cudnn_built < CUDNN_9_8:
             return None
         seen = f"torch {torch_version} (built with cuDNN {_dotted(cudnn_built)})"
         fix = (f"install torch 2.9.1 with cuDNN >= 9.15 (pip install torch==2.9.1 "
                f"'{wheel}>=9.15') or torch >= 2.10")
-    elif release == (2, 9, 1):
+    elif release == "2.9.1":
         if cudnn_version is None or not CUDNN_9_8 <= cudnn_version < CUDNN_9_15:
             return None
         seen = f"torch {torch_version} with cuDNN {_dotted(cudnn_version)}"

@@ -1,11 +1,5 @@
 """The entry scripts' command line: ``from_argv`` reads the settings (errors as one line, exit
-2), and ``--help`` lists the settings of the config that would run, with its values.
-
-The settings are listed in the groups the config classes declare them in (``_group`` in
-``settings/config.py``), each with its type or choices, the value the chosen config
-(and any other arguments given) resolves to, marked when it differs from the built-in default,
-and its description, wrapped to 100 columns.
-"""
+2), and ``--help`` lists the settings of the config that would run, with its values."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,20 +21,16 @@ def _groups(cls) -> dict:
     """Field name -> its ``--help`` group: the one it was declared under (``_group``), else its
     class's name ("ViT settings")."""
     group_of = {}
-    for klass in reversed(cls.__mro__):
-        if not (isinstance(klass, type) and issubclass(klass, Config)):
-            continue
+    for klass in filter(lambda k: issubclass(k, Config), reversed(cls.__mro__)):
         own = klass.__name__.replace("Config", " settings") if klass is not Config else ""
         for f in dataclasses.fields(klass):
-            if f.name not in group_of:
-                group_of[f.name] = f.metadata.get("group") or own
+            group_of.setdefault(f.name, f.metadata.get("group") or own)
     return group_of
 
 
 def _type_text(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
-        return "{" + ",".join(str(a).lower() if isinstance(a, bool) else str(a)
-                              for a in typing.get_args(tp)) + "}"
+        return "{" + ",".join(map(value_text, typing.get_args(tp))) + "}"
     if typing.get_origin(tp) is typing.Union:  # Optional[x]
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{_type_text(inner[0])} or null"
@@ -105,18 +95,14 @@ def usage(prog: str, yaml_path: str, cfg: Config) -> str:
 def from_argv(argv: list[str], default_yaml: str = DEFAULT_YAML, default_name: str = "quickstart",
               prog: str = "train.py") -> Config:
     """Parse entry-script arguments; configuration errors exit with status 2 and one message."""
-    if "-h" in argv or "--help" in argv:
-        try:
-            entry, overrides = parse_overrides([a for a in argv if a not in ("-h", "--help")])
-            yaml_path = entry.get("yaml_config", default_yaml)
-            cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
-        except ConfigError as e:
-            refuse(str(e))
-        print(usage(prog, yaml_path, cfg))
-        raise SystemExit(0)
+    helping = "-h" in argv or "--help" in argv
     try:
-        entry, overrides = parse_overrides(argv)
-        return build_config(entry.get("yaml_config", default_yaml),
-                            entry.get("config", default_name), overrides)
+        entry, overrides = parse_overrides([a for a in argv if a not in ("-h", "--help")])
+        yaml_path = entry.get("yaml_config", default_yaml)
+        cfg = build_config(yaml_path, entry.get("config", default_name), overrides)
     except ConfigError as e:
         refuse(str(e))
+    if helping:
+        print(usage(prog, yaml_path, cfg))
+        raise SystemExit(0)
+    return cfg

@@ -1,9 +1,8 @@
 """The settings of a run: one dataclass per model family (``ViTConfig``, ``UNetConfig``, on the
-shared ``Config``), each setting declared once, in one ``_f(...)`` line: its default, its
-one-line description (``--help`` prints it), its bounds, its ``--help`` group, whether a resume
-may change it and whether it decides memory size. The rules between settings of one family are
-its class's ``check()``; ``validate`` checks the rest. Reading YAML files and the command line
-into these classes is ``settings.parse``.
+shared ``Config``), each setting declared once, in one ``_f(...)`` line (its default, the
+description ``--help`` prints, its bounds: ``_f`` says what else). The rules between settings of
+one family are its class's ``check()``; ``validate`` checks the rest. Reading YAML files and the
+command line into these classes is ``settings.parse``.
 """
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import os
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
-
 
 from settings.errors import ConfigError
 from settings.signals import STOPPED_EXIT_CODE, signal_number
@@ -37,16 +35,14 @@ def config_class(cls):
 
 
 def _f(default, help, compare=True, **checks):
-    """A setting: its default, a one-line description and bounds on its value (``min``/``max``
-    inclusive, ``above``/``below`` exclusive; on every entry of a list) or, for a list, its
-    ``length``. Its type and any choices come from the annotation (``Literal[...]``).
-    ``identity=True`` marks the fields that say where a config came from, not how to train;
-    ``path="dir"`` a directory (never a file), ``path="out"`` a directory the run writes into
-    (``validate`` checks both, when set); ``size=True`` a setting that decides the size of the
-    model, of its activations or of a sample (named when memory runs out); ``resume=True`` a
-    setting a resumed run may change (how long and how it runs, not what it learns: every
-    other setting makes a different run, and a resume with another value is refused). Its
-    ``--help`` group is the ``_group`` it is declared under."""
+    """A setting: its default, a one-line description, bounds on its value (``min``/``max``
+    inclusive, ``above``/``below`` exclusive; on every entry of a list) or a list's ``length``;
+    type and choices come from the annotation. ``identity``: where a config came from, not how
+    to train; ``path``: "dir" a directory, "out" one the run writes into (``validate`` checks
+    both); ``size``: decides the size of the model, its activations or a sample (named when
+    memory runs out); ``resume``: a resumed run may change it (how long and how it runs, not
+    what it learns; another value of any other setting is refused). Its ``--help`` group is the
+    ``_group`` it is declared under."""
     meta = {"help": help, "group": _current_group[0], **checks}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), compare=compare, metadata=meta)
@@ -199,7 +195,6 @@ class Config:
 
     def check(self):
         """The rules between a family's own settings (its class says them)."""
-
 
 
 @config_class
@@ -364,7 +359,7 @@ def register_config(model: str, config_class: type):
     beside its task and data set)."""
     CONFIG_CLASSES[model] = config_class
 
-# Keys the reference tutorials used that mean something here under another name.
+
 @functools.lru_cache(maxsize=None)
 def field_types(cls) -> dict:
     """Each field's annotation of a config class, evaluated (``list[int]``, ``Literal[...]``)."""
@@ -376,42 +371,34 @@ def default_value(cls, key):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-# ----------------------------------------------------------------------------- command line
-
-
 def identity_fields(cls) -> tuple:
     """The fields that say where a config came from (its name and file), not how to train."""
     return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("identity"))
 
 
-def check_dir(key: str, path: str, fix: str = "give a directory") -> str:
-    """``path`` is a directory, or can be made as one: its nearest existing ancestor is a
-    directory (returned)."""
+def check_dir(key: str, path: str, writable: bool = False):
+    """``path`` is a directory (``writable``: one this process can write into), or can be made
+    as one: its nearest existing ancestor is such a directory."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
+        fix = "give a directory (it is created when missing)" if writable else "give a directory"
         raise ConfigError(f"{key}={path}: {probe} is a file, not a directory: {fix}")
-    return probe
+    if writable and not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path}: {probe} is not writable by this user: choose a "
+                          f"directory you can write to")
 
 
 def check_writable_dir(key: str, path: str):
-    """``path`` is a directory this process can write into, or can be made as one: the nearest
-    existing ancestor is a writable directory."""
-    probe = check_dir(key, path, "give a directory (it is created when missing)")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={path}: {probe} is not writable by this user: choose a "
-                          f"directory you can write to")
+    check_dir(key, path, writable=True)
 
 
 def validate(cfg: Config):
     """Rules that involve more than one field, and the places runs read from and write to."""
     for f in dataclasses.fields(cfg):
-        path = getattr(cfg, f.name)
-        if f.metadata.get("path") == "out" and path:
-            check_writable_dir(f.name, path)
-        elif f.metadata.get("path") == "dir" and path:
-            check_dir(f.name, path)
+        if f.metadata.get("path") and getattr(cfg, f.name):
+            check_dir(f.name, getattr(cfg, f.name), writable=f.metadata["path"] == "out")
     if not cfg.expdir:
         raise ConfigError("expdir is empty: give the directory that holds the run directories, "
                           "e.g. --expdir ./logs")

@@ -1,15 +1,16 @@
-"""Reading settings: a named config of a YAML file, the command line's overrides on top, each
-value coerced to its setting's type and checked against its bounds (``settings.config`` says
-both), the tutorial's spellings accepted, and the result validated; and ``dump``, the resolved
-config as YAML that reads back the same, and ``write_config``, which writes it beside a run."""
+"""Reading settings: a named config of a YAML file with the command line's overrides on top, each
+value typed and checked as ``settings.config`` declares it, the tutorial's spellings accepted;
+and ``dump``, the resolved config as YAML that reads back the same."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import glob
 import itertools
 import logging
 import math
+import operator
 import os
 import re
 import typing
@@ -147,42 +148,36 @@ def nearest(name: str, choices, listed: bool = False) -> str:
 # ----------------------------------------------------------------------------- coercion
 
 
+_BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True,
+               "false": False, "no": False, "0": False, "off": False}
+
+
 def _coerce_scalar(key, value, tp):
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
-            return False
+        if isinstance(value, str) and value.lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[value.lower()]
         raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} is not an integer")
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str):
-            try:
+        if isinstance(value, (int, str)):
+            with contextlib.suppress(ValueError):
                 return int(value)
-            except ValueError:
-                pass
         raise ConfigError(f"{key}={value!r} is not an integer: give a whole number, e.g. {key}=4")
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} is not a number")
         number = None
-        if isinstance(value, (int, float)):
-            try:
-                number = float(value)
-            except OverflowError:  # an integer beyond any float
-                number = math.inf
-        elif isinstance(value, str):  # YAML 1.1 reads 5E-4 as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
+        try:  # (a string too: YAML 1.1 reads 5E-4 as one)
+            number = float(value) if isinstance(value, (int, float, str)) else None
+        except OverflowError:  # an integer beyond any float
+            number = math.inf
+        except ValueError:
+            pass
         if number is None:
             raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
         if not math.isfinite(number):  # nan and inf parse as floats but are never a setting
@@ -195,15 +190,15 @@ def _coerce_scalar(key, value, tp):
     raise TypeError(f"unsupported config type {tp} for {key}")
 
 
+# A setting's bounds (``_f``'s checks): name -> (the comparison its value must pass, its sign).
+_BOUNDS = {"min": (operator.ge, ">="), "max": (operator.le, "<="), "above": (operator.gt, ">"),
+           "below": (operator.lt, "<")}
+
+
 def _check_bounds(key, v, meta):
-    if "min" in meta and v < meta["min"]:
-        raise ConfigError(f"{key}={v} must be >= {meta['min']}")
-    if "max" in meta and v > meta["max"]:
-        raise ConfigError(f"{key}={v} must be <= {meta['max']}")
-    if "above" in meta and v <= meta["above"]:
-        raise ConfigError(f"{key}={v} must be > {meta['above']}")
-    if "below" in meta and v >= meta["below"]:
-        raise ConfigError(f"{key}={v} must be < {meta['below']}")
+    for bound, (ok, sign) in _BOUNDS.items():
+        if bound in meta and not ok(v, meta[bound]):
+            raise ConfigError(f"{key}={v} must be {sign} {meta[bound]}")
 
 
 def _coerce_mixed_choice(key, value, choices):
@@ -261,13 +256,9 @@ def coerce(cls, key: str, value: Any):
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
-    """Split ``--key value``, ``--key=value``, ``--key value value ...`` (a list setting, as
-    argparse's lists are written: the same as ``--key '[value,value]'``) and bare ``--flag``
-    arguments.
-
-    Returns (entry arguments, overrides) in command-line order; values stay strings, lists of
-    strings (several values) or True (a bare flag), and are typed later against the config class.
-    """
+    """(entry arguments, overrides) of ``--key value``, ``--key=value``, ``--key value value ...``
+    (a list, as ``--key '[value,value]'``) and bare ``--flag`` arguments, in command-line order:
+    strings, lists of strings or True (a bare flag), typed later against the config class."""
     entry, overrides = {}, {}
     i = 0
     while i < len(argv):
@@ -325,8 +316,11 @@ def _apply(cls, values: dict, source: str) -> dict:
                 hint = nearest(key, fields - set(identity_fields(cls)))
             raise ConfigError(f"unknown setting '{key}' ({source}): {hint}")
         out[key] = _coerce_given(cls, key, val, source)
-    for target, alias in aliased.items():
-        _check_alias(cls, alias, target, values.get(target), source)
+    for target, alias in aliased.items():  # both given: which should win is not for us to guess
+        given, meant = values.get(target), FLAG_ALIASES[alias][1]
+        if given is not None and coerce(cls, target, given) != coerce(cls, target, meant):
+            raise ConfigError(f"--{alias} means {target}={meant} but {target}={given} is also "
+                              f"given ({source}): keep one of them")
     return out
 
 
@@ -350,15 +344,6 @@ def _coerce_given(cls, key, val, source):
         if val is True and source == "command line":
             raise ConfigError(f"--{key} needs a value: e.g. --{key} {default_value(cls, key)}") from None
         raise
-
-
-def _check_alias(cls, alias, target, given, source):
-    """A flag alias (``--enable_amp``) and its setting (``--amp_mode bf16``) given together must
-    agree: which one should win is not for the program to guess."""
-    if given is not None and coerce(cls, target, given) != coerce(cls, target,
-                                                                  FLAG_ALIASES[alias][1]):
-        raise ConfigError(f"--{alias} means {target}={FLAG_ALIASES[alias][1]} but {target}="
-                          f"{given} is also given ({source}): keep one of them")
 
 
 def _yaml_files_holding(name: str, yaml_path: str) -> list[str]:
@@ -401,12 +386,17 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
     cls = CONFIG_CLASSES[model]
     values = _apply(cls, raw, f"config '{name}' in {yaml_path}")
     cli = _apply(cls, overrides or {}, "command line")
-    # num_epochs and num_iters are alternatives: the one given on the command line wins.
-    if "num_epochs" in cli and "num_iters" not in cli:
-        values.pop("num_iters", None)
-    if "num_iters" in cli and "num_epochs" not in cli:
-        values.pop("num_epochs", None)
-    _choose_batch_setting(values, cli)
+    # Alternatives (num_epochs or num_iters, global_batch_size or local_batch_size): the one the
+    # command line gives wins over the config's.
+    for given, dropped in (("num_epochs", "num_iters"), ("num_iters", "num_epochs"),
+                           ("global_batch_size", "local_batch_size")):
+        if given in cli and dropped not in cli:
+            values.pop(dropped, None)
+    if "global_batch_size" in cli and cli.get("local_batch_size") is not None:
+        raise ConfigError(f"both --global_batch_size {cli['global_batch_size']} and "
+                          f"--local_batch_size {cli['local_batch_size']} are given: keep one "
+                          f"(local_batch_size sets the global batch to local x data-parallel "
+                          f"ranks); for larger steps than fit in memory use --grad_accum_steps")
     values.update(cli)
     cfg = cls(name=name, yaml_path=yaml_path, **values)
     validate(cfg)
@@ -414,26 +404,11 @@ def build_config(yaml_path: str, name: str, overrides: Optional[dict] = None) ->
     return cfg
 
 
-def _choose_batch_setting(values: dict, cli: dict):
-    """global_batch_size and local_batch_size are alternatives: the one given on the command line
-    wins over the config's; both on the command line are refused (local_batch_size, when set,
-    decides the global batch: local x data-parallel ranks)."""
-    if "global_batch_size" in cli and cli.get("local_batch_size") is not None:
-        raise ConfigError(f"both --global_batch_size {cli['global_batch_size']} and "
-                          f"--local_batch_size {cli['local_batch_size']} are given: keep one "
-                          f"(local_batch_size sets the global batch to local x data-parallel "
-                          f"ranks); for larger steps than fit in memory use --grad_accum_steps")
-    if "global_batch_size" in cli and "local_batch_size" not in cli:
-        values["local_batch_size"] = None
-
-
 def dump(cfg: Config, derived: Optional[dict] = None) -> str:
-    """The resolved config as YAML that ``--yaml_config`` reads back under the same name: read
-    back, it starts a new run with the same settings (``run_num``, ``resume`` and ``resume_from``
-    at their defaults: how this run was started, not what it trains).
-
-    The settings go under the config's name; the file it was read from, the run's name and the
-    ``derived`` values (the per-rank batch, the peak lr, ...) are comment lines above them."""
+    """The resolved config as YAML that ``--yaml_config`` reads back under the same name, as a new
+    run with the same settings (``run_num``, ``resume`` and ``resume_from`` at their defaults).
+    The file it was read from, the run's name and the ``derived`` values (the per-rank batch,
+    the peak lr, ...) are comment lines above the settings."""
     settings = to_dict(cfg, identity=False)
     run = settings.get("run_num")
     for key in ("run_num", "resume", "resume_from"):
