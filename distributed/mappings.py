@@ -45,24 +45,15 @@ import torch.nn.functional as F
 
 from distributed.groups import SingleProcessGroup
 
-__all__ = ["identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "split_fwd_all_gather_bwd",
-           "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd", "reduce_scatter_fwd_all_gather_bwd",
-           "eager_apply", "group_size", "group_rank", "all_reduce", "all_gather_along", "reduce_scatter_along",
-           "split_along"]
-
 
 def group_size(group) -> int:
     """Number of ranks in ``group`` (``None``: the default group, as in torch.distributed)."""
-    if isinstance(group, SingleProcessGroup):
-        return 1
-    return dist.get_world_size(group)
+    return 1 if isinstance(group, SingleProcessGroup) else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This process's rank within ``group``."""
-    if isinstance(group, SingleProcessGroup):
-        return 0
-    return dist.get_rank(group)
+    return 0 if isinstance(group, SingleProcessGroup) else dist.get_rank(group)
 
 
 def _chunk_len(x: torch.Tensor, dim: int, n: int) -> int:
