@@ -70,9 +70,7 @@ def axes_index(groups: ParallelGroups, axes: Sequence[str]) -> Tuple[int, int]:
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The module inside ``DistributedDataParallel`` (or the module itself)."""
-    while isinstance(module, nn.parallel.DistributedDataParallel):
-        module = module.module
-    return module
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
 def _token_axes(sequence_parallel: bool) -> Tuple[str, ...]:
