@@ -7,6 +7,3 @@
 ``layers``      sharded layers and gradient reduction for replicated parameters
 ``parallelize`` serial ViT -> sharded ViT, image bands, the task's loss over bands, serial checkpoints
 """
-from distributed.groups import SINGLE_PROCESS, ParallelGroups, build_groups, group_ranks, validate_parallel_config
-
-__all__ = ["SINGLE_PROCESS", "ParallelGroups", "build_groups", "group_ranks", "validate_parallel_config"]

@@ -8,11 +8,9 @@ the same gradient, so each rank adds ``|grad|^2 / copies`` of its parameters and
 over the replica gives the serial squared norm, identical on every rank. Gradients are already
 averaged over data-parallel ranks at that point, so dp needs no reduction.
 
-Under FSDP (``fsdp``) each rank holds a slice of every averaged gradient, as a DTensor sharded
-over the data-parallel mesh: the norm of the DTensors is a partial one (this rank's slices), and
-``full_tensor()`` sums the squares over the data-parallel ranks in one all-reduce of a scalar.
-Under FSDP with tp/cp, each rank's sum over its slices goes through the tp x cp all-reduce above
-and then one over dp.
+Under FSDP (``fsdp``) each rank holds a dp slice of every averaged gradient, as a DTensor: the
+norm of the DTensors is this rank's part, and ``full_tensor()`` sums the squares over dp (one
+all-reduce of a scalar); with tp/cp the tp x cp all-reduce above is followed by one over dp.
 """
 from __future__ import annotations
 

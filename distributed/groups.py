@@ -16,13 +16,10 @@ Groups:
 * ``mp``: all tp x cp ranks with the same dp coordinate (one model replica); used for sums
   over everything a replica shards (the loss, gradients of parameters replicated over both).
 
-``group_ranks`` computes the rank lists without any process group (for tests and printing);
-``build_groups`` creates the groups (a ``DeviceMesh`` with dims named tp/cp/dp) and returns one
-``ParallelGroups`` object that layers receive explicitly; there are no module-level globals.
-
-Without torch.distributed (one process) every group is :data:`SINGLE_PROCESS`, a do-nothing
-group over which every collective of ``distributed.mappings`` is the identity. ``None`` is never
-used for that: as in torch.distributed, a ``None`` group means the default (world) group.
+``group_ranks`` computes the rank lists without any process group; ``build_groups`` creates the
+groups (a ``DeviceMesh`` with dims named tp/cp/dp) in one ``ParallelGroups`` object that layers
+receive explicitly. Without torch.distributed every group is :data:`SINGLE_PROCESS`, over which
+every collective is the identity (``None`` means the default group, as in torch.distributed).
 """
 import datetime
 import inspect
@@ -31,9 +28,6 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-
-__all__ = ["AXES", "SINGLE_PROCESS", "ParallelGroups", "SingleProcessGroup", "build_groups", "group_ranks",
-           "parse_order", "rank_coords", "validate_parallel_config"]
 
 AXES = ("tp", "cp", "dp")
 
@@ -113,28 +107,20 @@ def group_ranks(world_size: int, tensor_parallel: int = 1, context_parallel: int
                                                  parallel_order)
     sizes = {"tp": tp, "cp": cp, "dp": dp}
     out = {}
-    for axis in AXES:
-        groups = {}
-        for rank in range(world_size):
+    for name, varying in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("mp", ("tp", "cp"))):
+        groups = {}  # the ranks of a group agree on the coordinates that do not vary in it
+        for rank in range(world_size):  # ascending, so each group is too
             c = rank_coords(rank, sizes, order)
-            key = tuple(c[a] for a in AXES if a != axis)
-            groups.setdefault(key, []).append(rank)
-        out[axis] = sorted(sorted(g) for g in groups.values())
-    mp = {}
-    for rank in range(world_size):
-        mp.setdefault(rank_coords(rank, sizes, order)["dp"], []).append(rank)
-    out["mp"] = sorted(sorted(g) for g in mp.values())
+            groups.setdefault(tuple(c[a] for a in AXES if a not in varying), []).append(rank)
+        out[name] = sorted(groups.values())
     return out
 
 
 @dataclass
 class ParallelGroups:
-    """Sizes, coordinates, rank lists and process groups of one rank in the tp x cp x dp grid.
-
-    Group handles are :data:`SINGLE_PROCESS` when torch.distributed is not initialised (one
-    process); every consumer treats a group of size 1 as "no communication". ``group(name)``, ``size(name)``,
-    ``rank_in(name)`` and ``ranks(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``.
-    """
+    """Sizes, coordinates, rank lists and process groups (:data:`SINGLE_PROCESS` without
+    torch.distributed) of one rank in the tp x cp x dp grid. ``group(name)``, ``size(name)``,
+    ``rank_in(name)`` and ``ranks(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``."""
 
     tensor_parallel: int = 1
     context_parallel: int = 1
@@ -204,12 +190,6 @@ class ParallelGroups:
                 f"{self.dp_ranks} (order {'-'.join(self.order)})")
 
 
-def _default_device_type() -> str:
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # "nccl" or "cpu:gloo,cuda:nccl"
-        return "cuda"
-    return "cpu"
-
-
 def _mesh_timeout(dims: Sequence[str], timeout: Optional[datetime.timedelta]) -> dict:
     """``init_device_mesh``'s keyword that gives the groups of each of ``dims`` ``timeout``: its
     ``backend_override`` (torch 2.9 on; before, the mesh's groups keep torch's default), with
@@ -229,15 +209,12 @@ def _mesh_timeout(dims: Sequence[str], timeout: Optional[datetime.timedelta]) ->
 
 def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, context_parallel: int = 1,
                  parallel_order: Union[str, Sequence[str]] = "tp-cp-dp",
-                 device_type: Optional[str] = None, use_device_mesh: bool = True,
-                 timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
+                 device_type: Optional[str] = None, timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
     """Create the tp/cp/dp (and tp x cp) groups of the default process group.
 
     ``world_size`` defaults to the process group's size (1 without one) and must equal it when
     given. Collective: every rank must call it with the same arguments. Without an initialised
     process group it returns a single-process ``ParallelGroups`` (world 1; tp = cp = dp = 1).
-    The tp, cp and dp groups come from ``init_device_mesh(device_type, shape, mesh_dim_names=...)``
-    whose dims are the axes from slowest to fastest; the tp x cp group comes from ``new_group``.
     ``timeout``: how long a collective of these groups waits for a rank (torch gives a new
     group its own 10- or 30-minute default, not the default group's timeout).
     """
@@ -256,29 +233,19 @@ def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, con
     mine = {name: next(g for g in lists[name] if rank in g) for name in lists}
 
     handles = {}
-    mesh = None
-    if use_device_mesh:
-        dims = tuple(reversed(order))  # mesh dims slowest -> fastest; the last dim is contiguous
-        mesh = init_device_mesh(device_type or _default_device_type(), tuple(sizes[d] for d in dims),
-                                mesh_dim_names=dims, **_mesh_timeout(dims, timeout))
-        for name in AXES:
-            handles[name] = mesh.get_group(name)
-            got = dist.get_process_group_ranks(handles[name])
-            if got != mine[name]:  # the mesh must agree with group_ranks, which tests and logs use
-                raise RuntimeError(f"DeviceMesh {name} group {got} differs from expected {mine[name]}")
-    else:
-        for name in AXES:
-            for ranks in lists[name]:  # every rank creates every group, in the same order
-                g = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    handles[name] = g
-    if tp * cp == 1:
-        handles["mp"] = handles["tp"]
-    elif tp == 1:
-        handles["mp"] = handles["cp"]
-    elif cp == 1:
-        handles["mp"] = handles["tp"]
-    else:
+    if device_type is None:  # the default group's: "nccl" or "cpu:gloo,cuda:nccl" -> cuda
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    dims = tuple(reversed(order))  # mesh dims slowest -> fastest; the last dim is contiguous
+    mesh = init_device_mesh(device_type, tuple(sizes[d] for d in dims),
+                            mesh_dim_names=dims, **_mesh_timeout(dims, timeout))
+    for name in AXES:
+        handles[name] = mesh.get_group(name)
+        got = dist.get_process_group_ranks(handles[name])
+        if got != mine[name]:  # the mesh must agree with group_ranks, which tests and logs use
+            raise RuntimeError(f"DeviceMesh {name} group {got} differs from expected {mine[name]}")
+    if tp == 1 or cp == 1:  # the replica is the tp or the cp group
+        handles["mp"] = handles["cp" if tp == 1 else "tp"]
+    else:  # every rank creates every replica group, in the same order
         for ranks in lists["mp"]:
             g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:

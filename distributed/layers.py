@@ -1,43 +1,22 @@
 """Tensor / context / sequence parallel layers of the ViT, and gradient reduction.
 
-Activation layout
------------------
-Token tensors are ``(B, N, E)``. Inside a model replica (one dp coordinate) the ``N`` tokens
-are always sharded over cp: contiguous bands in cp-rank order, which may differ in length
-(``ParallelAttention(band_tokens=...)``; ``distributed.parallelize`` cuts them in whole patch
-rows). With ``sequence_parallel=True`` (what ``parallelize_vit`` uses by default) each cp band
-is further sharded over tp, so *between* the column- and row-parallel linears (LayerNorm,
-residual adds, dropout) every rank holds ``1 / tp`` of its cp band's tokens: chunk
-``cp_rank * tp + tp_rank`` of the sequence (a cp band may be padded to a multiple of tp; padding
-tokens are never keys or values). Inside attention and the MLP the tokens are gathered over tp
-(all the tokens of the cp band) while heads / hidden units are sharded over tp; keys and values
-are additionally gathered over cp. Every activation a block keeps for backward is split over
-tp, along tokens or along heads / hidden units; the tokens gathered for a column-parallel
-linear exist only while it runs (backward gathers them again).
+Token tensors are ``(B, N, E)``. Inside a model replica the ``N`` tokens are split over cp in
+contiguous bands, in cp-rank order, which may differ in length (``ParallelAttention(band_tokens=
+...)``). With ``sequence_parallel=True`` each cp band is further split over tp between the
+column- and row-parallel linears (LayerNorm, residual adds, dropout), so every activation a
+block keeps is split over tp; inside attention and the MLP the band's tokens are gathered over
+tp while heads / hidden units are split over tp, and keys and values are gathered over cp. With
+``sequence_parallel=False`` (plain Megatron) the activations outside the linears are replicated
+over tp. docs/parallelism.md ("How model parallelism works") tells the whole layout.
 
-With ``sequence_parallel=False`` (plain Megatron tensor parallelism) the tokens are sharded over
-cp only and the activations outside the linears are replicated over tp: every tp rank of a cp
-rank holds the same cp band, a column-parallel linear uses it as it is
-(``identity_fwd_all_reduce_bwd``: its input gradient is all-reduced over tp) and a row-parallel
-linear all-reduces its output. Dropout on those replicated activations must drop the same
-elements on every tp rank (:class:`ReplicatedDropout`).
-
-Parameters
-----------
-Every parameter carries:
-
-* ``param.shard_spec``: a :class:`ShardSpec` saying how it is cut out of the serial parameter of
-  the same name (``load_serial_state_dict``) and how to reassemble it (``serial_state_dict``);
-* ``param.reduce_over``: the axes (``"cp"``, ``"tp"``) over which identical copies of it live on
-  ranks that see *different* tokens, so each holds only a partial gradient. Those gradients are
-  summed over these axes in one place: :func:`replicated_grads_comm_hook` (DDP) or
-  :func:`reduce_replicated_grads` (without DDP); both also average every gradient over dp.
-
-Parallel layers are built from the serial ones (``from_serial``) so that replicated parameters
-are identical on all ranks and the sharded model starts from the serial weights. Their
-parameter names equal the serial module's names.
+Every parameter carries ``param.shard_spec`` (:class:`ShardSpec`: how it is cut out of the
+serial parameter of the same name) and ``param.reduce_over``: the axes (``"cp"``, ``"tp"``) over
+which identical copies of it see *different* tokens, so that each holds a partial gradient.
+Those are summed in one place: :func:`replicated_grads_comm_hook` (DDP) or
+:func:`reduce_replicated_grads` (without DDP), which also average every gradient over dp.
+Parallel layers are built from the serial ones (``from_serial``, same parameter names), so that
+replicated parameters are identical on every rank.
 """
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
@@ -53,13 +32,6 @@ from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatte
                                   identity_fwd_all_reduce_bwd, reduce_scatter_along,
                                   reduce_scatter_fwd_all_gather_bwd)
 from networks.vit import patch_grid
-
-__all__ = ["ShardSpec", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
-           "TokenShardedLayerNorm", "ParallelBlock", "ParallelPatchEmbed", "ReplicatedDropout",
-           "mark_replicated", "mark_module_replicated", "sharded_parameter",
-           "load_serial_state_dict", "serial_state_dict", "tensors_to_serial", "tensors_from_serial",
-           "reduce_replicated_grads", "replicated_grads_comm_hook", "divisor_choices", "check_divisible",
-           "split_bounds", "axes_index", "unwrap"]
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -98,9 +70,7 @@ def axes_index(groups: ParallelGroups, axes: Sequence[str]) -> Tuple[int, int]:
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The module inside ``DistributedDataParallel`` (or the module itself)."""
-    while isinstance(module, nn.parallel.DistributedDataParallel):
-        module = module.module
-    return module
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
 def _token_axes(sequence_parallel: bool) -> Tuple[str, ...]:
@@ -128,25 +98,13 @@ class ShardSpec:
     view: Optional[Tuple[int, ...]] = None
     unit: int = 1
 
-    def _chunk_sizes(self) -> Tuple[int, int]:
+    def _bounds(self, n: int, idx: int) -> Tuple[int, int]:
+        """(start, stop) along ``dim`` of chunk ``idx`` of ``n``."""
         length = (self.view or self.full_shape)[self.dim]
         if length % self.unit:
             raise ValueError(f"dimension {self.dim} of length {length} is not made of units of {self.unit}")
-        return length, length // self.unit
-
-    def _bounds(self, n: int, idx: int) -> Tuple[int, int]:
-        """(start, stop) along ``dim`` of chunk ``idx`` of ``n``."""
-        _, units = self._chunk_sizes()
-        start, stop = split_bounds(units, n, idx)
+        start, stop = split_bounds(length // self.unit, n, idx)
         return start * self.unit, stop * self.unit
-
-    def local_shape(self, groups: ParallelGroups) -> Tuple[int, ...]:
-        start, stop = self._bounds(*axes_index(groups, self.axes))
-        view = list(self.view or self.full_shape)
-        view[self.dim] = stop - start
-        if self.view is None:
-            return tuple(view)
-        return (math.prod(view) // math.prod(self.full_shape[1:]),) + tuple(self.full_shape[1:])
 
     def shard(self, full: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
         if tuple(full.shape) != tuple(self.full_shape):
@@ -178,29 +136,26 @@ class ShardSpec:
         return t.reshape(self.full_shape)
 
 
-def mark_replicated(param: nn.Parameter, axes: Sequence[str]) -> nn.Parameter:
-    """Record that ``param`` is replicated over ``axes`` whose ranks compute partial gradients."""
-    param.reduce_over = tuple(axes)
-    return param
-
-
 def sharded_parameter(shape, spec: ShardSpec, reduce_over: Sequence[str], dtype=None, device=None) -> nn.Parameter:
     """A zero parameter of the local ``shape`` with its ``shard_spec`` and ``reduce_over`` markers;
     its values come from the serial model (``load_serial_state_dict``)."""
     p = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-    p.shard_spec = spec
-    return mark_replicated(p, reduce_over)
+    p.shard_spec, p.reduce_over = spec, tuple(reduce_over)
+    return p
 
 
 def mark_module_replicated(module: nn.Module, reduce_over: Sequence[str]):
     """Mark every parameter of an unsharded module as replicated over ``reduce_over``."""
     for p in module.parameters():
-        p.shard_spec = ShardSpec(tuple(p.shape))
-        mark_replicated(p, reduce_over)
+        p.shard_spec, p.reduce_over = ShardSpec(tuple(p.shape)), tuple(reduce_over)
 
 
-def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor],
-                           groups: ParallelGroups, strict: bool = True):
+def _spec(p: nn.Parameter) -> ShardSpec:
+    """``p.shard_spec``; a parameter without one is whole on every rank."""
+    return getattr(p, "shard_spec", None) or ShardSpec(tuple(p.shape))
+
+
+def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor], groups: ParallelGroups):
     """Copy this rank's slices of a *serial* state dict into a parallel module (no communication).
 
     Parameter names of the parallel module equal the serial ones; ``state_dict`` may come from
@@ -209,18 +164,14 @@ def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor
     module = unwrap(module)
     state_dict = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
     names = dict(module.named_parameters())
-    if strict:
-        missing = sorted(set(names) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(names))
-        if missing or unexpected:
-            raise KeyError(f"serial state dict does not match the model: missing {missing}, "
-                           f"unexpected {unexpected}")
+    missing = sorted(set(names) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(names))
+    if missing or unexpected:
+        raise KeyError(f"serial state dict does not match the model: missing {missing}, "
+                       f"unexpected {unexpected}")
     with torch.no_grad():
         for name, p in names.items():
-            if name not in state_dict:
-                continue
-            spec = getattr(p, "shard_spec", None) or ShardSpec(tuple(p.shape))
-            p.copy_(spec.shard(state_dict[name].to(device=p.device, dtype=p.dtype), groups))
+            p.copy_(_spec(p).shard(state_dict[name].to(device=p.device, dtype=p.dtype), groups))
 
 
 def tensors_to_serial(module: nn.Module, groups: ParallelGroups,
@@ -235,8 +186,7 @@ def tensors_to_serial(module: nn.Module, groups: ParallelGroups,
     out = {}
     for name, t in tensors.items():
         key = name[len("module."):] if name.startswith("module.") and name not in params else name
-        spec = getattr(params[key], "shard_spec", None) or ShardSpec(tuple(params[key].shape))
-        out[key] = spec.gather(t.detach(), groups).clone()
+        out[key] = _spec(params[key]).gather(t.detach(), groups).clone()
     return out
 
 
@@ -244,11 +194,7 @@ def tensors_from_serial(module: nn.Module, groups: ParallelGroups,
                         tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """This rank's slices of serial-layout per-parameter tensors (inverse of ``tensors_to_serial``)."""
     params = dict(unwrap(module).named_parameters())
-    out = {}
-    for name, t in tensors.items():
-        spec = getattr(params[name], "shard_spec", None) or ShardSpec(tuple(params[name].shape))
-        out[name] = spec.shard(t, groups).clone()
-    return out
+    return {name: _spec(params[name]).shard(t, groups).clone() for name, t in tensors.items()}
 
 
 def serial_state_dict(module: nn.Module, groups: ParallelGroups, grads: bool = False) -> Dict[str, torch.Tensor]:
@@ -259,10 +205,8 @@ def serial_state_dict(module: nn.Module, groups: ParallelGroups, grads: bool = F
     reduction when ``grads=True``. Missing gradients are returned as zeros.
     """
     module = unwrap(module)
-    tensors = {}
-    for name, p in module.named_parameters():
-        t = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
-        tensors[name] = t
+    tensors = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+               for name, p in module.named_parameters()}
     return tensors_to_serial(module, groups, tensors)
 
 
@@ -289,10 +233,8 @@ def _all_reduce_coalesced(tensors, group, scale: Optional[float] = None):
         if scale is not None:
             flat.mul_(scale)
         dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in ts:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+            t.copy_(part.view_as(t))
 
 
 def _reduce_marked(pairs, groups: ParallelGroups):
@@ -347,11 +289,8 @@ def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) 
     """
     buf = bucket.buffer()
     # DDP's bucket buffer holds the bucket's parameters' gradients back to back, in order.
-    views, offset = [], 0
-    for p in bucket.parameters():
-        views.append((p, buf.narrow(0, offset, p.numel())))
-        offset += p.numel()
-    _reduce_marked(views, groups)
+    params = bucket.parameters()
+    _reduce_marked(list(zip(params, buf.split([p.numel() for p in params]))), groups)
     if groups.dp_size > 1:
         buf.div_(groups.dp_size)
         work = dist.all_reduce(buf, group=groups.dp_group, async_op=True)
@@ -410,6 +349,12 @@ class _ParallelLinear(nn.Module):
 
     local_linear = staticmethod(F.linear)
 
+    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, sequence_parallel: bool,
+                 seq_dim: int):
+        super().__init__()
+        self.groups, self.sequence_parallel, self.seq_dim = groups, sequence_parallel, seq_dim
+        self.in_features, self.out_features = in_features, out_features
+
     @classmethod
     def from_serial(cls, linear: nn.Linear, groups: ParallelGroups, **kwargs):
         """This rank's slice of ``linear`` (same in/out features, bias and dtype)."""
@@ -435,34 +380,29 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
                  sequence_parallel: bool = True, seq_dim: int = 1, stacked: int = 1, dtype=None, device=None):
-        super().__init__()
+        super().__init__(in_features, out_features, groups, sequence_parallel, seq_dim)
         tp = groups.tp_size
         if out_features % stacked:
             raise ValueError(f"out_features={out_features} is not divisible by stacked={stacked}")
         check_divisible("out_features" if stacked == 1 else "out_features per stacked block",
                         out_features // stacked, "tensor_parallel", tp)
-        self.groups, self.sequence_parallel, self.seq_dim = groups, sequence_parallel, seq_dim
-        self.in_features, self.out_features, self.stacked = in_features, out_features, stacked
-        view = None if stacked == 1 else (stacked, out_features // stacked, in_features)
+        self.stacked = stacked
+        blocks = (stacked, out_features // stacked)  # each block split over tp
         self.weight = sharded_parameter((out_features // tp, in_features),
-                                        ShardSpec((out_features, in_features), ("tp",), 1 if view else 0, view),
+                                        ShardSpec((out_features, in_features), ("tp",), 1, blocks + (in_features,)),
                                         ("cp",), dtype, device)
         if bias:
-            bview = None if stacked == 1 else (stacked, out_features // stacked)
-            self.bias = sharded_parameter((out_features // tp,),
-                                          ShardSpec((out_features,), ("tp",), 1 if bview else 0, bview),
+            self.bias = sharded_parameter((out_features // tp,), ShardSpec((out_features,), ("tp",), 1, blocks),
                                           ("cp",), dtype, device)
         else:
             self.register_parameter("bias", None)
-
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp_group = self.groups.tp_group
         if self.sequence_parallel and self.groups.tp_size > 1:
             dim = self.seq_dim % x.dim()
             if self.local_linear is F.linear:
-                # eager_apply: its forward and backward call collectives, kept out of
-                # torch.compile's graphs (a graph break here; see distributed.mappings.eager_apply)
+                # its forward and backward call collectives: kept out of torch.compile's graphs
                 return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, dim)
             # Another matmul (fp8): the tokens gathered over tp (backward: reduce-scattered) in
             # the autocast dtype, as _AllGatherLinear gathers them; the matmul keeps the
@@ -493,11 +433,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
                  sequence_parallel: bool = True, seq_dim: int = 1, dtype=None, device=None):
-        super().__init__()
+        super().__init__(in_features, out_features, groups, sequence_parallel, seq_dim)
         tp = groups.tp_size
         check_divisible("in_features", in_features, "tensor_parallel", tp)
-        self.groups, self.sequence_parallel, self.seq_dim = groups, sequence_parallel, seq_dim
-        self.in_features, self.out_features = in_features, out_features
         self.weight = sharded_parameter((out_features, in_features // tp),
                                         ShardSpec((out_features, in_features), ("tp",), 1), ("cp",), dtype, device)
         if bias:
@@ -505,7 +443,6 @@ class RowParallelLinear(_ParallelLinear):
                                           _token_axes(sequence_parallel), dtype, device)
         else:
             self.register_parameter("bias", None)
-
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups.tp_size == 1:  # nothing to reduce: the serial op, fused bias
@@ -691,8 +628,7 @@ class ParallelAttention(nn.Module):
         real = n if self.band_tokens is None else self.band_tokens[self.groups.cp_rank]
         assert real <= n, f"{n} tokens reached attention, fewer than the band's {real} real ones"
         kv = kv[:, :real]  # (B, real, 2, h, hd)
-        # K/V of every cp band in band order, one collective (bands of different lengths are
-        # padded to the longest for it and the padding dropped again)
+        # K/V of every cp band in band order, in one collective
         kv = all_gather_fwd_reduce_scatter_bwd(kv, self.groups.cp_group, dim=1, sizes=self.band_tokens)
         # (B, h, N, hd) views, split on kv's own dim 2: their gradients are stacked straight into
         # kv's layout (split on a permuted view, the stack would need a second copy)
@@ -738,16 +674,14 @@ class ParallelBlock(nn.Module):
 class ParallelPatchEmbed(nn.Module):
     """Patch embedding of the rank's band of image rows.
 
-    The image's ``H/p`` patch rows are cut into ``prod(size(a) for a in band_axes)`` contiguous
-    bands of whole patch rows whose lengths differ by at most one row (:func:`split_bounds`);
-    ``band_axes`` go from outer to inner, so with ``("cp", "tp")`` band ``cp_rank * tp + tp_rank``
-    is this rank's, with ``("cp",)`` band ``cp_rank`` (every tp rank of a cp rank embeds the same
-    band). The rank receives its band's image rows at full width (``rows``, in patch rows) and
-    returns the band's tokens ``(B, band rows * W/p, E)``, which in row-major patch order are
-    exactly a contiguous token range of the serial model. ``proj`` (the p x p stride-p
-    convolution) is whole on every rank; its gradient is summed over the ranks that see other
-    bands: ``reduce_over=band_axes`` unless given (padded sequence parallelism embeds cp bands
-    of which each tp rank keeps a different chunk of tokens: ``("cp", "tp")``).
+    The ``H/p`` patch rows are cut into one band of whole rows per chunk of ``band_axes`` (outer
+    to inner, :func:`axes_index`; lengths differ by at most one row, :func:`split_bounds`): with
+    ``("cp", "tp")`` band ``cp_rank * tp + tp_rank``, with ``("cp",)`` band ``cp_rank`` (every tp
+    rank of a cp rank embeds the same band). Input: the band's image rows at full width
+    (``rows``, in patch rows); output: its tokens ``(B, band rows * W/p, E)``, a contiguous token
+    range of the serial model. ``proj`` is whole on every rank; its gradient is summed over
+    ``reduce_over``: by default ``band_axes``, the ranks that see other bands (padded sequence
+    parallelism: ``("cp", "tp")``, each tp rank keeps another chunk of the band's tokens).
     """
 
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,

@@ -28,17 +28,14 @@ except for the two all-gathers, which take ``sizes`` (the length of every rank's
 group-rank order) for chunks of different lengths: each chunk is padded to the longest, gathered,
 and the padding dropped again; the backward gives each rank the gradient of its real chunk.
 
-Under ``torch.compile`` the mappings run eagerly, outside the compiled graphs (a graph break at
-each); so do the sharded layers' own collective-calling autograd Functions, applied with
-``eager_apply`` (see there why).
+Under ``torch.compile`` the mappings run eagerly, a graph break at each (``eager_apply``).
 
 ``group`` is a ``torch.distributed`` process group, ``None`` for the default (world) group as
 in torch.distributed, or ``distributed.groups.SINGLE_PROCESS`` (one process, no
 torch.distributed). Over any group of size 1 every mapping is the identity and nothing is
 communicated.
-
-The plain (non-differentiable) helpers ``all_reduce``, ``all_gather_along``,
-``reduce_scatter_along`` and ``split_along`` are used by layers with hand-written backward passes.
+The plain ``all_reduce``, ``all_gather_along``, ``reduce_scatter_along`` and ``split_along``
+serve layers with hand-written backward passes.
 """
 from typing import Optional, Sequence
 
@@ -48,24 +45,15 @@ import torch.nn.functional as F
 
 from distributed.groups import SingleProcessGroup
 
-__all__ = ["identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "split_fwd_all_gather_bwd",
-           "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd", "reduce_scatter_fwd_all_gather_bwd",
-           "eager_apply", "group_size", "group_rank", "all_reduce", "all_gather_along", "reduce_scatter_along",
-           "split_along"]
-
 
 def group_size(group) -> int:
     """Number of ranks in ``group`` (``None``: the default group, as in torch.distributed)."""
-    if isinstance(group, SingleProcessGroup):
-        return 1
-    return dist.get_world_size(group)
+    return 1 if isinstance(group, SingleProcessGroup) else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This process's rank within ``group``."""
-    if isinstance(group, SingleProcessGroup):
-        return 0
-    return dist.get_rank(group)
+    return 0 if isinstance(group, SingleProcessGroup) else dist.get_rank(group)
 
 
 def _chunk_len(x: torch.Tensor, dim: int, n: int) -> int:
@@ -119,9 +107,21 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _UNSUPPORTED = set()
 
 
-def _is_unsupported_error(err: Exception) -> bool:
-    msg = str(err).lower()
-    return any(s in msg for s in ("not supported", "not implemented", "does not support", "unsupported"))
+def _single(collective, out: torch.Tensor, x: torch.Tensor, group, **kwargs) -> bool:
+    """Run a single-tensor ``collective``; False where this gloo build lacks it (from then on)."""
+    backend = dist.get_backend(group)
+    if backend in _UNSUPPORTED:
+        return False
+    try:
+        collective(out, x, group=group, **kwargs)
+        return True
+    except (RuntimeError, NotImplementedError) as err:
+        msg = str(err).lower()
+        if backend != "gloo" or not any(s in msg for s in ("not supported", "not implemented",
+                                                           "does not support", "unsupported")):
+            raise
+        _UNSUPPORTED.add(backend)
+        return False
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -144,19 +144,12 @@ def split_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 def _all_gather_equal(x: torch.Tensor, group, dim: int, n: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
-    backend = dist.get_backend(group)
-    if backend not in _UNSUPPORTED:
-        out = xt.new_empty((n * xt.shape[0],) + tuple(xt.shape[1:]))
-        try:
-            _all_gather_single(out, xt, group=group)
-            return out.movedim(0, dim).contiguous()
-        except (RuntimeError, NotImplementedError) as err:
-            if backend != "gloo" or not _is_unsupported_error(err):
-                raise
-            _UNSUPPORTED.add(backend)
-    parts = [torch.empty_like(xt) for _ in range(n)]
-    dist.all_gather(parts, xt, group=group)
-    return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
+    out = xt.new_empty((n * xt.shape[0],) + tuple(xt.shape[1:]))
+    if not _single(_all_gather_single, out, xt, group):
+        parts = [torch.empty_like(xt) for _ in range(n)]
+        dist.all_gather(parts, xt, group=group)
+        out = torch.cat(parts, dim=0)
+    return out.movedim(0, dim).contiguous()
 
 
 def all_gather_along(x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -184,118 +177,43 @@ def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if n == 1:
         return x
     c = _chunk_len(x, dim, n)
-    backend = dist.get_backend(group)
-    if backend in _UNSUPPORTED:
-        return _reduce_scatter_via_all_reduce(x, group, dim)
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((c,) + tuple(xt.shape[1:]))
-    try:
-        _reduce_scatter_single(out, xt, op=dist.ReduceOp.SUM, group=group)
-    except (RuntimeError, NotImplementedError) as err:
-        # gloo on CPU lacks reduce-scatter in some torch versions: fall back to all-reduce + split.
-        if backend != "gloo" or not _is_unsupported_error(err):
-            raise
-        _UNSUPPORTED.add(backend)
+    if not _single(_reduce_scatter_single, out, xt, group, op=dist.ReduceOp.SUM):
         return _reduce_scatter_via_all_reduce(x, group, dim)
     return out.movedim(0, dim).contiguous()
 
 
-# ---- autograd functions -----------------------------------------------------------------------
+# ---- autograd ---------------------------------------------------------------------------------
 
-class _IdentityFwdAllReduceBwd(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce (sum) of the gradient over the group."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group, dim) -> torch.Tensor:
+    return x.view_as(x)  # a new tensor object, as autograd wants from a Function
 
 
-class _AllReduceFwdIdentityBwd(torch.autograd.Function):
-    """Forward: all-reduce (sum) over the group. Backward: identity."""
+def _sum(x: torch.Tensor, group, dim) -> torch.Tensor:
+    return all_reduce(x, group)
+
+
+class _Mapping(torch.autograd.Function):
+    """Forward ``fwd(x, group, dim)``, backward ``bwd(grad, group, dim)``: one of the pairs of
+    the table above, whose backward is the adjoint of its forward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
+    def forward(ctx, x, fwd, bwd, group, dim):
+        ctx.bwd, ctx.group, ctx.dim = bwd, group, dim
+        return fwd(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.bwd(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-class _SplitFwdAllGatherBwd(torch.autograd.Function):
-    """Forward: split along ``dim`` and keep this rank's chunk. Backward: all-gather along ``dim``."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return split_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, ctx.group, ctx.dim), None, None
-
-
-class _AllGatherFwdSplitBwd(torch.autograd.Function):
-    """Forward: all-gather along ``dim``. Backward: split along ``dim``, keep this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_along(grad, ctx.group, ctx.dim), None, None
-
-
-class _AllGatherFwdReduceScatterBwd(torch.autograd.Function):
-    """Forward: all-gather along ``dim``. Backward: reduce-scatter (sum) along ``dim``."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_along(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
-    """Forward: reduce-scatter (sum) along ``dim``. Backward: all-gather along ``dim``."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, ctx.group, ctx.dim), None, None
-
-
-# ---- torch.compile ------------------------------------------------------------------------------
-# The autograd Functions above (and _AllGatherLinear in distributed.layers) call c10d collectives
-# directly, in forward and in backward. Inside a torch.compile'd model (the mp configs set
-# enable_jit) dynamo would trace them: it rewrites dist.all_reduce / all_gather_single /
-# reduce_scatter_single into functional collectives (_c10d_functional.*) placed in the compiled
-# forward and backward graphs. The eager code's guarantees then no longer hold: the gloo fallback
-# (try/except around an unsupported single-tensor collective) is traced away, since a compiled
-# graph raises at run time where no Python except can catch it; and the collective order becomes
-# the compiler's schedule of each rank's own graph (graphs differ between ranks whose bands
-# differ in length), where every rank of a group must issue the same collectives in the same
-# order. (Traced, a tiny ViT at tp=2 x cp=2 on gloo happened to train like the eager one; nothing
-# guarantees that in general.) So every application of a collective-calling Function goes through eager_apply:
-# torch.compiler.disable makes dynamo break the graph there and run the Function (forward, and
-# through autograd its backward) eagerly, as written; the per-rank compute between collectives
-# is compiled. The DL4SCI25 reference tutorial does the same: its mapping helpers
-# (copy_to_parallel_region, reduce_from_parallel_region, ...) are decorated with
-# @torch.compiler.disable. Eagerly it costs one extra Python call.
+# Under torch.compile dynamo would trace the collectives these Functions (and _AllGatherLinear in
+# distributed.layers) call into the compiled graphs: the gloo fallback's try/except would be
+# traced away, and the collective order would become each rank's own compiled schedule, where
+# every rank of a group must issue the same collectives in the same order. So each is applied
+# through eager_apply: a graph break, the Function (and its backward) run eagerly, the compute
+# between them compiled. The DL4SCI25 reference decorates its mapping helpers the same way.
 
 @torch.compiler.disable
 def eager_apply(fn, *args):
@@ -304,45 +222,54 @@ def eager_apply(fn, *args):
     return fn.apply(*args)
 
 
-def _gather(fn, x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[int]]) -> torch.Tensor:
+def _map(x: torch.Tensor, fwd, bwd, group, dim: Optional[int] = None) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    return eager_apply(_Mapping, x, fwd, bwd, group, None if dim is None else _norm_dim(x, dim))
+
+
+def _gather(x: torch.Tensor, bwd, group, dim: int, sizes: Optional[Sequence[int]]) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
     dim = _norm_dim(x, dim)
     sizes = _check_sizes(x, group, dim, sizes)
     if sizes is None:
-        return eager_apply(fn, x, group, dim)
+        return eager_apply(_Mapping, x, all_gather_along, bwd, group, dim)
     # Equal chunks on the wire: the padding is differentiable (its gradient is dropped) and the
     # dropped padding gets a zero gradient, so each rank's gradient is that of its real chunk.
-    return _drop_padding(eager_apply(fn, _pad_to(x, dim, max(sizes)), group, dim), dim, sizes)
+    padded = eager_apply(_Mapping, _pad_to(x, dim, max(sizes)), all_gather_along, bwd, group, dim)
+    return _drop_padding(padded, dim, sizes)
 
 
 def identity_fwd_all_reduce_bwd(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a region computed in parallel over ``group``: forward identity, backward all-reduce."""
-    return x if group_size(group) == 1 else eager_apply(_IdentityFwdAllReduceBwd, x, group)
+    return _map(x, _identity, _sum, group)
 
 
 def all_reduce_fwd_identity_bwd(x: torch.Tensor, group) -> torch.Tensor:
     """Sum partial results over ``group``: forward all-reduce, backward identity."""
-    return x if group_size(group) == 1 else eager_apply(_AllReduceFwdIdentityBwd, x, group)
+    return _map(x, _sum, _identity, group)
 
 
 def split_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk along ``dim``: forward split, backward all-gather."""
-    return x if group_size(group) == 1 else eager_apply(_SplitFwdAllGatherBwd, x, group, _norm_dim(x, dim))
+    return _map(x, split_along, all_gather_along, group, dim)
 
 
 def all_gather_fwd_split_bwd(x: torch.Tensor, group, dim: int = -1,
                              sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Concatenate the chunks along ``dim``: forward all-gather, backward split (keep own chunk).
     ``sizes``: every rank's chunk length along ``dim`` when they differ."""
-    return x if group_size(group) == 1 else _gather(_AllGatherFwdSplitBwd, x, group, dim, sizes)
+    return _gather(x, split_along, group, dim, sizes)
 
 
 def all_gather_fwd_reduce_scatter_bwd(x: torch.Tensor, group, dim: int = 0,
                                       sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Concatenate the chunks along ``dim``: forward all-gather, backward reduce-scatter (sum).
     ``sizes``: every rank's chunk length along ``dim`` when they differ."""
-    return x if group_size(group) == 1 else _gather(_AllGatherFwdReduceScatterBwd, x, group, dim, sizes)
+    return _gather(x, reduce_scatter_along, group, dim, sizes)
 
 
 def reduce_scatter_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Sum over ``group`` and keep own chunk along ``dim``: forward reduce-scatter, backward all-gather."""
-    return x if group_size(group) == 1 else eager_apply(_ReduceScatterFwdAllGatherBwd, x, group, _norm_dim(x, dim))
+    return _map(x, reduce_scatter_along, all_gather_along, group, dim)

@@ -1,64 +1,27 @@
 """Turn the serial ViT into its tensor / context / sequence parallel form.
 
-Data layout
------------
-The image has ``gh = H / patch_size`` patch rows of ``gw`` patches and is always cut in whole
-patch rows. Over cp it is cut into ``cp`` bands whose lengths differ by at most one patch row,
-the longer ones first (``distributed.layers.split_bounds``: the 45 patch rows of a 360 x 720
-image at patch 8 and cp = 4 are bands of 12, 11, 11 and 11 rows), so any cp from 1 to ``gh``
-works. Bands of different lengths carry no padding: each cp rank holds only its real tokens. The
-one collective over cp that needs equal chunks, the all-gather of keys and values, pads every
-band's K/V to the longest band's, gathers and drops the padding again, so no query attends to
-it and each band gets the gradient of its real K/V back; ``gather_image`` drops it the same
-way. Everything else over cp is a sum (the loss, replicated-parameter gradients).
-:func:`token_layout` then picks how each cp band is split over tp (the engine logs which):
+The image is cut in whole patch rows. Over cp it is cut into ``cp`` bands whose lengths differ
+by at most one patch row, longer ones first (``distributed.layers.split_bounds``: 45 rows at
+cp = 4 are 12, 11, 11 and 11), without padding; the K/V all-gather and ``gather_image`` pad the
+bands to the longest and drop the padding again. :func:`token_layout` then picks how each cp
+band is split over tp (the engine logs which):
 
-Row bands (tp = 1, or sequence parallelism with tp x cp dividing ``gh``): the image is cut into
-``T = tp * cp`` bands (all equal when tp > 1); the replica rank with chunk index
-``c = cp_rank * tp + tp_rank`` gets band ``c``:
+* row bands (tp = 1, or sequence parallelism with tp x cp dividing the patch rows): ``tp * cp``
+  bands, the rank with chunk index ``cp_rank * tp + tp_rank`` gets that band's image rows
+  (``shard_image``), embeds them as a contiguous range of the serial tokens and returns the
+  same band of the output; :func:`sharded_loss` sums the loss's partial sums over the replica;
+* padded (sequence parallelism otherwise): every tp rank of a cp rank embeds the cp band, whose
+  tokens, padded with zeros to a multiple of tp, are cut into tp equal chunks; padding tokens
+  are never keys or values, and after the head the chunks are gathered over tp and the padding
+  dropped; the loss sums over cp only;
+* no sequence parallelism: the cp bands, whole on every tp rank (plain Megatron).
 
-* input: ``shard_image(x)`` -> ``x[..., start:stop, :]`` with ``(start, stop) = image_rows()``
-  (every channel, full width);
-* tokens: the band's patches are, in the serial row-major order, a contiguous range of tokens;
-  the embedding, position embedding, LayerNorms, residuals and head work on these only.
-  Attention/MLP gather the tokens of the cp band over tp (heads / hidden units split over tp),
-  and K/V over cp (see ``distributed.layers``);
-* output: the model returns the same band of the output image, ``(B, C_out, band rows, W)``;
-  ``gather_image`` reassembles ``(B, C_out, H, W)`` on every rank of the replica;
-* loss: :func:`sharded_loss` adds the task loss's per-sample partial sums of every band over
-  the replica (forward all-reduce, backward identity) and finishes them: the serial loss.
-
-Padded sequence parallelism (tp > 1 and tp x cp does not divide ``gh``, e.g. 45 patch rows at
-tp = 2 or 4): the image is cut into the ``cp`` bands only (every tp rank of a cp rank gets the
-same band and embeds it, a cheap convolution); the band's ``n`` tokens, padded with zeros to
-``tp * ceil(n / tp)``, are split into tp equal chunks and each rank keeps its own from there to
-the head, so the LayerNorm/residual activations are still split over tp. Padding tokens never
-reach a real one: attention drops them from the keys and values
-(``ParallelAttention(band_tokens=...)``), every other op is per token, so their gradients are
-zero and the result equals the serial model. After the head the chunks are gathered over tp
-and the padding dropped: the output is the cp band, ``gather_image`` gathers over cp and the
-loss sums over cp only. ``pos_embed`` holds the cp band's slice, used chunk by chunk, so its
-gradient is summed over tp.
-
-No sequence parallelism (``sequence_parallel=False``): ``cp`` bands as above, and every tp
-rank of a cp rank holds the band's tokens, LayerNorm and residual activations whole (plain
-Megatron tensor parallelism; tp still splits heads and MLP width). ``pos_embed`` is split over
-cp only; patch embedding, LayerNorms, head and row-parallel biases are summed over cp only (the
-tp ranks compute identical gradients for them).
-
-Data parallel ranks (same tp/cp coordinates, other dp coordinate) take different samples; with
-``reduce_replicated_grads`` (or DDP over ``groups.dp_group`` with
-``replicated_grads_comm_hook``) the gradients equal the serial gradients of the combined batch.
-
-The sharded model's parameters have the serial names; ``serial_state_dict`` gathers them into
-the serial layout (save checkpoints like that) and ``load_serial_state_dict`` slices a serial
-state dict for any tp/cp layout; ``tensors_to_serial`` / ``tensors_from_serial`` do the same for
-other per-parameter tensors such as optimizer moments (``optimizer.state[param]["exp_avg"]``).
-
-Dropout: sharded activations on different ranks need different random streams; seed each rank
-differently *after* ``parallelize_vit`` (weights come from the serial model, not from the RNG).
-Activations replicated over tp (sequence parallelism off) get the same mask on every tp rank
-(``distributed.layers.ReplicatedDropout``: tp rank 0 draws it and broadcasts it).
+docs/parallelism.md ("How model parallelism works") tells the whole layout, and which
+parameters are split or replicated over which axes. The sharded model has the serial parameter
+names: ``serial_state_dict`` / ``load_serial_state_dict`` (and ``tensors_to_serial`` /
+``tensors_from_serial`` for optimizer moments) convert to and from the serial layout, for any
+tp/cp. Dropout on sharded activations needs a different random stream per rank: seed each rank
+differently *after* ``parallelize_vit`` (the weights come from the serial model).
 """
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
@@ -74,7 +37,7 @@ from distributed.layers import (ParallelBlock, ParallelPatchEmbed, ReplicatedDro
                                 mark_module_replicated, serial_state_dict, sharded_parameter,
                                 split_bounds, tensors_from_serial, tensors_to_serial)
 from distributed.mappings import all_gather_fwd_split_bwd, all_reduce_fwd_identity_bwd
-from networks.vit import patch_grid
+from networks.vit import patch_grid, tokens_to_image
 
 __all__ = ["ParallelViT", "parallelize_vit", "validate_vit_layout", "TokenLayout", "token_layout",
            "sequence_parallel_summary", "sharded_loss", "serial_state_dict", "load_serial_state_dict",
@@ -86,18 +49,16 @@ class TokenLayout:
     """How the tokens of one model replica are laid out over its tp x cp ranks.
 
     * ``rows`` x ``cols``: the image's patch rows and columns;
-    * ``sequence_parallel``: the activations outside the linears (LayerNorm, residual, dropout)
-      are split over tp (at tp = 1 there is nothing to split);
-    * ``row_bands``: the image is cut into ``tp * cp`` bands of whole patch rows
-      (``band_axes == ("cp", "tp")``); otherwise into ``cp`` bands (``("cp",)``), every tp rank
-      of a cp rank embedding the same band;
+    * ``sequence_parallel``: the activations outside the linears are split over tp (at tp = 1
+      there is nothing to split);
+    * ``row_bands``: ``tp * cp`` image bands of whole patch rows (``band_axes == ("cp", "tp")``),
+      else ``cp`` bands (``("cp",)``), every tp rank of a cp rank embedding the same band;
     * ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
-      ``pad_of(c)`` zero tokens to a multiple of tp, are split into tp equal chunks, which need
-      not be whole rows.
+      ``pad_of(c)`` zero tokens to a multiple of tp, are cut into tp equal chunks.
 
-    Bands come from ``distributed.layers.split_bounds``: over cp their lengths may differ by one
-    patch row, longer bands first. ``band_tokens``, ``local_tokens`` and ``pad`` are those of band
-    0, a longest one (its ranks hold the most tokens); the ``*_of`` methods give every band's.
+    Over cp the bands may differ by one patch row, longer first. ``band_tokens``,
+    ``local_tokens`` and ``pad`` are those of band 0, a longest one; the ``*_of`` methods give
+    every band's.
     """
 
     sequence_parallel: bool
@@ -120,10 +81,6 @@ class TokenLayout:
     def bands(self) -> int:
         return self.tp * self.cp if self.row_bands else self.cp
 
-    def band_index(self, cp_rank: int, tp_rank: int) -> int:
-        """The band of the rank with these coordinates."""
-        return cp_rank * self.tp + tp_rank if self.row_bands else cp_rank
-
     def band_rows(self, band: int) -> Tuple[int, int]:
         """``(start, stop)`` patch rows of ``band``."""
         return split_bounds(self.rows, self.bands, band)
@@ -136,10 +93,6 @@ class TokenLayout:
     def cp_band_tokens(self) -> Tuple[int, ...]:
         """Real tokens of each cp rank's band, in cp-rank order."""
         return tuple(r * self.cols for r in self.cp_band_rows())
-
-    def tokens_of(self, band: int) -> int:
-        start, stop = self.band_rows(band)
-        return (stop - start) * self.cols
 
     def local_tokens_of(self, cp_rank: int) -> int:
         """Tokens a rank of cp rank ``cp_rank`` holds between the linears (padding included)."""
@@ -154,7 +107,8 @@ class TokenLayout:
 
     @property
     def band_tokens(self) -> int:
-        return self.tokens_of(0)
+        start, stop = self.band_rows(0)
+        return (stop - start) * self.cols
 
     @property
     def local_tokens(self) -> int:
@@ -186,12 +140,6 @@ def token_layout(img_size, patch_size: int, tp: int, cp: int, sequence_parallel:
     return TokenLayout(sequence_parallel or tp == 1, row_bands, rows, img_size[1] // patch_size, tp, cp)
 
 
-def _fitting_img_size(img_size, patch_size: int, chunks: int) -> list:
-    """The largest img_size not above ``img_size`` (else the smallest) whose patch rows divide by ``chunks``."""
-    rows = img_size[0] // patch_size
-    return [max(rows // chunks, 1) * chunks * patch_size, img_size[1]]
-
-
 def _either(values: Iterable[int]) -> str:
     """``[12, 11, 11, 11] -> "12 or 11"``: the distinct values, largest first."""
     return " or ".join(str(v) for v in sorted(set(values), reverse=True))
@@ -213,14 +161,15 @@ def sequence_parallel_summary(img_size, patch_size: int, tp: int, cp: int, seque
         return (f"Sequence parallelism on: the {rows} patch rows divide by tensor_parallel x context_parallel = "
                 f"{tp * cp}; LayerNorm/residual activations are split over the tensor-parallel ranks "
                 f"({rows // (tp * cp)} patch row{'s' if rows // (tp * cp) != 1 else ''} per rank)")
-    fit = _fitting_img_size(img_size, patch_size, tp * cp)
+    # the largest image height not above img_size's (else the smallest) whose rows divide by tp x cp
+    fit = max(rows // (tp * cp), 1) * tp * cp * patch_size
     pads = [lay.pad_of(c) for c in range(cp)]
     pad = (f", {'up to ' if min(pads) != max(pads) else ''}{max(pads)} padding token{'s' if max(pads) != 1 else ''} "
            f"per band") if any(pads) else ""
     return (f"Sequence parallelism on, padded: the {rows} patch rows do not divide by tensor_parallel x "
             f"context_parallel = {tp * cp}, so the {tokens} tokens of each context-parallel band are "
             f"split into {tp} chunks of {_either(lay.local_tokens_of(c) for c in range(cp))}{pad} (an img_size "
-            f"whose patch rows divide by {tp * cp}, e.g. [{fit[0]}, {fit[1]}], also splits the image bands over "
+            f"whose patch rows divide by {tp * cp}, e.g. [{fit}, {img_size[1]}], also splits the image bands over "
             f"tensor_parallel)")
 
 
@@ -265,13 +214,11 @@ class ParallelViT(nn.Module):
         self.groups, self.layout = groups, lay
         self.img_size, self.patch_size, self.out_chans = tuple(img_size), patch_size, out_chans
         self.activation_checkpointing = activation_checkpointing
-        self.band = lay.band_index(groups.cp_rank, groups.tp_rank)
         sp = lay.sequence_parallel
         token_axes = ("cp", "tp") if sp else ("cp",)  # the axes whose ranks hold other tokens
         kw = dict(sequence_parallel=sp, dtype=dtype, device=device)
         self.patch_embed = ParallelPatchEmbed(img_size, patch_size, in_chans, embed_dim, groups, dtype=dtype,
                                               device=device, band_axes=lay.band_axes, reduce_over=token_axes)
-        assert self.patch_embed.rows == lay.band_rows(self.band), "patch embedding and layout disagree on the band"
         n = self.patch_embed.num_patches
         self.pos_embed = sharded_parameter((1, self.patch_embed.local_num_patches, embed_dim),
                                            ShardSpec((1, n, embed_dim), lay.band_axes, 1, unit=lay.cols),
@@ -313,11 +260,8 @@ class ParallelViT(nn.Module):
 
     def gather_image(self, y: torch.Tensor) -> torch.Tensor:
         """The whole ``(B, C, H, W)`` from every replica rank's band (collective over tp and cp
-        with row bands; over cp only otherwise, where the tp ranks hold the same band).
-
-        Differentiable (the backward keeps this rank's band), for results that are then
-        computed identically on every rank of the replica.
-        """
+        with row bands, else over cp). Differentiable (the backward keeps this rank's band), for
+        results then computed identically on every rank of the replica."""
         dim = y.dim() - 2
         if self.layout.row_bands:
             y = all_gather_fwd_split_bwd(y, self.groups.tp_group, dim)  # tp bands are adjacent inside a cp band
@@ -325,17 +269,9 @@ class ParallelViT(nn.Module):
         return all_gather_fwd_split_bwd(y, self.groups.cp_group, dim, sizes=sizes)
 
     # ---- model --------------------------------------------------------------------------------
-    def tokens_to_image(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, tokens of the band, C_out*p*p) -> (B, C_out, band rows, W): the rank's image band."""
-        B, p = x.shape[0], self.patch_size
-        gh, gw = self.patch_embed.local_grid
-        x = x.reshape(B, gh, gw, self.out_chans, p, p).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(B, self.out_chans, gh * p, gw * p)
-
     def _tp_chunk(self, x: torch.Tensor) -> torch.Tensor:
-        """Padded mode: this tp rank's chunk of the cp band's tokens, padded with zeros to tp chunks.
-
-        A copy (not a view), so the band's whole token tensor is freed."""
+        """Padded mode: this tp rank's chunk of the cp band's tokens, padded with zeros to tp
+        chunks; a copy, so the band's whole token tensor is freed."""
         lay, r, c = self.layout, self.groups.tp_rank, self.groups.cp_rank
         n = lay.local_tokens_of(c)
         if (r + 1) * n > x.shape[1]:  # the last chunk(s) hold the padding
@@ -347,16 +283,14 @@ class ParallelViT(nn.Module):
         if self.layout.padded:
             x = self._tp_chunk(x)
         x = self.pos_drop(x)  # (B, local tokens, E)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for blk in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(blk, x, use_reentrant=False)
-            else:
-                x = blk(x)
+            x = checkpoint(blk, x, use_reentrant=False) if recompute else blk(x)
         x = self.head(self.norm(x))  # (B, local tokens, C_out*p*p)
         if self.layout.padded:  # the cp band's tokens again: gather the tp chunks, drop the padding
             band = self.layout.cp_band_tokens()[self.groups.cp_rank]
             x = all_gather_fwd_split_bwd(x, self.groups.tp_group, 1).narrow(1, 0, band)
-        return self.tokens_to_image(x)
+        return tokens_to_image(x, self.patch_embed.local_grid, self.out_chans, self.patch_size)  # the band
 
 
 def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpointing: Optional[bool] = None,
@@ -365,12 +299,9 @@ def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpo
 
     Every rank of a replica must pass the same serial model (same config, seed and weights);
     each keeps only its slices. No communication. The sharded model mirrors the serial one's
-    options: dropout, every LayerNorm's ``eps``, whether the head has a bias, and
-    ``model.activation_checkpointing`` (recompute each block in backward,
-    ``torch.utils.checkpoint`` with ``use_reentrant=False``); ``activation_checkpointing`` given
-    here overrides the model's. ``sequence_parallel``: ``True`` splits the tokens over cp and tp
-    (:func:`token_layout`: in whole patch rows when tp x cp divides them, else in padded chunks
-    of each cp band), ``False`` over cp only; ``pm.layout`` says how.
+    dropout, LayerNorm ``eps``, head bias and ``activation_checkpointing`` (which, given here,
+    overrides the model's). ``sequence_parallel``: split the tokens over cp and tp
+    (:func:`token_layout`), or over cp only; ``pm.layout`` says how.
     """
     if activation_checkpointing is None:
         activation_checkpointing = bool(getattr(model, "activation_checkpointing", False))
@@ -397,12 +328,10 @@ def sharded_loss(loss_fn, pred: torch.Tensor, target: torch.Tensor, groups: Para
     """The per-sample (B,) loss ``loss_fn`` of whole images, from this rank's bands of them.
 
     ``loss_fn`` is the task's loss (``tasks.losses.PartialSumLoss``: ``partial_sums`` then
-    ``finish``); ``pred`` and ``target`` are this rank's bands. Each rank's per-sample partial
-    sums are added over the ranks holding other bands with ``all_reduce_fwd_identity_bwd``
-    (forward all-reduce, backward identity): the replica (tp x cp) with row bands, cp only
-    otherwise (the tp ranks hold the same band; summing over them would count it tp times).
-    ``finish`` then gives the serial loss on every rank, and each rank's gradient is that of its
-    band.
+    ``finish``). Each rank's per-sample partial sums are added over the ranks holding other bands
+    with ``all_reduce_fwd_identity_bwd``: the replica (tp x cp) with row bands, cp only otherwise
+    (the tp ranks hold the same band). ``finish`` then gives the serial loss on every rank, and
+    each rank's gradient is that of its band.
     """
     sums = loss_fn.partial_sums(pred, target)  # (B, K): this band's share of each sample's sums
     sums = all_reduce_fwd_identity_bwd(sums, groups.mp_group if layout.row_bands else groups.cp_group)

@@ -1,25 +1,14 @@
 """The training step captured once as a CUDA graph and replayed (``train_graph.py``).
 
 A CUDA graph records the kernels a piece of code launches, with their arguments and memory
-addresses, and launches all of them again with one call. A training step of a model with many
-small kernels then costs one launch instead of thousands of Python-driven ones. What that asks
-of the step:
-
-- its inputs sit in static buffers: each step copies its batch into the same tensors;
-- everything it changes lives at fixed addresses: the parameters, gradients (allocated once, in
-  the graph's memory pool, and overwritten by every replay), the optimizer's moments and step
-  counts (``capturable`` Adam), the gradient scaler's scale, and the learning rate, which is a
-  device tensor the LR schedule fills between replays;
-- it never waits for the device: no ``.item()``, no ``if`` on a tensor's value (the fused Adam
-  kernel skips a step with non-finite fp16 gradients by itself);
-- lazy initialisation (optimizer state, the scaler's scale, cuDNN/cuBLAS workspaces, DDP's
-  buckets) happens before capture: a few eager steps run first, on a side stream, as capture
-  requires. Under DDP the PyTorch documentation asks for at least 11 of them, and for the model
-  to be wrapped on that side stream;
-- no other CUDA work of this thread may sneak in, and nothing of other threads may break it:
-  the loader's pin-memory thread and DALI's threads keep making CUDA calls while the step is
-  captured, in the middle of the first epoch. The capture is therefore thread-local
-  (``capture_error_mode="thread_local"``): only this thread's calls are checked against it.
+addresses, and launches all of them again with one call. What that asks of the step
+(docs/performance.md, "CUDA graphs", says it in full): its inputs in static buffers; everything
+it changes at fixed addresses (parameters, gradients allocated in the graph's pool, the
+``capturable`` Adam's state, the scaler's scale, the learning rate as a device tensor); no wait
+for the device (no ``.item()``); lazy initialisation done before capture, by eager warm-up steps
+on a side stream (under DDP at least 11, as the PyTorch documentation asks); and a thread-local
+capture (``capture_error_mode="thread_local"``), since the loader's pin-memory thread and DALI's
+threads keep making CUDA calls while it runs.
 
 ``StepGraph`` holds the static buffers and runs the eager warm-up steps, the capture and the
 replays through ``CudaGraphOps``; tests drive the same logic on a CPU through a stand-in with
@@ -49,10 +38,9 @@ DDP_SAMPLE_EVERY = 100  # DDP times every 100th iteration with CUDA events (its 
 def capture_warmup_steps(cfg: Config, ddp: bool) -> int:
     """The eager steps before capture: ``graph_warmup_steps``, and under DDP at least 11.
 
-    DDP times its first 10 iterations and every 100th with CUDA events, and reads the events of
-    a timed iteration at the start of the next one (a host sync). Neither may happen inside the
-    captured iteration, which is iteration ``warm-up + 1`` of the DDP model: so warm-up % 100
-    may be neither 99 nor 0."""
+    DDP times its first 10 iterations and every 100th with CUDA events and reads them at the
+    next one (a host sync), neither of which the captured iteration ``warm-up + 1`` may do: so
+    warm-up % 100 may be neither 99 nor 0."""
     warmup = cfg.graph_warmup_steps
     if not ddp:
         return warmup
@@ -147,7 +135,6 @@ class StepGraph:
         self.last_mode = ""  # "eager", "capture" or "replay": what the latest call did
         self.eager_s: list[float] = []
         self.replay_s: list[float] = []
-        self.capture_s = 0.0
 
     @property
     def captured(self) -> bool:
@@ -176,42 +163,40 @@ class StepGraph:
                     f"on {buf.device}; keep every batch the same size (or use train.py)")
             buf.copy_(t, non_blocking=True)
 
-    def _eager(self, probe):
-        self.last_mode = "eager"
-        timed = self.calls > 0  # the first step initialises lazily and is not representative
-        if timed:
+    @contextlib.contextmanager
+    def _timed(self, times: list[float], on: bool = True):
+        """Append the block's time, between device syncs, to ``times`` when ``on``."""
+        if on:
             self.ops.synchronize()
             t0 = time.perf_counter()
-        with self.ops.side_stream():
+        yield
+        if on:
+            self.ops.synchronize()
+            times.append(time.perf_counter() - t0)
+
+    def _eager(self, probe):
+        self.last_mode = "eager"
+        # the first step initialises lazily and is not representative
+        with self._timed(self.eager_s, on=self.calls > 0), self.ops.side_stream():
             out = self.body(*self.static, probe)
             self.clear()
-        if timed:
-            self.ops.synchronize()
-            self.eager_s.append(time.perf_counter() - t0)
         return out
 
     def _capture(self):
         self.last_mode = "capture"
         self.clear()
-        self.ops.synchronize()
-        t0 = time.perf_counter()
-        self.graph = self.ops.capture(lambda: self.body(*self.static, NullProbe()), self.clear)
-        self.ops.synchronize()
-        self.capture_s = time.perf_counter() - t0
+        took = []
+        with self._timed(took):
+            self.graph = self.ops.capture(lambda: self.body(*self.static, NullProbe()), self.clear)
         log.info(f"CUDA graph: the training step captured after {self.calls} eager steps in "
-                 f"{self.capture_s:.2f} s")
+                 f"{took[0]:.2f} s")
 
     def _replay(self):
         timed = len(self.replay_s) < self.timed
-        if timed:
-            self.ops.synchronize()
-            t0 = time.perf_counter()
-        self.graph.replay()
-        if timed:
-            self.ops.synchronize()
-            self.replay_s.append(time.perf_counter() - t0)
-            if len(self.replay_s) == self.timed:
-                log.info(self.speedup_line())
+        with self._timed(self.replay_s, on=timed):
+            self.graph.replay()
+        if timed and len(self.replay_s) == self.timed:
+            log.info(self.speedup_line())
         return self.graph.outputs  # the same tensors every step, rewritten by each replay
 
     def speedup_line(self) -> str:

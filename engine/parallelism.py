@@ -3,31 +3,21 @@
 1. sharding over the tensor/context-parallel ranks (``distributed.parallelize``), when
    tensor_parallel x context_parallel > 1: each rank keeps its slices of the serial weights, so
    a sharded run starts where a serial run with the same seed starts;
-2. fp8 linears (the ViT's ``fp8_linears``): the linear layers of the task's blocks compute their
-   matmuls in float8 (``engine.fp8_linears``: torchao's ``Float8Linear``, or its fp8 matmul in
-   the tp/cp linears' slices), before FSDP shards them and torch.compile traces them;
-3. activation checkpointing, an option of the model itself (chosen when the task builds it;
-   the sharded ViT keeps the serial model's choice);
-4. the move to the run's device, in the task's memory format (channels-last weights for the
-   U-Net on a GPU: ``memory_format``);
-5. data parallelism over the data-parallel ranks: DistributedDataParallel (with model
-   parallelism, its communication hook also sums the gradients of parameters replicated over
-   tp/cp), or, with ``fsdp``, torch's FSDP2 (``fully_shard``): each of the task's blocks
-   (``task.blocks(model)``) and then the whole model are sharded over a one-dimensional
-   data-parallel ``DeviceMesh`` (under tp/cp the ``dp`` dimension of the tp x cp x dp mesh, so
-   FSDP shards the tp/cp slices further), so that every rank keeps 1/N of each parameter, its
-   gradient and its Adam state as DTensors and gathers a block's weights just before the block
-   runs; with gradient accumulation every micro-batch's backward reduce-scatters its gradients
-   onto the shards (``ParallelModel.no_sync``; ``fsdp_reduce_each_microbatch``);
-6. ``torch.compile`` (the ``enable_jit`` setting) of the whole wrapped model, or, with
-   ``compile_blocks``, of each of the task's blocks in place (``nn.Module.compile``: the
-   parameters' names stay, so checkpoints are the same either way): blocks alike share one
-   compiled graph, so the first step's compile is about one block's, and the rest of the model
-   and the wrappers around it run eagerly. Under tp/cp the sharded layers' collectives stay out
-   of the compiled graphs: each is a graph break and runs eagerly
-   (``distributed.mappings.eager_apply``), the compute between them is compiled.
+2. fp8 linears (``fp8_linears``: ``engine.fp8_linears``), before FSDP shards them and
+   torch.compile traces them;
+3. activation checkpointing, an option of the model itself (the sharded ViT keeps the serial
+   model's choice);
+4. the move to the run's device, in the task's memory format (``memory_format``);
+5. data parallelism: DistributedDataParallel (under tp/cp its communication hook also sums the
+   gradients of parameters replicated over tp/cp), or with ``fsdp`` torch's FSDP2
+   (``fully_shard``) of each of the task's blocks and then the whole model over the
+   data-parallel mesh (under tp/cp the ``dp`` dimension of the tp x cp x dp mesh);
+6. ``torch.compile`` (``enable_jit``) of the whole wrapped model, or with ``compile_blocks`` of
+   each of the task's blocks in place (the parameters' names stay, so checkpoints are the same
+   either way; blocks alike share one compiled graph). Under tp/cp the sharded layers'
+   collectives run eagerly, a graph break each (``distributed.mappings.eager_apply``).
 
-The model itself knows nothing of any of this.
+docs/parallelism.md tells more. The model itself knows nothing of any of this.
 """
 from __future__ import annotations
 
@@ -74,18 +64,13 @@ class ParallelModel:
     def no_sync(self):
         """Inside: the backward passes of the inner micro-batches of gradient accumulation.
 
-        DDP: they accumulate the replica's gradients without its all-reduce (DDP holds the whole
-        gradient anyway), which then runs once, in the last micro-batch's backward. FSDP: by
-        default a do-nothing context, as torchtitan does: every micro-batch's backward
-        reduce-scatters its gradients onto the shards, so no rank ever holds more than one
-        block's unsharded gradient; with ``fsdp_reduce_each_microbatch`` off, FSDP2 keeps every
-        parameter's whole unsharded fp32 gradient on every rank until the last micro-batch
-        (fewer reduce-scatters, one whole gradient more per rank). A do-nothing context without
-        data parallelism."""
+        DDP: they accumulate gradients without its all-reduce, which then runs once, in the last
+        micro-batch's backward. FSDP: by default a do-nothing context, as torchtitan does: every
+        micro-batch's backward reduce-scatters its gradients onto the shards; with
+        ``fsdp_reduce_each_microbatch`` off, FSDP2 keeps every parameter's whole unsharded
+        gradient until the last micro-batch (docs/parallelism.md weighs the two)."""
         if isinstance(self.module, FSDPModule):
             if self.fsdp_reduce_each_microbatch:
-                # each backward reduce-scatters (over dp, every rank in the same micro-batch)
-                # its gradients onto the shards: memory for collectives
                 return contextlib.nullcontext()
             return _fsdp_no_sync(self.module)
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
@@ -109,8 +94,7 @@ class ParallelModel:
 @contextlib.contextmanager
 def _fsdp_no_sync(module):
     """FSDP2 keeps the unsharded gradients of the micro-batches inside and reduce-scatters their
-    sum in the backward of the first micro-batch after it (the reduce-scatter, over the dp
-    ranks, is collective: every rank leaves this context after the same micro-batch)."""
+    sum (over dp: every rank leaves after the same micro-batch) in the next backward."""
     module.set_requires_gradient_sync(False)
     try:
         yield
@@ -131,11 +115,9 @@ def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
 def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Runtime,
                 mesh=None) -> nn.Module:
     """``fully_shard`` each block, then the whole model (what is left: embeddings, head, norms)
-    over a one-dimensional data-parallel mesh: ``mesh``, the dp dimension of the tp x cp x dp
-    mesh of a tensor/context-parallel model (whose slices FSDP shards further), or one over
-    every rank. The blocks are the units whose weights are gathered together: one all-gather
-    per block in the forward (and again in the backward), one reduce-scatter of its gradients;
-    peak memory holds the largest gathered block on top of the shards."""
+    over a one-dimensional data-parallel mesh: ``mesh`` (the dp dimension of the tp x cp x dp
+    mesh), or one over every rank. A block's weights are gathered together, so peak memory holds
+    the largest gathered block on top of the shards."""
     if mesh is None:
         mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
     policy = mixed_precision_policy(amp_mode)
@@ -192,7 +174,6 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         mesh = rt.groups.mesh["dp"] if rt.groups is not None else None
         model = shard_fully(model, task.blocks(model), cfg.amp_mode, rt, mesh)
         sharding = FullyShardedSharding(task, sharding)
-        wrapped = model
     elif rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
                     "synchronised (for compute-only scaling measurements)")
@@ -202,12 +183,7 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
             process_group=rt.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
             **_buffer_sync_kwargs(cfg.disable_broadcast_buffers))
         sharding.register_grad_hooks(wrapped)
-    if cfg.enable_jit:  # 6. torch.compile
-        # The tp/cp autograd Functions call c10d collectives; they are torch.compiler.disable'd
-        # where they are applied (distributed.mappings.eager_apply, as the DL4SCI25 reference
-        # disables its mapping helpers), so dynamo breaks the graph at each collective instead
-        # of tracing it into functional collectives: the compiled graphs hold per-rank compute
-        # only, and the collectives run as in an eager step (tests/test_mp_compile.py).
+    if cfg.enable_jit:  # 6. torch.compile (tp/cp collectives stay out of the graphs: eager_apply)
         options = task.compile_options(memory_format) or None
         if cfg.compile_blocks:
             blocks = task.blocks(model)

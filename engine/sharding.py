@@ -8,10 +8,9 @@ computes on a band of image rows; the task's loss is summed over the bands' owne
 holds 1/N of each parameter, gradient and Adam moment as a DTensor sharded over the
 data-parallel ranks.
 
-``Unsharded`` and ``RowBandSharding`` save the model and the optimizer in the serial layout keyed
-by parameter name (one file, rank 0), so a checkpoint loads on any number of ranks and any tp/cp
-layout; ``FullyShardedSharding`` saves its shards with torch's distributed checkpoint (each rank
-its own), keyed by the same names, which DCP reads onto any other sharding (``engine.checkpoint``).
+State is saved in the serial layout keyed by parameter name (one file, rank 0), so a checkpoint
+loads on any number of ranks and any tp/cp layout; FSDP alone saves its shards with torch's
+distributed checkpoint, keyed by the same names (``engine.checkpoint``).
 """
 from __future__ import annotations
 
@@ -71,9 +70,8 @@ class Unsharded:
 
     def model_state(self, model, keep: bool = True) -> dict:
         """The weights in the serial layout (``keep`` false: {}, the collectives only)."""
-        if not keep:
-            return self.to_serial(model, dict(model.named_parameters()), keep)
-        return self.to_serial(model, dict(model.named_parameters())) | dict(model.named_buffers())
+        params = self.to_serial(model, dict(model.named_parameters()), keep)
+        return params | dict(model.named_buffers()) if keep else params
 
     def load_model_state(self, model, state: dict):
         params = self.from_serial(model, {n: state[n] for n, _ in model.named_parameters()})
@@ -176,29 +174,17 @@ _KEEP_LOCAL_SLICE = {"src_data_rank": None} \
 class FullyShardedSharding(Unsharded):
     """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner``: the whole model
     (``Unsharded``) or the tensor/context-parallel ViT (``RowBandSharding``, whose plain slices
-    FSDP shards further over dp). Parameters and optimizer state are DTensors sharded over the
-    data-parallel mesh; batches, losses and outputs are ``inner``'s. The serial layout is each
-    DTensor's whole tensor (an all-gather over the data-parallel ranks, every rank calls it in the
-    same order), put together over tp/cp by ``inner``, and back (each rank keeps its slice).
-    Checkpoints of FSDP alone hold the shards (DCP), keyed by parameter name: a rank never holds
-    the whole model to save or to load one; with tp/cp they go through the serial layout (the
-    tp/cp slices are no DTensors that DCP could place), put together one tensor at a time and
-    kept by rank 0 alone, in host memory: no rank's device holds more than one whole tensor
-    beyond its shards."""
+    FSDP shards further over dp). Batches, losses and outputs are ``inner``'s. The serial layout
+    is each DTensor's whole tensor (an all-gather over dp, every rank in the same order), put
+    together over tp/cp by ``inner``, and back (each rank keeps its slice). Checkpoints of FSDP
+    alone hold the shards (DCP); with tp/cp (slices that DCP could not place) the serial layout,
+    one tensor at a time, kept by rank 0 alone in host memory (docs/parallelism.md)."""
 
     def __init__(self, task, inner: Unsharded):
         super().__init__(task)
         self.inner = inner
         self.writes_shards = type(inner) is Unsharded
-
-    def local_batch(self, x, y):
-        return self.inner.local_batch(x, y)
-
-    def loss(self, pred, y):
-        return self.inner.loss(pred, y)
-
-    def whole_output(self, pred):
-        return self.inner.whole_output(pred)
+        self.local_batch, self.loss, self.whole_output = inner.local_batch, inner.loss, inner.whole_output
 
     def reduce_replicated_grads(self, model):
         """After the backward passes: the tp/cp sums of replicated parameters' gradients (DDP's
@@ -230,17 +216,14 @@ class FullyShardedSharding(Unsharded):
 
     def from_serial(self, model, tensors):
         like = dict(model.named_parameters())
-        out = {}
-        tensors = self.inner.from_serial(model, {k: t for k, t in tensors.items()
-                                                 if not isinstance(t, DTensor)}) \
-            | {k: t for k, t in tensors.items() if isinstance(t, DTensor)}
-        for name, t in tensors.items():
+        shards = {k: t for k, t in tensors.items() if isinstance(t, DTensor)}  # read by DCP: as they are
+        out = self.inner.from_serial(model, {k: t for k, t in tensors.items() if k not in shards})
+        for name, t in out.items():
             p = like[name]
-            if isinstance(p, DTensor) and not isinstance(t, DTensor):  # (shards read by DCP pass)
-                t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                      **_KEEP_LOCAL_SLICE)
-            out[name] = t
-        return out
+            if isinstance(p, DTensor):
+                out[name] = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                              **_KEEP_LOCAL_SLICE)
+        return out | shards
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,13 @@ def patch_grid(img_size, patch_size: int) -> tuple[int, int]:
     return h // patch_size, w // patch_size
 
 
+def tokens_to_image(x: torch.Tensor, grid, out_chans: int, p: int) -> torch.Tensor:
+    """(B, gh*gw, C_out*p*p) -> (B, C_out, gh*p, gw*p), undoing the row-major patch order."""
+    B, (gh, gw) = x.shape[0], grid
+    x = x.reshape(B, gh, gw, out_chans, p, p).permute(0, 3, 1, 4, 2, 5)  # (B, C, gh, p, gw, p)
+    return x.reshape(B, out_chans, gh * p, gw * p)
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping p x p patches, each projected to ``embed_dim`` by a strided convolution."""
 
@@ -125,13 +132,8 @@ class ViT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def tokens_to_image(self, x):
-        """(B, N, C_out*p*p) -> (B, C_out, H, W), undoing the row-major patch order."""
-        B = x.shape[0]
-        p = self.patch_size
-        gh, gw = self.patch_embed.grid
-        x = x.reshape(B, gh, gw, self.out_chans, p, p)
-        x = x.permute(0, 3, 1, 4, 2, 5)  # (B, C, gh, p, gw, p)
-        return x.reshape(B, self.out_chans, gh * p, gw * p)
+        """(B, N, C_out*p*p) -> (B, C_out, H, W)."""
+        return tokens_to_image(x, self.patch_embed.grid, self.out_chans, self.patch_size)
 
     def forward(self, x):
         x = self.patch_embed(x) + self.pos_embed  # (B, C, H, W) -> (B, N, E)
