@@ -35,16 +35,14 @@ from datapipe.data_loader import build_loaders, validation_batch_sizes
 from datapipe.make_data import ensure_data
 from engine import throughput_report
 from engine.checkpoint import Checkpointer
-from engine.lr_schedule import (build_scheduler, describe as describe_lr, lr_at, peak_lr,
-                                resumed_schedule)
-from engine.optimizer import build_optimizer
+from engine.optimizer import (build_optimizer, build_scheduler, describe as describe_lr, lr_at,
+                              peak_lr, resumed_schedule)
 from engine.parallelism import apply_parallelism
 from engine.run_dir import resolve_run_num, run_dir_for
 from engine.runtime import AMP_DTYPES, check_torch_version, setup_runtime
-from engine.slow_paths import warn_slow_paths
 from engine.stop import NeverStop, RunEnding, RunStopped, Stopper
 from observe.logging_utils import setup_logging
-from observe.profiling import StartClock, nvtx_range, use_compile_cache_dir
+from observe.profiling import StartClock, nvtx_range
 from observe.run_log import EpochStats, RunLog, log_run_header
 from settings.parse import write_config
 from tasks import make_task
@@ -123,11 +121,9 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         torch.manual_seed(cfg.seed)
         model = self.task.build_model()
-        warn_slow_paths(model, self.device, cfg.amp_mode, self.memory_format, rt.is_main)
         self.checkpointer.start_weights(model, self.task.from_reference)
-        if cfg.enable_jit:  # compiled on the first step, with what earlier runs left here
-            clock.compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)
         self.parallel = apply_parallelism(model, cfg, rt, self.task, self.memory_format)
+        clock.compile_dir = self.parallel.compile_dir  # (compiled on the first step)
         self.model = self.parallel.module  # parameters and state (this rank's shards: tp/cp)
         self.wrapped_model = self.parallel.wrapped  # what the step calls: DDP / torch.compile
         self.sharding = self.parallel.sharding  # how batches and state map to this rank's model

@@ -7,7 +7,9 @@
    torch.compile traces them;
 3. activation checkpointing, an option of the model itself (the sharded ViT keeps the serial
    model's choice);
-4. the move to the run's device, in the task's memory format (``memory_format``);
+4. the move to the run's device, in the task's memory format (``memory_format``), the
+   torch/cuDNN combinations known to be slow for this model there named in the log
+   (``engine.slow_paths``);
 5. data parallelism: DistributedDataParallel (under tp/cp its communication hook also sums the
    gradients of parameters replicated over tp/cp), or with ``fsdp`` torch's FSDP2
    (``fully_shard``) of each of the task's blocks and then the whole model over the
@@ -15,7 +17,8 @@
 6. ``torch.compile`` (``enable_jit``) of the whole wrapped model, or with ``compile_blocks`` of
    each of the task's blocks in place (the parameters' names stay, so checkpoints are the same
    either way; blocks alike share one compiled graph). Under tp/cp the sharded layers'
-   collectives run eagerly, a graph break each (``distributed.mappings.eager_apply``).
+   collectives run eagerly, a graph break each (``distributed.mappings.eager_apply``), with
+   the compile caches where ``compile_cache_dir`` says (``compile_dir``: where they are).
 
 docs/parallelism.md tells more. The model itself knows nothing of any of this.
 """
@@ -36,8 +39,10 @@ from distributed.grad_norm import clip_grad_norm
 from distributed.parallelize import parallelize_vit
 from engine import fp8_linears
 from engine.runtime import Runtime
+from engine.slow_paths import warn_slow_paths
 from engine.sharding import (FSDPModule, FullyShardedSharding, MixedPrecisionPolicy,
                              RowBandSharding, Unsharded, fully_shard)
+from observe.profiling import use_compile_cache_dir
 from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -60,6 +65,7 @@ class ParallelModel:
     sharding: Unsharded
     rt: Runtime
     fsdp_reduce_each_microbatch: bool = True
+    compile_dir: str | None = None  # where torch.compile's caches are (None: not compiled)
 
     def no_sync(self):
         """Inside: the backward passes of the inner micro-batches of gradient accumulation.
@@ -162,7 +168,8 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
     fp8 = getattr(cfg, "fp8_linears", "none")
     if fp8 != "none":  # 2. fp8 linears (checked with the device: engine.runtime)
         fp8_linears.convert(task.blocks(model), fp8, rt.device)
-    model = model.to(rt.device)  # 4.
+    warn_slow_paths(model, rt.device, cfg.amp_mode, memory_format, rt.is_main)  # 4.
+    model = model.to(rt.device)
     if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
         model = model.to(memory_format=memory_format)
     wrapped = model
@@ -183,7 +190,9 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
             process_group=rt.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
             **_buffer_sync_kwargs(cfg.disable_broadcast_buffers))
         sharding.register_grad_hooks(wrapped)
+    compile_dir = None
     if cfg.enable_jit:  # 6. torch.compile (tp/cp collectives stay out of the graphs: eager_apply)
+        compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)  # with earlier runs' caches
         options = task.compile_options(memory_format) or None
         if cfg.compile_blocks:
             blocks = task.blocks(model)
@@ -194,4 +203,5 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
                 block.compile(options=options)
         else:
             wrapped = torch.compile(wrapped, options=options)
-    return ParallelModel(model, wrapped, sharding, rt, cfg.fsdp_reduce_each_microbatch)
+    return ParallelModel(model, wrapped, sharding, rt, cfg.fsdp_reduce_each_microbatch,
+                         compile_dir)

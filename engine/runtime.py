@@ -21,7 +21,7 @@ import torch.distributed as dist
 from distributed.groups import ParallelGroups, build_groups, validate_parallel_config
 from distributed.parallelize import validate_vit_layout
 from engine import fp8_linears
-from engine.lr_schedule import check_end
+from engine.optimizer import check_end
 from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name

@@ -26,7 +26,7 @@ from settings.parse import build_config
 from engine.cuda_graph import (CapturedStep, CudaGraphOps, StepGraph, capture_warmup_steps,
                               check_can_capture)
 from settings.errors import ConfigError, TrainingError
-from engine.lr_schedule import lr_at
+from engine.optimizer import lr_at
 from engine.runtime import Runtime, setup_runtime
 
 TINY_VIT = dict(img_size="[16,32]", patch_size="4", embed_dim="32", depth="1", num_heads="2",

@@ -524,7 +524,7 @@ def test_checkpoint_from_2_ranks_resumes_on_1(ddp2, data):
     ("bs128_opt", 128, 1.41e-3), ("bs256_opt", 256, 2e-3), ("bs512_opt", 512, 2.83e-3),
     ("bs1024_opt", 1024, 4e-3), ("bs2048_opt", 2048, 5.66e-3)])
 def test_vit_scaling_configs_have_the_tutorial_peak_lr(name, batch, lr):
-    from engine.lr_schedule import peak_lr
+    from engine.optimizer import peak_lr
 
     c = build_config(VIT_YAML, name)
     assert c.global_batch_size == batch and c.num_iters == 30000
@@ -537,7 +537,7 @@ def test_vit_scaling_configs_have_the_tutorial_peak_lr(name, batch, lr):
     ("bs64_opt", 64, 10), ("bs256_opt", 256, 20), ("bs512_test", 512, 10),
     ("bs512_opt", 512, 40), ("bs2048_opt", 2048, 160), ("bs8192_opt", 8192, 320)])
 def test_unet_scaling_configs(name, batch, epochs):
-    from engine.lr_schedule import peak_lr
+    from engine.optimizer import peak_lr
 
     c = build_config(UNET_YAML, name)
     assert (c.global_batch_size, c.num_epochs, c.num_iters) == (batch, epochs, None)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine import optimizer as optimizer_module
 from settings.parse import build_config
-from engine.lr_schedule import lr_at
+from engine.optimizer import lr_at
 from engine.optimizer import build_optimizer
 from tasks import make_task
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tasks.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
-from engine.lr_schedule import build_scheduler, check_end, describe, lr_at, peak_lr
+from engine.optimizer import build_scheduler, check_end, describe, lr_at, peak_lr
 
 
 def test_weighted_rmse_by_hand():
