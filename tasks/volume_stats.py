@@ -1,17 +1,8 @@
 """Statistics of the U-Net's prediction of a whole cosmology volume, as emulators of
-hydrodynamic simulations are judged (docs/scoring.md has the formulas):
-
-- the volume predicted tile by tile (``predict_tiled``): each tile's core is cut from the
-  prediction of a larger window around it, so a tile sees as much of its surroundings as the
-  U-Net reads (``unet_halo``) and the stitched volume equals one forward pass of the whole
-  volume (to float rounding), while memory is bounded by the window;
-- per channel: the power spectrum P(k) in spherical shells of the 3-D FFT of the predicted and
-  the true field (``cross_power``), their ratio and the cross-correlation coefficient
-  r(k) = P_xy / sqrt(P_xx P_yy); the one-point distributions (``histograms``); the mean, the
-  bias and the relative error (``field_errors``).
-
-Every statistic is a pure NumPy function of the fields in float64; ``score`` runs a trained
-model over a split's volume and returns an ``observe.score_report.Report``.
+hydrodynamic simulations are judged (docs/scoring.md has the formulas): the volume predicted
+tile by tile (``predict_tiled``), equal to one forward pass of the whole volume while memory is
+bounded by a tile's window; per channel its power spectrum, cross-correlation r(k), one-point
+distributions and errors, each a pure NumPy function of the fields in float64.
 """
 from __future__ import annotations
 
@@ -202,24 +193,24 @@ def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
     """(Nbody (1, C_in, L, L, L), Hydro (1, C_out, L, L, L), where from) of ``split``: valid,
     train, or a file name under data_root."""
     files = {"valid": cfg.val_file, "train": cfg.train_file}
+    volumes = None
     if cfg.data_is_generated:
         if split not in files:
             raise ConfigError(f"--split {split}: this run's volumes are generated in memory: "
                               f"choose valid or train")
         volumes = generated_data.cosmo_volumes(cfg, split)
         where = f"the generated {split} box"
-        side = volumes[0].shape[-1]
-        data = CosmoCropDataset(where, size=side, nsamples=1, n_in=cfg.n_in_channels,
-                                n_out=cfg.n_out_channels, augment=False, volumes=volumes)
     else:
         where = os.path.join(cfg.data_root, files.get(split, split))
         if split not in files and not os.path.isfile(where):
             raise ConfigError(f"--split {split}: neither valid, train nor a file under "
                               f"{cfg.data_root}: choose valid or train, or name a volume file")
-        side = CosmoCropDataset(where, size=1, nsamples=1, n_in=cfg.n_in_channels,
-                                n_out=cfg.n_out_channels, augment=False).box
-        data = CosmoCropDataset(where, size=side, nsamples=1, n_in=cfg.n_in_channels,
-                                n_out=cfg.n_out_channels, augment=False)
+
+    def crops(size):
+        return CosmoCropDataset(where, size=size, nsamples=1, n_in=cfg.n_in_channels,
+                                n_out=cfg.n_out_channels, augment=False, volumes=volumes)
+
+    data = crops(crops(1).box)  # one crop: the whole box
     (sx, sy) = data.sample_shapes
     x, y = np.empty((1, *sx), np.float32), np.empty((1, *sy), np.float32)
     data.read_batch([0], x, y)  # the window at the corner 0 of the size of the box: all of it
@@ -228,10 +219,8 @@ def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
     """Predict the whole volume of ``opts.split`` tile by tile and compute its statistics.
-    ``opts``: ``split``, ``tile`` (None: the training crop side), ``halo`` (None: exact),
-    ``batch_size`` (windows per forward; None: 1), ``rank`` and ``world_size`` (absent: one
-    process; else this rank predicts its share of the tiles, the ranks' volumes are added up,
-    and rank 0 computes the statistics and returns the report, the other ranks None)."""
+    ``opts``: score.py's options (None: the defaults) and ``rank``, ``world_size``: this rank
+    predicts its share of the tiles; rank 0 returns the report, the other ranks None."""
     cfg = task.cfg
     align = 2**model.levels
     x, y, where = _volume(cfg, opts.split)
@@ -255,7 +244,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     for line in notes:
         log.info(line)
     window = min(side, tile + 2 * halo)
-    rank, world = getattr(opts, "rank", 0), getattr(opts, "world_size", 1)
+    rank, world = opts.rank, opts.world_size
     n_tiles = len(tile_plan(side, tile, halo, align))**3
     shares = f", {len(range(rank, n_tiles, world))} of them on rank {rank} of {world}" if world > 1 else ""
     log.info(f"Predicting {where} ({side}^3 voxels) in {n_tiles} tiles of {tile}^3 voxels"
@@ -304,28 +293,23 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                         (f"Spectrum/r({name})", float(spec["r"][i]), int(k))]
         scalars += [(f"Field/{key}({name})", value, 0) for key, value in errors.items()]
 
-    def series(key, c):
-        spec = stats[c][0]
-        return [(key, spec["k"], spec[key])]
+    def figure(name, title, ylabel, series, xlabel="k (fundamental modes)", **scales):
+        """One panel per channel, its lines ``series(spectra, histograms)``."""
+        return Figure(name, title, [Panel(c, xlabel, ylabel, series(spec, hist), **scales)
+                                    for c, (spec, hist, _) in zip(channels, stats)], columns=3)
 
-    n = range(len(channels))
     figures = [
-        Figure("power_spectra", "Power spectra P(k): truth and prediction",
-               [Panel(channels[c], "k (fundamental modes)", "P(k)",
-                      [("truth", stats[c][0]["k"], stats[c][0]["p_true"]),
-                       ("prediction", stats[c][0]["k"], stats[c][0]["p_pred"])],
-                      logx=True, logy=True) for c in n], columns=3),
-        Figure("spectrum_ratio", "P_pred(k) / P_true(k)",
-               [Panel(channels[c], "k (fundamental modes)", "ratio", series("ratio", c),
-                      logx=True, hline=1.0) for c in n], columns=3),
-        Figure("cross_correlation", "Cross-correlation r(k) = P_xy / sqrt(P_xx P_yy)",
-               [Panel(channels[c], "k (fundamental modes)", "r(k)", series("r", c), logx=True,
-                      hline=1.0) for c in n], columns=3),
-        Figure("pdfs", "One-point distributions",
-               [Panel(channels[c], "value (stored units)", "density",
-                      [("truth", stats[c][1]["centres"], stats[c][1]["true"]),
-                       ("prediction", stats[c][1]["centres"], stats[c][1]["pred"])], logy=True)
-                for c in n], columns=3),
+        figure("power_spectra", "Power spectra P(k): truth and prediction", "P(k)",
+               lambda s, _: [("truth", s["k"], s["p_true"]), ("prediction", s["k"], s["p_pred"])],
+               logx=True, logy=True),
+        figure("spectrum_ratio", "P_pred(k) / P_true(k)", "ratio",
+               lambda s, _: [("ratio", s["k"], s["ratio"])], logx=True, hline=1.0),
+        figure("cross_correlation", "Cross-correlation r(k) = P_xy / sqrt(P_xx P_yy)", "r(k)",
+               lambda s, _: [("r", s["k"], s["r"])], logx=True, hline=1.0),
+        figure("pdfs", "One-point distributions", "density",
+               lambda _, h: [("truth", h["centres"], h["true"]),
+                             ("prediction", h["centres"], h["pred"])],
+               xlabel="value (stored units)", logy=True),
     ]
     summary = [f"Volume statistics of {where} ({side}^3 voxels, tiles of {tile}^3, halo {halo}):"]
     for name, (spec, _, e) in zip(channels, stats):
@@ -337,7 +321,4 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                        f"P ratio {spec['ratio'][quarter]:.3g} at k={spec['k'][quarter]}")
     meta = {"problem": "volume statistics", "split": split, "volume": where, "side": side,
             "tile": tile, "halo": halo, "channels": channels}
-    columns = ["channel", "k", "modes", "p_true", "p_pred", "p_ratio", "r", "mean_true",
-               "mean_pred", "bias", "mae", "rmse", "relative_error"]
-    return Report(columns=columns, rows=rows, meta=meta, scalars=scalars, figures=figures,
-                  summary=summary, notes=notes)
+    return Report(rows, meta, scalars, figures, summary, notes)
