@@ -116,9 +116,6 @@ from tasks import make_task
 log = logging.getLogger("score")
 
 
-# ----------------------------------------------------------------------------- the input
-
-
 def find_checkpoint(path: str) -> tuple[dict, str, str]:
     """(checkpoint state, its path, the run directory) for ``--run``: a run directory (its
     newest loadable checkpoint) or a checkpoint file or DCP directory."""
@@ -223,9 +220,6 @@ def output_dir(out: str | None, run_dir: str) -> str:
     return out
 
 
-# ----------------------------------------------------------------------------- scoring
-
-
 def forward_context(task, device: torch.device, amp_mode: str):
     """A factory of the context the scoring forwards run in: autocast in ``amp_mode`` and the
     task's kernel choices, as in training."""
@@ -285,26 +279,6 @@ def agree(error: BaseException | None, rank: int, world: int):
         raise error
 
 
-def prepare(args, rank: int, local_rank: int):
-    """(checkpoint state, its path, output directory or None off rank 0, config, device, task,
-    model with the checkpoint's weights, on its device, in eval mode)."""
-    if rank == 0:
-        check_matplotlib()  # only rank 0 draws
-    state, ckpt, run_dir = find_checkpoint(args.run)
-    out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
-    overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
-                 if getattr(args, k) is not None}
-    cfg = run_config(run_dir, state, overrides)
-    check_model_options(args, cfg, args.run)
-    device = choose_device(cfg, local_rank)
-    check_amp(cfg, device)
-    task = make_task(cfg)
-    model = task.build_model()
-    load_weights(model, state, ckpt)
-    model.to(device).eval()
-    return state, ckpt, out, cfg, device, task, model
-
-
 def score(args) -> str | None:
     """Score the run ``args.run`` as its task does and write the report; its directory (None on
     ranks other than 0, which write nothing)."""
@@ -319,8 +293,21 @@ def score(args) -> str | None:
 
 def _score(args, rank: int, world: int, local_rank: int) -> str | None:
     error = None
-    try:
-        state, ckpt, out, cfg, device, task, model = prepare(args, rank, local_rank)
+    try:  # the checkpoint, the output directory, the config, the model with its weights
+        if rank == 0:
+            check_matplotlib()  # only rank 0 draws
+        state, ckpt, run_dir = find_checkpoint(args.run)
+        out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
+        overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
+                     if getattr(args, k) is not None}
+        cfg = run_config(run_dir, state, overrides)
+        check_model_options(args, cfg, args.run)
+        device = choose_device(cfg, local_rank)
+        check_amp(cfg, device)
+        task = make_task(cfg)
+        model = task.build_model()
+        load_weights(model, state, ckpt)
+        model.to(device).eval()
     except Exception as e:  # told to every rank first
         error = e
     agree(error, rank, world)

@@ -4,7 +4,6 @@ is drawn (``check_matplotlib`` tells first, in one line, when it is missing)."""
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os
@@ -106,10 +105,8 @@ def draw(figure: Figure, path: str) -> bytes:
             ax.plot(np.asarray(x, dtype=float), np.asarray(y, dtype=float), label=label)
         if panel.hline is not None:
             ax.axhline(panel.hline, color="grey", lw=0.8, ls="--")
-        if panel.logx:
-            ax.set_xscale("log")
-        if panel.logy:
-            ax.set_yscale("log")
+        ax.set_xscale("log" if panel.logx else "linear")
+        ax.set_yscale("log" if panel.logy else "linear")
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(panel.xlabel, fontsize=8)
         ax.set_ylabel(panel.ylabel, fontsize=8)
@@ -121,12 +118,10 @@ def draw(figure: Figure, path: str) -> bytes:
         axes.flat[0].legend(fontsize=7)
     fig.suptitle(figure.title)
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=90)
+    fig.savefig(path, format="png", dpi=90)
     plt.close(fig)
-    with open(path, "wb") as f:
-        f.write(png.getvalue())
-    return png.getvalue()
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def write_events(report: Report, logdir: str, plots: dict):

@@ -129,8 +129,7 @@ class CosmoTask(Task):
                                 title=f"{self.channels[0]} (log gas density), z slice {k}")
 
     def score(self, model, device: torch.device, autocast, opts):
-        """Statistics of the whole volume predicted tile by tile: spectra, cross-correlation,
-        one-point distributions, errors (``tasks.volume_stats``)."""
+        """Statistics of the whole volume predicted tile by tile (``tasks.volume_stats``)."""
         return volume_stats.score(self, model, device, autocast, opts)
 
     # -- what else the engine asks

@@ -30,6 +30,7 @@ HEADLINE = ("z500", "t850", "t2m", "u10m")  # the variables of the lead-time plo
 FORECASTS = ("model", "persistence", "climatology")
 SPLITS = ("valid", "train", "test")  # the usual splits under data_root, listed first
 N_INIT = 32  # initial conditions scored when not told
+SKILL_INITS = 8  # initial conditions of the rollouts made during training (skill_every)
 # Physical units by the variable's name (its letters before the pressure level, or the name).
 UNITS = {"u": "m/s", "v": "m/s", "t": "K", "z": "m^2/s^2", "sp": "Pa", "msl": "Pa", "r": "%",
          "tcwv": "kg/m^2", "u10m": "m/s", "v10m": "m/s", "t2m": "K"}
@@ -40,16 +41,11 @@ def units(name: str) -> str:
     return UNITS.get(name) or UNITS.get(name.rstrip("0123456789"), "")
 
 
-# ----------------------------------------------------------------------------- the metrics
-
-
 def acc(forecast: torch.Tensor, truth: torch.Tensor, clim: torch.Tensor,
         weights: torch.Tensor) -> torch.Tensor:
-    """Latitude-weighted anomaly correlation per sample and channel: (B, C, H, W) -> (B, C).
-
-    ACC = sum(w f' o') / sqrt(sum(w f'^2) sum(w o'^2)), f' = forecast - clim, o' = truth - clim,
-    sums over the grid, ``weights`` (H,) per row, ``clim`` (C, H, W). A forecast or truth with no
-    anomaly anywhere (the climatology forecast) has no correlation: 0, not 0/0."""
+    """Latitude-weighted anomaly correlation per sample and channel, as docs/scoring.md defines
+    it: (B, C, H, W) -> (B, C); ``weights`` (H,) per row, ``clim`` (C, H, W). A forecast or truth
+    with no anomaly anywhere (the climatology forecast) has no correlation: 0, not 0/0."""
     w = weights.to(forecast.device, torch.float64).view(1, 1, -1, 1)
     f = forecast.double() - clim.double()
     o = truth.double() - clim.double()
@@ -99,9 +95,6 @@ class SkillSums:
         """(RMSE, ACC) means over the samples, (forecasts, leads, channels) float64 arrays."""
         n = self.count.clamp_min(1).view(1, -1, 1)
         return (self.rmse / n).cpu().numpy(), (self.acc / n).cpu().numpy()
-
-
-# ----------------------------------------------------------------------------- which states
 
 
 def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None) -> tuple[int, str]:
@@ -160,11 +153,6 @@ def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | 
                         f"{n_channels}, H >= {h}, W >= {w}: write it again, or remove it to score "
                         f"without ACC")
     return np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)
-
-
-# ----------------------------------------------------------------------------- scoring a run
-
-SKILL_INITS = 8  # initial conditions of the rollouts made during training (skill_every)
 
 
 def training_skill(task, model, device: torch.device, forward, rank: int = 0,

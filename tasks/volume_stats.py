@@ -26,9 +26,6 @@ log = logging.getLogger("score")
 HIST_BINS = 60
 
 
-# ----------------------------------------------------------------------------- spectra
-
-
 def _shells(side: int) -> tuple[np.ndarray, np.ndarray]:
     """For the half-spectrum of ``np.fft.rfftn`` of a ``side``^3 box: each mode's shell
     (|k| rounded, k in units of the fundamental mode 2 pi / box) and how many modes of the full
@@ -102,38 +99,13 @@ def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
             "relative_error": float(np.sqrt(np.sum(d * d)) / norm) if norm > 0 else float("nan")}
 
 
-# ----------------------------------------------------------------------------- tiling
-
-
 def unet_halo(levels: int) -> int:
     """The smallest halo, a multiple of 2^levels, that makes tiles exact for the U-Net of
     ``networks.unet`` (4^3 kernels of stride 2 and padding 1, ``levels`` levels, skip
-    connections): how far, along one axis, the first voxel of an aligned tile reads to its left
-    and its last voxel to its right, rounded up to whole 2^levels (64 for 5 levels, 128 for 6)."""
-    def down(lo, hi):  # a strided convolution's outputs lo..hi read these inputs
-        return 2 * lo - 1, 2 * hi + 2
-
-    def up(lo, hi):  # a transposed convolution's outputs lo..hi read these inputs
-        return -(-(lo - 2) // 2), (hi + 1) // 2
-
-    def encoder(level, lo, hi):  # encoder features at ``level`` -> input voxels
-        for _ in range(level):
-            lo, hi = down(lo, hi)
-        return lo, hi
-
-    def decoder(level, lo, hi):  # decoder output at ``level`` -> input voxels
-        lo, hi = up(lo, hi)  # from level + 1: the skip (encoder) and, below it, the decoder
-        a, b = encoder(level + 1, lo, hi)
-        if level + 1 < levels:
-            c, d = decoder(level + 1, lo, hi)
-            a, b = min(a, c), max(b, d)
-        return a, b
-
-    align = 2**levels
-    first = 8 * align  # a tile's first voxel, away from the volume's edges
-    last = first + align - 1  # the last voxel of a tile (tiles are whole multiples of align)
-    reach = max(first - decoder(0, first, first)[0], decoder(0, last, last)[1] - last)
-    return -(-reach // align) * align
+    connections): the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond
+    it (``tests/test_scoring.py`` perturbs the input voxels to check it), rounded up to whole
+    2^levels: 64 for 5 levels, 128 for 6."""
+    return 2 * 2**levels
 
 
 def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, int, int]]:
@@ -184,9 +156,6 @@ def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, ba
         if progress is not None:
             progress(min(first + batch, len(tiles)), len(tiles))
     return out
-
-
-# ----------------------------------------------------------------------------- scoring a run
 
 
 def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
