@@ -12,13 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from settings.errors import UserError
-
-
-class MissingPackage(UserError):
-    """A package that this command needs is not installed."""
-
-    exit_code = 2
+from settings.errors import ConfigError
 
 
 @dataclass
@@ -63,8 +57,8 @@ def check_matplotlib():
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise MissingPackage("matplotlib is not installed, and the scores' plots need it: pip "
-                             "install -r requirements-plots.txt") from None
+        raise ConfigError("matplotlib is not installed, and the scores' plots need it: pip "
+                          "install -r requirements-plots.txt") from None
 
 
 def _plain(v):

@@ -221,9 +221,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     scratch_in, scratch_out = np.empty((1, c_in, h, w), np.float32), np.empty((1, c_out, h, w), np.float32)
 
     def upload(a: np.ndarray) -> torch.Tensor:
-        """``a`` on the device without waiting for it: a copy from pageable memory would make the
-        host wait for every step queued before it; from (cached) pinned memory it is queued
-        behind them, and the host reads the next states meanwhile."""
+        """``a`` on the device, from (cached) pinned memory: queued behind the steps before it,
+        while the host reads the next states (from pageable memory the host would wait)."""
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
@@ -311,9 +310,9 @@ def _report(task, rmse, accs, n_steps, n_init, split, notes, has) -> Report:
     for c in headline or range(min(4, len(channels))):
         parts = []
         for k in leads:
-            base = "".join(f" / {rmse[FORECASTS.index(f), k, c]:.4g}" for f in shown[1:])
+            values = " / ".join(f"{rmse[FORECASTS.index(f), k, c]:.4g}" for f in shown)
             score_acc = f", model ACC {accs[0, k, c]:.3f}" if with_acc else ""
-            parts.append(f"{hours[k]} h {rmse[0, k, c]:.4g}{base}{score_acc}")
+            parts.append(f"{hours[k]} h {values}{score_acc}")
         summary.append(f"  {channels[c]} RMSE ({units(channels[c])}), "
                        f"{' / '.join(shown)}: " + "; ".join(parts))
     meta = {"problem": "forecast skill", "split": split, "initial_conditions": n_init,

@@ -41,12 +41,8 @@ def _shells(side: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def cross_power(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cross power spectrum of two fields on the same periodic L^3 grid, in spherical shells.
-
-    P_ab(k) = < Re(A(k) B*(k)) > / L^3 over the modes whose |k| rounds to k, A = FFT(a - mean a),
-    k = 1 .. L // 2 in units of the fundamental mode 2 pi / box. With a = b this is the power
-    spectrum, in (field units)^2 x voxel volume (white noise of variance s^2 has P = s^2).
-    Returns (k, P_ab, modes per shell)."""
+    """Cross power spectrum P_ab(k) of two fields on the same periodic L^3 grid, in the
+    spherical shells k = 1 .. L // 2 (docs/scoring.md defines it): (k, P_ab, modes per shell)."""
     if a.shape != b.shape or a.ndim != 3 or len(set(a.shape)) != 1:
         raise ValueError(f"fields of shapes {a.shape} and {b.shape}: need two L^3 boxes")
     side = a.shape[0]
@@ -130,11 +126,9 @@ def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, ba
                   out_channels: int | None = None) -> torch.Tensor:
     """``forward`` of the volume ``x`` (1, C, L, L, L), window by window (``tile_plan`` along
     each axis, up to ``batch`` windows per call); the cores stitched into (1, C_out, L, L, L)
-    float32 on the CPU. ``progress(done, total)`` is called after each call.
-
-    ``share`` (rank, ranks): predict only every ranks-th tile from the rank-th, the rest of the
-    volume left 0, so that the ranks' volumes add up to the whole; ``out_channels`` (C_out) is
-    then needed, for a rank that has no tile."""
+    float32 on the CPU. ``progress(done, total)`` is called after each call. ``share`` (rank,
+    ranks): only every ranks-th tile from the rank-th, the rest left 0, so that the ranks'
+    volumes add up to the whole (``out_channels`` then makes it for a rank without a tile)."""
     side = x.shape[-1]
     if x.shape[0] != 1 or x.shape[2:] != (side,) * 3:
         raise ValueError(f"a volume of shape {tuple(x.shape)}: need (1, C, L, L, L)")
