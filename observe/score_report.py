@@ -72,15 +72,13 @@ def _plain(v):
 
 def write_table(report: Report, directory: str):
     """``scores.csv`` (one row per line) and ``scores.json`` (the meta, the notes and the rows)."""
+    rows = [{k: _plain(v) for k, v in row.items()} for row in report.rows]
     with open(os.path.join(directory, "scores.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(report.rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        for row in report.rows:
-            writer.writerow({k: "" if v is None else _plain(v) for k, v in row.items()})
+        writer.writerows(rows)  # None as an empty field
     with open(os.path.join(directory, "scores.json"), "w") as f:
-        json.dump({"meta": report.meta, "notes": report.notes,
-                   "rows": [{k: _plain(v) for k, v in row.items()} for row in report.rows]},
-                  f, indent=1)
+        json.dump({"meta": report.meta, "notes": report.notes, "rows": rows}, f, indent=1)
 
 
 def draw(figure: Figure, path: str) -> bytes:

@@ -23,13 +23,9 @@ except ImportError:  # pragma: no cover  (torch < 2.3; the project needs 2.5)
 
 BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-HOPPER_ORDER = ("cudnn", "flash", "efficient", "math")  # fastest first, measured (above)
+HOPPER_ORDER = ("cudnn", "flash", "efficient", "math")  # fastest first, measured (docs/performance.md)
 # Whether sdpa_kernel can set the priority of the backends it allows (torch >= 2.6).
 _CAN_ORDER = sdpa_kernel is not None and "set_priority" in inspect.signature(sdpa_kernel).parameters
-
-
-def _backend(name: str):
-    return getattr(SDPBackend, BACKENDS[name])
 
 
 def auto_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...] | None:
@@ -48,7 +44,7 @@ def kernels(choice: str, device: torch.device, dtype: torch.dtype,
     order = auto_order(device, dtype) if choice == "auto" else (choice,)
     if order is None:
         return contextlib.nullcontext
-    backends = [_backend(name) for name in order]
+    backends = [getattr(SDPBackend, BACKENDS[name]) for name in order]
 
     def context():
         return sdpa_kernel(backends, set_priority=True) if len(backends) > 1 \
