@@ -85,9 +85,8 @@ class SkillSums:
     def reduce(self):
         """Add up the sums of all ranks, on every rank (nothing to do in one process)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # Each rank scored its own initial conditions: the sums over all of them are the sums
-            # of the ranks' sums (one all-reduce of each tensor), so the means are those of one
-            # process scoring them all, to the order of the float64 additions.
+            # Each rank scored its own initial conditions: one all-reduce of each sum gives the
+            # means of one process scoring them all, to the order of the float64 additions.
             for t in (self.rmse, self.acc, self.count):
                 dist.all_reduce(t)
 
