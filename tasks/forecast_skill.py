@@ -114,8 +114,6 @@ def initial_conditions(year_steps: list[int], span: int, n: int) -> list[tuple[i
     """Up to ``n`` (year index, step) starts spread evenly through the split, each followed by
     ``span`` steps in its year; in order."""
     starts = [(k, t) for k, steps in enumerate(year_steps) for t in range(steps - span)]
-    if not starts:
-        return []
     pick = np.unique(np.linspace(0, len(starts) - 1, min(n, len(starts))).round().astype(int))
     return [starts[i] for i in pick]
 
