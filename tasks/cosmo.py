@@ -72,7 +72,6 @@ class CosmoTask(Task):
         return torch.channels_last_3d, f"memory_format auto: {self.cfg.amp_mode} on a GPU"
 
     def compile_options(self, memory_format: torch.memory_format) -> dict:
-        """Options for torch.compile of the model in ``memory_format``."""
         if memory_format == torch.channels_last_3d:
             return CHANNELS_LAST_COMPILE_OPTIONS or {}
         return {}
