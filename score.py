@@ -3,21 +3,11 @@
     python score.py --run logs/ViT/quickstart/1/0                    # the newest checkpoint of a run
     python score.py --run logs/ViT/quickstart/1/0/checkpoints/ckpt_00000290.pt --lead_steps 20
     python score.py --run logs/ViT/quickstart/1/0 --split test --out scores/test
+    torchrun --nproc_per_node 2 -- score.py --run ...                 # ranks share the work
 
-The ViT's forecast skill over lead time (``tasks.forecast_skill``: RMSE in physical units and
-ACC per variable, beside persistence and climatology), or the U-Net's statistics of a whole
-predicted volume (``tasks.volume_stats``: power spectra, cross-correlation, one-point
-distributions, errors). The run's resolved config (``config.yaml``, else the one the checkpoint
-holds) builds the model, the checkpoint's weights (a ``.pt`` file, or a ``.dcp`` directory read
-whole) fill it, on the run's device choice and in its amp_mode. Everything is written to
-``<run dir>/score/`` (or ``--out``), which must not exist yet: ``scores.csv``, ``scores.json``,
-PNG plots and ``tensorboard/`` (the scalars and the plots as images).
-
-One process, or several ranks (``torchrun --nproc_per_node 2 -- score.py --run ...``: the ``--``
-keeps torchrun from taking ``--run`` for its ``--run-path``; or Slurm with export_DDP_vars.sh):
-each rank then scores its share (the ViT's initial conditions, the U-Net's tiles), the sums are
-added over the ranks before the means, and rank 0 writes the report; the numbers are those of
-one process. docs/scoring.md defines every number.
+The ViT's forecast skill over lead time (``tasks.forecast_skill``), the U-Net's statistics of a
+whole predicted volume (``tasks.volume_stats``). docs/scoring.md says what is read, what is
+written, how ranks share the work, and defines every number.
 """
 from __future__ import annotations
 
@@ -99,10 +89,8 @@ def run_not_found(path: str) -> ConfigError | None:
 
 
 def read_command_line(argv) -> argparse.Namespace:
-    """The options, refused in one line where they are wrong without reading the checkpoint:
-    before torch and the engine load, when run as a script (a fraction of a second). A ``--run``
-    that does not exist is refused here only in a single process: ranks of a job refuse it
-    together after joining (``agree``), since a path may exist on some nodes and not others."""
+    """The options, refused in one line before torch loads. A missing ``--run`` is refused here
+    only in one process: ranks refuse it together (``agree``), as it may exist on some nodes."""
     args = parser().parse_args(argv)
     error = run_not_found(args.run) if os.environ.get("WORLD_SIZE", "1") == "1" else None
     if error is not None:
@@ -126,9 +114,6 @@ from settings.parse import build_config, yaml_problem
 from tasks import make_task
 
 log = logging.getLogger("score")
-
-
-# ----------------------------------------------------------------------------- the input
 
 
 def find_checkpoint(path: str) -> tuple[dict, str, str]:
@@ -177,8 +162,7 @@ def run_config(run_dir: str, state: dict, overrides: dict):
         raise ConfigError(f"the checkpoint's config names model={saved.get('model')!r}, not one "
                           f"of {', '.join(CONFIG_CLASSES)}")
     known = {f.name for f in dataclasses.fields(cls)}
-    cfg = cls(**{k: v for k, v in saved.items() if k in known})
-    cfg = dataclasses.replace(cfg, **overrides)
+    cfg = cls(**{k: v for k, v in saved.items() if k in known} | overrides)
     validate(cfg)
     return cfg
 
@@ -236,21 +220,17 @@ def output_dir(out: str | None, run_dir: str) -> str:
     return out
 
 
-# ----------------------------------------------------------------------------- scoring
-
-
 def forward_context(task, device: torch.device, amp_mode: str):
     """A factory of the context the scoring forwards run in: autocast in ``amp_mode`` and the
     task's kernel choices, as in training."""
     amp = AMP_DTYPES[amp_mode]
     kernels = task.forward_kernels(device, amp or torch.float32)
 
+    @contextlib.contextmanager
     def context():
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(device.type, dtype=amp or torch.float32,
-                                           enabled=amp is not None))
-        stack.enter_context(kernels())
-        return stack
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), \
+                kernels():
+            yield
 
     return context
 
@@ -285,10 +265,8 @@ def agree(error: BaseException | None, rank: int, world: int):
     failing rank's user error (prefixed with that rank unless it is rank 0), or a one-line pointer
     to that rank's traceback. Nothing to agree on with one rank."""
     if world > 1:
-        # Each rank's error (or None), gathered on every rank over the host: a refusal found on
-        # one rank (rank 0's output directory, one rank's device) ends all ranks together,
-        # instead of leaving the others waiting in the next collective until its timeout. It is
-        # also the ranks' barrier.
+        # Every rank's error (or None), on every rank: a refusal found on one rank ends all
+        # ranks together, none left waiting in the next collective. Also the ranks' barrier.
         told = [None] * world
         mine = None if error is None else (error if isinstance(error, UserError) else
                                            UserError(f"{type(error).__name__}: {error}"))
@@ -299,26 +277,6 @@ def agree(error: BaseException | None, rank: int, world: int):
             raise first if r == 0 else type(first)(f"rank {r}: {first}")
     if error is not None:
         raise error
-
-
-def prepare(args, rank: int, local_rank: int):
-    """(checkpoint state, its path, output directory or None off rank 0, config, device, task,
-    model with the checkpoint's weights, on its device, in eval mode)."""
-    if rank == 0:
-        check_matplotlib()  # only rank 0 draws
-    state, ckpt, run_dir = find_checkpoint(args.run)
-    out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
-    overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
-                 if getattr(args, k) is not None}
-    cfg = run_config(run_dir, state, overrides)
-    check_model_options(args, cfg, args.run)
-    device = choose_device(cfg, local_rank)
-    check_amp(cfg, device)
-    task = make_task(cfg)
-    model = task.build_model()
-    load_weights(model, state, ckpt)
-    model.to(device).eval()
-    return state, ckpt, out, cfg, device, task, model
 
 
 def score(args) -> str | None:
@@ -335,8 +293,21 @@ def score(args) -> str | None:
 
 def _score(args, rank: int, world: int, local_rank: int) -> str | None:
     error = None
-    try:
-        state, ckpt, out, cfg, device, task, model = prepare(args, rank, local_rank)
+    try:  # the checkpoint, the output directory, the config, the model with its weights
+        if rank == 0:
+            check_matplotlib()  # only rank 0 draws
+        state, ckpt, run_dir = find_checkpoint(args.run)
+        out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
+        overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
+                     if getattr(args, k) is not None}
+        cfg = run_config(run_dir, state, overrides)
+        check_model_options(args, cfg, args.run)
+        device = choose_device(cfg, local_rank)
+        check_amp(cfg, device)
+        task = make_task(cfg)
+        model = task.build_model()
+        load_weights(model, state, ckpt)
+        model.to(device).eval()
     except Exception as e:  # told to every rank first
         error = e
     agree(error, rank, world)

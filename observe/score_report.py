@@ -1,27 +1,18 @@
-"""What scoring a trained model writes: the table (``scores.csv``, ``scores.json``), PNG plots
-and TensorBoard scalars and images (the same plots), from a ``Report`` that a task's scoring fills in (``tasks/
-forecast_skill.py``, ``tasks/volume_stats.py``). The report holds numbers and the plots' layout
-only; matplotlib draws them here, imported when a plot is drawn (``check_matplotlib`` tells
-first, in one line, when it is missing)."""
+"""What scoring a trained model writes (docs/scoring.md), from the ``Report`` a task's scoring
+fills in: numbers and the plots' layout only; matplotlib draws them here, imported when a plot
+is drawn (``check_matplotlib`` tells first, in one line, when it is missing)."""
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from settings.errors import UserError
-
-
-class MissingPackage(UserError):
-    """A package that this command needs is not installed."""
-
-    exit_code = 2
+from settings.errors import ConfigError
 
 
 @dataclass
@@ -49,17 +40,16 @@ class Figure:
 
 @dataclass
 class Report:
-    """The scores of one run: the table's ``columns`` and ``rows`` (dicts), ``meta`` (what was
-    scored, and how), TensorBoard ``scalars`` as (tag, value, step), ``figures``, the printed
-    ``summary`` lines and ``notes`` (what was left out, and why)."""
+    """The scores of one run: the table's ``rows`` (dicts, the columns in the order of their
+    keys), ``meta`` (what was scored, and how), TensorBoard ``scalars`` as (tag, value, step),
+    ``figures``, the printed ``summary`` lines and ``notes`` (what was left out, and why)."""
 
-    columns: list
     rows: list
     meta: dict
-    scalars: list = field(default_factory=list)
-    figures: list = field(default_factory=list)
-    summary: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
+    scalars: list
+    figures: list
+    summary: list
+    notes: list
 
 
 def check_matplotlib():
@@ -67,8 +57,8 @@ def check_matplotlib():
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise MissingPackage("matplotlib is not installed, and the scores' plots need it: pip "
-                             "install -r requirements-plots.txt") from None
+        raise ConfigError("matplotlib is not installed, and the scores' plots need it: pip "
+                          "install -r requirements-plots.txt") from None
 
 
 def _plain(v):
@@ -81,17 +71,14 @@ def _plain(v):
 
 
 def write_table(report: Report, directory: str):
-    """``scores.csv`` (one row per line, the columns in order) and ``scores.json`` (the meta,
-    the notes and the rows)."""
+    """``scores.csv`` (one row per line) and ``scores.json`` (the meta, the notes and the rows)."""
+    rows = [{k: _plain(v) for k, v in row.items()} for row in report.rows]
     with open(os.path.join(directory, "scores.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=report.columns)
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        for row in report.rows:
-            writer.writerow({k: "" if row.get(k) is None else _plain(row[k]) for k in report.columns})
+        writer.writerows(rows)  # None as an empty field
     with open(os.path.join(directory, "scores.json"), "w") as f:
-        json.dump({"meta": report.meta, "notes": report.notes,
-                   "rows": [{k: _plain(v) for k, v in row.items()} for row in report.rows]},
-                  f, indent=1)
+        json.dump({"meta": report.meta, "notes": report.notes, "rows": rows}, f, indent=1)
 
 
 def draw(figure: Figure, path: str) -> bytes:
@@ -110,10 +97,8 @@ def draw(figure: Figure, path: str) -> bytes:
             ax.plot(np.asarray(x, dtype=float), np.asarray(y, dtype=float), label=label)
         if panel.hline is not None:
             ax.axhline(panel.hline, color="grey", lw=0.8, ls="--")
-        if panel.logx:
-            ax.set_xscale("log")
-        if panel.logy:
-            ax.set_yscale("log")
+        ax.set_xscale("log" if panel.logx else "linear")
+        ax.set_yscale("log" if panel.logy else "linear")
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(panel.xlabel, fontsize=8)
         ax.set_ylabel(panel.ylabel, fontsize=8)
@@ -125,28 +110,16 @@ def draw(figure: Figure, path: str) -> bytes:
         axes.flat[0].legend(fontsize=7)
     fig.suptitle(figure.title)
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=90)
+    fig.savefig(path, format="png", dpi=90)
     plt.close(fig)
-    with open(path, "wb") as f:
-        f.write(png.getvalue())
-    return png.getvalue()
-
-
-def png_image(png: bytes):
-    """A PNG file's bytes as TensorBoard's image summary, as they are (no decoding and encoding
-    again): its size and colour type read from its IHDR chunk."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    width, height = struct.unpack(">II", png[16:24])
-    channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
-    return Summary.Image(height=height, width=width, colorspace=channels,
-                         encoded_image_string=png)
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def write_events(report: Report, logdir: str, plots: dict):
     """The report's scalars, and its ``plots`` ({figure name: PNG bytes}) as images tagged
-    ``Plots/<name>`` (the IMAGES tab), as TensorBoard events under ``logdir``."""
+    ``Plots/<name>`` (the IMAGES tab), as TensorBoard events under ``logdir``. The PNGs go in as
+    they are (no decoding and encoding again): their size and colour type read from the IHDR."""
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     from observe.tensorboard import Board
@@ -156,7 +129,11 @@ def write_events(report: Report, logdir: str, plots: dict):
         if math.isfinite(value):
             board.scalar(tag, value, step)
     for name, png in plots.items():
-        value = Summary.Value(tag=f"Plots/{name}", image=png_image(png))
+        width, height = struct.unpack(">II", png[16:24])
+        channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
+        image = Summary.Image(height=height, width=width, colorspace=channels,
+                              encoded_image_string=png)
+        value = Summary.Value(tag=f"Plots/{name}", image=image)
         board.writer.file_writer.add_summary(Summary(value=[value]), 0)
     board.close()
 

@@ -15,19 +15,9 @@ config's class) and answers:
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);
 - ``shards_model``: whether train_mp.py can split the model over tensor/context-parallel ranks.
 
-and, where its problem has something to say (``tasks.base.Task``, which every task derives from,
-answers with torch's defaults):
-
-- ``memory_format(device)``: the layout of the model's weights and of the batches on the
-  device (``torch.contiguous_format`` or ``torch.channels_last_3d``: the U-Net's on a GPU), and
-  why (for the log); ``compile_options(memory_format)``: the options torch.compile
-  (``enable_jit``) is given;
-- ``forward_kernels(device, dtype)``: a factory of the context the forward pass runs under (the
-  ViT's attention kernel, ``tasks.attention``);
-- ``blocks(model)``: the units the model is built of (the ViT's transformer blocks, the U-Net's
-  encoder and decoder stages; by default none: the whole model is one unit): sharded as units
-  under ``fsdp``, their weights gathered together just before they run; their linear layers
-  are the ones ``fp8_linears`` converts; each is compiled on its own under ``compile_blocks``.
+and, where its problem has something to say, what ``tasks.base.Task`` (every task derives from
+it) answers with torch's defaults: ``memory_format``, ``compile_options``, ``forward_kernels``,
+``blocks``, ``skill`` and ``score``.
 
 Its data is the data room's (``datapipe.data_sets``, registered for the same config class), and
 its settings are its config class's (``settings.config``: fields, bounds and ``check()``). A new

@@ -1,18 +1,9 @@
-"""Which kernel computes the ViT's attention (the setting ``attention_backend``).
-
-torch's ``scaled_dot_product_attention`` has several kernels (backends) and picks the first of a
-fixed priority list that supports the inputs; that list has changed between torch releases
-(cuDNN's kernel was first on Hopper in 2.5.0, behind FlashAttention in 2.5.1, first again by
-2.11). Measured on an H200 at the tutorial's shapes (batch 16, 8 heads of 48, 4050 tokens, bf16
-and fp16; ``benchmarks/step_options.py``, docs/performance.md), forward + backward: cuDNN 5.25 ms,
-FlashAttention 8.27 ms, memory-efficient 17.7 ms, math 71.6 ms; the whole eager step 118, 152
-and 266 ms with the first three. So ``auto`` puts cuDNN first on Hopper (compute capability 9)
-in half precision, whatever the torch release, and leaves torch's choice alone elsewhere; a named
-backend is the only one allowed, and refused at the start where it has no kernel.
-
-The choice is a context the engine runs the forward pass under (``kernels()``): the backward of
-each attention is that of the kernel its forward ran, a compiled model bakes the kernel in when
-it is traced, and a CUDA graph captures it.
+"""Which kernel computes the ViT's attention (the setting ``attention_backend``;
+docs/performance.md, "The attention kernel", has the measurements): ``auto`` puts cuDNN's kernel
+first on Hopper (compute capability 9) in half precision, whatever torch's own priority list,
+and leaves torch's choice alone elsewhere; a named backend is the only one allowed, and refused
+at the start where it has no kernel. The choice is a context the engine runs the forward pass
+under (``kernels()``), so a compiled model or a CUDA graph takes the kernel it was traced with.
 """
 from __future__ import annotations
 
@@ -32,13 +23,9 @@ except ImportError:  # pragma: no cover  (torch < 2.3; the project needs 2.5)
 
 BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-HOPPER_ORDER = ("cudnn", "flash", "efficient", "math")  # fastest first, measured (above)
+HOPPER_ORDER = ("cudnn", "flash", "efficient", "math")  # fastest first, measured (docs/performance.md)
 # Whether sdpa_kernel can set the priority of the backends it allows (torch >= 2.6).
 _CAN_ORDER = sdpa_kernel is not None and "set_priority" in inspect.signature(sdpa_kernel).parameters
-
-
-def _backend(name: str):
-    return getattr(SDPBackend, BACKENDS[name])
 
 
 def auto_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...] | None:
@@ -57,7 +44,7 @@ def kernels(choice: str, device: torch.device, dtype: torch.dtype,
     order = auto_order(device, dtype) if choice == "auto" else (choice,)
     if order is None:
         return contextlib.nullcontext
-    backends = [_backend(name) for name in order]
+    backends = [getattr(SDPBackend, BACKENDS[name]) for name in order]
 
     def context():
         return sdpa_kernel(backends, set_priority=True) if len(backends) > 1 \

@@ -22,14 +22,10 @@ from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
 
 
-# torch.compile of the channels-last U-Net. None while it fails: on an H200 with torch 2.11 the
-# compiled backward stopped with "expected size 512==512, stride 64==1 at dim=1" in
-# aten.convolution_backward (the strides torch's fake kernel predicted for a convolution's
-# gradient were not those cuDNN returned); auto then keeps the default layout under enable_jit,
-# and channels_last with enable_jit is refused. A dict: the torch.compile options (inductor
-# settings; {} for none) under which it compiles and trains the eager step's numbers, as
-# benchmarks/channels_last_compile.py finds them on a GPU. (On a CPU it compiles and trains the
-# eager numbers, torch 2.11 and 2.13: the CPU's convolutions take another path.)
+# torch.compile of the channels-last U-Net on a GPU: None while its backward fails there (torch
+# 2.11 on an H200: docs/performance.md, "With torch.compile"), so auto keeps the default layout
+# under enable_jit and channels_last with enable_jit is refused; else the torch.compile options
+# ({} for none) under which it compiles and trains the eager step's numbers.
 CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
 
 
@@ -50,13 +46,8 @@ class CosmoTask(Task):
 
     def memory_format(self, device: torch.device) -> tuple[torch.memory_format, str]:
         """The layout of the model's weights, its batches and the loss (``memory_format``), and
-        why, for the log. Channels-last (``torch.channels_last_3d``: a voxel's channels side by
-        side) is what cuDNN's fastest 3D convolutions read and write: a compute-only step took
-        32.5 ms instead of 39.4 ms on an H200 in bf16 (benchmarks/GPU.md). ``auto`` takes it on
-        a GPU in bf16 or fp16 unless the model is compiled (torch.compile fails on its backward
-        there: see ``CHANNELS_LAST_COMPILE_OPTIONS``; on a CPU it compiles); in fp32 and on a CPU
-        the default layout (in fp32 its gain is unmeasured and its cuDNN autotuning took 55 s of
-        the loader-bound baseline's start)."""
+        why, for the log. ``auto``: channels-last on a GPU in bf16 or fp16 unless compiled there,
+        else the default layout (docs/performance.md, "Memory format", says why)."""
         choice = self.cfg.memory_format
         if choice == "contiguous":
             return torch.contiguous_format, ""
@@ -71,9 +62,7 @@ class CosmoTask(Task):
                     "36.3 ms: benchmarks/GPU.md): drop --enable_jit, or use "
                     "--memory_format auto")
             return torch.channels_last_3d, "memory_format channels_last"
-        if device.type != "cuda":
-            return torch.contiguous_format, ""
-        if self.cfg.amp_mode == "none":
+        if device.type != "cuda" or self.cfg.amp_mode == "none":
             return torch.contiguous_format, ""
         if compile_fails:
             return torch.contiguous_format, (
@@ -83,7 +72,6 @@ class CosmoTask(Task):
         return torch.channels_last_3d, f"memory_format auto: {self.cfg.amp_mode} on a GPU"
 
     def compile_options(self, memory_format: torch.memory_format) -> dict:
-        """Options for torch.compile of the model in ``memory_format``."""
         if memory_format == torch.channels_last_3d:
             return CHANNELS_LAST_COMPILE_OPTIONS or {}
         return {}
@@ -140,8 +128,7 @@ class CosmoTask(Task):
                                 title=f"{self.channels[0]} (log gas density), z slice {k}")
 
     def score(self, model, device: torch.device, autocast, opts):
-        """Statistics of the whole volume predicted tile by tile: spectra, cross-correlation,
-        one-point distributions, errors (``tasks.volume_stats``)."""
+        """Statistics of the whole volume predicted tile by tile (``tasks.volume_stats``)."""
         return volume_stats.score(self, model, device, autocast, opts)
 
     # -- what else the engine asks

@@ -90,16 +90,14 @@ class ERA5Task(Task):
                                 units="(normalised units)")
 
     def skill(self, model, device: torch.device, forward, epoch: int, rank: int, world: int):
-        """Every ``skill_every`` epochs: a short rollout's forecast skill
-        (``forecast_skill.training_skill``)."""
+        """Every ``skill_every`` epochs: a short rollout's forecast skill (``forecast_skill``)."""
         every = self.cfg.skill_every
         if not every or (epoch + 1) % every:
             return None
         return forecast_skill.training_skill(self, model, device, forward, rank, world)
 
     def score(self, model, device: torch.device, autocast, opts):
-        """Forecast skill over lead time: autoregressive rollouts scored per variable
-        (``tasks.forecast_skill``)."""
+        """Forecast skill over lead time (``tasks.forecast_skill``)."""
         return forecast_skill.score(self, model, device, autocast, opts)
 
     # -- what else the engine asks

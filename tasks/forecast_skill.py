@@ -1,23 +1,8 @@
-"""Forecast skill of the ERA5 ViT over lead time, as weather forecasts are scored.
-
-The model is run autoregressively: from an initial state it forecasts ``dt`` 6-hour steps ahead,
-that forecast becomes its next input, and so on for ``lead_steps`` steps (``rollout``). Every
-lead time is scored per variable against the stored state at that time, in physical units
-(de-normalised with the global means and stds), close to WeatherBench 2's headline scores
-(docs/scoring.md has the formulas and where they differ: the weights, the RMSE's mean, the
-climatology):
-
-- latitude-weighted RMSE (``tasks.losses.weighted_rmse``: weights cos(lat) of mean 1 over the
-  rows), per sample, then averaged over the initial conditions;
-- the anomaly correlation coefficient (``acc``) against the climatology (``time_means.npy``);
-
-beside two reference forecasts: persistence (the initial state at every lead) and climatology
-(the time mean at every lead; its anomaly is zero, so its ACC is 0 by definition).
-
-``SkillSums`` adds the per-sample scores up as batches of initial conditions arrive, so the
-means are exact however the initial conditions were batched, or split over ranks (``reduce``
-adds the ranks' sums); ``score`` runs the whole thing for a trained model and returns an
-``observe.score_report.Report``.
+"""Forecast skill of the ERA5 ViT over lead time, as weather forecasts are scored: autoregressive
+rollouts (``rollout``), each lead time scored per variable in physical units by latitude-weighted
+RMSE and ACC, beside persistence and climatology. docs/scoring.md has the formulas and where they
+differ from WeatherBench 2. ``SkillSums`` adds per-sample scores up, so the means are exact
+however the initial conditions were batched or split over ranks.
 """
 from __future__ import annotations
 
@@ -45,6 +30,7 @@ HEADLINE = ("z500", "t850", "t2m", "u10m")  # the variables of the lead-time plo
 FORECASTS = ("model", "persistence", "climatology")
 SPLITS = ("valid", "train", "test")  # the usual splits under data_root, listed first
 N_INIT = 32  # initial conditions scored when not told
+SKILL_INITS = 8  # initial conditions of the rollouts made during training (skill_every)
 # Physical units by the variable's name (its letters before the pressure level, or the name).
 UNITS = {"u": "m/s", "v": "m/s", "t": "K", "z": "m^2/s^2", "sp": "Pa", "msl": "Pa", "r": "%",
          "tcwv": "kg/m^2", "u10m": "m/s", "v10m": "m/s", "t2m": "K"}
@@ -55,16 +41,11 @@ def units(name: str) -> str:
     return UNITS.get(name) or UNITS.get(name.rstrip("0123456789"), "")
 
 
-# ----------------------------------------------------------------------------- the metrics
-
-
 def acc(forecast: torch.Tensor, truth: torch.Tensor, clim: torch.Tensor,
         weights: torch.Tensor) -> torch.Tensor:
-    """Latitude-weighted anomaly correlation per sample and channel: (B, C, H, W) -> (B, C).
-
-    ACC = sum(w f' o') / sqrt(sum(w f'^2) sum(w o'^2)), f' = forecast - clim, o' = truth - clim,
-    sums over the grid, ``weights`` (H,) per row, ``clim`` (C, H, W). A forecast or truth with no
-    anomaly anywhere (the climatology forecast) has no correlation: 0, not 0/0."""
+    """Latitude-weighted anomaly correlation per sample and channel, as docs/scoring.md defines
+    it: (B, C, H, W) -> (B, C); ``weights`` (H,) per row, ``clim`` (C, H, W). A forecast or truth
+    with no anomaly anywhere (the climatology forecast) has no correlation: 0, not 0/0."""
     w = weights.to(forecast.device, torch.float64).view(1, 1, -1, 1)
     f = forecast.double() - clim.double()
     o = truth.double() - clim.double()
@@ -104,9 +85,8 @@ class SkillSums:
     def reduce(self):
         """Add up the sums of all ranks, on every rank (nothing to do in one process)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # Each rank scored its own initial conditions: the sums over all of them are the sums
-            # of the ranks' sums (one all-reduce of each tensor), so the means are those of one
-            # process scoring them all, to the order of the float64 additions.
+            # Each rank scored its own initial conditions: one all-reduce of each sum gives the
+            # means of one process scoring them all, to the order of the float64 additions.
             for t in (self.rmse, self.acc, self.count):
                 dist.all_reduce(t)
 
@@ -114,9 +94,6 @@ class SkillSums:
         """(RMSE, ACC) means over the samples, (forecasts, leads, channels) float64 arrays."""
         n = self.count.clamp_min(1).view(1, -1, 1)
         return (self.rmse / n).cpu().numpy(), (self.acc / n).cpu().numpy()
-
-
-# ----------------------------------------------------------------------------- which states
 
 
 def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None) -> tuple[int, str]:
@@ -137,8 +114,6 @@ def initial_conditions(year_steps: list[int], span: int, n: int) -> list[tuple[i
     """Up to ``n`` (year index, step) starts spread evenly through the split, each followed by
     ``span`` steps in its year; in order."""
     starts = [(k, t) for k, steps in enumerate(year_steps) for t in range(steps - span)]
-    if not starts:
-        return []
     pick = np.unique(np.linspace(0, len(starts) - 1, min(n, len(starts))).round().astype(int))
     return [starts[i] for i in pick]
 
@@ -177,17 +152,11 @@ def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | 
     return np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)
 
 
-# ----------------------------------------------------------------------------- scoring a run
-
-SKILL_INITS = 8  # initial conditions of the rollouts made during training (skill_every)
-
-
 def training_skill(task, model, device: torch.device, forward, rank: int = 0,
                    world: int = 1) -> tuple[dict, list[str]]:
-    """The skill of a model being trained (``skill_every``): ``skill_lead_steps``-step rollouts
-    from ``SKILL_INITS`` initial conditions of the validation years, scored as ``score`` scores
-    them (these are its numbers for the same options). Returns the TensorBoard scalars (the
-    model's RMSE and ACC of every variable at the last lead time) and the summary lines."""
+    """The skill of a model being trained (``skill_every``, docs/scoring.md): ``score``'s numbers
+    for ``SKILL_INITS`` initial conditions of the validation years. Returns the TensorBoard
+    scalars (the model's RMSE and ACC of every variable at the last lead) and the summary."""
     opts = SimpleNamespace(split="valid", lead_steps=task.cfg.skill_lead_steps,
                            n_init=SKILL_INITS, batch_size=None, rank=rank, world_size=world)
     report = score(task, model, device, forward, opts)
@@ -204,10 +173,8 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
     """Roll ``model`` out from initial conditions spread through ``opts.split`` and score every
-    lead time. ``opts``: ``split``, ``lead_steps`` (None: ten days), ``n_init`` (None: 32),
-    ``batch_size`` (None: 8), ``rank`` and ``world_size`` (absent: one process; else this rank
-    rolls out every ``world_size``-th initial condition from its ``rank``-th, and the sums are
-    added over the ranks)."""
+    lead time. ``opts``: score.py's options (None: the defaults) and ``rank``, ``world_size``:
+    this rank rolls out every ``world_size``-th initial condition from its ``rank``-th."""
     cfg = task.cfg
     if cfg.data_is_generated:
         raise ConfigError("this run's ERA5 batches were generated in memory (data_loader_config "
@@ -232,7 +199,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                      f"other latitudes than theirs: these scores do not compare with whole-globe "
                      f"ones")
     starts = initial_conditions(year_steps, n_steps * cfg.dt, opts.n_init or N_INIT)
-    rank, world = getattr(opts, "rank", 0), getattr(opts, "world_size", 1)
+    rank, world = opts.rank, opts.world_size
     mine = starts[rank::world]
     batch_size = opts.batch_size or 8
     c_out = cfg.n_out_channels
@@ -251,24 +218,19 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     scratch_in, scratch_out = np.empty((1, c_in, h, w), np.float32), np.empty((1, c_out, h, w), np.float32)
 
     def upload(a: np.ndarray) -> torch.Tensor:
-        """``a`` on the device without waiting for it: a copy from pageable memory would make the
-        host wait for every step queued before it; from (cached) pinned memory it is queued
-        behind them, and the host reads the next states meanwhile."""
+        """``a`` on the device, from (cached) pinned memory: queued behind the steps before it,
+        while the host reads the next states (from pageable memory the host would wait)."""
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-    def initial(batch):
-        """The stored states at each start of ``batch`` (the inputs' channels), on the device."""
-        out = np.empty((len(batch), c_in, h, w), np.float32)
-        for j, (k, t) in enumerate(batch):  # the input of the pair (t, t + 1)
-            data.read_batch([int(data.offsets[k]) + t], out[j:j + 1], scratch_out)
-        return upload(out)
-
-    def truth_at(batch, lead):
-        """The stored states ``lead`` >= 1 steps after each start (the outputs' channels)."""
-        out = np.empty((len(batch), c_out, h, w), np.float32)
-        for j, (k, t) in enumerate(batch):  # the target of the pair (t + lead - 1, t + lead)
-            data.read_batch([int(data.offsets[k]) + t + lead - 1], scratch_in, out[j:j + 1])
+    def stored(batch, lead):
+        """The stored states ``lead`` steps after each start of ``batch``, on the device: at lead
+        0 the input of the pair (t, t + 1), its inputs' channels; after it the target of the pair
+        (t + lead - 1, t + lead), its outputs' channels."""
+        out = np.empty((len(batch), c_out if lead else c_in, h, w), np.float32)
+        for j, (k, t) in enumerate(batch):
+            x, y = (scratch_in, out[j:j + 1]) if lead else (out[j:j + 1], scratch_out)
+            data.read_batch([int(data.offsets[k]) + t + max(lead - 1, 0)], x, y)
         return upload(out)
 
     def step(state):
@@ -284,7 +246,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     with torch.inference_mode():
         for b in range(0, len(mine), batch_size):
             batch = mine[b:b + batch_size]
-            x0 = initial(batch)
+            x0 = stored(batch, 0)
             truth = x0[:, :c_out]
             for name in FORECASTS[: 2 if persistence else 1]:  # lead 0: both are the truth
                 sums.add(name, 0, truth, truth, clim, weights)
@@ -292,7 +254,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                 sums.add("climatology", 0, clim.expand_as(truth), truth, clim, weights)
             x0n = (x0 - mean[:c_in]) / std[:c_in]
             for k, pred_n in rollout(step, x0n, n_steps):
-                truth = truth_at(batch, k * cfg.dt)
+                truth = stored(batch, k * cfg.dt)
                 sums.add("model", k, pred_n * std[:c_out] + mean[:c_out], truth, clim, weights)
                 if persistence:
                     sums.add("persistence", k, x0[:, :c_out], truth, clim, weights)
@@ -316,39 +278,28 @@ def _report(task, rmse, accs, n_steps, n_init, split, notes, has) -> Report:
     hours = [k * cfg.dt * HOURS_PER_STEP for k in range(n_steps + 1)]
     shown = [f for f in FORECASTS if f == "model" or has[f]]
     with_acc = has["climatology"]
-    rows = []
-    for i, forecast in enumerate(FORECASTS):
-        if forecast not in shown:
-            continue
-        for c, name in enumerate(channels):
-            for k, hour in enumerate(hours):
-                rows.append({"forecast": forecast, "variable": name, "units": units(name),
-                             "lead_step": k, "lead_hours": hour, "rmse": float(rmse[i, k, c]),
-                             "acc": float(accs[i, k, c]) if with_acc else None})
-    scalars = [(f"Skill/RMSE({name})/{forecast}", float(rmse[i, k, c]), hour)
-               for i, forecast in enumerate(FORECASTS) if forecast in shown
-               for c, name in enumerate(channels) for k, hour in enumerate(hours)]
+    rows = [{"forecast": forecast, "variable": name, "units": units(name), "lead_step": k,
+             "lead_hours": hour, "rmse": float(rmse[i, k, c]),
+             "acc": float(accs[i, k, c]) if with_acc else None}
+            for i, forecast in enumerate(FORECASTS) if forecast in shown
+            for c, name in enumerate(channels) for k, hour in enumerate(hours)]
+    metrics = {"rmse": ("RMSE", rmse, "Latitude-weighted RMSE")}  # column: label, means, title
     if with_acc:
-        scalars += [(f"Skill/ACC({name})/{forecast}", float(accs[i, k, c]), hour)
-                    for i, forecast in enumerate(FORECASTS) if forecast in shown
-                    for c, name in enumerate(channels) for k, hour in enumerate(hours)]
+        metrics["acc"] = ("ACC", accs, "Anomaly correlation")
+    scalars = [(f"Skill/{label}({row['variable']})/{row['forecast']}", row[key], row["lead_hours"])
+               for key, (label, _, _) in metrics.items() for row in rows]
 
-    def panel(c, metric, values):
-        name = channels[c]
-        unit = f" ({units(name)})" if metric == "RMSE" and units(name) else ""
-        return Panel(title=name, xlabel="lead time (h)", ylabel=f"{metric}{unit}",
+    def panel(c, label, values):
+        unit = f" ({units(channels[c])})" if label == "RMSE" and units(channels[c]) else ""
+        return Panel(title=channels[c], xlabel="lead time (h)", ylabel=f"{label}{unit}",
                      series=[(f, hours, values[FORECASTS.index(f), :, c]) for f in shown])
 
     headline = [channels.index(n) for n in HEADLINE if n in channels]
-    figures = [Figure("rmse_headline", "Latitude-weighted RMSE against lead time",
-                      [panel(c, "RMSE", rmse) for c in headline]),
-               Figure("rmse_all", "Latitude-weighted RMSE of every variable",
-                      [panel(c, "RMSE", rmse) for c in range(len(channels))], columns=5)]
-    if with_acc:
-        figures[1:1] = [Figure("acc_headline", "Anomaly correlation against lead time",
-                               [panel(c, "ACC", accs) for c in headline])]
-        figures.append(Figure("acc_all", "Anomaly correlation of every variable",
-                              [panel(c, "ACC", accs) for c in range(len(channels))], columns=5))
+    figures = [Figure(f"{key}_{which}", f"{title} {what}", [panel(c, label, values) for c in cs],
+                      columns)
+               for which, what, cs, columns in (("headline", "against lead time", headline, 2),
+                                                ("all", "of every variable", range(len(channels)), 5))
+               for key, (label, values, title) in metrics.items()]
     summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps "
                f"({hours[-1]} h)"]
     leads = sorted({k for k in (1, 24 // (cfg.dt * HOURS_PER_STEP), n_steps // 2, n_steps)
@@ -356,15 +307,13 @@ def _report(task, rmse, accs, n_steps, n_init, split, notes, has) -> Report:
     for c in headline or range(min(4, len(channels))):
         parts = []
         for k in leads:
-            base = "".join(f" / {rmse[FORECASTS.index(f), k, c]:.4g}" for f in shown[1:])
+            values = " / ".join(f"{rmse[FORECASTS.index(f), k, c]:.4g}" for f in shown)
             score_acc = f", model ACC {accs[0, k, c]:.3f}" if with_acc else ""
-            parts.append(f"{hours[k]} h {rmse[0, k, c]:.4g}{base}{score_acc}")
+            parts.append(f"{hours[k]} h {values}{score_acc}")
         summary.append(f"  {channels[c]} RMSE ({units(channels[c])}), "
                        f"{' / '.join(shown)}: " + "; ".join(parts))
     meta = {"problem": "forecast skill", "split": split, "initial_conditions": n_init,
             "lead_steps": n_steps, "hours_per_step": cfg.dt * HOURS_PER_STEP,
             "forecasts": shown, "acc": with_acc}
-    return Report(columns=["forecast", "variable", "units", "lead_step", "lead_hours", "rmse",
-                           "acc"], rows=rows, meta=meta, scalars=scalars, figures=figures,
-                  summary=summary, notes=notes)
+    return Report(rows, meta, scalars, figures, summary, notes)
 

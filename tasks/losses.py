@@ -1,11 +1,8 @@
 """Losses and metrics. Each returns one value per sample, so that sums over samples give exact
-means across batches and ranks however the samples were split.
-
-A training loss is declared once, as per-sample *partial sums* over a sample's values plus a
-*finish* step (:class:`PartialSumLoss`): sums over disjoint parts of a sample add up to the
-sums over the whole sample, so the same loss object serves a whole image (``loss(pred, y)``) and
-a model that holds each image in bands on several ranks (``distributed.parallelize.sharded_loss``
-adds the bands' partial sums over those ranks, then finishes).
+means across batches and ranks however the samples were split. A training loss is declared as
+per-sample partial sums and a finish (``PartialSumLoss``), so that the same loss serves a whole
+image and a model that holds each image in bands on several ranks
+(``distributed.parallelize.sharded_loss``; docs/parallelism.md).
 """
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """Statistics of the U-Net's prediction of a whole cosmology volume, as emulators of
-hydrodynamic simulations are judged (docs/scoring.md has the formulas):
-
-- the volume predicted tile by tile (``predict_tiled``): each tile's core is cut from the
-  prediction of a larger window around it, so a tile sees as much of its surroundings as the
-  U-Net reads (``unet_halo``) and the stitched volume equals one forward pass of the whole
-  volume (to float rounding), while memory is bounded by the window;
-- per channel: the power spectrum P(k) in spherical shells of the 3-D FFT of the predicted and
-  the true field (``cross_power``), their ratio and the cross-correlation coefficient
-  r(k) = P_xy / sqrt(P_xx P_yy); the one-point distributions (``histograms``); the mean, the
-  bias and the relative error (``field_errors``).
-
-Every statistic is a pure NumPy function of the fields in float64; ``score`` runs a trained
-model over a split's volume and returns an ``observe.score_report.Report``.
+hydrodynamic simulations are judged (docs/scoring.md has the formulas): the volume predicted
+tile by tile (``predict_tiled``), equal to one forward pass of the whole volume while memory is
+bounded by a tile's window; per channel its power spectrum, cross-correlation r(k), one-point
+distributions and errors, each a pure NumPy function of the fields in float64.
 """
 from __future__ import annotations
 
@@ -35,9 +26,6 @@ log = logging.getLogger("score")
 HIST_BINS = 60
 
 
-# ----------------------------------------------------------------------------- spectra
-
-
 def _shells(side: int) -> tuple[np.ndarray, np.ndarray]:
     """For the half-spectrum of ``np.fft.rfftn`` of a ``side``^3 box: each mode's shell
     (|k| rounded, k in units of the fundamental mode 2 pi / box) and how many modes of the full
@@ -53,12 +41,8 @@ def _shells(side: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def cross_power(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cross power spectrum of two fields on the same periodic L^3 grid, in spherical shells.
-
-    P_ab(k) = < Re(A(k) B*(k)) > / L^3 over the modes whose |k| rounds to k, A = FFT(a - mean a),
-    k = 1 .. L // 2 in units of the fundamental mode 2 pi / box. With a = b this is the power
-    spectrum, in (field units)^2 x voxel volume (white noise of variance s^2 has P = s^2).
-    Returns (k, P_ab, modes per shell)."""
+    """Cross power spectrum P_ab(k) of two fields on the same periodic L^3 grid, in the
+    spherical shells k = 1 .. L // 2 (docs/scoring.md defines it): (k, P_ab, modes per shell)."""
     if a.shape != b.shape or a.ndim != 3 or len(set(a.shape)) != 1:
         raise ValueError(f"fields of shapes {a.shape} and {b.shape}: need two L^3 boxes")
     side = a.shape[0]
@@ -111,38 +95,13 @@ def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
             "relative_error": float(np.sqrt(np.sum(d * d)) / norm) if norm > 0 else float("nan")}
 
 
-# ----------------------------------------------------------------------------- tiling
-
-
 def unet_halo(levels: int) -> int:
     """The smallest halo, a multiple of 2^levels, that makes tiles exact for the U-Net of
     ``networks.unet`` (4^3 kernels of stride 2 and padding 1, ``levels`` levels, skip
-    connections): how far, along one axis, the first voxel of an aligned tile reads to its left
-    and its last voxel to its right, rounded up to whole 2^levels (64 for 5 levels, 128 for 6)."""
-    def down(lo, hi):  # a strided convolution's outputs lo..hi read these inputs
-        return 2 * lo - 1, 2 * hi + 2
-
-    def up(lo, hi):  # a transposed convolution's outputs lo..hi read these inputs
-        return -(-(lo - 2) // 2), (hi + 1) // 2
-
-    def encoder(level, lo, hi):  # encoder features at ``level`` -> input voxels
-        for _ in range(level):
-            lo, hi = down(lo, hi)
-        return lo, hi
-
-    def decoder(level, lo, hi):  # decoder output at ``level`` -> input voxels
-        lo, hi = up(lo, hi)  # from level + 1: the skip (encoder) and, below it, the decoder
-        a, b = encoder(level + 1, lo, hi)
-        if level + 1 < levels:
-            c, d = decoder(level + 1, lo, hi)
-            a, b = min(a, c), max(b, d)
-        return a, b
-
-    align = 2**levels
-    first = 8 * align  # a tile's first voxel, away from the volume's edges
-    last = first + align - 1  # the last voxel of a tile (tiles are whole multiples of align)
-    reach = max(first - decoder(0, first, first)[0], decoder(0, last, last)[1] - last)
-    return -(-reach // align) * align
+    connections): the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond
+    it (``tests/test_scoring.py`` perturbs the input voxels to check it), rounded up to whole
+    2^levels: 64 for 5 levels, 128 for 6."""
+    return 2 * 2**levels
 
 
 def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, int, int]]:
@@ -167,11 +126,9 @@ def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, ba
                   out_channels: int | None = None) -> torch.Tensor:
     """``forward`` of the volume ``x`` (1, C, L, L, L), window by window (``tile_plan`` along
     each axis, up to ``batch`` windows per call); the cores stitched into (1, C_out, L, L, L)
-    float32 on the CPU. ``progress(done, total)`` is called after each call.
-
-    ``share`` (rank, ranks): predict only every ranks-th tile from the rank-th, the rest of the
-    volume left 0, so that the ranks' volumes add up to the whole; ``out_channels`` (C_out) is
-    then needed, for a rank that has no tile."""
+    float32 on the CPU. ``progress(done, total)`` is called after each call. ``share`` (rank,
+    ranks): only every ranks-th tile from the rank-th, the rest left 0, so that the ranks'
+    volumes add up to the whole (``out_channels`` then makes it for a rank without a tile)."""
     side = x.shape[-1]
     if x.shape[0] != 1 or x.shape[2:] != (side,) * 3:
         raise ValueError(f"a volume of shape {tuple(x.shape)}: need (1, C, L, L, L)")
@@ -195,31 +152,28 @@ def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, ba
     return out
 
 
-# ----------------------------------------------------------------------------- scoring a run
-
-
 def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
     """(Nbody (1, C_in, L, L, L), Hydro (1, C_out, L, L, L), where from) of ``split``: valid,
     train, or a file name under data_root."""
     files = {"valid": cfg.val_file, "train": cfg.train_file}
+    volumes = None
     if cfg.data_is_generated:
         if split not in files:
             raise ConfigError(f"--split {split}: this run's volumes are generated in memory: "
                               f"choose valid or train")
         volumes = generated_data.cosmo_volumes(cfg, split)
         where = f"the generated {split} box"
-        side = volumes[0].shape[-1]
-        data = CosmoCropDataset(where, size=side, nsamples=1, n_in=cfg.n_in_channels,
-                                n_out=cfg.n_out_channels, augment=False, volumes=volumes)
     else:
         where = os.path.join(cfg.data_root, files.get(split, split))
         if split not in files and not os.path.isfile(where):
             raise ConfigError(f"--split {split}: neither valid, train nor a file under "
                               f"{cfg.data_root}: choose valid or train, or name a volume file")
-        side = CosmoCropDataset(where, size=1, nsamples=1, n_in=cfg.n_in_channels,
-                                n_out=cfg.n_out_channels, augment=False).box
-        data = CosmoCropDataset(where, size=side, nsamples=1, n_in=cfg.n_in_channels,
-                                n_out=cfg.n_out_channels, augment=False)
+
+    def crops(size):
+        return CosmoCropDataset(where, size=size, nsamples=1, n_in=cfg.n_in_channels,
+                                n_out=cfg.n_out_channels, augment=False, volumes=volumes)
+
+    data = crops(crops(1).box)  # one crop: the whole box
     (sx, sy) = data.sample_shapes
     x, y = np.empty((1, *sx), np.float32), np.empty((1, *sy), np.float32)
     data.read_batch([0], x, y)  # the window at the corner 0 of the size of the box: all of it
@@ -228,10 +182,8 @@ def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
     """Predict the whole volume of ``opts.split`` tile by tile and compute its statistics.
-    ``opts``: ``split``, ``tile`` (None: the training crop side), ``halo`` (None: exact),
-    ``batch_size`` (windows per forward; None: 1), ``rank`` and ``world_size`` (absent: one
-    process; else this rank predicts its share of the tiles, the ranks' volumes are added up,
-    and rank 0 computes the statistics and returns the report, the other ranks None)."""
+    ``opts``: score.py's options (None: the defaults) and ``rank``, ``world_size``: this rank
+    predicts its share of the tiles; rank 0 returns the report, the other ranks None."""
     cfg = task.cfg
     align = 2**model.levels
     x, y, where = _volume(cfg, opts.split)
@@ -255,7 +207,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     for line in notes:
         log.info(line)
     window = min(side, tile + 2 * halo)
-    rank, world = getattr(opts, "rank", 0), getattr(opts, "world_size", 1)
+    rank, world = opts.rank, opts.world_size
     n_tiles = len(tile_plan(side, tile, halo, align))**3
     shares = f", {len(range(rank, n_tiles, world))} of them on rank {rank} of {world}" if world > 1 else ""
     log.info(f"Predicting {where} ({side}^3 voxels) in {n_tiles} tiles of {tile}^3 voxels"
@@ -304,28 +256,23 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                         (f"Spectrum/r({name})", float(spec["r"][i]), int(k))]
         scalars += [(f"Field/{key}({name})", value, 0) for key, value in errors.items()]
 
-    def series(key, c):
-        spec = stats[c][0]
-        return [(key, spec["k"], spec[key])]
+    def figure(name, title, ylabel, series, xlabel="k (fundamental modes)", **scales):
+        """One panel per channel, its lines ``series(spectra, histograms)``."""
+        return Figure(name, title, [Panel(c, xlabel, ylabel, series(spec, hist), **scales)
+                                    for c, (spec, hist, _) in zip(channels, stats)], columns=3)
 
-    n = range(len(channels))
     figures = [
-        Figure("power_spectra", "Power spectra P(k): truth and prediction",
-               [Panel(channels[c], "k (fundamental modes)", "P(k)",
-                      [("truth", stats[c][0]["k"], stats[c][0]["p_true"]),
-                       ("prediction", stats[c][0]["k"], stats[c][0]["p_pred"])],
-                      logx=True, logy=True) for c in n], columns=3),
-        Figure("spectrum_ratio", "P_pred(k) / P_true(k)",
-               [Panel(channels[c], "k (fundamental modes)", "ratio", series("ratio", c),
-                      logx=True, hline=1.0) for c in n], columns=3),
-        Figure("cross_correlation", "Cross-correlation r(k) = P_xy / sqrt(P_xx P_yy)",
-               [Panel(channels[c], "k (fundamental modes)", "r(k)", series("r", c), logx=True,
-                      hline=1.0) for c in n], columns=3),
-        Figure("pdfs", "One-point distributions",
-               [Panel(channels[c], "value (stored units)", "density",
-                      [("truth", stats[c][1]["centres"], stats[c][1]["true"]),
-                       ("prediction", stats[c][1]["centres"], stats[c][1]["pred"])], logy=True)
-                for c in n], columns=3),
+        figure("power_spectra", "Power spectra P(k): truth and prediction", "P(k)",
+               lambda s, _: [("truth", s["k"], s["p_true"]), ("prediction", s["k"], s["p_pred"])],
+               logx=True, logy=True),
+        figure("spectrum_ratio", "P_pred(k) / P_true(k)", "ratio",
+               lambda s, _: [("ratio", s["k"], s["ratio"])], logx=True, hline=1.0),
+        figure("cross_correlation", "Cross-correlation r(k) = P_xy / sqrt(P_xx P_yy)", "r(k)",
+               lambda s, _: [("r", s["k"], s["r"])], logx=True, hline=1.0),
+        figure("pdfs", "One-point distributions", "density",
+               lambda _, h: [("truth", h["centres"], h["true"]),
+                             ("prediction", h["centres"], h["pred"])],
+               xlabel="value (stored units)", logy=True),
     ]
     summary = [f"Volume statistics of {where} ({side}^3 voxels, tiles of {tile}^3, halo {halo}):"]
     for name, (spec, _, e) in zip(channels, stats):
@@ -337,7 +284,4 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                        f"P ratio {spec['ratio'][quarter]:.3g} at k={spec['k'][quarter]}")
     meta = {"problem": "volume statistics", "split": split, "volume": where, "side": side,
             "tile": tile, "halo": halo, "channels": channels}
-    columns = ["channel", "k", "modes", "p_true", "p_pred", "p_ratio", "r", "mean_true",
-               "mean_pred", "bias", "mae", "rmse", "relative_error"]
-    return Report(columns=columns, rows=rows, meta=meta, scalars=scalars, figures=figures,
-                  summary=summary, notes=notes)
+    return Report(rows, meta, scalars, figures, summary, notes)
