@@ -38,13 +38,11 @@ from engine.checkpoint import Checkpointer
 from engine.optimizer import (build_optimizer, build_scheduler, describe as describe_lr, lr_at,
                               peak_lr, resumed_schedule)
 from engine.parallelism import apply_parallelism
-from engine.run_dir import resolve_run_num, run_dir_for
+from engine.run_dir import open_run_dir, write_config
 from engine.runtime import AMP_DTYPES, check_torch_version, setup_runtime
 from engine.stop import NeverStop, RunEnding, RunStopped, Stopper
-from observe.logging_utils import setup_logging
 from observe.profiling import StartClock, nvtx_range
 from observe.run_log import EpochStats, RunLog, log_run_header
-from settings.parse import write_config
 from tasks import make_task
 
 log = logging.getLogger("train")
@@ -84,17 +82,11 @@ class Trainer:
         clock.mark("optimizer and logs")
 
     def open_run(self):
-        """Claims the run directory (--run_num auto, the default: the next free number) and
-        locks it for this process (one another process trains is refused); opens its out.log;
-        the checkpointer chooses the checkpoint to continue from (None: a fresh run)."""
-        cfg, rt = self.cfg, self.rt
-        run_num_choice = resolve_run_num(cfg, rt)
-        self.run_dir = run_dir_for(cfg, rt.world_size)
+        """The run directory, claimed and locked for this process, its out.log open; the
+        checkpointer chooses the checkpoint to continue from (None: a fresh run)."""
+        self.run_dir = open_run_dir(self.cfg, self.rt)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
-        setup_logging(rt.rank, os.path.join(self.run_dir, "out.log"))
-        if run_num_choice:
-            log.info(f"Run {cfg.run_num} ({run_num_choice})")
-        self.checkpointer = Checkpointer(self.ckpt_dir, cfg, rt)
+        self.checkpointer = Checkpointer(self.ckpt_dir, self.cfg, self.rt)
         resume = self.checkpointer.resume()  # rank 0's choice, read by every rank
         if resume is not None:  # to the end it had, unless the command gives another
             self.cfg = resume.cfg

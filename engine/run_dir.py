@@ -23,14 +23,39 @@ import torch.distributed as dist
 from datapipe.make_data import HOST, file_lock
 from engine import checkpoint
 from engine.runtime import Runtime
-from settings.parse import load_yaml_configs
+from observe.logging_utils import setup_logging
+from settings.parse import dump, load_yaml_configs
 from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config
 
+log = logging.getLogger("train")
+
 
 COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the config's real runs
+
+
+def open_run_dir(cfg: Config, rt: Runtime) -> str:
+    """The run's directory, claimed and locked for this process (``resolve_run_num``: with
+    ``--run_num auto``, the default, the next free number; one another process trains is
+    refused), its out.log opened; returns its path."""
+    why = resolve_run_num(cfg, rt)
+    run_dir = run_dir_for(cfg, rt.world_size)
+    setup_logging(rt.rank, os.path.join(run_dir, "out.log"))
+    if why:
+        log.info(f"Run {cfg.run_num} ({why})")
+    return run_dir
+
+
+def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
+    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml``
+    (a resumed run keeps the file of the run it continues)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not resumed or not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(dump(cfg, derived))
+    log.info(f"Resolved config: {path} (all settings; python train.py --help lists them)")
 
 
 def run_dir_for(cfg: Config, world_size: int) -> str:

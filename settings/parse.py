@@ -420,13 +420,3 @@ def dump(cfg: Config, derived: Optional[dict] = None) -> str:
         notes["run"] = run
     notes.update(derived or {})
     return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text
-
-
-def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
-    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml``
-    (a resumed run keeps the file of the run it continues)."""
-    path = os.path.join(run_dir, "config.yaml")
-    if not resumed or not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(dump(cfg, derived))
-    log.info(f"Resolved config: {path} (all settings; python train.py --help lists them)")

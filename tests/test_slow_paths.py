@@ -16,7 +16,7 @@ from torch import nn
 
 import train as train_script
 from conftest import ROOT, write_cosmo_pair
-from engine import slow_paths
+from engine import parallelism, slow_paths
 from engine.runtime import setup_runtime
 from engine.slow_paths import conv3d_slow_path, convolves_in_3d, cudnn_int, warn_slow_paths
 from settings.parse import build_config
@@ -174,7 +174,7 @@ def test_the_trainer_checks_its_model_at_start_up(tmp_path, monkeypatch, faked, 
     def noted(model, device, amp_mode, memory_format, is_main):
         calls.append((model, device, amp_mode, memory_format, is_main))
         return warn_slow_paths(model, device, amp_mode, memory_format, is_main)
-    monkeypatch.setattr(train_script, "warn_slow_paths", noted)
+    monkeypatch.setattr(parallelism, "warn_slow_paths", noted)  # (apply_parallelism calls it)
     faked("2.9.1+cu128", 91002, 90800)
     cfg = unet_cfg(tmp_path, data_root=root, amp_mode="bf16")
     with caplog.at_level(logging.WARNING, logger="engine.slow_paths"):
