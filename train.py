@@ -239,29 +239,6 @@ class Trainer:
                 self.scaler.update()
         return loss_sum, grad_norm
 
-    def regroup_gradients(self, x, y):
-        """A resumed run's backward pass before its first step, discarded, under DDP.
-
-        DDP all-reduces the gradients in buckets. It groups them anew after a run's first
-        backward, in the order that backward made them ready, and every later step uses that
-        grouping, in which the ranks' ring adds each element in a fixed order. A resumed run's
-        first step would use the first grouping, so with three or more ranks it would add some
-        elements in another order (about 1e-7 apart). This backward of the first micro-batch
-        makes DDP regroup as the uninterrupted run did. Its gradients are dropped, and the
-        random streams and buffers are put back, so the resumed run continues bitwise as the
-        uninterrupted one (checked on the CPU: tests/test_preemption.py). One micro-batch's
-        forward and backward more at each resume."""
-        xm, ym = x.chunk(self.cfg.grad_accum_steps)[0], y.chunk(self.cfg.grad_accum_steps)[0]
-        buffers = [(b, b.clone()) for b in self.model.buffers()]
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            with self.forward_context():
-                loss = self.sharding.loss(self.wrapped_model(xm), ym).sum()
-            loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for b, kept in buffers:
-                b.copy_(kept)
-
     # ------------------------------------------------------------------ an epoch of steps
 
     def train_epoch(self) -> EpochStats:
@@ -283,7 +260,9 @@ class Trainer:
                 x, y = self.to_device(x, y)
                 # (not before a captured step: its eager warm-up counts DDP's iterations)
                 if self.resumed and self.parallel.ddp is not None and not self.captures_step:
-                    self.regroup_gradients(x, y)
+                    k = self.cfg.grad_accum_steps
+                    self.parallel.regroup_gradients(x.chunk(k)[0], y.chunk(k)[0],
+                                                    self.forward_context)
                 self.resumed = False  # (the launch's first step is taken)
                 loss, grad_norm = self.train_step(x, y, probe)
             st.iteration += 1
@@ -346,14 +325,14 @@ class Trainer:
         for size, batch in self.stopper.validation_batches(valid, self.state.epoch, sizes,
                                                            self.loaders.n_valid):
             if batch is None:  # no batch for this forward: the stand-in's, results dropped
-                x = self.full_batch(stand_in[:size] if size else stand_in)
+                x = self.parallel.full_batch(stand_in[:size] if size else stand_in)
                 with self.forward_context():
                     self.sharding.whole_output(self.wrapped_model(
                         self.sharding.local_batch(x, x)[0]))
                 continue
             x, y = self.to_device(*batch)
             stand_in = x if stand_in is None else stand_in
-            xs = self.full_batch(x)
+            xs = self.parallel.full_batch(x)
             with self.forward_context():
                 pred = self.wrapped_model(self.sharding.local_batch(xs, xs)[0])
             pred = self.sharding.whole_output(pred)[:y.shape[0]]
@@ -396,16 +375,6 @@ class Trainer:
             self._baseline = (sums[2 + m] / count, sums[3 + m:] / count)
         return {"loss": sums[0] / count, "metrics": sums[2:2 + m] / count, "count": int(count),
                 "baseline_loss": self._baseline[0], "baseline_metrics": self._baseline[1]}
-
-    def full_batch(self, x):
-        """A compiled model's validation batch filled up to the local batch with copies of its
-        first sample, whose outputs are then dropped: the smaller last batch of a pass runs the
-        graph compiled for the others instead of compiling one for a batch of any size (dynamo's
-        response to a second batch size). Eager models take the batch as it is."""
-        if not self.cfg.enable_jit or x.shape[0] == self.rt.local_batch:
-            return x
-        fill = torch.zeros(self.rt.local_batch - x.shape[0], dtype=torch.long, device=x.device)
-        return x[torch.cat([torch.arange(x.shape[0], device=x.device), fill])]  # keeps its layout
 
     def skill(self):
         """After an epoch's validation, the model's skill as its science scores it, where the

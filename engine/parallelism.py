@@ -66,6 +66,7 @@ class ParallelModel:
     rt: Runtime
     fsdp_reduce_each_microbatch: bool = True
     compile_dir: str | None = None  # where torch.compile's caches are (None: not compiled)
+    batch: int = 0  # under torch.compile, the local batch every forward is given (full_batch)
 
     def no_sync(self):
         """Inside: the backward passes of the inner micro-batches of gradient accumulation.
@@ -95,6 +96,40 @@ class ParallelModel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0."""
         return clip_grad_norm(self.module, max_norm, self.rt.groups)
+
+    def full_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """A compiled model's validation batch filled up to the local batch with copies of its
+        first sample, whose outputs are then dropped: the smaller last batch of a pass runs the
+        graph compiled for the others instead of compiling one for a batch of any size (dynamo's
+        response to a second batch size). Eager models take the batch as it is."""
+        if not self.batch or x.shape[0] == self.batch:
+            return x
+        fill = torch.zeros(self.batch - x.shape[0], dtype=torch.long, device=x.device)
+        return x[torch.cat([torch.arange(x.shape[0], device=x.device), fill])]  # keeps its layout
+
+    def regroup_gradients(self, x: torch.Tensor, y: torch.Tensor, forward_context):
+        """A resumed run's backward pass of its first micro-batch (``x``, ``y``) before its first
+        step, discarded, under DDP.
+
+        DDP all-reduces the gradients in buckets. It groups them anew after a run's first
+        backward, in the order that backward made them ready, and every later step uses that
+        grouping, in which the ranks' ring adds each element in a fixed order. A resumed run's
+        first step would use the first grouping, so with three or more ranks it would add some
+        elements in another order (about 1e-7 apart). This backward makes DDP regroup as the
+        uninterrupted run did. Its gradients are dropped, and the random streams and buffers are
+        put back, so the resumed run continues bitwise as the uninterrupted one (checked on the
+        CPU: tests/test_preemption.py). One micro-batch's forward and backward more at each
+        resume."""
+        buffers = [(b, b.clone()) for b in self.module.buffers()]
+        device = self.rt.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with forward_context():
+                loss = self.sharding.loss(self.wrapped(x), y).sum()
+            loss.backward()
+        self.module.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
 
 
 @contextlib.contextmanager
@@ -204,4 +239,4 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         else:
             wrapped = torch.compile(wrapped, options=options)
     return ParallelModel(model, wrapped, sharding, rt, cfg.fsdp_reduce_each_microbatch,
-                         compile_dir)
+                         compile_dir, rt.local_batch if cfg.enable_jit else 0)

@@ -236,7 +236,7 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path, data):
 def test_three_ranks_resume_bitwise_with_ddp(tmp_path, data):
     """DDP over three ranks, with gradient accumulation and dropout: stopped after step 6 and
     resumed, the run ends bitwise as an uninterrupted one. The resumed run first makes DDP
-    group the gradients as the uninterrupted run's later steps do (``Trainer.regroup_gradients``);
+    group the gradients as the uninterrupted run's later steps do (``ParallelModel.regroup_gradients``);
     without it the ring of three adds some gradients in another order (about 1e-8 apart here)."""
     args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--dropout", "0.1",
                        "--num_data_workers", "0", "--grad_accum_steps", "2",
