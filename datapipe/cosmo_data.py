@@ -99,9 +99,11 @@ class CosmoCropDataset(BatchReadDataset):
     def __len__(self):
         return self.nsamples
 
-    def window(self, epoch: int, i: int):
-        """Corner of the crop and rotation index of sample i in the given epoch."""
-        rng = np.random.default_rng([self.seed, int(self.augment), epoch, i])
+    def window(self, key):
+        """Corner of the crop and rotation index of the sample of ``key``, an (epoch, index) pair
+        or an index (epoch 0). Validation crops are the same at every validation."""
+        epoch, i = key if isinstance(key, tuple) else (0, key)
+        rng = np.random.default_rng([self.seed, int(self.augment), epoch if self.augment else 0, i])
         corner = rng.integers(0, self.box - self.size + 1, size=3)
         rot = int(rng.integers(0, len(ROTATIONS))) if self.augment else 0
         return corner, rot
@@ -119,10 +121,7 @@ class CosmoCropDataset(BatchReadDataset):
         nbody, hydro = self._volumes()
         corners = []
         for j, key in enumerate(keys):
-            epoch, i = key if isinstance(key, tuple) else (0, key)
-            if not self.augment:
-                epoch = 0  # validation crops are the same at every validation
-            (a, b, c), rot = self.window(epoch, i)
+            (a, b, c), rot = self.window(key)
             corners.append((int(a), int(b), int(c)))  # printed as plain numbers
             crop = np.s_[a:a + s, b:b + s, c:c + s]
             for field, n, vec, out in ((nbody, self.n_in, self.in_vec, x[j]),

@@ -53,7 +53,7 @@ import torch
 
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.era5_data import ERA5Dataset
-from datapipe.rotations import ROTATIONS
+from datapipe.rotations import ROTATIONS, channel_plan
 from settings import errors
 from settings.errors import ConfigError
 from settings.signals import held, release_ignored, signal_number
@@ -159,11 +159,10 @@ def rotation_arguments(rot: int, vector_channels, n_channels: int):
     """Per-sample arguments of the DALI rotation: the transpose branch, the flips of the
     (D, H, W) axes, and for every output channel its source channel and sign."""
     perm, sign = ROTATIONS[rot]
-    src, mul = np.arange(n_channels, dtype=np.int32), np.ones(n_channels, np.float32)
-    for i, c in enumerate(vector_channels):
-        src[c], mul[c] = vector_channels[perm[i]], sign[i]
+    src, mul = channel_plan(ROTATIONS[rot], vector_channels, n_channels)
     flips = np.array([s < 0 for s in sign], np.int32)
-    return np.array(PERMS.index(tuple(perm)), np.int32), flips, src, mul
+    return (np.array(PERMS.index(tuple(perm)), np.int32), flips, np.array(src, np.int32),
+            mul.copy())
 
 
 class CosmoSource(_Source):
@@ -177,8 +176,7 @@ class CosmoSource(_Source):
     def __call__(self, info):
         self.enter()
         ds = self.dataset
-        epoch, i = self.keys.key(info)
-        (a, b, c), rot = ds.window(epoch if ds.augment else 0, i)  # validation: fixed crops
+        (a, b, c), rot = ds.window(self.keys.key(info))
         k, flips, src_x, mul_x = rotation_arguments(rot, ds.in_vec, ds.n_in)
         _, _, src_y, mul_y = rotation_arguments(rot, ds.out_vec, ds.n_out)
         out = (k, flips, src_x, mul_x, src_y, mul_y)

@@ -58,7 +58,7 @@ import torch
 
 from datapipe.batch_dataset import read_float32
 from datapipe.cosmo_data import CosmoCropDataset
-from datapipe.rotations import ROTATIONS, rotate_into
+from datapipe.rotations import ROTATIONS, channel_plan, rotate_into
 from settings.errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -202,19 +202,6 @@ def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torc
     return out
 
 
-def _rotation_tables(vector_channels, n_channels: int):
-    """For each of the 24 rotations, the source channel of every output channel and its sign
-    (``rotate_into``: vector component i is sign[i] times component perm[i])."""
-    vc = list(vector_channels)
-    src = np.tile(np.arange(n_channels), (len(ROTATIONS), 1))
-    mul = np.ones((len(ROTATIONS), n_channels), np.float32)
-    for r, (perm, sign) in enumerate(ROTATIONS):
-        for i, c in enumerate(vc):
-            src[r, c] = vc[perm[i]]
-            mul[r, c] = sign[i]
-    return src, mul
-
-
 class CropGather:
     """The volumes of one split on the device, and the batch cut from them (module docstring):
     ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation).
@@ -237,7 +224,9 @@ class CropGather:
         for name, n, vec in (("Nbody", dataset.n_in, dataset.in_vec),
                              ("Hydro", dataset.n_out, dataset.out_vec)):
             volume = load_field(dataset.path, name, n, device, dtype)
-            src, mul = _rotation_tables(vec, n)
+            # for each of the 24 rotations, the source channel of every output channel and its sign
+            plans = [channel_plan(rot, vec, n) for rot in ROTATIONS]
+            src, mul = np.array([p[0] for p in plans]), np.stack([p[1] for p in plans])
             self.fields.append((volume.view(n, -1), torch.from_numpy(src).to(device),
                                 torch.from_numpy(mul).to(device), mul))
         side = dataset.box
@@ -249,14 +238,9 @@ class CropGather:
 
     def windows(self, keys) -> np.ndarray:
         """(B, 4) corners and rotations of the samples ``keys`` (as ``read_batch`` takes them)."""
-        ds = self.dataset
         out = np.empty((len(keys), 4), np.int64)
         for j, key in enumerate(keys):
-            epoch, i = key if isinstance(key, tuple) else (0, key)
-            if not ds.augment:
-                epoch = 0  # as read_batch: validation crops are the same at every validation
-            corner, rot = ds.window(epoch, i)
-            out[j, :3], out[j, 3] = corner, rot
+            out[j, :3], out[j, 3] = self.dataset.window(key)
         return out
 
     def index(self, w: torch.Tensor) -> torch.Tensor:

@@ -86,17 +86,10 @@ def cosmo_volumes(cfg: UNetConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
     return _cosmo_box(side, cfg.seed, split)
 
 
-def cosmo_dataset(cfg: UNetConfig, split: str) -> CosmoCropDataset:
-    """The crops of the generated ``split`` box, as the file-backed dataset would cut them."""
-    return CosmoCropDataset(f"<generated {split} box>", volumes=cosmo_volumes(cfg, split),
-                            nsamples=cfg.Nsamples if split == "train" else cfg.Nsamples_val,
-                            augment=split == "train", **crop_settings(cfg))
-
-
-def cosmo_batch(cfg, keys, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """The crops ``keys`` ((epoch, index) pairs from the loader's sampler) of ``split``."""
-    dataset = cosmo_dataset(cfg, split)
-    sx, sy = dataset.sample_shapes
-    x, y = np.empty((len(keys), *sx), np.float32), np.empty((len(keys), *sy), np.float32)
-    dataset.read_batch(keys, x, y)
-    return x, y
+def cosmo_batch(cfg: UNetConfig, keys, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The crops ``keys`` ((epoch, index) pairs from the loader's sampler) of ``split``, cut from
+    the generated box as the file-backed dataset would cut them."""
+    dataset = CosmoCropDataset(f"<generated {split} box>", volumes=cosmo_volumes(cfg, split),
+                               nsamples=cfg.Nsamples if split == "train" else cfg.Nsamples_val,
+                               augment=split == "train", **crop_settings(cfg))
+    return dataset.read(keys)

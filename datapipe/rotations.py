@@ -21,13 +21,6 @@ import itertools
 import numpy as np
 
 
-def _det(perm, sign) -> int:
-    m = np.zeros((3, 3), dtype=int)
-    for i, (p, s) in enumerate(zip(perm, sign)):
-        m[i, p] = s
-    return int(round(np.linalg.det(m)))
-
-
 def matrix(rot) -> np.ndarray:
     """3x3 integer matrix R of a (perm, sign) rotation: (R v)_i = sign_i v_perm[i]."""
     perm, sign = rot
@@ -42,7 +35,7 @@ ROTATIONS: tuple = tuple(
     (perm, sign)
     for perm in itertools.permutations(range(3))
     for sign in itertools.product((1, -1), repeat=3)
-    if _det(perm, sign) == 1
+    if round(np.linalg.det(matrix((perm, sign)))) == 1
 )
 assert len(ROTATIONS) == 24
 
@@ -60,19 +53,13 @@ def rotate_into(x: np.ndarray, rot, vector_channels, out: np.ndarray) -> np.ndar
     one pass: every channel is copied once from the rotated view; channels in
     ``vector_channels`` (the x, y, z components, in that order) are turned as a vector, new
     component i being sign[i] times old component perm[i]."""
-    perm, sign = rot
     v = rotated_grid(x, rot)
-    vc = list(vector_channels)
-    for c in range(x.shape[0]):
-        if c not in vc:
-            np.copyto(out[c], v[c])
-            continue
-        i = vc.index(c)
-        src = v[vc[perm[i]]]
-        if sign[i] < 0:
-            np.negative(src, out=out[c])
+    source, signs = channel_plan(rot, vector_channels, x.shape[0])
+    for c, (src, s) in enumerate(zip(source, signs)):
+        if s < 0:
+            np.negative(v[src], out=out[c])
         else:
-            np.copyto(out[c], src)
+            np.copyto(out[c], v[src])
     return out
 
 
