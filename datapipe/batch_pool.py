@@ -145,41 +145,18 @@ class HostMemory:
         pass
 
 
-class CudaEvents:
-    """Marks as CUDA events on the current stream of ``device``."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def record(self):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def query(self, event) -> bool:
-        return event.query()
-
-    def synchronize(self, event):
-        while not event.query():  # polled: a signal handler runs (and may raise) meanwhile
-            time.sleep(0.0002)
-
-    def synchronize_all(self):
-        torch.cuda.synchronize(self.device)
-
-
 class PinnedHostMemory(HostMemory):
     """GPU batches: slots page-locked in place with ``cudaHostRegister``; a released batch's slot
-    is reused only after a mark (a CUDA event on the current stream) taken at its release has
-    passed. ``runtime`` (``torch.cuda.cudart()`` by default) and ``events`` (``CudaEvents``) are
-    the only CUDA calls: tests run everything else on a CPU with stand-ins."""
+    is reused only after a mark (a CUDA event on the current stream of ``device``) taken at its
+    release has passed. ``runtime`` (``torch.cuda.cudart()`` by default) and the marks are the
+    only CUDA calls: tests run everything else on a CPU with stand-ins."""
 
     pinned = True
     PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch does
 
-    def __init__(self, device, runtime=None, events=None):
+    def __init__(self, device, runtime=None):
         self.device = device
         self._runtime = runtime
-        self.events = events if events is not None else CudaEvents(device)
 
     @property
     def runtime(self):
@@ -207,16 +184,19 @@ class PinnedHostMemory(HostMemory):
             self.runtime.cudaHostUnregister(address)  # an error here leaves nothing to undo
 
     def mark(self):
-        return self.events.record()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def passed(self, mark) -> bool:
-        return self.events.query(mark)
+        return mark.query()
 
     def wait(self, mark):
-        self.events.synchronize(mark)
+        while not mark.query():  # polled: a signal handler runs (and may raise) meanwhile
+            time.sleep(0.0002)
 
     def wait_all(self):
-        self.events.synchronize_all()
+        torch.cuda.synchronize(self.device)
 
 
 # ----------------------------------------------------------------------------- slots

@@ -75,9 +75,7 @@ def era5_stats(cfg: ViTConfig) -> tuple[np.ndarray, np.ndarray]:
     return (mean[:c, None, None].astype(np.float32), std[:c, None, None].astype(np.float32))
 
 
-@functools.lru_cache(maxsize=2)
-def _cosmo_box(side: int, seed: int, split: str) -> tuple[np.ndarray, np.ndarray]:
-    return synthetic.cosmo_box(side, seed, split)
+_cosmo_box = functools.lru_cache(maxsize=2)(synthetic.cosmo_box)  # made once per process
 
 
 def cosmo_volumes(cfg: UNetConfig, split: str) -> tuple[np.ndarray, np.ndarray]:

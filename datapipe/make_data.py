@@ -84,14 +84,10 @@ def ensure_data(cfg: Config, rank: int, world_size: int):
 
 
 def make_data_once(cfg: Config, others: str = "") -> bool:
-    """Make the synthetic data set at data_root unless it is there; True when this process made
-    it. Runs that need the same data set at the same time take turns on ``<data_root>.lock``
-    (``flock``, waiting): the first makes it, the others find it made. The set is written into
-    ``<data_root>.staging-<host>-<pid>`` beside data_root and renamed to data_root when complete
-    (data_root must not exist, be empty, or be an earlier synthetic set that holds nothing else:
-    check_synthesis_target), so a maker that dies leaves no data_root that looks whole, only its
-    staging directory, which the next maker removes. A data_root that cannot be written is a
-    ConfigError naming the path."""
+    """Make the synthetic data set at data_root unless it is there (module docstring); True when
+    this process made it. The set is written into ``<data_root>.staging-<host>-<pid>``, so a maker
+    that dies leaves only that, which the next maker removes. A data_root that cannot be written
+    is a ConfigError naming the path."""
     root = os.path.realpath(cfg.data_root)
     parent, name = os.path.split(root)
     try:

@@ -51,10 +51,10 @@ def rotated_grid(x: np.ndarray, rot) -> np.ndarray:
 def rotate_into(x: np.ndarray, rot, vector_channels, out: np.ndarray) -> np.ndarray:
     """Rotate a (C, X, Y, Z) array by ``rot`` into ``out`` (the rotated shape, not overlapping ``x``),
     one pass: every channel is copied once from the rotated view; channels in
-    ``vector_channels`` (the x, y, z components, in that order) are turned as a vector, new
-    component i being sign[i] times old component perm[i]."""
+    ``vector_channels`` (the x, y, z components, in that order) are turned as a vector
+    (``channel_plan``)."""
     v = rotated_grid(x, rot)
-    source, signs = channel_plan(rot, vector_channels, x.shape[0])
+    source, signs = channel_plan(rot, tuple(vector_channels), x.shape[0])
     for c, (src, s) in enumerate(zip(source, signs)):
         if s < 0:
             np.negative(v[src], out=out[c])
@@ -70,16 +70,12 @@ def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
     return rotate_into(x, rot, vector_channels, out)
 
 
-def channel_plan(rot, vector_channels, n_channels: int):
-    """How turning a (C, ...) array by ``rot`` moves its channels: output channel c is input
-    channel ``source[c]`` times ``signs[c]`` (the vector components permuted and negated as in
-    ``rotate_into``, every other channel where it was, times 1). Returns ``(source, signs)``, a
-    tuple of ints and a float32 array of shape (C,)."""
-    return _channel_plan(rot, tuple(vector_channels), n_channels)
-
-
 @functools.lru_cache(maxsize=None)
-def _channel_plan(rot, vector_channels, n_channels):
+def channel_plan(rot, vector_channels: tuple, n_channels: int):
+    """How turning a (C, ...) array by ``rot`` moves its channels: output channel c is input
+    channel ``source[c]`` times ``signs[c]`` (new vector component i is sign[i] times old component
+    perm[i]; every other channel stays where it was, times 1). Returns ``(source, signs)``, a
+    tuple of ints and a float32 array of shape (C,)."""
     perm, sign = rot
     source, signs = list(range(n_channels)), np.ones(n_channels, np.float32)
     for i, c in enumerate(vector_channels):
