@@ -1,18 +1,12 @@
-"""Random cubic crops of N-body (input) and hydro (target) volumes, with rotation augmentation.
+"""Random cubic crops of N-body (input) and hydro (target) volumes, with rotation augmentation
+(docs/data.md: the format, and what a sample is).
 
-The file holds ``Nbody`` (4, L, L, L) and ``Hydro`` (5, L, L, L). A sample is the same
-``size``^3 window of both, turned by one of the 24 proper rotations of the cube (training only),
-vector channels turned as vectors. The window and the rotation are a function of
-(seed, epoch, sample index) alone, so a run is reproducible whatever the worker count, and a run
-resumed mid-epoch sees exactly the samples an uninterrupted run would.
-
-Batches are read whole (``read_batch``): every crop is read from the file once, straight into its
-slot of the caller's batch buffer, each channel into the place the rotation sends it (vector
-components permuted), and a rotated crop is then turned where it lies (``rotate_in_place``: block
-by block through two scratch blocks of at most an eighth of the crop; negated components flipped in
-one contiguous pass each), with no second buffer for the crop. In memory a crop is copied once from
-the stored volume through a rotated view. Values are as stored, float32; crops read from the file
-are checked for non-finite values once per batch (in memory: once, at load).
+A crop's window and rotation are a function of (seed, epoch, sample index) alone, so a run is
+reproducible whatever the worker count, and a run resumed mid-epoch sees exactly the samples an
+uninterrupted run would. Read from the file, each channel of a crop goes straight into the place
+the rotation sends it in the caller's batch buffer, and the crop is then turned where it lies
+(``rotate_in_place``), with no second buffer for it; crops read from the file are checked for
+non-finite values once per batch (in memory: once, at load).
 """
 from __future__ import annotations
 

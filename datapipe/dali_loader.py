@@ -59,12 +59,12 @@ def import_dali():
                           f"built for Linux x86_64 and aarch64 only, not {system} {machine}: "
                           f"use --data_loader_config lowmem or inmem")
     try:
-        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import fn, pipeline_def
         from nvidia.dali.plugin.pytorch import feed_ndarray
     except ImportError as e:
         raise ConfigError(f"data_loader_config=dali-* needs NVIDIA DALI, which is not installed "
                           f"({e}): {INSTALL}, or use --data_loader_config lowmem or inmem") from None
-    return fn, pipeline_def, types, feed_ndarray
+    return fn, pipeline_def, feed_ndarray
 
 
 class EpochKeys:
@@ -353,7 +353,7 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
     """Loaders of one data-parallel rank with DALI pipelines; the samples, the order, the rows
     and the checks are those of ``reference(host config)``, ``build_loaders`` in the matching
     PyTorch mode (its loaders never iterated)."""
-    fn, pipeline_def, types, feed = import_dali()
+    fn, pipeline_def, feed = import_dali()
     host = copy.copy(cfg)
     host.data_loader_config = cfg.data_loader_config.removeprefix("dali-")
     ref = reference(host)

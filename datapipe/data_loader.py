@@ -8,12 +8,9 @@ disjoint, and a resumed run starts at the step it stopped at. The sampler yields
 keys; datasets whose samples are random crops use the epoch to draw new crops. What the samples
 are is the problem's data set's (``datapipe.data_sets``).
 
-Batches are assembled in place: ``datapipe.batch_pool.BatchLoader`` keeps a pool of batch buffers
-(shared with its workers, page-locked on a GPU), made once, and the dataset reads every sample
-straight into its row of one (``read_batch``), in a worker process or in this one; a buffer is
-reused once the batch handed out in it is no longer referenced (on a GPU: and the device has passed
-the point where it was let go). Samples are as stored (see each dataset); what is done to them on
-the device is the task's ``device_batch``.
+Batches are assembled in place, in the reused buffers of ``datapipe.batch_pool.BatchLoader``.
+Samples are as stored (see each dataset); what is done to them on the device is the task's
+``device_batch``.
 """
 from __future__ import annotations
 

@@ -220,10 +220,7 @@ def check_synthesis_target(cfg: Config):
 
 
 def synthesize(cfg: Config):
-    """Write small synthetic data in the real formats under data_root, a new (staging) directory,
-    marked as synthetic first."""
-    synthetic.write_mark(cfg.data_root, "Synthetic data written by this project's training run "
-                         "(synthesize_if_missing); it may be regenerated here.")
+    """Write small synthetic data, marked as such, under data_root (a new staging directory)."""
     data_set(cfg).synthesize()
 
 

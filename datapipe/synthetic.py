@@ -103,12 +103,9 @@ def check_target(out_dir, files, name, option, unmarked):
     """The rule of every writer of synthetic data (this module's command, a training run's
     ``synthesize_if_missing``): it writes only into a new or empty directory, or into one marked
     with ``SYNTHETIC_MARK`` that holds nothing but the mark and ``files`` (paths relative to
-    ``out_dir``: what the generator writes there), so that neither writing over that directory
-    nor replacing it loses a file the generator did not make.
-
-    Otherwise a ConfigError: ``name`` names the directory in it (``--out DIR``), ``option`` is the
-    option that chooses another, ``unmarked`` the refusal of a directory that holds files but no
-    mark (a message of its own: what the caller expected there)."""
+    ``out_dir``), so that no file the generator did not make is lost. Otherwise a ConfigError:
+    ``name`` names the directory (``--out DIR``), ``option`` chooses another, ``unmarked`` is
+    the refusal of a directory that holds files but no mark."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"{name} is a file, not a directory: choose a directory")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
@@ -562,6 +559,8 @@ def _ints(parser, name: str, values: list[str], length: int | None = None) -> li
 
 CLI_MARK = ("Synthetic data written by python -m datapipe.synthetic; it may be written again "
             "here, and a training run with synthesize_if_missing may regenerate it.")
+RUN_MARK = ("Synthetic data written by this project's training run (synthesize_if_missing); it "
+            "may be regenerated here.")
 
 
 def main(argv=None):
