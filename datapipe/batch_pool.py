@@ -281,15 +281,11 @@ class Slot:
         self.handed_out = None  # weak reference to the storage's array while a batch is out
 
     def batch(self, n: int):
-        """The first ``n`` samples as tensors on a storage of their own (a new view of the
-        slot's memory, which lives as long as any tensor made from it): ``in_use`` says whether
-        any is still referenced."""
-        whole = np.frombuffer(self.buffer, np.float32, self.layout.nbytes // 4)
-        flat = torch.from_numpy(whole)
-        lay = self.layout
-        x = flat[:lay.nx].view(lay.x_shape)[:n]
-        y = flat[lay.y_offset // 4:lay.y_offset // 4 + lay.ny].view(lay.y_shape)[:n]
-        self.handed_out = weakref.ref(whole)  # dies with the storage, i.e. its last tensor
+        """The first ``n`` samples as tensors on a new view of the slot's memory, which lives as
+        long as any tensor made from it: ``in_use`` says whether any is still referenced."""
+        whole = np.frombuffer(self.buffer, np.uint8)  # the base of both arrays below
+        x, y = (torch.from_numpy(a)[:n] for a in self.layout.arrays(whole))
+        self.handed_out = weakref.ref(whole)  # dies with the last tensor made from it
         return x, y
 
     def in_use(self) -> bool:
