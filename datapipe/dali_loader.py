@@ -406,7 +406,6 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
 
     def loader(torch_loader, sampler):
         dataset = torch_loader.dataset
-        dataset = getattr(dataset, "dataset", dataset)  # the dataset behind a batch reader
         make = pipelines.get(type(dataset))
         if make is None:
             raise ConfigError(f"data_loader_config={cfg.data_loader_config}: no DALI pipeline "

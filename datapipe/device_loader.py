@@ -308,7 +308,7 @@ def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device,
     host = copy.copy(cfg)
     host.data_loader_config, host.num_data_workers = "lowmem", 0
     ref = reference(host)
-    train, valid = (getattr(d, "dataset", d) for d in (ref.train.dataset, ref.valid.dataset))
+    train, valid = ref.train.dataset, ref.valid.dataset
     if not isinstance(train, CosmoCropDataset):  # (the config's rules refuse it first)
         raise ConfigError(f"data_loader_config=device holds cosmology volumes; "
                           f"{type(train).__name__} has none: use --data_loader_config lowmem "

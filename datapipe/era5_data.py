@@ -165,9 +165,7 @@ class ERA5Dataset(BatchReadDataset):
             self._handles, self._fds, self._pid = {}, {}, os.getpid()
 
     def _fields(self, k):
-        """Year file k: the in-memory band (rows already selected) or the HDF5 dataset."""
-        if self._arrays is not None:
-            return self._arrays[k]
+        """Year file k's HDF5 dataset, opened once per process."""
         self._this_process()
         if k not in self._handles:
             self._handles[k] = h5py.File(self.files[k], "r")["fields"]

@@ -25,8 +25,7 @@ def matrix(rot) -> np.ndarray:
     """3x3 integer matrix R of a (perm, sign) rotation: (R v)_i = sign_i v_perm[i]."""
     perm, sign = rot
     m = np.zeros((3, 3), dtype=int)
-    for i, (p, s) in enumerate(zip(perm, sign)):
-        m[i, p] = s
+    m[range(3), perm] = sign
     return m
 
 
@@ -124,17 +123,15 @@ def _block_cycles(side: int, rot, block: int | None) -> tuple:
         return tuple(q)
 
     seen, cycles = set(), []
-    for p in itertools.product(*(range(n) for n in counts)):
-        if p in seen:
-            continue
-        cycle = [p]
-        seen.add(p)
-        q = source(p)
-        while q != p:
-            cycle.append(q)
+    for q in itertools.product(*(range(n) for n in counts)):
+        cycle = []
+        while q not in seen:  # the blocks' moves are a permutation: back to the first, then out
             seen.add(q)
+            cycle.append(q)
             q = source(q)
-        cycles.append(tuple(tuple(slice(*ranges[k][i]) for k, i in enumerate(b)) for b in cycle))
+        if cycle:
+            cycles.append(tuple(tuple(slice(*ranges[k][i]) for k, i in enumerate(b))
+                                for b in cycle))
     return tuple(cycles)
 
 
