@@ -1,10 +1,6 @@
-"""The data of ``--data_loader_config synthetic`` (compute only), made in memory by the synthetic
-generator (``datapipe.synthetic``): nothing is read from data_root and nothing is written there.
-
-Sample counts are the config's: ViT ``limit_nsamples`` and ``limit_nsamples_val`` (unset: one
-year of 6-hourly steps each, ``ERA5_STEPS_PER_YEAR``), U-Net ``Nsamples`` and ``Nsamples_val``.
-A rank makes only its first training batch and its first validation batch, which the loader then
-serves for every step (``CachedBatchLoader``); the samples are those of the real formats:
+"""The data of ``--data_loader_config synthetic`` (compute only; docs/performance.md: counts,
+what a rank makes), made in memory by the synthetic generator (``datapipe.synthetic``) as the
+samples of the real formats:
 
 - ERA5: training sample i is the state at step i of the generator's trajectory for ``seed``
   (``synthetic_steps_per_year`` steps a year, from the first training year that
