@@ -252,10 +252,8 @@ class SlotLayout:
         buffer = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)
         for advice in ("MADV_DONTFORK", "MADV_HUGEPAGE"):
             if hasattr(mmap, advice):
-                try:
+                with contextlib.suppress(OSError):
                     buffer.madvise(getattr(mmap, advice))
-                except OSError:
-                    pass
         np.frombuffer(buffer, np.uint8)[::mmap.PAGESIZE] = 0  # its pages, faulted in now
         return buffer
 
