@@ -24,11 +24,16 @@ class BatchReadDataset(Dataset):
         """Fill ``x[j]``, ``y[j]`` with the sample of ``keys[j]``."""
         raise NotImplementedError
 
+    def read(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        """The samples ``keys`` in new arrays: inputs (B, *sx) and targets (B, *sy)."""
+        sx, sy = self.sample_shapes
+        x, y = np.empty((len(keys), *sx), np.float32), np.empty((len(keys), *sy), np.float32)
+        self.read_batch(keys, x, y)
+        return x, y
+
     def __getitem__(self, key):
         """One sample: ``(x, y)`` of shapes ``sample_shapes``."""
-        sx, sy = self.sample_shapes
-        x, y = np.empty((1, *sx), np.float32), np.empty((1, *sy), np.float32)
-        self.read_batch([key], x, y)
+        x, y = self.read([key])
         return torch.from_numpy(x[0]), torch.from_numpy(y[0])
 
 

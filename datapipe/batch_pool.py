@@ -5,44 +5,29 @@ y)`` (``datapipe.batch_dataset``) in the order of a sampler, as torch's DataLoad
 per-batch costs: no new shared-memory file per batch, no page faults and zeroing of fresh pages,
 no copy into pinned memory.
 
-* **Slots.** A slot holds one batch's input and target in one shared mapping (an anonymous
-  ``memfd``: nothing appears in /dev/shm, and the memory goes when its last user does, whatever
-  way the processes end; without workers, memory of the main process alone). The main process
-  makes the slots, on a GPU registers each once with ``cudaHostRegister`` (page-locked where it
-  lies: ``non_blocking`` copies read it directly), and passes each worker a slot's descriptor
-  the first time it sends it work on it. Slots are
-  sized from ``sample_shapes`` and the batch size and made as needed, up to ``prefetch_depth *
-  workers + 2`` (+ 1 on a GPU), the most the engine's loop ever needs at once; more only when
-  the consumer holds on to batches (below).
-* **Workers share each batch.** A batch's keys are split over the workers, each reading its
-  samples straight into their rows of the same slot; so the first batch of an epoch (after
-  validation, say) is built by all workers together. Up to ``prefetch_depth * workers`` batches
-  are in flight. Workers are forked at the first pass and kept (persistent), die with the main
-  process (``exit_with_parent``), ignore the stop signals and Ctrl-C (the main process stops the
-  run), and send their errors back as they were raised: a ``UserError`` arrives as itself, with
-  its one-line message; anything else as a RuntimeError carrying the worker's traceback; a worker
-  that dies (killed, out of memory) ends the pass with one line (``LoaderWorkerDied``).
-  Without workers the main process reads each batch into a slot itself.
-* **Release: a batch's slot is reused only when nothing can read it any more.** A batch is
-  handed out as two tensors on a storage of its own (a fresh view of the slot's memory), and the
-  pool keeps only a weak reference to it. At every fetch the pool looks at the batches it handed
-  out: one that is no longer referenced (every tensor, view and NumPy array made from it gone)
-  is released. On a CPU its slot is free at once: the consumer can no longer read it, and CPU
-  work on it is done (CPU ops are synchronous). On a GPU a ``non_blocking`` copy from it may
-  still be queued on the device, so the pool records a CUDA event on the current stream of the
-  loader's device at the moment it finds the batch released, and reuses the slot only once that
-  event has completed: every copy the consumer queued on that stream before letting go of the
-  batch (the engine's ``to_device``, on the stream it then computes on) is then done. A batch
-  therefore stays valid for as long as it is referenced, as one from torch's DataLoader would;
-  the engine, which holds the batch of its step and those fetched ahead of it (1, or 2 where
-  the ranks' stop agreement fetches further ahead: ``engine.stop.agreement``), cycles through
-  ``prefetch_depth * workers + 2`` slots (one more at a lag of 2), and a consumer that keeps
-  batches (``list(loader)``, a cached batch) makes the pool grow by what it keeps, nothing is
-  overwritten.
+What a user sees of it (buffers made once, filled in place, reused only when nothing can read
+them, errors) is in docs/performance.md ("Batch hand-over"); how it does it:
+
+* **Slots.** One batch's input and target in one mapping: an anonymous ``memfd`` shared with the
+  workers (without workers, memory of the main process alone), made by the main process, on a
+  GPU registered once with ``cudaHostRegister``, its descriptor passed to a worker with the first
+  work on it. At most ``prefetch_depth * workers + 2`` (+ 1 on a GPU) are made, the most the
+  engine's loop needs at once (it holds the batch of its step and 1 or 2 fetched ahead:
+  ``engine.stop.agreement``); more only while the consumer holds on to batches.
+* **Workers share each batch**: its keys are split over them, each reading its rows into the same
+  slot, so the first batch of an epoch is built by all together. Up to ``prefetch_depth *
+  workers`` batches are in flight. Workers are forked at the first pass and kept, die with the
+  main process (``exit_with_parent``), ignore the stop signals and Ctrl-C, and send errors back
+  as raised: a ``UserError`` as itself, anything else as a RuntimeError with the worker's
+  traceback; a worker that dies ends the pass with one line (``LoaderWorkerDied``).
+* **Release.** A batch is handed out as two tensors on a storage of its own (a fresh view of the
+  slot), watched by weak reference; at every fetch a batch no longer referenced is released. On
+  a CPU its slot is free at once (CPU ops are synchronous). On a GPU a ``non_blocking`` copy from
+  it may still be queued, so the pool records a CUDA event on the current stream of the loader's
+  device when it finds the batch released, and reuses the slot only once that event completed.
 * **Passes.** ``iter(loader)`` starts a pass over the sampler's current keys (``set_epoch``
-  first, as with a DataLoader, resume included); starting one ends the previous pass: its
-  batches still queued are skipped by the workers (a shared pass number) and its slots return to
-  the pool before the new pass sends any work (an iterator of an ended pass stops).
+  first) and ends the previous one: its batches still queued are skipped by the workers (a
+  shared pass number) and its slots return to the pool before the new pass sends any work.
 
 Invariants. The stress test (tests/test_batch_pool_stress.py, "stress" below) checks each after
 every step of random sequences of passes, fetches, held batches, slow and failing reads, killed
@@ -51,10 +36,8 @@ workers, interrupts and ``close()``; the tests named check one case more closely
 1. **Only parts not yet answered are waited for, and each is answered once.** A batch in
    flight (``in_flight``) lists its parts not answered yet (``_Batch.out``), and every loop
    around a wait (``_receive``) ends when the parts it needs are answered. Ending a pass waits
-   for the parts still out, then gives back the slot of every batch in flight, complete or not.
-   (It once waited for an answer for each batch in flight; a batch whose parts had all been
-   answered before its pass ended - often, when a batch of 4 is shared by 4 of 8 workers and
-   read while an earlier one is awaited - got none, and the next ``iter()`` hung.) Stress: every
+   for the parts still out, then gives back the slot of every batch in flight, complete or not
+   (not an answer per batch: one answered before its pass ended would get none). Stress: every
    step within a deadline; test_a_new_pass_after_one_abandoned_with_batches_complete,
    test_training_then_the_throughput_report_finishes_20_of_20_times.
 2. **A batch holds exactly the samples its keys name.** A slot is in one state at a time (free,
@@ -162,41 +145,18 @@ class HostMemory:
         pass
 
 
-class CudaEvents:
-    """Marks as CUDA events on the current stream of ``device``."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def record(self):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def query(self, event) -> bool:
-        return event.query()
-
-    def synchronize(self, event):
-        while not event.query():  # polled: a signal handler runs (and may raise) meanwhile
-            time.sleep(0.0002)
-
-    def synchronize_all(self):
-        torch.cuda.synchronize(self.device)
-
-
 class PinnedHostMemory(HostMemory):
     """GPU batches: slots page-locked in place with ``cudaHostRegister``; a released batch's slot
-    is reused only after a mark (a CUDA event on the current stream) taken at its release has
-    passed. ``runtime`` (``torch.cuda.cudart()`` by default) and ``events`` (``CudaEvents``) are
-    the only CUDA calls: tests run everything else on a CPU with stand-ins."""
+    is reused only after a mark (a CUDA event on the current stream of ``device``) taken at its
+    release has passed. ``runtime`` (``torch.cuda.cudart()`` by default) and the marks are the
+    only CUDA calls: tests run everything else on a CPU with stand-ins."""
 
     pinned = True
     PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch does
 
-    def __init__(self, device, runtime=None, events=None):
+    def __init__(self, device, runtime=None):
         self.device = device
         self._runtime = runtime
-        self.events = events if events is not None else CudaEvents(device)
 
     @property
     def runtime(self):
@@ -224,16 +184,19 @@ class PinnedHostMemory(HostMemory):
             self.runtime.cudaHostUnregister(address)  # an error here leaves nothing to undo
 
     def mark(self):
-        return self.events.record()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def passed(self, mark) -> bool:
-        return self.events.query(mark)
+        return mark.query()
 
     def wait(self, mark):
-        self.events.synchronize(mark)
+        while not mark.query():  # polled: a signal handler runs (and may raise) meanwhile
+            time.sleep(0.0002)
 
     def wait_all(self):
-        self.events.synchronize_all()
+        torch.cuda.synchronize(self.device)
 
 
 # ----------------------------------------------------------------------------- slots
@@ -289,10 +252,8 @@ class SlotLayout:
         buffer = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)
         for advice in ("MADV_DONTFORK", "MADV_HUGEPAGE"):
             if hasattr(mmap, advice):
-                try:
+                with contextlib.suppress(OSError):
                     buffer.madvise(getattr(mmap, advice))
-                except OSError:
-                    pass
         np.frombuffer(buffer, np.uint8)[::mmap.PAGESIZE] = 0  # its pages, faulted in now
         return buffer
 
@@ -318,15 +279,11 @@ class Slot:
         self.handed_out = None  # weak reference to the storage's array while a batch is out
 
     def batch(self, n: int):
-        """The first ``n`` samples as tensors on a storage of their own (a new view of the
-        slot's memory, which lives as long as any tensor made from it): ``in_use`` says whether
-        any is still referenced."""
-        whole = np.frombuffer(self.buffer, np.float32, self.layout.nbytes // 4)
-        flat = torch.from_numpy(whole)
-        lay = self.layout
-        x = flat[:lay.nx].view(lay.x_shape)[:n]
-        y = flat[lay.y_offset // 4:lay.y_offset // 4 + lay.ny].view(lay.y_shape)[:n]
-        self.handed_out = weakref.ref(whole)  # dies with the storage, i.e. its last tensor
+        """The first ``n`` samples as tensors on a new view of the slot's memory, which lives as
+        long as any tensor made from it: ``in_use`` says whether any is still referenced."""
+        whole = np.frombuffer(self.buffer, np.uint8)  # the base of both arrays below
+        x, y = (torch.from_numpy(a)[:n] for a in self.layout.arrays(whole))
+        self.handed_out = weakref.ref(whole)  # dies with the last tensor made from it
         return x, y
 
     def in_use(self) -> bool:

@@ -33,7 +33,7 @@ class CosmoData:
         c = self.cfg
         synthetic.make_cosmo(c.data_root, train_size=c.synthetic_size[0],
                              val_size=c.synthetic_size[1], seed=c.seed,
-                             train_name=c.train_file, val_name=c.val_file)
+                             train_name=c.train_file, val_name=c.val_file, mark=synthetic.RUN_MARK)
 
     def synthetic_files(self) -> list[str]:
         """What ``synthesize`` writes, relative to data_root."""

@@ -1,18 +1,12 @@
-"""Random cubic crops of N-body (input) and hydro (target) volumes, with rotation augmentation.
+"""Random cubic crops of N-body (input) and hydro (target) volumes, with rotation augmentation
+(docs/data.md: the format, and what a sample is).
 
-The file holds ``Nbody`` (4, L, L, L) and ``Hydro`` (5, L, L, L). A sample is the same
-``size``^3 window of both, turned by one of the 24 proper rotations of the cube (training only),
-vector channels turned as vectors. The window and the rotation are a function of
-(seed, epoch, sample index) alone, so a run is reproducible whatever the worker count, and a run
-resumed mid-epoch sees exactly the samples an uninterrupted run would.
-
-Batches are read whole (``read_batch``): every crop is read from the file once, straight into its
-slot of the caller's batch buffer, each channel into the place the rotation sends it (vector
-components permuted), and a rotated crop is then turned where it lies (``rotate_in_place``: block
-by block through two scratch blocks of at most an eighth of the crop; negated components flipped in
-one contiguous pass each), with no second buffer for the crop. In memory a crop is copied once from
-the stored volume through a rotated view. Values are as stored, float32; crops read from the file
-are checked for non-finite values once per batch (in memory: once, at load).
+A crop's window and rotation are a function of (seed, epoch, sample index) alone, so a run is
+reproducible whatever the worker count, and a run resumed mid-epoch sees exactly the samples an
+uninterrupted run would. Read from the file, each channel of a crop goes straight into the place
+the rotation sends it in the caller's batch buffer, and the crop is then turned where it lies
+(``rotate_in_place``), with no second buffer for it; crops read from the file are checked for
+non-finite values once per batch (in memory: once, at load).
 """
 from __future__ import annotations
 
@@ -99,9 +93,11 @@ class CosmoCropDataset(BatchReadDataset):
     def __len__(self):
         return self.nsamples
 
-    def window(self, epoch: int, i: int):
-        """Corner of the crop and rotation index of sample i in the given epoch."""
-        rng = np.random.default_rng([self.seed, int(self.augment), epoch, i])
+    def window(self, key):
+        """Corner of the crop and rotation index of the sample of ``key``, an (epoch, index) pair
+        or an index (epoch 0). Validation crops are the same at every validation."""
+        epoch, i = key if isinstance(key, tuple) else (0, key)
+        rng = np.random.default_rng([self.seed, int(self.augment), epoch if self.augment else 0, i])
         corner = rng.integers(0, self.box - self.size + 1, size=3)
         rot = int(rng.integers(0, len(ROTATIONS))) if self.augment else 0
         return corner, rot
@@ -119,10 +115,7 @@ class CosmoCropDataset(BatchReadDataset):
         nbody, hydro = self._volumes()
         corners = []
         for j, key in enumerate(keys):
-            epoch, i = key if isinstance(key, tuple) else (0, key)
-            if not self.augment:
-                epoch = 0  # validation crops are the same at every validation
-            (a, b, c), rot = self.window(epoch, i)
+            (a, b, c), rot = self.window(key)
             corners.append((int(a), int(b), int(c)))  # printed as plain numbers
             crop = np.s_[a:a + s, b:b + s, c:c + s]
             for field, n, vec, out in ((nbody, self.n_in, self.in_vec, x[j]),

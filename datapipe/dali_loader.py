@@ -1,25 +1,15 @@
 """NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of
-``datapipe.data_loader``, assembled by DALI pipelines.
-
-What a sample is and in which order samples come is not decided here: the PyTorch loaders of the
-matching mode (lowmem / inmem) are built first, and their datasets, ``ShardedSampler`` and
-``ValidationSampler`` are used as they are. So for the same seed, epoch and index a DALI batch
-equals the PyTorch batch, the shards of data-parallel ranks are the same, and
-``train_sampler.set_epoch(epoch, start_step)`` resumes mid-epoch exactly.
+``datapipe.data_loader``, assembled by DALI pipelines. What runs where, and why the batches equal
+the PyTorch loaders' (whose datasets and samplers, built first and never iterated, are used as
+they are), is in docs/performance.md ("DALI loaders").
 
 One pipeline definition per model serves both devices: with a GPU (``device_id`` = the local
-device index) the operators after the host read run on the GPU and batches arrive as CUDA tensors
-(the engine's host-to-device copy is then a no-op); with ``device_id=None`` the same operators run
-on CPU threads and batches are CPU tensors.
-
-- ERA5: an external source reads each (t, t + dt) pair, raw, in Python workers (``parallel=True``,
-  ``py_num_workers = num_data_workers``) from the files (lowmem) or copies it from memory (inmem,
-  in the main process); the task normalises on the device.
-- Cosmology: the source gives the crop's window and rotation (``CosmoCropDataset.window``); the
-  crop is read from the file by the workers (lowmem: the HDF5 hyperslab is the crop) or cut by
-  ``fn.slice`` from the volume held in memory (inmem, passed without a copy); DALI operators then
-  rotate the grid (one of six transposes, flips) and turn the vector channels as vectors
-  (component i of the turned vector is sign_i times old component perm_i; see datapipe.rotations).
+device index) the operators after the host read run on the GPU; with ``device_id=None`` the same
+operators run on CPU threads. ERA5: an external source reads each (t, t + dt) pair, raw, in
+Python workers (lowmem) or copies it from memory (inmem, in the main process). Cosmology: the
+source gives the crop's window and rotation; the crop is read by the workers (lowmem) or cut by
+``fn.slice`` from the volume held in memory (inmem, passed without a copy); DALI operators then
+rotate the grid (one of six transposes, flips) and turn the vector channels as vectors.
 
 The epoch's keys reach the Python workers through a small shared file (``EpochKeys``): the
 engine sets the sampler's epoch after the workers started, so the workers look the keys up
@@ -27,16 +17,10 @@ instead of being given them. A sample callback past the epoch's keys, or from an
 epoch, raises StopIteration; a partial last batch (validation) is filled with repeats of the last
 key and cut back to its true size.
 
-The Python workers ignore the run's stop signals, as the PyTorch loaders' workers do: the main
-process acts on them, and Slurm sends them to every process of the job step. They are started
-with those signals held back (``settings.signals.held``, around the build), and a callback
-ignores them, then lets them through, the first time it runs in a worker. An error a worker
-raises on the data (a non-finite value, a damaged file) ends the run as that error, in one line,
-as in the main process.
-
-The hand-off to torch (``handoff``, ``to_torch``) never waits on the host for the pipeline. On a
-GPU the outputs are bound to torch's current stream and copied once, on that stream, into a tensor
-from torch's allocator; on CPU the tensor wraps DALI's own output buffer (DLPack, no copy).
+The Python workers ignore the run's stop signals, as the PyTorch loaders' workers do: they are
+started with those signals held back (``settings.signals.held``, around the build), and a
+callback ignores them, then lets them through, the first time it runs in a worker. An error a
+worker raises on the data ends the run as that error, in one line (``worker_error``).
 """
 from __future__ import annotations
 
@@ -53,7 +37,7 @@ import torch
 
 from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.era5_data import ERA5Dataset
-from datapipe.rotations import ROTATIONS
+from datapipe.rotations import ROTATIONS, channel_plan
 from settings import errors
 from settings.errors import ConfigError
 from settings.signals import held, release_ignored, signal_number
@@ -75,12 +59,12 @@ def import_dali():
                           f"built for Linux x86_64 and aarch64 only, not {system} {machine}: "
                           f"use --data_loader_config lowmem or inmem")
     try:
-        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import fn, pipeline_def
         from nvidia.dali.plugin.pytorch import feed_ndarray
     except ImportError as e:
         raise ConfigError(f"data_loader_config=dali-* needs NVIDIA DALI, which is not installed "
                           f"({e}): {INSTALL}, or use --data_loader_config lowmem or inmem") from None
-    return fn, pipeline_def, types, feed_ndarray
+    return fn, pipeline_def, feed_ndarray
 
 
 class EpochKeys:
@@ -159,11 +143,10 @@ def rotation_arguments(rot: int, vector_channels, n_channels: int):
     """Per-sample arguments of the DALI rotation: the transpose branch, the flips of the
     (D, H, W) axes, and for every output channel its source channel and sign."""
     perm, sign = ROTATIONS[rot]
-    src, mul = np.arange(n_channels, dtype=np.int32), np.ones(n_channels, np.float32)
-    for i, c in enumerate(vector_channels):
-        src[c], mul[c] = vector_channels[perm[i]], sign[i]
+    src, mul = channel_plan(ROTATIONS[rot], vector_channels, n_channels)
     flips = np.array([s < 0 for s in sign], np.int32)
-    return np.array(PERMS.index(tuple(perm)), np.int32), flips, src, mul
+    return (np.array(PERMS.index(tuple(perm)), np.int32), flips, np.array(src, np.int32),
+            mul.copy())
 
 
 class CosmoSource(_Source):
@@ -177,8 +160,7 @@ class CosmoSource(_Source):
     def __call__(self, info):
         self.enter()
         ds = self.dataset
-        epoch, i = self.keys.key(info)
-        (a, b, c), rot = ds.window(epoch if ds.augment else 0, i)  # validation: fixed crops
+        (a, b, c), rot = ds.window(self.keys.key(info))
         k, flips, src_x, mul_x = rotation_arguments(rot, ds.in_vec, ds.n_in)
         _, _, src_y, mul_y = rotation_arguments(rot, ds.out_vec, ds.n_out)
         out = (k, flips, src_x, mul_x, src_y, mul_y)
@@ -367,16 +349,11 @@ def worker_error(e: BaseException):
     return cls(message)
 
 
-def _start_method(device) -> str:
-    # Forking after CUDA is initialised is unsafe; on CPU fork starts workers fastest.
-    return "spawn" if device.type == "cuda" else "fork"
-
-
 def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
     """Loaders of one data-parallel rank with DALI pipelines; the samples, the order, the rows
     and the checks are those of ``reference(host config)``, ``build_loaders`` in the matching
     PyTorch mode (its loaders never iterated)."""
-    fn, pipeline_def, types, feed = import_dali()
+    fn, pipeline_def, feed = import_dali()
     host = copy.copy(cfg)
     host.data_loader_config = cfg.data_loader_config.removeprefix("dali-")
     ref = reference(host)
@@ -387,7 +364,8 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
                     device_id=(device.index if device.index is not None
                                else torch.cuda.current_device()) if gpu else None,
                     prefetch_queue_depth=cfg.prefetch_depth, py_num_workers=max(1, workers),
-                    py_start_method=_start_method(device), enable_conditionals=True)
+                    # forking after CUDA is initialised is unsafe; on CPU fork starts fastest
+                    py_start_method="spawn" if gpu else "fork", enable_conditionals=True)
     source = dict(batch=False, parallel=workers > 0)
     stop = [signal_number(name) for name in cfg.stop_signals]  # ignored in the Python workers
 
@@ -428,7 +406,6 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
 
     def loader(torch_loader, sampler):
         dataset = torch_loader.dataset
-        dataset = getattr(dataset, "dataset", dataset)  # the dataset behind a batch reader
         make = pipelines.get(type(dataset))
         if make is None:
             raise ConfigError(f"data_loader_config={cfg.data_loader_config}: no DALI pipeline "

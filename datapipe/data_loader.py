@@ -8,12 +8,9 @@ disjoint, and a resumed run starts at the step it stopped at. The sampler yields
 keys; datasets whose samples are random crops use the epoch to draw new crops. What the samples
 are is the problem's data set's (``datapipe.data_sets``).
 
-Batches are assembled in place: ``datapipe.batch_pool.BatchLoader`` keeps a pool of batch buffers
-(shared with its workers, page-locked on a GPU), made once, and the dataset reads every sample
-straight into its row of one (``read_batch``), in a worker process or in this one; a buffer is
-reused once the batch handed out in it is no longer referenced (on a GPU: and the device has passed
-the point where it was let go). Samples are as stored (see each dataset); what is done to them on
-the device is the task's ``device_batch``.
+Batches are assembled in place, in the reused buffers of ``datapipe.batch_pool.BatchLoader``.
+Samples are as stored (see each dataset); what is done to them on the device is the task's
+``device_batch``.
 """
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from datapipe import synthetic
 from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
 from datapipe.data_sets import data_set
 from settings.errors import ConfigError
@@ -188,45 +184,10 @@ def _loader(dataset, sampler, batch_size, cfg: Config, device, seed):
                        prefetch_depth=cfg.prefetch_depth, memory=memory, seed=seed)
 
 
-def missing_data(cfg: Config) -> list[str]:
-    """What the data set of ``cfg`` needs under data_root and is not there."""
-    return data_set(cfg).missing()
-
-
-def has_data(cfg: Config) -> bool:
-    return not missing_data(cfg)
-
-
-def synthetic_files(cfg: Config) -> list[str]:
-    """What ``synthesize`` writes under data_root (paths relative to it), from the problem's data
-    set; one that does not say claims none, so a marked directory of it is never replaced."""
-    listed = getattr(data_set(cfg), "synthetic_files", None)
-    return listed() if listed is not None else []
-
-
-def check_synthesis_target(cfg: Config):
-    """Synthesis writes only into a new or empty data_root, or one it made itself (marked with
-    ``SYNTHETIC_MARK``) that holds nothing but what the generator writes: never over or beside a
-    user's files (``datapipe.synthetic.check_target``, the rule its command follows too).
-    Otherwise a ConfigError says what is missing, or which files are in the way."""
-    root = cfg.data_root
-    synthetic.check_target(
-        root, synthetic_files(cfg), f"data_root={root}", "--data_root",
-        f"data_root={root} holds files but not a complete {cfg.model} data set (missing: "
-        f"{', '.join(missing_data(cfg))}); synthetic data is written only into a new or empty "
-        f"directory: complete the data set there, or choose another --data_root")
-
-
-def synthesize(cfg: Config):
-    """Write small synthetic data in the real formats under data_root (for the quickstarts), after
-    ``check_synthesis_target``; the directory is marked as synthetic."""
-    check_synthesis_target(cfg)
-    synthetic.write_mark(cfg.data_root, "Synthetic data written by this project's training run "
-                         "(synthesize_if_missing); it may be regenerated here.")
-    data_set(cfg).synthesize()
-
-
-def _check_counts(n_train: int, n_valid: int, global_batch: int, dp_size: int):
+def _samplers(cfg: Config, shuffle: bool, n_train: int, n_valid: int, dp_size: int, dp_rank: int,
+              local_batch: int) -> tuple[ShardedSampler, ValidationSampler]:
+    """The training and validation samplers of one data-parallel rank, once the counts suffice."""
+    global_batch = local_batch * dp_size
     if n_train < global_batch:
         raise ConfigError(f"global_batch_size={global_batch} exceeds the {n_train} training "
                           f"samples: lower the batch size or use more data "
@@ -235,6 +196,8 @@ def _check_counts(n_train: int, n_valid: int, global_batch: int, dp_size: int):
         raise ConfigError(f"the {n_valid} validation samples cannot be shared by {dp_size} "
                           f"data-parallel ranks (each needs at least one): use more validation "
                           f"samples (limit_nsamples_val/Nsamples_val) or fewer ranks")
+    return (ShardedSampler(n_train, global_batch, local_batch, dp_rank, shuffle=shuffle,
+                           seed=cfg.seed), ValidationSampler(n_valid, dp_size, dp_rank))
 
 
 def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
@@ -268,14 +231,11 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
     if cfg.data_is_generated:
         return generated_loaders(cfg, dp_size, dp_rank, local_batch, device, rows, memory_format)
     train, valid = data.datasets(rows)
-    G = local_batch * dp_size
-    _check_counts(len(train), len(valid), G, dp_size)
-    sampler = ShardedSampler(len(train), G, local_batch, dp_rank, shuffle=data.shuffle,
-                             seed=cfg.seed)
+    sampler, valid_sampler = _samplers(cfg, data.shuffle, len(train), len(valid), dp_size, dp_rank,
+                                       local_batch)
     seed = cfg.seed * 1000 + dp_rank
     train_loader = _loader(train, sampler, local_batch, cfg, device, seed)
-    valid_loader = _loader(valid, ValidationSampler(len(valid), dp_size, dp_rank), local_batch,
-                           cfg, device, seed + 500)
+    valid_loader = _loader(valid, valid_sampler, local_batch, cfg, device, seed + 500)
     return Loaders(train_loader, valid_loader, sampler, sampler.steps, len(train), len(valid))
 
 
@@ -289,10 +249,8 @@ def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int,
     the real ones: the same steps per epoch, shards and validation counts as a run on files."""
     data = data_set(cfg)
     n_train, n_valid = data.generated_counts()
-    G = local_batch * dp_size
-    _check_counts(n_train, n_valid, G, dp_size)
-    sampler = ShardedSampler(n_train, G, local_batch, dp_rank, shuffle=data.shuffle, seed=cfg.seed)
-    valid_sampler = ValidationSampler(n_valid, dp_size, dp_rank)
+    sampler, valid_sampler = _samplers(cfg, data.shuffle, n_train, n_valid, dp_size, dp_rank,
+                                       local_batch)
     t0 = time.perf_counter()
     train_batch = data.generated_batch(list(itertools.islice(sampler, local_batch)), "train",
                                        rows)

@@ -9,7 +9,8 @@ A data class is made from the config (``data_class(cfg)``) and answers:
 - ``row_bands``: whether training samples can be cut to a band of image rows (``rows``), as a
   model-parallel rank of the ViT reads them;
 - ``missing()``: what ``data_root`` lacks of a data set (empty: it is there);
-- ``synthesize()``: write synthetic files of the real format under ``data_root``;
+- ``synthesize()``: write synthetic files of the real format under ``data_root``, marked as such
+  (``datapipe.synthetic.SYNTHETIC_MARK``);
 - ``synthetic_files()``: the files ``synthesize`` writes, relative to ``data_root`` (a data class
   without it claims none: a marked synthetic ``data_root`` of it is then never replaced);
 - ``datasets(rows)``: the (training, validation) datasets read from the files;

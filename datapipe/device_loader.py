@@ -1,44 +1,27 @@
 """``data_loader_config: device`` (U-Net): the cosmology volumes held in the memory of the device
-the run trains on, each batch's crops cut and rotated there.
+the run trains on, each batch's crops cut and rotated there. What it is for, what it holds and
+when it refuses is in docs/performance.md ("Cosmology volumes on the device"); how it cuts:
 
-The training and validation volumes (``Nbody`` and ``Hydro`` of ``train_file`` and ``val_file``,
-the model's channels only) are read once, slab by slab, into one tensor per field and split on
-``rt.device`` (GPU memory on a GPU node), in float32 or, with ``device_volume_dtype``, in
-bfloat16 / float16 (half the memory; the values rounded to that type once, at load). There are
-no workers and no per-sample work: per batch the host draws each sample's window (its crop
-corner and rotation, ``CosmoCropDataset.window``: a few numbers), sends the (B, 4) table to the
-device (B x 32 bytes, the only host-to-device copy), and the device does the rest:
+Per batch the host draws each sample's window (crop corner and rotation,
+``CosmoCropDataset.window``) and sends the (B, 4) table to the device, which does the rest:
 
 - the crop and its rotation as one index: new grid axis k of a crop runs along old axis
   ``perm[k]``, forwards or (``sign[k] < 0``) backwards, from the corner, so the voxel
   (i0, i1, i2) of crop j is the volume's voxel at linear offset ``off[j, 0, i0] + off[j, 1, i1]
   + off[j, 2, i2]`` (``off[j, k, i]``: the coordinate along old axis ``perm[k]`` times that axis's
   stride) -- a (B, s, s, s) int64 index summed from three (B, s) rows;
-- the vector channels as vectors (``datapipe.rotations.rotate_into``): new component i is
-  ``sign[i]`` times old component ``perm[i]``, so the channel each output channel is taken from
-  depends on the rotation: a (B, C) table of source channels;
-- ONE advanced-indexing gather per field per batch (on a GPU; on a CPU see below),
+- the vector channels as vectors (``datapipe.rotations.channel_plan``): a (B, C) table of the
+  source channel of each output channel, and of its sign;
+- ONE advanced-indexing gather per field per batch,
   ``volume.view(C, L^3)[src[:, :, None, None, None], index[:, None]]`` -> (B, C, s, s, s)
   (index tensors broadcast, not materialised), then, only when a sample of the batch turns a
   vector component backwards, one multiplication by the (B, C) signs (in half precision
   storage, that multiplication or a cast makes the float32 batch).
 
-On a CPU with float32 storage (``method="copy"``) the same crops are instead copied through
-rotated views of the volume, one crop per call, over torch's intra-op threads
-(``rotate_into``, the copy ``inmem`` makes in its workers): a CPU gathers slowly (an int64
-offset per voxel, read back and followed one at a time), while each crop's copy runs along
-whole rows. Both ways give the same bits.
-
-What a sample is and in which order samples come is not decided here: the ``lowmem`` loaders are
-built first (``build_loaders`` with ``lowmem``, never iterated), and their ``CosmoCropDataset``
-(file checks, box side, ``window``), ``ShardedSampler`` and ``ValidationSampler`` are used as they
-are. So a batch is, bit for bit in float32, the ``lowmem`` batch of the same seed, epoch, step and
-rank, and ``train_sampler.set_epoch(epoch, start_step)`` resumes mid-epoch exactly.
-
-Before anything is allocated, the volumes (and one batch's working memory) are checked against
-the device's free memory (``torch.cuda.mem_get_info``; on a CPU ``MemAvailable`` of
-/proc/meminfo, within a cgroup's limit): a run whose volumes do not fit stops with one line
-naming their size, the free memory and the choices (exit 2).
+On a CPU with float32 storage (``method="copy"``) each crop is instead copied through its rotated
+view (``rotate_into``) over torch's intra-op threads: a CPU gathers slowly, while a copy runs
+along whole rows. Both ways give the same bits, those of the ``lowmem`` loaders, built first
+(never iterated), whose dataset and samplers decide the samples and their order.
 """
 from __future__ import annotations
 
@@ -58,7 +41,7 @@ import torch
 
 from datapipe.batch_dataset import read_float32
 from datapipe.cosmo_data import CosmoCropDataset
-from datapipe.rotations import ROTATIONS, rotate_into
+from datapipe.rotations import ROTATIONS, channel_plan, rotate_into
 from settings.errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -202,42 +185,27 @@ def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torc
     return out
 
 
-def _rotation_tables(vector_channels, n_channels: int):
-    """For each of the 24 rotations, the source channel of every output channel and its sign
-    (``rotate_into``: vector component i is sign[i] times component perm[i])."""
-    vc = list(vector_channels)
-    src = np.tile(np.arange(n_channels), (len(ROTATIONS), 1))
-    mul = np.ones((len(ROTATIONS), n_channels), np.float32)
-    for r, (perm, sign) in enumerate(ROTATIONS):
-        for i, c in enumerate(vc):
-            src[r, c] = vc[perm[i]]
-            mul[r, c] = sign[i]
-    return src, mul
-
-
 class CropGather:
     """The volumes of one split on the device, and the batch cut from them (module docstring):
     ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation).
-    ``method``: "gather" (one indexed gather per field), "copy" (a copy per crop through its
-    rotated view; CPU, float32 storage only), or None: "copy" where it can, else "gather".
+    ``method``: "copy" (a copy per crop through its rotated view) where it can (CPU, float32
+    storage), else "gather" (one indexed gather per field).
     ``memory_format``: the layout the batches are written in (``torch.channels_last_3d``: the
     gather's index runs over (B, s, s, s, C), whose (B, C, s, s, s) view is channels-last)."""
 
     def __init__(self, dataset: CosmoCropDataset, device, dtype: torch.dtype,
-                 method: str | None = None,
                  memory_format: torch.memory_format = torch.contiguous_format):
         self.dataset, self.device, self.size = dataset, torch.device(device), dataset.size
         self.memory_format = memory_format
-        can_copy = self.device.type == "cpu" and dtype == torch.float32
-        if method == "copy" and not can_copy:
-            raise ValueError("CropGather: method 'copy' needs float32 volumes in host memory")
-        self.method = method or ("copy" if can_copy else "gather")
-        self._threads, self._n_threads = None, 0
+        self.method = "copy" if self.device.type == "cpu" and dtype == torch.float32 else "gather"
+        self._threads = None  # the crops' copies, over torch's intra-op threads (CPU)
         self.fields = []  # (flat volume (C, L^3), source channels (24, C), signs (24, C), host signs)
         for name, n, vec in (("Nbody", dataset.n_in, dataset.in_vec),
                              ("Hydro", dataset.n_out, dataset.out_vec)):
             volume = load_field(dataset.path, name, n, device, dtype)
-            src, mul = _rotation_tables(vec, n)
+            # for each of the 24 rotations, the source channel of every output channel and its sign
+            plans = [channel_plan(rot, vec, n) for rot in ROTATIONS]
+            src, mul = np.array([p[0] for p in plans]), np.stack([p[1] for p in plans])
             self.fields.append((volume.view(n, -1), torch.from_numpy(src).to(device),
                                 torch.from_numpy(mul).to(device), mul))
         side = dataset.box
@@ -249,14 +217,9 @@ class CropGather:
 
     def windows(self, keys) -> np.ndarray:
         """(B, 4) corners and rotations of the samples ``keys`` (as ``read_batch`` takes them)."""
-        ds = self.dataset
         out = np.empty((len(keys), 4), np.int64)
         for j, key in enumerate(keys):
-            epoch, i = key if isinstance(key, tuple) else (0, key)
-            if not ds.augment:
-                epoch = 0  # as read_batch: validation crops are the same at every validation
-            corner, rot = ds.window(epoch, i)
-            out[j, :3], out[j, 3] = corner, rot
+            out[j, :3], out[j, 3] = self.dataset.window(key)
         return out
 
     def index(self, w: torch.Tensor) -> torch.Tensor:
@@ -307,16 +270,13 @@ class CropGather:
             for volume, out, vec in views:
                 rotate_into(volume[:, a:a + s, b:b + s, c:c + s], rot, vec, out[j])
 
-        threads = min(torch.get_num_threads(), len(windows))
-        if threads <= 1:
+        if torch.get_num_threads() <= 1 or len(windows) <= 1:
             for j in range(len(windows)):
                 crop(j)
         else:
-            if self._n_threads != threads:
-                if self._threads is not None:
-                    self._threads.shutdown()
-                self._threads = ThreadPoolExecutor(threads, thread_name_prefix="crops")
-                self._n_threads = threads
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(torch.get_num_threads(),
+                                                   thread_name_prefix="crops")
             list(self._threads.map(crop, range(len(windows))))
         return outs[0], outs[1]
 
@@ -339,12 +299,6 @@ class DeviceCropLoader:
             yield self.gather.gather(self.gather.windows(batch))
 
 
-def volume_need(cfg: UNetConfig, train: CosmoCropDataset, valid: CosmoCropDataset,
-                local_batch: int) -> VolumeNeed:
-    return VolumeNeed(sides=(train.box, valid.box), channels=(train.n_in, train.n_out),
-                      dtype=cfg.device_volume_dtype, batch=local_batch, size=cfg.data_size)
-
-
 def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device,
                          memory_format: torch.memory_format = torch.contiguous_format):
     """Loaders of one data-parallel rank cutting their crops from volumes held on ``device``, in
@@ -354,12 +308,13 @@ def build_device_loaders(cfg: UNetConfig, reference, local_batch: int, device,
     host = copy.copy(cfg)
     host.data_loader_config, host.num_data_workers = "lowmem", 0
     ref = reference(host)
-    train, valid = (getattr(d, "dataset", d) for d in (ref.train.dataset, ref.valid.dataset))
+    train, valid = ref.train.dataset, ref.valid.dataset
     if not isinstance(train, CosmoCropDataset):  # (the config's rules refuse it first)
         raise ConfigError(f"data_loader_config=device holds cosmology volumes; "
                           f"{type(train).__name__} has none: use --data_loader_config lowmem "
                           f"or inmem")
-    need = volume_need(cfg, train, valid, local_batch)
+    need = VolumeNeed(sides=(train.box, valid.box), channels=(train.n_in, train.n_out),
+                      dtype=cfg.device_volume_dtype, batch=local_batch, size=cfg.data_size)
     check_fits(need, free_memory(device), str(device))
     t0 = time.perf_counter()
     dtype = DTYPES[cfg.device_volume_dtype]

@@ -36,7 +36,8 @@ class ERA5Data:
         from datapipe import synthetic
         c = self.cfg
         synthetic.make_era5(c.data_root, img_size=tuple(c.img_size),
-                            steps_per_year=c.synthetic_steps_per_year, seed=c.seed)
+                            steps_per_year=c.synthetic_steps_per_year, seed=c.seed,
+                            mark=synthetic.RUN_MARK)
 
     def synthetic_files(self) -> list[str]:
         """What ``synthesize`` writes, relative to data_root (make_era5's default years)."""

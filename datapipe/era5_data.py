@@ -1,34 +1,25 @@
-"""ERA5 input/target pairs read from per-year HDF5 files, as the tutorial data is stored.
+"""ERA5 input/target pairs read from per-year HDF5 files, as the tutorial data is stored
+(docs/data.md: the format, row bands, and which files are read by byte offset).
 
-``<dir>/<year>.h5`` holds ``fields`` shaped (T, C, H, W). A sample is the state at step t and the
-state at t + dt of the same year, cropped to ``img_size``, as stored (float32, not normalised:
-``ERA5Task.device_batch`` normalises with the global means and stds on the device, the first
-operation of the step). Every valid pair (t, t + dt), t in [0, T - dt), of every year is one
-index, so each is drawn with the same probability (no folding of indices onto others).
+A sample is the state at step t and the state at t + dt of the same year, cropped to
+``img_size``, as stored (float32, not normalised: ``ERA5Task.device_batch`` normalises on the
+device). Every valid pair (t, t + dt), t in [0, T - dt), of every year is one index.
+``rows=(start, stop)`` limits a dataset to that band of image rows (a model-parallel rank's,
+``ParallelViT.image_rows()``): only ``fields[t, :C, start:stop, :W]`` is read, or held in memory.
 
-``rows=(start, stop)`` limits a dataset to that band of image rows of the cropped image: a
-model-parallel rank that only uses its band (``ParallelViT.image_rows()``) reads only
-``fields[t, :C, start:stop, :W]`` (by offset, below, or as an HDF5 hyperslab) instead of the
-whole sample, and in memory mode holds only those rows. Samples are then ``(C, stop - start, W)`` and equal rows
-``start:stop`` of the full sample.
-
-Batches are read whole (``read_batch``): each field straight from the file (or the in-memory
-copy) into its slot of the caller's batch buffer, no per-sample arrays, and checked for
-non-finite values (a NaN or infinity is refused with one line naming the file, steps and rows).
-
-Reads by byte offset: where ``fields`` is stored contiguous and uncompressed as little-endian
-float32 (as the tutorial data and ``datapipe.synthetic`` write it), a sample's values are plain
-bytes at a known place in the file, so they are read with ``os.preadv`` straight into the batch
-buffer (a row band is one run of bytes per channel; a cropped width goes through a small bounce
-buffer). Those reads release the GIL, so a few threads (``read_threads``) read the 1 MB pieces
-of one batch at once, and each piece is checked for non-finite values while it is still in
-cache. Any other file (chunked or compressed, another byte order, float16/float64/integers,
-which HDF5 converts to float32, or never written) is read through h5py, hyperslab by hyperslab,
-and checked once per batch. File descriptors, h5py handles and threads belong to one process:
-a forked worker opens its own and starts its own threads at its first read; none is pickled.
+Batches are read whole (``read_batch``) straight into the caller's batch buffer and checked for
+non-finite values (refused with one line naming the file, steps and rows). Where ``fields`` is
+plain little-endian float32 bytes at a known place in the file (``raw_layout``), they are read
+with ``os.preadv`` (a row band is one run of bytes per channel; a cropped width goes through a
+small bounce buffer), the 1 MB pieces of a batch shared by a few threads (``read_threads``: the
+reads release the GIL), each piece checked while still in cache. Any other file is read through
+h5py, hyperslab by hyperslab, converted to float32 by HDF5, and checked once per batch. File
+descriptors, h5py handles and threads belong to one process: a forked worker opens its own and
+starts its own threads at its first read; none is pickled.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing
 import operator
@@ -169,16 +160,12 @@ class ERA5Dataset(BatchReadDataset):
         if self._pid != os.getpid():
             if self._pid is not None:  # forked: these are this process's copies of the parent's
                 for fd in self._fds.values():
-                    try:
+                    with contextlib.suppress(OSError):
                         os.close(fd)
-                    except OSError:
-                        pass
             self._handles, self._fds, self._pid = {}, {}, os.getpid()
 
     def _fields(self, k):
-        """Year file k: the in-memory band (rows already selected) or the HDF5 dataset."""
-        if self._arrays is not None:
-            return self._arrays[k]
+        """Year file k's HDF5 dataset, opened once per process."""
         self._this_process()
         if k not in self._handles:
             self._handles[k] = h5py.File(self.files[k], "r")["fields"]

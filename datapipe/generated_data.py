@@ -1,10 +1,6 @@
-"""The data of ``--data_loader_config synthetic`` (compute only), made in memory by the synthetic
-generator (``datapipe.synthetic``): nothing is read from data_root and nothing is written there.
-
-Sample counts are the config's: ViT ``limit_nsamples`` and ``limit_nsamples_val`` (unset: one
-year of 6-hourly steps each, ``ERA5_STEPS_PER_YEAR``), U-Net ``Nsamples`` and ``Nsamples_val``.
-A rank makes only its first training batch and its first validation batch, which the loader then
-serves for every step (``CachedBatchLoader``); the samples are those of the real formats:
+"""The data of ``--data_loader_config synthetic`` (compute only; docs/performance.md: counts,
+what a rank makes), made in memory by the synthetic generator (``datapipe.synthetic``) as the
+samples of the real formats:
 
 - ERA5: training sample i is the state at step i of the generator's trajectory for ``seed``
   (``synthetic_steps_per_year`` steps a year, from the first training year that
@@ -75,9 +71,7 @@ def era5_stats(cfg: ViTConfig) -> tuple[np.ndarray, np.ndarray]:
     return (mean[:c, None, None].astype(np.float32), std[:c, None, None].astype(np.float32))
 
 
-@functools.lru_cache(maxsize=2)
-def _cosmo_box(side: int, seed: int, split: str) -> tuple[np.ndarray, np.ndarray]:
-    return synthetic.cosmo_box(side, seed, split)
+_cosmo_box = functools.lru_cache(maxsize=2)(synthetic.cosmo_box)  # made once per process
 
 
 def cosmo_volumes(cfg: UNetConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -86,17 +80,10 @@ def cosmo_volumes(cfg: UNetConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
     return _cosmo_box(side, cfg.seed, split)
 
 
-def cosmo_dataset(cfg: UNetConfig, split: str) -> CosmoCropDataset:
-    """The crops of the generated ``split`` box, as the file-backed dataset would cut them."""
-    return CosmoCropDataset(f"<generated {split} box>", volumes=cosmo_volumes(cfg, split),
-                            nsamples=cfg.Nsamples if split == "train" else cfg.Nsamples_val,
-                            augment=split == "train", **crop_settings(cfg))
-
-
-def cosmo_batch(cfg, keys, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """The crops ``keys`` ((epoch, index) pairs from the loader's sampler) of ``split``."""
-    dataset = cosmo_dataset(cfg, split)
-    sx, sy = dataset.sample_shapes
-    x, y = np.empty((len(keys), *sx), np.float32), np.empty((len(keys), *sy), np.float32)
-    dataset.read_batch(keys, x, y)
-    return x, y
+def cosmo_batch(cfg: UNetConfig, keys, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The crops ``keys`` ((epoch, index) pairs from the loader's sampler) of ``split``, cut from
+    the generated box as the file-backed dataset would cut them."""
+    dataset = CosmoCropDataset(f"<generated {split} box>", volumes=cosmo_volumes(cfg, split),
+                               nsamples=cfg.Nsamples if split == "train" else cfg.Nsamples_val,
+                               augment=split == "train", **crop_settings(cfg))
+    return dataset.read(keys)

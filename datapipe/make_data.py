@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from datapipe import synthetic
-from datapipe.data_loader import check_synthesis_target, has_data, missing_data, synthesize
+from datapipe.data_sets import data_set
 from settings.errors import ConfigError, DataError, UserError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
@@ -84,14 +84,10 @@ def ensure_data(cfg: Config, rank: int, world_size: int):
 
 
 def make_data_once(cfg: Config, others: str = "") -> bool:
-    """Make the synthetic data set at data_root unless it is there; True when this process made
-    it. Runs that need the same data set at the same time take turns on ``<data_root>.lock``
-    (``flock``, waiting): the first makes it, the others find it made. The set is written into
-    ``<data_root>.staging-<host>-<pid>`` beside data_root and renamed to data_root when complete
-    (data_root must not exist, be empty, or be an earlier synthetic set that holds nothing else:
-    check_synthesis_target), so a maker that dies leaves no data_root that looks whole, only its
-    staging directory, which the next maker removes. A data_root that cannot be written is a
-    ConfigError naming the path."""
+    """Make the synthetic data set at data_root unless it is there (module docstring); True when
+    this process made it. The set is written into ``<data_root>.staging-<host>-<pid>``, so a maker
+    that dies leaves only that, which the next maker removes. A data_root that cannot be written
+    is a ConfigError naming the path."""
     root = os.path.realpath(cfg.data_root)
     parent, name = os.path.split(root)
     try:
@@ -104,7 +100,7 @@ def make_data_once(cfg: Config, others: str = "") -> bool:
             check_synthesis_target(cfg)
             if os.path.isdir(root) and os.listdir(root):  # passed the check: marked, ours only
                 log.info(f"Incomplete synthetic data under {cfg.data_root} (missing: "
-                         f"{', '.join(missing_data(cfg))}): regenerating synthetic {cfg.model} "
+                         f"{', '.join(data_set(cfg).missing())}): regenerating synthetic {cfg.model} "
                          f"data there (synthesize_if_missing is set for this config){others}")
             else:
                 log.info(f"No data under {cfg.data_root}: generating synthetic {cfg.model} data "
@@ -123,11 +119,13 @@ def make_data_once(cfg: Config, others: str = "") -> bool:
         raise _cannot_write(cfg, e) from None
 
 
+_WRITABLE_ROOT = ("choose a --data_root in a directory you can write to (synthetic data is made "
+                  "beside it and renamed into place), or put a data set there")
+
+
 def _check_can_make(cfg: Config, root: str, parent: str):
     """The checks that tell why synthetic data cannot be made at ``root`` before any is made."""
-    where = f"data_root={cfg.data_root}"
-    fix = ("choose a --data_root in a directory you can write to (synthetic data is made beside "
-           "it and renamed into place), or put a data set there")
+    where, fix = f"data_root={cfg.data_root}", _WRITABLE_ROOT
     if os.path.isdir(root) and not os.access(root, os.W_OK | os.X_OK):
         raise ConfigError(f"{where} is not writable by this user, and synthetic data must be "
                           f"written there (synthesize_if_missing): {fix}")
@@ -150,9 +148,7 @@ def _cannot_write(cfg: Config, e: OSError) -> UserError:
     reason = e.strerror or " ".join(str(e).split())
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
         return ConfigError(f"data_root={cfg.data_root}: synthetic data cannot be written there "
-                           f"({reason}:{path}): choose a --data_root in a directory you can "
-                           f"write to (synthetic data is made beside it and renamed into "
-                           f"place), or put a data set there")
+                           f"({reason}:{path}): {_WRITABLE_ROOT}")
     return DataError(f"data_root={cfg.data_root}: writing synthetic data failed ({reason}:"
                      f"{path}): free space there or choose another --data_root; no partial data "
                      f"set was left")
@@ -202,6 +198,30 @@ def _publish(staging: str, root: str, name: str):
         os.fsync(fd)  # the rename itself durable
     finally:
         os.close(fd)
+
+
+def has_data(cfg: Config) -> bool:
+    return not data_set(cfg).missing()
+
+
+def check_synthesis_target(cfg: Config):
+    """Synthesis writes only into a new or empty data_root, or one it made itself (marked with
+    ``SYNTHETIC_MARK``) that holds nothing but what the generator writes (the data set's
+    ``synthetic_files``): never over or beside a user's files (``datapipe.synthetic.check_target``,
+    the rule its command follows too). Otherwise a ConfigError says what is missing, or which
+    files are in the way."""
+    root, data = cfg.data_root, data_set(cfg)
+    listed = getattr(data, "synthetic_files", None)  # none listed: a marked root is never replaced
+    synthetic.check_target(
+        root, listed() if listed is not None else [], f"data_root={root}", "--data_root",
+        f"data_root={root} holds files but not a complete {cfg.model} data set (missing: "
+        f"{', '.join(data.missing())}); synthetic data is written only into a new or empty "
+        f"directory: complete the data set there, or choose another --data_root")
+
+
+def synthesize(cfg: Config):
+    """Write small synthetic data, marked as such, under data_root (a new staging directory)."""
+    data_set(cfg).synthesize()
 
 
 # ------------------------------------------------------------------ one process at a time

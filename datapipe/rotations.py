@@ -21,19 +21,11 @@ import itertools
 import numpy as np
 
 
-def _det(perm, sign) -> int:
-    m = np.zeros((3, 3), dtype=int)
-    for i, (p, s) in enumerate(zip(perm, sign)):
-        m[i, p] = s
-    return int(round(np.linalg.det(m)))
-
-
 def matrix(rot) -> np.ndarray:
     """3x3 integer matrix R of a (perm, sign) rotation: (R v)_i = sign_i v_perm[i]."""
     perm, sign = rot
     m = np.zeros((3, 3), dtype=int)
-    for i, (p, s) in enumerate(zip(perm, sign)):
-        m[i, p] = s
+    m[range(3), perm] = sign
     return m
 
 
@@ -42,7 +34,7 @@ ROTATIONS: tuple = tuple(
     (perm, sign)
     for perm in itertools.permutations(range(3))
     for sign in itertools.product((1, -1), repeat=3)
-    if _det(perm, sign) == 1
+    if round(np.linalg.det(matrix((perm, sign)))) == 1
 )
 assert len(ROTATIONS) == 24
 
@@ -58,21 +50,15 @@ def rotated_grid(x: np.ndarray, rot) -> np.ndarray:
 def rotate_into(x: np.ndarray, rot, vector_channels, out: np.ndarray) -> np.ndarray:
     """Rotate a (C, X, Y, Z) array by ``rot`` into ``out`` (the rotated shape, not overlapping ``x``),
     one pass: every channel is copied once from the rotated view; channels in
-    ``vector_channels`` (the x, y, z components, in that order) are turned as a vector, new
-    component i being sign[i] times old component perm[i]."""
-    perm, sign = rot
+    ``vector_channels`` (the x, y, z components, in that order) are turned as a vector
+    (``channel_plan``)."""
     v = rotated_grid(x, rot)
-    vc = list(vector_channels)
-    for c in range(x.shape[0]):
-        if c not in vc:
-            np.copyto(out[c], v[c])
-            continue
-        i = vc.index(c)
-        src = v[vc[perm[i]]]
-        if sign[i] < 0:
-            np.negative(src, out=out[c])
+    source, signs = channel_plan(rot, tuple(vector_channels), x.shape[0])
+    for c, (src, s) in enumerate(zip(source, signs)):
+        if s < 0:
+            np.negative(v[src], out=out[c])
         else:
-            np.copyto(out[c], src)
+            np.copyto(out[c], v[src])
     return out
 
 
@@ -83,16 +69,12 @@ def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
     return rotate_into(x, rot, vector_channels, out)
 
 
-def channel_plan(rot, vector_channels, n_channels: int):
-    """How turning a (C, ...) array by ``rot`` moves its channels: output channel c is input
-    channel ``source[c]`` times ``signs[c]`` (the vector components permuted and negated as in
-    ``rotate_into``, every other channel where it was, times 1). Returns ``(source, signs)``, a
-    tuple of ints and a float32 array of shape (C,)."""
-    return _channel_plan(rot, tuple(vector_channels), n_channels)
-
-
 @functools.lru_cache(maxsize=None)
-def _channel_plan(rot, vector_channels, n_channels):
+def channel_plan(rot, vector_channels: tuple, n_channels: int):
+    """How turning a (C, ...) array by ``rot`` moves its channels: output channel c is input
+    channel ``source[c]`` times ``signs[c]`` (new vector component i is sign[i] times old component
+    perm[i]; every other channel stays where it was, times 1). Returns ``(source, signs)``, a
+    tuple of ints and a float32 array of shape (C,)."""
     perm, sign = rot
     source, signs = list(range(n_channels)), np.ones(n_channels, np.float32)
     for i, c in enumerate(vector_channels):
@@ -141,17 +123,15 @@ def _block_cycles(side: int, rot, block: int | None) -> tuple:
         return tuple(q)
 
     seen, cycles = set(), []
-    for p in itertools.product(*(range(n) for n in counts)):
-        if p in seen:
-            continue
-        cycle = [p]
-        seen.add(p)
-        q = source(p)
-        while q != p:
-            cycle.append(q)
+    for q in itertools.product(*(range(n) for n in counts)):
+        cycle = []
+        while q not in seen:  # the blocks' moves are a permutation: back to the first, then out
             seen.add(q)
+            cycle.append(q)
             q = source(q)
-        cycles.append(tuple(tuple(slice(*ranges[k][i]) for k, i in enumerate(b)) for b in cycle))
+        if cycle:
+            cycles.append(tuple(tuple(slice(*ranges[k][i]) for k, i in enumerate(b))
+                                for b in cycle))
     return tuple(cycles)
 
 

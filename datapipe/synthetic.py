@@ -1,42 +1,22 @@
 """Synthetic ERA5 and cosmology data in exactly the on-disk formats of the real data sets.
 
-The data loaders read real and synthetic files the same way, so everything here can be swapped
-for the real data without touching a config beyond its paths.
+The files, their datasets and shapes, the command line and where it may write are in
+docs/data.md ("Synthetic data"); the loaders read real and synthetic files the same way.
 
-ERA5 (Vision Transformer)::
+ERA5 (Vision Transformer): channels ``ERA5_CHANNELS`` in SI-like units (m/s, K, Pa, m^2/s^2, %,
+kg/m^2). Row j is at latitude 90 - j*180/(H-1) degrees (north pole first, south pole last),
+column i at longitude 360*i/W degrees (periodic). Statistics are over the training years.
 
-    <out>/train/<year>.h5, <out>/valid/<year>.h5, <out>/test/<year>.h5
-        dataset "fields": (T, 20, H, W) float32, contiguous; T 6-hourly steps per year
-    <out>/stats/global_means.npy, global_stds.npy: (1, 20, 1, 1) float32 over the training years
-    <out>/stats/time_means.npy: (1, 20, H, W) float32, the time mean of the training years
-
-Channels are ``ERA5_CHANNELS`` in SI-like units (m/s, K, Pa, m^2/s^2, %, kg/m^2). Row j is at
-latitude 90 - j*180/(H-1) degrees (north pole first, south pole last), column i at longitude
-360*i/W degrees (periodic).
-
-Cosmology (3D U-Net, after Harrington et al. 2021): one file each for training and validation,
-
-    dataset "Nbody": (4, L, L, L) float32 [log matter density, vx, vy, vz]
-    dataset "Hydro": (5, L, L, L) float32 [log gas density, log temperature, vx, vy, vz]
-
-both contiguous. Vector component k (x, y, z) lies along array axis k + 1 of the (C, X, Y, Z)
-volume; the vector channels are ``NBODY_VECTOR_CHANNELS`` and ``HYDRO_VECTOR_CHANNELS``. Every
-Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the network's tanh output. Hydro
-channel 0 is clip(ln(rho_gas / mean) / 14, -0.95, 0.95), so exp(14 x) is the gas overdensity.
+Cosmology (3D U-Net, after Harrington et al. 2021): vector component k (x, y, z) lies along array
+axis k + 1 of the (C, X, Y, Z) volume; the vector channels are ``NBODY_VECTOR_CHANNELS`` and
+``HYDRO_VECTOR_CHANNELS``. Every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of
+the network's tanh output. Hydro channel 0 is clip(ln(rho_gas / mean) / 14, -0.95, 0.95), so
+exp(14 x) is the gas overdensity.
 
 Both generators are deterministic for a seed (numpy Generators seeded from a SeedSequence), write
 every file under a temporary name in its final directory and move it into place with os.replace,
-and generate in slices (time steps, channels) so that large grids fit in memory.
-
-Usage::
-
-    python -m datapipe.synthetic era5 --out data/era5 [--img_size H W] [--steps_per_year T]
-        [--train_years Y ...] [--valid_years Y ...] [--test_years Y ...] [--seed S]
-    python -m datapipe.synthetic cosmo --out data/cosmo [--train_size L] [--val_size L] [--seed S]
-
-The command writes only into a new or empty directory, or over synthetic data written there before
-(``check_target``), and marks the directory with ``SYNTHETIC_MARK``, as a training run's
-``synthesize_if_missing`` does.
+and generate in slices (time steps, channels) so that large grids fit in memory. The command
+writes only where ``check_target`` allows, and marks the directory with ``SYNTHETIC_MARK``.
 """
 import contextlib
 import os
@@ -95,11 +75,6 @@ def _atomic_path(path):
             os.remove(tmp)
 
 
-def _save_npy(path, array):
-    with _atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.save(f, array)
-
-
 # ------------------------------------------------------------------ where synthetic data may go
 
 SYNTHETIC_MARK = "SYNTHETIC.txt"  # in a directory of synthetic data: it may be written again
@@ -128,12 +103,9 @@ def check_target(out_dir, files, name, option, unmarked):
     """The rule of every writer of synthetic data (this module's command, a training run's
     ``synthesize_if_missing``): it writes only into a new or empty directory, or into one marked
     with ``SYNTHETIC_MARK`` that holds nothing but the mark and ``files`` (paths relative to
-    ``out_dir``: what the generator writes there), so that neither writing over that directory
-    nor replacing it loses a file the generator did not make.
-
-    Otherwise a ConfigError: ``name`` names the directory in it (``--out DIR``), ``option`` is the
-    option that chooses another, ``unmarked`` the refusal of a directory that holds files but no
-    mark (a message of its own: what the caller expected there)."""
+    ``out_dir``), so that no file the generator did not make is lost. Otherwise a ConfigError:
+    ``name`` names the directory (``--out DIR``), ``option`` chooses another, ``unmarked`` is
+    the refusal of a directory that holds files but no mark."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"{name} is a file, not a directory: choose a directory")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
@@ -444,7 +416,8 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
     for name in _ERA5_STATS:
         array = stats[name]
         path = os.path.join(out_dir, _stats_file(name))
-        _save_npy(path, array.astype(np.float32))
+        with _atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.save(f, array.astype(np.float32))
         result[name] = path
         result["files"].append((path, {None: array.shape}))
     return result
@@ -518,17 +491,6 @@ def _cosmo_rng(seed, split):
     return np.random.default_rng(np.random.SeedSequence([seed, 0xC05, _COSMO_STREAMS[split]]))
 
 
-def _write_cosmo_box(path, size, rng):
-    """One box (``_cosmo_fields``) written to ``path`` as datasets Nbody and Hydro."""
-    shapes = {name: (n,) + (size,) * 3 for name, n in _COSMO_CHANNELS.items()}
-    with h5py.File(path, "w") as f:
-        datasets = {name: f.create_dataset(name, shape, dtype=np.float32)
-                    for name, shape in shapes.items()}
-        for name, channel, field in _cosmo_fields(size, rng):
-            datasets[name][channel] = field
-    return shapes
-
-
 def cosmo_box(size, seed=0, split="train"):
     """The box of ``split`` ("train" or "valid") that make_cosmo writes for this seed and size, in
     memory: (Nbody (4, L, L, L), Hydro (5, L, L, L)) float32."""
@@ -559,8 +521,12 @@ def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5
     result = {"files": []}
     for split, size, name in (("train", train_size, train_name), ("valid", val_size, val_name)):
         path = os.path.join(out_dir, name)
-        with _atomic_path(path) as tmp:
-            shapes = _write_cosmo_box(tmp, int(size), _cosmo_rng(seed, split))
+        shapes = {dataset: (n,) + (int(size),) * 3 for dataset, n in _COSMO_CHANNELS.items()}
+        with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+            datasets = {dataset: f.create_dataset(dataset, shape, dtype=np.float32)
+                        for dataset, shape in shapes.items()}
+            for dataset, channel, field in _cosmo_fields(int(size), _cosmo_rng(seed, split)):
+                datasets[dataset][channel] = field
         result[split] = path
         result["files"].append((path, shapes))
     return result
@@ -593,6 +559,8 @@ def _ints(parser, name: str, values: list[str], length: int | None = None) -> li
 
 CLI_MARK = ("Synthetic data written by python -m datapipe.synthetic; it may be written again "
             "here, and a training run with synthesize_if_missing may regenerate it.")
+RUN_MARK = ("Synthetic data written by this project's training run (synthesize_if_missing); it "
+            "may be regenerated here.")
 
 
 def main(argv=None):
@@ -605,15 +573,11 @@ def main(argv=None):
                       help="latitude x longitude grid, e.g. 32 64 or '[32,64]' (default: 32 64)")
     era5.add_argument("--steps_per_year", type=int, default=256,
                       help="time steps in each year file (default: %(default)s)")
-    era5.add_argument("--train_years", nargs="+", default=[str(y) for y in YEARS["train"]],
-                      help=f"years written under train/{lists} (default: "
-                      f"{' '.join(map(str, YEARS['train']))})")
-    era5.add_argument("--valid_years", nargs="*", default=[str(y) for y in YEARS["valid"]],
-                      help=f"years written under valid/{lists} (default: "
-                      f"{' '.join(map(str, YEARS['valid']))})")
-    era5.add_argument("--test_years", nargs="*", default=[str(y) for y in YEARS["test"]],
-                      help=f"years written under test/{lists} (default: "
-                      f"{' '.join(map(str, YEARS['test']))})")
+    for split, years in YEARS.items():
+        era5.add_argument(f"--{split}_years", nargs="+" if split == "train" else "*",
+                          default=[str(y) for y in years],
+                          help=f"years written under {split}/{lists} (default: "
+                          f"{' '.join(map(str, years))})")
     era5.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     cosmo = sub.add_parser("cosmo", help="N-body / hydro boxes for the 3D U-Net")
     cosmo.add_argument("--out", required=True, help="directory to write the files into")
@@ -627,8 +591,6 @@ def main(argv=None):
         args.img_size = _ints(era5, "img_size", args.img_size, length=2)
         for name in ("train_years", "valid_years", "test_years"):
             setattr(args, name, _ints(era5, name, getattr(args, name)))
-
-    if args.kind == "era5":
         files = era5_files(args.train_years, args.valid_years, args.test_years)
     else:
         files = cosmo_files()

@@ -187,25 +187,27 @@ class FakeRuntime:
         return 0
 
 
-class FakeEvents:
-    """CUDA events that complete when the test says so (or when waited for)."""
+class FakePinnedMemory(PinnedHostMemory):
+    """Pinned memory whose marks (CUDA events) complete when the test says so (or when waited
+    for)."""
 
-    def __init__(self, log):
+    def __init__(self, runtime, log):
+        super().__init__(CPU, runtime=runtime)
         self.log, self.marks = log, []
 
-    def record(self):
+    def mark(self):
         mark = {"done": False, "n": len(self.marks)}
         self.marks.append(mark)
         return mark
 
-    def query(self, mark):
+    def passed(self, mark):
         return mark["done"]
 
-    def synchronize(self, mark):
+    def wait(self, mark):
         self.log.append(("wait", mark["n"]))
         mark["done"] = True
 
-    def synchronize_all(self):
+    def wait_all(self):
         self.log.append(("wait all",))
         for m in self.marks:
             m["done"] = True
@@ -213,7 +215,7 @@ class FakeEvents:
 
 def pinned_loader(root, workers=0, fail=0):
     runtime = FakeRuntime(fail)
-    memory = PinnedHostMemory(CPU, runtime=runtime, events=FakeEvents(runtime.calls))
+    memory = FakePinnedMemory(runtime, runtime.calls)
     ds = CosmoCropDataset(os.path.join(root, "train.h5"), size=8, nsamples=40,
                           nbody_vector_channels=(1, 2, 3), hydro_vector_channels=(2, 3, 4))
     sampler = ShardedSampler(40, 4, 4, 0, shuffle=False)
@@ -230,7 +232,7 @@ def test_pinned_slots_are_registered_once_and_reused_after_their_mark(roots):
     (a fetch that needs it waits for that mark, a prefetch does not); close waits for the device,
     then unregisters every slot."""
     ld, rt = pinned_loader(roots["unet"])
-    events = ld.memory.events
+    events = ld.memory
     assert ld.pin_memory and ld.depth == 3
     it = iter(ld)
     b0, b1 = next(it), next(it)
@@ -260,7 +262,7 @@ def test_pinned_slots_are_registered_once_and_reused_after_their_mark(roots):
 
 def test_a_prefetch_does_not_wait_for_the_device():
     log = []
-    memory = PinnedHostMemory(CPU, runtime=FakeRuntime(), events=FakeEvents(log))
+    memory = FakePinnedMemory(FakeRuntime(), log)
     pool = BatchPool(SlotLayout((2, 3), (2, 1)), memory, depth=2)
     a, b = pool.take(), pool.take()
     held = [pool.hand_out(a, 2), pool.hand_out(b, 2)]

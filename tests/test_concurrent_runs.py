@@ -26,7 +26,7 @@ from conftest import ROOT, write_era5
 from datapipe import make_data
 from engine import checkpoint, run_dir as run_dirs
 from settings.parse import build_config
-from datapipe.data_loader import has_data
+from datapipe.make_data import has_data
 from settings.errors import ConfigError
 
 TINY = ["--img_size", "[16,32]", "--patch_size", "4", "--embed_dim", "16", "--depth", "1",

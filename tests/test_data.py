@@ -110,7 +110,7 @@ def test_cosmo_crops_aligned_and_rotated(cosmo_root):
     rots = set()
     for i in range(200):
         x, y = ds[(0, i)]
-        (a, b, c), r = ds.window(0, i)
+        (a, b, c), r = ds.window((0, i))
         rots.add(r)
         crop = nbody[:, a:a + 8, b:b + 8, c:c + 8]
         np.testing.assert_array_equal(x.numpy(), rotate_volume(crop, ROTATIONS[r], (1, 2, 3)))
@@ -135,7 +135,7 @@ def test_rotated_crops_are_read_into_place(tmp_path):
     path = write_cosmo(str(tmp_path / "c64.h5"), side=64)
     ds = CosmoCropDataset(path, size=32, nsamples=64, nbody_vector_channels=(1, 2, 3),
                           hydro_vector_channels=(2, 3, 4), seed=2)
-    keys = [(0, i) for i in range(64) if ds.window(0, i)[1]][:6]
+    keys = [(0, i) for i in range(64) if ds.window((0, i))[1]][:6]
     x, y = np.empty((6, 4, 32, 32, 32), np.float32), np.empty((6, 5, 32, 32, 32), np.float32)
     ds.read_batch(keys, x, y)  # the file opened, the plans made
     tracemalloc.start()
@@ -146,7 +146,7 @@ def test_rotated_crops_are_read_into_place(tmp_path):
     with h5py.File(path) as f:
         nbody, hydro = f["Nbody"][:], f["Hydro"][:]
     for j, key in enumerate(keys):
-        (a, b, c), r = ds.window(*key)
+        (a, b, c), r = ds.window(key)
         crop = np.s_[:, a:a + 32, b:b + 32, c:c + 32]
         np.testing.assert_array_equal(x[j], rotate_volume(nbody[crop], ROTATIONS[r], (1, 2, 3)))
         np.testing.assert_array_equal(y[j], rotate_volume(hydro[crop], ROTATIONS[r], (2, 3, 4)))
@@ -154,7 +154,7 @@ def test_rotated_crops_are_read_into_place(tmp_path):
 
 def test_cosmo_validation_is_fixed_and_unrotated(cosmo_root):
     ds = CosmoCropDataset(os.path.join(cosmo_root, "valid.h5"), size=8, nsamples=10, augment=False)
-    assert all(ds.window(e, 3)[1] == 0 for e in range(5))
+    assert all(ds.window((e, 3))[1] == 0 for e in range(5))
     assert torch.equal(ds[(0, 3)][0], ds[(4, 3)][0])
 
 
@@ -358,10 +358,10 @@ def test_nan_in_a_batch_names_its_sample(tmp_path, cosmo_root):
     with h5py.File(path, "r+") as f:
         f["Hydro"][2, 5, 5, 5] = np.inf
     cs = CosmoCropDataset(path, size=8, nsamples=64, hydro_vector_channels=(2, 3, 4), seed=1)
-    hit = [i for i in range(64) if all(a <= 5 < a + 8 for a in cs.window(0, i)[0])]
+    hit = [i for i in range(64) if all(a <= 5 < a + 8 for a in cs.window((0, i))[0])]
     assert hit
     x, y = np.empty((2, 4, 8, 8, 8), np.float32), np.empty((2, 5, 8, 8, 8), np.float32)
-    corner = tuple(int(a) for a in cs.window(0, hit[0])[0])
+    corner = tuple(int(a) for a in cs.window((0, hit[0]))[0])
     with pytest.raises(DataError, match=r"non-finite values in .*train.h5 in the crop at "
                        + re.escape(str(corner)) + ": "):  # plain numbers, not np.int64(...)
         cs.read_batch([(0, (hit[0] + 1) % 64), (0, hit[0])], x, y)

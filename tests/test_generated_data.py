@@ -13,7 +13,8 @@ import preloaded
 from conftest import ROOT
 from datapipe import generated_data, synthetic
 from settings.parse import build_config
-from datapipe.data_loader import build_loaders, synthesize
+from datapipe.data_loader import build_loaders
+from datapipe.make_data import synthesize
 from datapipe.data_sets import data_set
 from datapipe.era5_data import load_stats
 from settings.errors import ConfigError, DataError
