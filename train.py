@@ -31,8 +31,7 @@ if __name__ == "__main__":  # bad settings and --help are answered before torch 
 
 import torch  # from here on: torch and the engine (seconds to load)
 
-from datapipe.data_loader import build_loaders, validation_batch_sizes
-from datapipe.make_data import ensure_data
+from datapipe.data_loader import build_loaders, ensure_data, validation_batch_sizes
 from engine import throughput_report
 from engine.checkpoint import Checkpointer
 from engine.optimizer import (build_optimizer, build_scheduler, describe as describe_lr, lr_at,

@@ -1,4 +1,5 @@
-"""Data loaders for every problem: sharded sampling, workers, pinned memory.
+"""A run's data: synthetic data made when the config asks for it and none is there
+(``ensure_data``), then the loaders for every problem: sharded sampling, workers, pinned memory.
 
 The sampler decides everything about order: in epoch e the training samples are a permutation
 drawn from (seed, e); step s takes the global batch ``perm[s*G:(s+1)*G]`` and data-parallel rank r
@@ -18,17 +19,22 @@ import ctypes
 import functools
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from datapipe.batch_pool import BatchLoader, HostMemory, PinnedHostMemory
+from datapipe import synthetic
 from datapipe.data_sets import data_set
-from settings.errors import ConfigError
+from datapipe.make_data import (SYNTHESIS_WAIT, check_synthesis_target, has_data,
+                                 make_data_once)
+from settings.errors import ConfigError, UserError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config
@@ -198,6 +204,51 @@ def _samplers(cfg: Config, shuffle: bool, n_train: int, n_valid: int, dp_size: i
                           f"samples (limit_nsamples_val/Nsamples_val) or fewer ranks")
     return (ShardedSampler(n_train, global_batch, local_batch, dp_rank, shuffle=shuffle,
                            seed=cfg.seed), ValidationSampler(n_valid, dp_size, dp_rank))
+
+
+def ensure_data(cfg: Config, rank: int, world_size: int):
+    """Synthesise small data under data_root when the config asks for it and none is there (not
+    for generated batches, which need no data): once, however many runs need it at the same time
+    (``make_data_once``). A run on synthetic data made earlier says so, as the first run did.
+    Collective when ``world_size`` > 1: rank 0 decides and writes, every rank returns or raises
+    alike."""
+    if cfg.data_is_generated:
+        return
+    if has_data(cfg) and os.path.exists(os.path.join(cfg.data_root, synthetic.SYNTHETIC_MARK)):
+        log.info(f"Data: the synthetic {cfg.model} data under {cfg.data_root} (made by an "
+                 f"earlier run: not real data)")
+        return
+    if not cfg.synthesize_if_missing:
+        return
+    # Every rank checks that synthesis would not write over a user's files (so all stop alike);
+    # rank 0 alone writes, and decides for everyone whether it does.
+    distributed = world_size > 1
+    missing = not has_data(cfg)
+    if missing:
+        check_synthesis_target(cfg)
+    if distributed:
+        decision = [missing]
+        dist.broadcast_object_list(decision, src=0)  # rank 0's view: it writes when it sees none
+        missing = decision[0]
+    if not missing:
+        return
+    # The other ranks wait until the whole set is written (none may read a training file whose
+    # validation file is still to come), in a gloo group of their own: full-size synthesis (or
+    # the wait for another run making it) can outlast the default group's dist_timeout_s, and
+    # NCCL's watchdog would end the run.
+    waiting = dist.new_group(backend="gloo", timeout=SYNTHESIS_WAIT) if distributed else None
+    outcome = [None]
+    if rank == 0:
+        others = f"; the other {world_size - 1} rank(s) wait for it" if distributed else ""
+        try:
+            make_data_once(cfg, others)
+        except UserError as e:
+            outcome = [e]  # every rank raises it
+    if waiting is not None:
+        dist.broadcast_object_list(outcome, src=0, group=waiting)
+        dist.destroy_process_group(waiting)
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,

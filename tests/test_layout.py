@@ -5,7 +5,10 @@
   uses networks/: it turns the serial ViT into its sharded form);
 - no module imports itself back through others (no cycles, function-level imports included);
 - the data and observe rooms never see a Trainer;
-- train.py takes its project imports from at most five packages.
+- train.py takes its project imports from at most five packages and twelve modules, and reads
+  in functions of at most 60 lines;
+- only the checkpointer's package uses torch's distributed checkpoint, and no module outside
+  distributed/'s model-parallel layers sends point-to-point messages.
 """
 import ast
 import os
@@ -109,6 +112,36 @@ def test_train_py_imports_from_at_most_five_packages():
                 if top in ALLOWED and entry == "train.py":
                     rooms.add(top)
     assert 0 < len(rooms) <= 5, sorted(rooms)
+
+
+def test_train_py_is_the_recipe_and_the_loop():
+    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
+    names = {m for m, _ in modules()}
+    imported_modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module \
+                and node.module.split(".")[0] in ALLOWED:
+            # ``from engine import throughput_report``: the module counts, not the package
+            subs = [f"{node.module}.{a.name}" for a in node.names
+                    if f"{node.module}.{a.name}" in names]
+            imported_modules.update(subs or [node.module])
+    assert len(imported_modules) <= 12, sorted(imported_modules)
+    long = [f"{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long
+
+
+def test_one_package_checkpoints_and_only_the_sharded_layers_send_messages():
+    dcp, p2p = [], []
+    for module, path in modules():
+        text = open(path).read()
+        if "torch.distributed.checkpoint" in text and not module.startswith("engine.checkpoint"):
+            dcp.append(module)
+        if any(f"{op}(" in text for op in ("isend", "irecv", "dist.send", "dist.recv")) \
+                and not module.startswith("distributed."):
+            p2p.append(module)
+    assert not dcp and not p2p, (dcp, p2p)
 
 
 def test_the_rule_tests_see_real_imports(tmp_path):
