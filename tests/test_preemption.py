@@ -331,7 +331,10 @@ def test_a_stop_during_validation_resumes_to_the_validation_alone(tmp_path, data
 
 
 def _held_child(ready, sig):
-    ready.wait(10)  # the signal is sent before this process is ready for it
+    # The signal is sent before this process is ready for it. (A pipe, not an Event: a process
+    # that the signal ends inside an Event's wait would leave its lock held, and the parent's
+    # set() would wait for it for ever.)
+    ready.poll(10)
     release_ignored([sig])
     time.sleep(0.2)  # (a signal not dropped would be delivered here)
 
@@ -353,14 +356,14 @@ def test_a_process_started_holding_a_stop_signal_drops_one_sent_before_it_is_rea
 
 def _drops_held_signal(ctx, sig, before):
     for holding, exitcode in ((True, 0), (False, -sig)):
-        ready = ctx.Event()
+        ready, go = ctx.Pipe(duplex=False)
         with held([sig]) if holding else contextlib.nullcontext():
             p = ctx.Process(target=_held_child, args=(ready, sig), daemon=True)
             p.start()
         try:
             os.kill(p.pid, sig)
             time.sleep(0.1)
-            ready.set()
+            go.send(True)
             p.join(10)
             assert p.exitcode == exitcode, (holding, p.exitcode)
         finally:
