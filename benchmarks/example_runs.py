@@ -64,19 +64,12 @@ RUNS = {
 }
 
 
-def _command(group, launcher, args, out):
-    script = "train_mp.py" if "--tensor_parallel" in args else "train.py"
-    args = [a.replace("{out}", out) for a in args]
-    if "--expdir" not in args:
-        args += ["--expdir", out]
-    return [*(launcher or [sys.executable]), script, *args]
-
-
 def run_group(group: str, out: str):
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for name, launcher, args in RUNS[group]:
-        cmd = _command(group, launcher, args, out)
+        script = "train_mp.py" if "--tensor_parallel" in args else "train.py"
+        cmd = [*(launcher or [sys.executable]), script, *args, "--expdir", out]
         print(f"[{group}] {name}: {' '.join(cmd)}", flush=True)
         t0 = time.time()
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -200,22 +200,13 @@ def attribute(events, step, gpu: bool) -> dict:
                 return a
         return None
 
-    def under(e, pred):
-        return any(pred(a.name) for a in _ancestors(e))
-
-    def in_backward(name):
-        return name.startswith(EVALUATE)
-
-    def in_optimizer(name):
-        return name == OPT_RANGE
-
     # forward: the group of every autograd-level op, and which op made each autograd node
     for e in cpu_events:  # in order of their start
         if e.name == MODULE_RANGE:  # the model's own range: a forward pass starts
             cats = 0
-        if not e.name.startswith("aten::") or e.sequence_nr < 0 or under(e, in_backward) \
-                or under(e, in_optimizer):
-            continue
+        if not e.name.startswith("aten::") or e.sequence_nr < 0 or any(
+                a.name.startswith(EVALUATE) or a.name == OPT_RANGE for a in _ancestors(e)):
+            continue  # not an autograd-level op of the forward
         mod = module(e)
         name = op_name(e.name)
         if name == "cat" and mod == "":
@@ -390,7 +381,6 @@ def run(small: bool = False, budget: float = 300.0, models=("vit", "unet"),
     gpu = device.type == "cuda"
     if gpu:
         torch.backends.cudnn.benchmark = True  # as the project's runs
-    if gpu:
         device_name = (f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, "
                        f"cuDNN {torch.backends.cudnn.version()}")
     else:

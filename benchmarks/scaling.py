@@ -4,14 +4,10 @@
     python -m benchmarks.scaling --models vit --ranks 1,2
     python -m benchmarks.scaling --plot-only        # redraw from benchmarks/scaling/results.json
 
-Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo, one thread per rank) of a
-model's ``quickstart`` with ``--data_loader_config synthetic`` (compute plus the gradient
-all-reduce), 5 epochs; its throughput is the median samples/s of epochs 2-5, pooled over
---repeats rounds. Series: weak (fixed local batch) and strong (fixed global batch) scaling, each
-with DDP and with --noddp (compute alone); efficiency = throughput(N) / (N x throughput(1)).
-The method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine: other
-processes' load would be timed as ours (at commit 68986f8 the script waited for quiet and ran a
-disturbed point again).
+Every point is one ``torchrun`` of a model's ``quickstart`` on synthetic data (gloo, one thread
+per rank, 5 epochs), in weak and strong scaling series, with DDP and with --noddp (compute
+alone); the method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine:
+other processes' load would be timed as ours.
 
 Writes benchmarks/scaling/results.json (every epoch, the best epoch), prints Markdown tables, and
 with matplotlib (pip install -r requirements-plots.txt) draws throughput.png and efficiency.png.
@@ -238,17 +234,17 @@ def run_series(args, work):
 
 
 def read_results(path):
-    """The results and core count of an earlier series; ValueError naming the file and the fix."""
+    """The results and core count of an earlier series; refused naming the file and the fix."""
     fix = "run 'python -m benchmarks.scaling' first, or give --out the directory that holds it"
     try:
         with open(path) as f:
             doc = json.load(f)
         return doc["results"], doc["machine"]["cores"]
     except FileNotFoundError:
-        raise ValueError(f"--plot-only: no results in {path}: {fix}") from None
+        refuse(f"--plot-only: no results in {path}: {fix}")
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"--plot-only: {path} is not a results file of this script "
-                         f"({type(e).__name__}: {e}): {fix}") from None
+        refuse(f"--plot-only: {path} is not a results file of this script "
+               f"({type(e).__name__}: {e}): {fix}")
 
 
 def model_names(text: str) -> str:
@@ -277,10 +273,7 @@ def main(argv=None):
     results_path = os.path.join(args.out, "results.json")
     cores = os.cpu_count() or 1
     if args.plot_only:
-        try:
-            results, cores = read_results(results_path)
-        except ValueError as e:
-            refuse(str(e))
+        results, cores = read_results(results_path)
     else:
         os.makedirs(args.out, exist_ok=True)
         work = args.work or tempfile.mkdtemp(prefix="scaling-")
