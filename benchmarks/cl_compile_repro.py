@@ -100,21 +100,16 @@ def make_step(a, device):
     return model, step
 
 
-def watchdog(seconds: float, report, line: str) -> threading.Timer:
-    """Past ``seconds``, ``report(line)`` and exit at once (status 1): a compile that hangs
-    cannot be interrupted from Python (its compile workers end with this process)."""
+def timed(phase: str, limit: float, report, fn):
+    """``fn()`` and its seconds, within ``limit``; None (reported) when it raised. Past
+    ``limit`` it reports and exits at once (status 1): a compile that hangs cannot be
+    interrupted from Python (its compile workers end with this process)."""
     def expire():
-        report(line)
+        report(f"{phase}: no result within {limit:g} s")
         os._exit(1)
-    timer = threading.Timer(seconds, expire)
+    timer = threading.Timer(limit, expire)
     timer.daemon = True
     timer.start()
-    return timer
-
-
-def timed(phase: str, limit: float, report, fn):
-    """``fn()`` and its seconds, within ``limit``; None (reported) when it raised."""
-    timer = watchdog(limit, report, f"{phase}: no result within {limit:g} s")
     t0 = time.perf_counter()
     try:
         return fn(), time.perf_counter() - t0

@@ -157,11 +157,9 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\w*: \S")
 
 
 def read_log(text: str) -> dict:
-    """A run's numbers: samples/s, the data-wait share (%) and the steady-state rate (medians
-    over the epochs after the first, or the only one); TFLOP/s and MFU of the last epoch; peak
-    memory (GiB, max over ranks and epochs); the throughput report (IO, SYNTHETIC, FULL means)
-    and its bottleneck line; the epochs' seconds; the start's seconds to the end of the first
-    step (and the first step's own) and the compile caches' hits and misses."""
+    """A run's numbers from its log: the rates and the data-wait share are medians over the
+    epochs after the first (or the only one), TFLOP/s and MFU the last epoch's, the peak memory
+    the largest over ranks and epochs (GiB)."""
     rates, seconds, waits, steady = [], [], [], []
     for line in text.splitlines():
         if m := _EPOCH.search(line):
@@ -561,12 +559,6 @@ def data_kinds(runs: list[Run]) -> list[str]:
     return [k for k in gpu_data.KINDS if any(run.data == k for run in runs)]
 
 
-def data_missing(data_dir: str, kinds, a) -> list[str]:
-    have = {"cosmo": lambda: gpu_data.has_cosmo(data_dir, a.cosmo),
-            "era5": lambda: gpu_data.has_era5(data_dir, a.era5_steps, gpu_data.ERA5_SIZE)}
-    return [k for k in kinds if not have[k]()]
-
-
 def dry_run(runs: list[Run], a, data_dir: str, budget: float):
     kinds = data_kinds(runs)
     total = 0.0
@@ -699,7 +691,9 @@ def main(argv=None):
             made = f"data made in {gpu_data.make(data_dir, kinds, a.cosmo, a.era5_steps):.1f} s"
         except ValueError as e:  # another data set's files in the way: nothing written
             refuse(str(e))
-    missing = data_missing(data_dir, kinds, a)
+    missing = [k for k in kinds if not (
+        gpu_data.has_cosmo(data_dir, a.cosmo) if k == "cosmo"
+        else gpu_data.has_era5(data_dir, a.era5_steps, gpu_data.ERA5_SIZE))]
     if missing:
         sys.exit(f"error: no {' or '.join(missing)} data of the planned sizes under {data_dir}: "
                  f"add --make-data (it writes them in seconds) or point --data at them")
