@@ -4,10 +4,9 @@ project imports), to run with whatever torch a machine has::
     python benchmarks/cl_compile_repro.py                        # a GPU: the U-Net's widths
     python benchmarks/cl_compile_repro.py --width 4 --max-width 16 --side 32    # small, CPU too
 
-The model, the phases (eager, then compiled, each with its own limit), the comparison and the
-verdict lines are described in docs/performance.md ("channels-last"); ``--contiguous``,
-``--options`` and ``--per-level`` were options of this script at commit 68986f8, which ran each
-phase in a child process. Exit status 0 when the compiled step gave the eager numbers, else 1.
+The model, the phases (eager, then compiled, each with its own limit), the comparison, the
+verdict lines and this script's earlier options: docs/performance.md ("channels-last"). Exit
+status 0 when the compiled step gave the eager numbers, else 1.
 """
 from __future__ import annotations
 

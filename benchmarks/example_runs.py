@@ -5,12 +5,10 @@ that show what the tutorial's chapters discuss, and the picture of their loss cu
     python -m benchmarks.example_runs --out DIR --only large_batch
     python -m benchmarks.example_runs --plot-only --out example_logs   # redraw the picture
 
-Groups (``RUNS``: quickstart, large_batch, data_parallel, model_parallel; each a directory of
-``--out``, runs laid out as train.py lays them out) and what each shows: example_logs/README.md.
-Only events, ``out.log`` and ``config.yaml`` are kept (checkpoints are removed). ``--out`` must
-not exist or be empty. The picture (``loss_curves.png`` in ``--out``; needs matplotlib,
-``pip install -r requirements-plots.txt``) has one panel per group with the validation loss of
-each run against the samples seen.
+Groups (``RUNS``; each a directory of ``--out``, which must not exist or be empty) and what each
+shows: example_logs/README.md; what is kept of a run (checkpoints are removed) and the picture
+(``loss_curves.png``; needs matplotlib, ``pip install -r requirements-plots.txt``):
+docs/example-runs.md.
 """
 from __future__ import annotations
 

@@ -5,10 +5,8 @@ compute-only training steps, both compiled, in one process, timed in alternating
     python -m benchmarks.fp8_linears --recipes tensorwise rowwise --budget 540
     python -m benchmarks.fp8_linears --small                 # a toy ViT on a CPU, emulated
 
-The steps, the rounds and the table are described in docs/performance.md ("fp8 linear
-layers"); ``--eager``, the memory each step adds and the skipping of variants not built within
-``--budget`` were in this script at commit 68986f8. A GPU without fp8 or without torchao is
-refused in one line (exit 2).
+The steps, the rounds, the table and what this script measured before: docs/performance.md
+("fp8 linear layers"). A GPU without fp8 or without torchao is refused in one line (exit 2).
 """
 from __future__ import annotations
 

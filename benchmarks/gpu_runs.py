@@ -7,10 +7,9 @@ channels-last and fp8, tabulated beside the tutorial's A100 figures and the goal
     python -m benchmarks.gpu_runs --make-data            # the device call (~8 min on an H200)
     python -m benchmarks.gpu_runs --make-data --only unet vit   # series, or runs by key
 
-The series (``SERIES``), the budget and timeouts, the data ``--make-data`` writes and the
-table (GPU.md in ``--out-dir``, beside gpu_runs.log and gpu_runs.json) are described in
-docs/performance.md ("Measuring on a GPU"). A run that fails, times out or logs no epoch is a
-row saying so; exit status 1 when any row failed or was skipped.
+The series (``SERIES``), the budget and timeouts, the data ``--make-data`` writes, the table
+(GPU.md in ``--out-dir``, beside gpu_runs.log and gpu_runs.json) and the rows of the runs that
+failed or were skipped (exit status 1): docs/performance.md ("Measuring on a GPU").
 """
 from __future__ import annotations
 
@@ -291,6 +290,11 @@ class Budget:
 
 # ---------------------------------------------------------------------------- the table
 
+def why_not(r: dict) -> str | None:
+    """Why a run has no figures (it failed or was skipped), None when it ran."""
+    return ("failed: " + r["failed"]) if "failed" in r else r.get("skipped")
+
+
 def _fmt(v, spec, unit=""):
     return format(v, spec) + unit if v is not None else "-"
 
@@ -330,8 +334,7 @@ def table(rows: list[tuple[Run, dict]]) -> str:
         base = first.setdefault(run.series, rate)
         before = prev.get(run.series)
         prev[run.series] = rate
-        if "failed" in r or "skipped" in r:
-            why = ("failed: " + r["failed"]) if "failed" in r else r["skipped"]
+        if why := why_not(r):
             out.append(f"| {run.series} | {_cell(run.label)} | {_cell(why[:300])} |"
                        + " - |" * 9)
             continue
@@ -496,22 +499,21 @@ def document(header: list[str], rows: list[tuple[Run, dict]]) -> str:
 
 
 def versions() -> str:
+    """The GPU's name and the software's versions (main has checked that there is a GPU)."""
     import torch
 
-    line = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    line = f"{torch.cuda.get_device_name()}; torch {torch.__version__}, CUDA {torch.version.cuda}"
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if cudnn:
         line += f", cuDNN {cudnn}"
     line += f"; {os.cpu_count()} CPU cores"
-    if torch.cuda.is_available():
-        line = f"{torch.cuda.get_device_name()}; " + line
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True)
-        except OSError:  # no nvidia-smi on the PATH: the line goes without the driver
-            return line
-        if smi.returncode == 0:
-            line += f"; driver {smi.stdout.strip()}"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True)
+    except OSError:  # no nvidia-smi on the PATH: the line goes without the driver
+        return line
+    if smi.returncode == 0:
+        line += f"; driver {smi.stdout.strip()}"
     return line
 
 
@@ -535,12 +537,10 @@ def nothing_ran(rows: list[tuple[Run, dict]], timeout: float | None) -> str:
 
 def command(run: Run, data_dir: str, expdir: str) -> list[str]:
     """The command line of ``run``."""
-    args = list(run.args)
     if run.kind == "report":
-        return [sys.executable, run.script, *args, "--json", os.path.join(expdir, "report.json")]
-    extra = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
-    extra += ["--expdir", expdir, "--run_num", "0"]
-    return [sys.executable, run.script, *args, *extra]
+        return [sys.executable, run.script, *run.args, "--json", os.path.join(expdir, "report.json")]
+    data = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
+    return [sys.executable, run.script, *run.args, *data, "--expdir", expdir, "--run_num", "0"]
 
 
 def shown(cmd: list[str]) -> str:
@@ -586,7 +586,7 @@ class Writer:
 
     def __init__(self, out_dir: str, header: list[str]):
         os.makedirs(out_dir, exist_ok=True)
-        self.out_dir, self.header = out_dir, header
+        self.header = header
         self.table = unused_path(os.path.join(out_dir, "GPU.md"))
         self.log = unused_path(os.path.join(out_dir, "gpu_runs.log"))
         self.json = unused_path(os.path.join(out_dir, "gpu_runs.json"))
@@ -633,14 +633,6 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
     result["seconds"] = round(time.monotonic() - t0, 1)
     shutil.rmtree(expdir, ignore_errors=True)  # checkpoints of a 117 M-parameter model: 1.4 GB
     return result
-
-
-def summary(result: dict) -> str:
-    """A run's line on the console: why it failed or was skipped, else its rate and notes."""
-    if "failed" in result or "skipped" in result:
-        return ("failed: " + result["failed"]) if "failed" in result else result["skipped"]
-    rate = result.get("samples_per_s")
-    return (f"{rate:.1f} samples/s; " if rate is not None else "") + notes(result)
 
 
 def _terminated(signum, frame):
@@ -710,7 +702,9 @@ def main(argv=None):
             for i, run in enumerate(runs):
                 result = execute(run, i, a, data_dir, tmp, env, budget, writer)
                 rows.append((run, result))
-                print(f"    {summary(result)}", flush=True)
+                rate = result.get("samples_per_s")
+                print("    " + (why_not(result) or (f"{rate:.1f} samples/s; " if rate is not None
+                                                     else "") + notes(result)), flush=True)
                 writer.rows(rows)
     finally:
         signal.signal(signal.SIGTERM, previous)

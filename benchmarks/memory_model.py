@@ -376,8 +376,7 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
                  f"{p.local_batch}, attention {attention}, measured as {measure}")
     if cfg is not None and p.tp > 1:
         lines.append(sequence_parallel_summary(cfg.img_size, cfg.patch_size, p.tp, p.cp, p.sequence_parallel))
-    lines.append("")
-    lines.append(f"{'per rank':<59}{name}")
+    lines += ["", f"{'per rank':<59}{name}"]
     rows = [("parameters (fp32)", p.params), ("gradients (fp32)", p.grads), ("Adam state (2 moments + step)", p.adam),
             ("activations saved for backward", p.activations)]
     rows += list(p.extra.items())
@@ -395,8 +394,7 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     grads = "unsharded grads" if p.unsharded_grads else "gradients"
     lines.append(f"  {'peak (after forward + ' + grads + (' + transients)' if p.transient else ')'):<52}"
                  f"{_gb(p.peak)}{share}")
-    lines.append("")
-    lines.append("activations by kind (all blocks together)")
+    lines += ["", "activations by kind (all blocks together)"]
     agg = {}
     for k, v in p.activation_items:
         key = k.split(" ", 1)[1] if k.startswith("blocks.") else k
@@ -404,8 +402,7 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     for k, v in sorted(agg.items(), key=lambda kv: -kv[1]):
         if v:
             lines.append(f"  {k:<52}{v / 2**20:12.2f} MiB")
-    lines.append("")
-    lines.append("collectives per training step (ring: bytes each rank sends)")
+    lines += ["", "collectives per training step (ring: bytes each rank sends)"]
     lines.append(f"  {'what':<60}{'kind':<16}{'group':<14}{'calls':>12}{'MiB/call':>12}{'MiB/step':>12}")
     for r in p.collectives:
         lines.append(f"  {r['what']:<60}{r['kind']:<16}{r['group'] + ' (' + str(r['size']) + ')':<14}"

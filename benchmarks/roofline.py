@@ -6,9 +6,8 @@
     python -m benchmarks.roofline --budget 120 --json roofline.json
 
 The device's rates, the timed and profiled compute-only steps, each group's floor and how the
-measured time is attributed to it: docs/performance.md and benchmarks/roofline.md.
-``run(small, budget)`` returns the rows and the markdown (for ``benchmarks/gpu_runs.py``);
-``--json`` writes the same as JSON.
+measured time is attributed to it: docs/performance.md and benchmarks/roofline.md. ``--json``
+writes the rows and the markdown (for ``benchmarks/gpu_runs.py``).
 """
 from __future__ import annotations
 
@@ -304,14 +303,13 @@ def measure_model(name: str, small: bool, device, rates: dict, warmup: int, time
     attributed = sum(r["measured_ms"] for r in rows)
     # the rest of the profiled step: on a GPU the step (timed without the profiler) less the
     # attributed kernels; on a CPU the profiled step's wall time less the attributed ops
-    total = step_ms if gpu else profiled_ms
     unattributed = {k: v / profiled for k, v in found["unattributed_ms"].items()}
     if gpu:
         unattributed["GPU idle between kernels"] = max(
             0.0, step_ms - found["kernel_ms"] / profiled)
     else:
         unattributed["not in any op (Python, profiler)"] = max(
-            0.0, total - attributed - sum(unattributed.values()))
+            0.0, profiled_ms - attributed - sum(unattributed.values()))
     return {"model": name, "config": f"config {cfg.name}" + (" at toy sizes" if small else ""),
             "batch": smodel.batch,
             "precision": ("bf16 autocast" if gpu else "fp32") + (

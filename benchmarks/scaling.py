@@ -165,22 +165,19 @@ def plot(results, cores, out_dir):
                     continue
                 base = dict(ddp).get(1)
                 ns = [n for n, _ in ddp]
+
+                def scaled(v, n):  # samples/s, or the efficiency against N x 1 rank
+                    return v if what == "throughput" else v / (n * base)
                 for data, style, name in ((ddp, "o-", "DDP"), (nod, "s--", "noddp (no gradient "
                                                                            "all-reduce)")):
                     if not data:
                         continue
-                    x = [n for n, _ in data]
-                    y = [v if what == "throughput" else v / (n * base) for n, v in data]
-                    ax.plot(x, y, style, label=name)
+                    ax.plot([n for n, _ in data], [scaled(v, n) for n, v in data], style, label=name)
                 if base:
-                    ideal = [n * base for n in ns]
-                    limit = [min(n, cores) * base for n in ns]
-                    if what == "efficiency":
-                        ideal = [1.0 for _ in ns]
-                        limit = [min(n, cores) / n for n in ns]
-                    ax.plot(ns, ideal, ":", color="grey", label="ideal (N x 1 rank)")
-                    ax.plot(ns, limit, "-.", color="tab:red", alpha=0.6,
-                            label=f"ideal on {cores} cores")
+                    ax.plot(ns, [scaled(n * base, n) for n in ns], ":", color="grey",
+                            label="ideal (N x 1 rank)")
+                    ax.plot(ns, [scaled(min(n, cores) * base, n) for n in ns], "-.",
+                            color="tab:red", alpha=0.6, label=f"ideal on {cores} cores")
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(ns, [str(n) for n in ns])
                 ax.set_xlabel("ranks (gloo, CPU)")

@@ -7,9 +7,7 @@ Data: synthetic files in the real formats under --data (made once): an ERA5 year
 the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
 crops. Loader rows: each setting (lowmem, inmem; for the U-Net also ``device``; DALI's where it
 is installed) and worker count beside the raw h5py read of the same bytes, timed interleaved
-(how, and the columns: benchmarks/RESULTS.md). Raw rows: h5py reads alone. Training steps were
-timed here at commit 68986f8 (their figures in benchmarks/RESULTS.md); train.py's epoch lines
-and ``--throughput_report`` measure them now.
+(how, and the columns: benchmarks/RESULTS.md). Raw rows: h5py reads alone.
 """
 from __future__ import annotations
 
