@@ -118,10 +118,8 @@ def plot(out: str) -> str:
         for run_dir in _runs(os.path.join(out, group)):
             x, y = _val_curve(run_dir)
             ax.plot(x, y, marker="o", markersize=3, label=os.path.relpath(run_dir, out))
-        ax.set_title(group.replace("_", " "))
-        ax.set_xlabel("samples seen")
-        ax.set_ylabel("validation loss")
-        ax.set_yscale("log")
+        ax.set(title=group.replace("_", " "), xlabel="samples seen", ylabel="validation loss",
+               yscale="log")
         ax.legend(fontsize=6)
     fig.tight_layout()
     path = os.path.join(out, "loss_curves.png")

@@ -102,14 +102,9 @@ def make_cosmo(out_dir: str, sides=COSMO_SIDES, seed: int = 0) -> list[tuple[str
                 nbody = f.create_dataset("Nbody", (4, side, side, side), np.float32)
                 hydro = f.create_dataset("Hydro", (5, side, side, side), np.float32)
                 for c in range(4):
-                    field = rng.standard_normal((side,) * 3, dtype=np.float32)
-                    field *= 0.5
-                    nbody[c] = field
+                    nbody[c] = 0.5 * rng.standard_normal((side,) * 3, dtype=np.float32)
                 for c in range(5):
-                    field = rng.random((side,) * 3, dtype=np.float32)
-                    field *= 1.9
-                    field -= 0.95
-                    hydro[c] = field
+                    hydro[c] = 1.9 * rng.random((side,) * 3, dtype=np.float32) - 0.95
         written.append((path, _replace(path, write)))
     return written
 

@@ -223,17 +223,15 @@ def run_logged(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, s
                           start_new_session=True) as p:
         try:
             out = p.communicate(timeout=timeout)[0]
+            code = p.returncode
         except subprocess.TimeoutExpired:
-            _kill_group(p.pid)
-            return None, p.communicate()[0]
+            code = None
         finally:
-            _kill_group(p.pid)
-    return p.returncode, out
-
-
-def _kill_group(pid: int):
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        if code is None:  # the output it wrote before it was killed
+            out = p.communicate()[0]
+    return code, out
 
 
 def outcome(code: int | None, output: str, timeout: float) -> dict:
@@ -388,8 +386,7 @@ def _synthetic_mfu(r, goal):
 
 
 def _first_epoch(r):
-    """A run's first epoch against its steady epochs: at most twice the median of the others
-    plus 5 s."""
+    """A run's first epoch: at most twice the median of the others plus 5 s."""
     seconds = r.get("epoch_s") or []
     if len(seconds) < 2:
         return None
@@ -606,10 +603,8 @@ class Writer:
         with open(self.table, "w") as f:
             f.write(document(self.header, rows))
         with open(self.json, "w") as f:
-            json.dump({"header": self.header,
-                       "rows": [{"key": run.key, "label": run.label, **{
-                           k: v for k, v in r.items() if k != "path"}} for run, r in rows]},
-                      f, indent=1)
+            json.dump({"header": self.header, "rows": [
+                {"key": run.key, "label": run.label, **r} for run, r in rows]}, f, indent=1)
         self.wrote_table = True
 
 

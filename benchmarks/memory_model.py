@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import List, Tuple
 
@@ -416,7 +415,6 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
     ap = OneLineParser(prog="python -m benchmarks.memory_model", add_help=True,
                        description="Per-rank memory and communication of the parallel ViT; any "
                                    "other --key value overrides the config")
@@ -434,10 +432,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     own, rest = ap.parse_known_args(argv)
     try:
-        _, overrides = parse_overrides(rest)
-        for flag in ("activation_checkpointing", "fsdp"):  # given without a value
-            if overrides.get(flag) is True:
-                overrides[flag] = "true"
+        _, overrides = parse_overrides(rest)  # a bare --fsdp: True, as for train.py
         cfg = build_config(own.yaml_config, own.config, overrides)
         if cfg.model != "vit":
             raise ConfigError(f"config '{cfg.name}' is a {cfg.model} config: the model covers the ViT")

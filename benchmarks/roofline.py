@@ -389,12 +389,10 @@ def run(small: bool = False, budget: float = 300.0, models=("vit", "unet"),
     need_s = 60 if gpu else 2  # the least time a model's steps are started in
     for m in models:
         left = t_end - time.monotonic()
-        if left < need_s:
-            result["models"].append({"model": m, "skipped": f"skipped: {left:.0f} s of the "
-                                                            f"budget left"})
-            continue
-        result["models"].append(measure_model(m, small, device, result["rates"], warmup, timed,
-                                              profiled, memory_format))
+        result["models"].append(
+            {"model": m, "skipped": f"skipped: {left:.0f} s of the budget left"} if left < need_s
+            else measure_model(m, small, device, result["rates"], warmup, timed, profiled,
+                               memory_format))
     result["markdown"] = markdown(result)
     return result
 

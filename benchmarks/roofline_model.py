@@ -416,7 +416,6 @@ def unet_model(cfg, batch: int, amp: bool, channels_last: bool = False) -> StepM
 
 def step_model(task, batch: int, amp: bool, channels_last: bool = False) -> StepModel:
     """The step model of a task's model (tasks/era5.py's ViT or tasks/cosmo.py's U-Net)."""
-    cfg = task.cfg
-    if hasattr(cfg, "img_size"):
-        return vit_model(cfg, batch, amp)
-    return unet_model(cfg, batch, amp, channels_last)
+    if hasattr(task.cfg, "img_size"):
+        return vit_model(task.cfg, batch, amp)
+    return unet_model(task.cfg, batch, amp, channels_last)

@@ -135,11 +135,10 @@ def tables(results, cores) -> str:
                 eff = f"{ddp[n] / (n * base):.0%}" if base else "-"
                 ne = f"{nod[n] / (n * base):.0%}" if base and n in nod else "-"
                 ns = f"{nod[n]:.1f}" if n in nod else "-"
-                ds = f"{ddp[n]:.1f}"
                 share = 1 - ddp[n] / nod[n] if n in nod and n > 1 else None
                 comm = "-" if share is None else f"{share:.0%}" if abs(share) >= 0.005 else "0%"
                 over = " (oversubscribed)" if n > cores else ""
-                lines.append(f"| {n}{over} | {g} | {ds} | {eff} | {ns} | {ne} | {comm} |")
+                lines.append(f"| {n}{over} | {g} | {ddp[n]:.1f} | {eff} | {ns} | {ne} | {comm} |")
             lines.append("")
     return "\n".join(lines)
 
@@ -180,8 +179,8 @@ def plot(results, cores, out_dir):
                             color="tab:red", alpha=0.6, label=f"ideal on {cores} cores")
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(ns, [str(n) for n in ns])
-                ax.set_xlabel("ranks (gloo, CPU)")
-                ax.set_ylabel("samples/s" if what == "throughput" else "scaling efficiency")
+                ax.set(xlabel="ranks (gloo, CPU)",
+                       ylabel="samples/s" if what == "throughput" else "scaling efficiency")
                 if what == "efficiency":
                     ax.set_ylim(0, 1.1)
                 ax.set_title(f"{model}: {kind} scaling", fontsize=10)
@@ -199,12 +198,10 @@ def plot(results, cores, out_dir):
 
 def run_series(args, work):
     """Every point of the plan, --repeats times; returns the document results.json holds."""
-    models = args.models.split(",")
-    ranks = args.ranks
     log_dir = os.path.join(work, "logs")  # every run's full log
     os.makedirs(log_dir, exist_ok=True)
     pooled, t0 = {}, time.time()
-    todo = plan(models, ranks)
+    todo = plan(args.models.split(","), args.ranks)
     for rep in range(args.repeats):
         # every other round in reverse order, so slow drifts of the machine even out
         for i, point in enumerate(todo if rep % 2 == 0 else todo[::-1]):

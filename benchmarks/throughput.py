@@ -87,16 +87,6 @@ def raw_cosmo(cosmo, n, rng, s=64):
     return n / dt, nbytes / dt / 1e9
 
 
-def raw_rows(era5, cosmo, n):
-    """h5py reads of exactly the samples' bytes, one process, no decoding or augmentation."""
-    rng = np.random.default_rng(0)
-    out = {"ViT ERA5 360x720 pair": raw_era5(era5, n, rng),
-           "U-Net 64^3 crop pair": raw_cosmo(cosmo, n, rng)}
-    for label, (rate, gbs) in out.items():
-        print(f"| {label} | {rate:.1f} | {gbs * 1e3:.0f} |", flush=True)
-    return out
-
-
 # ----------------------------------------------------------------------------- loader cases
 
 
@@ -254,8 +244,7 @@ def goal_lines(rows) -> list[str]:
 
 
 def load_averages():
-    """The 1, 5 and 15-minute load averages (this benchmark's own processes included), None if
-    unknown."""
+    """The 1, 5 and 15-minute load averages (this benchmark's processes included); None: unknown."""
     try:
         return os.getloadavg()
     except (OSError, AttributeError):
@@ -291,7 +280,10 @@ def main(argv=None):
           f"threads, {load_line()}\n")
     if args.only in (None, "raw"):
         print("| raw h5py read | samples/s | MB/s |\n|---|---|---|")
-        raw_rows(era5, cosmo, 200)
+        rng = np.random.default_rng(0)  # h5py reads of exactly the samples' bytes, one process
+        for label, (rate, gbs) in (("ViT ERA5 360x720 pair", raw_era5(era5, 200, rng)),
+                                   ("U-Net 64^3 crop pair", raw_cosmo(cosmo, 200, rng))):
+            print(f"| {label} | {rate:.1f} | {gbs * 1e3:.0f} |", flush=True)
         print()
     if args.only in (None, "loaders"):
         print(table_header())
