@@ -698,8 +698,8 @@ def main(argv=None):
                 result = execute(run, i, a, data_dir, tmp, env, budget, writer)
                 rows.append((run, result))
                 rate = result.get("samples_per_s")
-                print("    " + (why_not(result) or (f"{rate:.1f} samples/s; " if rate is not None
-                                                     else "") + notes(result)), flush=True)
+                figures = (f"{rate:.1f} samples/s; " if rate is not None else "") + notes(result)
+                print(f"    {why_not(result) or figures}", flush=True)
                 writer.rows(rows)
     finally:
         signal.signal(signal.SIGTERM, previous)
