@@ -4,10 +4,9 @@ project imports), to run with whatever torch a machine has::
     python benchmarks/cl_compile_repro.py                        # a GPU: the U-Net's widths
     python benchmarks/cl_compile_repro.py --width 4 --max-width 16 --side 32    # small, CPU too
 
-The model, the phases (eager, then compiled, each with its own limit), the comparison and the
-verdict lines are described in docs/performance.md ("channels-last"); ``--contiguous``,
-``--options`` and ``--per-level`` were options of this script at commit 68986f8, which ran each
-phase in a child process. Exit status 0 when the compiled step gave the eager numbers, else 1.
+The model, the phases (eager, then compiled, each with its own limit), the comparison, the
+verdict lines and this script's earlier options: docs/performance.md ("channels-last"). Exit
+status 0 when the compiled step gave the eager numbers, else 1.
 """
 from __future__ import annotations
 
@@ -100,21 +99,16 @@ def make_step(a, device):
     return model, step
 
 
-def watchdog(seconds: float, report, line: str) -> threading.Timer:
-    """Past ``seconds``, ``report(line)`` and exit at once (status 1): a compile that hangs
-    cannot be interrupted from Python (its compile workers end with this process)."""
+def timed(phase: str, limit: float, report, fn):
+    """``fn()`` and its seconds, within ``limit``; None (reported) when it raised. Past
+    ``limit`` it reports and exits at once (status 1): a compile that hangs cannot be
+    interrupted from Python (its compile workers end with this process)."""
     def expire():
-        report(line)
+        report(f"{phase}: no result within {limit:g} s")
         os._exit(1)
-    timer = threading.Timer(seconds, expire)
+    timer = threading.Timer(limit, expire)
     timer.daemon = True
     timer.start()
-    return timer
-
-
-def timed(phase: str, limit: float, report, fn):
-    """``fn()`` and its seconds, within ``limit``; None (reported) when it raised."""
-    timer = watchdog(limit, report, f"{phase}: no result within {limit:g} s")
     t0 = time.perf_counter()
     try:
         return fn(), time.perf_counter() - t0

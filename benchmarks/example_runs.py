@@ -5,12 +5,10 @@ that show what the tutorial's chapters discuss, and the picture of their loss cu
     python -m benchmarks.example_runs --out DIR --only large_batch
     python -m benchmarks.example_runs --plot-only --out example_logs   # redraw the picture
 
-Groups (``RUNS``: quickstart, large_batch, data_parallel, model_parallel; each a directory of
-``--out``, runs laid out as train.py lays them out) and what each shows: example_logs/README.md.
-Only events, ``out.log`` and ``config.yaml`` are kept (checkpoints are removed). ``--out`` must
-not exist or be empty. The picture (``loss_curves.png`` in ``--out``; needs matplotlib,
-``pip install -r requirements-plots.txt``) has one panel per group with the validation loss of
-each run against the samples seen.
+Groups (``RUNS``; each a directory of ``--out``, which must not exist or be empty) and what each
+shows: example_logs/README.md; what is kept of a run (checkpoints are removed) and the picture
+(``loss_curves.png``; needs matplotlib, ``pip install -r requirements-plots.txt``):
+docs/example-runs.md.
 """
 from __future__ import annotations
 
@@ -64,19 +62,12 @@ RUNS = {
 }
 
 
-def _command(group, launcher, args, out):
-    script = "train_mp.py" if "--tensor_parallel" in args else "train.py"
-    args = [a.replace("{out}", out) for a in args]
-    if "--expdir" not in args:
-        args += ["--expdir", out]
-    return [*(launcher or [sys.executable]), script, *args]
-
-
 def run_group(group: str, out: str):
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for name, launcher, args in RUNS[group]:
-        cmd = _command(group, launcher, args, out)
+        script = "train_mp.py" if "--tensor_parallel" in args else "train.py"
+        cmd = [*(launcher or [sys.executable]), script, *args, "--expdir", out]
         print(f"[{group}] {name}: {' '.join(cmd)}", flush=True)
         t0 = time.time()
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -127,10 +118,8 @@ def plot(out: str) -> str:
         for run_dir in _runs(os.path.join(out, group)):
             x, y = _val_curve(run_dir)
             ax.plot(x, y, marker="o", markersize=3, label=os.path.relpath(run_dir, out))
-        ax.set_title(group.replace("_", " "))
-        ax.set_xlabel("samples seen")
-        ax.set_ylabel("validation loss")
-        ax.set_yscale("log")
+        ax.set(title=group.replace("_", " "), xlabel="samples seen", ylabel="validation loss",
+               yscale="log")
         ax.legend(fontsize=6)
     fig.tight_layout()
     path = os.path.join(out, "loss_curves.png")

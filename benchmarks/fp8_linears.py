@@ -5,10 +5,8 @@ compute-only training steps, both compiled, in one process, timed in alternating
     python -m benchmarks.fp8_linears --recipes tensorwise rowwise --budget 540
     python -m benchmarks.fp8_linears --small                 # a toy ViT on a CPU, emulated
 
-The steps, the rounds and the table are described in docs/performance.md ("fp8 linear
-layers"); ``--eager``, the memory each step adds and the skipping of variants not built within
-``--budget`` were in this script at commit 68986f8. A GPU without fp8 or without torchao is
-refused in one line (exit 2).
+The steps, the rounds, the table and what this script measured before: docs/performance.md
+("fp8 linear layers"). A GPU without fp8 or without torchao is refused in one line (exit 2).
 """
 from __future__ import annotations
 
@@ -21,6 +19,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from elsewhere
     sys.path.insert(0, ROOT)
+
+from settings.errors import ConfigError, OneLineParser, at_least, new_file, refuse  # noqa: E402
 
 BAR = 1.15  # the speed-up over bf16 at which fp8 stays on by default for the mp config
 SMALL = {"img_size": [16, 32], "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}
@@ -70,7 +70,6 @@ def measure(recipes: list[str], batch: int, steps: int, budget: float, small: bo
     from engine import fp8_linears
     device = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
     if device.type == "cpu" and not small:
-        from settings.errors import refuse
         refuse("no CUDA GPU here: the mp ViT's steps need one; --small runs a toy ViT on the CPU "
                "in torchao's emulation")
     for recipe in recipes:
@@ -122,8 +121,6 @@ def table(out: dict) -> str:
 
 
 def main(argv=None):
-    from settings.errors import OneLineParser, at_least, new_file
-
     p = OneLineParser(prog="python -m benchmarks.fp8_linears", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", choices=["tensorwise", "rowwise"],
                    default=["tensorwise"], help="fp8 variants timed against bf16 "
@@ -142,7 +139,6 @@ def main(argv=None):
     p.add_argument("--json", type=new_file, default="",
                    help="also write the rows to this JSON file (a new file)")
     a = p.parse_args(argv)
-    from settings.errors import ConfigError, refuse
     batch = a.batch or (2 if a.small else 8)
     steps = a.steps or (2 if a.small else 10)
     try:

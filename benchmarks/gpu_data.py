@@ -31,14 +31,6 @@ KINDS = ("cosmo", "era5")
 MARK, MARKED = "written_by", "benchmarks.gpu_data"  # the HDF5 attribute on this tool's files
 
 
-def cosmo_file_names() -> tuple[str, str]:
-    """config/UNet.yaml's ``train_file`` and ``val_file``: the names its configs read."""
-    from settings.parse import build_config
-
-    cfg = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "short", {})
-    return cfg.train_file, cfg.val_file
-
-
 def _shape_of(path: str, name: str):
     try:
         with h5py.File(path, "r") as f:
@@ -80,8 +72,12 @@ def _replace(path: str, write) -> int:
 
 
 def cosmo_paths(out_dir: str) -> tuple[str, str]:
-    train, valid = cosmo_file_names()
-    return os.path.join(out_dir, "cosmo", train), os.path.join(out_dir, "cosmo", valid)
+    """config/UNet.yaml's ``train_file`` and ``val_file`` (the names its configs read) under
+    ``<out_dir>/cosmo``."""
+    from settings.parse import build_config
+
+    cfg = build_config(os.path.join(ROOT, "config", "UNet.yaml"), "short", {})
+    return os.path.join(out_dir, "cosmo", cfg.train_file), os.path.join(out_dir, "cosmo", cfg.val_file)
 
 
 def has_cosmo(out_dir: str, sides=COSMO_SIDES) -> bool:
@@ -106,14 +102,9 @@ def make_cosmo(out_dir: str, sides=COSMO_SIDES, seed: int = 0) -> list[tuple[str
                 nbody = f.create_dataset("Nbody", (4, side, side, side), np.float32)
                 hydro = f.create_dataset("Hydro", (5, side, side, side), np.float32)
                 for c in range(4):
-                    field = rng.standard_normal((side,) * 3, dtype=np.float32)
-                    field *= 0.5
-                    nbody[c] = field
+                    nbody[c] = 0.5 * rng.standard_normal((side,) * 3, dtype=np.float32)
                 for c in range(5):
-                    field = rng.random((side,) * 3, dtype=np.float32)
-                    field *= 1.9
-                    field -= 0.95
-                    hydro[c] = field
+                    hydro[c] = 1.9 * rng.random((side,) * 3, dtype=np.float32) - 0.95
         written.append((path, _replace(path, write)))
     return written
 
@@ -132,15 +123,6 @@ def has_era5(out_dir: str, steps=ERA5_STEPS, img_size=ERA5_SIZE) -> bool:
             and all(os.path.exists(p) for p in stats))
 
 
-def era5_block(steps: int, img_size, rng) -> np.ndarray:
-    """(steps, 20, H, W) float32: channel c normal with mean 10 c and std 1 + c."""
-    c = np.arange(len(ERA5_CHANNELS), dtype=np.float32)[:, None, None]
-    block = rng.standard_normal((steps, len(ERA5_CHANNELS), *img_size), dtype=np.float32)
-    block *= 1.0 + c
-    block += 10.0 * c
-    return block
-
-
 def make_era5(out_dir: str, steps=ERA5_STEPS, img_size=ERA5_SIZE, seed: int = 0,
               block_steps: int = BLOCK) -> list[tuple[str, int]]:
     """One training and one validation year file (``steps`` steps each) and the statistics of
@@ -151,10 +133,13 @@ def make_era5(out_dir: str, steps=ERA5_STEPS, img_size=ERA5_SIZE, seed: int = 0,
                          f"img_size {img_size}")
     rng = np.random.default_rng(seed)
     nc = len(ERA5_CHANNELS)
+    c = np.arange(nc, dtype=np.float32)[:, None, None]
     written, train_block = [], None
     for path, t in zip(era5_paths(out_dir), steps):
         t = int(t)
-        block = era5_block(min(block_steps, t), (h, w), rng)
+        block = rng.standard_normal((min(block_steps, t), nc, h, w), dtype=np.float32)
+        block *= 1.0 + c  # channel c: normal with mean 10 c and std 1 + c
+        block += 10.0 * c
         train_block = block if train_block is None else train_block
         os.makedirs(os.path.dirname(path), exist_ok=True)
 

@@ -7,10 +7,9 @@ channels-last and fp8, tabulated beside the tutorial's A100 figures and the goal
     python -m benchmarks.gpu_runs --make-data            # the device call (~8 min on an H200)
     python -m benchmarks.gpu_runs --make-data --only unet vit   # series, or runs by key
 
-The series (``SERIES``), the budget and timeouts, the data ``--make-data`` writes and the
-table (GPU.md in ``--out-dir``, beside gpu_runs.log and gpu_runs.json) are described in
-docs/performance.md ("Measuring on a GPU"). A run that fails, times out or logs no epoch is a
-row saying so; exit status 1 when any row failed or was skipped.
+The series (``SERIES``), the budget and timeouts, the data ``--make-data`` writes, the table
+(GPU.md in ``--out-dir``, beside gpu_runs.log and gpu_runs.json) and the rows of the runs that
+failed or were skipped (exit status 1): docs/performance.md ("Measuring on a GPU").
 """
 from __future__ import annotations
 
@@ -157,11 +156,9 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\w*: \S")
 
 
 def read_log(text: str) -> dict:
-    """A run's numbers: samples/s, the data-wait share (%) and the steady-state rate (medians
-    over the epochs after the first, or the only one); TFLOP/s and MFU of the last epoch; peak
-    memory (GiB, max over ranks and epochs); the throughput report (IO, SYNTHETIC, FULL means)
-    and its bottleneck line; the epochs' seconds; the start's seconds to the end of the first
-    step (and the first step's own) and the compile caches' hits and misses."""
+    """A run's numbers from its log: the rates and the data-wait share are medians over the
+    epochs after the first (or the only one), TFLOP/s and MFU the last epoch's, the peak memory
+    the largest over ranks and epochs (GiB)."""
     rates, seconds, waits, steady = [], [], [], []
     for line in text.splitlines():
         if m := _EPOCH.search(line):
@@ -226,17 +223,15 @@ def run_logged(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, s
                           start_new_session=True) as p:
         try:
             out = p.communicate(timeout=timeout)[0]
+            code = p.returncode
         except subprocess.TimeoutExpired:
-            _kill_group(p.pid)
-            return None, p.communicate()[0]
+            code = None
         finally:
-            _kill_group(p.pid)
-    return p.returncode, out
-
-
-def _kill_group(pid: int):
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        if code is None:  # the output it wrote before it was killed
+            out = p.communicate()[0]
+    return code, out
 
 
 def outcome(code: int | None, output: str, timeout: float) -> dict:
@@ -293,6 +288,11 @@ class Budget:
 
 # ---------------------------------------------------------------------------- the table
 
+def why_not(r: dict) -> str | None:
+    """Why a run has no figures (it failed or was skipped), None when it ran."""
+    return ("failed: " + r["failed"]) if "failed" in r else r.get("skipped")
+
+
 def _fmt(v, spec, unit=""):
     return format(v, spec) + unit if v is not None else "-"
 
@@ -332,8 +332,7 @@ def table(rows: list[tuple[Run, dict]]) -> str:
         base = first.setdefault(run.series, rate)
         before = prev.get(run.series)
         prev[run.series] = rate
-        if "failed" in r or "skipped" in r:
-            why = ("failed: " + r["failed"]) if "failed" in r else r["skipped"]
+        if why := why_not(r):
             out.append(f"| {run.series} | {_cell(run.label)} | {_cell(why[:300])} |"
                        + " - |" * 9)
             continue
@@ -387,8 +386,7 @@ def _synthetic_mfu(r, goal):
 
 
 def _first_epoch(r):
-    """A run's first epoch against its steady epochs: at most twice the median of the others
-    plus 5 s."""
+    """A run's first epoch: at most twice the median of the others plus 5 s."""
     seconds = r.get("epoch_s") or []
     if len(seconds) < 2:
         return None
@@ -498,22 +496,21 @@ def document(header: list[str], rows: list[tuple[Run, dict]]) -> str:
 
 
 def versions() -> str:
+    """The GPU's name and the software's versions (main has checked that there is a GPU)."""
     import torch
 
-    line = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    line = f"{torch.cuda.get_device_name()}; torch {torch.__version__}, CUDA {torch.version.cuda}"
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if cudnn:
         line += f", cuDNN {cudnn}"
     line += f"; {os.cpu_count()} CPU cores"
-    if torch.cuda.is_available():
-        line = f"{torch.cuda.get_device_name()}; " + line
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True)
-        except OSError:  # no nvidia-smi on the PATH: the line goes without the driver
-            return line
-        if smi.returncode == 0:
-            line += f"; driver {smi.stdout.strip()}"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True)
+    except OSError:  # no nvidia-smi on the PATH: the line goes without the driver
+        return line
+    if smi.returncode == 0:
+        line += f"; driver {smi.stdout.strip()}"
     return line
 
 
@@ -537,12 +534,10 @@ def nothing_ran(rows: list[tuple[Run, dict]], timeout: float | None) -> str:
 
 def command(run: Run, data_dir: str, expdir: str) -> list[str]:
     """The command line of ``run``."""
-    args = list(run.args)
     if run.kind == "report":
-        return [sys.executable, run.script, *args, "--json", os.path.join(expdir, "report.json")]
-    extra = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
-    extra += ["--expdir", expdir, "--run_num", "0"]
-    return [sys.executable, run.script, *args, *extra]
+        return [sys.executable, run.script, *run.args, "--json", os.path.join(expdir, "report.json")]
+    data = ["--data_root", os.path.join(data_dir, run.data)] if run.data else []
+    return [sys.executable, run.script, *run.args, *data, "--expdir", expdir, "--run_num", "0"]
 
 
 def shown(cmd: list[str]) -> str:
@@ -559,12 +554,6 @@ def shown(cmd: list[str]) -> str:
 
 def data_kinds(runs: list[Run]) -> list[str]:
     return [k for k in gpu_data.KINDS if any(run.data == k for run in runs)]
-
-
-def data_missing(data_dir: str, kinds, a) -> list[str]:
-    have = {"cosmo": lambda: gpu_data.has_cosmo(data_dir, a.cosmo),
-            "era5": lambda: gpu_data.has_era5(data_dir, a.era5_steps, gpu_data.ERA5_SIZE)}
-    return [k for k in kinds if not have[k]()]
 
 
 def dry_run(runs: list[Run], a, data_dir: str, budget: float):
@@ -594,7 +583,7 @@ class Writer:
 
     def __init__(self, out_dir: str, header: list[str]):
         os.makedirs(out_dir, exist_ok=True)
-        self.out_dir, self.header = out_dir, header
+        self.header = header
         self.table = unused_path(os.path.join(out_dir, "GPU.md"))
         self.log = unused_path(os.path.join(out_dir, "gpu_runs.log"))
         self.json = unused_path(os.path.join(out_dir, "gpu_runs.json"))
@@ -614,10 +603,8 @@ class Writer:
         with open(self.table, "w") as f:
             f.write(document(self.header, rows))
         with open(self.json, "w") as f:
-            json.dump({"header": self.header,
-                       "rows": [{"key": run.key, "label": run.label, **{
-                           k: v for k, v in r.items() if k != "path"}} for run, r in rows]},
-                      f, indent=1)
+            json.dump({"header": self.header, "rows": [
+                {"key": run.key, "label": run.label, **r} for run, r in rows]}, f, indent=1)
         self.wrote_table = True
 
 
@@ -641,14 +628,6 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
     result["seconds"] = round(time.monotonic() - t0, 1)
     shutil.rmtree(expdir, ignore_errors=True)  # checkpoints of a 117 M-parameter model: 1.4 GB
     return result
-
-
-def summary(result: dict) -> str:
-    """A run's line on the console: why it failed or was skipped, else its rate and notes."""
-    if "failed" in result or "skipped" in result:
-        return ("failed: " + result["failed"]) if "failed" in result else result["skipped"]
-    rate = result.get("samples_per_s")
-    return (f"{rate:.1f} samples/s; " if rate is not None else "") + notes(result)
 
 
 def _terminated(signum, frame):
@@ -699,7 +678,9 @@ def main(argv=None):
             made = f"data made in {gpu_data.make(data_dir, kinds, a.cosmo, a.era5_steps):.1f} s"
         except ValueError as e:  # another data set's files in the way: nothing written
             refuse(str(e))
-    missing = data_missing(data_dir, kinds, a)
+    missing = [k for k in kinds if not (
+        gpu_data.has_cosmo(data_dir, a.cosmo) if k == "cosmo"
+        else gpu_data.has_era5(data_dir, a.era5_steps, gpu_data.ERA5_SIZE))]
     if missing:
         sys.exit(f"error: no {' or '.join(missing)} data of the planned sizes under {data_dir}: "
                  f"add --make-data (it writes them in seconds) or point --data at them")
@@ -716,7 +697,9 @@ def main(argv=None):
             for i, run in enumerate(runs):
                 result = execute(run, i, a, data_dir, tmp, env, budget, writer)
                 rows.append((run, result))
-                print(f"    {summary(result)}", flush=True)
+                rate = result.get("samples_per_s")
+                figures = (f"{rate:.1f} samples/s; " if rate is not None else "") + notes(result)
+                print(f"    {why_not(result) or figures}", flush=True)
                 writer.rows(rows)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import List, Tuple
 
@@ -120,12 +119,6 @@ def fsdp_gathered(rows, amp: bool) -> Tuple[int, int]:
     return a * root, a * max(blocks.values(), default=0)
 
 
-def check_layout(s: Shape, tp: int, cp: int, sequence_parallel: bool = True):
-    """The engine's divisibility rules and token layout (``distributed.parallelize``)."""
-    return validate_vit_layout(s.img, s.patch, s.embed, s.heads, s.hidden,
-                               ParallelGroups(tensor_parallel=tp, context_parallel=cp), sequence_parallel)
-
-
 def parameters(s: Shape, tp: int, cp: int, lay) -> List[Tuple[str, int, Tuple[str, ...]]]:
     """(name, elements on this rank, axes its gradient is summed over) for every parameter."""
     E, F, pp = s.embed, s.hidden // tp, s.patch * s.patch
@@ -145,12 +138,11 @@ def parameters(s: Shape, tp: int, cp: int, lay) -> List[Tuple[str, int, Tuple[st
     return out
 
 
-def activations(s: Shape, tp: int, cp: int, amp: bool, attention: str = "flash", checkpointing: bool = False,
-                device: str = "cuda", lay=None) -> List[Tuple[str, int]]:
+def activations(s: Shape, tp: int, cp: int, amp: bool, attention: str, checkpointing: bool, device: str,
+                lay) -> List[Tuple[str, int]]:
     """(what, bytes) of every tensor kept for backward on one rank, in forward order."""
     f, a = 4, 2 if amp else 4
     B, E, N = s.batch, s.embed, s.tokens
-    lay = lay or check_layout(s, tp, cp)
     sequence_parallel = lay.sequence_parallel
     n, nc, rows = s.split(tp, cp, lay)
     h, F = s.heads // tp, s.hidden // tp
@@ -215,19 +207,11 @@ def activations(s: Shape, tp: int, cp: int, amp: bool, attention: str = "flash",
     return items
 
 
-def block_activation_bytes(s: Shape, tp: int, cp: int, amp: bool, attention: str, device: str, lay) -> int:
-    """Activations one block keeps (what a checkpointed block recomputes in backward)."""
-    one = Shape(**{**asdict(s), "depth": 1})
-    with_block = activations(one, tp, cp, amp, attention, False, device, lay)
-    return sum(v for k, v in with_block if k.startswith("blocks.0 "))
-
-
 def collectives(s: Shape, tp: int, cp: int, dp: int, amp: bool, checkpointing: bool, param_rows,
-                bucket_cap_mb: float = 25.0, lay=None) -> List[dict]:
-    """Collectives of one training step on one rank (see the module docstring for the byte counts)."""
+                bucket_cap_mb: float, lay) -> List[dict]:
+    """Collectives of one training step on one rank (the byte counts: benchmarks/memory_model.md)."""
     f, a = 4, 2 if amp else 4
     B, E, N = s.batch, s.embed, s.tokens
-    lay = lay or check_layout(s, tp, cp)
     sequence_parallel = lay.sequence_parallel
     nc, D = s.split(tp, cp, lay)[1], s.depth
     fwd = D * (2 if checkpointing else 1)  # checkpointing re-runs the blocks' forward in backward
@@ -295,7 +279,8 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
         raise ValueError(f"fsdp with tensor_parallel={tp} x context_parallel={cp}: this model "
                          f"counts FSDP alone (tp = cp = 1); for the combination, divide the tp/cp "
                          f"layout's parameters, gradients and Adam state by data_parallel")
-    lay = check_layout(s, tp, cp, sequence_parallel)
+    lay = validate_vit_layout(s.img, s.patch, s.embed, s.heads, s.hidden,  # the engine's token layout
+                              ParallelGroups(tensor_parallel=tp, context_parallel=cp), sequence_parallel)
     sp = lay.sequence_parallel
     f, a = 4, 2 if amp else 4
     rows = parameters(s, tp, cp, lay)
@@ -322,8 +307,10 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
         batch_bytes = f * s.batch * (s.cin + s.cout) * band_rows * s.img[1]
         p.extra["batch on the device (x and y, the rank's rows)"] = batch_bytes
         p.transient += 2 * a * s.batch * nc * F + (a * s.batch * nc * s.embed if tp > 1 and sp else 0)
-        if checkpointing:
-            p.transient += block_activation_bytes(s, tp, cp, amp, attention, measure, lay)
+        if checkpointing:  # the activations of the block a checkpointed block recomputes in backward
+            one = Shape(**{**asdict(s), "depth": 1})
+            p.transient += sum(v for k, v in activations(one, tp, cp, amp, attention, False, measure, lay)
+                               if k.startswith("blocks.0 "))
     p.after_forward = params + adam + acts + sum(p.extra.values())
     # the gradients: this rank's shards, or (FSDP accumulating unsharded) the whole gradient, which
     # the last micro-batch's backward turns into the shards block by block
@@ -388,8 +375,7 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
                  f"{p.local_batch}, attention {attention}, measured as {measure}")
     if cfg is not None and p.tp > 1:
         lines.append(sequence_parallel_summary(cfg.img_size, cfg.patch_size, p.tp, p.cp, p.sequence_parallel))
-    lines.append("")
-    lines.append(f"{'per rank':<59}{name}")
+    lines += ["", f"{'per rank':<59}{name}"]
     rows = [("parameters (fp32)", p.params), ("gradients (fp32)", p.grads), ("Adam state (2 moments + step)", p.adam),
             ("activations saved for backward", p.activations)]
     rows += list(p.extra.items())
@@ -407,8 +393,7 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     grads = "unsharded grads" if p.unsharded_grads else "gradients"
     lines.append(f"  {'peak (after forward + ' + grads + (' + transients)' if p.transient else ')'):<52}"
                  f"{_gb(p.peak)}{share}")
-    lines.append("")
-    lines.append("activations by kind (all blocks together)")
+    lines += ["", "activations by kind (all blocks together)"]
     agg = {}
     for k, v in p.activation_items:
         key = k.split(" ", 1)[1] if k.startswith("blocks.") else k
@@ -416,8 +401,7 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
     for k, v in sorted(agg.items(), key=lambda kv: -kv[1]):
         if v:
             lines.append(f"  {k:<52}{v / 2**20:12.2f} MiB")
-    lines.append("")
-    lines.append("collectives per training step (ring: bytes each rank sends)")
+    lines += ["", "collectives per training step (ring: bytes each rank sends)"]
     lines.append(f"  {'what':<60}{'kind':<16}{'group':<14}{'calls':>12}{'MiB/call':>12}{'MiB/step':>12}")
     for r in p.collectives:
         lines.append(f"  {r['what']:<60}{r['kind']:<16}{r['group'] + ' (' + str(r['size']) + ')':<14}"
@@ -431,7 +415,6 @@ def report(p: Prediction, cfg=None, gpu_gb: float = 80.0, measure: str = "cuda",
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
     ap = OneLineParser(prog="python -m benchmarks.memory_model", add_help=True,
                        description="Per-rank memory and communication of the parallel ViT; any "
                                    "other --key value overrides the config")
@@ -449,10 +432,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     own, rest = ap.parse_known_args(argv)
     try:
-        _, overrides = parse_overrides(rest)
-        for flag in ("activation_checkpointing", "fsdp"):  # given without a value
-            if overrides.get(flag) is True:
-                overrides[flag] = "true"
+        _, overrides = parse_overrides(rest)  # a bare --fsdp: True, as for train.py
         cfg = build_config(own.yaml_config, own.config, overrides)
         if cfg.model != "vit":
             raise ConfigError(f"config '{cfg.name}' is a {cfg.model} config: the model covers the ViT")

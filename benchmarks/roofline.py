@@ -6,9 +6,8 @@
     python -m benchmarks.roofline --budget 120 --json roofline.json
 
 The device's rates, the timed and profiled compute-only steps, each group's floor and how the
-measured time is attributed to it: docs/performance.md and benchmarks/roofline.md.
-``run(small, budget)`` returns the rows and the markdown (for ``benchmarks/gpu_runs.py``);
-``--json`` writes the same as JSON.
+measured time is attributed to it: docs/performance.md and benchmarks/roofline.md. ``--json``
+writes the rows and the markdown (for ``benchmarks/gpu_runs.py``).
 """
 from __future__ import annotations
 
@@ -200,22 +199,13 @@ def attribute(events, step, gpu: bool) -> dict:
                 return a
         return None
 
-    def under(e, pred):
-        return any(pred(a.name) for a in _ancestors(e))
-
-    def in_backward(name):
-        return name.startswith(EVALUATE)
-
-    def in_optimizer(name):
-        return name == OPT_RANGE
-
     # forward: the group of every autograd-level op, and which op made each autograd node
     for e in cpu_events:  # in order of their start
         if e.name == MODULE_RANGE:  # the model's own range: a forward pass starts
             cats = 0
-        if not e.name.startswith("aten::") or e.sequence_nr < 0 or under(e, in_backward) \
-                or under(e, in_optimizer):
-            continue
+        if not e.name.startswith("aten::") or e.sequence_nr < 0 or any(
+                a.name.startswith(EVALUATE) or a.name == OPT_RANGE for a in _ancestors(e)):
+            continue  # not an autograd-level op of the forward
         mod = module(e)
         name = op_name(e.name)
         if name == "cat" and mod == "":
@@ -313,14 +303,13 @@ def measure_model(name: str, small: bool, device, rates: dict, warmup: int, time
     attributed = sum(r["measured_ms"] for r in rows)
     # the rest of the profiled step: on a GPU the step (timed without the profiler) less the
     # attributed kernels; on a CPU the profiled step's wall time less the attributed ops
-    total = step_ms if gpu else profiled_ms
     unattributed = {k: v / profiled for k, v in found["unattributed_ms"].items()}
     if gpu:
         unattributed["GPU idle between kernels"] = max(
             0.0, step_ms - found["kernel_ms"] / profiled)
     else:
         unattributed["not in any op (Python, profiler)"] = max(
-            0.0, total - attributed - sum(unattributed.values()))
+            0.0, profiled_ms - attributed - sum(unattributed.values()))
     return {"model": name, "config": f"config {cfg.name}" + (" at toy sizes" if small else ""),
             "batch": smodel.batch,
             "precision": ("bf16 autocast" if gpu else "fp32") + (
@@ -390,7 +379,6 @@ def run(small: bool = False, budget: float = 300.0, models=("vit", "unet"),
     gpu = device.type == "cuda"
     if gpu:
         torch.backends.cudnn.benchmark = True  # as the project's runs
-    if gpu:
         device_name = (f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, "
                        f"cuDNN {torch.backends.cudnn.version()}")
     else:
@@ -401,12 +389,10 @@ def run(small: bool = False, budget: float = 300.0, models=("vit", "unet"),
     need_s = 60 if gpu else 2  # the least time a model's steps are started in
     for m in models:
         left = t_end - time.monotonic()
-        if left < need_s:
-            result["models"].append({"model": m, "skipped": f"skipped: {left:.0f} s of the "
-                                                            f"budget left"})
-            continue
-        result["models"].append(measure_model(m, small, device, result["rates"], warmup, timed,
-                                              profiled, memory_format))
+        result["models"].append(
+            {"model": m, "skipped": f"skipped: {left:.0f} s of the budget left"} if left < need_s
+            else measure_model(m, small, device, result["rates"], warmup, timed, profiled,
+                               memory_format))
     result["markdown"] = markdown(result)
     return result
 

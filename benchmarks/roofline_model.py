@@ -148,10 +148,8 @@ class _Ops(list):
              cast_input=False, input_grad=True):
         """A convolution (or transposed convolution) with bias: ``kernel`` weights per
         (cin, cout) pair, ``mac_vox`` voxels at which every weight multiplies-adds once (the
-        output's for a convolution, the input's for a transposed one). Backward: one
-        convolution_backward op reading the output gradient, the input and the weight and
-        writing the input gradient (unless ``input_grad`` is False: the first layer's), the
-        weight's and the bias's."""
+        output's for a convolution, the input's for a transposed one); one backward op, without
+        the input gradient when ``input_grad`` is False (the first layer)."""
         a, w = self.act, cin * cout * kernel
         self.cast("fwd", f"{name} weight cast", w, True)
         self.cast("fwd", f"{name} bias cast", cout, True)
@@ -175,9 +173,7 @@ class _Ops(list):
             self.add(group, "bwd", f"{name} backward", 2 * a * n, a * n)
 
     def adam(self, params: list[tuple[str, int]]):
-        """torch's fused Adam: one _foreach_add_ of the step counts (an fp32 scalar per tensor,
-        read and written) and one _fused_adam_ reading parameters, gradients, both moments and
-        the step counts and writing parameters and moments."""
+        """torch's fused Adam: the step counts' _foreach_add_ and _fused_adam_ (benchmarks/roofline.md)."""
         n = sum(numel for _, numel in params)
         t = len(params)
         self.add("optimizer", "opt", "step counts +1 (_foreach_add_)", F32 * t, F32 * t)
@@ -420,7 +416,6 @@ def unet_model(cfg, batch: int, amp: bool, channels_last: bool = False) -> StepM
 
 def step_model(task, batch: int, amp: bool, channels_last: bool = False) -> StepModel:
     """The step model of a task's model (tasks/era5.py's ViT or tasks/cosmo.py's U-Net)."""
-    cfg = task.cfg
-    if hasattr(cfg, "img_size"):
-        return vit_model(cfg, batch, amp)
-    return unet_model(cfg, batch, amp, channels_last)
+    if hasattr(task.cfg, "img_size"):
+        return vit_model(task.cfg, batch, amp)
+    return unet_model(task.cfg, batch, amp, channels_last)

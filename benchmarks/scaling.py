@@ -4,14 +4,10 @@
     python -m benchmarks.scaling --models vit --ranks 1,2
     python -m benchmarks.scaling --plot-only        # redraw from benchmarks/scaling/results.json
 
-Every point is one ``torchrun --nproc_per_node N train.py`` run (gloo, one thread per rank) of a
-model's ``quickstart`` with ``--data_loader_config synthetic`` (compute plus the gradient
-all-reduce), 5 epochs; its throughput is the median samples/s of epochs 2-5, pooled over
---repeats rounds. Series: weak (fixed local batch) and strong (fixed global batch) scaling, each
-with DDP and with --noddp (compute alone); efficiency = throughput(N) / (N x throughput(1)).
-The method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine: other
-processes' load would be timed as ours (at commit 68986f8 the script waited for quiet and ran a
-disturbed point again).
+Every point is one ``torchrun`` of a model's ``quickstart`` on synthetic data (gloo, one thread
+per rank, 5 epochs), in weak and strong scaling series, with DDP and with --noddp (compute
+alone); the method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine:
+other processes' load would be timed as ours.
 
 Writes benchmarks/scaling/results.json (every epoch, the best epoch), prints Markdown tables, and
 with matplotlib (pip install -r requirements-plots.txt) draws throughput.png and efficiency.png.
@@ -139,11 +135,10 @@ def tables(results, cores) -> str:
                 eff = f"{ddp[n] / (n * base):.0%}" if base else "-"
                 ne = f"{nod[n] / (n * base):.0%}" if base and n in nod else "-"
                 ns = f"{nod[n]:.1f}" if n in nod else "-"
-                ds = f"{ddp[n]:.1f}"
                 share = 1 - ddp[n] / nod[n] if n in nod and n > 1 else None
                 comm = "-" if share is None else f"{share:.0%}" if abs(share) >= 0.005 else "0%"
                 over = " (oversubscribed)" if n > cores else ""
-                lines.append(f"| {n}{over} | {g} | {ds} | {eff} | {ns} | {ne} | {comm} |")
+                lines.append(f"| {n}{over} | {g} | {ddp[n]:.1f} | {eff} | {ns} | {ne} | {comm} |")
             lines.append("")
     return "\n".join(lines)
 
@@ -169,26 +164,23 @@ def plot(results, cores, out_dir):
                     continue
                 base = dict(ddp).get(1)
                 ns = [n for n, _ in ddp]
+
+                def scaled(v, n):  # samples/s, or the efficiency against N x 1 rank
+                    return v if what == "throughput" else v / (n * base)
                 for data, style, name in ((ddp, "o-", "DDP"), (nod, "s--", "noddp (no gradient "
                                                                            "all-reduce)")):
                     if not data:
                         continue
-                    x = [n for n, _ in data]
-                    y = [v if what == "throughput" else v / (n * base) for n, v in data]
-                    ax.plot(x, y, style, label=name)
+                    ax.plot([n for n, _ in data], [scaled(v, n) for n, v in data], style, label=name)
                 if base:
-                    ideal = [n * base for n in ns]
-                    limit = [min(n, cores) * base for n in ns]
-                    if what == "efficiency":
-                        ideal = [1.0 for _ in ns]
-                        limit = [min(n, cores) / n for n in ns]
-                    ax.plot(ns, ideal, ":", color="grey", label="ideal (N x 1 rank)")
-                    ax.plot(ns, limit, "-.", color="tab:red", alpha=0.6,
-                            label=f"ideal on {cores} cores")
+                    ax.plot(ns, [scaled(n * base, n) for n in ns], ":", color="grey",
+                            label="ideal (N x 1 rank)")
+                    ax.plot(ns, [scaled(min(n, cores) * base, n) for n in ns], "-.",
+                            color="tab:red", alpha=0.6, label=f"ideal on {cores} cores")
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(ns, [str(n) for n in ns])
-                ax.set_xlabel("ranks (gloo, CPU)")
-                ax.set_ylabel("samples/s" if what == "throughput" else "scaling efficiency")
+                ax.set(xlabel="ranks (gloo, CPU)",
+                       ylabel="samples/s" if what == "throughput" else "scaling efficiency")
                 if what == "efficiency":
                     ax.set_ylim(0, 1.1)
                 ax.set_title(f"{model}: {kind} scaling", fontsize=10)
@@ -206,12 +198,10 @@ def plot(results, cores, out_dir):
 
 def run_series(args, work):
     """Every point of the plan, --repeats times; returns the document results.json holds."""
-    models = args.models.split(",")
-    ranks = args.ranks
     log_dir = os.path.join(work, "logs")  # every run's full log
     os.makedirs(log_dir, exist_ok=True)
     pooled, t0 = {}, time.time()
-    todo = plan(models, ranks)
+    todo = plan(args.models.split(","), args.ranks)
     for rep in range(args.repeats):
         # every other round in reverse order, so slow drifts of the machine even out
         for i, point in enumerate(todo if rep % 2 == 0 else todo[::-1]):
@@ -238,17 +228,17 @@ def run_series(args, work):
 
 
 def read_results(path):
-    """The results and core count of an earlier series; ValueError naming the file and the fix."""
+    """The results and core count of an earlier series; refused naming the file and the fix."""
     fix = "run 'python -m benchmarks.scaling' first, or give --out the directory that holds it"
     try:
         with open(path) as f:
             doc = json.load(f)
         return doc["results"], doc["machine"]["cores"]
     except FileNotFoundError:
-        raise ValueError(f"--plot-only: no results in {path}: {fix}") from None
+        refuse(f"--plot-only: no results in {path}: {fix}")
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"--plot-only: {path} is not a results file of this script "
-                         f"({type(e).__name__}: {e}): {fix}") from None
+        refuse(f"--plot-only: {path} is not a results file of this script "
+               f"({type(e).__name__}: {e}): {fix}")
 
 
 def model_names(text: str) -> str:
@@ -277,10 +267,7 @@ def main(argv=None):
     results_path = os.path.join(args.out, "results.json")
     cores = os.cpu_count() or 1
     if args.plot_only:
-        try:
-            results, cores = read_results(results_path)
-        except ValueError as e:
-            refuse(str(e))
+        results, cores = read_results(results_path)
     else:
         os.makedirs(args.out, exist_ok=True)
         work = args.work or tempfile.mkdtemp(prefix="scaling-")

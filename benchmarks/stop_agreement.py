@@ -5,23 +5,16 @@ all-reduce launched after each fetch, read before the batch's step) and without 
     python -m benchmarks.stop_agreement --ranks 2,4,8,16 --rounds 3
     python -m benchmarks.stop_agreement --ranks 2,4 --ring-ms 40   # a ring of 40 ms
 
-Each point is N gloo ranks on this machine (one thread each) training the ViT quickstart, cut
-to one block of width 32, on files (``lowmem``, no worker processes: a loader that may wait, so
-the ranks propose after every fetch) at a local batch of 1: a step of milliseconds, where an
-agreement's cost shows. Each rank trains one epoch to warm up, then ``--rounds`` epochs of each
-way, alternating in the same processes; a way's figure is the median over its epochs of the
-steady-state step time (rank 0's: the ranks step together), and the agreement's own time per
-step: what its calls (the proposal's launch, the decision's read) took on rank 0. The CPU
-figures say nothing of a GPU cluster's absolute times (docs/preemption.md).
-
-``--ring-ms``: every all-reduce launched without waiting holds one of 2 threads that long (a
-ring of hundreds of ranks simulated on a few: gloo runs a group's collectives on 2 threads, each
-held for the whole ring); the agreement's lag, chosen after the warm-up epoch, shows how much of
-it the steps hide.
+Each point: N gloo ranks (one thread each) train the ViT quickstart cut to one block of width 32
+from files without workers (the ranks propose after every fetch) at a local batch of 1; a warm-up
+epoch, then ``--rounds`` epochs of each way alternating in the same processes. A way's figure is
+the median of rank 0's steady-state step times; the agreement's own, its calls' time per step on
+rank 0; ``--ring-ms``: ``simulate_long_ring``. The method and the figures: docs/parallelism.md.
 """
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -73,7 +66,6 @@ def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds:
           ring_s: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    sys.path.insert(0, ROOT)
     import logging
 
     import torch
@@ -135,17 +127,12 @@ def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds:
     tr.rt.shutdown()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world: int, rounds: int, data_root: str, base: str, ring_s: float = 0.0) -> dict:
+    with socket.socket() as s:  # a free port for the ranks' group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank, args=(world, _free_port(), data_root,
+    mp.start_processes(_rank, args=(world, port, data_root,
                                     os.path.join(base, f"ws{world}"), rounds, queue, ring_s),
                        nprocs=world, start_method="spawn")
     return queue.get()

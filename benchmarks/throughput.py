@@ -7,9 +7,7 @@ Data: synthetic files in the real formats under --data (made once): an ERA5 year
 the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
 crops. Loader rows: each setting (lowmem, inmem; for the U-Net also ``device``; DALI's where it
 is installed) and worker count beside the raw h5py read of the same bytes, timed interleaved
-(how, and the columns: benchmarks/RESULTS.md). Raw rows: h5py reads alone. Training steps were
-timed here at commit 68986f8 (their figures in benchmarks/RESULTS.md); train.py's epoch lines
-and ``--throughput_report`` measure them now.
+(how, and the columns: benchmarks/RESULTS.md). Raw rows: h5py reads alone.
 """
 from __future__ import annotations
 
@@ -20,20 +18,20 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from datapipe import synthetic  # noqa: E402
 from datapipe.data_loader import build_loaders  # noqa: E402
 from settings.errors import OneLineParser, at_least  # noqa: E402
 from settings.parse import build_config  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ERA5_STEPS = 120  # steps of the ERA5 training year: 119 pairs, 29 batches of 4 per epoch
 SETTINGS = ("lowmem", "inmem", "device", "dali-lowmem", "dali-inmem")
 GOAL_RATIO, GOAL_MAIN_SHARE = 0.9, 0.05
@@ -89,16 +87,6 @@ def raw_cosmo(cosmo, n, rng, s=64):
     return n / dt, nbytes / dt / 1e9
 
 
-def raw_rows(era5, cosmo, n):
-    """h5py reads of exactly the samples' bytes, one process, no decoding or augmentation."""
-    rng = np.random.default_rng(0)
-    out = {"ViT ERA5 360x720 pair": raw_era5(era5, n, rng),
-           "U-Net 64^3 crop pair": raw_cosmo(cosmo, n, rng)}
-    for label, (rate, gbs) in out.items():
-        print(f"| {label} | {rate:.1f} | {gbs * 1e3:.0f} |", flush=True)
-    return out
-
-
 # ----------------------------------------------------------------------------- loader cases
 
 
@@ -112,7 +100,7 @@ class Case:
     config: str
     overrides: dict
     raw: object
-    settings: tuple = field(default=("lowmem", "inmem", "dali-lowmem", "dali-inmem"))
+    settings: tuple = ("lowmem", "inmem", "dali-lowmem", "dali-inmem")
 
 
 def loader_cases(era5, cosmo, img_size=(360, 720), era5_batch=4, crop=64, crop_batch=16,
@@ -128,22 +116,8 @@ def loader_cases(era5, cosmo, img_size=(360, 720), era5_batch=4, crop=64, crop_b
              {"data_root": cosmo, "train_file": "train.h5", "val_file": "valid.h5",
               "data_size": str(crop), "global_batch_size": str(crop_batch), "Nsamples": "4096",
               "Nsamples_val": str(crop_batch)},
-             lambda n, rng: raw_cosmo(cosmo, n, rng, crop),
-             settings=("lowmem", "inmem", "device", "dali-lowmem", "dali-inmem")),
+             lambda n, rng: raw_cosmo(cosmo, n, rng, crop), settings=SETTINGS),
     ]
-
-
-def dali_installed() -> bool:
-    try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _config(case: Case, setting: str, workers: int):
-    return build_config(os.path.join(ROOT, "config", case.yaml), case.config,
-                        dict(case.overrides, data_loader_config=setting, num_data_workers=str(workers)))
 
 
 # ----------------------------------------------------------------------------- loader rows
@@ -201,13 +175,19 @@ def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS):
     and worker count, beside the raw read, interleaved
     over ``rounds`` rounds; prints each row as it is done and returns them (dicts)."""
     rows = []
-    have_dali = dali_installed()
+    try:
+        import nvidia.dali  # noqa: F401
+        have_dali = True
+    except ImportError:
+        have_dali = False
     for case in cases:
         for setting in case.settings:
             if setting not in settings or (setting.startswith("dali") and not have_dali):
                 continue
             for w in ([0] if setting == "device" else workers_list):
-                cfg = _config(case, setting, w)
+                cfg = build_config(os.path.join(ROOT, "config", case.yaml), case.config,
+                                   dict(case.overrides, data_loader_config=setting,
+                                        num_data_workers=str(w)))
                 b = cfg.global_batch_size
                 loaders = build_loaders(cfg, 1, 0, b, torch.device("cpu"))
                 ahead = cfg.prefetch_depth * max(1, w)  # batches a loader reads ahead
@@ -227,7 +207,7 @@ def loader_rows(cases, workers_list, n_batches, rounds=3, settings=SETTINGS):
                 row = {"data": case.label, "setting": setting, "workers": w, "batch": b,
                        "raw": raw, "now": now,
                        "ratio": now["rate"] / raw["rate"],
-                       "main_share": now["cpu_ms"] / (1e3 * b / raw["rate"]), "load": _load()}
+                       "main_share": now["cpu_ms"] / (1e3 * b / raw["rate"]), "load": (load_averages() or [None])[0]}
                 rows.append(row)
                 print(format_row(row), flush=True)
     return rows
@@ -263,19 +243,18 @@ def goal_lines(rows) -> list[str]:
     return out
 
 
-def _load():
-    """The 1-minute load average (this benchmark's own processes included), None if unknown."""
+def load_averages():
+    """The 1, 5 and 15-minute load averages (this benchmark's processes included); None: unknown."""
     try:
-        return os.getloadavg()[0]
+        return os.getloadavg()
     except (OSError, AttributeError):
         return None
 
 
 def load_line() -> str:
-    try:
-        return "load average " + " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1 / 5 / 15 min)"
-    except (OSError, AttributeError):
-        return "load average unknown"
+    loads = load_averages()
+    return ("load average " + " / ".join(f"{v:.2f}" for v in loads) + " (1 / 5 / 15 min)"
+            if loads else "load average unknown")
 
 
 def main(argv=None):
@@ -301,7 +280,10 @@ def main(argv=None):
           f"threads, {load_line()}\n")
     if args.only in (None, "raw"):
         print("| raw h5py read | samples/s | MB/s |\n|---|---|---|")
-        raw_rows(era5, cosmo, 200)
+        rng = np.random.default_rng(0)  # h5py reads of exactly the samples' bytes, one process
+        for label, (rate, gbs) in (("ViT ERA5 360x720 pair", raw_era5(era5, 200, rng)),
+                                   ("U-Net 64^3 crop pair", raw_cosmo(cosmo, 200, rng))):
+            print(f"| {label} | {rate:.1f} | {gbs * 1e3:.0f} |", flush=True)
         print()
     if args.only in (None, "loaders"):
         print(table_header())
