@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 
@@ -14,7 +13,7 @@ from engine.checkpoint.state import TrainState, keep_run_length
 from engine.checkpoint.start_weights import load_start_weights
 from settings.errors import ConfigError, TrainingError
 
-log = logging.getLogger("engine.checkpoint")
+log = files.log  # the package's one logger
 
 
 @dataclasses.dataclass
@@ -77,8 +76,7 @@ class Checkpointer:
                 choice = e
         sent = [choice[1] if isinstance(choice, tuple) else choice]
         if rt.distributed:
-            # Rank 0's choice to every rank: the path, None for a fresh run, or the error all
-            # raise.
+            # Rank 0's choice to all: the path, None for a fresh run, or the error all raise.
             dist.broadcast_object_list(sent, src=0, group=rt.host_group)
         if isinstance(sent[0], ConfigError):
             raise sent[0]

@@ -126,7 +126,7 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
     (rank 0's; None elsewhere) as ``train_state.pt``, into ``ckpt_<iteration>.dcp``; rank 0 then
     renames it into place. A failed shard write raises WriteFailed on every rank (naming the
     failing rank), a failure of rank 0's own part on rank 0 only: the ranks then agree on the
-    outcome (``TrainState.save``). The existing checkpoints are left as they were."""
+    outcome (``Checkpointer.save``). The existing checkpoints are left as they were."""
     final = path_for(directory, iteration, sharded=True)
     tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
     try:
@@ -157,25 +157,21 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
     raise failure
 
 
-def clean_leftovers(directory: str) -> list[str]:
+def clean_leftovers(directory: str):
     """Put right what interrupted writes left in ``directory`` (docs/preemption.md says what),
     while no rank writes there (rank 0, before the checkpoint to resume from is chosen). Nothing
-    else is touched. One line per thing done, logged and returned."""
-    done = []
+    else is touched. One line logged per thing done."""
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         match, path = _LEFTOVER.fullmatch(name), os.path.join(directory, name)
         if match is None or os.path.isdir(path) != match.group(1).startswith("dcp"):
             continue
         if match.group(1) == "dcp.old" and not os.path.exists(path.removesuffix(".old")):
             os.replace(path, path.removesuffix(".old"))
-            done.append(f"restored the checkpoint {path.removesuffix('.old')} from {name}, set "
-                        f"aside by an interrupted checkpoint write")
+            log.info(f"restored the checkpoint {path.removesuffix('.old')} from {name}, set "
+                     f"aside by an interrupted checkpoint write")
         else:
             _remove(path)
-            done.append(f"removed {path}, left by an interrupted checkpoint write")
-    for line in done:
-        log.info(line)
-    return done
+            log.info(f"removed {path}, left by an interrupted checkpoint write")
 
 
 def state_nbytes(obj) -> int:
@@ -214,7 +210,7 @@ def _size(path: str) -> int:
     return os.path.getsize(path)
 
 
-def load_file(path: str, map_location="cpu"):
+def load_file(path: str):
     """(state, path) if the checkpoint loads and holds every expected entry, else (None, None),
     with a warning line that says why. For a DCP directory (its shard files all there, whole)
     the state holds its ``train_state.pt`` and ``"dcp": path`` in place of the tensors, which
@@ -224,7 +220,7 @@ def load_file(path: str, map_location="cpu"):
         if sharded:  # the directory, then its train_state.pt
             _check_shards(path)
             file = os.path.join(path, TRAIN_STATE)
-        state = read_pt(file, map_location, mmap=True)
+        state = read_pt(file, mmap=True)
     except Exception as e:  # an incomplete directory, a truncated or corrupt file
         log.warning(f"skipping unreadable checkpoint {file}: {unreadable(e)}")
         return None, None
@@ -235,13 +231,13 @@ def load_file(path: str, map_location="cpu"):
     return (state | {"dcp": path} if sharded else state), path
 
 
-def read_pt(path: str, map_location="cpu", mmap: bool = False):
+def read_pt(path: str, mmap: bool = False):
     """What ``torch.save`` wrote to ``path``, in types ``weights_only`` loading accepts. ``mmap``:
     mapped, not read (a checkpoint: a rank reads the pages of the slices it takes, its tp/cp
     and FSDP shards, not the whole file)."""
     with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
         warnings.simplefilter("ignore")
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def unreadable(exc: Exception) -> str:
@@ -307,10 +303,10 @@ def weights(state: dict) -> dict:
         else state["model"]
 
 
-def load_latest(directory: str, map_location="cpu"):
+def load_latest(directory: str):
     """(state, path) of the newest checkpoint that loads, or (None, None) when there is none."""
     for path in list_checkpoints(directory):
-        state, path = load_file(path, map_location)
+        state, path = load_file(path)
         if state is not None:
             return state, path
     return None, None

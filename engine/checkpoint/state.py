@@ -9,7 +9,6 @@ together with every rank's RNG streams; ``load_state_dict`` puts it back.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import random
 
@@ -21,7 +20,7 @@ from engine.checkpoint import files
 from settings.config import CONFIG_CLASSES, to_dict
 from settings.errors import ConfigError, TrainingError
 
-log = logging.getLogger("engine.checkpoint")
+log = files.log  # the package's one logger
 
 
 def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:

@@ -100,12 +100,10 @@ class StopAgreement:
             yield 0, batch
 
     def after_fetch(self, loader, index: int, interrupted: int = 0, recorded: bool = True):
-        """Propose after the fetch of batch ``index`` from ``loader`` (``index`` counted the same
-        way on every rank: the step it is for), when due: after each fetch from a loader that may
-        wait (``interrupted``: the signal that ended the wait, or 0), else after every
-        ``every``-th. A signal merely recorded is proposed at every ``every``-th fetch (the
-        log points: stops land there), unless not ``recorded`` (a pass's first fetch: a run
-        takes a step before a recorded signal stops it)."""
+        """Propose after the fetch of batch ``index`` (the step it is for, the same on every
+        rank) from ``loader`` when due (the cadence above; ``interrupted``: the signal that
+        ended the wait, or 0). A recorded signal is proposed at log points only, and not at all
+        unless ``recorded`` (a pass's first fetch: a run takes a step before it stops)."""
         log_point = index % self.every == 0
         if may_wait(loader) or log_point:
             self.propose(interrupted, recorded=recorded and log_point, index=index)
@@ -165,11 +163,9 @@ class StopAgreement:
                 pending[0].wait()
 
     def now(self, interrupted: int = 0, recorded: bool = True) -> int:
-        """Propose and wait for the decision at once: a blocking agreement, for twice per
-        validation at most (a signal recorded then but ending no wait is left to training,
-        ``recorded=False``: the epoch's validation is logged and written first). It carries
-        the lag this rank asks for: the median of what its decisions since the last one
-        needed; every rank takes the largest."""
+        """Propose and wait for the decision at once: a blocking agreement, twice per validation
+        at most. It carries the lag this rank asks for: the median of what its decisions since
+        the last one needed; every rank takes the largest."""
         self.drain()
         lag = statistics.median_low(self._needed) if self._needed else 0
         self._needed = []

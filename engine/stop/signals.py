@@ -24,8 +24,6 @@ from settings.signals import STOPPED_EXIT_CODE, ignore_stop_signals, installed, 
 HARD_EXIT_AFTER_S = 10.0  # seconds the cleanup of an immediate exit may take
 CHILD_JOIN_S = 10.0  # seconds to wait, in all, for SIGKILLed children to end
 
-_exit_hook_registered = False
-
 
 class RunStopped(Exception):
     """Raised on every rank after the stop checkpoint; the entry point turns it into one log
@@ -73,10 +71,8 @@ class StopRequest:
             number = signal_number(name)
             request._previous[number] = signal.signal(number, request._record)
             installed.add(number)
-        global _exit_hook_registered
-        if not _exit_hook_registered:
-            atexit.register(_at_exit)  # runs before multiprocessing's own exit hook
-            _exit_hook_registered = True
+        atexit.unregister(_at_exit)  # (registered once, however many installs)
+        atexit.register(_at_exit)  # runs before multiprocessing's own exit hook
         return request
 
     def restore(self):

@@ -165,9 +165,8 @@ class DataWaits:
     # ---------------------------------------------------------------- waits no handler ends
 
     def close(self):
-        """End the watchdog thread (the run is over, no wait is in progress): while it runs it
-        holds this object and what ``advice`` and ``hard_exit`` refer to (the trainer, and
-        through it the model and its process groups)."""
+        """End the watchdog thread (the run is over): while it runs it holds what ``advice`` and
+        ``hard_exit`` refer to (the trainer, its model and its process groups)."""
         self._closed.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=5.0)
@@ -180,9 +179,8 @@ class DataWaits:
 
     def _watch(self):
         """Every second: a wait past its timeout by ``watchdog_grace_s`` is one whose handlers
-        cannot run (C code that never returns to Python), and a wait ended by a handler whose
-        loader has not let go ``watchdog_grace_s`` later is one whose clean-up blocks: end the
-        process with its line."""
+        cannot run, or (``_unwinding``) one whose clean-up blocks: end the process with its
+        line."""
         while not self._closed.wait(min(1.0, self.watchdog_grace_s)):
             waiting = self._waiting
             if waiting is not None and time.monotonic() > waiting[1] + self.watchdog_grace_s:
