@@ -1,11 +1,7 @@
-"""The checkpoint's two forms on disk (``engine.checkpoint``; docs/checkpoints.md): written
-atomically, listed newest first, the newest K kept, checked whole and loaded with
-``weights_only=True``; the one module that calls torch's distributed checkpoint (DCP).
-
-A checkpoint is written under a temporary name in the same directory, flushed to disk, and
-renamed into place: a crash mid-write leaves at worst a stray temporary (or set-aside) file or
-directory, never a checkpoint name that loads wrongly; ``clean_leftovers`` puts that right at
-the next start.
+"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash
+mid-write leaves at worst a stray temporary or set-aside file or directory, which
+``clean_leftovers`` puts right at the next start, never a checkpoint name that loads wrongly),
+listed newest first, the newest K kept, checked whole and loaded with ``weights_only=True``.
 """
 from __future__ import annotations
 
@@ -188,7 +184,7 @@ def state_nbytes(obj) -> int:
 def _write_failure(directory: str, final: str, state: dict, exc: BaseException) -> str:
     """One line: what failed, the space a checkpoint needs and the space there is, the newest
     checkpoint that is kept, and what to do."""
-    previous = list_checkpoints(directory) if os.path.isdir(directory) else []
+    previous = list_checkpoints(directory)  # (none where the directory is missing)
     need = _size(previous[0]) if previous else state_nbytes(state)
     try:
         free = f"{shutil.disk_usage(directory).free / MB:.1f} MB free there"

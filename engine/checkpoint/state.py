@@ -1,11 +1,7 @@
-"""What a checkpoint holds, and how a run is put back exactly where it stopped.
-
-``TrainState`` is the loop's position (step, epoch, step within the epoch, the epoch's summed
-losses so far) plus references to everything with state of its own: the model, the optimizer,
-the gradient scaler and the LR schedule. ``state_dict`` gathers all of it in the serial layout
-(keyed by parameter name, so a checkpoint loads on any number of ranks and any tp/cp layout)
-together with every rank's RNG streams; ``load_state_dict`` puts it back.
-"""
+"""What a checkpoint holds, and how a run is put back exactly where it stopped: ``TrainState``,
+the loop's position and everything with state of its own (model, optimizer, gradient scaler, LR
+schedule), gathered in the serial layout (keyed by parameter name: a checkpoint loads on any
+number of ranks and any tp/cp layout) with every rank's RNG streams."""
 from __future__ import annotations
 
 import dataclasses

@@ -25,11 +25,9 @@ __all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped"]
 
 class Stopper:
     """A run's stopping: ``request``, the stop signals' record (``StopRequest.install``, or
-    ``NeverStop``); ``distributed`` and ``group``: the peers to agree with, on a gloo group
-    (None: the default group); ``every``: the log interval (a recorded signal stops at a log
-    point); ``timeout_s``: ``loader_timeout_s`` (0: none); ``advice()``: what the line of a run
-    that ends without writing says it leaves (the checkpoint kept); ``fail(message)``: ends the
-    process with that line, from the watchdog thread that catches waits no handler can end."""
+    ``NeverStop``); the ranks' agreement (``distributed``, ``group``, ``every``: the log
+    interval; ``StopAgreement``) and the data waits (``timeout_s``: ``loader_timeout_s``,
+    ``advice``, ``fail``: ``DataWaits``'s ``hard_exit``)."""
 
     def __init__(self, request: StopRequest, distributed: bool, group=None, every: int = 1,
                  timeout_s: float = 0, advice=lambda: "", fail=None):

@@ -2,16 +2,17 @@
 on its loader (what a user sees: docs/errors.md, "A rank waiting for data").
 
 The engine fetches every batch from a loader that may wait inside ``DataWaits.fetch``: a stop
-signal whose batch has not come ``SIGNAL_GRACE_S`` seconds later raises ``Interrupted`` inside
-the wait, and ``loader_timeout_s`` without the batch raises ``LoaderStalled``. Both are raised by
-Python signal handlers (the stop signal's re-arms a one-shot ``ITIMER_REAL`` timer to the grace;
-the timer's ``SIGALRM`` handler raises): Python runs a handler in the main thread during any
-blocking wait of its own (pipe reads, ``select``, locks, sleeps: PEP 475 retries them only after
-the handlers ran), and a handler that raises unwinds the wait. A wait inside C code that never
-returns to Python (DALI's executor) defers the handlers: a watchdog thread ends the process with
-the same line ``WATCHDOG_GRACE_S`` seconds after the timeout. A loader that makes each batch in
-this process from memory (``never_waits``) is fetched with plain calls. Outside the main thread
-no handler can be set: fetches there wait as the loader does.
+signal (also one recorded before the fetch) whose batch has not come ``SIGNAL_GRACE_S`` seconds
+later raises ``Interrupted`` inside the wait, and ``loader_timeout_s`` without the batch raises
+``LoaderStalled``. Both are raised by Python signal handlers (the stop signal's re-arms a one-shot
+``ITIMER_REAL`` timer to the grace; the timer's ``SIGALRM`` handler raises): Python runs a
+handler in the main thread during any blocking wait of its own (pipe reads, ``select``, locks,
+sleeps: PEP 475 retries them only after the handlers ran), and a handler that raises unwinds the
+wait. A wait inside C code that never returns to Python (DALI's executor) defers the handlers: a
+watchdog thread ends the process with the same line ``WATCHDOG_GRACE_S`` seconds after the
+timeout. A loader that makes each batch in this process from memory (``never_waits``) is fetched
+with plain calls. Outside the main thread no handler can be set: fetches there wait as the
+loader does.
 """
 from __future__ import annotations
 
