@@ -7,13 +7,41 @@ and config. The file resumes any run (``--resume_from``) and serves inference or
     python -m engine.checkpoint_convert logs/ViT/quickstart/4/0/checkpoints/ckpt_00000100.dcp ckpt.pt
 
 Runs in one process on a CPU and reads every shard: it needs memory for the whole model and its
-optimizer state. Bad input (a SRC that is no sharded checkpoint, an OUT that exists already:
-never overwritten) is one ``error:`` line and exit code 2, and nothing is written.
+optimizer state. Bad input is one ``error:`` line and exit code 2, and nothing is written.
 """
 from __future__ import annotations
 
-from engine.checkpoint import CheckpointException, convert, state_nbytes
+import os
+
+from engine.checkpoint.files import (CheckpointException, is_sharded, list_checkpoints,
+                                     load_file, read_tensors, state_nbytes, write_file)
 from settings.errors import OneLineParser, refuse
+
+
+def convert(src: str, out: str) -> dict:
+    """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one file
+    ``out`` (which must not exist: never overwritten); returns what was written. Raises
+    ValueError naming the problem."""
+    if not os.path.exists(src):
+        raise ValueError(f"{src} does not exist: give a ckpt_<step>.dcp directory or a "
+                         f"checkpoints directory")
+    if os.path.lexists(out):
+        raise ValueError(f"{out} exists: choose another name for the output, or remove it")
+    if os.path.isdir(src) and not is_sharded(src):
+        found = [p for p in list_checkpoints(src) if os.path.isdir(p)]
+        if not found:
+            raise ValueError(f"{src} holds no sharded checkpoint (ckpt_<step>.dcp): give one")
+        src = found[0]
+    if not os.path.isdir(src):
+        raise ValueError(f"{src} is not a sharded checkpoint directory (ckpt_<step>.dcp); a .pt "
+                         f"checkpoint is a single file already")
+    state, path = load_file(src)
+    if state is None:
+        raise ValueError(f"{src} does not load (incomplete or corrupt; the log line above says "
+                         f"why): convert an earlier checkpoint")
+    whole = {k: v for k, v in state.items() if k != "dcp"} | read_tensors(path)
+    write_file(out, whole)
+    return whole
 
 
 def main(argv=None):

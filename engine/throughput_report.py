@@ -1,26 +1,14 @@
-"""The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, alias ``--enable_benchy``).
+"""The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, alias ``--enable_benchy``;
+what it shows: docs/performance.md).
 
-After training, every rank times three kinds of trial, each in ``ROUNDS`` rounds of ``WARMUP``
-untimed batches and then ``timed`` batches (``trial_sizes``):
-
-- **IO**: the training loader alone, each batch moved to the device with ``Trainer.to_device``
-  (the host-to-device copy and the on-device first operation of the step included, no model);
-- **SYNTHETIC**: ``Trainer.train_step`` on one batch held on the device (compute only);
-- **FULL**: ``to_device`` + ``train_step`` over the loader, as in training.
-
-Each round of IO and FULL is one fresh pass of the loader (its own epoch number, so no timed
-window crosses an epoch's end). Windows end with a device synchronisation, so queued kernels are
-counted. Under data parallelism every rank runs every trial (FULL and SYNTHETIC include the
-gradient all-reduce); rank 0 prints mean +/- std samples/s over the rounds, for all ranks
-together (samples of a model replica counted once: under tensor/context parallelism its ranks
-share a batch) and, when distributed, per rank (beyond 8 ranks, each trial's slowest and fastest
-rank and the median); it writes ``<run dir>/throughput.json`` and the
-TensorBoard scalars ``Throughput/IO``, ``Throughput/SYNTHETIC``, ``Throughput/FULL``.
-
-The trials take optimizer steps. They run after the final checkpoint is written, and the model,
-optimizer, gradient scaler, LR schedule and RNG streams are read back from that checkpoint
-afterwards (``Checkpointer.reload``), and the sampler's position put back, so neither the
-checkpoints nor the trainer's state differ from a run without the report.
+After training, every rank times each trial in ``ROUNDS`` rounds (``trial_sizes``): **IO**, the
+training loader alone with each batch moved to the device (``Trainer.to_device``); **SYNTHETIC**,
+``Trainer.train_step`` on one batch held on the device; **FULL**, both, as in training. Each round
+of IO and FULL is one fresh pass of the loader (its own epoch number, so no timed window crosses
+an epoch's end), and each window ends with a device synchronisation, so queued kernels are
+counted. The trials take optimizer steps after the final checkpoint; the trainer's state is read
+back from it afterwards (``Checkpointer.reload``) and the sampler's position put back, so neither
+the checkpoints nor the trainer's state differ from a run without the report.
 """
 from __future__ import annotations
 
@@ -92,32 +80,22 @@ def _loader_pass(tr, epoch: int):
 def measure(tr) -> dict[str, list[float]]:
     """This rank's samples/s in each round of each mode. Collective: every rank must call it."""
     warmup, timed = trial_sizes(tr.steps_per_epoch, tr.stopper.lag)
-    samples = tr.rt.local_batch * timed
     first_epoch = tr.state.epoch + 1  # past the run's epochs: samples it has not used last
     tr.model.train()
-
-    def io(x, y):
-        tr.to_device(x, y)
 
     def step(x, y):
         tr.train_step(x, y, NullProbe())
 
-    def full(x, y):
-        step(*tr.to_device(x, y))
-
+    work = {"IO": tr.to_device, "SYNTHETIC": step, "FULL": lambda x, y: step(*tr.to_device(x, y))}
     cached = tr.to_device(*next(_loader_pass(tr, first_epoch)))
     rates = {m: [] for m in MODES}
     for r in range(ROUNDS):
         for mode in MODES:
+            batches = itertools.repeat(cached) if mode == "SYNTHETIC" else \
+                _loader_pass(tr, first_epoch + r)
             with nvtx_range(f"throughput {mode}"):
-                if mode == "SYNTHETIC":
-                    seconds = _timed_round(tr, itertools.repeat(cached), step,
-                                           warmup, timed)
-                else:
-                    batches = _loader_pass(tr, first_epoch + r)
-                    seconds = _timed_round(tr, batches, io if mode == "IO" else full,
-                                           warmup, timed)
-            rates[mode].append(samples / max(seconds, 1e-9))
+                seconds = _timed_round(tr, batches, work[mode], warmup, timed)
+            rates[mode].append(tr.rt.local_batch * timed / max(seconds, 1e-9))
     return rates
 
 

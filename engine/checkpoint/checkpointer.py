@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 
@@ -10,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import files
-from engine.checkpoint.state import TrainState, finished, keep_run_length
+from engine.checkpoint.state import TrainState, keep_run_length
 from engine.checkpoint.start_weights import load_start_weights
 from settings.errors import ConfigError, TrainingError
 
-log = logging.getLogger("engine.checkpoint")
+log = files.log  # the package's one logger
 
 
 @dataclasses.dataclass
@@ -44,15 +43,16 @@ class Checkpointer:
         """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a
         fresh run: one choice for all ranks. Rank 0 puts right what interrupted writes left in
         the run's checkpoints (``files.clean_leftovers``) and chooses; the others load exactly
-        the checkpoint it chose, so that a rank with another view of the directory (a stale
-        listing, a read error) never resumes from another step. A choice that does not load on
-        some rank ends every rank with one line naming that rank."""
+        the checkpoint it chose (docs/preemption.md says why)."""
         choice = self._agreed_choice()
         if choice is None:
             return None
         state, path = choice
         cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
-        self.resumed = Resume(state, path, cfg, finished(state, cfg))
+        per_epoch = state.get("steps_per_epoch")  # (every step taken, the last validation done)
+        finished = per_epoch is not None and state["step_in_epoch"] == 0 \
+            and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch)
+        self.resumed = Resume(state, path, cfg, finished)
         from_elsewhere = os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
             os.path.realpath(self.directory)  # --resume_from
         if self.resumed.nothing_to_do and from_elsewhere:
@@ -74,17 +74,14 @@ class Checkpointer:
                 choice = self._choose()
             except ConfigError as e:
                 choice = e
-        if not rt.distributed:
-            if isinstance(choice, ConfigError):
-                raise choice
-            return choice
         sent = [choice[1] if isinstance(choice, tuple) else choice]
-        # Rank 0's choice to every rank: the path, None for a fresh run, or the error all raise.
-        dist.broadcast_object_list(sent, src=0, group=rt.host_group)
+        if rt.distributed:
+            # Rank 0's choice to all: the path, None for a fresh run, or the error all raise.
+            dist.broadcast_object_list(sent, src=0, group=rt.host_group)
         if isinstance(sent[0], ConfigError):
             raise sent[0]
-        if sent[0] is None:
-            return None
+        if sent[0] is None or not rt.distributed:
+            return choice
         path = sent[0]
         if not rt.is_main:
             choice = files.load_file(path)
@@ -171,12 +168,11 @@ class Checkpointer:
 
     def save(self, epoch_sum: torch.Tensor | None, window: tuple) -> float:
         """Collective on all ranks: write the checkpoint of the step just taken (the newest
-        ``checkpoint_keep`` kept) and log its path; the seconds it took. Under FSDP each rank
-        writes its shards (DCP), else rank 0 writes the whole state in the serial layout. A
-        write that failed on any rank raises TrainingError on every rank, one line naming that
-        rank and the checkpoint; the earlier checkpoints are kept. ``epoch_sum``: this rank's
-        summed step losses of the epoch so far (None at an epoch's end); ``window``: this
-        rank's loss and grad norm sums and steps since the last log point."""
+        ``checkpoint_keep`` kept) and log its path; the seconds it took. A write that failed on
+        any rank raises TrainingError on every rank, one line naming that rank and the
+        checkpoint. ``epoch_sum``: this rank's summed step losses of the epoch so far (None at
+        an epoch's end); ``window``: this rank's loss and grad norm sums and steps since the
+        last log point."""
         t0 = time.perf_counter()
         rt, st, keep = self.rt, self.state, self.cfg.checkpoint_keep
         # Host sync and one collective: the epoch's losses so far, over the data-parallel ranks

@@ -1,14 +1,7 @@
-"""The checkpoint's two forms on disk (``engine.checkpoint`` describes them): written
-atomically, listed newest first, the newest K kept, checked whole and loaded with
-``weights_only=True``; the one module that calls torch's distributed checkpoint (DCP).
-
-A checkpoint is written under a temporary name in the same directory, flushed to disk, and
-renamed into place: a crash mid-write leaves at worst a stray ``.tmp`` file or directory (or a
-``.dcp.old`` directory: the step's earlier checkpoint, set aside while the step is written
-again), never a checkpoint name that loads wrongly; ``clean_leftovers`` puts that right at the
-next start. Loading walks from the newest checkpoint to older ones and takes the first that
-loads and holds every expected entry (a directory: its metadata, its ``train_state.pt`` and
-shard files of the sizes the metadata names).
+"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash
+mid-write leaves at worst a stray temporary or set-aside file or directory, which
+``clean_leftovers`` puts right at the next start, never a checkpoint name that loads wrongly),
+listed newest first, the newest K kept, checked whole and loaded with ``weights_only=True``.
 """
 from __future__ import annotations
 
@@ -129,7 +122,7 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
     (rank 0's; None elsewhere) as ``train_state.pt``, into ``ckpt_<iteration>.dcp``; rank 0 then
     renames it into place. A failed shard write raises WriteFailed on every rank (naming the
     failing rank), a failure of rank 0's own part on rank 0 only: the ranks then agree on the
-    outcome (``TrainState.save``). The existing checkpoints are left as they were."""
+    outcome (``Checkpointer.save``). The existing checkpoints are left as they were."""
     final = path_for(directory, iteration, sharded=True)
     tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
     try:
@@ -160,28 +153,21 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
     raise failure
 
 
-def clean_leftovers(directory: str) -> list[str]:
-    """Put right what interrupted writes left in ``directory``, while no rank writes there (rank
-    0, before the checkpoint to resume from is chosen): a temporary file (``ckpt_<step>.pt.<pid>
-    .tmp``) or directory (``ckpt_<step>.dcp.tmp``) is removed; ``ckpt_<step>.dcp.old``, a whole
-    checkpoint set aside while its step was written again, is removed when the new
-    ``ckpt_<step>.dcp`` is in place and renamed back otherwise. Nothing else is touched. One line
-    per thing done, logged and returned."""
-    done = []
+def clean_leftovers(directory: str):
+    """Put right what interrupted writes left in ``directory`` (docs/preemption.md says what),
+    while no rank writes there (rank 0, before the checkpoint to resume from is chosen). Nothing
+    else is touched. One line logged per thing done."""
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         match, path = _LEFTOVER.fullmatch(name), os.path.join(directory, name)
         if match is None or os.path.isdir(path) != match.group(1).startswith("dcp"):
             continue
         if match.group(1) == "dcp.old" and not os.path.exists(path.removesuffix(".old")):
             os.replace(path, path.removesuffix(".old"))
-            done.append(f"restored the checkpoint {path.removesuffix('.old')} from {name}, set "
-                        f"aside by an interrupted checkpoint write")
+            log.info(f"restored the checkpoint {path.removesuffix('.old')} from {name}, set "
+                     f"aside by an interrupted checkpoint write")
         else:
             _remove(path)
-            done.append(f"removed {path}, left by an interrupted checkpoint write")
-    for line in done:
-        log.info(line)
-    return done
+            log.info(f"removed {path}, left by an interrupted checkpoint write")
 
 
 def state_nbytes(obj) -> int:
@@ -198,7 +184,7 @@ def state_nbytes(obj) -> int:
 def _write_failure(directory: str, final: str, state: dict, exc: BaseException) -> str:
     """One line: what failed, the space a checkpoint needs and the space there is, the newest
     checkpoint that is kept, and what to do."""
-    previous = list_checkpoints(directory) if os.path.isdir(directory) else []
+    previous = list_checkpoints(directory)  # (none where the directory is missing)
     need = _size(previous[0]) if previous else state_nbytes(state)
     try:
         free = f"{shutil.disk_usage(directory).free / MB:.1f} MB free there"
@@ -220,35 +206,34 @@ def _size(path: str) -> int:
     return os.path.getsize(path)
 
 
-def load_file(path: str, map_location="cpu"):
-    """(state, path) if the checkpoint loads and holds every expected entry, else (None, None).
-    For a DCP directory the state holds ``train_state.pt`` and ``"dcp": path`` in place of the
-    tensors, which ``read_tensors`` or the sharded load (``engine.sharding``) read later."""
-    if os.path.isdir(path):
-        return _load_dcp_dir(path, map_location)
-    return _load_checked(path, map_location, REQUIRED)
+def load_file(path: str):
+    """(state, path) if the checkpoint loads and holds every expected entry, else (None, None),
+    with a warning line that says why. For a DCP directory (its shard files all there, whole)
+    the state holds its ``train_state.pt`` and ``"dcp": path`` in place of the tensors, which
+    ``read_tensors`` or ``read_shards`` read later."""
+    sharded, file = os.path.isdir(path), path
+    try:
+        if sharded:  # the directory, then its train_state.pt
+            _check_shards(path)
+            file = os.path.join(path, TRAIN_STATE)
+        state = read_pt(file, mmap=True)
+    except Exception as e:  # an incomplete directory, a truncated or corrupt file
+        log.warning(f"skipping unreadable checkpoint {file}: {unreadable(e)}")
+        return None, None
+    missing = [k for k in REQUIRED if k not in state and not (sharded and k in TENSORS)]
+    if missing:
+        log.warning(f"skipping checkpoint {file}: missing {missing}")
+        return None, None
+    return (state | {"dcp": path} if sharded else state), path
 
 
-def read_pt(path: str, map_location="cpu", mmap: bool = False):
+def read_pt(path: str, mmap: bool = False):
     """What ``torch.save`` wrote to ``path``, in types ``weights_only`` loading accepts. ``mmap``:
     mapped, not read (a checkpoint: a rank reads the pages of the slices it takes, its tp/cp
     and FSDP shards, not the whole file)."""
     with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
         warnings.simplefilter("ignore")
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-
-
-def _load_checked(path: str, map_location, required) -> tuple:
-    try:
-        state = read_pt(path, map_location, mmap=True)
-    except Exception as e:  # truncated or corrupt file
-        log.warning(f"skipping unreadable checkpoint {path}: {unreadable(e)}")
-        return None, None
-    missing = [k for k in required if k not in state]
-    if missing:
-        log.warning(f"skipping checkpoint {path}: missing {missing}")
-        return None, None
-    return state, path
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def unreadable(exc: Exception) -> str:
@@ -263,26 +248,16 @@ def unreadable(exc: Exception) -> str:
     return f"{what}: {type(exc).__name__}: {text.splitlines()[0].split('. ')[0][:160]}"
 
 
-def _load_dcp_dir(path: str, map_location):
-    """The ``train_state.pt`` of a DCP checkpoint whose shard files are all there, whole."""
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-        ends = {}  # each shard file's length, as the metadata says
-        for info in metadata.storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
-                                           info.offset + info.length)
-        short = [f for f, n in ends.items() if not os.path.isfile(os.path.join(path, f))
-                 or os.path.getsize(os.path.join(path, f)) < n]
-        if short:
-            raise OSError(f"shard files missing or cut short: {sorted(short)}")
-    except Exception as e:  # an unreadable or incomplete directory
-        log.warning(f"skipping unreadable checkpoint {path}: {unreadable(e)}")
-        return None, None
-    state, _ = _load_checked(os.path.join(path, TRAIN_STATE), map_location,
-                             [k for k in REQUIRED if k not in TENSORS])
-    if state is None:
-        return None, None
-    return state | {"dcp": path}, path
+def _check_shards(path: str):
+    """Raise unless the DCP checkpoint ``path`` has its metadata and every shard file, whole."""
+    metadata = FileSystemReader(path).read_metadata()
+    ends = {}  # each shard file's length, as the metadata says
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    short = [f for f, n in ends.items() if not os.path.isfile(os.path.join(path, f))
+             or os.path.getsize(os.path.join(path, f)) < n]
+    if short:
+        raise OSError(f"shard files missing or cut short: {sorted(short)}")
 
 
 def read_tensors(path: str, keys=None) -> dict:
@@ -324,36 +299,10 @@ def weights(state: dict) -> dict:
         else state["model"]
 
 
-def load_latest(directory: str, map_location="cpu"):
+def load_latest(directory: str):
     """(state, path) of the newest checkpoint that loads, or (None, None) when there is none."""
     for path in list_checkpoints(directory):
-        state, path = load_file(path, map_location)
+        state, path = load_file(path)
         if state is not None:
             return state, path
     return None, None
-
-
-def convert(src: str, out: str) -> dict:
-    """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one file
-    ``out`` (which must not exist); returns what was written. Raises ValueError naming the
-    problem."""
-    if not os.path.exists(src):
-        raise ValueError(f"{src} does not exist: give a ckpt_<step>.dcp directory or a "
-                         f"checkpoints directory")
-    if os.path.lexists(out):
-        raise ValueError(f"{out} exists: choose another name for the output, or remove it")
-    if os.path.isdir(src) and not is_sharded(src):
-        found = [p for p in list_checkpoints(src) if os.path.isdir(p)]
-        if not found:
-            raise ValueError(f"{src} holds no sharded checkpoint (ckpt_<step>.dcp): give one")
-        src = found[0]
-    if not os.path.isdir(src):
-        raise ValueError(f"{src} is not a sharded checkpoint directory (ckpt_<step>.dcp); a .pt "
-                         f"checkpoint is a single file already")
-    state, path = load_file(src)
-    if state is None:
-        raise ValueError(f"{src} does not load (incomplete or corrupt; the log line above says "
-                         f"why): convert an earlier checkpoint")
-    whole = {k: v for k, v in state.items() if k != "dcp"} | read_tensors(path)
-    write_file(out, whole)
-    return whole

@@ -4,6 +4,7 @@ the task renames into this model's layout (``Task.from_reference``)."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -12,18 +13,7 @@ from engine.checkpoint.state import setting_changes
 from settings.config import to_dict
 from settings.errors import ConfigError
 
-_WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
 BATCH = ("global_batch_size", "local_batch_size")  # change what a new run learns
-
-
-def _some(names: list, n: int = 3) -> str:
-    return f": {', '.join(names[:n])}{', ...' if len(names) > n else ''}" if names else ""
-
-
-def _strip(name: str) -> str:
-    while name.startswith(_WRAPPERS):
-        name = name.split(".", 1)[1]
-    return name
 
 
 def _read(path: str):
@@ -55,7 +45,8 @@ def _read(path: str):
     for key in ("model_state", "state_dict", "model"):  # a state dict inside a larger record
         if isinstance(sd.get(key), dict):
             sd = sd[key]
-    return {_strip(k): v for k, v in sd.items()}, None
+    # the names without the prefixes of DistributedDataParallel and torch.compile
+    return {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in sd.items()}, None
 
 
 def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, rt) -> str:
@@ -105,9 +96,9 @@ def _load(model, path, from_reference, cfg) -> str:
     shapes = [f"{k} {tuple(sd[k].shape)} (this model: {tuple(own_sd[k].shape)})"
               for k in own_sd if k in sd and sd[k].shape != own_sd[k].shape]
     if missing or extra or shapes:
-        found = [f"{len(names)} {kind}{_some(names)}" for kind, names in (
-            ("of this model's tensors missing", missing), ("unexpected", extra),
-            ("of other shapes", shapes)) if names]
+        found = [f"{len(names)} {kind}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                 for kind, names in (("of this model's tensors missing", missing),
+                                     ("unexpected", extra), ("of other shapes", shapes)) if names]
         raise ConfigError(f"init_from={path} does not fit this model ({', '.join(found)})"
                           f"{differ}: use the model settings the weights were trained with")
     model.load_state_dict(sd)

@@ -1,15 +1,10 @@
-"""What a checkpoint holds, and how a run is put back exactly where it stopped.
-
-``TrainState`` is the loop's position (step, epoch, step within the epoch, the epoch's summed
-losses so far) plus references to everything with state of its own: the model, the optimizer,
-the gradient scaler and the LR schedule. ``state_dict`` gathers all of it in the serial layout
-(keyed by parameter name, so a checkpoint loads on any number of ranks and any tp/cp layout)
-together with every rank's RNG streams; ``load_state_dict`` puts it back.
-"""
+"""What a checkpoint holds, and how a run is put back exactly where it stopped: ``TrainState``,
+the loop's position and everything with state of its own (model, optimizer, gradient scaler, LR
+schedule), gathered in the serial layout (keyed by parameter name: a checkpoint loads on any
+number of ranks and any tp/cp layout) with every rank's RNG streams."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import random
 
@@ -21,25 +16,22 @@ from engine.checkpoint import files
 from settings.config import CONFIG_CLASSES, to_dict
 from settings.errors import ConfigError, TrainingError
 
-log = logging.getLogger("engine.checkpoint")
-
-
-# Settings a resumed run may change (``resume=True`` in their field's metadata): how long to
-# train, how often to log and checkpoint, how the data is loaded, how the work is laid out over
-# the ranks and split into micro-batches, and where the run was started from. Every other setting
-# (the model, the optimisation, the batch, the data, the seed, the precision) makes a different
-# run: a resume with another value is refused.
-def may_change_on_resume() -> frozenset:
-    return frozenset(f.name for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)
-                     if f.metadata.get("resume"))
+log = files.log  # the package's one logger
 
 
 def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(allowed, refused) changes from the checkpoint's settings to this run's, each as
     ``"key old -> new"``. Settings one side does not know (added in another version) are skipped,
     and so are those that say how the run was resumed. The batch fields may differ as long as the
-    global batch they give is the same (``TrainState.check_settings``)."""
-    allowed, refused, may_change = [], [], may_change_on_resume()
+    global batch they give is the same (``TrainState.load_state_dict``)."""
+    # Settings a resumed run may change (``resume=True`` in their field's metadata): how long to
+    # train, how often to log and checkpoint, how the data is loaded, how the work is laid out
+    # over the ranks and split into micro-batches, and where the run was started from. Every
+    # other setting (the model, the optimisation, the batch, the data, the seed, the precision)
+    # makes a different run: a resume with another value is refused.
+    may_change = {f.name for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)
+                  if f.metadata.get("resume")}
+    allowed, refused = [], []
     for key in sorted(saved.keys() & current.keys() - {"resume", "resume_from"}):
         if saved[key] != current[key]:
             change = f"{key} {saved[key]} -> {current[key]}"
@@ -47,16 +39,14 @@ def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     return allowed, refused
 
 
-RUN_LENGTH = ("num_epochs", "num_iters")
-
-
 def keep_run_length(cfg, saved: dict):
     """``cfg`` with the run length the checkpoint's run was started with (``saved``: its
     settings), unless this command gives one: a plain ``--resume`` continues a run to the end it
     had (and a finished run stays finished), whatever the YAML's ``num_epochs`` says."""
     given = getattr(cfg, "command_line", frozenset())
-    length = {k: saved[k] for k in RUN_LENGTH if k in saved}
-    if given & set(RUN_LENGTH) or len(length) < len(RUN_LENGTH) or \
+    run_length = ("num_epochs", "num_iters")
+    length = {k: saved[k] for k in run_length if k in saved}
+    if given & set(run_length) or len(length) < len(run_length) or \
             all(getattr(cfg, k) == v for k, v in length.items()):
         return cfg
     kept = dataclasses.replace(cfg, **length)
@@ -125,9 +115,13 @@ class TrainState:
             "global_batch": rt.global_batch,
         }
 
-    def check_settings(self, state: dict, path: str):
-        """Refuse a resume whose settings make a different run (one line listing every such
-        difference); log each allowed change on a line of its own."""
+    def load_state_dict(self, state: dict, path: str):
+        """Restore everything ``state_dict`` wrote; ``path`` names the file in errors and logs.
+        A resume whose settings make a different run is refused (one line listing every such
+        difference); each allowed change is logged on a line of its own."""
+        if state.get("config", {}).get("model", self.cfg.model) != self.cfg.model:
+            raise ConfigError(f"{path} was written by a {state['config']['model']} run; this is a "
+                              f"{self.cfg.model} config: resume with the config that wrote it")
         allowed, refused = setting_changes(state.get("config", {}), to_dict(self.cfg))
         saved_batch = state.get("global_batch", self.rt.global_batch)
         if saved_batch != self.rt.global_batch:
@@ -139,13 +133,6 @@ class TrainState:
                               f"{path} (step 0, a new optimizer and schedule)")
         for change in allowed:
             log.info(f"resume: {change}")
-
-    def load_state_dict(self, state: dict, path: str):
-        """Restore everything ``state_dict`` wrote; ``path`` names the file in errors and logs."""
-        if state.get("config", {}).get("model", self.cfg.model) != self.cfg.model:
-            raise ConfigError(f"{path} was written by a {state['config']['model']} run; this is a "
-                              f"{self.cfg.model} config: resume with the config that wrote it")
-        self.check_settings(state, path)
         if state["steps_per_epoch"] != self.steps_per_epoch:
             raise ConfigError(f"the checkpoint {path} has {state['steps_per_epoch']} steps per "
                               f"epoch but this run has {self.steps_per_epoch}: resume with the "
@@ -173,15 +160,6 @@ class TrainState:
         windows = state.get("loss_window", [])
         if len(windows) == self.rt.world_size:  # (on other ranks: the next point averages less)
             self.window_carry = tuple(windows[self.rt.rank])
-
-
-def finished(state: dict, cfg) -> bool:
-    """Whether the run of checkpoint ``state`` has nothing left to do under ``cfg``: every step
-    taken and the last epoch's validation done."""
-    if "steps_per_epoch" not in state:
-        return False
-    total = cfg.num_iters or cfg.num_epochs * state["steps_per_epoch"]
-    return state["iteration"] >= total and state["step_in_epoch"] == 0
 
 
 def rng_state() -> dict:

@@ -7,29 +7,27 @@ behind one object the loop talks to, ``Stopper``:
     for size, batch in stopper.validation_batches(loader, epoch, sizes, n_valid): ...
     signum = stopper.stop_agreed()  # after the validation: the ranks stop together, or go on
     stopper.close()
+
+What a user sees of it: docs/preemption.md and docs/errors.md (a rank waiting for data).
 """
 from __future__ import annotations
 
 import contextlib
 
 from engine.stop.agreement import StopAgreement
-from engine.stop.signals import (NeverStop, RunStopped, StopRequest, arm_hard_exit,
-                                 end_children, resume_command)
-from engine.stop.waits import DataWaits, LoaderStalled, may_wait, next_batch
+from engine.stop.signals import NeverStop, RunStopped, StopRequest
+from engine.stop.waits import DataWaits, may_wait, next_batch
 from engine.stop.ending import RunEnding
 from settings.errors import TrainingError
 
-__all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped", "LoaderStalled",
-           "arm_hard_exit", "end_children", "resume_command"]
+__all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped"]
 
 
 class Stopper:
     """A run's stopping: ``request``, the stop signals' record (``StopRequest.install``, or
-    ``NeverStop``); ``distributed`` and ``group``: the peers to agree with, on a gloo group
-    (None: the default group); ``every``: the log interval (a recorded signal stops at a log
-    point); ``timeout_s``: ``loader_timeout_s`` (0: none); ``advice()``: what the line of a run
-    that ends without writing says it leaves (the checkpoint kept); ``fail(message)``: ends the
-    process with that line, from the watchdog thread that catches waits no handler can end."""
+    ``NeverStop``); the ranks' agreement (``distributed``, ``group``, ``every``: the log
+    interval; ``StopAgreement``) and the data waits (``timeout_s``: ``loader_timeout_s``,
+    ``advice``, ``fail``: ``DataWaits``'s ``hard_exit``)."""
 
     def __init__(self, request: StopRequest, distributed: bool, group=None, every: int = 1,
                  timeout_s: float = 0, advice=lambda: "", fail=None):
@@ -52,12 +50,11 @@ class Stopper:
                 end: int | None = None, stop=None, around=contextlib.nullcontext, begun=None,
                 first_recorded: bool = False):
         """The batches of a pass of ``loader`` for the steps ``step``, ``step + 1``, ... (up to
-        ``end``), each fetched in a data wait (``what`` pass, ``epoch``; ``first``: the index of
-        the pass's first batch; ``around()``: a context around each fetch; ``begun``: the pass
-        already begun, or None) ahead of its step, the ranks' stop proposals decided while the
-        steps before run. When every rank agreed to stop before a step, ``stop(signum)`` is
-        called there (it writes the checkpoint and raises ``RunStopped``) and the pass ends.
-        A signal recorded before the pass stops it at once only if ``first_recorded``."""
+        ``end``), each fetched in a data wait (``DataWaits.batches``: ``what``, ``epoch``,
+        ``first``, ``around``, ``begun``) ahead of its step (``StopAgreement.batches``). When
+        every rank agreed to stop before a step, ``stop(signum)`` is called there (it writes the
+        checkpoint and raises ``RunStopped``) and the pass ends. A signal recorded before the
+        pass stops it at once only if ``first_recorded``."""
         fetches = self.waits.batches(loader, what, epoch, first, around, begun)
         for signum, batch in self.agreement.batches(loader, fetches, step, end, first_recorded):
             if signum:

@@ -1,44 +1,29 @@
 """How the ranks agree to stop at the same step: the cadence, the group and the collective, here
-and nowhere else.
+and nowhere else (what it costs a step: docs/preemption.md).
 
-A stop signal (``engine.stop.signals.StopRequest``) may reach one rank, several or all, at any
-moment, and a rank held in a wait for data leaves it when a signal ends the wait
-(``engine.stop.waits``). Every rank must then stop after the same step, write the checkpoint of
-that step and exit with ``STOPPED_EXIT_CODE``.
-
-The loops that take batches (training, the throughput report's passes) take them from
-``Stopper.batches`` (``StopAgreement.batches``), which fetches each step's batch ``lag`` steps
-ahead. After each fetch every rank *proposes* (``propose``): the signal that ended its wait for
-the batch, or any signal it has recorded, or 0. The proposals are combined by one all-reduce
-(MAX) launched without waiting (``async_op``, on a gloo group: host memory, no device sync),
-and the *decision* is read (``decision``) just before the batch's step, ``lag`` steps later, by
-when the all-reduce has finished. No rank waits on it in the steady state: it costs a launch
-per step, not a ring of 2(N-1) messages on the critical path.
+A stop signal may reach one rank, several or all, at any moment, and a signal may end a rank's
+wait for data (``engine.stop.waits``); every rank must still stop after the same step. Each
+step's batch is fetched ``lag`` steps ahead; after each fetch every rank *proposes* (the signal
+that ended its wait, or one it recorded, or 0) in one all-reduce (MAX) on a gloo group, launched
+with ``async_op`` (host memory, no device sync), and the *decision* is read just before the
+batch's step, by when the all-reduce has finished: no rank waits on it in the steady state.
 
 Why fetching ahead keeps the guarantee: a rank whose wait for the batch of step k a signal
 ended still holds the batches before it, so it runs those steps with its peers (whose
-collectives would otherwise wait for it forever) and all read the same decision before step k:
-they stop after step k-1. A decision read late without the fetch ahead would come too late: the
-peers would already be waiting in step k's collectives for a rank that has no batch for it. A
-rank fetches nothing more from a pass whose wait was ended, so the proposals after it are those
-of a pass's end (every rank still proposes at the same indices).
+collectives would otherwise wait for it forever) and all read the same decision before step k.
+Read without the fetch ahead, the decision would come too late: the peers would already wait in
+step k's collectives for a rank that has no batch for it. A rank fetches nothing more from a
+pass whose wait was ended: its later proposals are those of a pass's end, at the same indices.
 
-The lag: 1 to start with. Where the ring takes longer than a step (many ranks, short steps) the
-decision would wait for it every step; each rank notes, per decision, the lag that would have
-hidden it, and the blocking agreement at the end of each validation (``now``) carries the median
-of these since the last one: the ranks' largest becomes the lag of every rank, at most
-``MAX_LAG``, never lowered. A decision taken once and read by all, between epochs, when no
-proposal is in flight. At lag 2 the group's two threads each run every other agreement, so a
-step pays max(0, agreement / 2 - step) instead of max(0, agreement - step): agreements of up to
-2 steps are hidden (a ring of 2(N-1) messages at hundreds of ranks, docs/preemption.md).
+The lag: 1 to start with. Where the ring outlasts a step, each rank notes per decision the lag
+that would have hidden it, and the blocking agreement after each validation (``now``) carries
+the median since the last one: the ranks' largest becomes every rank's lag, at most
+``MAX_LAG``, never lowered (chosen together between epochs, when no proposal is in flight).
 
-The cadence: after every fetch from a loader that may wait (it reads: a rank can be held in its
-fetch); with one that never waits (``never_waits``: batches made in this process from memory) no
-rank can be held, so the ranks propose only after every ``every``-th fetch (the log interval). A
-signal that ended no wait is proposed at those log points only: the run stops at a log point,
-the first after the signal whose batch was fetched after it (a resumed run then logs the same
-loss points as an uninterrupted one). A trainer driven without the entry point (``NeverStop``)
-never takes part in a collective.
+The cadence: after every fetch from a loader that may wait; with one that never waits
+(``never_waits``) no rank can be held, so only after every ``every``-th fetch (the log interval).
+A signal that ended no wait is proposed at those log points only, so a resumed run logs the same
+loss points as an uninterrupted one. ``NeverStop`` never takes part in a collective.
 """
 from __future__ import annotations
 
@@ -115,12 +100,10 @@ class StopAgreement:
             yield 0, batch
 
     def after_fetch(self, loader, index: int, interrupted: int = 0, recorded: bool = True):
-        """Propose after the fetch of batch ``index`` from ``loader`` (``index`` counted the same
-        way on every rank: the step it is for), when due: after each fetch from a loader that may
-        wait (``interrupted``: the signal that ended the wait, or 0), else after every
-        ``every``-th. A signal merely recorded is proposed at every ``every``-th fetch (the
-        log points: stops land there), unless not ``recorded`` (a pass's first fetch: a run
-        takes a step before a recorded signal stops it)."""
+        """Propose after the fetch of batch ``index`` (the step it is for, the same on every
+        rank) from ``loader`` when due (the cadence above; ``interrupted``: the signal that
+        ended the wait, or 0). A recorded signal is proposed at log points only, and not at all
+        unless ``recorded`` (a pass's first fetch: a run takes a step before it stops)."""
         log_point = index % self.every == 0
         if may_wait(loader) or log_point:
             self.propose(interrupted, recorded=recorded and log_point, index=index)
@@ -180,11 +163,9 @@ class StopAgreement:
                 pending[0].wait()
 
     def now(self, interrupted: int = 0, recorded: bool = True) -> int:
-        """Propose and wait for the decision at once: a blocking agreement, for twice per
-        validation at most (a signal recorded then but ending no wait is left to training,
-        ``recorded=False``: the epoch's validation is logged and written first). It carries
-        the lag this rank asks for: the median of what its decisions since the last one
-        needed; every rank takes the largest."""
+        """Propose and wait for the decision at once: a blocking agreement, twice per validation
+        at most. It carries the lag this rank asks for: the median of what its decisions since
+        the last one needed; every rank takes the largest."""
         self.drain()
         lag = statistics.median_low(self._needed) if self._needed else 0
         self._needed = []

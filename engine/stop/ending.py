@@ -1,10 +1,10 @@
-"""How a run ends, every way, in one place: the entry point trains inside ``with RunEnding(cfg)``.
+"""How a run ends, every way, in one place: the entry point trains inside ``with RunEnding(cfg)``
+(the exit codes: docs/errors.md).
 
 - trained to the end: every rank waits for the others before any tears its groups down;
-- a stop signal (``stop_signals``): every rank stopped at the same step with its checkpoint
-  (``RunStopped``), one line saying how to resume, exit code 3;
-- a user's error (``UserError``): one line, its exit code; an allocation too big for the device:
-  one line naming the settings that size it, exit code 2;
+- a stop signal: every rank stopped at the same step with its checkpoint (``RunStopped``), one
+  line saying how to resume;
+- a user's error (``UserError``), or an allocation too big for the device: one line;
 - a failed collective (a dead or hung peer rank) or a stalled loader: one line, and the process
   ends at once (``fail(..., broken_group=True)``);
 - anything else is a bug and keeps its traceback.
@@ -43,13 +43,11 @@ class RunEnding:
         """End the process with one line on stderr (and in the run's out.log, on rank 0).
 
         ``broken_group``: a collective failed (a peer died or hangs), or a loader stalled (its
-        peers wait in a collective; its workers in reads that even SIGKILL may not end soon, so
-        joining them could hang). The process group cannot be shut down cleanly then (gloo's
-        destructors may abort the process while a peer is still connected), so the logs and
-        TensorBoard events are flushed and the process exits at once (loader workers end with
-        it: exit_with_parent). That cleanup writes to file systems that may have stalled too: a
-        timer armed before any of it ends the process with ``exit_code`` after
-        ``engine.stop.signals.HARD_EXIT_AFTER_S`` seconds even if a write never returns."""
+        peers wait in a collective; its workers in reads that even SIGKILL may not end soon).
+        The process group cannot be shut down cleanly then (gloo's destructors may abort the
+        process while a peer is still connected): the logs and TensorBoard events are flushed
+        and the process exits at once (loader workers end with it: exit_with_parent), within
+        ``HARD_EXIT_AFTER_S`` even if a write to a stalled file system never returns."""
         if broken_group:
             arm_hard_exit(exit_code)
         rt = self.rt

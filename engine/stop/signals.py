@@ -1,24 +1,13 @@
-"""The stop signals and the ends of the process: a time limit's warning or a preemption recorded,
-the line that says how to resume, and exits that cannot block.
+"""The stop signals and the ends of the process: a time limit's warning or a preemption recorded
+(``StopRequest``), the line that says how to resume (``RunStopped``), and exits that cannot block
+(``arm_hard_exit``, ``end_children``).
 
-``StopRequest.install(names)`` replaces the handlers of the named signals (default SIGTERM and
-SIGUSR1, the signals Slurm sends before a time limit and on preemption) with one that only
-records the signal: no Python code runs in between a step's operations, nothing is written from
-a handler, and a second signal (even during the checkpoint write) merely records it again.
-The ranks agree on the step to stop after (``engine.stop.agreement``), even when only one of
-them got the signal, or when a signal ended a rank's wait for data (``engine.stop.waits``). The
-run then writes a checkpoint and ends with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns
-into a requeue.
-
-``arm_hard_exit(code)`` starts a daemon timer that ends the process with ``os._exit(code)`` after
-``HARD_EXIT_AFTER_S`` seconds: armed before the cleanup of an exit meant to be immediate (the
-log, TensorBoard's events, the run lock: each may block on a file system that has just stalled),
-so that the process ends with its exit code even when one of them never returns.
-
-``end_children(children)`` SIGKILLs child processes, waits for them ``CHILD_JOIN_S`` seconds in
-all, and takes those still alive (a process in an uninterruptible read dies only when the read
-returns) off multiprocessing's list of children, so that its exit hook does not wait for them
-without limit.
+``StopRequest.install(names)`` replaces the handlers of the named signals (``stop_signals``) with
+one that only records the signal: no Python code runs in between a step's operations, nothing is
+written from a handler, and a second signal (even during the checkpoint write) merely records it
+again. The ranks then agree on the step to stop after (``engine.stop.agreement``), write its
+checkpoint and end with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns into a requeue
+(docs/preemption.md).
 """
 from __future__ import annotations
 
@@ -34,8 +23,6 @@ from settings.signals import STOPPED_EXIT_CODE, ignore_stop_signals, installed, 
 
 HARD_EXIT_AFTER_S = 10.0  # seconds the cleanup of an immediate exit may take
 CHILD_JOIN_S = 10.0  # seconds to wait, in all, for SIGKILLed children to end
-
-_exit_hook_registered = False
 
 
 class RunStopped(Exception):
@@ -84,10 +71,8 @@ class StopRequest:
             number = signal_number(name)
             request._previous[number] = signal.signal(number, request._record)
             installed.add(number)
-        global _exit_hook_registered
-        if not _exit_hook_registered:
-            atexit.register(_at_exit)  # runs before multiprocessing's own exit hook
-            _exit_hook_registered = True
+        atexit.unregister(_at_exit)  # (registered once, however many installs)
+        atexit.register(_at_exit)  # runs before multiprocessing's own exit hook
         return request
 
     def restore(self):
@@ -113,65 +98,47 @@ class NeverStop(StopRequest):
 
 
 def _at_exit():
-    """The process is ending: no stop signal may kill it now, nor loader workers keep it."""
+    """The process is ending: no stop signal may kill it now, nor loader workers keep it. Loader
+    workers still running (a run that ended on an exception keeps its loaders referenced) ignore
+    SIGTERM, with which multiprocessing's exit hook would end them before waiting for them: they
+    are SIGKILLed here instead (``end_children``), torch's SIGCHLD check (which raises on a
+    worker killed by a signal) switched off first."""
     ignore_stop_signals()
-    _end_loader_workers()
-
-
-def _end_loader_workers():
-    """At exit, loader workers still running (a run that ended on an exception keeps its loaders
-    referenced) ignore SIGTERM, with which multiprocessing's exit hook would end them before
-    waiting for them: end them here with SIGKILL instead. Their ends are expected, so torch's
-    SIGCHLD check (which raises on a worker killed by a signal) is switched off first. A worker
-    in an uninterruptible read dies only when the read returns: after a bounded wait
-    (``CHILD_JOIN_S``) those still alive are left to end on their own, off the list that
-    multiprocessing's exit hook would join without a limit (``end_children``)."""
     children = [p for p in multiprocessing.active_children() if p.daemon]
     if children:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         end_children(children)
 
 
-def arm_hard_exit(exit_code: int, seconds: float | None = None) -> threading.Timer:
+def arm_hard_exit(exit_code: int, seconds: float | None = None):
     """``os._exit(exit_code)`` in ``seconds`` (default ``HARD_EXIT_AFTER_S``) unless the process
     has ended by then. A timer thread rather than SIGALRM: a signal handler runs only between
     the main thread's bytecodes, never while it is blocked in a system call that does not return
     (a write to a hung NFS mount), while another thread still runs. Daemon: it never keeps the
-    process alive. It writes nothing (stderr may be the stalled file). Returns the timer (its
-    ``cancel()`` disarms it)."""
+    process alive. It writes nothing (stderr may be the stalled file)."""
     timer = threading.Timer(HARD_EXIT_AFTER_S if seconds is None else seconds, os._exit,
                             args=(exit_code,))
     timer.daemon = True
     timer.name = f"hard-exit({exit_code})"
     timer.start()
-    return timer
 
 
 def end_children(children: list, timeout: float | None = None) -> list:
     """SIGKILL ``children`` (``multiprocessing.Process``), wait up to ``timeout`` seconds in all
-    (default ``CHILD_JOIN_S``) for them to end, and return those still alive after it, which
-    multiprocessing's exit hook will then not wait for."""
+    (default ``CHILD_JOIN_S``) for them to end, and return those still alive after it (in an
+    uninterruptible read: they die when it returns), which multiprocessing's exit hook will then
+    not wait for."""
     deadline = time.monotonic() + (CHILD_JOIN_S if timeout is None else timeout)
     for p in children:
         p.kill()
     for p in children:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     alive = [p for p in children if p.is_alive()]
-    for p in alive:
-        _forget_child(p)
+    # multiprocessing's exit hook joins every child in its registry (``process._children``, the
+    # set ``active_children()`` reads) without a limit: those alive leave it, and are reparented
+    # to init when this process ends. (``os._exit`` from an exit hook would skip the hooks after
+    # it and cannot know ``sys.exit``'s code; replacing the hook would change it for every child.)
+    registry = getattr(multiprocessing.process, "_children", None)
+    if isinstance(registry, set):
+        registry.difference_update(alive)
     return alive
-
-
-def _forget_child(p) -> None:
-    """Take ``p`` off multiprocessing's registry of this process's children. Its exit hook
-    (``multiprocessing.util._exit_function``) joins every child in that registry without a
-    limit, after the other exit hooks; a child that SIGKILL has not ended (uninterruptible I/O)
-    would keep the process from ever exiting. Of the ways round it this is the least intrusive:
-    ``os._exit`` from an exit hook would skip the hooks after it and cannot know the exit code
-    of ``sys.exit``, and replacing the hook would change it for every child. The registry,
-    ``multiprocessing.process._children``, is the set ``active_children()`` reads; the forgotten
-    child is reparented to init when this process ends and dies when its read returns (it was
-    SIGKILLed)."""
-    children = getattr(multiprocessing.process, "_children", None)
-    if isinstance(children, set):
-        children.discard(p)

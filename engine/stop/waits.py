@@ -1,39 +1,23 @@
-"""Waiting for data with a way out: the stop signals and a timeout reach a rank blocked on its
-loader.
+"""Waiting for data with a way out: the stop signals and ``loader_timeout_s`` reach a rank blocked
+on its loader (what a user sees: docs/errors.md, "A rank waiting for data").
 
-The engine fetches every batch (training, validation, the throughput report's passes) inside
-``DataWaits.fetch``. In it:
-
-- a stop signal (``stop_signals``) is recorded as everywhere (``StopRequest``) and, when the
-  batch has not come ``SIGNAL_GRACE_S`` seconds later, ends the wait: ``Interrupted`` is raised
-  inside it, and the engine stops at the last finished step (a batch that comes within the grace
-  keeps today's stop at the next log point). A signal recorded before the fetch began gives the
-  fetch the same grace;
-- after ``loader_timeout_s`` seconds without the batch, ``LoaderStalled`` ends the run with one
-  line: which loader, which pass and batch, what it waits on (the loader's own ``waiting_for()``
-  where it has one), and what to do.
-
-Both are raised by Python signal handlers: the stop signal's, which re-arms a one-shot timer
-(``ITIMER_REAL``) to the grace, and the timer's (``SIGALRM``), which raises. Python runs a
-handler in the main thread during any blocking wait of its own (pipe reads, ``select``, lock
-acquisitions, sleeps: PEP 475 retries them only after the handlers ran), and a handler that
-raises unwinds the wait. Only a wait inside C code that retries by itself and never returns to
-Python (DALI's executor) defers the handlers until it returns: for that a watchdog thread ends
-the process with the same one line ``WATCHDOG_GRACE_S`` seconds after the timeout (exit 1,
-nothing written).
-
-A loader that makes each batch in this process from memory (``never_waits``: the device
-loader's crops, the cached batch of ``data_loader_config synthetic``) has nothing to wait for: its
-fetches are plain calls, no stop signal ends them, and a rank never waits on it while its peers
-step on. The ranks' stop agreement (``engine.stop.agreement``) is then needed at log points
-only.
-
-Outside the main thread (a trainer driven from another thread) no handler can be set: fetches
-there wait as the loader does.
+The engine fetches every batch from a loader that may wait inside ``DataWaits.fetch``: a stop
+signal (also one recorded before the fetch) whose batch has not come ``SIGNAL_GRACE_S`` seconds
+later raises ``Interrupted`` inside the wait, and ``loader_timeout_s`` without the batch raises
+``LoaderStalled``. Both are raised by Python signal handlers (the stop signal's re-arms a one-shot
+``ITIMER_REAL`` timer to the grace; the timer's ``SIGALRM`` handler raises): Python runs a
+handler in the main thread during any blocking wait of its own (pipe reads, ``select``, locks,
+sleeps: PEP 475 retries them only after the handlers ran), and a handler that raises unwinds the
+wait. A wait inside C code that never returns to Python (DALI's executor) defers the handlers: a
+watchdog thread ends the process with the same line ``WATCHDOG_GRACE_S`` seconds after the
+timeout. A loader that makes each batch in this process from memory (``never_waits``) is fetched
+with plain calls. Outside the main thread no handler can be set: fetches there wait as the
+loader does.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -66,18 +50,19 @@ class LoaderStalled(TrainingError):
 
 
 def describe_wait(loader, what: str, epoch: int, batch: int) -> str:
-    """What ``loader`` is waiting for: its own ``waiting_for()`` (the batch pool's: the pass,
-    the batch, its workers alive or dead, the parts outstanding) where it has one and it
-    answers, else the loader's class, the epoch and the batch."""
+    """What the ``what`` loader is waiting for: its own ``waiting_for()`` (the batch pool's: the
+    pass, the batch, its workers alive or dead, the parts outstanding) where it has one and it
+    answers, else its class, its workers, the epoch and the batch."""
+    name = type(loader).__name__
     waiting_for = getattr(loader, "waiting_for", None)
     if callable(waiting_for):
         try:
-            return f"{type(loader).__name__}: {waiting_for()}"
+            return f"the {what} loader ({name}: {waiting_for()})"
         except Exception:  # noqa: BLE001 - a description must not hide the stall it describes
             pass
     workers = getattr(loader, "num_workers", None)
     with_workers = f", {workers} worker process{'es' if workers > 1 else ''}" if workers else ""
-    return f"{type(loader).__name__}{with_workers}: epoch {epoch + 1}, batch {batch + 1}"
+    return f"the {what} loader ({name}{with_workers}: epoch {epoch + 1}, batch {batch + 1})"
 
 
 def stall_message(waited: str, timeout_s: float, advice: str) -> str:
@@ -86,12 +71,6 @@ def stall_message(waited: str, timeout_s: float, advice: str) -> str:
             f"read waits with py-spy dump --pid <a worker's pid; this process is "
             f"{os.getpid()}>, or raise --loader_timeout_s if reads are legitimately this slow. "
             f"{advice}")
-
-
-@contextlib.contextmanager
-def _no_wait(loader, what: str, epoch: int, batch: int):
-    """A fetch from a loader that never waits: a plain call."""
-    yield
 
 
 class DataWaits:
@@ -118,7 +97,7 @@ class DataWaits:
         times it); ``first``: the index of the pass's first batch (a resumed epoch's step);
         ``begun``: the pass, already begun (``Loaders.begin_training_pass``), or None."""
         it = begun
-        fetch = self.fetch if may_wait(loader) else _no_wait
+        fetch = self.fetch if may_wait(loader) else lambda *_: contextlib.nullcontext()
         for i in itertools.count(first):
             with nvtx_range("data wait"), around(), fetch(loader, what, epoch, i):
                 try:
@@ -138,10 +117,7 @@ class DataWaits:
             return
         now = time.monotonic()
         deadline = now + self.timeout_s if self.timeout_s else math.inf
-
-        def waited():
-            return f"the {what} loader ({describe_wait(loader, what, epoch, batch)})"
-
+        waited = functools.partial(describe_wait, loader, what, epoch, batch)
         previous = signal.signal(signal.SIGALRM, self._alarm)
         self._waiting = (waited, deadline)
         self._signal_deadline = now + SIGNAL_GRACE_S if self.stop_request.signum else math.inf
@@ -167,9 +143,7 @@ class DataWaits:
             self._arm()
 
     def _arm(self):
-        """The timer, to the nearer of the timeout and the signal's grace."""
-        if self._waiting is None:
-            return
+        """The timer, to the nearer of the timeout and the signal's grace (a wait is on)."""
         due = min(self._waiting[1], self._signal_deadline)
         if due < math.inf:
             signal.setitimer(signal.ITIMER_REAL, max(due - time.monotonic(), 1e-3))
@@ -178,28 +152,22 @@ class DataWaits:
         if self._waiting is None or self._unwinding:  # came as the wait ended, or unwinds
             return
         now = time.monotonic()
-        if now >= self._signal_deadline - 1e-3 and self.stop_request.signum:
-            self._unwind(now)
-            raise Interrupted(self.stop_request.signum)
-        if now >= self._waiting[1] - 1e-3:
-            self._unwind(now)
-            raise _TimedOut()
-        self._arm()  # early: again for what is left
-
-    def _unwind(self, now: float):
-        """The wait is being ended: no handler raises again, and the watchdog stays armed
-        while the loader's code unwinds (its clean-up, DALI's pipeline dropped, may itself
-        block): ``watchdog_grace_s`` from now it ends the process."""
+        interrupted = self.stop_request.signum if now >= self._signal_deadline - 1e-3 else 0
+        if not interrupted and now < self._waiting[1] - 1e-3:
+            return self._arm()  # early: again for what is left
+        # The wait ends: no handler raises again, and the watchdog stays armed while the
+        # loader's code unwinds (its clean-up, DALI's pipeline dropped, may itself block):
+        # ``watchdog_grace_s`` from now it ends the process.
         self._unwinding = True
         self._waiting = (self._waiting[0], now)
         self._start_watchdog()
+        raise Interrupted(interrupted) if interrupted else _TimedOut()
 
     # ---------------------------------------------------------------- waits no handler ends
 
     def close(self):
-        """End the watchdog thread (the run is over, no wait is in progress): while it runs it
-        holds this object and what ``advice`` and ``hard_exit`` refer to (the trainer, and
-        through it the model and its process groups)."""
+        """End the watchdog thread (the run is over): while it runs it holds what ``advice`` and
+        ``hard_exit`` refer to (the trainer, its model and its process groups)."""
         self._closed.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=5.0)
@@ -212,9 +180,8 @@ class DataWaits:
 
     def _watch(self):
         """Every second: a wait past its timeout by ``watchdog_grace_s`` is one whose handlers
-        cannot run (C code that never returns to Python), and a wait ended by a handler whose
-        loader has not let go ``watchdog_grace_s`` later is one whose clean-up blocks: end the
-        process with its line."""
+        cannot run, or (``_unwinding``) one whose clean-up blocks: end the process with its
+        line."""
         while not self._closed.wait(min(1.0, self.watchdog_grace_s)):
             waiting = self._waiting
             if waiting is not None and time.monotonic() > waiting[1] + self.watchdog_grace_s:
