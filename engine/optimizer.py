@@ -13,15 +13,20 @@ from settings.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def _fused_device_types() -> set[str]:
+    """The device types torch has fused optimizer kernels for, on this build."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        return set(_get_fused_kernels_supported_devices())
+    except ImportError:
+        return {"cuda"}
+
+
 def fused_unavailable(params: list, device: torch.device) -> str:
     """Why the fused Adam kernel cannot update ``params`` on ``device``, or "" when it can
     (checked before the optimizer is built: torch checks at the first step, too late to fall
     back)."""
-    try:  # the device types torch has fused optimizer kernels for, on this build
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        supported = set(_get_fused_kernels_supported_devices())
-    except ImportError:
-        supported = {"cuda"}
+    supported = _fused_device_types()
     if device.type not in supported:
         return f"no fused kernel for {device.type} (only {', '.join(sorted(supported))})"
     for p in params:
