@@ -264,10 +264,12 @@ class Trainer:
                                                     self.forward_context)
                 self.resumed = False  # (the launch's first step is taken)
                 loss, grad_norm = self.train_step(x, y, probe)
+            # (told before the counts move on: the memory lines' exchange after an epoch's first
+            # step belongs to that step, never to a steady one)
+            self.run_log.step_ends(loss, grad_norm, st.iteration + 1, st.step_in_epoch + 1,
+                                   measured=self.measured_memory())
             st.iteration += 1
             st.step_in_epoch += 1
-            self.run_log.step_ends(loss, grad_norm, st.iteration, st.step_in_epoch,
-                                   measured=self.measured_memory())
             if self.checkpoint_due() and not self.validation_next():
                 # (the epoch's last step: after its validation)
                 self.save_checkpoint(self.run_log.epoch_loss_sum())
