@@ -1,6 +1,6 @@
 """Stopping a run: the stop signals (``signals``), the waits for data that a signal or
 ``loader_timeout_s`` ends (``waits``), the ranks' agreement on the step to stop after
-(``agreement``) and every way a run ends (``ending``: ``RunEnding``, around the entry point),
+(``agreement``) and every way a run ends (``signals.RunEnding``, around the entry point),
 behind one object the loop talks to, ``Stopper``:
 
     for batch in stopper.batches(loader, "training", epoch, step, stop=save_and_stop): ...
@@ -15,9 +15,8 @@ from __future__ import annotations
 import contextlib
 
 from engine.stop.agreement import StopAgreement
-from engine.stop.signals import NeverStop, RunStopped, StopRequest
+from engine.stop.signals import NeverStop, RunEnding, RunStopped, StopRequest
 from engine.stop.waits import DataWaits, may_wait, next_batch
-from engine.stop.ending import RunEnding
 from settings.errors import TrainingError
 
 __all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped"]
