@@ -109,7 +109,7 @@ from engine import checkpoint
 from engine.runtime import AMP_DTYPES, _env_int, check_amp, choose_device
 from observe.logging_utils import setup_logging
 from observe.score_report import check_matplotlib, write_report
-from settings.config import CONFIG_CLASSES, check_writable_dir, validate
+from settings.config import CONFIG_CLASSES, check_dir, validate
 from settings.parse import build_config, yaml_problem
 from tasks import make_task
 
@@ -216,7 +216,7 @@ def output_dir(out: str | None, run_dir: str) -> str:
     if os.path.exists(out):
         raise ConfigError(f"{out} exists already, and scores are never written over: remove it, "
                           f"or give --out DIR")
-    check_writable_dir("--out", os.path.dirname(os.path.abspath(out)))
+    check_dir("--out", os.path.dirname(os.path.abspath(out)), writable=True)
     return out
 
 

@@ -390,10 +390,6 @@ def check_dir(key: str, path: str, writable: bool = False):
                           f"directory you can write to")
 
 
-def check_writable_dir(key: str, path: str):
-    check_dir(key, path, writable=True)
-
-
 def validate(cfg: Config):
     """Rules that involve more than one field, and the places runs read from and write to."""
     for f in dataclasses.fields(cfg):
