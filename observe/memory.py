@@ -107,3 +107,63 @@ class MemoryProbe:
         if self.device.type == "cuda":
             return "torch.cuda allocator statistics"
         return "a count of parameters, gradients, optimizer state and saved activations"
+
+
+def available_bytes(device: torch.device, ranks_here: int) -> int:
+    """Memory one rank may use: the GPU's; on a CPU the node's MemAvailable shared by its
+    ``ranks_here`` ranks (0 where /proc is absent)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+    return kib * 1024 // max(1, ranks_here)
+
+
+def memory_warning(model: torch.nn.Module, sample_shape: tuple, batch: int, device: torch.device,
+                   amp_dtype, ranks_here: int) -> str | None:
+    """One line when a training step of the unsharded ``model`` is estimated to need more
+    memory than this rank has (None otherwise, or for sharded weights, where the serial
+    estimate would overstate it), said before the first step allocates it."""
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    try:
+        need = estimated_step_bytes(model, sample_shape, batch, device, amp_dtype)
+    except Exception:  # an operation fake tensors cannot run (a custom kernel): no estimate
+        return None
+    have = available_bytes(device, ranks_here)
+    if not have or need <= have:
+        return None
+    return (f"a training step of this run needs about {need / GiB:.1f} GB a rank (estimated: "
+            f"weights, gradients, Adam's moments and what the forward pass of {batch} samples "
+            f"keeps for backward), more than the {have / GiB:.1f} GB available: a smaller "
+            f"local batch (--global_batch_size, or more ranks) or image size needs less")
+
+
+def estimated_step_bytes(model: torch.nn.Module, sample_shape: tuple, batch: int,
+                         device: torch.device, amp_dtype) -> int:
+    """The bytes one training step of ``model`` (unsharded) needs at ``batch`` samples, before
+    the step allocates any: the forward pass runs on fake tensors (shapes, no data), the kernels
+    chosen as on ``device``, and the count is the CPU probe's above: parameters, their gradients
+    and Adam's two moments, and what the forward pass saves for backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # (torch.compile's fake tensors)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    params = {name: mode.from_tensor(p) for name, p in model.named_parameters()}
+    param_storages = {p.untyped_storage()._cdata for p in params.values()}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in param_storages:
+            saved[s._cdata] = s.nbytes()
+        return t
+
+    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast(device.type, dtype=amp_dtype or torch.float32,
+                           enabled=amp_dtype is not None):
+        x = torch.empty(batch, *sample_shape, device=device)
+        torch.func.functional_call(model, params, (x,))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 4 * weights + sum(saved.values())  # weights, gradients, two moments; activations

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from observe.logging_utils import duration, over_ranks
-from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
+from observe.memory import GiB, MemoryProbe, NullProbe, memory_warning, resident_peak_bytes
 from observe.profiling import ProfilerWindow, StartClock, TraceWindow
 from observe.tensorboard import Board, NullBoard
 from settings.config import Config, to_dict
 from settings.errors import TrainingError
 
+STOP_GRACE_S = 60  # seconds a scheduler commonly gives between its stop signal and the kill
 log = logging.getLogger("train")
 
 
@@ -61,10 +62,12 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
     return PEAK_TFLOPS[model][precision]
 
 
-def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None):
+def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None, task,
+                   amp_dtype):
     """The device and ranks, the model and its size, the model-parallel layout, and the data and
-    steps the run will train on. ``rt``: the run's ranks, device and batch sizes
-    (``engine.runtime.Runtime``); ``loaders``: its sample and step counts."""
+    steps the run will train on; a warning when a step would need more memory than the rank
+    has. ``rt``: the run's ranks, device and batch sizes (``engine.runtime.Runtime``);
+    ``loaders``: its sample and step counts."""
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
              f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
@@ -75,6 +78,10 @@ def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | N
     log.info(f"{loaders.n_train} training samples, {loaders.n_valid} validation samples; "
              f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
              f"({rt.local_batch} per rank); {total_steps} steps in all")
+    if rt.is_main and rt.groups is None and (warning := memory_warning(
+            model, task.sample_shape(), rt.local_batch, rt.device, amp_dtype,
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
+        log.warning(f"Memory: {warning}")
 
 
 class Progress:
@@ -255,6 +262,7 @@ class RunLog:
         self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
         self.window_steps = 0
         self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
+        self.step_t0, self.told_long_step = 0.0, not rt.is_main
         self.board.describe_run(derived | to_dict(cfg), f"Loss/valid_{task.baseline_name}")
 
     # ------------------------------------------------------------------ an epoch of steps
@@ -283,6 +291,7 @@ class RunLog:
         if self.start_clock is not None:
             self.start_clock.mark("first batch")
         self.data_wait.step_begins()
+        self.step_t0 = time.monotonic()
         return self.probe if self.steps_run == 0 else NullProbe()
 
     def step_ends(self, loss: torch.Tensor, grad_norm: torch.Tensor, iteration: int,
@@ -291,6 +300,13 @@ class RunLog:
         only) and the run's counts that include it; ``measured``: whether the step measured its
         memory (a replayed CUDA graph does not)."""
         self.data_wait.step_ends()
+        if not self.told_long_step and (took := time.monotonic() - self.step_t0) > STOP_GRACE_S:
+            self.told_long_step = True  # a stop signal waits for the step it comes in to end
+            log.warning(f"Stop: step {iteration} took {duration(took)}, longer than the "
+                        f"{STOP_GRACE_S} s a scheduler commonly allows between its stop signal "
+                        f"and the kill: ask for "
+                        f"the signal earlier (sbatch --signal=B:USR1@SECONDS; submit_pm.sh asks "
+                        f"120 s before the end) or make the step shorter (a smaller batch)")
         if self.start_clock is not None:
             self.log_start()
         if self.steps_run == 0:

@@ -10,6 +10,7 @@ config's class) and answers:
   samples so that sums all-reduced over ranks and divided by the count are exact means however
   the samples were split; ``baseline_name``, ``baseline_pred(x, y)``: the naive forecast the log
   prints beside them; ``picture(x, y, pred)``: the validation picture for TensorBoard;
+- ``sample_shape()``: one input sample's shape (the memory estimate's, ``observe.memory``);
 - ``forward_flops()``, ``flops_per_sample()``: model FLOPs (``observe.flops``);
   ``fp32_in_tf32()``: whether its fp32 FLOPs run in TF32 (the peak MFU divides by);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);

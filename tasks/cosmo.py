@@ -135,6 +135,9 @@ class CosmoTask(Task):
 
     shards_model = False
 
+    def sample_shape(self) -> tuple:
+        return (self.cfg.n_in_channels, *[self.cfg.data_size] * 3)
+
     def forward_flops(self) -> tuple[int, int]:
         """(forward FLOPs of one sample, of which the first convolution's) for networks/unet.py.
 

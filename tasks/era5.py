@@ -104,6 +104,9 @@ class ERA5Task(Task):
 
     shards_model = True  # train_mp.py can split it over tensor/context-parallel ranks
 
+    def sample_shape(self) -> tuple:
+        return (self.cfg.n_in_channels, *self.cfg.img_size)
+
     def forward_flops(self) -> tuple[int, int]:
         """(forward FLOPs of one sample, of which the patch embedding's) for networks/vit.py."""
         cfg = self.cfg
