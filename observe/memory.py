@@ -136,10 +136,10 @@ def memory_warning(model: torch.nn.Module, sample_shape: tuple, batch: int, devi
     have = available_bytes(device, ranks_here)
     if not have or need <= have:
         return None
-    return (f"a training step of this run needs about {need / GiB:.1f} GB a rank (estimated: "
-            f"weights, gradients, Adam's moments and what the forward pass of {batch} samples "
-            f"keeps for backward), more than the {have / GiB:.1f} GB available: a smaller "
-            f"local batch (--global_batch_size, or more ranks) or image size needs less")
+    return (f"a training step needs about {need / GiB:.1f} GB a rank (estimated: weights, "
+            f"gradients, Adam's moments, activations of {batch} samples), more than the "
+            f"{have / GiB:.1f} GB available: lower the local batch (--global_batch_size, more "
+            f"ranks) or the image size")
 
 
 def estimated_step_bytes(model: torch.nn.Module, sample_shape: tuple, batch: int,

@@ -74,3 +74,27 @@ def test_the_job_scripts_variable_table_names_every_variable_it_reads():
     assert {"PODMAN_IMAGE", "PODMAN_ARGS", "SCRIPT", "PYTHON"} <= names, names
     missing = sorted(n for n in names if f"`{n}" not in rows)
     assert not missing, missing
+
+
+OUTPUTS = [r"--out[ =]([\w./-]+)", r"--profile_trace ([\w./-]+)", r"nsys profile -o ([\w./-]+)",
+           r"checkpoint_convert \S+ ([\w./-]+)"]
+
+
+def test_the_documented_commands_write_where_git_ignores():
+    """What the README's and docs' commands write (scores, traces, converted checkpoints,
+    profiles) lands under folders the repository ignores, never as untracked files in it."""
+    import glob
+    import subprocess
+
+    from conftest import ROOT
+
+    paths = set()
+    for page in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]:
+        text = open(page).read()
+        for pattern in OUTPUTS:
+            paths |= {p for p in re.findall(pattern, text) if p != "DIR"}
+    paths = sorted(p + ".nsys-rep" if "/" not in p and "." not in p else p for p in paths)
+    assert "runs/prof" in paths and len(paths) >= 6, paths
+    r = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert set(r.stdout.split()) == set(paths), f"not ignored: {set(paths) - set(r.stdout.split())}"

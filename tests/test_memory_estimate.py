@@ -68,7 +68,7 @@ def test_a_run_names_a_step_too_big_for_the_machine_in_one_line(tmp_path, era5_r
         trainer = Trainer(cfg, setup_runtime(cfg))
         trainer.close()
         with open(os.path.join(trainer.run_dir, "out.log")) as f:
-            return [line for line in f if " - Memory: " in line]
+            return [line for line in f if " - Memory: a training step needs" in line]
 
     assert start("0") == []
     monkeypatch.setattr("observe.memory.available_bytes", lambda device, ranks: 1000)
