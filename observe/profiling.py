@@ -145,6 +145,10 @@ class TraceWindow:
         or was resumed past that point. ``NullTrace`` when ``directory`` is empty."""
         if not directory:
             return NullTrace()
+        # Kineto (torch.profiler's tracer) writes lines of its own to stderr, between the run's
+        # (USDT: ... profiler_start, STAGE: ...); read when it starts, level 6 is above them
+        # all. KINETO_LOG_LEVEL set by the user is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         window = cls(check_trace_dir(directory), rank, 0, total_steps)
         second = steps_per_epoch
         fits = iteration <= second and total_steps - second >= window.length

@@ -61,14 +61,18 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
     return PEAK_TFLOPS[model][precision]
 
 
-def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None):
-    """The device and ranks, the model and its size, the model-parallel layout, and the data and
-    steps the run will train on. ``rt``: the run's ranks, device and batch sizes
-    (``engine.runtime.Runtime``); ``loaders``: its sample and step counts."""
+def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None,
+                   workers: int):
+    """The device and ranks, the model and its size, each rank's threads and loader workers
+    (``workers``), the model-parallel layout, and the data and steps the run will train on.
+    ``rt``: the run's ranks, device and batch sizes (``engine.runtime.Runtime``); ``loaders``:
+    its sample and step counts."""
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
              f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
              + (" on this rank" if rt.groups is not None else ""))
+    log.info(f"Per rank: {torch.get_num_threads()} intra-op threads (OMP_NUM_THREADS), "
+             f"{workers} loader workers (num_data_workers)")
     if rt.groups is not None:
         log.info("Model-parallel layout: " + rt.groups.describe())
         log.info(layout_summary)

@@ -262,8 +262,11 @@ class ViTConfig(Config):
         h, w = self.img_size
         p = self.patch_size
         if h % p or w % p:
+            near = [max(p, round(n / p) * p) for n in (h, w)]
+            other = next((d for d in range(p - 1, 1, -1) if h % d == w % d == 0), None)
             raise ConfigError(f"img_size={self.img_size} is not divisible by patch_size={p}: "
-                              f"choose a patch_size that divides {h} and {w}")
+                              f"change img_size to multiples of {p}, e.g. --img_size {near[0]} "
+                              f"{near[1]}" + (f", or --patch_size {other}" if other else ""))
         if self.data_is_generated and (h < 2 or w < 4):
             raise ConfigError(f"img_size={self.img_size} is too small for generated ERA5 fields "
                               f"(the rows run from pole to pole): use at least 2 rows and 4 "

@@ -42,6 +42,16 @@ SETTING_ALIASES = {"row_parallel_size": "tensor_parallel"}
 VALUE_ALIASES = {("data_loader_config", "dali"): "dali-lowmem",
                  ("data_loader_config", "pytorch"): "lowmem"}
 ENTRY_ARGS = ("yaml_config", "config")
+# Names that mean a setting or a value where their spelling is nearer another one (batch_size
+# is not patch_size, gpu is not cpu): ``nearest`` suggests these first, where they are choices.
+MEANINGS = {
+    "batch_size": ("global_batch_size", "local_batch_size"), "batch": ("global_batch_size",),
+    "bs": ("global_batch_size", "local_batch_size"), "learning_rate": ("lr",),
+    "steps": ("num_iters",), "max_steps": ("num_iters",), "precision": ("amp_mode",),
+    "compile": ("enable_jit",), "grad_clip": ("max_grad_norm",), "tp": ("tensor_parallel",),
+    "cp": ("context_parallel",), "out_dir": ("expdir",), "output_dir": ("expdir",),
+    "log_dir": ("expdir",), "logdir": ("expdir",), "gpu": ("cuda",), "fp32": ("none",),
+}
 
 
 # ----------------------------------------------------------------------------- YAML loading
@@ -136,12 +146,15 @@ def value_text(v) -> str:
 
 
 def nearest(name: str, choices, listed: bool = False) -> str:
-    """'did you mean ...?' with the closest of ``choices`` (letter case aside), else the valid
-    ones (or, where the message ``listed`` them already, a word to pick one)."""
+    """'did you mean ...?' with what ``name`` means (``MEANINGS``), else the closest of
+    ``choices`` (letter case aside), else the valid ones (or, where the message ``listed`` them
+    already, a word to pick one)."""
     by_lower = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.5)
+    close = [m for m in MEANINGS.get(name.lower(), ()) if m in choices] or [
+        by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=1,
+                                                      cutoff=0.5)]
     if close:
-        return f"did you mean '{by_lower[close[0]]}'?"
+        return f"did you mean {' or '.join(repr(c) for c in close)}?"
     return "choose one of these" if listed else f"valid: {', '.join(sorted(choices))}"
 
 

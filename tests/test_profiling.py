@@ -30,6 +30,8 @@ def test_vit_run_writes_a_trace_with_the_named_ranges(tmp_path, era5_root):
                          "--profile_trace", str(trace_dir)]
     r = train(common + ["--expdir", exp, "--enable_manual_profiling"])
     log = open(os.path.join(run_dir(exp), "out.log")).read()
+    # the profiler's own lines (USDT: ... profiler_start) stay out of the run's output
+    assert "profiler_start" not in r.stdout + r.stderr and "USDT:" not in r.stderr, r.stderr
     assert "no CUDA profiler window" in log  # the nsys window needs a GPU: said, not silent
     steps_per_epoch = int(open(os.path.join(run_dir(exp), "config.yaml")).read()
                           .split("steps_per_epoch:")[1].split()[0])
