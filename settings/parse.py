@@ -184,13 +184,12 @@ def _coerce_scalar(key, value, tp):
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} is not a number")
-        number = None
         try:  # (a string too: YAML 1.1 reads 5E-4 as one)
             number = float(value) if isinstance(value, (int, float, str)) else None
         except OverflowError:  # an integer beyond any float
             number = math.inf
         except ValueError:
-            pass
+            number = None
         if number is None:
             raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
         if not math.isfinite(number):  # nan and inf parse as floats but are never a setting
@@ -206,12 +205,6 @@ def _coerce_scalar(key, value, tp):
 # A setting's bounds (``_f``'s checks): name -> (the comparison its value must pass, its sign).
 _BOUNDS = {"min": (operator.ge, ">="), "max": (operator.le, "<="), "above": (operator.gt, ">"),
            "below": (operator.lt, "<")}
-
-
-def _check_bounds(key, v, meta):
-    for bound, (ok, sign) in _BOUNDS.items():
-        if bound in meta and not ok(v, meta[bound]):
-            raise ConfigError(f"{key}={v} must be {sign} {meta[bound]}")
 
 
 def _coerce_mixed_choice(key, value, choices):
@@ -239,7 +232,9 @@ def _coerce_item(key, value, tp, meta):
                               f"{nearest(str(v), [value_text(c) for c in choices] + aliases, listed=True)}")
         return v
     v = _coerce_scalar(key, value, tp)
-    _check_bounds(key, v, meta)
+    for bound, (ok, sign) in _BOUNDS.items():
+        if bound in meta and not ok(v, meta[bound]):
+            raise ConfigError(f"{key}={v} must be {sign} {meta[bound]}")
     return v
 
 
@@ -320,7 +315,7 @@ def _apply(cls, values: dict, source: str) -> dict:
             family = {c: m for m, c in CONFIG_CLASSES.items()}
             others = [m for c, m in family.items()
                       if c is not cls and key in {f.name for f in dataclasses.fields(c)}]
-            if key in RENAMED and RENAMED[key]:
+            if RENAMED.get(key):
                 hint = f"use {RENAMED[key]}"
             elif others:  # e.g. the U-Net's memory_format given to a ViT config
                 hint = (f"a setting of {' and '.join(others)} configs, not of "
@@ -337,16 +332,12 @@ def _apply(cls, values: dict, source: str) -> dict:
     return out
 
 
-def _is_list(cls, key) -> bool:
-    tp = field_types(cls)[key]
-    return typing.get_origin(tp) is list or any(typing.get_origin(a) is list
-                                                for a in typing.get_args(tp))
-
-
 def _coerce_given(cls, key, val, source):
     """``coerce``, saying so when a command-line setting was given without its value (a bare
     ``--lr`` reads as true), or with several values for a setting that takes one."""
-    if isinstance(val, list) and source == "command line" and not _is_list(cls, key):
+    tp = field_types(cls)[key]
+    takes_list = any(typing.get_origin(t) is list for t in (tp, *typing.get_args(tp)))
+    if isinstance(val, list) and source == "command line" and not takes_list:
         dashed = [v for v in val[1:] if re.fullmatch(r"-[A-Za-z_][\w-]*(=.*)?", v)]
         fix = (f"'{dashed[0]}' has one dash: write --{dashed[0][1:]}" if dashed else
                "quote a value that holds spaces")

@@ -11,7 +11,7 @@ from distributed_harness import run_ranks
 from test_training import TINY_VIT, _cfg, run_dir, train
 from observe import profiling
 from settings.errors import ConfigError
-from observe.profiling import NSYS_ENV, NullTrace, ProfilerWindow, TraceWindow, check_trace_dir, nvtx_range, unused_path
+from observe.profiling import NSYS_ENV, NullTrace, ProfilerWindow, TraceWindow, nvtx_range, unused_path
 
 RANGES = ("forward", "backward", "optimizer", "data wait")
 
@@ -67,8 +67,8 @@ def test_trace_dir_that_is_a_file_is_refused(tmp_path, era5_root):
     assert lines[-1].startswith("error: profile_trace=") and "give a directory" in lines[-1]
     assert len([ln for ln in lines if ln.startswith("error:")]) == 1
     assert not_a_dir.read_text() == "{}"
-    with pytest.raises(ConfigError, match="cannot be created"):
-        check_trace_dir(str(not_a_dir / "below"))
+    with pytest.raises(ConfigError, match="is a file, not a directory"):  # a directory below it
+        _cfg(era5_root, tmp_path, profile_trace=str(not_a_dir / "below"))
 
 
 def test_window_start_and_null_trace(tmp_path):
