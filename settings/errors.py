@@ -24,9 +24,8 @@ class TrainingError(UserError):
 
 
 def print_error(message: str, prefix: str = ""):
-    """``<prefix>error: <message>`` on stderr in one write: ranks that share a stream (torchrun
-    runs them unbuffered) then never join two lines (print writes the line and its newline
-    apart)."""
+    """``<prefix>error: <message>`` on stderr in one write, so that ranks sharing a stream never
+    join two lines (print writes the line and its newline apart)."""
     sys.stderr.write(f"{prefix}error: {message}\n")
     sys.stderr.flush()
 
@@ -39,15 +38,14 @@ def refuse(message: str):
 
 class OneLineParser(argparse.ArgumentParser):
     """An argparse parser that refuses bad arguments in one ``error:`` line naming ``--help``
-    (no usage block), exit code 2, as every other refusal of the project's commands."""
+    (no usage block), exit code 2."""
 
     def error(self, message):
         refuse(f"{message} ({self.prog} --help lists the options)")
 
 
 def at_least(low, kind=int):
-    """An argparse ``type``: a ``kind`` (int or float) of ``low`` or more; anything else is refused
-    naming the value and the bound (in OneLineParser's one line)."""
+    """An argparse ``type``: a ``kind`` (int or float) of ``low`` or more."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -64,8 +62,7 @@ def at_least(low, kind=int):
 
 
 def new_file(text: str) -> str:
-    """An argparse ``type``: the path of an output file that does not exist yet (never written
-    over) in a directory that does."""
+    """An argparse ``type``: a new output file (never written over) in an existing directory."""
     if os.path.lexists(text):
         raise argparse.ArgumentTypeError(f"{text} exists: choose another name, or remove it")
     parent = os.path.dirname(os.path.abspath(text))
@@ -75,8 +72,8 @@ def new_file(text: str) -> str:
 
 
 def counts(low: int, example: str, why: str = ""):
-    """An argparse ``type``: comma-separated integers of ``low`` or more, as a list; ``why``
-    follows a number that is too small in the message, ``example`` shows valid ones."""
+    """An argparse ``type``: comma-separated integers of ``low`` or more, as a list (``why``: said
+    of a number that is too small)."""
     def parse(text: str) -> list[int]:
         out = []
         for item in text.split(","):

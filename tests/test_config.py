@@ -99,7 +99,12 @@ def test_environment_variables(monkeypatch):
     ("base", {"lr": "fast"}, "lr='fast' is not a number"),
     ("base", {"num_data_workers": "2.5"}, "is not an integer"),
     ("base", {"amp_mode": "fp8"}, "amp_mode='fp8' is not one of none, fp16, bf16"),
-    ("base", {"patch_size": "7"}, "not divisible by patch_size=7"),
+    ("base", {"patch_size": "7"}, "not divisible by patch_size=7: change img_size to "
+     "multiples of 7, e.g. --img_size 357 721, or --patch_size 6"),
+    ("base", {"img_size": "[33, 64]"}, "change img_size to multiples of 8, e.g. --img_size 32 64"),
+    ("base", {"batch_size": "0"}, "did you mean 'global_batch_size' or 'local_batch_size'?"),
+    ("base", {"device": "gpu"}, "device='gpu' is not one of auto, cpu, cuda: did you mean 'cuda'?"),
+    ("base", {"amp_mode": "fp32"}, "did you mean 'none'?"),
     ("base", {"num_heads": "5"}, "num_heads=5 does not divide embed_dim=384"),
     ("base", {"num_iters": "0"}, "num_iters=0 must be >= 1"),
     ("base", {"lr_schedule": "x"}, "use lr, end_lr, warmup_steps and lr_scaling"),
