@@ -7,6 +7,7 @@ the means are exact however the initial conditions were batched or split over ra
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
 import time
@@ -271,12 +272,6 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     sums = SkillSums(n_steps + 1, c_out, w, device, rmse_name)
     scratch_in, scratch_out = np.empty((1, c_in, h, w), np.float32), np.empty((1, c_out, h, w), np.float32)
 
-    def upload(a: np.ndarray) -> torch.Tensor:
-        """``a`` on the device, from (cached) pinned memory: queued behind the steps before it,
-        while the host reads the next states (from pageable memory the host would wait)."""
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
     def stored(batch, lead):
         """The stored states ``lead`` steps after each start of ``batch``, on the device: at lead
         0 the input of the pair (t, t + 1), its inputs' channels; after it the target of the pair
@@ -285,7 +280,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
         for j, (k, t) in enumerate(batch):
             x, y = (scratch_in, out[j:j + 1]) if lead else (out[j:j + 1], scratch_out)
             data.read_batch([int(data.offsets[k]) + t + max(lead - 1, 0)], x, y)
-        return upload(out)
+        out = torch.from_numpy(out)  # to a GPU from pinned memory, queued (docs/scoring.md, Speed)
+        return out.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else out
 
     def step(state):
         with autocast():
@@ -301,17 +297,14 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
         for b in range(0, len(mine), batch_size):
             batch = mine[b:b + batch_size]
             x0 = stored(batch, 0)
-            truth = x0[:, :c_out]
-            for name in FORECASTS[: 2 if persistence else 1]:  # lead 0: both are the truth
-                sums.add(name, 0, truth, truth, clim, weights)
-            if clim is not None:
-                sums.add("climatology", 0, clim.expand_as(truth), truth, clim, weights)
-            x0n = (x0 - mean[:c_in]) / std[:c_in]
-            for k, pred_n in rollout(step, x0n, n_steps):
-                truth = stored(batch, k * cfg.dt)
-                sums.add("model", k, pred_n * std[:c_out] + mean[:c_out], truth, clim, weights)
+            truth0 = x0[:, :c_out]  # lead 0: the model's and persistence's forecast
+            forecasts = rollout(step, (x0 - mean[:c_in]) / std[:c_in], n_steps)
+            for k, pred_n in itertools.chain([(0, None)], forecasts):
+                truth = stored(batch, k * cfg.dt) if k else truth0
+                pred = pred_n * std[:c_out] + mean[:c_out] if k else truth0
+                sums.add("model", k, pred, truth, clim, weights)
                 if persistence:
-                    sums.add("persistence", k, x0[:, :c_out], truth, clim, weights)
+                    sums.add("persistence", k, truth0, truth, clim, weights)
                 if clim is not None:  # its ACC is 0 by definition: not computed, left 0
                     sums.add("climatology", k, clim.expand_as(truth), truth, None, weights)
             done += len(batch)
