@@ -63,9 +63,8 @@ def acc(forecast: torch.Tensor, truth: torch.Tensor, clim: torch.Tensor,
 
 
 def zonal_spectrum(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Zonal power spectra of fields (B, C, H, W): (B, C, W // 2 + 1), the power at each zonal
-    wavenumber m averaged over the rows with the latitude ``weights`` (H,), in the fields' units
-    squared; they sum to the weighted mean square (Parseval): rows A cos(m x) give A^2 / 2 at m."""
+    """Zonal power spectra P(m) of fields (B, C, H, W), as docs/scoring.md defines them, over the
+    rows' latitude ``weights`` (H,): (B, C, W // 2 + 1)."""
     f = torch.fft.rfft(x.double(), dim=-1)
     p = f.real ** 2 + f.imag ** 2
     p[..., 1:(x.shape[-1] + 1) // 2] *= 2  # the power of -m, folded onto m
@@ -74,9 +73,8 @@ def zonal_spectrum(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def small_scale_ratio(power: np.ndarray, truth: np.ndarray) -> np.ndarray:
-    """A forecast's power over the truth's at the smallest scales, the wavenumbers above a half
-    of the largest (wavelengths under 4 grid lengths): spectra (..., M) -> (...); nan where the
-    truth has no power there. Below 1: the forecast is smoother than the truth."""
+    """P ratio (docs/scoring.md): a forecast's power over the truth's in the upper half of the
+    wavenumbers, spectra (..., M) -> (...); nan where the truth has no power there."""
     high = power[..., power.shape[-1] // 2 + 1:].sum(-1), truth[..., truth.shape[-1] // 2 + 1:].sum(-1)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(high[1] > 0, high[0] / high[1], np.nan)
@@ -137,10 +135,8 @@ class SkillSums:
 
 def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None,
                    n_init: int | None) -> tuple[int, int, str]:
-    """(model steps of the rollout, initial conditions, a note or ''): ``n_init``, or up to
-    ``N_INIT``; ``wanted`` steps, or ten days' worth (240 h over the model's ``dt`` 6-hour
-    steps) capped at the most the split's years give that many initial conditions for. An
-    ``n_init`` or ``wanted`` beyond the split's is refused, naming the most it gives."""
+    """(model steps of the rollout, initial conditions, a note or ''), from the ``wanted`` steps
+    and ``n_init`` (None: the defaults) as docs/scoring.md says; beyond the split's, refused."""
     def starts(n: int) -> int:  # the split's initial conditions of n-step rollouts
         return sum(max(0, steps - n * dt) for steps in year_steps)
 
