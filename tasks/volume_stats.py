@@ -262,11 +262,12 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                                     for c, (spec, hist, _) in zip(channels, stats)], columns=3)
 
     figures = [
-        figure("power_spectra", "Power spectra P(k): truth and prediction", "P(k)",
+        figure("power_spectra", "Power spectra P(k): truth and prediction",
+               "P(k) ((stored units)^2 voxel^3)",
                lambda s, _: [("truth", s["k"], s["p_true"]), ("prediction", s["k"], s["p_pred"])],
                logx=True, logy=True),
         figure("spectrum_ratio", "P_pred(k) / P_true(k)", "ratio",
-               lambda s, _: [("ratio", s["k"], s["ratio"])], logx=True, hline=1.0),
+               lambda s, _: [("ratio", s["k"], s["ratio"])], logx=True, logy=True, hline=1.0),
         figure("cross_correlation", "Cross-correlation r(k) = P_xy / sqrt(P_xx P_yy)", "r(k)",
                lambda s, _: [("r", s["k"], s["r"])], logx=True, hline=1.0),
         figure("pdfs", "One-point distributions", "density",
@@ -284,4 +285,7 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                        f"P ratio {spec['ratio'][quarter]:.3g} at k={spec['k'][quarter]}")
     meta = {"problem": "volume statistics", "split": split, "volume": where, "side": side,
             "tile": tile, "halo": halo, "channels": channels}
-    return Report(rows, meta, scalars, figures, summary, notes)
+    pdfs = [{"channel": name, "value": x, "density_true": p, "density_pred": q}
+            for name, (_, h, _) in zip(channels, stats)
+            for x, p, q in zip(h["centres"], h["true"], h["pred"])]
+    return Report(rows, meta, scalars, figures, summary, notes, {"pdfs": pdfs})
