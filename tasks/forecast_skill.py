@@ -134,9 +134,10 @@ class SkillSums:
 
 
 def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None,
-                   n_init: int | None) -> tuple[int, int, str]:
+                   n_init: int | None, fit: bool = False) -> tuple[int, int, str]:
     """(model steps of the rollout, initial conditions, a note or ''), from the ``wanted`` steps
-    and ``n_init`` (None: the defaults) as docs/scoring.md says; beyond the split's, refused."""
+    and ``n_init`` (None: the defaults) as docs/scoring.md says; beyond the split's, refused,
+    or with ``fit`` (during training, ``skill_every``) cut to what the split gives."""
     def starts(n: int) -> int:  # the split's initial conditions of n-step rollouts
         return sum(max(0, steps - n * dt) for steps in year_steps)
 
@@ -144,6 +145,9 @@ def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None,
         raise DataError(f"the split's years hold {max(year_steps)} steps, fewer than one forecast "
                         f"step (dt={dt}) and its target: score another --split")
     hours = dt * HOURS_PER_STEP
+    if fit:  # the longest lead any year gives, then the initial conditions that lead has
+        wanted = min(wanted, max(n for n in range(1, max(year_steps)) if starts(n) >= 1))
+        n_init = min(n_init, starts(wanted))
     if n_init is not None and n_init > starts(1):
         raise ConfigError(f"--n_init {n_init}: the split's years hold {starts(1)} initial "
                           f"conditions of a {hours} h forecast: give --n_init {starts(1)} or fewer")
@@ -208,7 +212,7 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
     for ``SKILL_INITS`` initial conditions of the validation years. Returns the TensorBoard
     scalars (the model's RMSE and ACC of every variable at the last lead) and the summary."""
     opts = SimpleNamespace(split="valid", lead_steps=task.cfg.skill_lead_steps, n_init=SKILL_INITS,
-                           batch_size=None, rmse=None, rank=rank, world_size=world)
+                           batch_size=None, rmse=None, rank=rank, world_size=world, fit=True)
     report = score(task, model, device, forward, opts)
     last = report.meta["lead_steps"]
     hours = last * report.meta["hours_per_step"]
@@ -236,7 +240,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                        n_out=cfg.n_out_channels)
     year_steps = [n + 1 for n in data.pairs_per_file]
     notes = []
-    n_steps, n_init, note = lead_steps_for(year_steps, cfg.dt, opts.lead_steps, opts.n_init)
+    n_steps, n_init, note = lead_steps_for(year_steps, cfg.dt, opts.lead_steps, opts.n_init,
+                                           fit=getattr(opts, "fit", False))
     if n_steps > 1 and cfg.n_in_channels != cfg.n_out_channels:
         n_steps, note = 1, (f"note: the model reads {cfg.n_in_channels} channels and writes "
                             f"{cfg.n_out_channels}, so its output cannot be its next input: one "

@@ -143,6 +143,11 @@ def test_lead_steps_and_initial_conditions():
                                                "instead of 40")
     assert lead_steps_for([12, 30], dt=1, wanted=29, n_init=1) == (29, 1, "")
     assert lead_steps_for([3, 4], dt=1, wanted=None, n_init=None)[:2] == (1, 5)  # all there are
+    # during training (skill_every) a split too short is fitted, not refused: the longest lead
+    # any year gives, with the initial conditions it has
+    assert lead_steps_for([12, 30], dt=1, wanted=4, n_init=8, fit=True)[:2] == (4, 8)
+    assert lead_steps_for([12, 30], dt=1, wanted=27, n_init=8, fit=True)[:2] == (27, 3)
+    assert lead_steps_for([12, 30], dt=1, wanted=40, n_init=8, fit=True)[:2] == (29, 1)
     with pytest.raises(ConfigError, match=r"^--lead_steps 6: the split's years give 32 initial "
                        r"conditions for at most 5 lead steps \(30 h\): give --lead_steps 5 or "
                        r"fewer, or a smaller --n_init$"):
