@@ -141,7 +141,8 @@ class RowBandSharding(Unsharded):
 
     def loss(self, pred, y):
         # The task's per-band partial sums, added over the ranks holding other bands: the serial loss.
-        return sharded_loss(self.task.loss, pred, y, self.groups, self.model.layout)
+        return sharded_loss(self.task.loss, pred, y, self.groups, self.model.layout,
+                            self.model.image_rows())
 
     def whole_output(self, pred):
         return self.model.gather_image(pred)

@@ -74,6 +74,7 @@ def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | N
     log.info(f"{loaders.n_train} training samples, {loaders.n_valid} validation samples; "
              f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
              f"({rt.local_batch} per rank); {total_steps} steps in all")
+    log.info(f"Loss: {task.loss_name}")
     if rt.is_main and rt.groups is None and (warning := memory_warning(
             model, task.sample_shape(), rt.local_batch, rt.device, amp_dtype,
             int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):

@@ -191,6 +191,11 @@ class Config:
         """The rules between a family's own settings (``validate`` calls it last)."""
 
 
+# ERA5 channels of `fields` (T, C, H, W), in file order (docs/data.md).
+ERA5_CHANNELS = ("u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
+                 "v850", "z850", "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv")
+
+
 @config_class
 class ViTConfig(Config):
     """Vision Transformer on ERA5 fields: predict the state dt steps after the input."""
@@ -232,6 +237,15 @@ class ViTConfig(Config):
     limit_nsamples_val: Optional[int] = _f(None, "use this many validation pairs, spread evenly "
                                            "over the years", min=1)
     synthetic_steps_per_year: int = _f(240, "time steps per year when synthesizing data", min=2)
+    loss_latitude_weights: bool = _f(False, "weight the training loss of each grid row by the "
+                                     "area of its cells (cos latitude, mean 1), as WeatherBench "
+                                     "2 scores; false: the tutorial's unweighted loss")
+    loss_level_weights: bool = _f(False, "weight each pressure-level variable (z500, t850...) "
+                                  "by its level over their mean level, as GraphCast; surface "
+                                  "variables 1")
+    loss_variable_weights: list[str] = _f([], "NAME=WEIGHT for variables whose loss weighs other "
+                                          "than 1 (e.g. t2m=2,z50=0.5); names as in the log's "
+                                          "RMSE lines")
     _group("model parallelism")
     tensor_parallel: int = _f(1, "ranks that split each layer's weights (heads, MLP width)", min=1,
     resume=True)
@@ -247,7 +261,22 @@ class ViTConfig(Config):
                                  "tensor-parallel ranks too (false: whole on each of them)",
                                  resume=True)
 
+    def variable_weights(self) -> dict:
+        """``loss_variable_weights`` as {name: weight}; a ConfigError naming a wrong entry."""
+        names, weights = ERA5_CHANNELS[: self.n_out_channels], {}
+        for entry in self.loss_variable_weights:
+            name, _, value = entry.partition("=")
+            try:
+                weights[name] = float(value)
+            except ValueError:
+                weights[name] = -1.0
+            if name not in names or not weights[name] >= 0:
+                raise ConfigError(f"loss_variable_weights: {entry!r} is not NAME=WEIGHT with a "
+                                  f"weight >= 0 and NAME one of {', '.join(names)}")
+        return weights
+
     def check(self):
+        self.variable_weights()
         if self.data_loader_config == "device":
             raise ConfigError("data_loader_config=device holds the U-Net's cosmology volumes on "
                               "the training device; the ViT's ERA5 data has no such loader: use "

@@ -39,6 +39,7 @@ class CosmoTask(Task):
         self._mean = None
         self.channels = HYDRO_CHANNELS[: cfg.n_out_channels]
         self.loss = L1Rho(cfg.lambda_rho)  # per-sample; loss(pred, y) or partial sums of sub-volumes
+        self.loss_name = "L1" + (f" + {cfg.lambda_rho} x L1 of the density" if cfg.lambda_rho else "")
 
     def device_batch(self, x, y):
         """Crops are used as stored: nothing to do on the device."""

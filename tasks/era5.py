@@ -15,7 +15,8 @@ from settings.config import ViTConfig
 from settings.errors import ConfigError
 from tasks import attention, forecast_skill
 from tasks.base import Task
-from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
+from tasks.losses import (RelativeL2, WeightedRelativeL2, latitude_weights, loss_weights,
+                          weighted_rmse)
 from tasks.registry import register
 from tasks.reference_weights import vit_from_reference
 
@@ -29,7 +30,16 @@ class ERA5Task(Task):
         self.cfg = cfg
         self.channels = ERA5_CHANNELS[: cfg.n_out_channels]
         self.weights = latitude_weights(cfg.img_size[0])
-        self.loss = RelativeL2()  # per-sample; loss(pred, y) or partial sums of image bands
+        # per-sample; loss(pred, y) or partial sums of image bands
+        variable = cfg.variable_weights()
+        weighted = [what for what, on in (("latitude (area)", cfg.loss_latitude_weights),
+                                          ("pressure level", cfg.loss_level_weights),
+                                          ("variable", variable)) if on]
+        self.loss = WeightedRelativeL2(loss_weights(
+            self.channels, cfg.img_size[0], cfg.loss_latitude_weights, cfg.loss_level_weights,
+            variable)) if weighted else RelativeL2()
+        self.loss_name = "relative L2, " + (f"weighted by {', '.join(weighted)}" if weighted
+                                            else "unweighted (the tutorial's)")
         self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
 
     def device_batch(self, x, y):

@@ -26,7 +26,8 @@ class PartialSumLoss:
     the sums over a whole sample.
     """
 
-    def partial_sums(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def partial_sums(self, pred: torch.Tensor, target: torch.Tensor, rows=None) -> torch.Tensor:
+        """``rows``: (start, stop), the image rows of a band (None: whole images)."""
         raise NotImplementedError
 
     def finish(self, sums: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ class RelativeL2(PartialSumLoss):
 
     Sums: [sum (pred - target)^2, sum target^2]; finish: sqrt(a) / sqrt(b)."""
 
-    def partial_sums(self, pred, target):
+    def partial_sums(self, pred, target, rows=None):
         dtype = _sum_dtype(pred)
         diff = (pred.to(dtype) - target.to(dtype)).flatten(1)
         ref = target.to(dtype).flatten(1)
@@ -55,6 +56,37 @@ class RelativeL2(PartialSumLoss):
 
     def finish(self, sums):
         return sums[:, 0].sqrt() / sums[:, 1].sqrt()
+
+
+class WeightedRelativeL2(RelativeL2):
+    """RelativeL2 with each value weighted by its channel and image row: ``weights`` (C, H, 1),
+    the product of the variable, pressure-level and latitude (area) weights (``loss_weights``).
+
+    Sums: [sum w (pred - target)^2, sum w target^2]; finish: sqrt(a) / sqrt(b)."""
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights
+
+    def partial_sums(self, pred, target, rows=None):
+        dtype = _sum_dtype(pred)
+        w = self.weights if rows is None else self.weights[:, rows[0]:rows[1]]
+        w = w.to(pred.device, dtype)
+        diff = (pred.to(dtype) - target.to(dtype)).pow(2) * w
+        ref = target.to(dtype).pow(2) * w
+        return torch.stack([_per_sample_sum(diff), _per_sample_sum(ref)], dim=1)
+
+
+def loss_weights(channels, h: int, latitude: bool, level: bool, variable: dict) -> torch.Tensor:
+    """(C, H, 1) weights of ``WeightedRelativeL2``: per channel, ``variable``'s weight (1 where
+    it names none) times, with ``level``, the pressure level in hPa over the mean level of the
+    channels that have one (surface variables: 1), as GraphCast weights its loss; per row, with
+    ``latitude``, ``latitude_weights`` (the area of its cells, mean 1)."""
+    levels = {c: int(c[1:]) for c in channels if c[0] in "uvtzrq" and c[1:].isdigit()}
+    mean_level = np.mean(list(levels.values())) if levels else 1.0
+    per_channel = [variable.get(c, 1.0) * (levels[c] / mean_level if level and c in levels else 1.0)
+                   for c in channels]
+    rows = latitude_weights(h) if latitude else torch.ones(h)
+    return torch.tensor(per_channel, dtype=torch.float32).view(-1, 1, 1) * rows.view(1, -1, 1)
 
 
 def rho_transform(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +104,7 @@ class L1Rho(PartialSumLoss):
     def __init__(self, lambda_rho: float = 0.0):
         self.lambda_rho = lambda_rho
 
-    def partial_sums(self, pred, target):
+    def partial_sums(self, pred, target, rows=None):
         dtype = _sum_dtype(pred)
         err = (pred.to(dtype) - target.to(dtype)).abs()
         sums = [_per_sample_sum(err), err.new_full((err.shape[0],), err[0].numel())]

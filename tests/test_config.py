@@ -125,6 +125,10 @@ def test_environment_variables(monkeypatch):
     ("base", {"dropout": "nan"}, "dropout='nan' is not a finite number"),
     ("base", {"max_grad_norm": "inf"}, "max_grad_norm='inf' is not a finite number"),
     ("base", {"seed": "-1"}, "seed=-1 must be >= 0"),
+    ("base", {"loss_variable_weights": "[t2=1]"}, "'t2=1' is not NAME=WEIGHT with a weight >= 0 and "
+     "NAME one of u10m, v10m, t2m"),
+    ("base", {"loss_variable_weights": "[t2m=-1]"}, "'t2m=-1' is not NAME=WEIGHT"),
+    ("base", {"loss_variable_weights": "[t2m]"}, "'t2m' is not NAME=WEIGHT"),
     ("base", {"seed": str(2**64)}, f"seed={2**64} must be <= {2**32 - 1}"),
     ("base", {"expdir": ""}, "expdir is empty: give the directory"),
     ("base", {"run_num": ""}, "run_num='' is not the name of a run"),

@@ -115,7 +115,7 @@ def _partial_sum_loss(name):
         """sum_c w_c mean((pred_c - target_c)^2): sums [sum_c w_c sum (pred_c - target_c)^2, values
         per channel]."""
 
-        def partial_sums(self, pred, target):
+        def partial_sums(self, pred, target, rows=None):
             sq = (pred - target).pow(2).flatten(2).sum(2)  # (B, C)
             per_channel = pred[0, 0].numel()
             return torch.stack([sq @ torch.tensor(CHANNEL_WEIGHTS, dtype=sq.dtype),
