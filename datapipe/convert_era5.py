@@ -2,11 +2,9 @@
 
 The layout written is docs/data.md's; the sources are read through xarray. The command, the channel
 table, what is refused and how an interrupted conversion goes on: docs/convert_era5.md.
-
-A year is read and written a few time steps at a time, so memory stays bounded whatever the grid;
-the statistics of the training years are summed in float64 while their steps are written.
 """
 import contextlib
+import functools
 import glob
 import multiprocessing
 import os
@@ -101,39 +99,39 @@ def year_steps(ds, year: int) -> np.ndarray:
     """Positions in the source's time axis of ``year``'s steps at 00, 06, 12 and 18 UTC (finer
     steps are left out); times coarser than six-hourly or with gaps are refused."""
     times = ds["time"].values
-    if not np.issubdtype(times.dtype, np.datetime64):
-        raise ConfigError(f"the source's times are {times.dtype}, not dates: decode them to "
-                          f"datetime64 (a standard calendar)")
     hours = (times - times.astype("datetime64[D]")).astype("timedelta64[s]").astype(np.int64)
     pos = np.flatnonzero((times.astype("datetime64[Y]").astype(int) + 1970 == year)
                          & (hours % (6 * 3600) == 0))
     if len(pos) < 2:
-        span = f"{times.min().astype('datetime64[m]')} to {times.max().astype('datetime64[m]')}" \
-            if len(times) else "none"
         raise ConfigError(f"the source holds {len(pos)} six-hourly steps of {year} (its times: "
-                          f"{span}): choose years it holds")
+                          f"{_minute(times.min())} to {_minute(times.max())}): choose years it holds")
     gaps = np.flatnonzero(np.diff(times[pos]) != SIX_HOURS)
     if len(gaps):
-        a, b = (str(times[pos[gaps[0] + i]].astype("datetime64[m]")) for i in (0, 1))
+        a, b = (_minute(times[pos[gaps[0] + i]]) for i in (0, 1))
         raise ConfigError(f"the times of {year} are not six-hourly: {a} is followed by {b}; the "
                           f"tutorial's files hold six-hourly steps: give hourly or six-hourly data")
     return pos
+
+
+def _minute(t) -> str:
+    return str(t.astype("datetime64[m]"))
 
 
 def moments(chunks):
     """(steps, per-channel mean, per-channel sum of squared deviations, the (C, H, W) sum over
     steps), float64, of the (t, C, H, W) float32 ``chunks``; squares are taken about the first
     chunk's means, so that large offsets (geopotential, pressure) lose no precision."""
-    steps, ref, s1, s2, total = 0, None, 0.0, 0.0, 0.0
+    steps, ref = 0, None
     for x in chunks:
         if ref is None:
             ref = x.mean(axis=(0, 2, 3), dtype=np.float64)
-            s1, s2 = np.zeros_like(ref), np.zeros_like(ref)
+            s1, s2, total = np.zeros_like(ref), np.zeros_like(ref), np.zeros(x.shape[1:])
         for c in range(x.shape[1]):  # one channel at a time: a float64 copy of it only
             d = x[:, c].astype(np.float64) - ref[c]
             s1[c] += d.sum()
             s2[c] += np.vdot(d, d)
-        total = total + x.sum(axis=0, dtype=np.float64)
+        for state in x:
+            total += state  # in place: no float64 copy of the whole step
         steps += len(x)
     n = steps * total[0].size
     return steps, ref + s1 / n, s2 - s1 * s1 / n, total
@@ -141,8 +139,6 @@ def moments(chunks):
 
 def merge(a, b):
     """The moments of two sets of steps together (Chan, Golub and LeVeque's pairwise update)."""
-    if a is None:
-        return b
     (na, ma, qa, ta), (nb, mb, qb, tb) = a, b
     n, d = na + nb, mb - ma
     return n, ma + d * nb / n, qa + qb + d * d * (na * nb / n) * ta[0].size, ta + tb
@@ -221,9 +217,8 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
     check_out(out_dir, [os.path.join(s, f"{y}.h5") for s, y in jobs] + stats)
 
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, MARK), "w") as f:
-        f.write(f"ERA5 converted from {source} by python -m datapipe.convert_era5; it may write "
-                f"here again.\n")
+    with open(os.path.join(out_dir, MARK), "w") as f:  # before any data: it may write here again
+        f.write(f"ERA5 converted from {source} by python -m datapipe.convert_era5.\n")
     todo = [j for j in jobs if not os.path.exists(os.path.join(out_dir, j[0], f"{j[1]}.h5"))]
     if not todo and all(os.path.exists(os.path.join(out_dir, s)) for s in stats):
         say("every year and the statistics are complete: nothing to do")
@@ -233,16 +228,15 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
             os.remove(os.path.join(out_dir, s))
     for split in years:
         os.makedirs(os.path.join(out_dir, split), exist_ok=True)
-    total = None
+    sums = []
     in_process = contextlib.nullcontext(SimpleNamespace(map=map))
     with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn")) if workers > 1 \
             else in_process as pool:
-        for line, sums in pool.map(convert_year, *zip(*[(source, table, out_dir, s, y)
-                                                        for s, y in jobs])):
+        for line, year_sums in pool.map(convert_year, *zip(*[(source, table, out_dir, s, y)
+                                                             for s, y in jobs])):
             say(line)
-            if sums is not None:
-                total = merge(total, sums)
-    steps, mean, m2, time_sum = total
+            sums += [year_sums] if year_sums else []
+    steps, mean, m2, time_sum = functools.reduce(merge, sums)
     c, n = len(mean), steps * time_sum[0].size
     values = {"global_means": mean.reshape(1, c, 1, 1),
               "global_stds": np.sqrt(m2 / n).reshape(1, c, 1, 1),

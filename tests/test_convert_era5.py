@@ -1,7 +1,6 @@
 """python -m datapipe.convert_era5: WeatherBench 2-layout stores made here, converted, every value
 checked against the store, the statistics against NumPy in float64, refusals, skip and redo, and a
 training run on the result."""
-import argparse
 import os
 import subprocess
 import sys
@@ -143,6 +142,13 @@ def test_zarr_store_converts_trains_and_reads_back(tmp_path, zarr_store):
         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "Avg val loss" in run.stdout + run.stderr
+    # and scores it, with the converted climatology
+    score = subprocess.run([sys.executable, "score.py", "--run", str(tmp_path / "runs" / "quickstart"
+                                                                     / "1" / "0"),
+                            "--n_init", "2", "--lead_steps", "2"], cwd=ROOT, capture_output=True,
+                           text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert score.returncode == 0, score.stdout[-2000:] + score.stderr[-2000:]
+    assert "climatology" in score.stdout.lower(), score.stdout[-2000:]
 
 
 def test_netcdf_hourly_with_poles_in_parallel(tmp_path):
@@ -271,15 +277,8 @@ def test_complete_years_skipped_interrupted_redone(tmp_path, zarr_store, monkeyp
     check_output(out, ds)
 
 
-def test_every_option_is_described(monkeypatch, main):
-    missing = []
-    original = argparse.ArgumentParser.add_argument
+def test_every_option_is_described(monkeypatch):
+    import test_cli_help
 
-    def noting(self, *args, **kwargs):
-        if args[0] not in ("-h", "--help") and not kwargs.get("help"):
-            missing.append(args[0])
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "add_argument", noting)
-    r = main("--help")
-    assert r.returncode == 0 and not missing and "NAME=VARIABLE[@LEVEL]" in r.stdout
+    test_cli_help.test_every_option_of_every_tool_has_a_description("datapipe.convert_era5",
+                                                                   monkeypatch)
