@@ -3,7 +3,9 @@
 The layout written is docs/data.md's; the sources are read through xarray. The command, the channel
 table, what is refused and how an interrupted conversion goes on: docs/convert_era5.md.
 """
+import collections
 import contextlib
+import fnmatch
 import functools
 import glob
 import multiprocessing
@@ -62,8 +64,10 @@ def open_source(source: str):
 
 
 def select(ds, table: dict) -> list:
-    """One lazy (time, latitude, longitude) array per channel of ``table``, rows north to south.
-    A variable, level or dimension the store lacks is refused naming what it holds."""
+    """(lazy array, its channels) per variable of ``table``: (time, latitude, longitude), or
+    (time, level, latitude, longitude) with its channels' levels in order, rows north to south;
+    a variable is read once for all its levels. What the store lacks is refused naming what it
+    holds."""
     missing = [d for d in ("time", "latitude", "longitude") if d not in ds.dims]
     if missing:
         raise ConfigError(f"the source has no dimension {', '.join(missing)} (its dimensions: "
@@ -71,27 +75,29 @@ def select(ds, table: dict) -> list:
     lat = ds["latitude"].values
     if not (np.all(np.diff(lat) > 0) or np.all(np.diff(lat) < 0)):
         raise ConfigError("the source's latitudes are not sorted: sort them before converting")
-    arrays = []
-    for channel, (name, level) in table.items():
+    groups = {}  # variable: [(channel index, level)]
+    for c, (channel, (name, level)) in enumerate(table.items()):
         how = f"(channel {channel}; map it to another with --channel {channel}=VARIABLE[@LEVEL])"
         if name not in ds.data_vars:
             raise ConfigError(f"the source has no variable {name} {how}; its variables: "
                               f"{', '.join(sorted(map(str, ds.data_vars)))}")
-        da = ds[name]
-        levels = [] if "level" not in da.dims else [v.item() for v in ds["level"].values]
+        levels = [v.item() for v in ds["level"].values] if "level" in ds[name].dims else []
         if level is None and levels:
             raise ConfigError(f"{name} has levels {levels}: give one {how}")
         if level is not None and level not in levels:
             raise ConfigError(f"the source has no level {level} of {name} {how}; its levels: "
                               f"{levels or 'none (a single-level variable)'}")
-        if level is not None:
-            da = da.sel(level=level)
-        extra = [d for d in da.dims if d not in ("time", "latitude", "longitude")]
+        groups.setdefault(name, []).append((c, level))
+    arrays = []
+    for name, members in groups.items():
+        da = ds[name] if members[0][1] is None else ds[name].sel(level=[lv for _, lv in members])
+        extra = [d for d in da.dims if d not in ("time", "level", "latitude", "longitude")]
         if extra:
             raise ConfigError(f"{name} has dimensions {extra} beyond time, level, latitude and "
                               f"longitude: select one of each before converting")
-        da = da.transpose("time", "latitude", "longitude")
-        arrays.append(da.isel(latitude=slice(None, None, -1)) if lat[0] < lat[-1] else da)
+        da = da.transpose("time", ..., "latitude", "longitude")
+        da = da.isel(latitude=slice(None, None, -1)) if lat[0] < lat[-1] else da
+        arrays.append((da, [c for c, _ in members]))
     return arrays
 
 
@@ -161,24 +167,21 @@ def convert_year(source, table, out_dir, split, year):
         os.remove(stale)  # left by a conversion that was stopped
     ds = open_source(source)
     arrays, pos = select(ds, table), year_steps(ds, year)
-    shape = (len(pos), len(arrays)) + arrays[0].shape[1:]
+    shape = (len(pos), len(table)) + arrays[0][0].shape[-2:]
     step = max(1, CHUNK_BYTES // (4 * int(np.prod(shape[1:]))))
 
     def chunks(dset):
         for a in range(0, len(pos), step):
             x = np.empty((len(pos[a:a + step]),) + shape[1:], np.float32)
-            for c, da in enumerate(arrays):
-                x[:, c] = da.isel(time=pos[a:a + step]).values
+            for da, channels in arrays:
+                values = da.isel(time=pos[a:a + step]).values
+                x[:, channels] = values if values.ndim == 4 else values[:, None]
             dset[a:a + len(x)] = x
             yield x
 
     with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         dset = f.create_dataset("fields", shape, np.float32)  # contiguous: read by offset
-        if train:
-            sums = moments(chunks(dset))
-        else:
-            for _ in chunks(dset):
-                pass
+        sums = moments(chunks(dset)) if train else collections.deque(chunks(dset), maxlen=0)
     line = f"{split}/{year}.h5: {shape[0]} steps of {shape[2]}x{shape[3]}"
     return f"{line}, {time.monotonic() - start:.0f} s", (sums if train else None)
 
@@ -192,8 +195,7 @@ def check_out(out_dir, files):
         raise ConfigError(f"OUT_DIR {out_dir} holds files but no {MARK}, the mark of a folder "
                           f"this command wrote: choose a new or empty folder")
     ours = set(files) | {MARK}
-    extra = [f for f in held if f not in ours and not (os.path.basename(f).startswith(".")
-                                                        and f.endswith(".tmp"))]
+    extra = [f for f in held if f not in ours and not fnmatch.fnmatch(os.path.basename(f), ".*.tmp")]
     if extra:
         raise ConfigError(f"OUT_DIR {out_dir} holds {', '.join(extra[:5])}, which this "
                           f"conversion does not write: move them out, or choose another folder")
