@@ -38,7 +38,6 @@ RENAMES = {"valid_time": "time", "pressure_level": "level", "lat": "latitude", "
 MARK = "CONVERTED.txt"  # in a folder this command writes: it may write there again
 STATS = ("global_means", "global_stds", "time_means")
 CHUNK_BYTES = 128 << 20  # float32 values of one read and write of a year
-SIX_HOURS = np.timedelta64(6, "h")
 
 
 def open_source(source: str):
@@ -105,13 +104,13 @@ def year_steps(ds, year: int) -> np.ndarray:
     """Positions in the source's time axis of ``year``'s steps at 00, 06, 12 and 18 UTC (finer
     steps are left out); times coarser than six-hourly or with gaps are refused."""
     times = ds["time"].values
-    hours = (times - times.astype("datetime64[D]")).astype("timedelta64[s]").astype(np.int64)
+    seconds = (times - times.astype("datetime64[D]")).astype("timedelta64[s]").astype(np.int64)
     pos = np.flatnonzero((times.astype("datetime64[Y]").astype(int) + 1970 == year)
-                         & (hours % (6 * 3600) == 0))
+                         & (seconds % (6 * 3600) == 0))
     if len(pos) < 2:
         raise ConfigError(f"the source holds {len(pos)} six-hourly steps of {year} (its times: "
                           f"{_minute(times.min())} to {_minute(times.max())}): choose years it holds")
-    gaps = np.flatnonzero(np.diff(times[pos]) != SIX_HOURS)
+    gaps = np.flatnonzero(np.diff(times[pos]) != np.timedelta64(6, "h"))
     if len(gaps):
         a, b = (_minute(times[pos[gaps[0] + i]]) for i in (0, 1))
         raise ConfigError(f"the times of {year} are not six-hourly: {a} is followed by {b}; the "
