@@ -109,17 +109,14 @@ def year_steps(ds, year: int) -> np.ndarray:
                          & (seconds % (6 * 3600) == 0))
     if len(pos) < 2:
         raise ConfigError(f"the source holds {len(pos)} six-hourly steps of {year} (its times: "
-                          f"{_minute(times.min())} to {_minute(times.max())}): choose years it holds")
+                          f"{' to '.join(np.datetime_as_string(times[[0, -1]], 'm'))}): choose "
+                          f"years it holds")
     gaps = np.flatnonzero(np.diff(times[pos]) != np.timedelta64(6, "h"))
     if len(gaps):
-        a, b = (_minute(times[pos[gaps[0] + i]]) for i in (0, 1))
+        a, b = np.datetime_as_string(times[pos[gaps[0]:gaps[0] + 2]], "m")
         raise ConfigError(f"the times of {year} are not six-hourly: {a} is followed by {b}; the "
                           f"tutorial's files hold six-hourly steps: give hourly or six-hourly data")
     return pos
-
-
-def _minute(t) -> str:
-    return str(t.astype("datetime64[m]"))
 
 
 def moments(chunks):
@@ -187,8 +184,6 @@ def convert_year(source, table, out_dir, split, year):
 
 def check_out(out_dir, files):
     """Refuse an output folder holding anything but this command's mark and ``files``."""
-    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise ConfigError(f"OUT_DIR {out_dir} is a file: choose a folder")
     held = list_files(out_dir) if os.path.isdir(out_dir) else []
     if held and MARK not in held:
         raise ConfigError(f"OUT_DIR {out_dir} holds files but no {MARK}, the mark of a folder "

@@ -225,6 +225,10 @@ def test_output_folder_with_other_data_refused(tmp_path, zarr_store, main):
              "[2016]")
     _refused(main(source, tmp_path / "c", "--train_years", 2016, "--channel", "x=y"), "x=y")
     _refused(main(tmp_path / "none.zarr", tmp_path / "c", "--train_years", 2016), "none.zarr")
+    _refused(main(source, tmp_path / "c", "--train_years", 2030),
+             "0 six-hourly steps of 2030 (its times: 2016-01-01T00:00 to 2019-01-02T06:00)")
+    (tmp_path / "file").write_text("")
+    _refused(main(source, tmp_path / "file", "--train_years", 2016), "file")
     assert not (tmp_path / "c").exists()
 
 
