@@ -461,21 +461,6 @@ class RowParallelLinear(_ParallelLinear):
 
 # ---- dropout ----------------------------------------------------------------------------------
 
-class _MaskedScale(torch.autograd.Function):
-    """``x * mask * scale`` keeping only the 1-byte mask for backward (as ``nn.Dropout`` does)."""
-
-    @staticmethod
-    def forward(ctx, x, mask, scale):
-        ctx.save_for_backward(mask)
-        ctx.scale = scale
-        return x * mask * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return grad * mask * ctx.scale, None, None
-
-
 class ReplicatedDropout(nn.Dropout):
     """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``).
 
@@ -495,7 +480,8 @@ class ReplicatedDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.synchronized and self.training and self.p > 0):
             return super().forward(x)
-        return _MaskedScale.apply(x, self._shared_mask(x), 0.0 if self.p >= 1 else 1.0 / (1.0 - self.p))
+        # the uint8 mask is what autograd keeps for backward (1 byte per element, as nn.Dropout)
+        return x * self._shared_mask(x) * (0.0 if self.p >= 1 else 1.0 / (1.0 - self.p))
 
     @torch.compiler.disable
     def _shared_mask(self, x: torch.Tensor) -> torch.Tensor:
@@ -527,14 +513,6 @@ class TokenShardedLayerNorm(nn.LayerNorm):
         self.sequence_parallel = sequence_parallel
         mark_module_replicated(self, _token_axes(sequence_parallel))
 
-    @classmethod
-    def from_serial(cls, norm: nn.LayerNorm, groups: ParallelGroups, **kwargs) -> "TokenShardedLayerNorm":
-        ref = next(norm.parameters(), None)
-        m = cls(norm.normalized_shape, groups, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
-                dtype=None if ref is None else ref.dtype, device=None if ref is None else ref.device, **kwargs)
-        load_serial_state_dict(m, norm.state_dict(), groups)
-        return m
-
 
 class ParallelMLP(nn.Module):
     """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp.
@@ -556,14 +534,6 @@ class ParallelMLP(nn.Module):
         self.fc2 = RowParallelLinear(hidden_dim, dim, groups, **kw)
         self.drop = nn.Dropout(drop)
         self.out_drop = ReplicatedDropout(drop, groups, sequence_parallel)
-
-    @classmethod
-    def from_serial(cls, mlp: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelMLP":
-        w = mlp.fc1.weight
-        m = cls(mlp.fc1.in_features, mlp.fc1.out_features, groups, drop=mlp.drop.p,
-                dtype=w.dtype, device=w.device, **kwargs)
-        load_serial_state_dict(m, mlp.state_dict(), groups)
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_drop(self.fc2(self.drop(self.act(self.fc1(x)))))
@@ -608,14 +578,6 @@ class ParallelAttention(nn.Module):
         self.attn_drop = attn_drop
         self.proj_drop = ReplicatedDropout(proj_drop, groups, sequence_parallel)
 
-    @classmethod
-    def from_serial(cls, attn: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelAttention":
-        w = attn.qkv.weight
-        m = cls(attn.qkv.in_features, attn.num_heads, groups, attn_drop=attn.attn_drop,
-                proj_drop=attn.proj_drop.p, dtype=w.dtype, device=w.device, **kwargs)
-        load_serial_state_dict(m, attn.state_dict(), groups)
-        return m
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, n, 3 * local_heads * head_dim), n = tokens of this cp band
         B, n = qkv.shape[:2]
@@ -656,15 +618,6 @@ class ParallelBlock(nn.Module):
                                       band_tokens=band_tokens, **kw)
         self.norm2 = TokenShardedLayerNorm(dim, groups, eps=eps, **kw)
         self.mlp = ParallelMLP(dim, mlp_hidden_dim, groups, drop=drop, **kw)
-
-    @classmethod
-    def from_serial(cls, block: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelBlock":
-        w = block.attn.qkv.weight
-        m = cls(block.attn.qkv.in_features, block.attn.num_heads, block.mlp.fc1.out_features, groups,
-                drop=block.mlp.drop.p, eps=block.norm1.eps, dtype=w.dtype, device=w.device, **kwargs)
-        m.norm2.eps = block.norm2.eps
-        load_serial_state_dict(m, block.state_dict(), groups)
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

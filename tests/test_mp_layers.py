@@ -2,7 +2,7 @@
 
 Four gloo ranks are spawned once and run all cases: layouts tp=2 x cp=2, tp=4, cp=4 and
 tp=2 x dp=2 (order dp-tp-cp), each with and without sequence parallelism. The serial layer and
-the parallel one share weights (``from_serial``); each rank feeds its slice of the same input
+the parallel one share weights (``load_serial_state_dict``); each rank feeds its slice of the same input
 and backpropagates its slice of the same output gradient ``G`` (loss ``<y, G>``). Weight
 gradients are reduced with ``reduce_replicated_grads`` and gathered to the serial layout.
 
@@ -82,42 +82,39 @@ def _rank_main():
                     if layer == "column" or layer == "column_stacked":
                         stacked = 3 if layer == "column_stacked" else 1
                         serial = nn.Linear(E, 3 * E if stacked == 3 else HIDDEN)
-                        par_fn = lambda m: ColumnParallelLinear.from_serial(m, groups, stacked=stacked, **kw)  # noqa
+                        par_fn = lambda m: ColumnParallelLinear(E, m.out_features, groups, stacked=stacked, **kw)  # noqa
                         xshape = (B, N, E)
                         in_slice, out_slice = tokens, lambda t: features(cp_tokens(t), stacked)
                     elif layer == "row":
                         serial = nn.Linear(HIDDEN, E)
-                        par_fn = lambda m: RowParallelLinear.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: RowParallelLinear(HIDDEN, E, groups, **kw)  # noqa
                         xshape = (B, N, HIDDEN)
                         in_slice, out_slice = lambda t: features(cp_tokens(t)), tokens
                     elif layer == "mlp":
                         serial = MLP(E, HIDDEN)
-                        par_fn = lambda m: ParallelMLP.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: ParallelMLP(E, HIDDEN, groups, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "attention":
                         serial = Attention(E, HEADS)
-                        par_fn = lambda m: ParallelAttention.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: ParallelAttention(E, HEADS, groups, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "layernorm":
                         serial = nn.LayerNorm(E)
-                        par_fn = lambda m: TokenShardedLayerNorm.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: TokenShardedLayerNorm(E, groups, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "block":
                         serial = Block(E, HEADS, mlp_ratio=HIDDEN / E)
-                        par_fn = lambda m: ParallelBlock.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: ParallelBlock(E, HEADS, HIDDEN, groups, eps=1e-6, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     else:  # patch_embed: the rank's band of image rows -> its tokens
                         serial = PatchEmbed(IMG, PATCH, CIN, E)
-
-                        def par_fn(m):
-                            pe = ParallelPatchEmbed(IMG, PATCH, CIN, E, groups, dtype=dtype,
-                                                    band_axes=("cp", "tp") if sp else ("cp",))
-                            load_serial_state_dict(pe, m.state_dict(), groups)
-                            return pe
+                        par_fn = lambda m: ParallelPatchEmbed(  # noqa
+                            IMG, PATCH, CIN, E, groups, band_axes=("cp", "tp") if sp else ("cp",))
                         xshape = (B, CIN) + IMG
                         in_slice, out_slice = (lambda t: chunk(t, 2, n_tok, i_tok)), tokens
                     serial = _randomize(serial, seed).to(dtype)
-                    par = par_fn(serial)
+                    par = par_fn(serial).to(dtype)  # the serial layer's weights, sliced:
+                    load_serial_state_dict(par, serial.state_dict(), groups)
                     # the layer holds exactly the serial weights
                     same = serial_state_dict(par, groups)
                     X = _rand(xshape, seed + 1, dtype).requires_grad_(True)
