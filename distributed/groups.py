@@ -119,8 +119,8 @@ def group_ranks(world_size: int, tensor_parallel: int = 1, context_parallel: int
 @dataclass
 class ParallelGroups:
     """Sizes, coordinates, rank lists and process groups (:data:`SINGLE_PROCESS` without
-    torch.distributed) of one rank in the tp x cp x dp grid. ``group(name)``, ``size(name)``,
-    ``rank_in(name)`` and ``ranks(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``."""
+    torch.distributed) of one rank in the tp x cp x dp grid. ``group(name)``, ``size(name)`` and
+    ``rank_in(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``."""
 
     tensor_parallel: int = 1
     context_parallel: int = 1
@@ -177,9 +177,6 @@ class ParallelGroups:
 
     def rank_in(self, name: str) -> int:
         return getattr(self, f"{self._check(name)}_rank")
-
-    def ranks(self, name: str) -> List[int]:
-        return list(getattr(self, f"{self._check(name)}_ranks"))
 
     def __deepcopy__(self, memo):
         return self  # process groups are shared handles; copies of a model (e.g. an EMA) share them

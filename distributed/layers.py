@@ -1,21 +1,17 @@
 """Tensor / context / sequence parallel layers of the ViT, and gradient reduction.
 
-Token tensors are ``(B, N, E)``. Inside a model replica the ``N`` tokens are split over cp in
-contiguous bands, in cp-rank order, which may differ in length (``ParallelAttention(band_tokens=
-...)``). With ``sequence_parallel=True`` each cp band is further split over tp between the
-column- and row-parallel linears (LayerNorm, residual adds, dropout), so every activation a
-block keeps is split over tp; inside attention and the MLP the band's tokens are gathered over
-tp while heads / hidden units are split over tp, and keys and values are gathered over cp. With
-``sequence_parallel=False`` (plain Megatron) the activations outside the linears are replicated
-over tp. docs/parallelism.md ("How model parallelism works") tells the whole layout.
+Token tensors are ``(B, N, E)``, split over cp in contiguous bands that may differ in length
+(``ParallelAttention(band_tokens=...)``) and, with ``sequence_parallel=True``, over tp between
+the column- and row-parallel linears; docs/parallelism.md ("How model parallelism works")
+tells the whole layout.
 
 Every parameter carries ``param.shard_spec`` (:class:`ShardSpec`: how it is cut out of the
 serial parameter of the same name) and ``param.reduce_over``: the axes (``"cp"``, ``"tp"``) over
 which identical copies of it see *different* tokens, so that each holds a partial gradient.
-Those are summed in one place: :func:`replicated_grads_comm_hook` (DDP) or
-:func:`reduce_replicated_grads` (without DDP), which also average every gradient over dp.
-Parallel layers are built from the serial ones (``from_serial``, same parameter names), so that
-replicated parameters are identical on every rank.
+Those are summed in one place: :func:`replicated_grads_comm_hook` under DDP,
+:func:`reduce_replicated_grad_shards` otherwise. Parallel layers take their weights from the
+serial model (``load_serial_state_dict``, same parameter names), so that replicated parameters
+are identical on every rank.
 """
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from distributed.groups import ParallelGroups
 from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatter_bwd,
@@ -248,32 +245,18 @@ def _reduce_marked(pairs, groups: ParallelGroups):
         _all_reduce_coalesced(by_key[key], groups.group(key))
 
 
-def reduce_replicated_grads(model: nn.Module, groups: ParallelGroups, average_dp: bool = True):
-    """Reduce gradients after ``backward`` when the model is not wrapped in DDP.
-
-    1. Parameters with ``reduce_over`` get their gradients summed over those axes (tp, cp or the
-       tp x cp group): each rank computed the gradient from its own tokens only.
-    2. With ``average_dp`` every gradient is averaged over dp (each dp rank saw other samples).
-
-    Same result as DDP with :func:`replicated_grads_comm_hook`. Missing gradients count as zero.
-    """
-    model = unwrap(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    _reduce_marked([(p, p.grad) for p in params], groups)
+def reduce_replicated_grad_shards(model: nn.Module, groups: ParallelGroups, average_dp: bool = False):
+    """After ``backward``, where no DDP hook (:func:`replicated_grads_comm_hook`) did it: sum the
+    gradients of parameters with ``reduce_over`` over those axes (each rank computed them from
+    its own tokens only). Under FSDP the gradients are DTensors, reduce-scattered and averaged
+    over dp: every tp/cp copy of a replicated parameter holds the same dp slice of it, so the
+    slices are summed as the whole gradients would be. Without FSDP or DDP, ``average_dp`` also
+    averages every gradient over dp, which gives what DDP with the hook gives."""
+    params = [p for p in unwrap(model).parameters() if p.grad is not None]
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    _reduce_marked(list(zip(params, grads)), groups)
     if average_dp and groups.dp_size > 1:
-        _all_reduce_coalesced([p.grad for p in params], groups.dp_group, scale=1.0 / groups.dp_size)
-
-
-def reduce_replicated_grad_shards(model: nn.Module, groups: ParallelGroups):
-    """The tp/cp sums of ``reduce_replicated_grads`` on gradients that FSDP has reduce-scattered
-    over dp (DTensors): every tp/cp copy of a replicated parameter holds the same dp slice of it,
-    so the slices are summed as the whole gradients would be. The dp average is FSDP's."""
-    pairs = [(p, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-             for p in unwrap(model).parameters() if p.grad is not None]
-    _reduce_marked(pairs, groups)
+        _all_reduce_coalesced(grads, groups.dp_group, scale=1.0 / groups.dp_size)
 
 
 def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

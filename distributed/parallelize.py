@@ -1,21 +1,7 @@
-"""Turn the serial ViT into its tensor / context / sequence parallel form.
+"""Turn the serial ViT into its tensor / context / sequence parallel form (``parallelize_vit``).
 
-The image is cut in whole patch rows. Over cp it is cut into ``cp`` bands whose lengths differ
-by at most one patch row, longer ones first (``distributed.layers.split_bounds``: 45 rows at
-cp = 4 are 12, 11, 11 and 11), without padding; the K/V all-gather and ``gather_image`` pad the
-bands to the longest and drop the padding again. :func:`token_layout` then picks how each cp
-band is split over tp (the engine logs which):
-
-* row bands (tp = 1, or sequence parallelism with tp x cp dividing the patch rows): ``tp * cp``
-  bands, the rank with chunk index ``cp_rank * tp + tp_rank`` gets that band's image rows
-  (``shard_image``), embeds them as a contiguous range of the serial tokens and returns the
-  same band of the output; :func:`sharded_loss` sums the loss's partial sums over the replica;
-* padded (sequence parallelism otherwise): every tp rank of a cp rank embeds the cp band, whose
-  tokens, padded with zeros to a multiple of tp, are cut into tp equal chunks; padding tokens
-  are never keys or values, and after the head the chunks are gathered over tp and the padding
-  dropped; the loss sums over cp only;
-* no sequence parallelism: the cp bands, whole on every tp rank (plain Megatron).
-
+The image is cut into bands of whole patch rows, over cp and, with row bands, over tp;
+:func:`token_layout` picks how each cp band's tokens are split over tp (the engine logs which).
 docs/parallelism.md ("How model parallelism works") tells the whole layout, and which
 parameters are split or replicated over which axes. The sharded model has the serial parameter
 names: ``serial_state_dict`` / ``load_serial_state_dict`` (and ``tensors_to_serial`` /
@@ -190,18 +176,8 @@ class ParallelViT(nn.Module):
     ``forward(x_band) -> y_band``: ``x_band`` is ``shard_image(x)``, (B, C_in, band rows, W);
     the result is the same band of the serial output, (B, C_out, band rows, W). The bands are
     the ``T = tp * cp`` row bands (``layout.row_bands``) or the ``cp`` bands (padded sequence
-    parallelism, or none); see the module docstring.
-
-    Parameters (names as in the serial ViT):
-
-    * ``patch_embed.proj``, ``norm``, ``head``: whole on every rank; each rank applies them to
-      its own tokens (padded mode: the patch embedding to its cp band, of which it keeps its tp
-      chunk), so their gradients are summed over the ranks holding other tokens:
-      ``reduce_over=("cp", "tp")`` with sequence parallelism, ``("cp",)`` without. The head has
-      a bias only if the serial one has;
-    * ``pos_embed``: split along tokens over the image bands, (1, band tokens, E); in padded
-      mode the tp ranks hold the cp band's whole slice and use their chunk of it: summed over tp;
-    * blocks: see :class:`distributed.layers.ParallelBlock`.
+    parallelism, or none). Parameters have the serial names; which are split or replicated over
+    which axes: docs/parallelism.md ("Replicated parameters and their gradients").
     """
 
     def __init__(self, img_size, patch_size: int, in_chans: int, out_chans: int, embed_dim: int, depth: int,

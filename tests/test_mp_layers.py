@@ -4,7 +4,7 @@ Four gloo ranks are spawned once and run all cases: layouts tp=2 x cp=2, tp=4, c
 tp=2 x dp=2 (order dp-tp-cp), each with and without sequence parallelism. The serial layer and
 the parallel one share weights (``load_serial_state_dict``); each rank feeds its slice of the same input
 and backpropagates its slice of the same output gradient ``G`` (loss ``<y, G>``). Weight
-gradients are reduced with ``reduce_replicated_grads`` and gathered to the serial layout.
+gradients are reduced with ``reduce_replicated_grad_shards`` and gathered to the serial layout.
 
 Tolerances: float64 rtol 1e-10, atol 1e-12; float32 rtol 1e-4, atol 1e-5.
 """
@@ -51,7 +51,7 @@ def _rank_main():
     from distributed.groups import build_groups
     from distributed.layers import (ColumnParallelLinear, ParallelAttention, ParallelBlock, ParallelMLP,
                                     ParallelPatchEmbed, RowParallelLinear, TokenShardedLayerNorm,
-                                    load_serial_state_dict, reduce_replicated_grads, serial_state_dict)
+                                    load_serial_state_dict, reduce_replicated_grad_shards, serial_state_dict)
     from networks.vit import MLP, Attention, Block, PatchEmbed
 
     results = {}
@@ -124,7 +124,7 @@ def _rank_main():
                     x = in_slice(X.detach()).requires_grad_(True)
                     y = par(x)
                     (y * out_slice(G)).sum().backward()
-                    reduce_replicated_grads(par, groups)
+                    reduce_replicated_grad_shards(par, groups, average_dp=True)
                     grads = serial_state_dict(par, groups, grads=True)
                     res = {"output": (y.detach(), out_slice(Y.detach())),
                            "input grad": (x.grad, in_slice(X.grad))}
@@ -143,7 +143,7 @@ def _column_under_autocast(groups, tp, cp):
     float32 like its input, and output and gradients match within bf16 rounding."""
     import torch.nn as nn
 
-    from distributed.layers import ColumnParallelLinear, reduce_replicated_grads, serial_state_dict
+    from distributed.layers import ColumnParallelLinear, reduce_replicated_grad_shards, serial_state_dict
 
     serial = _randomize(nn.Linear(E, HIDDEN), 7)
     par = ColumnParallelLinear.from_serial(serial, groups, sequence_parallel=True)
@@ -165,7 +165,7 @@ def _column_under_autocast(groups, tp, cp):
         y = par(x)
     g_out = G.chunk(cp, 1)[groups.cp_rank].chunk(tp, -1)[groups.tp_rank]
     (y.float() * g_out).sum().backward()
-    reduce_replicated_grads(par, groups)
+    reduce_replicated_grad_shards(par, groups, average_dp=True)
     grads = serial_state_dict(par, groups, grads=True)
     return {"saved dtypes": saved, "output dtype": str(y.dtype), "input grad dtype": str(x.grad.dtype),
             "output": (y.float(), Y.detach().float().chunk(cp, 1)[groups.cp_rank].chunk(tp, -1)[groups.tp_rank]),
