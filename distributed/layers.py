@@ -332,10 +332,9 @@ class _ParallelLinear(nn.Module):
 
     local_linear = staticmethod(F.linear)
 
-    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, sequence_parallel: bool,
-                 seq_dim: int):
+    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, sequence_parallel: bool):
         super().__init__()
-        self.groups, self.sequence_parallel, self.seq_dim = groups, sequence_parallel, seq_dim
+        self.groups, self.sequence_parallel = groups, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
 
     @classmethod
@@ -355,15 +354,15 @@ class ColumnParallelLinear(_ParallelLinear):
       serial ones on tp rank r, or with ``stacked=k`` (e.g. 3 for a fused [q | k | v] output)
       that range taken from each of the k equal blocks. Replicated over cp
       (``reduce_over=("cp",)``): cp ranks see different tokens.
-    * input: ``sequence_parallel=True``: (..., N/tp, ..., in), tokens split over tp along
-      ``seq_dim``; they are all-gathered (the gathered tensor is not kept for backward).
-      ``False``: the full input, replicated over tp (``identity_fwd_all_reduce_bwd``).
-    * output: (..., N, ..., out/tp), all tokens of this cp rank, features split over tp.
+    * input: ``sequence_parallel=True``: (B, N/tp, in), tokens split over tp; they are
+      all-gathered (the gathered tensor is not kept for backward). ``False``: the full input,
+      replicated over tp (``identity_fwd_all_reduce_bwd``).
+    * output: (B, N, out/tp), all tokens of this cp rank, features split over tp.
     """
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
-                 sequence_parallel: bool = True, seq_dim: int = 1, stacked: int = 1, dtype=None, device=None):
-        super().__init__(in_features, out_features, groups, sequence_parallel, seq_dim)
+                 sequence_parallel: bool = True, stacked: int = 1, dtype=None, device=None):
+        super().__init__(in_features, out_features, groups, sequence_parallel)
         tp = groups.tp_size
         if out_features % stacked:
             raise ValueError(f"out_features={out_features} is not divisible by stacked={stacked}")
@@ -374,25 +373,21 @@ class ColumnParallelLinear(_ParallelLinear):
         self.weight = sharded_parameter((out_features // tp, in_features),
                                         ShardSpec((out_features, in_features), ("tp",), 1, blocks + (in_features,)),
                                         ("cp",), dtype, device)
-        if bias:
-            self.bias = sharded_parameter((out_features // tp,), ShardSpec((out_features,), ("tp",), 1, blocks),
-                                          ("cp",), dtype, device)
-        else:
-            self.register_parameter("bias", None)
+        self.bias = sharded_parameter((out_features // tp,), ShardSpec((out_features,), ("tp",), 1, blocks),
+                                      ("cp",), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp_group = self.groups.tp_group
         if self.sequence_parallel and self.groups.tp_size > 1:
-            dim = self.seq_dim % x.dim()
             if self.local_linear is F.linear:
                 # its forward and backward call collectives: kept out of torch.compile's graphs
-                return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, dim)
+                return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, 1)
             # Another matmul (fp8): the tokens gathered over tp (backward: reduce-scattered) in
             # the autocast dtype, as _AllGatherLinear gathers them; the matmul keeps the
             # gathered input for its backward, not only this rank's slice.
             if torch.is_autocast_enabled(x.device.type):
                 x = x.to(torch.get_autocast_dtype(x.device.type))
-            x = all_gather_fwd_reduce_scatter_bwd(x, tp_group, dim)
+            x = all_gather_fwd_reduce_scatter_bwd(x, tp_group, 1)
             return self.local_linear(x, self.weight, self.bias)
         return self.local_linear(identity_fwd_all_reduce_bwd(x, tp_group), self.weight, self.bias)
 
@@ -408,31 +403,27 @@ class RowParallelLinear(_ParallelLinear):
       rank r; replicated over cp (``reduce_over=("cp",)``).
     * ``bias`` (out): replicated over tp and cp; added after the reduction, to the rank's own
       tokens, so ``reduce_over=("cp", "tp")`` with sequence parallelism, ``("cp",)`` without.
-    * input: (..., N, ..., in/tp), features split over tp (output of a column-parallel layer).
-    * output: partial sums over tp are reduce-scattered along ``seq_dim``
-      (``sequence_parallel=True``, output tokens split over tp) or all-reduced (``False``, output
-      replicated over tp).
+    * input: (B, N, in/tp), features split over tp (output of a column-parallel layer).
+    * output: partial sums over tp are reduce-scattered along the tokens (``sequence_parallel=
+      True``, output tokens split over tp) or all-reduced (``False``, output replicated over tp).
     """
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
-                 sequence_parallel: bool = True, seq_dim: int = 1, dtype=None, device=None):
-        super().__init__(in_features, out_features, groups, sequence_parallel, seq_dim)
+                 sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__(in_features, out_features, groups, sequence_parallel)
         tp = groups.tp_size
         check_divisible("in_features", in_features, "tensor_parallel", tp)
         self.weight = sharded_parameter((out_features, in_features // tp),
                                         ShardSpec((out_features, in_features), ("tp",), 1), ("cp",), dtype, device)
-        if bias:
-            self.bias = sharded_parameter((out_features,), ShardSpec((out_features,)),
-                                          _token_axes(sequence_parallel), dtype, device)
-        else:
-            self.register_parameter("bias", None)
+        self.bias = sharded_parameter((out_features,), ShardSpec((out_features,)), _token_axes(sequence_parallel),
+                                      dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups.tp_size == 1:  # nothing to reduce: the serial op, fused bias
             return self.local_linear(x, self.weight, self.bias)
         y = self.local_linear(x, self.weight, None)
         if self.sequence_parallel:
-            y = reduce_scatter_fwd_all_gather_bwd(y, self.groups.tp_group, self.seq_dim % y.dim())
+            y = reduce_scatter_fwd_all_gather_bwd(y, self.groups.tp_group, 1)
         else:
             y = all_reduce_fwd_identity_bwd(y, self.groups.tp_group)
         return y if self.bias is None else y + self.bias
@@ -489,11 +480,8 @@ class TokenShardedLayerNorm(nn.LayerNorm):
     (``("cp",)`` without sequence parallelism, where tp ranks hold the same tokens).
     """
 
-    def __init__(self, normalized_shape, groups: ParallelGroups, eps: float = 1e-5,
-                 elementwise_affine: bool = True, sequence_parallel: bool = True, dtype=None, device=None):
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, dtype=dtype,
-                         device=device)
-        self.sequence_parallel = sequence_parallel
+    def __init__(self, dim: int, eps: float = 1e-5, sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__(dim, eps=eps, dtype=dtype, device=device)
         mark_module_replicated(self, _token_axes(sequence_parallel))
 
 
@@ -510,7 +498,6 @@ class ParallelMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, groups: ParallelGroups, drop: float = 0.0,
                  sequence_parallel: bool = True, dtype=None, device=None):
         super().__init__()
-        check_divisible("mlp hidden dim", hidden_dim, "tensor_parallel", groups.tp_size)
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.fc1 = ColumnParallelLinear(dim, hidden_dim, groups, **kw)
         self.act = nn.GELU()
@@ -596,10 +583,10 @@ class ParallelBlock(nn.Module):
                  band_tokens: Optional[Sequence[int]] = None, dtype=None, device=None):
         super().__init__()
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        self.norm1 = TokenShardedLayerNorm(dim, groups, eps=eps, **kw)
+        self.norm1 = TokenShardedLayerNorm(dim, eps=eps, **kw)
         self.attn = ParallelAttention(dim, num_heads, groups, attn_drop=drop, proj_drop=drop,
                                       band_tokens=band_tokens, **kw)
-        self.norm2 = TokenShardedLayerNorm(dim, groups, eps=eps, **kw)
+        self.norm2 = TokenShardedLayerNorm(dim, eps=eps, **kw)
         self.mlp = ParallelMLP(dim, mlp_hidden_dim, groups, drop=drop, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -633,7 +620,7 @@ class ParallelPatchEmbed(nn.Module):
             raise ValueError(f"{names} = {chunks} bands exceed the {self.grid[0]} patch rows "
                              f"(img height {img_size[0]} / patch_size {patch_size}): every band needs a "
                              f"whole patch row; use at most {self.grid[0]} bands")
-        self.patch_size, self.chunks = patch_size, chunks
+        self.patch_size = patch_size
         self.rows = split_bounds(self.grid[0], chunks, index)  # this rank's patch rows [start, stop)
         self.local_grid = (self.rows[1] - self.rows[0], self.grid[1])
         self.num_patches = self.grid[0] * self.grid[1]

@@ -27,8 +27,6 @@ except for the two all-gathers, which take ``sizes`` (the length of every rank's
 group-rank order) for chunks of different lengths: each chunk is padded to the longest, gathered,
 and the padding dropped again; the backward gives each rank the gradient of its real chunk.
 
-Under ``torch.compile`` the mappings run eagerly, a graph break at each (``eager_apply``).
-
 ``group`` is a ``torch.distributed`` process group, ``None`` for the default (world) group as
 in torch.distributed, or ``distributed.groups.SINGLE_PROCESS`` (one process, no
 torch.distributed). Over any group of size 1 every mapping is the identity and nothing is

@@ -204,7 +204,7 @@ class ParallelViT(nn.Module):
             ParallelBlock(embed_dim, num_heads, mlp_hidden_dim, groups, drop=dropout, eps=eps,
                           band_tokens=lay.cp_band_tokens(), **kw)
             for _ in range(depth))
-        self.norm = TokenShardedLayerNorm(embed_dim, groups, eps=eps, **kw)
+        self.norm = TokenShardedLayerNorm(embed_dim, eps=eps, **kw)
         self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size, bias=head_bias, dtype=dtype,
                               device=device)
         mark_module_replicated(self.head, token_axes)
@@ -291,9 +291,6 @@ def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpo
                      eps=model.norm.eps, head_bias=model.head.bias is not None,
                      activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
                      dtype=ref.dtype, device=ref.device)
-    for name, norm in model.named_modules():  # same names in the sharded model
-        if isinstance(norm, nn.LayerNorm):
-            pm.get_submodule(name).eps = norm.eps
     load_serial_state_dict(pm, model.state_dict(), groups)
     pm.train(model.training)
     return pm

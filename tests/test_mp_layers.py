@@ -100,7 +100,7 @@ def _rank_main():
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "layernorm":
                         serial = nn.LayerNorm(E)
-                        par_fn = lambda m: TokenShardedLayerNorm(E, groups, **kw)  # noqa
+                        par_fn = lambda m: TokenShardedLayerNorm(E, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "block":
                         serial = Block(E, HEADS, mlp_ratio=HIDDEN / E)
