@@ -10,7 +10,6 @@ import torch
 from datapipe import generated_data
 from datapipe.formats import HYDRO_CHANNELS
 from networks.unet import UNet
-from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import UNetConfig
@@ -155,9 +154,6 @@ class CosmoTask(Task):
             up += 2 * cin * widths[i - 1] * k3 * side[i]**3
         last = 2 * (2 * widths[0]) * cfg.n_out_channels * k3 * side[0]**3
         return sum(down) + up + last, down[0]
-
-    def flops_per_sample(self) -> int:
-        return training_flops(*self.forward_flops())
 
     def from_reference(self, sd: dict, model) -> dict:
         """The tutorial model's weights ``sd`` under this model's names and layouts."""
