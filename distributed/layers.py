@@ -28,7 +28,7 @@ from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatte
                                   all_reduce_fwd_identity_bwd, eager_apply,
                                   identity_fwd_all_reduce_bwd, reduce_scatter_along,
                                   reduce_scatter_fwd_all_gather_bwd)
-from networks.vit import patch_grid
+from networks.vit import PatchEmbed
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -210,13 +210,10 @@ def serial_state_dict(module: nn.Module, groups: ParallelGroups, grads: bool = F
 # ---- gradient reduction of replicated parameters ----------------------------------------------
 
 def _reduce_key(param: nn.Parameter, groups: ParallelGroups) -> Optional[str]:
-    axes = {a for a in getattr(param, "reduce_over", ()) if groups.size(a) > 1}
-    if not axes:
-        return None
-    if axes == {"cp", "tp"}:
-        return "mp"  # the tp x cp group: one all-reduce instead of two
-    (axis,) = axes
-    return axis
+    """The group ``param``'s gradient is summed over: "mp" for both cp and tp (one all-reduce
+    instead of two), or None."""
+    axes = tuple(a for a in ("cp", "tp") if a in getattr(param, "reduce_over", ()) and groups.size(a) > 1)
+    return {("cp",): "cp", ("tp",): "tp", ("cp", "tp"): "mp"}.get(axes)
 
 
 def _all_reduce_coalesced(tensors, group, scale: Optional[float] = None):
@@ -594,7 +591,7 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class ParallelPatchEmbed(nn.Module):
+class ParallelPatchEmbed(PatchEmbed):
     """Patch embedding of the rank's band of image rows.
 
     The ``H/p`` patch rows are cut into one band of whole rows per chunk of ``band_axes`` (outer
@@ -610,9 +607,9 @@ class ParallelPatchEmbed(nn.Module):
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,
                  band_axes: Sequence[str] = ("cp", "tp"), reduce_over: Optional[Sequence[str]] = None, dtype=None,
                  device=None):
-        super().__init__()
+        super().__init__(img_size, patch_size, in_chans, embed_dim)
+        self.proj.to(dtype=dtype, device=device)
         self.band_axes = tuple(band_axes)
-        self.grid = patch_grid(img_size, patch_size)
         chunks, index = axes_index(groups, self.band_axes)
         if chunks > self.grid[0]:
             names = " x ".join(f"{'context_parallel' if a == 'cp' else 'tensor_parallel'}={groups.size(a)}"
@@ -623,10 +620,7 @@ class ParallelPatchEmbed(nn.Module):
         self.patch_size = patch_size
         self.rows = split_bounds(self.grid[0], chunks, index)  # this rank's patch rows [start, stop)
         self.local_grid = (self.rows[1] - self.rows[0], self.grid[1])
-        self.num_patches = self.grid[0] * self.grid[1]
         self.local_num_patches = self.local_grid[0] * self.local_grid[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size,
-                              dtype=dtype, device=device)
         mark_module_replicated(self.proj, self.band_axes if reduce_over is None else reduce_over)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -635,4 +629,4 @@ class ParallelPatchEmbed(nn.Module):
         if tuple(x.shape[-2:]) != want:
             raise ValueError(f"expected this rank's band of {want[0]} image rows x {want[1]} columns "
                              f"(use shard_image), got spatial shape {tuple(x.shape[-2:])}")
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, C, rows, W) -> (B, band tokens, E)
+        return super().forward(x)  # (B, C, rows, W) -> (B, band tokens, E)

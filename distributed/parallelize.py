@@ -4,9 +4,9 @@ The image is cut into bands of whole patch rows, over cp and, with row bands, ov
 :func:`token_layout` picks how each cp band's tokens are split over tp (the engine logs which).
 docs/parallelism.md ("How model parallelism works") tells the whole layout, and which
 parameters are split or replicated over which axes. The sharded model has the serial parameter
-names: ``serial_state_dict`` / ``load_serial_state_dict`` (and ``tensors_to_serial`` /
-``tensors_from_serial`` for optimizer moments) convert to and from the serial layout, for any
-tp/cp. Dropout on sharded activations needs a different random stream per rank: seed each rank
+names: ``distributed.layers``' ``serial_state_dict`` / ``load_serial_state_dict`` (and
+``tensors_to_serial`` / ``tensors_from_serial`` for optimizer moments) convert to and from the
+serial layout, for any tp/cp. Dropout on sharded activations needs a different random stream per rank: seed each rank
 differently *after* ``parallelize_vit`` (the weights come from the serial model).
 """
 from dataclasses import dataclass
@@ -20,14 +20,9 @@ from torch.utils.checkpoint import checkpoint
 from distributed.groups import ParallelGroups
 from distributed.layers import (ParallelBlock, ParallelPatchEmbed, ReplicatedDropout, ShardSpec,
                                 TokenShardedLayerNorm, check_divisible, load_serial_state_dict,
-                                mark_module_replicated, serial_state_dict, sharded_parameter,
-                                split_bounds, tensors_from_serial, tensors_to_serial)
+                                mark_module_replicated, sharded_parameter, split_bounds)
 from distributed.mappings import all_gather_fwd_split_bwd, all_reduce_fwd_identity_bwd
 from networks.vit import patch_grid, tokens_to_image
-
-__all__ = ["ParallelViT", "parallelize_vit", "validate_vit_layout", "TokenLayout", "token_layout",
-           "sequence_parallel_summary", "sharded_loss", "serial_state_dict", "load_serial_state_dict",
-           "tensors_to_serial", "tensors_from_serial"]
 
 
 @dataclass(frozen=True)
@@ -180,34 +175,37 @@ class ParallelViT(nn.Module):
     which axes: docs/parallelism.md ("Replicated parameters and their gradients").
     """
 
-    def __init__(self, img_size, patch_size: int, in_chans: int, out_chans: int, embed_dim: int, depth: int,
-                 num_heads: int, mlp_hidden_dim: int, groups: ParallelGroups, dropout: float = 0.0,
-                 eps: float = 1e-5, head_bias: bool = True, activation_checkpointing: bool = False,
-                 sequence_parallel: bool = True, dtype=None, device=None):
+    def __init__(self, model: nn.Module, groups: ParallelGroups, activation_checkpointing: bool,
+                 sequence_parallel: bool):
         super().__init__()
-        lay = validate_vit_layout(img_size, patch_size, embed_dim, num_heads, mlp_hidden_dim, groups,
-                                  sequence_parallel)
+        ref, blocks = model.pos_embed, model.blocks
+        embed_dim, p = ref.shape[-1], model.patch_size
+        num_heads = blocks[0].attn.num_heads if len(blocks) else 1
+        hidden = blocks[0].mlp.fc1.out_features if len(blocks) else embed_dim
+        lay = validate_vit_layout(model.img_size, p, embed_dim, num_heads, hidden, groups, sequence_parallel)
         self.groups, self.layout = groups, lay
-        self.img_size, self.patch_size, self.out_chans = tuple(img_size), patch_size, out_chans
+        self.img_size, self.patch_size, self.out_chans = model.img_size, p, model.out_chans
         self.activation_checkpointing = activation_checkpointing
-        sp = lay.sequence_parallel
+        sp, dropout, eps = lay.sequence_parallel, model.pos_drop.p, model.norm.eps
         token_axes = ("cp", "tp") if sp else ("cp",)  # the axes whose ranks hold other tokens
-        kw = dict(sequence_parallel=sp, dtype=dtype, device=device)
-        self.patch_embed = ParallelPatchEmbed(img_size, patch_size, in_chans, embed_dim, groups, dtype=dtype,
-                                              device=device, band_axes=lay.band_axes, reduce_over=token_axes)
-        n = self.patch_embed.num_patches
+        kw = dict(sequence_parallel=sp, dtype=ref.dtype, device=ref.device)
+        self.patch_embed = ParallelPatchEmbed(model.img_size, p, model.patch_embed.proj.in_channels, embed_dim,
+                                              groups, band_axes=lay.band_axes, reduce_over=token_axes,
+                                              dtype=ref.dtype, device=ref.device)
         self.pos_embed = sharded_parameter((1, self.patch_embed.local_num_patches, embed_dim),
-                                           ShardSpec((1, n, embed_dim), lay.band_axes, 1, unit=lay.cols),
-                                           ("tp",) if lay.padded else (), dtype, device)
+                                           ShardSpec(tuple(ref.shape), lay.band_axes, 1, unit=lay.cols),
+                                           ("tp",) if lay.padded else (), ref.dtype, ref.device)
         self.pos_drop = ReplicatedDropout(dropout, groups, sp)
         self.blocks = nn.ModuleList(
-            ParallelBlock(embed_dim, num_heads, mlp_hidden_dim, groups, drop=dropout, eps=eps,
+            ParallelBlock(embed_dim, num_heads, hidden, groups, drop=dropout, eps=eps,
                           band_tokens=lay.cp_band_tokens(), **kw)
-            for _ in range(depth))
+            for _ in blocks)
         self.norm = TokenShardedLayerNorm(embed_dim, eps=eps, **kw)
-        self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size, bias=head_bias, dtype=dtype,
-                              device=device)
+        self.head = nn.Linear(embed_dim, model.head.out_features, bias=model.head.bias is not None,
+                              dtype=ref.dtype, device=ref.device)
         mark_module_replicated(self.head, token_axes)
+        load_serial_state_dict(self, model.state_dict(), groups)
+        self.train(model.training)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -281,19 +279,7 @@ def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpo
     """
     if activation_checkpointing is None:
         activation_checkpointing = bool(getattr(model, "activation_checkpointing", False))
-    ref = model.pos_embed
-    blk = model.blocks[0] if len(model.blocks) else None
-    embed_dim = ref.shape[-1]
-    num_heads = blk.attn.num_heads if blk is not None else 1
-    mlp_hidden = blk.mlp.fc1.out_features if blk is not None else embed_dim
-    pm = ParallelViT(model.img_size, model.patch_size, model.patch_embed.proj.in_channels, model.out_chans,
-                     embed_dim, len(model.blocks), num_heads, mlp_hidden, groups, dropout=model.pos_drop.p,
-                     eps=model.norm.eps, head_bias=model.head.bias is not None,
-                     activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
-                     dtype=ref.dtype, device=ref.device)
-    load_serial_state_dict(pm, model.state_dict(), groups)
-    pm.train(model.training)
-    return pm
+    return ParallelViT(model, groups, activation_checkpointing, sequence_parallel)
 
 
 def sharded_loss(loss_fn, pred: torch.Tensor, target: torch.Tensor, groups: ParallelGroups,

@@ -192,11 +192,11 @@ def _rank_main():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distributed.groups import build_groups
-    from distributed.layers import reduce_replicated_grad_shards, replicated_grads_comm_hook
+    from distributed.layers import (load_serial_state_dict, reduce_replicated_grad_shards, replicated_grads_comm_hook,
+                                    serial_state_dict, tensors_from_serial, tensors_to_serial)
     from distributed.mappings import all_gather_along
-    from distributed.parallelize import (load_serial_state_dict, serial_state_dict, sharded_loss, tensors_from_serial,
-                                         tensors_to_serial)
     from distributed.parallelize import parallelize_vit as _parallelize
+    from distributed.parallelize import sharded_loss
     from tasks.losses import RelativeL2
     from engine.sharding import RowBandSharding
 
@@ -497,8 +497,8 @@ def test_invalid_layouts(vit, tp, cp, message):
 def test_single_process_parallelize_is_serial():
     """Without torch.distributed (world 1) the parallel model is the serial one, bit for bit."""
     from distributed.groups import SINGLE_PROCESS, build_groups
-    from distributed.layers import reduce_replicated_grad_shards
-    from distributed.parallelize import parallelize_vit, serial_state_dict, sharded_loss
+    from distributed.layers import reduce_replicated_grad_shards, serial_state_dict
+    from distributed.parallelize import parallelize_vit, sharded_loss
     from tasks.losses import RelativeL2
 
     groups = build_groups()
