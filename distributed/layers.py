@@ -283,17 +283,13 @@ def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) 
 # ---- linear layers ----------------------------------------------------------------------------
 
 class _AllGatherLinear(torch.autograd.Function):
-    """``F.linear(all_gather(x, dim), w, b)`` that keeps only the local ``x`` for backward.
-
-    Forward: all-gather ``x`` along ``dim`` over ``group``, then the linear map.
-    Backward: grad_x = reduce-scatter(grad @ w) along ``dim``; grad_w needs the gathered input,
-    which is all-gathered again instead of being stored (Megatron-style sequence parallelism),
-    so the saved activation is 1/tp of the gathered one.
+    """``F.linear(all_gather(x, dim), w, b)`` over ``group`` that keeps only the local ``x`` for
+    backward (Megatron-style sequence parallelism): grad_x = reduce-scatter(grad @ w), and the
+    gathered input grad_w needs is all-gathered again, so the saved activation is 1/tp of it.
 
     Under autocast ``x`` (the fp32 LayerNorm output) is cast to the autocast dtype *before* it
-    is saved and gathered: ``F.linear`` would cast the gathered tensor to that dtype anyway, so
-    the result is the same bit for bit, while the saved slice and both all-gathers take half the
-    bytes. ``grad_x`` is returned in ``x``'s own dtype.
+    is saved and gathered, as ``F.linear`` would cast the gathered tensor: the same result bit
+    for bit, half the bytes saved and sent. ``grad_x`` is returned in ``x``'s own dtype.
     """
 
     @staticmethod
@@ -483,13 +479,10 @@ class TokenShardedLayerNorm(nn.LayerNorm):
 
 
 class ParallelMLP(nn.Module):
-    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp.
-
-    Input/output tokens: split over cp, and over tp with sequence parallelism. ``fc1.weight``
-    (hidden/tp, E), ``fc1.bias`` (hidden/tp), ``fc2.weight`` (E, hidden/tp) are split over tp
-    and replicated over cp; ``fc2.bias`` is replicated over cp (and tp when sequence parallel).
-    The hidden activation's dropout (``drop``, split over tp) uses each rank's own stream, the
-    output's (``out_drop``) is a :class:`ReplicatedDropout`.
+    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp
+    (the linears say which of their parameters are split or replicated). The hidden activation's
+    dropout (``drop``, split over tp) uses each rank's own stream, the output's (``out_drop``)
+    is a :class:`ReplicatedDropout`.
     """
 
     def __init__(self, dim: int, hidden_dim: int, groups: ParallelGroups, drop: float = 0.0,
@@ -510,18 +503,14 @@ class ParallelAttention(nn.Module):
     """Multi-head self-attention with heads split over tp and tokens split over cp.
 
     * ``qkv`` (column-parallel, [q | k | v] stacked): tp rank r holds heads
-      ``[r*H/tp, (r+1)*H/tp)`` of q, k and v: weight (3E/tp, E), bias (3E/tp); replicated over cp.
+      ``[r*H/tp, (r+1)*H/tp)`` of q, k and v; ``proj`` is row-parallel.
     * queries stay on the rank's cp band; keys and values of the local heads are all-gathered
-      over cp (backward: their gradients are reduce-scattered back) so every query sees all
-      ``N`` tokens.
-    * ``proj`` (row-parallel): weight (E, E/tp) split over tp, replicated over cp; bias replicated.
+      over cp (their gradients reduce-scattered back), so every query sees all ``N`` tokens.
     * input/output: this rank's tokens, (B, n/tp, E) with sequence parallelism ((B, n, E)
       without), ``n`` the tokens of its cp band (padding included).
     * ``band_tokens``: the real tokens of every cp band, in cp-rank order (``None``: all tokens
-      are real and the bands equal). Tokens of a band beyond its real ones are padding (padded
-      sequence parallelism, see ``distributed.parallelize``): they are never keys or values.
-      Bands of different lengths are padded to the longest for the K/V all-gather and the
-      padding dropped after it.
+      are real and the bands equal); the padding beyond them (padded sequence parallelism) is
+      never a key or value.
     """
 
     def __init__(self, dim: int, num_heads: int, groups: ParallelGroups, attn_drop: float = 0.0,
@@ -568,12 +557,8 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """Pre-norm block ``x + attn(norm1(x))``, ``x + mlp(norm2(x))`` on token-sharded ``x``.
-
-    The residual stream, LayerNorms and dropouts act on the rank's own tokens
-    (``N/(cp*tp)`` of them with sequence parallelism); see the attention/MLP/LayerNorm classes
-    for what is split or replicated.
-    """
+    """Pre-norm block ``x + attn(norm1(x))``, ``x + mlp(norm2(x))`` on the rank's own tokens
+    (``N/(cp*tp)`` with sequence parallelism); its layers say what is split or replicated."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden_dim: int, groups: ParallelGroups,
                  drop: float = 0.0, eps: float = 1e-5, sequence_parallel: bool = True,
@@ -592,16 +577,12 @@ class ParallelBlock(nn.Module):
 
 
 class ParallelPatchEmbed(PatchEmbed):
-    """Patch embedding of the rank's band of image rows.
-
-    The ``H/p`` patch rows are cut into one band of whole rows per chunk of ``band_axes`` (outer
-    to inner, :func:`axes_index`; lengths differ by at most one row, :func:`split_bounds`): with
-    ``("cp", "tp")`` band ``cp_rank * tp + tp_rank``, with ``("cp",)`` band ``cp_rank`` (every tp
-    rank of a cp rank embeds the same band). Input: the band's image rows at full width
-    (``rows``, in patch rows); output: its tokens ``(B, band rows * W/p, E)``, a contiguous token
-    range of the serial model. ``proj`` is whole on every rank; its gradient is summed over
-    ``reduce_over``: by default ``band_axes``, the ranks that see other bands (padded sequence
-    parallelism: ``("cp", "tp")``, each tp rank keeps another chunk of the band's tokens).
+    """Patch embedding of the rank's band of image rows: the ``H/p`` patch rows are cut into one
+    band of whole rows per chunk of ``band_axes`` (:func:`axes_index`, :func:`split_bounds`; with
+    ``("cp",)`` every tp rank of a cp rank embeds the same band). Input: the band's image rows at
+    full width (``rows``, in patch rows); output: its tokens ``(B, band rows * W/p, E)``, a
+    contiguous token range of the serial model. ``proj`` is whole on every rank, its gradient
+    summed over ``reduce_over`` (by default ``band_axes``: the ranks that see other bands).
     """
 
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,

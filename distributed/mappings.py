@@ -23,14 +23,11 @@ differently (e.g. K/V of all tokens against local queries), hence the different 
 
 Chunks are in group-rank order: rank r of a group of size n holds ``[r*c, (r+1)*c)`` of a
 dimension of length ``n*c``. Sizes must divide evenly (a ``ValueError`` says which dimension),
-except for the two all-gathers, which take ``sizes`` (the length of every rank's chunk, in
-group-rank order) for chunks of different lengths: each chunk is padded to the longest, gathered,
-and the padding dropped again; the backward gives each rank the gradient of its real chunk.
+except for the two all-gathers, which take ``sizes`` (every rank's chunk length, in group-rank
+order) for chunks of different lengths: padded to the longest, gathered, the padding dropped.
 
-``group`` is a ``torch.distributed`` process group, ``None`` for the default (world) group as
-in torch.distributed, or ``distributed.groups.SINGLE_PROCESS`` (one process, no
-torch.distributed). Over any group of size 1 every mapping is the identity and nothing is
-communicated.
+``group`` is a process group, ``None`` for the default group (as in torch.distributed), or
+``distributed.groups.SINGLE_PROCESS``; over a group of size 1 every mapping is the identity.
 The plain ``all_reduce``, ``all_gather_along``, ``reduce_scatter_along`` and ``split_along``
 serve layers with hand-written backward passes.
 """
@@ -40,17 +37,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distributed.groups import SingleProcessGroup
-
 
 def group_size(group) -> int:
     """Number of ranks in ``group`` (``None``: the default group, as in torch.distributed)."""
-    return 1 if isinstance(group, SingleProcessGroup) else dist.get_world_size(group)
+    return dist.get_world_size() if group is None else group.size()
 
 
 def group_rank(group) -> int:
     """This process's rank within ``group``."""
-    return 0 if isinstance(group, SingleProcessGroup) else dist.get_rank(group)
+    return dist.get_rank() if group is None else group.rank()
 
 
 def _chunk_len(x: torch.Tensor, dim: int, n: int) -> int:

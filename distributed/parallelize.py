@@ -37,9 +37,8 @@ class TokenLayout:
     * ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
       ``pad_of(c)`` zero tokens to a multiple of tp, are cut into tp equal chunks.
 
-    Over cp the bands may differ by one patch row, longer first. ``band_tokens``,
-    ``local_tokens`` and ``pad`` are those of band 0, a longest one; the ``*_of`` methods give
-    every band's.
+    ``band_tokens``, ``local_tokens`` and ``pad`` are those of band 0, a longest one (over cp the
+    bands may differ by one patch row); the ``*_of`` methods give every band's.
     """
 
     sequence_parallel: bool
@@ -101,16 +100,11 @@ class TokenLayout:
 
 
 def token_layout(img_size, patch_size: int, tp: int, cp: int, sequence_parallel: bool = True) -> TokenLayout:
-    """The :class:`TokenLayout` of a ViT image at ``tp`` x ``cp``.
-
-    Tokens are always split over cp in whole patch rows, in bands that differ by at most one row
-    (``ValueError`` when cp exceeds the patch rows). With ``sequence_parallel`` and tp > 1 they
-    are further split over tp: in whole patch rows when tp x cp divides the rows, else in equal
-    chunks of each cp band's tokens padded with zero tokens to a multiple of tp (e.g. 360 x 720
-    at patch 8, tp = 4: 45 rows, 4050 tokens, 2 pad tokens, 1013 per rank).
-    ``sequence_parallel=False``: split over cp only, every tp rank of a cp rank holds the same
-    tokens (plain Megatron tensor parallelism).
-    """
+    """The :class:`TokenLayout` of a ViT image at ``tp`` x ``cp``: tokens split over cp in bands
+    of whole patch rows (``ValueError`` when cp exceeds the patch rows) and, with
+    ``sequence_parallel`` and tp > 1, over tp: in whole rows when tp x cp divides the rows, else
+    padded (360 x 720 at patch 8, tp = 4: 45 rows, 4050 tokens, 2 pad tokens, 1013 per rank).
+    Without, every tp rank of a cp rank holds the same tokens (plain Megatron)."""
     rows = patch_grid(img_size, patch_size)[0]
     if cp > rows:
         raise ValueError(
