@@ -71,9 +71,7 @@ class CosmoTask(Task):
         return torch.channels_last_3d, f"memory_format auto: {self.cfg.amp_mode} on a GPU"
 
     def compile_options(self, memory_format: torch.memory_format) -> dict:
-        if memory_format == torch.channels_last_3d:
-            return CHANNELS_LAST_COMPILE_OPTIONS or {}
-        return {}
+        return (CHANNELS_LAST_COMPILE_OPTIONS or {}) if memory_format == torch.channels_last_3d else {}
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by
