@@ -81,12 +81,11 @@ class ShardSpec:
     """How a local parameter relates to the serial parameter of the same name.
 
     ``axes == ()``: replicated (the local tensor is the serial tensor). Otherwise the serial
-    tensor, viewed as ``view`` (or as is when ``view`` is None), is cut along ``dim`` into
-    ``prod(size(a) for a in axes)`` contiguous chunks of whole units of ``unit`` elements, whose
-    lengths differ by at most one unit (:func:`split_bounds`): equal chunks when they divide, as
-    for weights split over tp; ``unit`` = patch columns cuts tokens in whole patch rows. ``axes``
-    go from outer to inner, so with ``("cp", "tp")`` the rank keeps chunk ``cp_rank * tp +
-    tp_rank``. With a ``view`` the chunk is reshaped to ``(-1, *full_shape[1:])``.
+    tensor, viewed as ``view`` (if given), is cut along ``dim`` into ``prod(size(a) for a in
+    axes)`` contiguous chunks of whole units of ``unit`` elements, whose lengths differ by at
+    most one unit (:func:`split_bounds`; ``unit`` = patch columns cuts tokens in whole patch
+    rows), the rank's chosen by :func:`axes_index`. With a ``view`` the chunk is reshaped to
+    ``(-1, *full_shape[1:])``.
     """
 
     full_shape: Tuple[int, ...]
@@ -318,10 +317,9 @@ class _AllGatherLinear(torch.autograd.Function):
 
 
 class _ParallelLinear(nn.Module):
-    """What column- and row-parallel linears share: building one from a serial ``nn.Linear``,
-    and the matmul of this rank's slice, ``local_linear(x, weight, bias)``: ``F.linear``, or
-    another function of the same contract put in its place (the fp8 matmul of
-    ``engine.fp8_linears``); the collectives around it stay the layer's."""
+    """What column- and row-parallel linears share: the matmul of this rank's slice,
+    ``local_linear(x, weight, bias)``: ``F.linear``, or another function of the same contract put
+    in its place (the fp8 matmul of ``engine.fp8_linears``); the collectives stay the layer's."""
 
     local_linear = staticmethod(F.linear)
 
@@ -329,15 +327,6 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         self.groups, self.sequence_parallel = groups, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, groups: ParallelGroups, **kwargs):
-        """This rank's slice of ``linear`` (same in/out features, bias and dtype)."""
-        p = linear.weight
-        m = cls(linear.in_features, linear.out_features, groups, bias=linear.bias is not None,
-                dtype=p.dtype, device=p.device, **kwargs)
-        load_serial_state_dict(m, linear.state_dict(), groups)
-        return m
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -375,9 +364,8 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.local_linear is F.linear:
                 # its forward and backward call collectives: kept out of torch.compile's graphs
                 return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, 1)
-            # Another matmul (fp8): the tokens gathered over tp (backward: reduce-scattered) in
-            # the autocast dtype, as _AllGatherLinear gathers them; the matmul keeps the
-            # gathered input for its backward, not only this rank's slice.
+            # Another matmul (fp8): the tokens gathered in the autocast dtype as _AllGatherLinear
+            # does, but the matmul keeps the gathered input for backward, not this rank's slice.
             if torch.is_autocast_enabled(x.device.type):
                 x = x.to(torch.get_autocast_dtype(x.device.type))
             x = all_gather_fwd_reduce_scatter_bwd(x, tp_group, 1)
@@ -431,12 +419,10 @@ class RowParallelLinear(_ParallelLinear):
 class ReplicatedDropout(nn.Dropout):
     """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``).
 
-    Ranks draw from different random streams (they are seeded per rank for the sharded
-    activations), so with ``tp > 1`` and no sequence parallelism tp rank 0 draws the keep-mask
-    and broadcasts it over tp (1 byte per element): every tp rank drops the same elements and
-    the copies stay identical. Under activation checkpointing the recomputation draws and
-    broadcasts the same mask again (the per-rank RNG state is restored). Otherwise, and in eval
-    mode, it is ``nn.Dropout``.
+    Ranks draw from different random streams (seeded per rank for the sharded activations), so
+    with ``tp > 1`` and no sequence parallelism tp rank 0 draws the keep-mask and broadcasts it
+    over tp: the copies stay identical. Activation checkpointing's recomputation draws the same
+    mask again (the RNG state is restored). Otherwise, and in eval mode, it is ``nn.Dropout``.
     """
 
     def __init__(self, p: float, groups: ParallelGroups, sequence_parallel: bool = True):

@@ -165,17 +165,13 @@ class _Mapping(torch.autograd.Function):
         return ctx.bwd(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-# Under torch.compile dynamo would trace the collectives these Functions (and _AllGatherLinear in
-# distributed.layers) call into the compiled graphs, and the collective order would become each
-# rank's own compiled schedule, where every rank of a group must issue the same collectives in
-# the same order. So each is applied through eager_apply: a graph break, the Function (and its
-# backward) run eagerly, the compute between them compiled. The DL4SCI25 reference decorates its
-# mapping helpers the same way.
-
 @torch.compiler.disable
 def eager_apply(fn, *args):
-    """``fn.apply(*args)`` for an autograd Function ``fn`` that calls collectives, always run
-    eagerly: under ``torch.compile`` a graph break, not a traced collective (see above)."""
+    """``fn.apply(*args)`` for an autograd Function ``fn`` that calls collectives (these mappings,
+    ``distributed.layers._AllGatherLinear``), always run eagerly. Traced by torch.compile, the
+    collective order would become each rank's own compiled schedule, where every rank of a group
+    must issue the same collectives in the same order; so a graph break, the Function and its
+    backward eager, the compute between them compiled (the DL4SCI25 reference does the same)."""
     return fn.apply(*args)
 
 

@@ -278,14 +278,10 @@ def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpo
 
 def sharded_loss(loss_fn, pred: torch.Tensor, target: torch.Tensor, groups: ParallelGroups,
                  layout: TokenLayout) -> torch.Tensor:
-    """The per-sample (B,) loss ``loss_fn`` of whole images, from this rank's bands of them.
-
-    ``loss_fn`` is the task's loss (``tasks.losses.PartialSumLoss``: ``partial_sums`` then
-    ``finish``). Each rank's per-sample partial sums are added over the ranks holding other bands
-    with ``all_reduce_fwd_identity_bwd``: the replica (tp x cp) with row bands, cp only otherwise
-    (the tp ranks hold the same band). ``finish`` then gives the serial loss on every rank, and
-    each rank's gradient is that of its band.
-    """
+    """The per-sample (B,) loss ``loss_fn`` (``tasks.losses.PartialSumLoss``) of whole images,
+    from this rank's bands of them: the partial sums added over the ranks holding other bands
+    (the replica with row bands, else cp), then finished: the serial loss on every rank, each
+    rank's gradient that of its band."""
     sums = loss_fn.partial_sums(pred, target)  # (B, K): this band's share of each sample's sums
     sums = all_reduce_fwd_identity_bwd(sums, groups.mp_group if layout.row_bands else groups.cp_group)
     return loss_fn.finish(sums)

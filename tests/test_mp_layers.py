@@ -143,10 +143,12 @@ def _column_under_autocast(groups, tp, cp):
     float32 like its input, and output and gradients match within bf16 rounding."""
     import torch.nn as nn
 
-    from distributed.layers import ColumnParallelLinear, reduce_replicated_grad_shards, serial_state_dict
+    from distributed.layers import (ColumnParallelLinear, load_serial_state_dict, reduce_replicated_grad_shards,
+                                    serial_state_dict)
 
     serial = _randomize(nn.Linear(E, HIDDEN), 7)
-    par = ColumnParallelLinear.from_serial(serial, groups, sequence_parallel=True)
+    par = ColumnParallelLinear(E, HIDDEN, groups, sequence_parallel=True)
+    load_serial_state_dict(par, serial.state_dict(), groups)
     X = _rand((B, N, E), 8, torch.float32).requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         Y = serial(X)
