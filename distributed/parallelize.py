@@ -6,8 +6,9 @@ docs/parallelism.md ("How model parallelism works") tells the whole layout, and 
 parameters are split or replicated over which axes. The sharded model has the serial parameter
 names: ``distributed.layers``' ``serial_state_dict`` / ``load_serial_state_dict`` (and
 ``tensors_to_serial`` / ``tensors_from_serial`` for optimizer moments) convert to and from the
-serial layout, for any tp/cp. Dropout on sharded activations needs a different random stream per rank: seed each rank
-differently *after* ``parallelize_vit`` (the weights come from the serial model).
+serial layout, for any tp/cp. Dropout on sharded activations needs a different random stream
+per rank: seed each rank differently *after* ``parallelize_vit`` (the weights come from the
+serial model).
 """
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
