@@ -10,7 +10,6 @@ import torch
 from datapipe import generated_data
 from datapipe.formats import HYDRO_CHANNELS
 from networks.unet import UNet
-from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import UNetConfig
@@ -73,9 +72,7 @@ class CosmoTask(Task):
         return torch.channels_last_3d, f"memory_format auto: {self.cfg.amp_mode} on a GPU"
 
     def compile_options(self, memory_format: torch.memory_format) -> dict:
-        if memory_format == torch.channels_last_3d:
-            return CHANNELS_LAST_COMPILE_OPTIONS or {}
-        return {}
+        return (CHANNELS_LAST_COMPILE_OPTIONS or {}) if memory_format == torch.channels_last_3d else {}
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by
@@ -159,9 +156,6 @@ class CosmoTask(Task):
             up += 2 * cin * widths[i - 1] * k3 * side[i]**3
         last = 2 * (2 * widths[0]) * cfg.n_out_channels * k3 * side[0]**3
         return sum(down) + up + last, down[0]
-
-    def flops_per_sample(self) -> int:
-        return training_flops(*self.forward_flops())
 
     def from_reference(self, sd: dict, model) -> dict:
         """The tutorial model's weights ``sd`` under this model's names and layouts."""

@@ -8,7 +8,6 @@ from datapipe import generated_data
 from datapipe.era5_data import load_stats
 from datapipe.formats import ERA5_CHANNELS
 from networks.vit import ViT
-from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import ViTConfig
@@ -132,9 +131,6 @@ class ERA5Task(Task):
                  + 2 * n * e * hidden * 2)  # fc1 and fc2
         head = 2 * n * e * cfg.n_out_channels * p * p
         return embed + cfg.depth * block + head, embed
-
-    def flops_per_sample(self) -> int:
-        return training_flops(*self.forward_flops())
 
     def from_reference(self, sd: dict, model) -> dict:
         """The tutorial model's weights ``sd`` under this model's names and layouts."""

@@ -19,12 +19,8 @@ def _sum_dtype(x: torch.Tensor) -> torch.dtype:
 
 class PartialSumLoss:
     """A per-sample loss ``finish(partial_sums(pred, target))``: (B, ...) -> (B,).
-
-    ``partial_sums(pred, target) -> (B, K)``: K sums over the given values of each sample, in at
-    least float32, such that the sums of two disjoint parts of a sample add up to those of their
-    union (sums of values, counts of values; not means). ``finish(sums) -> (B,)``: the loss from
-    the sums over a whole sample.
-    """
+    ``partial_sums -> (B, K)``: K sums of each sample's values (sums, counts; not means), in at
+    least float32, that add up over disjoint parts of a sample; ``finish``: the loss from them."""
 
     def partial_sums(self, pred: torch.Tensor, target: torch.Tensor, rows=None) -> torch.Tensor:
         """``rows``: (start, stop), the image rows of a band (None: whole images)."""

@@ -96,11 +96,9 @@ def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
 
 
 def unet_halo(levels: int) -> int:
-    """The smallest halo, a multiple of 2^levels, that makes tiles exact for the U-Net of
-    ``networks.unet`` (4^3 kernels of stride 2 and padding 1, ``levels`` levels, skip
-    connections): the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond
-    it (``tests/test_scoring.py`` perturbs the input voxels to check it), rounded up to whole
-    2^levels: 64 for 5 levels, 128 for 6."""
+    """The smallest halo, a multiple of 2^levels, that makes tiles exact for ``networks.unet``:
+    the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond it
+    (``tests/test_scoring.py`` checks it), rounded up to whole 2^levels: 64 for 5 levels."""
     return 2 * 2**levels
 
 
