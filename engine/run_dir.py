@@ -25,7 +25,7 @@ from engine import checkpoint
 from engine.runtime import Runtime
 from observe.logging_utils import setup_logging
 from settings.parse import dump, load_yaml_configs
-from settings.errors import ConfigError
+from settings.errors import ConfigError, on_every_rank
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config
@@ -83,7 +83,7 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
         try:
             choice = [_claim_run(cfg, rt.world_size)]
         except ConfigError as e:
-            choice = [e]  # every rank raises it
+            choice = [on_every_rank(e)]
     if rt.distributed:
         dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], ConfigError):

@@ -12,6 +12,8 @@ import glob
 import logging
 import os
 import re
+import shlex
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +24,7 @@ from distributed.groups import ParallelGroups, build_groups, validate_parallel_c
 from distributed.parallelize import validate_vit_layout
 from engine import fp8_linears
 from engine.optimizer import check_end
-from settings.errors import ConfigError
+from settings.errors import ConfigError, UserError, on_every_rank
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config, ViTConfig
@@ -58,18 +60,18 @@ class Runtime:
             dist.all_reduce(t, group=self.dp_group)
         return t
 
-    def first_failure(self, failure) -> str | None:
-        """Collective on all ranks (host group): the first of the ranks' ``failure`` (``(rank,
-        line)`` or None) as the line every rank raises (``rank N: ...`` under several ranks), or
-        None: a rank that raised alone would leave the others waiting in their next collective."""
+    def raise_first_failure(self, failure, kind: type[UserError]):
+        """Collective on all ranks (host group): raise ``kind`` of the first of the ranks'
+        ``failure`` (``(rank, line)`` or None; ``rank N: line`` under several ranks) on every
+        rank, which rank 0 alone prints; return when none failed. (A rank that raised alone
+        would leave the others waiting in their next collective.)"""
         if self.distributed:
             outcomes = [None] * self.world_size
             dist.all_gather_object(outcomes, failure, group=self.host_group)
             failure = next((f for f in outcomes if f is not None), None)
-        if failure is None:
-            return None
-        rank, line = failure
-        return f"rank {rank}: {line}" if self.distributed else line
+        if failure is not None:
+            rank, line = failure
+            raise on_every_rank(kind(f"rank {rank}: {line}" if self.distributed else line))
 
     def barrier(self):
         if self.distributed:
@@ -210,6 +212,10 @@ def check_model_parallel(cfg: ViTConfig, world: int):
     """tp x cp x dp == world size and a ViT that shards over them, checked before any rank
     joins a process group."""
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
+    if world == 1:  # (started with python, not torchrun)
+        raise ConfigError(f"tensor_parallel={tp} x context_parallel={cp} splits each model over "
+                          f"{tp * cp} ranks, and this is one process: start them with torchrun: "
+                          f"torchrun --nproc_per_node {tp * cp} {shlex.join(sys.argv)}")
     if cfg.noddp:
         raise ConfigError("noddp turns off the data-parallel gradient all-reduce for timing; it "
                           "cannot be combined with tensor_parallel/context_parallel")
@@ -238,26 +244,29 @@ def new_host_group(timeout: datetime.timedelta):
 
 
 def setup_runtime(cfg: Config) -> Runtime:
-    world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     device = choose_device(cfg, local_rank)
     configure_cuda(cfg, device)
-    check_amp(cfg, device)
     fp8_linears.check(getattr(cfg, "fp8_linears", "none"), device)  # torchao, the GPU's fp8
     tp = getattr(cfg, "tensor_parallel", 1)
     cp = getattr(cfg, "context_parallel", 1)
     sharded = tp * cp > 1
-    if sharded:
-        check_model_parallel(cfg, world)
-    # Checked before any process group exists, so every rank fails at once with the same message.
-    local_batch, global_batch = batch_sizes(cfg, world // (tp * cp))
-    check_end(cfg.lr, cfg.end_lr, global_batch, cfg.base_batch_size, cfg.lr_scaling)
-    if world > 1 and not dist.is_initialized():
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            if var not in os.environ:
+    # Checked before any process group exists, so every rank fails at once with the same
+    # message, which rank 0 alone prints (``every_rank``).
+    try:
+        world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+        check_amp(cfg, device)
+        if sharded:
+            check_model_parallel(cfg, world)
+        local_batch, global_batch = batch_sizes(cfg, world // (tp * cp))
+        check_end(cfg.lr, cfg.end_lr, global_batch, cfg.base_batch_size, cfg.lr_scaling)
+        for var in ("MASTER_ADDR", "MASTER_PORT") if world > 1 else ():
+            if var not in os.environ and not dist.is_initialized():
                 raise ConfigError(f"WORLD_SIZE={world} but {var} is not set: launch with torchrun "
                                   f"or source export_DDP_vars.sh in the job script")
+    except ConfigError as e:
+        raise on_every_rank(e)
+    if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),

@@ -31,6 +31,7 @@ MODES = ("IO", "SYNTHETIC", "FULL")
 ROUNDS = 3  # repetitions of each trial: the spread of the rounds is the reported std
 WARMUP = 2  # untimed batches at the start of each round (worker start-up, allocator, caches)
 MAX_TIMED = 20  # timed batches per round, at most
+NOISY = 0.25  # a trial whose rounds' std exceeds this share of their mean supports no verdict
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,18 @@ def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
     return out
 
 
-def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0) -> str:
+def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0,
+                    std: dict | None = None) -> str:
     """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC; the advice
-    fits the run's ``workers`` (its num_data_workers)."""
+    fits the run's ``workers`` (its num_data_workers). None where a trial's rounds disagree by
+    more than ``NOISY`` (``std``: each mode's std): how to measure more steadily instead."""
+    noisy = [f"{m} {mean:.1f} +/- {std[m]:.1f}" for m, mean in zip(MODES, (io, synthetic, full))
+             if std and std[m] > NOISY * mean]
+    if noisy:
+        return (f"Bottleneck: none named, the measurement is too noisy ({', '.join(noisy)} "
+                f"samples/s): for a steadier one, time more batches (more steps per epoch: a round "
+                f"times up to {MAX_TIMED}), use fewer threads "
+                f"(OMP_NUM_THREADS, --num_data_workers) and an otherwise idle machine")
     if io >= synthetic:
         text = (f"the loader keeps up (IO {io:.1f} >= SYNTHETIC {synthetic:.1f} samples/s): "
                 f"the model's step bounds FULL")
@@ -181,7 +191,8 @@ def run(tr) -> dict | None:
         "per_rank": [{"rank": i, **{m: dict(_mean_std(r[m]), rounds=r[m]) for m in MODES}}
                      for i, r in enumerate(per_rank)],
         "bottleneck": bottleneck_line(*(total[m]["mean"] for m in MODES),
-                                      workers=tr.cfg.num_data_workers),
+                                      workers=tr.cfg.num_data_workers,
+                                      std={m: total[m]["std"] for m in MODES}),
     }
     who = f"all {rt.world_size} ranks, " if rt.distributed else ""
     log.info(f"Throughput ({who}samples/s, mean +/- std of {ROUNDS} rounds of {timed} batches): "

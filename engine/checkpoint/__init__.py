@@ -12,8 +12,8 @@ the training loop talks to (which checkpoint to resume, load, save).
 from engine.checkpoint.files import (REQUIRED, TENSORS, is_sharded, list_checkpoints, load_file,
                                      load_latest, path_for, read_tensors, save, save_sharded,
                                      state_nbytes, weights, written_for)
-from engine.checkpoint.checkpointer import Checkpointer
+from engine.checkpoint.checkpointer import Checkpointer, RunFinished
 
 __all__ = ["REQUIRED", "TENSORS", "is_sharded", "list_checkpoints", "load_file", "load_latest",
            "path_for", "read_tensors", "save", "save_sharded", "state_nbytes", "weights",
-           "written_for", "Checkpointer"]
+           "written_for", "Checkpointer", "RunFinished"]

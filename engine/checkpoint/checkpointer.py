@@ -11,7 +11,7 @@ import torch.distributed as dist
 from engine.checkpoint import files
 from engine.checkpoint.state import TrainState, keep_run_length
 from engine.checkpoint.start_weights import load_start_weights
-from settings.errors import ConfigError, TrainingError
+from settings.errors import ConfigError, TrainingError, on_every_rank
 
 log = files.log  # the package's one logger
 
@@ -23,7 +23,11 @@ class Resume:
     state: dict  # its contents (a DCP directory's without the tensors: they are read on load)
     path: str
     cfg: object  # the run's settings, with the run length it had unless the command gives one
-    nothing_to_do: bool  # every step taken and the last epoch's validation done
+
+
+class RunFinished(Exception):
+    """Resumed with every step taken and the last epoch's validation done: the one line that
+    says so, and the entry point ends (exit code 0)."""
 
 
 class Checkpointer:
@@ -50,20 +54,19 @@ class Checkpointer:
         state, path = choice
         cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
         per_epoch = state.get("steps_per_epoch")  # (every step taken, the last validation done)
-        finished = per_epoch is not None and state["step_in_epoch"] == 0 \
-            and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch)
-        self.resumed = Resume(state, path, cfg, finished)
-        from_elsewhere = os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
-            os.path.realpath(self.directory)  # --resume_from
-        if self.resumed.nothing_to_do and from_elsewhere:
-            raise ConfigError(f"--resume_from {cfg.resume_from}: that run has finished its "
-                              f"{state['iteration']} steps, so run {cfg.run_num} would train "
-                              f"nothing: add a larger --num_epochs or --num_iters to train on "
-                              f"from it")
-        if self.resumed.nothing_to_do:  # said before the start-up lines, as for any resume
-            log.info(f"Nothing to do: run {cfg.run_num} has finished its {state['iteration']} "
-                     f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
-                     f"(the learning-rate schedule then spans the new total)")
+        if per_epoch is not None and state["step_in_epoch"] == 0 \
+                and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch):
+            if os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
+                    os.path.realpath(self.directory):  # --resume_from
+                raise on_every_rank(ConfigError(
+                    f"--resume_from {cfg.resume_from}: that run has finished its "
+                    f"{state['iteration']} steps, so run {cfg.run_num} would train nothing: add a "
+                    f"larger --num_epochs or --num_iters to train on from it"))
+            raise RunFinished(f"Nothing to do: run {cfg.run_num} has finished its "
+                              f"{state['iteration']} steps (checkpoint {path}). To train longer, "
+                              f"resume with a larger --num_epochs or --num_iters (the "
+                              f"learning-rate schedule then spans the new total)")
+        self.resumed = Resume(state, path, cfg)
         return self.resumed
 
     def _agreed_choice(self):
@@ -73,7 +76,7 @@ class Checkpointer:
             try:
                 choice = self._choose()
             except ConfigError as e:
-                choice = e
+                choice = on_every_rank(e)
         sent = [choice[1] if isinstance(choice, tuple) else choice]
         if rt.distributed:
             # Rank 0's choice to all: the path, None for a fresh run, or the error all raise.
@@ -90,10 +93,11 @@ class Checkpointer:
         dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
         if not all(loaded):
             rank = loaded.index(False)
-            raise ConfigError(f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to "
-                              f"resume from (rank {rank}'s warning line says why): every rank "
-                              f"must see the same files; check the file system they share, or "
-                              f"move that checkpoint aside to resume from the one before")
+            raise on_every_rank(ConfigError(
+                f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to resume from (rank "
+                f"{rank}'s warning line says why): every rank must see the same files; check the "
+                f"file system they share, or move that checkpoint aside to resume from the one "
+                f"before"))
         return choice
 
     def _choose(self):
@@ -190,9 +194,7 @@ class Checkpointer:
             failure = (rt.rank if e.rank is None else e.rank, str(e))
         # (the outcomes' exchange also holds every rank until rank 0 has put the checkpoint in
         # place)
-        line = rt.first_failure(failure)
-        if line is not None:
-            raise TrainingError(line)
+        rt.raise_first_failure(failure, TrainingError)
         if rt.is_main:
             log.info(f"Checkpoint written: {path} ({time.perf_counter() - t0:.2f} s)")
         return time.perf_counter() - t0

@@ -60,9 +60,7 @@ def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, r
         line = _load(model, path, from_reference, cfg)
     except ConfigError as e:
         failure = (rt.rank, str(e))
-    failure = rt.first_failure(failure)
-    if failure is not None:
-        raise ConfigError(failure)
+    rt.raise_first_failure(failure, ConfigError)
     return line
 
 
