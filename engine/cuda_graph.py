@@ -1,18 +1,7 @@
-"""The training step captured once as a CUDA graph and replayed (``train_graph.py``).
-
-A CUDA graph records the kernels a piece of code launches, with their arguments and memory
-addresses, and launches all of them again with one call. What that asks of the step
-(docs/performance.md, "CUDA graphs", says it in full): its inputs in static buffers; everything
-it changes at fixed addresses (parameters, gradients allocated in the graph's pool, the
-``capturable`` Adam's state, the scaler's scale, the learning rate as a device tensor); no wait
-for the device (no ``.item()``); lazy initialisation done before capture, by eager warm-up steps
-on a side stream (under DDP at least 11, as the PyTorch documentation asks); and a thread-local
-capture (``capture_error_mode="thread_local"``), since the loader's pin-memory thread and DALI's
-threads keep making CUDA calls while it runs.
-
-``StepGraph`` holds the static buffers and runs the eager warm-up steps, the capture and the
-replays through ``CudaGraphOps``; tests drive the same logic on a CPU through a stand-in with
-the same three methods.
+"""The training step captured once as a CUDA graph and replayed (``train_graph.py``; what
+capture asks of the step: docs/performance.md, "CUDA graphs"). ``StepGraph`` holds the static
+buffers and runs the eager warm-up steps, the capture and the replays through ``CudaGraphOps``;
+tests drive the same logic on a CPU through a stand-in with the same three methods.
 """
 from __future__ import annotations
 
@@ -95,9 +84,8 @@ class CudaGraphOps:
         current.wait_stream(self.stream)
 
     def capture(self, fn, clear) -> "CapturedStep":
-        """Record the kernels ``fn`` launches; nothing runs until ``replay()``. ``clear``: what
-        ``fn`` expects done before it (gradients set to None), done once before capture; a
-        replay repeats the recorded kernels, whose backward writes the gradients afresh."""
+        """Record the kernels ``fn`` launches; nothing runs until ``replay()``. (``clear``, the
+        gradients set to None, was done before capture: a replay's backward writes them afresh.)"""
         graph = torch.cuda.CUDAGraph()
         # thread_local: the loader's threads go on making CUDA calls during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
@@ -117,14 +105,12 @@ class CapturedStep:
 
 
 class StepGraph:
-    """``step(x, y, probe)``: one training step on ``x``, ``y`` through ``body``.
-
-    ``body(x, y, probe)`` takes the step's device work and returns its output tensors; ``clear()``
-    resets the gradients to None after each eager step (so the captured backward allocates them
-    in the graph's pool). The first ``warmup_steps`` calls run ``body`` eagerly on the side
-    stream; the next captures it once and replays; every later call replays. The first
-    ``timed`` replays and the eager steps after the first are timed (with device syncs), and one
-    log line compares them."""
+    """``step(x, y, probe)``: one training step on ``x``, ``y`` through ``body(x, y, probe)``
+    (the step's device work; returns its output tensors). ``clear()`` resets the gradients to
+    None after each eager step (so the captured backward allocates them in the graph's pool).
+    The first ``warmup_steps`` calls run eagerly on the side stream, the next captures and
+    replays, every later call replays. The first ``timed`` replays and the eager steps after the
+    first are timed (with device syncs) for one log line comparing them."""
 
     def __init__(self, body, clear, ops, warmup_steps: int, timed: int = 5):
         self.body, self.clear, self.ops = body, clear, ops
@@ -164,8 +150,7 @@ class StepGraph:
             buf.copy_(t, non_blocking=True)
 
     @contextlib.contextmanager
-    def _timed(self, times: list[float], on: bool = True):
-        """Append the block's time, between device syncs, to ``times`` when ``on``."""
+    def _timed(self, times: list[float], on: bool = True):  # (between device syncs)
         if on:
             self.ops.synchronize()
             t0 = time.perf_counter()
@@ -176,7 +161,7 @@ class StepGraph:
 
     def _eager(self, probe):
         self.last_mode = "eager"
-        # the first step initialises lazily and is not representative
+        # (the first step, which initialises lazily, is not timed)
         with self._timed(self.eager_s, on=self.calls > 0), self.ops.side_stream():
             out = self.body(*self.static, probe)
             self.clear()

@@ -7,26 +7,17 @@ import logging
 import math
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from settings.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def _fused_device_types() -> set[str]:
-    """The device types torch has fused optimizer kernels for, on this build."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        return set(_get_fused_kernels_supported_devices())
-    except ImportError:
-        return {"cuda"}
-
-
 def fused_unavailable(params: list, device: torch.device) -> str:
     """Why the fused Adam kernel cannot update ``params`` on ``device``, or "" when it can
-    (checked before the optimizer is built: torch checks at the first step, too late to fall
-    back)."""
-    supported = _fused_device_types()
+    (torch checks at the first step, too late to fall back)."""
+    supported = set(_get_fused_kernels_supported_devices())
     if device.type not in supported:
         return f"no fused kernel for {device.type} (only {', '.join(sorted(supported))})"
     for p in params:
@@ -39,11 +30,8 @@ def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
                     for_cuda_graph: bool = False) -> torch.optim.Adam:
     """Adam over ``params`` with learning rate ``lr`` and ``betas``, no weight decay; ``fused``
     (``enable_fused``): the fused kernel where available (else, after a warning, the default one).
-
-    ``for_cuda_graph`` (``train_graph.py``): a step that can be captured in a CUDA graph. Its lr
-    is a device tensor the schedule fills in place between replays (a float would be frozen into
-    the graph), and it is the fused kernel, which the gradient scaler drives without a host sync.
-    ``capturable`` (step counts on the device) exists on GPUs only: on a CPU it is left off."""
+    ``for_cuda_graph`` (``train_graph.py``): the fused, ``capturable`` kernel (off on a CPU, which
+    has none), its lr a device tensor the schedule fills between replays."""
     params = list(params)
     kw = dict(lr=lr, betas=tuple(betas))
     if for_cuda_graph:
@@ -67,11 +55,9 @@ IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
-    """``optimizer.load_state_dict(state)`` that keeps this optimizer's implementation settings
-    and the kind of its hyperparameters (a device-tensor lr, which a CUDA graph reads, stays that
-    tensor, filled with the saved value; a saved tensor becomes a float where floats are held),
-    and puts step counts where the implementation wants them (the parameter's device for
-    capturable or fused Adam, else the CPU)."""
+    """``optimizer.load_state_dict(state)`` keeping this optimizer's implementation settings and
+    the kind of its hyperparameters (a device-tensor lr stays that tensor, filled with the saved
+    value), with step counts where the implementation wants them."""
     own = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, before in zip(optimizer.param_groups, own):
@@ -93,9 +79,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
                     st[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
             if torch.is_tensor(st.get("step")):
                 st["step"] = st["step"].to(p.device if on_device else "cpu", torch.float32)
-
-
-# ---------------------------------------------------------------------- the learning rate
 
 
 def peak_lr(lr: float, global_batch: int, base_batch: int, scaling: str) -> float:
@@ -124,11 +107,9 @@ def describe(lr: float, peak: float, global_batch: int, base_batch: int, scaling
 
 
 def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
-    """Learning rate of the update with 0-based index ``step`` out of ``total`` updates.
-
-    Warm-up: peak * (step + 1) / warmup for the first ``warmup`` updates (the first update already
-    moves the weights). Then a cosine from peak at update ``warmup`` to ``end`` at update ``total``.
-    """
+    """Learning rate of update ``step`` (0-based) of ``total``: peak * (step + 1) / warmup for the
+    first ``warmup`` (the first update already moves the weights), then a cosine from peak at
+    update ``warmup`` to ``end`` at update ``total``."""
     if step < warmup:
         return peak * (step + 1) / warmup
     span = max(total - warmup, 1)
@@ -137,10 +118,8 @@ def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
 
 
 def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int):
-    """A LambdaLR whose factor times the optimizer's initial lr (= peak) gives ``lr_at``.
-
-    An optimizer whose lr is a device tensor (``train_graph.py``) keeps that tensor: the schedule
-    fills it in place, and computes with a float peak (not a tensor on the device)."""
+    """A LambdaLR whose factor times the optimizer's initial lr (= peak) gives ``lr_at``; a
+    device-tensor lr (``train_graph.py``) is filled in place, computed from a float peak."""
     set_lr(optimizer, peak)
     factor = (lambda step: 1.0) if peak == 0 else \
         (lambda step: lr_at(step, peak, end, warmup, total) / peak)
@@ -152,8 +131,8 @@ def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int)
 
 
 def set_lr(optimizer, value: float):
-    """The learning rate of every group; one held as a device tensor (``train_graph.py``) is
-    filled in place, as a captured step reads that tensor."""
+    """The learning rate of every group; a device tensor (which a captured step reads) filled in
+    place."""
     for group in optimizer.param_groups:
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(value)
@@ -163,10 +142,8 @@ def set_lr(optimizer, value: float):
 
 def resumed_schedule(optimizer, saved_cfg: dict, steps_per_epoch: int, iteration: int,
                      peak: float, end: float, warmup: int, total: int) -> str:
-    """Put the learning rate of step ``iteration`` of a run of ``total`` steps in place after a
-    resume. When the checkpoint's run was to end elsewhere (``--num_epochs``/``--num_iters``
-    changed), the schedule now spans the new total: returns the log line that says so (else
-    "")."""
+    """The learning rate of step ``iteration`` of ``total`` put in place after a resume; the log
+    line saying the schedule spans a new total when the run length changed, else ""."""
     set_lr(optimizer, lr_at(iteration, peak, end, warmup, total))
     old_total = saved_cfg.get("num_iters") or (saved_cfg.get("num_epochs") or 0) * steps_per_epoch
     if not old_total or old_total == total:

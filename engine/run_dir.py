@@ -1,9 +1,7 @@
 """The run directory: ``<expdir>/<config>/<world size>/<run_num>/``, holding ``out.log``,
-``config.yaml``, ``tensorboard/`` and ``checkpoints/`` (and ``.run.lock`` while a process trains
-it). Runs started at once into one experiment directory each get their own (a number is taken by
-creating its directory; one process at a time trains a directory, under its lock, taken over
-when its holder is gone): docs/preemption.md, "Many runs at once". A start that fails in set-up
-leaves no run behind (``discard_unstarted_run``).
+``config.yaml``, ``tensorboard/``, ``checkpoints/`` and, while a process trains it, its lock
+``.run.lock`` (runs started at once each get their own: docs/preemption.md, "Many runs at
+once"). A start that fails in set-up leaves no run behind (``discard_unstarted_run``).
 """
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the conf
 
 
 def open_run_dir(cfg: Config, rt: Runtime) -> str:
-    """The run's directory, claimed and locked for this process (``resolve_run_num``: with
-    ``--run_num auto``, the default, the next free number; one another process trains is
-    refused), its out.log opened; returns its path."""
+    """The run's directory (``resolve_run_num``), claimed and locked for this process, its
+    out.log opened."""
     why = resolve_run_num(cfg, rt)
     run_dir = run_dir_for(cfg, rt.world_size)
     setup_logging(rt.rank, os.path.join(run_dir, "out.log"))
@@ -49,8 +46,8 @@ def open_run_dir(cfg: Config, rt: Runtime) -> str:
 
 
 def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
-    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml``
-    (a resumed run keeps the file of the run it continues)."""
+    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml`` (a
+    resumed run keeps its own)."""
     path = os.path.join(run_dir, "config.yaml")
     if not resumed or not os.path.exists(path):
         with open(path, "w") as f:
@@ -59,9 +56,8 @@ def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
 
 
 def run_dir_for(cfg: Config, world_size: int) -> str:
-    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (compute-only timing)
-    under ``<config>-synthetic``, so that neither TensorBoard nor ``--resume`` takes it for a run
-    of the config."""
+    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (compute-only timing) under
+    ``<config>-synthetic``, where neither TensorBoard nor ``--resume`` takes it for the config's."""
     name = cfg.name + (COMPUTE_ONLY if cfg.data_is_generated else "")
     return os.path.join(cfg.expdir, name, str(world_size), str(cfg.run_num))
 
@@ -71,13 +67,10 @@ AUTO = "auto"
 
 def resolve_run_num(cfg: Config, rt: Runtime) -> str:
     """Claim this run's directory and lock it for this process, on rank 0; replace ``run_num:
-    auto`` by the run's name (in ``cfg``), the same on every rank (the others are told). Returns
-    how the run was chosen, for the log ("" for a named run, unless a stale lock was taken over).
-
-    ``auto`` is, for a fresh run (also ``--resume_from``), the next free number above the
-    highest of this config and rank count; with ``--resume``, the run that wrote the newest
-    checkpoint (``--resume auto``: else the next free number). A run directory that another live
-    process trains is refused (ConfigError naming it)."""
+    auto`` in ``cfg`` by the run's name on every rank. Returns how the run was chosen, for the log
+    ("" for a named run, unless a stale lock was taken over). ``auto``: the next free number, or
+    with ``--resume`` the run that wrote the newest checkpoint (docs/checkpoints.md, "Run
+    numbers"). A run directory another live process trains is refused."""
     choice = [None]
     if rt.is_main:
         try:
@@ -169,25 +162,21 @@ def _make_dirs(cfg: Config, path: str):
 
 
 class _Made:
-    """What this process created for the run it is starting: a start that fails in set-up
-    removes it again, so that it leaves no run behind (nor uses up its number)."""
-
-    def __init__(self):
-        self.forget()
+    """What this process created for the run it is starting, which a start that fails in set-up
+    removes again: the directories, outermost first; the run directory itself; the out.log it
+    writes into an existing run without one."""
 
     def forget(self):
-        self.dirs: list[str] = []  # the directories it created, outermost first
-        self.run: str | None = None  # the run directory itself, when this process made it
-        self.log: str | None = None  # the out.log it writes into an existing run without one
+        self.dirs, self.run, self.log = [], None, None
 
 
 _made = _Made()
+_made.forget()
 
 
 def discard_unstarted_run():
-    """After a start that failed in set-up: remove the run directory this process created (and
-    the parents it created, when empty); one that existed before stays, without the out.log
-    this start wrote there when it had none."""
+    """After a start that failed in set-up: remove what this process created (``_Made``; the
+    parents only when empty)."""
     root, made = logging.getLogger(), [p for p in (_made.run, _made.log) if p]
     for h in list(root.handlers):  # out.log: closed before it or its directory goes
         if isinstance(h, logging.FileHandler) and any(
@@ -225,11 +214,9 @@ def _is_mine(record: dict | None) -> bool:
 
 
 def lock_run_dir(run_dir: str) -> str:
-    """Take ``run_dir``'s lock for this process (a process that holds it already keeps it).
-    Returns a note for the log when it took over the lock of a process that no longer runs, ""
-    otherwise. RunInUse (one line: which process holds it, and what to do) when another
-    process of this host that still runs holds it, or a process of another host (whether that
-    one still runs cannot be told from here)."""
+    """Take ``run_dir``'s lock for this process (which keeps one it holds). Returns a note for
+    the log when it took over the lock of a process that no longer runs, else "". RunInUse when
+    a running process of this host holds it, or one of another host (which may run)."""
     path = os.path.join(run_dir, LOCK_NAME)
     note = ""
     try:
@@ -269,8 +256,8 @@ def lock_run_dir(run_dir: str) -> str:
 
 
 def release_run_locks():
-    """Remove the run locks this process holds: when its run ends (finished, failed on an
-    error, or stopped by a signal), and at exit. A forked child (a loader worker) removes none."""
+    """Remove the run locks this process holds, however its run ends, and at exit (a forked
+    child, a loader worker, removes none)."""
     for path in list(_held):
         _held.discard(path)
         if _is_mine(_read_lock(path)):
@@ -289,8 +276,7 @@ def _lock_record() -> dict:
             **_slurm_attempt()}
 
 
-def _slurm_attempt() -> dict:
-    """The Slurm job and how often it was requeued, inside a batch job."""
+def _slurm_attempt() -> dict:  # the Slurm job and how often it was requeued
     job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "")
     if not job:
         return {}
@@ -298,9 +284,8 @@ def _slurm_attempt() -> dict:
 
 
 def _earlier_attempt_of_this_job(record: dict) -> bool:
-    """The lock was taken by an earlier attempt of this Slurm job, which was requeued since (a
-    preempted job killed before it could remove its lock, or one whose node failed): that attempt
-    has ended, on whichever node it ran, since Slurm runs one attempt of a job at a time."""
+    """The lock was taken by an earlier attempt of this Slurm job (killed before it could remove
+    it, or its node failed): Slurm runs one attempt of a job at a time, so that one has ended."""
     mine = _slurm_attempt()
     theirs = record.get("slurm_restart")
     return bool(mine) and record.get("slurm_job") == mine["slurm_job"] and \
@@ -342,9 +327,8 @@ def _read_lock(path: str) -> dict | None:
 
 
 def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command: the state first, the start time (clock
-    ticks since boot, which tells a process from a later one that reuses its PID) 20th; None
-    without /proc."""
+    """/proc/<pid>/stat's fields after the command (the state first, the start time 20th: it
+    tells a process from a later one with its PID); None without /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -374,9 +358,8 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 def _take_over(path: str, stale: dict) -> bool:
-    """Remove the lock ``stale`` of a process that no longer runs, when it is still the lock:
-    one process of this host at a time (``flock`` on ``.run.lock.takeover``), so that two takers
-    never both remove it (the second finds the first's lock instead)."""
+    """Remove the lock ``stale`` of a process that no longer runs, if it still is the lock, one
+    taker of this host at a time (``flock``): the second finds the first's lock instead."""
     with file_lock(path + ".takeover"):
         if _read_lock(path) != stale:
             return False

@@ -1,8 +1,6 @@
-"""Run-time set-up: the device, the process group, and who does what.
-
-Ranks come from the environment that torchrun or ``export_DDP_vars.sh`` (Slurm) sets: RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. NCCL joins GPU ranks (each bound to its
-LOCAL_RANK device), gloo joins CPU ranks. Without those variables the run is one process.
+"""Run-time set-up: the device, the process group, and who does what. Ranks come from the
+environment torchrun or ``export_DDP_vars.sh`` (Slurm) sets (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT; without them, one process); NCCL joins GPU ranks, gloo CPU ranks.
 """
 from __future__ import annotations
 
@@ -16,6 +14,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -54,8 +53,7 @@ class Runtime:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the data-parallel ranks, in place (nothing to do on one rank)."""
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:  # over the data-parallel ranks, in place
         if self.distributed:
             dist.all_reduce(t, group=self.dp_group)
         return t
@@ -88,8 +86,8 @@ TORCH_FLOOR = (2, 5)
 
 
 def check_torch_version(version: str | None = None):
-    """Refuse a torch below ``TORCH_FLOOR`` (pre-releases such as NGC's "2.6.0a0+..." count as
-    their release). ``version``: torch's own by default."""
+    """Refuse a torch below ``TORCH_FLOOR`` (a pre-release such as NGC's "2.6.0a0+..." counts as
+    its release)."""
     version = version or torch.__version__
     m = re.match(r"(\d+)\.(\d+)", version)
     if m and (int(m.group(1)), int(m.group(2))) < TORCH_FLOOR:
@@ -100,8 +98,8 @@ def check_torch_version(version: str | None = None):
 
 
 def gpu_signs() -> list[str]:
-    """What says this node has GPUs for this process, whatever torch can see: the variables
-    Slurm and the CUDA runtime read, and the NVIDIA device files."""
+    """What says this node has GPUs for this process, whatever torch sees: Slurm's and the CUDA
+    runtime's variables, the NVIDIA device files."""
     signs = []
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cvd not in (None, "", "-1", "NoDevFiles"):
@@ -127,9 +125,9 @@ def _no_cuda_reason() -> str:
 
 
 def choose_device(cfg: Config, local_rank: int) -> torch.device:
-    """The one place the device is decided: cuda when present (or asked for), else cpu. A node
-    whose GPUs this torch cannot use is refused unless the CPU is asked for (``--device cpu``):
-    a run that silently trains on the CPU of a GPU node wastes the allocation."""
+    """The one place the device is decided: cuda when present, else cpu; a node whose GPUs this
+    torch cannot use is refused unless ``--device cpu`` (silently training on the CPU of a GPU
+    node would waste the allocation)."""
     has_cuda = torch.cuda.is_available()
     if cfg.device == "cpu":
         return torch.device("cpu")
@@ -153,11 +151,10 @@ def choose_device(cfg: Config, local_rank: int) -> torch.device:
 
 
 def configure_cuda(cfg: Config, device: torch.device):
-    """cuDNN autotuning (the U-Net is all 3D convolutions, 2.9x faster tuned on an H100), or,
-    with ``cudnn_benchmark`` false, the same deterministic algorithms on every run; and TF32 for
-    fp32 matmuls and convolutions, unless ``allow_tf32`` is false or NVIDIA_TF32_OVERRIDE=0
-    (which turns it off inside cuBLAS and cuDNN: torch's switches then say so too, and the MFU,
-    which reads them, divides by the fp32 peak)."""
+    """cuDNN autotuning (the U-Net's 3D convolutions: 2.9x faster on an H100) or, with
+    ``cudnn_benchmark`` false, deterministic algorithms; TF32 unless ``allow_tf32`` is false or
+    NVIDIA_TF32_OVERRIDE=0 (off inside cuBLAS and cuDNN: torch's switches, which the MFU reads,
+    then say so too)."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = not cfg.cudnn_benchmark
@@ -187,8 +184,8 @@ def _env_int(name, default):
 
 
 def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:
-    """(local, global) batch sizes; global must split evenly over the data-parallel ranks, and
-    each rank's share evenly into grad_accum_steps micro-batches."""
+    """(local, global) batch sizes: global split evenly over the data-parallel ranks, a rank's
+    share into grad_accum_steps micro-batches."""
     if cfg.local_batch_size is not None:
         local, global_ = cfg.local_batch_size, cfg.local_batch_size * dp_size
     elif cfg.global_batch_size % dp_size:
@@ -209,8 +206,7 @@ def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:
 
 
 def check_model_parallel(cfg: ViTConfig, world: int):
-    """tp x cp x dp == world size and a ViT that shards over them, checked before any rank
-    joins a process group."""
+    """tp x cp x dp == world size and a ViT that shards over them."""
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     if world == 1:  # (started with python, not torchrun)
         raise ConfigError(f"tensor_parallel={tp} x context_parallel={cp} splits each model over "
@@ -232,15 +228,8 @@ def new_host_group(timeout: datetime.timedelta):
     """A gloo group of all ranks (collective), connected lazily (``TORCH_GLOO_LAZY_INIT``, read as
     the group is made; older torch ignores it): its small ring all-reduces open 2 connections a
     rank, not a full mesh of N - 1 at start-up."""
-    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
+    with mock.patch.dict(os.environ, TORCH_GLOO_LAZY_INIT="1"):
         return dist.new_group(backend="gloo", timeout=timeout)
-    finally:
-        if before is None:
-            del os.environ["TORCH_GLOO_LAZY_INIT"]
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = before
 
 
 def setup_runtime(cfg: Config) -> Runtime:
@@ -293,7 +282,7 @@ _BACKEND_MARKERS = ("gloo", "nccl", "processgroup", "connection reset by peer",
 
 def describe_dist_failure(exc: BaseException, cfg: Config, where: str) -> str | None:
     """One line for a failed collective or rendezvous (a dead, hung or unreachable rank), or None
-    when ``exc`` is not one. ``where`` says how far the run got, e.g. "after step 12"."""
+    when ``exc`` is not one; ``where``: how far the run got ("after step 12")."""
     text = str(exc)
     low = text.lower()
     if not isinstance(exc, dist.DistError) and not (
@@ -324,8 +313,8 @@ OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | None,
                                 where: str) -> str | None:
-    """One line for a failed memory allocation (the model, the optimizer state or a step did not
-    fit), naming the settings that decide the sizes, or None when ``exc`` is not one."""
+    """One line for a failed memory allocation naming the settings that decide the sizes, or
+    None when ``exc`` is not one."""
     low = str(exc).lower()
     if not (isinstance(exc, (MemoryError, OUT_OF_MEMORY))
             or "can't allocate memory" in low or "out of memory" in low):

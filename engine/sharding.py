@@ -1,16 +1,8 @@
-"""How a model, its batches and its state are split over the ranks of one model replica.
-
-``Unsharded``: every rank holds the whole model; batches and outputs pass as they are.
-``RowBandSharding`` (tensor/context-parallel ViT): each rank holds slices of the weights and
-computes on a band of image rows; the task's loss is summed over the bands' owners
-(``distributed.parallelize.sharded_loss``) and whole outputs are gathered for validation.
-``FullyShardedSharding`` (``fsdp``): every rank computes the whole model on its own samples, but
-holds 1/N of each parameter, gradient and Adam moment as a DTensor sharded over the
-data-parallel ranks.
-
-State is saved in the serial layout keyed by parameter name (one file, rank 0), so a checkpoint
-loads on any number of ranks and any tp/cp layout; FSDP alone saves its shards with torch's
-distributed checkpoint, keyed by the same names (``engine.checkpoint``).
+"""How a model, its batches and its state are split over the ranks of one model replica:
+``Unsharded`` (the whole model on every rank), ``RowBandSharding`` (tensor/context-parallel
+ViT: weight slices, bands of image rows), ``FullyShardedSharding`` (``fsdp``: DTensor shards over
+the data-parallel ranks). State maps to the serial layout keyed by parameter name, so a
+checkpoint loads on any layout (``engine.checkpoint``).
 """
 from __future__ import annotations
 
@@ -39,23 +31,20 @@ class Unsharded:
     def __init__(self, task):
         self.task = task
 
-    def local_batch(self, x, y):
-        """This rank's part of a whole batch (all of it, here)."""
+    def local_batch(self, x, y):  # this rank's part of a whole batch
         return x, y
 
-    def loss(self, pred, y):
-        """Per-sample training loss of this rank's output."""
+    def loss(self, pred, y):  # per sample, of this rank's output
         return self.task.loss(pred, y)
 
-    def whole_output(self, pred):
-        """The whole prediction, for validation metrics and pictures."""
+    def whole_output(self, pred):  # for validation metrics and pictures
         return pred
 
     def register_grad_hooks(self, ddp_model):
-        """Extra gradient reductions beyond DDP's data-parallel average (none here)."""
+        """Gradient reductions beyond DDP's data-parallel average (none here)."""
 
     def reduce_replicated_grads(self, model):
-        """Gradient sums left after the backward passes (none: DDP, or nothing, did them)."""
+        """Gradient sums left after the backward passes (none here)."""
 
     def to_serial(self, model, tensors: dict, keep: bool = True) -> dict:
         """``tensors`` (shaped like this rank's parameters, keyed by name) in the serial layout,
@@ -131,9 +120,8 @@ class RowBandSharding(Unsharded):
         self.model, self.groups = model, groups
 
     def local_batch(self, x, y):
-        """This rank's band of image rows: whole images are cut (and dropped as soon as they are
-        sliced); a batch that already is the band (a loader reading ``model.image_rows()``
-        only) passes as it is."""
+        """This rank's band of image rows, cut from whole images; a batch that is the band
+        already (a loader reading ``model.image_rows()`` only) passes as it is."""
         start, stop = self.model.image_rows()
         if x.shape[-2] == stop - start and y.shape[-2] == stop - start:
             return x, y
@@ -172,13 +160,11 @@ _KEEP_LOCAL_SLICE = {"src_data_rank": None} \
 
 
 class FullyShardedSharding(Unsharded):
-    """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner``: the whole model
-    (``Unsharded``) or the tensor/context-parallel ViT (``RowBandSharding``, whose plain slices
-    FSDP shards further over dp). Batches, losses and outputs are ``inner``'s. The serial layout
-    is each DTensor's whole tensor (an all-gather over dp, every rank in the same order), put
-    together over tp/cp by ``inner``, and back (each rank keeps its slice). Checkpoints of FSDP
-    alone hold the shards (DCP); with tp/cp (slices that DCP could not place) the serial layout,
-    one tensor at a time, kept by rank 0 alone in host memory (docs/parallelism.md)."""
+    """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner`` (``Unsharded``,
+    or ``RowBandSharding`` whose slices FSDP shards further), whose batches, losses and outputs
+    these are. The serial layout: each DTensor gathered over dp, then put together over tp/cp by
+    ``inner``. Checkpoints of FSDP alone hold the shards (DCP); with tp/cp (slices DCP could not
+    place) the serial layout (docs/parallelism.md)."""
 
     def __init__(self, task, inner: Unsharded):
         super().__init__(task)
@@ -187,8 +173,7 @@ class FullyShardedSharding(Unsharded):
         self.local_batch, self.loss, self.whole_output = inner.local_batch, inner.loss, inner.whole_output
 
     def reduce_replicated_grads(self, model):
-        """After the backward passes: the tp/cp sums of replicated parameters' gradients (DDP's
-        communication hook, ``RowBandSharding.register_grad_hooks``, does them without FSDP)."""
+        """The tp/cp sums of replicated parameters' gradients (without FSDP: DDP's hook)."""
         if isinstance(self.inner, RowBandSharding):
             reduce_replicated_grad_shards(model, self.inner.groups)
 
@@ -233,9 +218,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def resharded(model):
-    """``model`` with every FSDP unit's sharded parameters in place: the root unit keeps its
-    gathered weights after a forward pass without a backward (validation), and the module then
-    holds those instead of the DTensors the optimizer updates."""
+    """``model`` with every FSDP unit's sharded parameters in place (after a forward without a
+    backward, validation, the root unit holds its gathered weights instead)."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()

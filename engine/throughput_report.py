@@ -1,14 +1,7 @@
 """The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, alias ``--enable_benchy``;
-what it shows: docs/performance.md).
-
-After training, every rank times each trial in ``ROUNDS`` rounds (``trial_sizes``): **IO**, the
-training loader alone with each batch moved to the device (``Trainer.to_device``); **SYNTHETIC**,
-``Trainer.train_step`` on one batch held on the device; **FULL**, both, as in training. Each round
-of IO and FULL is one fresh pass of the loader (its own epoch number, so no timed window crosses
-an epoch's end), and each window ends with a device synchronisation, so queued kernels are
-counted. The trials take optimizer steps after the final checkpoint; the trainer's state is read
-back from it afterwards (``Checkpointer.reload``) and the sampler's position put back, so neither
-the checkpoints nor the trainer's state differ from a run without the report.
+what each trial times and how: docs/performance.md, "IO / SYNTHETIC / FULL"). Each round of IO
+and FULL is a fresh pass of the loader under its own epoch number; the trials' optimizer steps
+follow the final checkpoint, which is read back afterwards.
 """
 from __future__ import annotations
 
@@ -46,31 +39,25 @@ def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
     return warmup, min(MAX_TIMED, room - warmup)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the window must include the kernels still queued
-
-
 def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
-    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones."""
+    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones (a window
+    ends with a device sync: the kernels still queued count)."""
+    sync = torch.cuda.synchronize if tr.device.type == "cuda" else lambda: None
     for _ in range(warmup):
         work(*next(batches))
-    _sync(tr.device)
+    sync()
     tr.rt.barrier()  # collective: every rank starts its window together
     t0 = time.perf_counter()
     for _ in range(timed):
         work(*next(batches))
-    _sync(tr.device)
+    sync()
     return time.perf_counter() - t0
 
 
 def _loader_pass(tr, epoch: int):
-    """A fresh pass of the training loader, as epoch ``epoch`` of its sampler: each fetch a
-    data wait, each batch fetched ahead and the ranks' stop proposals decided while the batches
-    before are used, as in training (``Trainer.stopper``)."""
-    def stop(signum):
-        # A stop signal on any rank, recorded or ending its wait, ends the report on every
-        # rank (the run's final checkpoint is written already).
+    """A fresh pass of the training loader, as epoch ``epoch`` of its sampler, fetched and
+    agreed on stopping as in training (``Trainer.stopper``)."""
+    def stop(signum):  # on any rank: the report ends on all (the final checkpoint is written)
         raise RunStopped(signum, tr.iteration, tr.checkpointer.written_for(tr.iteration))
 
     tr.loaders.train_sampler.set_epoch(epoch, 0)
@@ -106,9 +93,8 @@ def _mean_std(values: list[float]) -> dict:
 
 
 def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
-    """Mean and std over rounds of all ranks' samples/s together. ``per_rank``: every rank's
-    ``measure`` result, in rank order; ``replica_ranks``: ranks per model replica
-    (tensor_parallel x context_parallel), which share one batch, so their samples count once."""
+    """Mean and std over rounds of all ranks' samples/s (``per_rank``: their ``measure``) together;
+    the ``replica_ranks`` of one model replica (tp x cp) share a batch: its samples count once."""
     out = {}
     for mode in MODES:
         rounds = zip(*(r[mode] for r in per_rank))
@@ -149,9 +135,8 @@ def _modes_text(stats: dict) -> str:
 
 
 def rank_lines(entries: list[dict]) -> list[str]:
-    """The report's per-rank lines: each rank's trials up to ``EVERY_RANK_UP_TO`` ranks; beyond,
-    one line per trial with its slowest and fastest rank and the median (every rank's rounds
-    stay in throughput.json)."""
+    """The report's per-rank lines: each rank's up to ``EVERY_RANK_UP_TO`` ranks, beyond one
+    line per trial with its slowest and fastest rank and the median."""
     if len(entries) <= EVERY_RANK_UP_TO:
         return [f"  rank {e['rank']}: {_modes_text(e)}" for e in entries]
     return [f"  {m} per rank (mean of the rounds): "

@@ -31,23 +31,20 @@ class RunFinished(Exception):
 
 
 class Checkpointer:
-    """The checkpoints of the run of ``cfg`` in ``directory`` (its ``checkpoints/``), on the
-    ranks of ``rt``: ``resume`` chooses the checkpoint to continue from (before the model is
-    built), ``load`` puts the run's state back from it (once the model, optimizer, scaler and
-    schedule exist), ``save`` writes the checkpoint of a step."""
+    """The checkpoints of the run of ``cfg`` in ``directory`` on the ranks of ``rt``: ``resume``
+    chooses the one to continue from (before the model is built), ``load`` puts the run's state
+    back from it, ``save`` writes the checkpoint of a step."""
 
     def __init__(self, directory: str, cfg, rt):
         self.directory, self.cfg, self.rt = directory, cfg, rt
         self.resumed = None  # the Resume that ``resume`` chose, or None for a fresh run
         self.state = None  # the run's TrainState, made by ``load``
 
-    # ------------------------------------------------------------------ which to resume
-
     def resume(self) -> Resume | None:
-        """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a
-        fresh run: one choice for all ranks. Rank 0 puts right what interrupted writes left in
-        the run's checkpoints (``files.clean_leftovers``) and chooses; the others load exactly
-        the checkpoint it chose (docs/preemption.md says why)."""
+        """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a fresh
+        run; RunFinished for a run with nothing left to do. Rank 0 puts right what interrupted
+        writes left (``files.clean_leftovers``) and chooses; the others load exactly its choice
+        (docs/preemption.md says why)."""
         choice = self._agreed_choice()
         if choice is None:
             return None
@@ -101,10 +98,9 @@ class Checkpointer:
         return choice
 
     def _choose(self):
-        """Rank 0's part of ``resume``. Refuses to start a fresh run over one that holds
-        checkpoints. ``--resume auto`` (a requeued job) continues this run directory when it
-        holds checkpoints, even one first started with ``--resume_from``, and otherwise starts
-        as without it."""
+        """Rank 0's part of ``resume``; a fresh run over one that holds checkpoints is refused.
+        ``--resume auto`` (a requeued job) continues this run directory when it holds checkpoints
+        (even one started with ``--resume_from``), else starts as without it."""
         cfg, ckpt_dir = self.cfg, self.directory
         run_dir = os.path.dirname(ckpt_dir)
         files.clean_leftovers(ckpt_dir)
@@ -149,18 +145,15 @@ class Checkpointer:
 
     def start_weights(self, model, from_reference):
         """``--init_from``: a fresh run's ``model`` starts from an earlier run's checkpoint or the
-        tutorial's weights (``from_reference``: the task's renaming of those), and the log says
-        what it took. Nothing when resuming (the checkpoint has the weights)."""
+        tutorial's weights (``from_reference``: the task's renaming of those); the log says which."""
         if self.cfg.init_from and self.resumed is None:
             log.info(load_start_weights(model, self.cfg.init_from, from_reference, self.cfg,
                                         self.rt))
 
-    # ------------------------------------------------------------------ the run's state
-
     def load(self, model, sharding, optimizer, scaler, scheduler,
              steps_per_epoch: int) -> TrainState:
-        """The run's state, which the checkpoints hold from now on: at step 0, or put back from
-        the checkpoint ``resume`` chose (on this run's layout of the weights)."""
+        """The run's state, which the checkpoints hold: at step 0, or put back from the checkpoint
+        ``resume`` chose."""
         self.state = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt, self.cfg,
                                 steps_per_epoch)
         if self.resumed is not None:
@@ -172,11 +165,9 @@ class Checkpointer:
 
     def save(self, epoch_sum: torch.Tensor | None, window: tuple) -> float:
         """Collective on all ranks: write the checkpoint of the step just taken (the newest
-        ``checkpoint_keep`` kept) and log its path; the seconds it took. A write that failed on
-        any rank raises TrainingError on every rank, one line naming that rank and the
-        checkpoint. ``epoch_sum``: this rank's summed step losses of the epoch so far (None at
-        an epoch's end); ``window``: this rank's loss and grad norm sums and steps since the
-        last log point."""
+        ``checkpoint_keep`` kept), log its path, return the seconds it took; a write failed on any
+        rank raises TrainingError on every rank. ``epoch_sum``: this rank's summed losses of the
+        epoch so far (None at its end); ``window``: as ``TrainState.state_dict``'s."""
         t0 = time.perf_counter()
         rt, st, keep = self.rt, self.state, self.cfg.checkpoint_keep
         # Host sync and one collective: the epoch's losses so far, over the data-parallel ranks
@@ -192,15 +183,13 @@ class Checkpointer:
                 path = files.save(self.directory, st.iteration, state, keep)
         except files.WriteFailed as e:
             failure = (rt.rank if e.rank is None else e.rank, str(e))
-        # (the outcomes' exchange also holds every rank until rank 0 has put the checkpoint in
-        # place)
+        # (the exchange also holds every rank until rank 0 has put the checkpoint in place)
         rt.raise_first_failure(failure, TrainingError)
         if rt.is_main:
             log.info(f"Checkpoint written: {path} ({time.perf_counter() - t0:.2f} s)")
         return time.perf_counter() - t0
 
     def written_for(self, step: int) -> str | None:
-        """The checkpoint of ``step``, of either form, or None."""
         return files.written_for(self.directory, step)
 
     def kept(self) -> str:
@@ -212,8 +201,8 @@ class Checkpointer:
                 f"--resume auto)")
 
     def reload(self):
-        """Collective: put the run's state back as its newest checkpoint holds it (after the
-        throughput report's trial steps, which follow the final checkpoint)."""
+        """Collective: the run's state put back from its newest checkpoint (after the throughput
+        report's trial steps)."""
         state, path = files.load_latest(self.directory)
         if state is None:
             raise TrainingError(f"cannot put the training state back: no checkpoint in "

@@ -20,15 +20,10 @@ log = files.log  # the package's one logger
 
 
 def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(allowed, refused) changes from the checkpoint's settings to this run's, each as
-    ``"key old -> new"``. Settings one side does not know (added in another version) are skipped,
-    and so are those that say how the run was resumed. The batch fields may differ as long as the
-    global batch they give is the same (``TrainState.load_state_dict``)."""
-    # Settings a resumed run may change (``resume=True`` in their field's metadata): how long to
-    # train, how often to log and checkpoint, how the data is loaded, how the work is laid out
-    # over the ranks and split into micro-batches, and where the run was started from. Every
-    # other setting (the model, the optimisation, the batch, the data, the seed, the precision)
-    # makes a different run: a resume with another value is refused.
+    """(allowed, refused) changes from the checkpoint's settings to this run's, each as ``"key old
+    -> new"``; settings one side does not know, and how the run was resumed, are skipped. Those a
+    resume may change have ``resume=True`` in their field's metadata (docs/errors.md, "Resuming
+    with changed settings"); the batch fields may differ for the same global batch."""
     may_change = {f.name for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)
                   if f.metadata.get("resume")}
     allowed, refused = [], []
@@ -40,9 +35,9 @@ def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
 
 
 def keep_run_length(cfg, saved: dict):
-    """``cfg`` with the run length the checkpoint's run was started with (``saved``: its
-    settings), unless this command gives one: a plain ``--resume`` continues a run to the end it
-    had (and a finished run stays finished), whatever the YAML's ``num_epochs`` says."""
+    """``cfg`` with the run length of the checkpoint's run (``saved``: its settings) unless this
+    command gives one: a plain ``--resume`` continues a run to the end it had (and a finished
+    run stays finished), whatever the YAML's ``num_epochs`` says."""
     given = getattr(cfg, "command_line", frozenset())
     run_length = ("num_epochs", "num_iters")
     length = {k: saved[k] for k in run_length if k in saved}
@@ -75,12 +70,10 @@ class TrainState:
 
     def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
                    tensors: bool = True) -> dict | None:
-        """Collective on all ranks (RNG states and loss windows are gathered, sharded tensors
-        reassembled); the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``:
-        this epoch's summed step losses (over data-parallel ranks) so far, so a resumed epoch
-        reports the same mean; ``window``: this rank's (loss sum, grad norm sum, steps) since the
-        last log point. ``tensors`` false: without the model and the optimizer (saved in shards
-        beside it)."""
+        """Collective on all ranks: the checkpoint's contents on rank 0, None elsewhere.
+        ``epoch_loss_sum``: this epoch's summed step losses (over data-parallel ranks) so far, for
+        a resumed epoch's mean; ``window``: this rank's (loss sum, grad norm sum, steps) since the
+        last log point; ``tensors`` false: without the model and optimizer (saved as shards)."""
         rt = self.rt
         carried = self.epoch_loss_carry + epoch_loss_sum
         if not math.isfinite(carried):
@@ -116,9 +109,8 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict, path: str):
-        """Restore everything ``state_dict`` wrote; ``path`` names the file in errors and logs.
-        A resume whose settings make a different run is refused (one line listing every such
-        difference); each allowed change is logged on a line of its own."""
+        """Restore everything ``state_dict`` wrote (``path``: for errors and logs); settings that
+        make a different run are refused in one line, each allowed change logged."""
         if state.get("config", {}).get("model", self.cfg.model) != self.cfg.model:
             raise ConfigError(f"{path} was written by a {state['config']['model']} run; this is a "
                               f"{self.cfg.model} config: resume with the config that wrote it")
