@@ -25,11 +25,9 @@ DDP_SAMPLE_EVERY = 100  # DDP times every 100th iteration with CUDA events (its 
 
 
 def capture_warmup_steps(cfg: Config, ddp: bool) -> int:
-    """The eager steps before capture: ``graph_warmup_steps``, and under DDP at least 11.
-
-    DDP times its first 10 iterations and every 100th with CUDA events and reads them at the
-    next one (a host sync), neither of which the captured iteration ``warm-up + 1`` may do: so
-    warm-up % 100 may be neither 99 nor 0."""
+    """The eager steps before capture: ``graph_warmup_steps``, under DDP at least 11 and neither
+    99 nor 0 modulo 100 (DDP times its first 10 iterations and every 100th with CUDA events and
+    reads them at the next one, a host sync the captured iteration may not hold)."""
     warmup = cfg.graph_warmup_steps
     if not ddp:
         return warmup
@@ -105,12 +103,11 @@ class CapturedStep:
 
 
 class StepGraph:
-    """``step(x, y, probe)``: one training step on ``x``, ``y`` through ``body(x, y, probe)``
-    (the step's device work; returns its output tensors). ``clear()`` resets the gradients to
-    None after each eager step (so the captured backward allocates them in the graph's pool).
-    The first ``warmup_steps`` calls run eagerly on the side stream, the next captures and
-    replays, every later call replays. The first ``timed`` replays and the eager steps after the
-    first are timed (with device syncs) for one log line comparing them."""
+    """``step(x, y, probe)``: one training step through ``body(x, y, probe)`` (the step's device
+    work, returning its output tensors); ``clear()`` sets the gradients to None after each eager
+    step (the captured backward then allocates them in the graph's pool). The first
+    ``warmup_steps`` calls run eagerly on the side stream, the next captures, each later one
+    replays; one log line compares the first ``timed`` replays with the eager steps."""
 
     def __init__(self, body, clear, ops, warmup_steps: int, timed: int = 5):
         self.body, self.clear, self.ops = body, clear, ops

@@ -21,9 +21,8 @@ DIM_MULTIPLE = 16  # fp8 matmul kernels need both dimensions of each operand to 
 
 
 def load_torchao(recipe: str, device: torch.device):
-    """``torchao.float8``, imported on first use (about 2 s), and its ``Float8LinearConfig`` of
-    ``recipe``, emulated off a CUDA GPU; ConfigError (one line) when torchao is not installed or
-    does not import with this torch."""
+    """``torchao.float8`` (imported on first use: about 2 s) and its ``Float8LinearConfig`` of
+    ``recipe``, emulated off a CUDA GPU; ConfigError when torchao does not import."""
     # Importing torchao warns of compiled extensions of other features that do not load here
     # (its MX and CUTLASS kernels; float8 training uses torch's own scaled matmul).
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
@@ -81,9 +80,8 @@ def check(recipe: str, device: torch.device):
 
 
 def fp8_linear(config):
-    """``(x, weight, bias) -> y``, ``F.linear``'s contract, with torchao's float8 matmul (the
-    one ``Float8Linear`` calls) and its rule for autocast: on a GPU under autocast the input
-    is first cast to the autocast dtype, and the result comes in the input's dtype."""
+    """``F.linear`` with torchao's float8 matmul (``Float8Linear``'s) and its autocast rule: on a
+    GPU under autocast the input is cast to the autocast dtype first."""
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
     with torch.device("meta"):  # only for the matmul settings torchao derives from the config
         mm_config = Float8Linear(DIM_MULTIPLE, DIM_MULTIPLE, bias=False,

@@ -49,8 +49,8 @@ def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
     return torch.optim.Adam(params, **kw)
 
 
-# How an optimizer runs, not what it has learnt: kept from the running optimizer when a state is
-# loaded, so that a checkpoint of train.py resumes in train_graph.py and the other way round.
+# How an optimizer runs, not what it learnt: kept on loading a state (train.py's checkpoints
+# resume in train_graph.py and the other way round).
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 

@@ -85,8 +85,7 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
     return why
 
 
-def _model_of(run_dir: str) -> str | None:
-    """The model family a run directory's config.yaml names; None when it cannot be read."""
+def _model_of(run_dir: str) -> str | None:  # as its config.yaml names it (None: unreadable)
     try:
         (settings,) = load_yaml_configs(os.path.join(run_dir, "config.yaml")).values()
         return settings.get("model")
@@ -94,8 +93,7 @@ def _model_of(run_dir: str) -> str | None:
         return None
 
 
-def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
-    """(run name, how it was chosen) of the run directory this process now holds the lock of."""
+def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:  # (run name, how chosen)
     _made.forget()
     if cfg.run_num != AUTO:
         run_dir = run_dir_for(cfg, world_size)
@@ -132,24 +130,19 @@ def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
         run_dir = os.path.join(parent, str(number))
         try:
             os.mkdir(run_dir)
-        except FileExistsError:
+            note = lock_run_dir(run_dir)
+        except (FileExistsError, RunInUse):  # (RunInUse: a --run_num <number> run locked it first)
             number += 1
             continue
         except OSError as e:
             raise _cannot_create(cfg, run_dir, e) from None
-        try:
-            note = lock_run_dir(run_dir)
-        except RunInUse:  # a run started with --run_num <number> locked it first
-            number += 1
-            continue
         _made.dirs.append(os.path.abspath(run_dir))
         _made.run = os.path.abspath(run_dir)
         return str(number), (f"--run_num auto: the next free number under {parent}"
                              + (f"; {note}" if note else ""))
 
 
-def _make_dirs(cfg: Config, path: str):
-    """``os.makedirs``, noting the directories it creates (``discard_unstarted_run``)."""
+def _make_dirs(cfg: Config, path: str):  # os.makedirs, noting the directories it creates
     missing, probe = [], os.path.abspath(path)
     while not os.path.exists(probe):
         missing.append(probe)
@@ -310,8 +303,8 @@ def _held_elsewhere(run_dir: str, path: str, record: dict) -> str:
 
 
 def _read_lock(path: str) -> dict | None:
-    """The lock's record; None when there is no lock; {} when it names no process (a holder
-    that died between creating and writing it, after waiting a second for the write)."""
+    """The lock's record; None without a lock; {} when it names no process (after a second's
+    wait for the write: its holder died between creating and writing it)."""
     for _ in range(20):
         try:
             with open(path) as f:
@@ -341,8 +334,7 @@ def _start_time(pid: int) -> str | None:
     return stat[19] if stat else None
 
 
-def _alive(pid: int, start: str | None) -> bool:
-    """Whether process ``pid`` of this host runs, and is the one that started at ``start``."""
+def _alive(pid: int, start: str | None) -> bool:  # process pid of this host, started at start
     if pid <= 0:
         return False
     try:

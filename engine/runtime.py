@@ -45,13 +45,8 @@ class Runtime:
     local_batch: int = 1
     global_batch: int = 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+    is_main = property(lambda self: self.rank == 0)
+    distributed = property(lambda self: self.world_size > 1)
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:  # over the data-parallel ranks, in place
         if self.distributed:
@@ -59,10 +54,9 @@ class Runtime:
         return t
 
     def raise_first_failure(self, failure, kind: type[UserError]):
-        """Collective on all ranks (host group): raise ``kind`` of the first of the ranks'
-        ``failure`` (``(rank, line)`` or None; ``rank N: line`` under several ranks) on every
-        rank, which rank 0 alone prints; return when none failed. (A rank that raised alone
-        would leave the others waiting in their next collective.)"""
+        """Collective (host group): raise ``kind`` of the first of the ranks' ``failure`` (``(rank,
+        line)`` or None) on every rank, not on one alone (the others would wait in their next
+        collective); return when none failed."""
         if self.distributed:
             outcomes = [None] * self.world_size
             dist.all_gather_object(outcomes, failure, group=self.host_group)
@@ -100,18 +94,13 @@ def check_torch_version(version: str | None = None):
 def gpu_signs() -> list[str]:
     """What says this node has GPUs for this process, whatever torch sees: Slurm's and the CUDA
     runtime's variables, the NVIDIA device files."""
-    signs = []
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd not in (None, "", "-1", "NoDevFiles"):
-        signs.append(f"CUDA_VISIBLE_DEVICES={cvd}")
-    for var in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
-        v = os.environ.get(var, "")
-        if v not in ("", "0"):
-            signs.append(f"{var}={v}")
-    devices = sorted(glob.glob("/dev/nvidia[0-9]*"))
-    if devices:
-        signs.append(f"{devices[0]}" + (f" (and {len(devices) - 1} more)" if len(devices) > 1
-                                        else ""))
+    signs = [f"CUDA_VISIBLE_DEVICES={cvd}"] if cvd not in (None, "", "-1", "NoDevFiles") else []
+    signs += [f"{var}={os.environ[var]}" for var in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS",
+                                                     "SLURM_STEP_GPUS")
+              if os.environ.get(var, "") not in ("", "0")]
+    if devices := sorted(glob.glob("/dev/nvidia[0-9]*")):
+        signs.append(devices[0] + (f" (and {len(devices) - 1} more)" if len(devices) > 1 else ""))
     return signs
 
 
@@ -151,10 +140,9 @@ def choose_device(cfg: Config, local_rank: int) -> torch.device:
 
 
 def configure_cuda(cfg: Config, device: torch.device):
-    """cuDNN autotuning (the U-Net's 3D convolutions: 2.9x faster on an H100) or, with
-    ``cudnn_benchmark`` false, deterministic algorithms; TF32 unless ``allow_tf32`` is false or
-    NVIDIA_TF32_OVERRIDE=0 (off inside cuBLAS and cuDNN: torch's switches, which the MFU reads,
-    then say so too)."""
+    """cuDNN autotuning (the U-Net's 3D convolutions: 2.9x faster on an H100) or deterministic
+    algorithms; TF32 unless ``allow_tf32`` is false or NVIDIA_TF32_OVERRIDE=0 (torch's switches,
+    which the MFU reads, then say it is off)."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = not cfg.cudnn_benchmark
@@ -255,22 +243,19 @@ def setup_runtime(cfg: Config) -> Runtime:
                                   f"or source export_DDP_vars.sh in the job script")
     except ConfigError as e:
         raise on_every_rank(e)
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank,
+                                world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     rt = Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank,
-                 dp_rank=rank, dp_size=world)
+                 dp_rank=rank, dp_size=world, local_batch=local_batch, global_batch=global_batch)
     if sharded:
-        rt.groups = build_groups(world, tp, cp, cfg.parallel_order,
-                                 timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+        rt.groups = build_groups(world, tp, cp, cfg.parallel_order, timeout=timeout)
         rt.dp_group, rt.dp_rank, rt.dp_size = rt.groups.dp_group, rt.groups.dp_rank, rt.groups.dp_size
     if world > 1 and dist.get_backend() != "gloo":
-        # The ranks' stop agreement (engine.stop.agreement) runs on the host, without
-        # waiting: on NCCL reading it would be a host-device sync.
-        rt.host_group = new_host_group(datetime.timedelta(seconds=cfg.dist_timeout_s))
-    rt.local_batch, rt.global_batch = local_batch, global_batch
+        # (the ranks' stop agreement runs on the host: on NCCL reading it would sync the device)
+        rt.host_group = new_host_group(timeout)
     return rt
 
 

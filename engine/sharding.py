@@ -47,9 +47,8 @@ class Unsharded:
         """Gradient sums left after the backward passes (none here)."""
 
     def to_serial(self, model, tensors: dict, keep: bool = True) -> dict:
-        """``tensors`` (shaped like this rank's parameters, keyed by name) in the serial layout,
-        copied to host memory one by one (``keep``), or {} on a rank that only takes part in
-        the collectives (nothing is held)."""
+        """``tensors`` (like this rank's parameters, by name) in the serial layout, copied to host
+        memory one by one; ``keep`` false: {}, on a rank that only takes part in the collectives."""
         return {k: _to_host(t) for k, t in tensors.items()} if keep else {}
 
     def from_serial(self, model, tensors: dict) -> dict:
@@ -162,8 +161,7 @@ _KEEP_LOCAL_SLICE = {"src_data_rank": None} \
 class FullyShardedSharding(Unsharded):
     """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner`` (``Unsharded``,
     or ``RowBandSharding`` whose slices FSDP shards further), whose batches, losses and outputs
-    these are. The serial layout: each DTensor gathered over dp, then put together over tp/cp by
-    ``inner``. Checkpoints of FSDP alone hold the shards (DCP); with tp/cp (slices DCP could not
+    these are. Checkpoints of FSDP alone hold the shards (DCP); with tp/cp (slices DCP could not
     place) the serial layout (docs/parallelism.md)."""
 
     def __init__(self, task, inner: Unsharded):

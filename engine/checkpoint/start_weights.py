@@ -50,11 +50,9 @@ def _read(path: str):
 
 
 def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, rt) -> str:
-    """Copy the weights saved at ``path`` into the serial ``model`` (before any sharding) of a
-    new run of ``cfg``; returns the line that says where they came from. ``from_reference(sd,
-    model)``: the task's renaming of the tutorial's. Every rank of ``rt`` reads the file, and all
-    go on or all raise the same ConfigError (naming the first rank that could not load it), so
-    that no rank goes on to wait for one that stopped."""
+    """Copy the weights saved at ``path`` into the serial ``model`` of a new run of ``cfg``;
+    returns the line saying where they came from (``from_reference(sd, model)``: the task's
+    renaming of the tutorial's). Every rank reads the file; all go on or all raise."""
     failure = line = None
     try:
         line = _load(model, path, from_reference, cfg)
