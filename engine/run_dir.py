@@ -292,11 +292,8 @@ def _holder(record: dict) -> str:
 
 
 def _held_elsewhere(run_dir: str, path: str, record: dict) -> str:
-    if not record:
-        who = f"the lock file {path} names no process"
-    else:
-        who = f"{_holder(record)} holds it (lock {path}); whether it still runs cannot be told " \
-              f"from {HOST}"
+    who = f"{_holder(record)} holds it (lock {path}); whether it still runs cannot be told from " \
+          f"{HOST}" if record else f"the lock file {path} names no process"
     return (f"run directory {run_dir} is locked: {who}: if no run of it is going on (its process "
             f"was killed, or its node lost), remove {path} and start again; else wait for that "
             f"run to end, or start another run (another --run_num)")
@@ -350,8 +347,8 @@ def _alive(pid: int, start: str | None) -> bool:  # process pid of this host, st
 
 
 def _take_over(path: str, stale: dict) -> bool:
-    """Remove the lock ``stale`` of a process that no longer runs, if it still is the lock, one
-    taker of this host at a time (``flock``): the second finds the first's lock instead."""
+    """Remove the lock ``stale`` of a process that no longer runs, if it still is the lock (one
+    taker of this host at a time, ``flock``: the second finds the first's lock instead)."""
     with file_lock(path + ".takeover"):
         if _read_lock(path) != stale:
             return False

@@ -58,9 +58,8 @@ class TrainState:
         self.epoch = 0  # epochs completed
         self.step_in_epoch = 0  # steps taken in the current epoch
         self.epoch_loss_carry = 0.0  # the current epoch's summed step losses before a resume
-        # This rank's [loss, grad norm] sums and steps since the last log point, from the
-        # checkpoint (a stop between log points): the next log point then averages the same
-        # steps as an uninterrupted run's.
+        # This rank's loss and grad norm sums and steps since the last log point, from the
+        # checkpoint: the next log point averages the same steps as an uninterrupted run's.
         self.window_carry = (0.0, 0.0, 0)
 
     def next_epoch(self):
