@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import files
-from engine.checkpoint.state import TrainState, keep_run_length
+from engine.checkpoint.state import TrainState, keep_run_length, resume_changes
 from engine.checkpoint.start_weights import load_start_weights
 from settings.errors import ConfigError, TrainingError, on_every_rank
 
@@ -59,6 +59,7 @@ class Checkpointer:
                     f"--resume_from {cfg.resume_from}: that run has finished its "
                     f"{state['iteration']} steps, so run {cfg.run_num} would train nothing: add a "
                     f"larger --num_epochs or --num_iters to train on from it"))
+            resume_changes(state, path, cfg, self.rt.global_batch)  # (refused ones said first)
             raise RunFinished(f"Nothing to do: run {cfg.run_num} has finished its "
                               f"{state['iteration']} steps (checkpoint {path}). To train longer, "
                               f"resume with a larger --num_epochs or --num_iters (the "

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from engine.checkpoint import files
 from settings.config import CONFIG_CLASSES, to_dict
-from settings.errors import ConfigError, TrainingError
+from settings.errors import ConfigError, TrainingError, on_every_rank
 
 log = files.log  # the package's one logger
 
@@ -32,6 +32,25 @@ def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
             change = f"{key} {saved[key]} -> {current[key]}"
             (allowed if key in may_change else refused).append(change)
     return allowed, refused
+
+
+def resume_changes(state: dict, path: str, cfg, global_batch: int) -> list[str]:
+    """The setting changes from the checkpoint ``state`` (at ``path``) that a resume of ``cfg``
+    may make; those that make a different run are refused (one line listing every one)."""
+    if state.get("config", {}).get("model", cfg.model) != cfg.model:
+        raise on_every_rank(ConfigError(
+            f"{path} was written by a {state['config']['model']} run; this is a {cfg.model} "
+            f"config: resume with the config that wrote it"))
+    allowed, refused = setting_changes(state.get("config", {}), to_dict(cfg))
+    saved_batch = state.get("global_batch", global_batch)
+    if saved_batch != global_batch:
+        refused.append(f"global batch {saved_batch} -> {global_batch}")
+    if refused:
+        raise on_every_rank(ConfigError(
+            f"{path} was written with other settings: {'; '.join(refused)}. Resume with the "
+            f"checkpoint's values (config.yaml in its run directory), or start a new run from its "
+            f"weights: --init_from {path} (step 0, a new optimizer and schedule)"))
+    return allowed
 
 
 def keep_run_length(cfg, saved: dict):
@@ -110,19 +129,7 @@ class TrainState:
     def load_state_dict(self, state: dict, path: str):
         """Restore everything ``state_dict`` wrote (``path``: for errors and logs); settings that
         make a different run are refused in one line, each allowed change logged."""
-        if state.get("config", {}).get("model", self.cfg.model) != self.cfg.model:
-            raise ConfigError(f"{path} was written by a {state['config']['model']} run; this is a "
-                              f"{self.cfg.model} config: resume with the config that wrote it")
-        allowed, refused = setting_changes(state.get("config", {}), to_dict(self.cfg))
-        saved_batch = state.get("global_batch", self.rt.global_batch)
-        if saved_batch != self.rt.global_batch:
-            refused.append(f"global batch {saved_batch} -> {self.rt.global_batch}")
-        if refused:
-            raise ConfigError(f"{path} was written with other settings: {'; '.join(refused)}. "
-                              f"Resume with the checkpoint's values (config.yaml in its run "
-                              f"directory), or start a new run from its weights: --init_from "
-                              f"{path} (step 0, a new optimizer and schedule)")
-        for change in allowed:
+        for change in resume_changes(state, path, self.cfg, self.rt.global_batch):
             log.info(f"resume: {change}")
         if state["steps_per_epoch"] != self.steps_per_epoch:
             raise ConfigError(f"the checkpoint {path} has {state['steps_per_epoch']} steps per "
