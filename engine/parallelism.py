@@ -121,8 +121,7 @@ def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Ru
     if mesh is None:
         mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
     policy = mixed_precision_policy(amp_mode)
-    # The tp/cp layers' marks on their parameters (how each is cut from the serial one, over
-    # which axes its copies' gradients are summed), for the DTensor parameters FSDP puts in place.
+    # the tp/cp layers' marks on their parameters, for the DTensor parameters FSDP puts in place
     marks = {name: {k: getattr(p, k) for k in ("shard_spec", "reduce_over") if hasattr(p, k)}
              for name, p in model.named_parameters()}
     for block in blocks:
@@ -139,8 +138,8 @@ def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Ru
 
 
 def _buffer_sync_kwargs(disable: bool) -> dict:
-    """DDP's per-step broadcast of module buffers from rank 0, off when ``disable``. Newer torch
-    names it forward_sync_buffers (and warns on every rank when broadcast_buffers is passed)."""
+    """DDP's per-step broadcast of buffers off when ``disable`` (newer torch names it
+    forward_sync_buffers, and warns on every rank when broadcast_buffers is passed)."""
     if not disable:
         return {}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:

@@ -35,8 +35,7 @@ COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the conf
 
 
 def open_run_dir(cfg: Config, rt: Runtime) -> str:
-    """The run's directory (``resolve_run_num``), claimed and locked for this process, its
-    out.log opened."""
+    """The run's directory (``resolve_run_num``), locked for this process, its out.log opened."""
     why = resolve_run_num(cfg, rt)
     run_dir = run_dir_for(cfg, rt.world_size)
     setup_logging(rt.rank, os.path.join(run_dir, "out.log"))
@@ -46,8 +45,7 @@ def open_run_dir(cfg: Config, rt: Runtime) -> str:
 
 
 def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
-    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml`` (a
-    resumed run keeps its own)."""
+    """The resolved config as ``<run_dir>/config.yaml`` (a resumed run keeps its own)."""
     path = os.path.join(run_dir, "config.yaml")
     if not resumed or not os.path.exists(path):
         with open(path, "w") as f:
@@ -168,8 +166,7 @@ _made.forget()
 
 
 def discard_unstarted_run():
-    """After a start that failed in set-up: remove what this process created (``_Made``; the
-    parents only when empty)."""
+    """After a start that failed in set-up: remove what this process created (``_Made``)."""
     root, made = logging.getLogger(), [p for p in (_made.run, _made.log) if p]
     for h in list(root.handlers):  # out.log: closed before it or its directory goes
         if isinstance(h, logging.FileHandler) and any(
@@ -249,8 +246,7 @@ def lock_run_dir(run_dir: str) -> str:
 
 
 def release_run_locks():
-    """Remove the run locks this process holds, however its run ends, and at exit (a forked
-    child, a loader worker, removes none)."""
+    """Remove the run locks this process (not a forked child) holds, however its run ends."""
     for path in list(_held):
         _held.discard(path)
         if _is_mine(_read_lock(path)):

@@ -70,8 +70,7 @@ class Unsharded:
                 b.copy_(state[name])
 
     def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
-        """Adam's per-parameter tensors in the serial layout, by name; scalars as they are
-        (``keep`` false: the collectives only, what is returned is incomplete)."""
+        """Adam's state in the serial layout, by name (``keep`` false: the collectives only)."""
         names = {id(p): n for n, p in model.named_parameters()}
         state, per_param = {}, {}
         for group in optimizer.param_groups:
@@ -84,8 +83,7 @@ class Unsharded:
         for key, tensors in per_param.items():
             for name, t in self.to_serial(model, tensors, keep).items():
                 state.setdefault(name, {})[key] = t
-        # Hyperparameters as plain numbers, also where the optimizer holds one as a device
-        # tensor (the learning rate of a CUDA-graph step): the checkpoint loads anywhere.
+        # hyperparameters as plain numbers (also a CUDA-graph step's device-tensor lr)
         groups = [{k: v.item() if torch.is_tensor(v) and v.dim() == 0 else v
                    for k, v in g.items() if k != "params"}
                   | {"params": [names[id(p)] for p in g["params"]]}
@@ -101,8 +99,7 @@ class Unsharded:
                 if torch.is_tensor(v) and v.dim() > 0}
         local = {key: self.from_serial(model, {n: st[key] for n, st in saved["state"].items()
                                                if key in st}) for key in keys}
-        # torch pairs saved state with parameters by position in param_groups: use the current
-        # order of this optimizer, whatever order the checkpoint was written in.
+        # (torch pairs saved state with parameters by position: this optimizer's order)
         index = {n: i for i, n in enumerate(n for g in current for n in g)}
         state = {index[name]: {k: (local[k][name] if k in local else v) for k, v in st.items()}
                  for name, st in saved["state"].items()}
@@ -134,13 +131,11 @@ class RowBandSharding(Unsharded):
         return self.model.gather_image(pred)
 
     def register_grad_hooks(self, ddp_model):
-        # DDP averages over dp; the hook also sums the gradients of parameters replicated over
-        # tp/cp (each rank saw only its own tokens).
+        # (the hook also sums over tp/cp the gradients of parameters replicated there)
         ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
 
     def to_serial(self, model, tensors, keep=True):
-        # Collective over tp/cp, one tensor at a time: a rank never holds more than one whole
-        # tensor beyond its slices, and only ``keep`` ranks keep them (on the host).
+        # collective over tp/cp, one tensor at a time: at most one whole tensor beyond the slices
         out = {}
         for name, t in tensors.items():
             whole = tensors_to_serial(model, self.groups, {name: t})
@@ -188,8 +183,7 @@ class FullyShardedSharding(Unsharded):
         super().load_optimizer_state(resharded(model), optimizer, saved)
 
     def to_serial(self, model, tensors, keep=True):
-        # One tensor at a time: its dp shards gathered (collective over dp), then put together
-        # over tp/cp by ``inner``; a rank holds at most one whole tensor beyond its shards.
+        # one tensor at a time: gathered over dp (collective), then over tp/cp by ``inner``
         out = {}
         for k, t in tensors.items():
             whole = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
@@ -210,8 +204,7 @@ class FullyShardedSharding(Unsharded):
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory, in torch's default layout whatever the model's
-    memory_format (the same checkpoint either way)."""
+    """A copy of ``t`` in host memory, in torch's default layout whatever the memory_format."""
     return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
 
 

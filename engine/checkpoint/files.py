@@ -99,9 +99,8 @@ class WriteFailed(TrainingError):
 
 
 def save(directory: str, iteration: int, state: dict, keep: int) -> str:
-    """Write ``state`` as the checkpoint of ``iteration`` and drop all but the newest ``keep``.
-    A failed write (full disk, quota, an unwritable directory) raises WriteFailed naming the
-    path and the space needed, and leaves the existing checkpoints as they were."""
+    """Write ``state`` as the checkpoint of ``iteration``, keeping the newest ``keep``; a failed
+    write raises WriteFailed and leaves the existing checkpoints as they were."""
     final = path_for(directory, iteration)
     try:
         write_file(final, state)
@@ -121,8 +120,7 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
     final = path_for(directory, iteration, sharded=True)
     tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
     try:
-        # Each rank writes its shards (fsynced), then rank 0 the metadata: collectives inside,
-        # which raise a failure on any rank as a CheckpointException on every rank.
+        # (collectives inside: a failure on any rank is a CheckpointException on every rank)
         dcp.save(tensors, checkpoint_id=tmp)
         if is_main:
             write_file(os.path.join(tmp, TRAIN_STATE), rest)
@@ -266,8 +264,8 @@ def shards(model, optimizer) -> dict:
 
 
 def read_shards(model, optimizer, path: str) -> dict:
-    """Collective: each rank reads its own shards of the DCP checkpoint ``path``, written on any
-    number of ranks, into the layout of ``shards``."""
+    """Collective: each rank reads its own shards of the DCP checkpoint ``path`` (of any number
+    of ranks), in the layout of ``shards``."""
     state = shards(model, optimizer)
     dcp.load(state, checkpoint_id=path)
     return state
