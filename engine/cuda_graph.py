@@ -82,8 +82,8 @@ class CudaGraphOps:
         current.wait_stream(self.stream)
 
     def capture(self, fn, clear) -> "CapturedStep":
-        """Record the kernels ``fn`` launches; nothing runs until ``replay()``. (``clear``, the
-        gradients set to None, was done before capture: a replay's backward writes them afresh.)"""
+        """Record the kernels ``fn`` launches (``clear`` was done before: a replay's backward writes
+        the gradients afresh); nothing runs until ``replay()``."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: the loader's threads go on making CUDA calls during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
@@ -95,8 +95,7 @@ class CudaGraphOps:
 
 
 class CapturedStep:
-    """``replay()`` launches the recorded kernels; ``outputs``: the tensors ``fn`` returned while
-    captured, which hold the latest replay's values."""
+    """``replay()`` launches the recorded kernels; ``outputs`` then hold the latest replay's values."""
 
     def __init__(self, replay, outputs):
         self.replay, self.outputs = replay, outputs

@@ -131,8 +131,7 @@ def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int)
 
 
 def set_lr(optimizer, value: float):
-    """The learning rate of every group; a device tensor (which a captured step reads) filled in
-    place."""
+    """The learning rate of every group (a device tensor, which a captured step reads, in place)."""
     for group in optimizer.param_groups:
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(value)

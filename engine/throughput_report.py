@@ -39,8 +39,7 @@ def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
 
 
 def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
-    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones (a window
-    ends with a device sync: the kernels still queued count)."""
+    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones, to a device sync."""
     sync = torch.cuda.synchronize if tr.device.type == "cuda" else lambda: None
     for _ in range(warmup):
         work(*next(batches))
@@ -54,8 +53,7 @@ def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
 
 
 def _loader_pass(tr, epoch: int):
-    """A fresh pass of the training loader, as epoch ``epoch`` of its sampler, fetched and
-    agreed on stopping as in training (``Trainer.stopper``)."""
+    """A fresh pass of the training loader as epoch ``epoch``, fetched as in training (``stopper``)."""
     def stop(signum):  # on any rank: the report ends on all (the final checkpoint is written)
         raise RunStopped(signum, tr.iteration, tr.checkpointer.written_for(tr.iteration))
 
@@ -134,8 +132,7 @@ def _modes_text(stats: dict) -> str:
 
 
 def rank_lines(entries: list[dict]) -> list[str]:
-    """The report's per-rank lines: each rank's up to ``EVERY_RANK_UP_TO`` ranks, beyond one
-    line per trial with its slowest and fastest rank and the median."""
+    """Each rank's line up to ``EVERY_RANK_UP_TO`` ranks, beyond one per trial: slowest, median, fastest."""
     if len(entries) <= EVERY_RANK_UP_TO:
         return [f"  rank {e['rank']}: {_modes_text(e)}" for e in entries]
     return [f"  {m} per rank (mean of the rounds): "
@@ -143,8 +140,8 @@ def rank_lines(entries: list[dict]) -> list[str]:
 
 
 def run(tr) -> dict | None:
-    """Measure on every rank, then (rank 0) log the summary, write ``throughput.json`` and the
-    TensorBoard scalars, and put the trainer's state back. Returns the report on rank 0."""
+    """Measure on every rank and put the trainer's state back; rank 0 logs, writes and returns the
+    report (``throughput.json``, TensorBoard scalars)."""
     rt = tr.rt
     warmup, timed = trial_sizes(tr.steps_per_epoch, tr.stopper.lag)
     log.info(f"Throughput report: IO, SYNTHETIC and FULL trials, {ROUNDS} rounds of {warmup} "

@@ -26,8 +26,7 @@ class Resume:
 
 
 class RunFinished(Exception):
-    """Resumed with every step taken and the last epoch's validation done: the one line that
-    says so, and the entry point ends (exit code 0)."""
+    """Resumed with every step taken and the last validation done: the line saying so, exit 0."""
 
 
 class Checkpointer:
@@ -153,8 +152,7 @@ class Checkpointer:
 
     def load(self, model, sharding, optimizer, scaler, scheduler,
              steps_per_epoch: int) -> TrainState:
-        """The run's state, which the checkpoints hold: at step 0, or put back from the checkpoint
-        ``resume`` chose."""
+        """The run's state: at step 0, or put back from the checkpoint ``resume`` chose."""
         self.state = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt, self.cfg,
                                 steps_per_epoch)
         if self.resumed is not None:
@@ -202,8 +200,7 @@ class Checkpointer:
                 f"--resume auto)")
 
     def reload(self):
-        """Collective: the run's state put back from its newest checkpoint (after the throughput
-        report's trial steps)."""
+        """Collective: the run's state put back from its newest checkpoint (after the trials)."""
         state, path = files.load_latest(self.directory)
         if state is None:
             raise TrainingError(f"cannot put the training state back: no checkpoint in "
