@@ -18,8 +18,7 @@ from settings.errors import OneLineParser, refuse
 
 
 def convert(src: str, out: str) -> dict:
-    """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one new file
-    ``out``; returns what was written. ValueError naming a problem."""
+    """Write the DCP checkpoint ``src`` (or a directory's newest) as one new file ``out``."""
     if not os.path.exists(src):
         raise ValueError(f"{src} does not exist: give a ckpt_<step>.dcp directory or a "
                          f"checkpoints directory")

@@ -25,9 +25,8 @@ DDP_SAMPLE_EVERY = 100  # DDP times every 100th iteration with CUDA events (its 
 
 
 def capture_warmup_steps(cfg: Config, ddp: bool) -> int:
-    """The eager steps before capture: ``graph_warmup_steps``, under DDP at least 11 and neither
-    99 nor 0 modulo 100 (DDP times its first 10 iterations and every 100th with CUDA events and
-    reads them at the next one, a host sync the captured iteration may not hold)."""
+    """The eager steps before capture: ``graph_warmup_steps``, under DDP at least 11 and neither 99
+    nor 0 modulo 100 (DDP syncs on iterations it timed: its first 10 and every 100th)."""
     warmup = cfg.graph_warmup_steps
     if not ddp:
         return warmup
@@ -82,8 +81,7 @@ class CudaGraphOps:
         current.wait_stream(self.stream)
 
     def capture(self, fn, clear) -> "CapturedStep":
-        """Record the kernels ``fn`` launches (``clear`` was done before: a replay's backward writes
-        the gradients afresh); nothing runs until ``replay()``."""
+        """Record the kernels ``fn`` launches, run by ``replay()`` (``clear`` was done before)."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: the loader's threads go on making CUDA calls during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
@@ -102,11 +100,10 @@ class CapturedStep:
 
 
 class StepGraph:
-    """``step(x, y, probe)``: one training step through ``body(x, y, probe)`` (the step's device
-    work, returning its output tensors); ``clear()`` sets the gradients to None after each eager
-    step (the captured backward then allocates them in the graph's pool). The first
-    ``warmup_steps`` calls run eagerly on the side stream, the next captures, each later one
-    replays; one log line compares the first ``timed`` replays with the eager steps."""
+    """``step(x, y, probe)``: one training step through ``body(x, y, probe)`` (returning its
+    output tensors), ``clear()`` after each eager one (the captured backward then allocates the
+    gradients in the graph's pool): ``warmup_steps`` eager calls on the side stream, then a
+    capture and replays; one log line compares the first ``timed`` replays with eager steps."""
 
     def __init__(self, body, clear, ops, warmup_steps: int, timed: int = 5):
         self.body, self.clear, self.ops = body, clear, ops

@@ -1,7 +1,6 @@
-"""fp8 linear layers (the ViT setting ``fp8_linears``): the transformer blocks' linear layers
-compute their matmuls in float8 with torchao's float8 training (docs/performance.md, "fp8 linear
-layers"); a tp/cp model's parallel linears keep their collectives and compute their slice's
-matmul in fp8 (``local_linear``). On a CPU the casts are emulated, for checks, not speed.
+"""fp8 linear layers (``fp8_linears``): the transformer blocks' linears compute in float8 with
+torchao (docs/performance.md, "fp8 linear layers"); tp/cp linears keep their collectives, their
+slice's matmul in fp8 (``local_linear``). Emulated on a CPU, for checks, not speed.
 """
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ def fits(out_features: int, in_features: int) -> bool:
 
 
 def check(recipe: str, device: torch.device):
-    """Refuse, before anything is written, a run with fp8 linears that cannot have them: torchao
-    missing, a GPU without fp8 tensor cores, or a matmul that fails on the device (one
-    forward and backward of a 16 x 16 fp8 linear in bf16, a few milliseconds)."""
+    """Refuse, before anything is written, fp8 linears that cannot run: torchao missing, a GPU
+    without fp8 tensor cores, or a 16 x 16 fp8 linear's forward and backward failing."""
     if recipe == "none":
         return
     if device.type == "cuda":
@@ -96,9 +94,8 @@ def fp8_linear(config):
 
 
 def convert(blocks: list[nn.Module], recipe: str, device: torch.device) -> int:
-    """Make the linear layers of ``blocks`` compute in fp8 (in place); the number converted.
-    Serial linears become ``Float8Linear`` (same parameters, same names); tp/cp linears keep
-    their collectives and take the fp8 matmul for their slice."""
+    """Make the linear layers of ``blocks`` compute in fp8, in place (serial ones become
+    ``Float8Linear``, the same parameters); the number converted."""
     from distributed.layers import _ParallelLinear
     float8, config = load_torchao(recipe, device)
     from torchao.float8.float8_linear import Float8Linear

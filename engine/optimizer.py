@@ -15,8 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def fused_unavailable(params: list, device: torch.device) -> str:
-    """Why the fused Adam kernel cannot update ``params`` on ``device``, or "" when it can
-    (torch checks at the first step, too late to fall back)."""
+    """Why fused Adam cannot update ``params`` on ``device`` ("": it can), before torch finds out."""
     supported = set(_get_fused_kernels_supported_devices())
     if device.type not in supported:
         return f"no fused kernel for {device.type} (only {', '.join(sorted(supported))})"
@@ -28,10 +27,9 @@ def fused_unavailable(params: list, device: torch.device) -> str:
 
 def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
                     for_cuda_graph: bool = False) -> torch.optim.Adam:
-    """Adam over ``params`` with learning rate ``lr`` and ``betas``, no weight decay; ``fused``
-    (``enable_fused``): the fused kernel where available (else, after a warning, the default one).
-    ``for_cuda_graph`` (``train_graph.py``): the fused, ``capturable`` kernel (off on a CPU, which
-    has none), its lr a device tensor the schedule fills between replays."""
+    """Adam over ``params`` with ``lr`` and ``betas``, no weight decay; ``fused``: the fused kernel
+    where available (else a warning); ``for_cuda_graph``: fused and ``capturable`` (on a GPU), its
+    lr a device tensor the schedule fills between replays."""
     params = list(params)
     kw = dict(lr=lr, betas=tuple(betas))
     if for_cuda_graph:
@@ -56,8 +54,7 @@ IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     """``optimizer.load_state_dict(state)`` keeping this optimizer's implementation settings and
-    the kind of its hyperparameters (a device-tensor lr stays that tensor, filled with the saved
-    value), with step counts where the implementation wants them."""
+    kinds of hyperparameters (a device-tensor lr stays one), step counts where it wants them."""
     own = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, before in zip(optimizer.param_groups, own):
@@ -108,8 +105,7 @@ def describe(lr: float, peak: float, global_batch: int, base_batch: int, scaling
 
 def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
     """Learning rate of update ``step`` (0-based) of ``total``: peak * (step + 1) / warmup for the
-    first ``warmup`` (the first update already moves the weights), then a cosine from peak at
-    update ``warmup`` to ``end`` at update ``total``."""
+    first ``warmup``, then a cosine from peak to ``end`` at update ``total``."""
     if step < warmup:
         return peak * (step + 1) / warmup
     span = max(total - warmup, 1)
@@ -118,8 +114,7 @@ def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
 
 
 def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int):
-    """A LambdaLR whose factor times the optimizer's initial lr (= peak) gives ``lr_at``; a
-    device-tensor lr (``train_graph.py``) is filled in place, computed from a float peak."""
+    """A LambdaLR giving ``lr_at`` (a device-tensor lr, ``train_graph.py``'s, filled in place)."""
     set_lr(optimizer, peak)
     factor = (lambda step: 1.0) if peak == 0 else \
         (lambda step: lr_at(step, peak, end, warmup, total) / peak)
@@ -141,8 +136,8 @@ def set_lr(optimizer, value: float):
 
 def resumed_schedule(optimizer, saved_cfg: dict, steps_per_epoch: int, iteration: int,
                      peak: float, end: float, warmup: int, total: int) -> str:
-    """The learning rate of step ``iteration`` of ``total`` put in place after a resume; the log
-    line saying the schedule spans a new total when the run length changed, else ""."""
+    """Step ``iteration``'s learning rate put in place after a resume; the line saying the schedule
+    spans a new ``total`` when the run length changed, else ""."""
     set_lr(optimizer, lr_at(iteration, peak, end, warmup, total))
     old_total = saved_cfg.get("num_iters") or (saved_cfg.get("num_epochs") or 0) * steps_per_epoch
     if not old_total or old_total == total:

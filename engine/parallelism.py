@@ -33,9 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ParallelModel:
-    """A model ready to train on this rank: ``module`` its parameters and state (sharded under
-    tp/cp), ``wrapped`` what a step calls (``module`` under DDP and/or ``torch.compile``),
-    ``sharding`` how batches and state map to it (``engine.sharding``)."""
+    """A model ready to train: ``module`` its parameters, ``wrapped`` what a step calls (under DDP
+    and/or ``torch.compile``), ``sharding`` how batches and state map to it."""
 
     module: nn.Module
     wrapped: nn.Module
@@ -46,10 +45,8 @@ class ParallelModel:
     batch: int = 0  # under torch.compile, the local batch every forward is given (full_batch)
 
     def no_sync(self):
-        """Inside: the backward passes of the inner micro-batches of gradient accumulation. DDP
-        all-reduces once, in the last one's backward. FSDP reduce-scatters in every one (as
-        torchtitan does), or with ``fsdp_reduce_each_microbatch`` off keeps the whole unsharded
-        gradients until the last (docs/parallelism.md weighs the two)."""
+        """Inside: the inner micro-batches' backward passes. DDP all-reduces in the last; FSDP in
+        each, or with ``fsdp_reduce_each_microbatch`` off in the last (docs/parallelism.md)."""
         if isinstance(self.module, FSDPModule):
             if self.fsdp_reduce_each_microbatch:
                 return contextlib.nullcontext()
@@ -105,9 +102,8 @@ def _fsdp_no_sync(module):  # the sum is reduce-scattered in the backward after 
 
 
 def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
-    """FSDP2's casts for ``amp_mode`` bf16: parameters gathered in bf16 (autocast still picks
-    each op's precision), gradients reduce-scattered and shards and Adam state kept in fp32.
-    (fp16 is refused with fsdp.)"""
+    """FSDP2's casts for ``amp_mode`` bf16: parameters gathered in bf16, gradients reduced and
+    shards and Adam state kept in fp32 (fp16 is refused with fsdp)."""
     if amp_mode == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -116,8 +112,7 @@ def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
 def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Runtime,
                 mesh=None) -> nn.Module:
     """``fully_shard`` each block, then the rest of the model, over the data-parallel ``mesh``
-    (the dp dimension of the tp x cp x dp mesh) or one over every rank. Peak memory holds the
-    largest gathered block on top of the shards."""
+    (the dp dimension of the tp x cp x dp mesh) or one over every rank."""
     if mesh is None:
         mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
     policy = mixed_precision_policy(amp_mode)

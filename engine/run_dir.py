@@ -64,11 +64,9 @@ AUTO = "auto"
 
 
 def resolve_run_num(cfg: Config, rt: Runtime) -> str:
-    """Claim this run's directory and lock it for this process, on rank 0; replace ``run_num:
-    auto`` in ``cfg`` by the run's name on every rank. Returns how the run was chosen, for the log
-    ("" for a named run, unless a stale lock was taken over). ``auto``: the next free number, or
-    with ``--resume`` the run that wrote the newest checkpoint (docs/checkpoints.md, "Run
-    numbers"). A run directory another live process trains is refused."""
+    """Rank 0 claims and locks this run's directory (``auto``: docs/checkpoints.md, "Run numbers"),
+    whose name replaces ``run_num: auto`` in ``cfg`` on every rank; how it was chosen, for the log
+    ("" for a named run). A run directory another live process trains is refused."""
     choice = [None]
     if rt.is_main:
         try:
@@ -153,9 +151,8 @@ def _make_dirs(cfg: Config, path: str):  # os.makedirs, noting the directories i
 
 
 class _Made:
-    """What this process created for the run it is starting, which a start that fails in set-up
-    removes again: the directories, outermost first; the run directory itself; the out.log it
-    writes into an existing run without one."""
+    """What this process created for the run it is starting: the directories (outermost first),
+    the run directory, the out.log it writes into an existing run without one."""
 
     def forget(self):
         self.dirs, self.run, self.log = [], None, None
@@ -273,8 +270,7 @@ def _slurm_attempt() -> dict:  # the Slurm job and how often it was requeued
 
 
 def _earlier_attempt_of_this_job(record: dict) -> bool:
-    """The lock was taken by an earlier attempt of this Slurm job (killed before it could remove
-    it, or its node failed): Slurm runs one attempt of a job at a time, so that one has ended."""
+    """The lock is an earlier attempt's of this Slurm job, which has ended (one at a time)."""
     mine = _slurm_attempt()
     theirs = record.get("slurm_restart")
     return bool(mine) and record.get("slurm_job") == mine["slurm_job"] and \

@@ -80,8 +80,7 @@ TORCH_FLOOR = (2, 5)
 
 
 def check_torch_version(version: str | None = None):
-    """Refuse a torch below ``TORCH_FLOOR`` (a pre-release such as NGC's "2.6.0a0+..." counts as
-    its release)."""
+    """Refuse a torch below ``TORCH_FLOOR`` (NGC's "2.6.0a0+..." counts as 2.6)."""
     version = version or torch.__version__
     m = re.match(r"(\d+)\.(\d+)", version)
     if m and (int(m.group(1)), int(m.group(2))) < TORCH_FLOOR:
@@ -92,8 +91,7 @@ def check_torch_version(version: str | None = None):
 
 
 def gpu_signs() -> list[str]:
-    """What says this node has GPUs for this process, whatever torch sees: Slurm's and the CUDA
-    runtime's variables, the NVIDIA device files."""
+    """What says this node has GPUs for this process: Slurm's and CUDA's variables, device files."""
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     signs = [f"CUDA_VISIBLE_DEVICES={cvd}"] if cvd not in (None, "", "-1", "NoDevFiles") else []
     signs += [f"{var}={os.environ[var]}" for var in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS",
@@ -114,9 +112,8 @@ def _no_cuda_reason() -> str:
 
 
 def choose_device(cfg: Config, local_rank: int) -> torch.device:
-    """The one place the device is decided: cuda when present, else cpu; a node whose GPUs this
-    torch cannot use is refused unless ``--device cpu`` (silently training on the CPU of a GPU
-    node would waste the allocation)."""
+    """The device: cuda when present, else cpu; a node whose GPUs this torch cannot use is refused
+    unless ``--device cpu`` (training on its CPU would waste the allocation)."""
     has_cuda = torch.cuda.is_available()
     if cfg.device == "cpu":
         return torch.device("cpu")
@@ -172,8 +169,7 @@ def _env_int(name, default):
 
 
 def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:
-    """(local, global) batch sizes: global split evenly over the data-parallel ranks, a rank's
-    share into grad_accum_steps micro-batches."""
+    """(local, global) batch sizes, global split evenly over dp ranks and grad_accum_steps."""
     if cfg.local_batch_size is not None:
         local, global_ = cfg.local_batch_size, cfg.local_batch_size * dp_size
     elif cfg.global_batch_size % dp_size:
@@ -213,9 +209,8 @@ def check_model_parallel(cfg: ViTConfig, world: int):
 
 
 def new_host_group(timeout: datetime.timedelta):
-    """A gloo group of all ranks (collective), connected lazily (``TORCH_GLOO_LAZY_INIT``, read as
-    the group is made; older torch ignores it): its small ring all-reduces open 2 connections a
-    rank, not a full mesh of N - 1 at start-up."""
+    """A gloo group of all ranks (collective), connected lazily (``TORCH_GLOO_LAZY_INIT``): 2
+    connections a rank for its ring all-reduces, not a mesh of N - 1 at start-up."""
     with mock.patch.dict(os.environ, TORCH_GLOO_LAZY_INIT="1"):
         return dist.new_group(backend="gloo", timeout=timeout)
 
@@ -266,8 +261,7 @@ _BACKEND_MARKERS = ("gloo", "nccl", "processgroup", "connection reset by peer",
 
 
 def describe_dist_failure(exc: BaseException, cfg: Config, where: str) -> str | None:
-    """One line for a failed collective or rendezvous (a dead, hung or unreachable rank), or None
-    when ``exc`` is not one; ``where``: how far the run got ("after step 12")."""
+    """One line for a failed collective or rendezvous, else None; ``where``: "after step 12"."""
     text = str(exc)
     low = text.lower()
     if not isinstance(exc, dist.DistError) and not (
@@ -298,8 +292,7 @@ OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | None,
                                 where: str) -> str | None:
-    """One line for a failed memory allocation naming the settings that decide the sizes, or
-    None when ``exc`` is not one."""
+    """One line for a failed allocation naming the settings that decide the sizes, else None."""
     low = str(exc).lower()
     if not (isinstance(exc, (MemoryError, OUT_OF_MEMORY))
             or "can't allocate memory" in low or "out of memory" in low):

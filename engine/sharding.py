@@ -1,8 +1,6 @@
 """How a model, its batches and its state are split over the ranks of one model replica:
-``Unsharded`` (the whole model on every rank), ``RowBandSharding`` (tensor/context-parallel
-ViT: weight slices, bands of image rows), ``FullyShardedSharding`` (``fsdp``: DTensor shards over
-the data-parallel ranks). State maps to the serial layout keyed by parameter name, so a
-checkpoint loads on any layout (``engine.checkpoint``).
+``Unsharded``, ``RowBandSharding`` (tp/cp ViT: bands of image rows), ``FullyShardedSharding``
+(``fsdp``). State maps to the serial layout keyed by parameter name: it loads on any layout.
 """
 from __future__ import annotations
 
@@ -209,8 +207,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def resharded(model):
-    """``model`` with every FSDP unit's sharded parameters in place (after a forward without a
-    backward, validation, the root unit holds its gathered weights instead)."""
+    """``model`` with every FSDP unit's shards in place (not validation's gathered weights)."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()

@@ -31,8 +31,8 @@ def _dotted(version: int) -> str:
 def conv3d_slow_path(torch_version: str, cudnn_version: int | None, amp_mode: str,
                      device_type: str, *, cudnn_built: int | None = None,
                      memory_format: torch.memory_format = torch.contiguous_format) -> str | None:
-    """The warning line when this torch, with cuDNN ``cudnn_version`` loaded (``cudnn_built``
-    at its build), runs ``amp_mode`` 3-D convolutions in ``memory_format`` past cuDNN; else None."""
+    """The warning line when this torch, with cuDNN ``cudnn_version`` (``cudnn_built`` at build),
+    runs ``amp_mode`` 3-D convolutions in ``memory_format`` past cuDNN; else None."""
     if device_type != "cuda" or amp_mode not in HALF_AMP \
             or memory_format == torch.channels_last_3d:
         return None
@@ -78,8 +78,7 @@ def stack_versions() -> tuple[str, int | None, int | None]:
 
 def warn_slow_paths(model: nn.Module, device: torch.device, amp_mode: str,
                     memory_format: torch.memory_format, is_main: bool = True) -> str | None:
-    """Log (rank 0) and return the slow-path line for ``model`` trained on ``device`` with
-    ``amp_mode`` in ``memory_format``, or None."""
+    """Log (rank 0) and return the slow-path line for ``model`` as it trains, or None."""
     if not is_main or device.type != "cuda" or not convolves_in_3d(model):
         return None
     torch_version, loaded, built = stack_versions()

@@ -1,8 +1,6 @@
-"""The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, alias ``--enable_benchy``;
-what each trial times and how: docs/performance.md, "IO / SYNTHETIC / FULL"). Each round of IO
-and FULL is a fresh pass of the loader under its own epoch number; the trials' optimizer steps
-follow the final checkpoint, which is read back afterwards.
-"""
+"""The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, ``--enable_benchy``;
+docs/performance.md, "IO / SYNTHETIC / FULL"): the trials' optimizer steps follow the final
+checkpoint, which is read back afterwards."""
 from __future__ import annotations
 
 import itertools
@@ -90,8 +88,8 @@ def _mean_std(values: list[float]) -> dict:
 
 
 def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
-    """Mean and std over rounds of all ranks' samples/s (``per_rank``: their ``measure``) together;
-    the ``replica_ranks`` of one model replica (tp x cp) share a batch: its samples count once."""
+    """Mean and std over rounds of all ranks' samples/s together (``per_rank``: their ``measure``);
+    a replica's ``replica_ranks`` (tp x cp) share its samples."""
     out = {}
     for mode in MODES:
         rounds = zip(*(r[mode] for r in per_rank))

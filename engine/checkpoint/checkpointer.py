@@ -30,9 +30,8 @@ class RunFinished(Exception):
 
 
 class Checkpointer:
-    """The checkpoints of the run of ``cfg`` in ``directory`` on the ranks of ``rt``: ``resume``
-    chooses the one to continue from (before the model is built), ``load`` puts the run's state
-    back from it, ``save`` writes the checkpoint of a step."""
+    """The checkpoints of the run of ``cfg`` in ``directory`` on the ranks of ``rt``: which to
+    resume (before the model is built), its state loaded, a step's checkpoint saved."""
 
     def __init__(self, directory: str, cfg, rt):
         self.directory, self.cfg, self.rt = directory, cfg, rt
@@ -41,8 +40,7 @@ class Checkpointer:
 
     def resume(self) -> Resume | None:
         """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a fresh
-        run; RunFinished for a run with nothing left to do. Rank 0 puts right what interrupted
-        writes left (``files.clean_leftovers``) and chooses; the others load exactly its choice
+        run; RunFinished for a finished one. Rank 0 chooses, the others load exactly its choice
         (docs/preemption.md says why)."""
         choice = self._agreed_choice()
         if choice is None:
@@ -98,9 +96,8 @@ class Checkpointer:
         return choice
 
     def _choose(self):
-        """Rank 0's part of ``resume``; a fresh run over one that holds checkpoints is refused.
-        ``--resume auto`` (a requeued job) continues this run directory when it holds checkpoints
-        (even one started with ``--resume_from``), else starts as without it."""
+        """Rank 0's part of ``resume`` (``--resume auto``: this run directory's newest checkpoint,
+        else a fresh run; a fresh run over one that holds checkpoints is refused)."""
         cfg, ckpt_dir = self.cfg, self.directory
         run_dir = os.path.dirname(ckpt_dir)
         files.clean_leftovers(ckpt_dir)
@@ -144,8 +141,7 @@ class Checkpointer:
         return state, path
 
     def start_weights(self, model, from_reference):
-        """``--init_from``: a fresh run's ``model`` starts from an earlier run's checkpoint or the
-        tutorial's weights (``from_reference``: the task's renaming of those); the log says which."""
+        """``--init_from``: a fresh run's ``model`` from saved weights (``start_weights``)."""
         if self.cfg.init_from and self.resumed is None:
             log.info(load_start_weights(model, self.cfg.init_from, from_reference, self.cfg,
                                         self.rt))
@@ -163,10 +159,9 @@ class Checkpointer:
         return self.state
 
     def save(self, epoch_sum: torch.Tensor | None, window: tuple) -> float:
-        """Collective on all ranks: write the checkpoint of the step just taken (the newest
-        ``checkpoint_keep`` kept), log its path, return the seconds it took; a write failed on any
-        rank raises TrainingError on every rank. ``epoch_sum``: this rank's summed losses of the
-        epoch so far (None at its end); ``window``: as ``TrainState.state_dict``'s."""
+        """Collective: write the checkpoint of the step just taken (the newest ``checkpoint_keep``
+        kept) and return its seconds; a write failed on any rank raises TrainingError on all.
+        ``epoch_sum``: this rank's summed losses of the epoch so far (None at its end)."""
         t0 = time.perf_counter()
         rt, st, keep = self.rt, self.state, self.cfg.checkpoint_keep
         # Host sync and one collective: the epoch's losses so far, over the data-parallel ranks

@@ -1,6 +1,5 @@
-"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash
-mid-write leaves at worst a stray file or directory, which ``clean_leftovers`` puts right),
-listed newest first, the newest K kept, checked whole and loaded with ``weights_only=True``.
+"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash leaves
+at worst a stray file, which ``clean_leftovers`` puts right), the newest K kept, checked whole.
 """
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ def _fsync_dir(directory: str):  # makes a rename in it durable
 
 
 def write_file(final: str, state: dict):
-    """``torch.save(state)`` to ``final`` through a temporary file beside it, flushed to disk and
-    renamed into place: ``final`` is whole or absent, never part-written."""
+    """``torch.save(state)`` to ``final`` through a flushed temporary file renamed into place."""
     directory = os.path.dirname(os.path.abspath(final))
     tmp = f"{final}.{os.getpid()}.tmp"
     try:
@@ -90,8 +88,7 @@ def write_file(final: str, state: dict):
 
 
 class WriteFailed(TrainingError):
-    """A failed checkpoint write, in one line; ``rank``: the rank it failed on, when DCP reports
-    another rank's failure here."""
+    """A failed checkpoint write, in one line; ``rank``: where DCP reports another rank's failure."""
 
     def __init__(self, line: str, rank: int | None = None):
         super().__init__(line)
@@ -113,10 +110,9 @@ def save(directory: str, iteration: int, state: dict, keep: int) -> str:
 
 def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | None, keep: int,
                  is_main: bool) -> str:
-    """Collective on every rank: write ``tensors`` (``shards``) with DCP, each rank its own file,
-    and ``rest`` (rank 0's) as ``train_state.pt``, into ``ckpt_<iteration>.dcp``, which rank 0
-    renames into place. WriteFailed on every rank for a failed shard write (naming the rank), on
-    rank 0 alone for its own part (``Checkpointer.save`` agrees); existing checkpoints stay."""
+    """Collective: write ``tensors`` (``shards``) with DCP, each rank its own file, and ``rest``
+    (rank 0's) as ``train_state.pt`` into ``ckpt_<iteration>.dcp``, renamed into place by rank 0.
+    WriteFailed on every rank for a shard write, on rank 0 alone for its own part."""
     final = path_for(directory, iteration, sharded=True)
     tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
     try:
@@ -194,9 +190,8 @@ def _size(path: str) -> int:
 
 
 def load_file(path: str):
-    """(state, path) if the checkpoint loads and holds every expected entry, else (None, None)
-    and a warning line saying why. A DCP directory's (its shard files all there, whole) holds its
-    ``train_state.pt`` and ``"dcp": path`` in place of the tensors, read later."""
+    """(state, path) if the checkpoint loads whole, else (None, None) and a warning line saying
+    why; a DCP directory's holds ``"dcp": path`` in place of the tensors, read later."""
     sharded, file = os.path.isdir(path), path
     try:
         if sharded:  # the directory, then its train_state.pt
@@ -222,8 +217,7 @@ def read_pt(path: str, mmap: bool = False):
 
 
 def unreadable(exc: Exception) -> str:
-    """Why a file did not load, in one line: torch's first sentence, without the weights-only
-    unpickler's paragraphs of advice (to load untrusted files with ``weights_only=False``)."""
+    """Why a file did not load, in one line: torch's first sentence, without its advice."""
     what = "it is not a complete checkpoint (damaged, cut short, or not written by torch.save)"
     text = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(exc)).strip()
     if not text or "weights only load failed" in text.lower():
@@ -244,8 +238,7 @@ def _check_shards(path: str):
 
 
 def read_tensors(path: str, keys=None) -> dict:
-    """The whole tensors of a DCP checkpoint, in this process alone, in the serial layout of a
-    ``.pt`` checkpoint (``{"model": ..., "optimizer": ...}``; only ``keys``' when given)."""
+    """A DCP checkpoint's whole tensors (``keys``' only, when given) in this process alone."""
     # torch (to 2.13 at least) has no public call that fills an empty state dict from a DCP
     # checkpoint; this is what its own ``format_utils.dcp_to_torch_save`` does.
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
@@ -257,8 +250,7 @@ def read_tensors(path: str, keys=None) -> dict:
 
 
 def shards(model, optimizer) -> dict:
-    """This rank's shards of an FSDP model's weights and Adam state, keyed by parameter name
-    (torch's distributed state dict, as DCP saves and reads it)."""
+    """This rank's shards of an FSDP model's weights and Adam state (as DCP saves and reads them)."""
     model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 

@@ -1,6 +1,5 @@
 """Start a new run from saved weights (``init_from``; docs/checkpoints.md): a checkpoint of this
-project, whose weights are taken as they are, or the weights of the tutorial's own models, which
-the task renames into this model's layout (``Task.from_reference``)."""
+project, or the tutorial's models' weights renamed by the task (``Task.from_reference``)."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,6 @@
 """What a checkpoint holds, and how a run is put back exactly where it stopped: ``TrainState``,
-the loop's position and everything with state of its own (model, optimizer, gradient scaler, LR
-schedule), gathered in the serial layout (keyed by parameter name: a checkpoint loads on any
-number of ranks and any tp/cp layout) with every rank's RNG streams."""
+the loop's position and everything with state of its own in the serial layout (loading on any
+layout), with every rank's RNG streams."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +19,9 @@ log = files.log  # the package's one logger
 
 
 def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(allowed, refused) changes from the checkpoint's settings to this run's, each as ``"key old
-    -> new"``; settings one side does not know, and how the run was resumed, are skipped. Those a
-    resume may change have ``resume=True`` in their field's metadata (docs/errors.md, "Resuming
-    with changed settings"); the batch fields may differ for the same global batch."""
+    """(allowed, refused) changes from the checkpoint's settings to this run's, as ``"key old ->
+    new"``: allowed where the field's metadata says ``resume=True`` (docs/errors.md, "Resuming with
+    changed settings"); settings one side does not know, and how it was resumed, skipped."""
     may_change = {f.name for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)
                   if f.metadata.get("resume")}
     allowed, refused = [], []
@@ -35,8 +33,7 @@ def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
 
 
 def resume_changes(state: dict, path: str, cfg, global_batch: int) -> list[str]:
-    """The setting changes from the checkpoint ``state`` (at ``path``) that a resume of ``cfg``
-    may make; those that make a different run are refused (one line listing every one)."""
+    """The allowed setting changes from the checkpoint ``state`` to ``cfg``; others are refused."""
     if state.get("config", {}).get("model", cfg.model) != cfg.model:
         raise on_every_rank(ConfigError(
             f"{path} was written by a {state['config']['model']} run; this is a {cfg.model} "
@@ -55,8 +52,7 @@ def resume_changes(state: dict, path: str, cfg, global_batch: int) -> list[str]:
 
 def keep_run_length(cfg, saved: dict):
     """``cfg`` with the run length of the checkpoint's run (``saved``: its settings) unless this
-    command gives one: a plain ``--resume`` continues a run to the end it had (and a finished
-    run stays finished), whatever the YAML's ``num_epochs`` says."""
+    command gives one (a finished run stays finished, whatever the YAML's ``num_epochs`` says)."""
     given = getattr(cfg, "command_line", frozenset())
     run_length = ("num_epochs", "num_iters")
     length = {k: saved[k] for k in run_length if k in saved}
@@ -88,10 +84,9 @@ class TrainState:
 
     def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
                    tensors: bool = True) -> dict | None:
-        """Collective on all ranks: the checkpoint's contents on rank 0, None elsewhere.
-        ``epoch_loss_sum``: this epoch's summed step losses (over data-parallel ranks) so far, for
-        a resumed epoch's mean; ``window``: this rank's (loss sum, grad norm sum, steps) since the
-        last log point; ``tensors`` false: without the model and optimizer (saved as shards)."""
+        """Collective: the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``: the
+        epoch's summed losses so far; ``window``: this rank's (loss sum, grad norm sum, steps) since
+        the last log point; ``tensors`` false: without the model and optimizer (shards)."""
         rt = self.rt
         carried = self.epoch_loss_carry + epoch_loss_sum
         if not math.isfinite(carried):
@@ -127,8 +122,7 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict, path: str):
-        """Restore everything ``state_dict`` wrote (``path``: for errors and logs); settings that
-        make a different run are refused in one line, each allowed change logged."""
+        """Restore everything ``state_dict`` wrote (``path``: for errors and logs)."""
         for change in resume_changes(state, path, self.cfg, self.rt.global_batch):
             log.info(f"resume: {change}")
         if state["steps_per_epoch"] != self.steps_per_epoch:
