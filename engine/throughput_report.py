@@ -89,7 +89,7 @@ def _mean_std(values: list[float]) -> dict:
 
 def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
     """Mean and std over rounds of all ranks' samples/s together (``per_rank``: their ``measure``);
-    a replica's ``replica_ranks`` (tp x cp) share its samples."""
+    the ``replica_ranks`` of a model replica (tp x cp) share a batch, counted once."""
     out = {}
     for mode in MODES:
         rounds = zip(*(r[mode] for r in per_rank))
