@@ -7,6 +7,7 @@ import sys
 
 class UserError(Exception):
     exit_code = 1
+    every_rank = False  # raised alike on every rank of a launch: rank 0 alone prints it
 
 
 class ConfigError(UserError, ValueError):
@@ -23,16 +24,28 @@ class TrainingError(UserError):
     """Training cannot go on (e.g. the loss became NaN); checkpoints already written are kept."""
 
 
-def print_error(message: str, prefix: str = ""):
-    """``<prefix>error: <message>`` on stderr in one write, so that ranks sharing a stream never
-    join two lines (print writes the line and its newline apart)."""
+def print_error(message: str, prefix: str = "", every_rank: bool = False):
+    """``<prefix>error: <message>`` on stderr in one write: ranks that share a stream (torchrun
+    runs them unbuffered) then never join two lines (print writes the line and its newline
+    apart). ``every_rank``: the same error ends every rank (the same settings, or an outcome the
+    ranks agreed on), and only rank 0 (RANK, set by torchrun and export_DDP_vars.sh) prints it:
+    one line above torchrun's report, not one per rank."""
+    if every_rank and os.environ.get("RANK", "0") not in ("", "0"):
+        return
     sys.stderr.write(f"{prefix}error: {message}\n")
     sys.stderr.flush()
 
 
+def on_every_rank(error: UserError) -> UserError:
+    """``error``, marked as raised alike on every rank of a launch (``print_error``)."""
+    error.every_rank = True
+    return error
+
+
 def refuse(message: str):
-    """End a command-line program on bad input: its one ``error:`` line, exit code 2."""
-    print_error(message)
+    """End a command-line program on bad input: its one ``error:`` line (the same on every rank
+    of a launch: rank 0's), exit code 2."""
+    print_error(message, every_rank=True)
     raise SystemExit(2)
 
 

@@ -289,7 +289,8 @@ def test_resume_auto_starts_fresh_then_continues_and_never_reruns_a_finished_run
     first = train(args)
     assert "Resumed from" not in first.stdout and "Avg val loss" in first.stdout
     again = train(args)
-    assert "Resumed from" in again.stdout and "ckpt_00000004.pt" in again.stdout
+    assert "Nothing to do: run 0 has finished its 4 steps (checkpoint " in again.stdout
+    assert "ckpt_00000004.pt" in again.stdout and "Resumed from" not in again.stdout
     assert "Avg val loss" not in again.stdout  # finished: nothing is run or logged again
     valid = tb_scalars(os.path.join(run_dir(str(tmp_path)), "tensorboard")).Scalars("Loss/valid")
     assert len(valid) == 1

@@ -180,7 +180,8 @@ class RunEnding:
         self.cfg, self.rt, self.trainer, self.installed = cfg, None, None, request is None
         self.request = StopRequest.install(cfg.stop_signals) if request is None else request
 
-    def fail(self, message: str, exit_code: int, broken_group: bool = False):
+    def fail(self, message: str, exit_code: int, broken_group: bool = False,
+             every_rank: bool = False):
         """End the process with one line on stderr (and in the run's out.log, on rank 0).
 
         ``broken_group``: a collective failed (a peer died or hangs), or a loader stalled (its
@@ -192,12 +193,13 @@ class RunEnding:
         if broken_group:
             arm_hard_exit(exit_code)
         rt = self.rt
-        prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed else ""
+        # (an error every rank raises alike is rank 0's alone to print: print_error)
+        prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed and not every_rank else ""
         record = logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None)
         for handler in logging.getLogger().handlers:  # keep the reason in the run's out.log
             if isinstance(handler, logging.FileHandler):
                 handler.emit(record)
-        print_error(message, prefix)
+        print_error(message, prefix, every_rank)
         if broken_group:
             if self.trainer is not None:
                 self.trainer.close(at_once=True)
@@ -224,7 +226,7 @@ class RunEnding:
             elif issubclass(kind, LoaderStalled):  # at once: its peers wait in a collective
                 self.fail(str(e), e.exit_code, broken_group=True)
             elif issubclass(kind, UserError):
-                self.fail(str(e), e.exit_code)
+                self.fail(str(e), e.exit_code, every_rank=e.every_rank)
             elif issubclass(kind, (RuntimeError, MemoryError)):  # incl. torch's DistError
                 where = (f"after step {self.trainer.iteration}" if self.trainer is not None
                          else "during set-up")
