@@ -38,7 +38,7 @@ class CosmoData:
     def synthetic_files(self) -> list[str]:
         """What ``synthesize`` writes, relative to data_root."""
         from datapipe import synthetic
-        return synthetic.cosmo_files(self.cfg.train_file, self.cfg.val_file)
+        return list(synthetic.cosmo_plan(train_name=self.cfg.train_file, val_name=self.cfg.val_file))
 
     def datasets(self, rows=None):
         c = self.cfg

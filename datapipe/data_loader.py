@@ -19,7 +19,6 @@ import ctypes
 import functools
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -214,9 +213,9 @@ def ensure_data(cfg: Config, rank: int, world_size: int):
     alike."""
     if cfg.data_is_generated:
         return
-    if has_data(cfg) and os.path.exists(os.path.join(cfg.data_root, synthetic.SYNTHETIC_MARK)):
-        log.info(f"Data: the synthetic {cfg.model} data under {cfg.data_root} (made by an "
-                 f"earlier run: not real data)")
+    if has_data(cfg) and (maker := synthetic.made_by(cfg.data_root)) is not None:
+        log.info(f"Data: the synthetic {cfg.model} data under {cfg.data_root} (made by {maker}: "
+                 f"not real data)")
         return
     if not cfg.synthesize_if_missing:
         return

@@ -42,7 +42,7 @@ class ERA5Data:
     def synthetic_files(self) -> list[str]:
         """What ``synthesize`` writes, relative to data_root (make_era5's default years)."""
         from datapipe import synthetic
-        return synthetic.era5_files()
+        return list(synthetic.era5_plan())
 
     def datasets(self, rows=None):
         """Training and validation sets; ``rows`` limits the training samples to that band of
