@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 
-# datapipe.generated_data and datapipe.synthetic are imported where used: importing the package
-# (which imports this module) must not import datapipe.synthetic, which also runs as a script
-# (python -m datapipe.synthetic) and would then run a second copy of itself.
+# datapipe.generated_data and datapipe.synthetic are imported where used (datapipe/data_sets.py)
 from datapipe.data_sets import register
 from datapipe.era5_data import ERA5Dataset
 from settings.config import ViTConfig
