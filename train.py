@@ -223,7 +223,7 @@ class Trainer:
                 with self.parallel.no_sync() if i < k - 1 else contextlib.nullcontext():
                     with nvtx_range("forward"), self.autocast(), self.kernels():
                         pred = self.wrapped_model(xm)
-                        loss = self.sharding.loss(pred, ym).sum() / n  # its part of the mean
+                        loss = self.parallel.loss(pred, ym).sum() / n  # its part of the mean
                     if i == 0:
                         probe.forward_done()
                     with nvtx_range("backward"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,10 +35,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class ParallelModel:
     """A model ready to train: ``module`` its parameters, ``wrapped`` what a step calls (under DDP
-    and/or ``torch.compile``), ``sharding`` how batches and state map to it."""
+    and/or ``torch.compile``), ``loss(pred, y)`` the task's per-sample loss of its output (of
+    image bands: summed over the ranks of the other bands), ``sharding`` how batches and state
+    map to it."""
 
     module: nn.Module
     wrapped: nn.Module
+    loss: object
     sharding: Unsharded
     rt: Runtime
     fsdp_reduce_each_microbatch: bool = True
@@ -63,7 +67,11 @@ class ParallelModel:
         self.sharding.reduce_replicated_grads(self.module)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0."""
+        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0:
+        torch's own for a model whole on every rank (max_norm inf scales by exactly 1), the one
+        of ``distributed.grad_norm`` for shards (tp/cp, FSDP)."""
+        if self.rt.groups is None and not isinstance(self.module, FSDPModule):
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm or math.inf)
         return clip_grad_norm(self.module, max_norm, self.rt.groups)
 
     def full_batch(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +92,7 @@ class ParallelModel:
         device = self.rt.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             with forward_context():
-                loss = self.sharding.loss(self.wrapped(x), y).sum()
+                loss = self.loss(self.wrapped(x), y).sum()
             loss.backward()
         self.module.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -194,5 +202,6 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
                 block.compile(options=options)
         else:
             wrapped = torch.compile(wrapped, options=options)
-    return ParallelModel(model, wrapped, sharding, rt, cfg.fsdp_reduce_each_microbatch,
+    loss = task.loss if rt.groups is None else sharding.loss
+    return ParallelModel(model, wrapped, loss, sharding, rt, cfg.fsdp_reduce_each_microbatch,
                          compile_dir, rt.local_batch if cfg.enable_jit else 0)

@@ -16,7 +16,7 @@ from settings.config import UNetConfig
 from settings.errors import ConfigError
 from tasks import volume_stats
 from tasks.base import Task
-from tasks.losses import L1Rho
+from tasks.losses import PartialSumLoss, per_sample_sum, sum_dtype
 from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
 
@@ -26,6 +26,37 @@ from tasks.reference_weights import unet_from_reference
 # under enable_jit and channels_last with enable_jit is refused; else the torch.compile options
 # ({} for none) under which it compiles and trains the eager step's numbers.
 CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
+
+
+def rho_transform(x: torch.Tensor) -> torch.Tensor:
+    """Hydro channel 0 is stored as log(density) / 14; this undoes it."""
+    return torch.exp(14.0 * x)
+
+
+class L1Rho(PartialSumLoss):
+    """Mean absolute error per sample, plus ``lambda_rho`` times that of the density
+    exp(14 x[0]) of channel 0.
+
+    Sums: [sum |pred - target|, number of values] and, with ``lambda_rho``, [sum |rho(pred_0) -
+    rho(target_0)|, number of channel-0 values]; finish: the ratios, weighted."""
+
+    def __init__(self, lambda_rho: float = 0.0):
+        self.lambda_rho = lambda_rho
+
+    def partial_sums(self, pred, target, rows=None):
+        dtype = sum_dtype(pred)
+        err = (pred.to(dtype) - target.to(dtype)).abs()
+        sums = [per_sample_sum(err), err.new_full((err.shape[0],), err[0].numel())]
+        if self.lambda_rho:
+            d = (rho_transform(pred[:, 0].to(dtype)) - rho_transform(target[:, 0].to(dtype))).abs()
+            sums += [per_sample_sum(d), d.new_full((d.shape[0],), d[0].numel())]
+        return torch.stack(sums, dim=1)
+
+    def finish(self, sums):
+        loss = sums[:, 0] / sums[:, 1]
+        if self.lambda_rho:
+            loss = loss + self.lambda_rho * sums[:, 2] / sums[:, 3]
+        return loss
 
 
 class CosmoTask(Task):

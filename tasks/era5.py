@@ -14,10 +14,57 @@ from settings.config import ViTConfig
 from settings.errors import ConfigError
 from tasks import attention, forecast_skill
 from tasks.base import Task
-from tasks.losses import (RelativeL2, WeightedRelativeL2, latitude_weights, loss_weights,
+from tasks.losses import (PartialSumLoss, latitude_weights, per_sample_sum, sum_dtype,
                           weighted_rmse)
 from tasks.registry import register
 from tasks.reference_weights import vit_from_reference
+
+
+class RelativeL2(PartialSumLoss):
+    """The tutorial's loss: ||pred - target||_2 / ||target||_2 over all of a sample's values,
+    ``loss(pred, target)`` = ``finish(partial_sums(pred, target))``.
+
+    Sums: [sum (pred - target)^2, sum target^2]; finish: sqrt(a) / sqrt(b)."""
+
+    def partial_sums(self, pred, target, rows=None):
+        dtype = sum_dtype(pred)
+        diff = (pred.to(dtype) - target.to(dtype)).flatten(1)
+        ref = target.to(dtype).flatten(1)
+        return torch.stack([diff.pow(2).sum(1), ref.pow(2).sum(1)], dim=1)
+
+    def finish(self, sums):
+        return sums[:, 0].sqrt() / sums[:, 1].sqrt()
+
+
+class WeightedRelativeL2(RelativeL2):
+    """RelativeL2 with each value weighted by its channel and image row: ``weights`` (C, H, 1),
+    the product of the variable, pressure-level and latitude (area) weights (``loss_weights``).
+
+    Sums: [sum w (pred - target)^2, sum w target^2]; finish: sqrt(a) / sqrt(b)."""
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights
+
+    def partial_sums(self, pred, target, rows=None):
+        dtype = sum_dtype(pred)
+        w = self.weights if rows is None else self.weights[:, rows[0]:rows[1]]
+        w = w.to(pred.device, dtype)
+        diff = (pred.to(dtype) - target.to(dtype)).pow(2) * w
+        ref = target.to(dtype).pow(2) * w
+        return torch.stack([per_sample_sum(diff), per_sample_sum(ref)], dim=1)
+
+
+def loss_weights(channels, h: int, latitude: bool, level: bool, variable: dict) -> torch.Tensor:
+    """(C, H, 1) weights of ``WeightedRelativeL2``: per channel, ``variable``'s weight (1 where
+    it names none) times, with ``level``, the pressure level in hPa over the mean level of the
+    channels that have one (surface variables: 1), as GraphCast weights its loss; per row, with
+    ``latitude``, ``latitude_weights`` (the area of its cells, mean 1)."""
+    levels = {c: int(c[1:]) for c in channels if c[0] in "uvtzrq" and c[1:].isdigit()}
+    mean_level = np.mean(list(levels.values())) if levels else 1.0
+    per_channel = [variable.get(c, 1.0) * (levels[c] / mean_level if level and c in levels else 1.0)
+                   for c in channels]
+    rows = latitude_weights(h) if latitude else torch.ones(h)
+    return torch.tensor(per_channel, dtype=torch.float32).view(-1, 1, 1) * rows.view(1, -1, 1)
 
 
 class ERA5Task(Task):

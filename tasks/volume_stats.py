@@ -85,7 +85,7 @@ def histograms(pred: np.ndarray, true: np.ndarray, bins: int = HIST_BINS) -> dic
 def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
     """Means and errors of one channel, in float64: the means of both fields, the bias
     mean(pred - true), the mean absolute error, the RMSE and the relative error
-    ||pred - true||_2 / ||true||_2 (the relative L2 of ``tasks.losses.RelativeL2``)."""
+    ||pred - true||_2 / ||true||_2 (the relative L2 of ``tasks.era5.RelativeL2``)."""
     p = np.asarray(pred, np.float64)
     t = np.asarray(true, np.float64)
     d = p - t

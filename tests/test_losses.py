@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.losses import (L1Rho, RelativeL2, WeightedRelativeL2, latitude_weights, loss_weights,
-                          weighted_rmse)
+from tasks.cosmo import L1Rho
+from tasks.era5 import RelativeL2, WeightedRelativeL2, loss_weights
+from tasks.losses import latitude_weights, weighted_rmse
 from engine.optimizer import build_scheduler, check_end, describe, lr_at, peak_lr
 
 

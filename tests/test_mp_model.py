@@ -109,7 +109,8 @@ def _reference_losses(pred, tar):
 
 
 def _partial_sum_loss(name):
-    from tasks.losses import L1Rho, PartialSumLoss
+    from tasks.cosmo import L1Rho
+    from tasks.losses import PartialSumLoss
 
     class ChannelWeightedMSE(PartialSumLoss):
         """sum_c w_c mean((pred_c - target_c)^2): sums [sum_c w_c sum (pred_c - target_c)^2, values
@@ -197,7 +198,7 @@ def _rank_main():
     from distributed.mappings import all_gather_along
     from distributed.parallelize import parallelize_vit as _parallelize
     from distributed.parallelize import sharded_loss
-    from tasks.losses import RelativeL2
+    from tasks.era5 import RelativeL2
     from engine.sharding import RowBandSharding
 
     def parallelize_vit(model, groups, activation_checkpointing=None):
@@ -499,7 +500,7 @@ def test_single_process_parallelize_is_serial():
     from distributed.groups import SINGLE_PROCESS, build_groups
     from distributed.layers import reduce_replicated_grad_shards, serial_state_dict
     from distributed.parallelize import parallelize_vit, sharded_loss
-    from tasks.losses import RelativeL2
+    from tasks.era5 import RelativeL2
 
     groups = build_groups()
     assert groups.tp_group is SINGLE_PROCESS and groups.mp_group is SINGLE_PROCESS
