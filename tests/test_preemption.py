@@ -44,7 +44,7 @@ class Signalled(train.Trainer):
         super().__init__(*args, **kwargs)
         if os.environ.get("COUNT_AGREEMENTS"):  # the ranks' stop proposals (host collectives)
             atexit.register(lambda: print(
-                f"stop agreements: {{self.stopper.agreement.proposals}}", flush=True))
+                f"stop agreements: {{self.stopper.proposals}}", flush=True))
 
     def train_step(self, *args, **kwargs):
         if str(self.iteration) == os.environ.get("SIGNAL_AT_STEP") and \\
@@ -53,7 +53,7 @@ class Signalled(train.Trainer):
         return super().train_step(*args, **kwargs)
 
     def save_checkpoint(self, epoch_sum=None):
-        if self.stopper.signum and os.environ.get("SIGNAL_DURING_SAVE"):
+        if self.stopper.request.signum and os.environ.get("SIGNAL_DURING_SAVE"):
             os.kill(os.getpid(), signal.SIGTERM)  # handled in the middle of the write below
         super().save_checkpoint(epoch_sum)
 

@@ -5,7 +5,7 @@
 ``StopRequest.install(names)`` replaces the handlers of the named signals (``stop_signals``) with
 one that only records the signal: no Python code runs in between a step's operations, nothing is
 written from a handler, and a second signal (even during the checkpoint write) merely records it
-again. The ranks then agree on the step to stop after (``engine.stop.agreement``), write its
+again. The ranks then agree on the step to stop after (``engine.stop.Stopper``), write its
 checkpoint and end with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns into a requeue
 (docs/preemption.md).
 """
@@ -24,14 +24,17 @@ import time
 
 from engine.run_dir import discard_unstarted_run, release_run_locks
 from engine.runtime import describe_allocation_failure, describe_dist_failure
-from engine.stop.waits import LoaderStalled
-from settings.errors import UserError, print_error
+from settings.errors import TrainingError, UserError, print_error
 from settings.signals import STOPPED_EXIT_CODE, ignore_stop_signals, installed, signal_number
 
 log = logging.getLogger("train")
 
 HARD_EXIT_AFTER_S = 10.0  # seconds the cleanup of an immediate exit may take
 CHILD_JOIN_S = 10.0  # seconds to wait, in all, for SIGKILLed children to end
+
+
+class LoaderStalled(TrainingError):
+    """A rank waited ``loader_timeout_s`` for its next batch."""
 
 
 class RunStopped(Exception):
@@ -71,7 +74,7 @@ class StopRequest:
     def __init__(self):
         self.signum = 0
         self._previous = {}  # signal number -> the handler before install
-        self.while_waiting = None  # set by ``DataWaits.fetch`` while the rank waits for data
+        self.while_waiting = None  # set by ``Stopper.fetch`` while the rank waits for data
 
     @classmethod
     def install(cls, names: list[str]) -> StopRequest:
@@ -98,7 +101,7 @@ class StopRequest:
 
 class NeverStop(StopRequest):
     """For trainers driven without the entry point (tests, benchmarks): never asks to stop and
-    never takes part in the ranks' stop agreement (``engine.stop.agreement``)."""
+    never takes part in the ranks' stop agreement."""
 
     agrees = False
 
