@@ -182,6 +182,12 @@ class Stopper:
         interrupted, self._interrupted = self._interrupted, 0
         return self.now(interrupted, recorded=False)
 
+    def signalled(self) -> int:
+        """At the run's end: the signal any rank recorded (0: none). Collective (host,
+        blocking)."""
+        self._needed = []  # (no step follows: no lag to choose)
+        return self.now()
+
     def _pass(self, loader, what: str, epoch: int, first: int = 0,
               around=contextlib.nullcontext, begun=None):
         """The items of a pass of ``loader``, each fetched (the pass's start too) in a data
