@@ -142,9 +142,10 @@ class Config:
         False, "continue from the newest valid checkpoint of this run directory; auto: continue "
         "when it holds checkpoints, start fresh otherwise (a requeued job)", resume=True)
     stop_signals: list[str] = _f(
-        ["SIGTERM", "SIGUSR1"], "signals that stop the run cleanly at the next log point (or, when a rank "
-        "waits for data, within a few seconds at the last finished step): "
-        f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable)", resume=True)
+        ["SIGTERM", "SIGUSR1", "SIGINT"], "signals that stop the run cleanly at the next log point "
+        "(or, when a rank waits for data, within a few seconds at the last finished step): "
+        f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable); a second SIGINT (Ctrl-C) "
+        "ends the run at once (exit code 130)", resume=True)
     resume_from: str = _f("", "continue from this checkpoint (a ckpt_<step>.pt file or an FSDP "
                           "run's ckpt_<step>.dcp directory), or the newest in this run directory "
                           "(e.g. one written with another number of ranks)", resume=True)

@@ -171,10 +171,9 @@ def test_ranges_without_the_nvtx_package(monkeypatch):
 
 
 def test_each_fetch_of_a_pass_is_a_data_wait_range_and_items_are_kept():
-    from engine.stop.waits import DataWaits
-    from engine.stop.signals import NeverStop
+    from engine.stop import NeverStop, Stopper
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        items = list(DataWaits(NeverStop(), 0).batches([1, 2, 3], "training", 0))
+        items = list(Stopper(NeverStop(), False).batches([1, 2, 3], "training", 0, 0))
     assert items == [1, 2, 3]
     # one range per item and one for the fetch that ends the iteration
     assert sum(e.name == "data wait" for e in prof.events()) == 4

@@ -284,8 +284,8 @@ def test_the_reports_passes_agree_on_stopping_as_training_does(tmp_path, era5, l
     cfg = tiny_vit_cfg(era5, str(tmp_path), num_iters=1, data_loader_config=loader)
     tr = Trainer(cfg, setup_runtime(cfg))
     asked = []
-    propose = tr.stopper.agreement.propose
-    tr.stopper.agreement.propose = lambda *a, **kw: (asked.append(1), propose(*a, **kw))
+    propose = tr.stopper.propose
+    tr.stopper.propose = lambda *a, **kw: (asked.append(1), propose(*a, **kw))
     try:
         fetches = len(list(tp._loader_pass(tr, 5))) + 1
         assert fetches == tr.steps_per_epoch + 1 > 2
