@@ -8,7 +8,7 @@ per-batch costs. What a user sees of it is in docs/performance.md ("Batch hand-o
   process (without workers, memory of the main process alone), on a GPU registered once with
   ``cudaHostRegister``, its descriptor passed to a worker with the first work on it. At most
   ``prefetch_depth * workers + 2`` (+ 1 on a GPU) are made, the most the engine's loop needs at
-  once (``engine.stop.agreement``); more only while the consumer holds on to batches.
+  once (``engine.stop``); more only while the consumer holds on to batches.
 * **Workers share each batch**: its keys are split over them, each reading its rows into the same
   slot. Workers are forked at the first pass and kept, die with the main process, ignore the stop
   signals and Ctrl-C, and send errors back as raised (a ``UserError`` as itself, anything else as
