@@ -21,26 +21,13 @@ import sys
 import typing
 
 from settings.config import Config, field_types
-from settings.errors import ConfigError, OneLineParser, UserError, print_error, refuse
+from settings.errors import ConfigError, OneLineParser, UserError, at_least, print_error, refuse
 
 CHOICES = {k: typing.get_args(field_types(Config)[k]) for k in ("device", "amp_mode")}
 # The options only one model's scoring reads (their defaults None), and the model's name: given
 # for the other model's run they would do nothing, so they are refused instead.
 MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init", "rmse")), "unet": ("U-Net", ("tile", "halo"))}
 RMSE = ("sqrt_after_time_avg", "sqrt_before_time_avg")  # WeatherBench 2's RMSE first, the default
-
-
-def _whole(minimum: int):
-    """An argparse type: a whole number of at least ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-        return value
-    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,22 +42,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="directory to write the scores into (default <run dir>/score); it must "
                         "not exist yet")
-    p.add_argument("--lead_steps", type=_whole(1), default=None,
+    p.add_argument("--lead_steps", type=at_least(1), default=None,
                    help="ViT: forecast steps of each rollout (default: 10 days of the model's "
                         "dt x 6 h steps, fewer where the split's years are shorter)")
-    p.add_argument("--n_init", type=_whole(1), default=None,
+    p.add_argument("--n_init", type=at_least(1), default=None,
                    help="ViT: initial conditions, spread evenly through the split (default 32)")
     p.add_argument("--rmse", choices=RMSE, default=None,
                    help="ViT: sqrt_after_time_avg (default, WeatherBench 2's RMSE: the square "
                         "root of the mean over initial times of the MSE) or sqrt_before_time_avg "
                         "(the mean of each initial time's RMSE)")
-    p.add_argument("--batch_size", type=_whole(1), default=None,
+    p.add_argument("--batch_size", type=at_least(1), default=None,
                    help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) "
                         "per forward pass")
-    p.add_argument("--tile", type=_whole(1), default=None,
+    p.add_argument("--tile", type=at_least(1), default=None,
                    help="U-Net: side in voxels of the tiles the volume is predicted in (default "
                         "the training crop side, data_size); a multiple of 2^levels")
-    p.add_argument("--halo", type=_whole(0), default=None,
+    p.add_argument("--halo", type=at_least(0), default=None,
                    help="U-Net: voxels of context around each tile (default: the smallest with "
                         "which the tiles stitch into exactly one whole-volume forward, 64 for 5 "
                         "levels, 128 for 6; less bounds memory, but seams may show); a multiple "
@@ -232,21 +219,6 @@ def output_dir(out: str | None, run_dir: str) -> str:
     return out
 
 
-def forward_context(task, device: torch.device, amp_mode: str):
-    """A factory of the context the scoring forwards run in: autocast in ``amp_mode`` and the
-    task's kernel choices, as in training."""
-    amp = AMP_DTYPES[amp_mode]
-    kernels = task.forward_kernels(device, amp or torch.float32)
-
-    @contextlib.contextmanager
-    def context():
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), \
-                kernels():
-            yield
-
-    return context
-
-
 def ranks() -> tuple[int, int, int]:
     """(rank, world size, local rank): the running process group's, else the environment's that
     torchrun or export_DDP_vars.sh (Slurm) sets; (0, 1, 0) without either."""
@@ -276,9 +248,7 @@ def agree(error: BaseException | None, rank: int, world: int):
     """Raise on every rank when any rank failed: a rank's own error there; elsewhere the first
     failing rank's user error (prefixed with that rank unless it is rank 0), or a one-line pointer
     to that rank's traceback. Nothing to agree on with one rank."""
-    if world > 1:
-        # Every rank's error (or None), on every rank: a refusal found on one rank ends all
-        # ranks together, none left waiting in the next collective. Also the ranks' barrier.
+    if world > 1:  # collective, also the ranks' barrier: none is left waiting in the next one
         told = [None] * world
         mine = None if error is None else (error if isinstance(error, UserError) else
                                            UserError(f"{type(error).__name__}: {error}"))
@@ -295,53 +265,54 @@ def score(args) -> str | None:
     """Score the run ``args.run`` as its task does and write the report; its directory (None on
     ranks other than 0, which write nothing)."""
     rank, world, local_rank = ranks()
-    made_group = join_ranks(world, rank)
-    try:
-        return _score(args, rank, world, local_rank)
-    finally:
-        if made_group:
-            dist.destroy_process_group()
-
-
-def _score(args, rank: int, world: int, local_rank: int) -> str | None:
-    error = None
-    try:  # the checkpoint, the output directory, the config, the model with its weights
-        state, ckpt, run_dir = find_checkpoint(args.run)
-        out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
-        overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
-                     if getattr(args, k) is not None}
-        cfg = run_config(run_dir, state, overrides)
-        check_model_options(args, cfg, args.run)
-        device = choose_device(cfg, local_rank)
-        check_amp(cfg, device)
-        task = make_task(cfg)
-        model = task.build_model()
-        load_weights(model, state, ckpt, cfg)
-        model.to(device).eval()
-    except Exception as e:  # told to every rank first
-        error = e
-    agree(error, rank, world)
-    autocast = forward_context(task, device, cfg.amp_mode)
-    on = f"{world} ranks ({device} on rank 0)" if world > 1 else str(device)
-    log.info(f"Scoring {ckpt} (step {state['iteration']}) on {on}, amp_mode {cfg.amp_mode}")
-    # The task's own checks of the data come before its collectives, and are the same on every
-    # rank (the same files and options), so that all ranks refuse together.
-    report = task.score(model, device, autocast, argparse.Namespace(**vars(args), rank=rank,
-                                                                    world_size=world))
-    written = []
-    if rank == 0:
-        report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
-                           device=str(device), amp_mode=cfg.amp_mode, ranks=world)
-        tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
-        try:
-            written = write_report(report, tmp)
-            os.rename(tmp, out)
+    with contextlib.ExitStack() as group:
+        if join_ranks(world, rank):
+            group.callback(dist.destroy_process_group)
+        error = None
+        try:  # the checkpoint, the output directory, the config, the model with its weights
+            state, ckpt, run_dir = find_checkpoint(args.run)
+            out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
+            overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
+                         if getattr(args, k) is not None}
+            cfg = run_config(run_dir, state, overrides)
+            check_model_options(args, cfg, args.run)
+            device = choose_device(cfg, local_rank)
+            check_amp(cfg, device)
+            task = make_task(cfg)
+            model = task.build_model()
+            load_weights(model, state, ckpt, cfg)
+            model.to(device).eval()
         except Exception as e:  # told to every rank first
             error = e
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-    agree(error, rank, world)  # every rank waits for rank 0's report
+        agree(error, rank, world)
+        amp = AMP_DTYPES[cfg.amp_mode]
+        kernels = task.forward_kernels(device, amp or torch.float32)
+
+        @contextlib.contextmanager
+        def autocast():  # the forwards' context: autocast and the task's kernels, as in training
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), kernels():
+                yield
+
+        on = f"{world} ranks ({device} on rank 0)" if world > 1 else str(device)
+        log.info(f"Scoring {ckpt} (step {state['iteration']}) on {on}, amp_mode {cfg.amp_mode}")
+        # The task's own checks of the data come before its collectives, and are the same on every
+        # rank (the same files and options), so that all ranks refuse together.
+        report = task.score(model, device, autocast, argparse.Namespace(**vars(args), rank=rank,
+                                                                        world_size=world))
+        written = []
+        if rank == 0:
+            report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
+                               device=str(device), amp_mode=cfg.amp_mode, ranks=world)
+            tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
+            try:
+                written = write_report(report, tmp)
+                os.rename(tmp, out)
+            except Exception as e:  # told to every rank first
+                error = e
+            finally:
+                if os.path.exists(tmp):
+                    shutil.rmtree(tmp)
+        agree(error, rank, world)  # every rank waits for rank 0's report
     if rank != 0:
         return None
     for line in report.summary:

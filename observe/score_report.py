@@ -80,14 +80,6 @@ def write_table(report: Report, directory: str) -> list[str]:
     return ["scores.csv", *(f"{name}.csv" for name in tables), "scores.json"]
 
 
-def caption(meta: dict) -> str:
-    """What a plot scores: the checkpoint, its step and the initial conditions (where counted)."""
-    words = [f"{os.path.basename(meta.get('checkpoint', ''))} (step {meta.get('step')})"]
-    if "initial_conditions" in meta:
-        words.append(f"{meta['initial_conditions']} initial conditions")
-    return ", ".join(words)
-
-
 def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
     """Draw ``figure`` into the PNG ``path``; the file's bytes."""
     import matplotlib
@@ -105,8 +97,7 @@ def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
             ax.plot(np.asarray(x, dtype=float), np.asarray(y, dtype=float), label=label)
         if panel.hline is not None:
             ax.axhline(panel.hline, color="grey", lw=0.8, ls="--")
-        ax.set_xscale("log" if panel.logx else "linear")
-        ax.set_yscale("log" if panel.logy else "linear")
+        ax.set(xscale="log" if panel.logx else "linear", yscale="log" if panel.logy else "linear")
         if panel.xstep:
             ax.xaxis.set_major_locator(matplotlib.ticker.MultipleLocator(panel.xstep))
         ax.set_title(panel.title, fontsize=10)
@@ -158,10 +149,13 @@ def write_report(report: Report, directory: str) -> list[str]:
     except ImportError:
         report.notes.append(NO_PLOTS)
     written = write_table(report, directory)
-    plots = {}
+    meta, plots = report.meta, {}
+    caption = f"{os.path.basename(meta.get('checkpoint', ''))} (step {meta.get('step')})"
+    if "initial_conditions" in meta:  # each plot names what it scores
+        caption += f", {meta['initial_conditions']} initial conditions"
     for figure in report.figures if NO_PLOTS not in report.notes else ():
         path = os.path.join(directory, f"{figure.name}.png")
-        plots[figure.name] = draw(figure, path, caption(report.meta))
+        plots[figure.name] = draw(figure, path, caption)
         written.append(f"{figure.name}.png")
     write_events(report, os.path.join(directory, "tensorboard"), plots)
     return written + ["tensorboard/"]

@@ -6,6 +6,7 @@ the means are exact however the initial conditions were batched or split over ra
 """
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import logging
@@ -96,13 +97,12 @@ class SkillSums:
 
     def __init__(self, n_leads: int, n_channels: int, width: int, device="cpu",
                  rmse="sqrt_after_time_avg"):
-        shape = (len(FORECASTS), n_leads, n_channels)
+        zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
         self.sqrt_after = rmse != "sqrt_before_time_avg"
-        self.rmse = torch.zeros(shape, dtype=torch.float64, device=device)
-        self.acc = torch.zeros(shape, dtype=torch.float64, device=device)
-        self.power = torch.zeros((len(FORECASTS) + 1, *shape[1:], width // 2 + 1),
-                                 dtype=torch.float64, device=device)
-        self.count = torch.zeros(n_leads, dtype=torch.float64, device=device)
+        shape = (len(FORECASTS), n_leads, n_channels)
+        self.rmse, self.acc = zeros(shape), zeros(shape)
+        self.power = zeros(len(FORECASTS) + 1, n_leads, n_channels, width // 2 + 1)
+        self.count = zeros(n_leads)
 
     def add(self, forecast: str, lead: int, pred, truth, clim, weights):
         """Scores of a batch ``pred`` against ``truth`` (B, C, H, W, physical units) at ``lead``."""
@@ -216,12 +216,9 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
     report = score(task, model, device, forward, opts)
     last = report.meta["lead_steps"]
     hours = last * report.meta["hours_per_step"]
-    scalars = {}
-    for row in report.rows:
-        if row["forecast"] == "model" and row["lead_step"] == last:
-            scalars[f"Skill/RMSE({row['variable']}) at {hours} h"] = row["rmse"]
-            if row["acc"] is not None:
-                scalars[f"Skill/ACC({row['variable']}) at {hours} h"] = row["acc"]
+    scalars = {f"Skill/{label}({row['variable']}) at {hours} h": row[label.lower()]
+               for row in report.rows if row["forecast"] == "model" and row["lead_step"] == last
+               for label in ("RMSE", "ACC") if row[label.lower()] is not None}
     return scalars, report.summary
 
 
@@ -258,9 +255,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     mine = starts[rank::world]
     batch_size = opts.batch_size or 8
     c_out = cfg.n_out_channels
-    means, stds = load_stats(cfg.data_root, max(cfg.n_in_channels, c_out))
-    mean = torch.from_numpy(means).to(device)  # (C, 1, 1)
-    std = torch.from_numpy(stds).to(device)
+    mean, std = (torch.from_numpy(a).to(device)  # (C, 1, 1)
+                 for a in load_stats(cfg.data_root, max(cfg.n_in_channels, c_out)))
     clim_np = load_climatology(cfg.data_root, c_out, cfg.img_size)
     if clim_np is None:
         notes.append(f"note: {cfg.data_root}/stats/time_means.npy is missing: no climatology, so "
@@ -315,19 +311,19 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                      f"ETA {duration(elapsed / done * (len(mine) - done))}")
     sums.reduce()
     rmse, accs, power = sums.means()
-    return _report(task, rmse, accs, power, n_steps, len(starts), opts.split, notes, rmse_name,
-                   has=dict(persistence=persistence, climatology=clim is not None))
+    shown = [f for f, on in zip(FORECASTS, (True, persistence, clim is not None)) if on]
+    return _report(task, rmse, accs, power, n_steps, len(starts), opts.split, notes, rmse_name, shown)
 
 
-def _report(task, rmse, accs, power, n_steps, n_init, split, notes, rmse_name, has) -> Report:
-    """The tables (the scores, and the spectra's), plots, TensorBoard scalars and summary."""
+def _report(task, rmse, accs, power, n_steps, n_init, split, notes, rmse_name, shown) -> Report:
+    """The tables (the scores, and the spectra's), plots, TensorBoard scalars and summary of the
+    forecasts ``shown``."""
     cfg = task.cfg
     channels = list(task.channels)
     hours = [k * cfg.dt * HOURS_PER_STEP for k in range(n_steps + 1)]
-    shown = [f for f in FORECASTS if f == "model" or has[f]]
     varying = [f for f in shown if f != "climatology"]  # climatology's ACC and P ratio are flat
     ratio = small_scale_ratio(power[:-1], power[-1:])
-    with_acc = has["climatology"]
+    with_acc = "climatology" in shown
     rows = [{"forecast": forecast, "variable": name, "units": units(name), "lead_step": k,
              "lead_hours": hour, "rmse": float(rmse[i, k, c]),
              "acc": float(accs[i, k, c]) if with_acc else None, "p_ratio": float(ratio[i, k, c])}

@@ -476,7 +476,7 @@ def test_vit_run_trained_then_scored(vit_run, tmp_path, capsys):
     import score as score_command
     for argv, fragment in ((["--run", str(tmp_path / "missing")], "no such run directory"),
                            (["--run", d], "exists already"),
-                           (["--run", d, "--n_init", "0"], "at least 1")):
+                           (["--run", d, "--n_init", "0"], "--n_init: 0 is below 1: give 1 or more")):
         with pytest.raises(SystemExit) as e:
             score_command.main(argv)
         err = capsys.readouterr().err
