@@ -182,19 +182,6 @@ def convert_year(source, table, out_dir, split, year):
     return f"{line}, {time.monotonic() - start:.0f} s", (sums if train else None)
 
 
-def check_out(out_dir, files):
-    """Refuse an output folder holding anything but this command's mark and ``files``."""
-    held = list_files(out_dir) if os.path.isdir(out_dir) else []
-    if held and MARK not in held:
-        raise ConfigError(f"OUT_DIR {out_dir} holds files but no {MARK}, the mark of a folder "
-                          f"this command wrote: choose a new or empty folder")
-    ours = set(files) | {MARK}
-    extra = [f for f in held if f not in ours and not fnmatch.fnmatch(os.path.basename(f), ".*.tmp")]
-    if extra:
-        raise ConfigError(f"OUT_DIR {out_dir} holds {', '.join(extra[:5])}, which this "
-                          f"conversion does not write: move them out, or choose another folder")
-
-
 def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
     """Check everything, then write the years of ``years`` ({split: [year]}) and the statistics
     of the training ones; ConfigError (nothing written) for what check refuses."""
@@ -210,7 +197,15 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
         year_steps(ds, y)
     jobs = [(split, y) for split, ys in years.items() for y in ys]
     stats = [os.path.join("stats", f"{name}.npy") for name in STATS]
-    check_out(out_dir, [os.path.join(s, f"{y}.h5") for s, y in jobs] + stats)
+    held = list_files(out_dir) if os.path.isdir(out_dir) else []
+    if held and MARK not in held:
+        raise ConfigError(f"OUT_DIR {out_dir} holds files but no {MARK}, the mark of a folder "
+                          f"this command wrote: choose a new or empty folder")
+    ours = {os.path.join(s, f"{y}.h5") for s, y in jobs} | set(stats) | {MARK}
+    extra = [f for f in held if f not in ours and not fnmatch.fnmatch(os.path.basename(f), ".*.tmp")]
+    if extra:
+        raise ConfigError(f"OUT_DIR {out_dir} holds {', '.join(extra[:5])}, which this "
+                          f"conversion does not write: move them out, or choose another folder")
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, MARK), "w") as f:  # before any data: it may write here again
@@ -245,19 +240,6 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
         f"{', '.join(map(str, years['train']))}")
 
 
-def channel_table(overrides) -> dict:
-    """CHANNELS with ``NAME=VARIABLE[@LEVEL]`` overrides applied."""
-    table = dict(CHANNELS)
-    for text in overrides:
-        name, _, source = text.partition("=")
-        variable, _, level = source.partition("@")
-        if name not in table or not variable or (level and not level.isdigit()):
-            raise ConfigError(f"--channel {text}: give NAME=VARIABLE or NAME=VARIABLE@LEVEL with "
-                              f"NAME one of {', '.join(ERA5_CHANNELS)} and LEVEL in hPa")
-        table[name] = (variable, int(level) if level else None)
-    return table
-
-
 def main(argv=None):
     parser = OneLineParser(prog="python -m datapipe.convert_era5", description=__doc__.split("\n")[0])
     parser.add_argument("source", metavar="SOURCE", help="zarr store (path or URL) or folder of .nc files")
@@ -272,8 +254,16 @@ def main(argv=None):
                         help="years converted at once, each in its own process (default: 1)")
     args = parser.parse_args(argv)
     years = {s: _ints(parser, f"{s}_years", getattr(args, f"{s}_years")) for s in ("train", "valid", "test")}
+    table = dict(CHANNELS)
+    for text in args.channel:  # NAME=VARIABLE[@LEVEL]
+        name, _, source = text.partition("=")
+        variable, _, level = source.partition("@")
+        if name not in table or not variable or (level and not level.isdigit()):
+            refuse(f"--channel {text}: give NAME=VARIABLE or NAME=VARIABLE@LEVEL with NAME one of "
+                   f"{', '.join(ERA5_CHANNELS)} and LEVEL in hPa")
+        table[name] = (variable, int(level) if level else None)
     try:
-        convert(args.source, args.out_dir, years, channel_table(args.channel), args.workers)
+        convert(args.source, args.out_dir, years, table, args.workers)
     except ConfigError as e:
         refuse(str(e))
     except OSError as e:

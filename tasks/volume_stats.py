@@ -1,9 +1,6 @@
-"""Statistics of the U-Net's prediction of a whole cosmology volume, as emulators of
-hydrodynamic simulations are judged (docs/scoring.md has the formulas): the volume predicted
-tile by tile (``predict_tiled``), equal to one forward pass of the whole volume while memory is
-bounded by a tile's window; per channel its power spectrum, cross-correlation r(k), one-point
-distributions and errors, each a pure NumPy function of the fields in float64.
-"""
+"""Statistics of the U-Net's prediction of a whole cosmology volume, predicted tile by tile
+(``predict_tiled``), as emulators of hydrodynamic simulations are judged: per channel its power
+spectrum, r(k), one-point distributions and errors, in float64. docs/scoring.md defines them."""
 from __future__ import annotations
 
 import itertools
@@ -96,9 +93,8 @@ def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
 
 
 def unet_halo(levels: int) -> int:
-    """The smallest halo, a multiple of 2^levels, that makes tiles exact for ``networks.unet``:
-    the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond it
-    (``tests/test_scoring.py`` checks it), rounded up to whole 2^levels: 64 for 5 levels."""
+    """The smallest halo that makes tiles exact for ``networks.unet``: an aligned tile's edge
+    voxels read up to 2^(levels+1) - 1 voxels beyond it, rounded up to whole 2^levels."""
     return 2 * 2**levels
 
 
@@ -225,10 +221,9 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
         pred = predict_tiled(forward, torch.from_numpy(x), tile, halo, align, opts.batch_size or 1,
                              progress, share=(rank, world), out_channels=y.shape[1])
         if world > 1:
-            # Each rank wrote its own tiles into a volume of zeros: their sum over the ranks (one
-            # all-reduce) is the whole prediction, exactly, every voxel written by one rank only.
-            # On the host, where the volume is (gloo), so that the device holds no more than a
-            # window; a group with no host backend (nccl alone) takes it through the device.
+            # Each rank's tiles in a volume of zeros: their sum (one all-reduce) is the whole,
+            # exactly. On the host (gloo), so that the device holds no more than a window;
+            # a group with no host backend (nccl alone) takes it through the device.
             if dist.get_backend() == "nccl":
                 pred = pred.to(device)
             dist.all_reduce(pred)
