@@ -210,8 +210,7 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, MARK), "w") as f:  # before any data: it may write here again
         f.write(f"ERA5 converted from {source} by python -m datapipe.convert_era5.\n")
-    todo = [j for j in jobs if not os.path.exists(os.path.join(out_dir, j[0], f"{j[1]}.h5"))]
-    if not todo and all(os.path.exists(os.path.join(out_dir, s)) for s in stats):
+    if all(os.path.exists(os.path.join(out_dir, f)) for f in ours - {MARK}):
         say("every year and the statistics are complete: nothing to do")
         return
     for s in stats:  # never left beside years they were not computed from

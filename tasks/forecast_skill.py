@@ -262,7 +262,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
         notes.append(f"note: {cfg.data_root}/stats/time_means.npy is missing: no climatology, so "
                      f"no ACC and no climatology forecast")
     clim = None if clim_np is None else torch.from_numpy(clim_np).to(device)
-    persistence = cfg.n_in_channels >= c_out
+    shown = [f for f, on in zip(FORECASTS, (True, cfg.n_in_channels >= c_out, clim is not None)) if on]
     weights = task.weights.to(device)
     (c_in, h, w), _ = data.sample_shapes
     rmse_name = opts.rmse or "sqrt_after_time_avg"  # score.py's RMSE
@@ -299,11 +299,10 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
             for k, pred_n in itertools.chain([(0, None)], forecasts):
                 truth = stored(batch, k * cfg.dt) if k else truth0
                 pred = pred_n * std[:c_out] + mean[:c_out] if k else truth0
-                sums.add("model", k, pred, truth, clim, weights)
-                if persistence:
-                    sums.add("persistence", k, truth0, truth, clim, weights)
-                if clim is not None:  # its ACC is 0 by definition: not computed, left 0
-                    sums.add("climatology", k, clim.expand_as(truth), truth, None, weights)
+                made = {"model": pred, "persistence": truth0, "climatology": clim}
+                for f in shown:  # the climatology's ACC is 0 by definition: not computed, left 0
+                    sums.add(f, k, made[f].expand_as(truth), truth,
+                             None if f == "climatology" else clim, weights)
             done += len(batch)
             elapsed = time.monotonic() - t0
             log.info(f"Scored {done}/{len(mine)} initial conditions{' of this rank' if world > 1 else ''}: "
@@ -311,7 +310,6 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                      f"ETA {duration(elapsed / done * (len(mine) - done))}")
     sums.reduce()
     rmse, accs, power = sums.means()
-    shown = [f for f, on in zip(FORECASTS, (True, persistence, clim is not None)) if on]
     return _report(task, rmse, accs, power, n_steps, len(starts), opts.split, notes, rmse_name, shown)
 
 
