@@ -71,22 +71,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_not_found(path: str) -> ConfigError | None:
-    """The refusal of a ``--run`` that does not exist; None when it does."""
-    if os.path.exists(path):
-        return None
-    return ConfigError(f"--run {path}: no such run directory or checkpoint: give a run directory "
-                       f"(<expdir>/<config>/<world size>/<run>) or a checkpoint (ckpt_<step>.pt or "
-                       f"ckpt_<step>.dcp)")
+def missing_run(path: str) -> str:
+    """The refusal of a ``--run`` that does not exist."""
+    return (f"--run {path}: no such run directory or checkpoint: give a run directory "
+            f"(<expdir>/<config>/<world size>/<run>) or a checkpoint (ckpt_<step>.pt or ckpt_<step>.dcp)")
 
 
 def read_command_line(argv) -> argparse.Namespace:
     """The options, refused in one line before torch loads. A missing ``--run`` is refused here
     only in one process: ranks refuse it together (``agree``), as it may exist on some nodes."""
     args = parser().parse_args(argv)
-    error = run_not_found(args.run) if os.environ.get("WORLD_SIZE", "1") == "1" else None
-    if error is not None:
-        refuse(str(error))
+    if os.environ.get("WORLD_SIZE", "1") == "1" and not os.path.exists(args.run):
+        refuse(missing_run(args.run))
     return args
 
 
@@ -111,9 +107,8 @@ log = logging.getLogger("score")
 def find_checkpoint(path: str) -> tuple[dict, str, str]:
     """(checkpoint state, its path, the run directory) for ``--run``: a run directory (its
     newest loadable checkpoint) or a checkpoint file or DCP directory."""
-    error = run_not_found(path)
-    if error is not None:
-        raise error
+    if not os.path.exists(path):
+        raise ConfigError(missing_run(path))
     if os.path.isdir(path) and not checkpoint.is_sharded(path):
         run_dir, folder = path, os.path.join(path, "checkpoints")
         inside = os.path.abspath(path)

@@ -1,8 +1,7 @@
-"""Forecast skill of the ERA5 ViT over lead time, as weather forecasts are scored: autoregressive
-rollouts (``rollout``), each lead time scored per variable in physical units by latitude-weighted
-RMSE, ACC and zonal power spectra, beside persistence and climatology. docs/scoring.md has the
-formulas and where they differ from WeatherBench 2. ``SkillSums`` adds per-sample scores up, so
-the means are exact however the initial conditions were batched or split over ranks.
+"""Forecast skill of the ERA5 ViT over lead time: autoregressive rollouts, each lead scored per
+variable in physical units by latitude-weighted RMSE, ACC and zonal power spectra, beside
+persistence and climatology, as docs/scoring.md defines them. ``SkillSums`` adds per-sample
+scores up, so the means are exact however the initial conditions were batched or split over ranks.
 """
 from __future__ import annotations
 
