@@ -195,9 +195,8 @@ def load_weights(model: torch.nn.Module, state: dict, path: str, cfg):
         raise ConfigError(f"{path} is a {name.get(saved, saved)} checkpoint given to a "
                           f"{name.get(cfg.model, cfg.model)} run: score it with its own run "
                           f"directory")
-    weights = checkpoint.weights(state)
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(checkpoint.weights(state))
     except RuntimeError as e:
         reason = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         raise ConfigError(f"{path}: its weights do not fit the model its config builds "

@@ -52,10 +52,8 @@ def open_source(source: str):
     if "://" not in source and not os.path.exists(source):
         raise ConfigError(f"SOURCE {source} not found: give a zarr store or a folder of .nc files")
     try:
-        if netcdf:
-            ds = xr.open_mfdataset(netcdf, combine="by_coords", chunks={})
-        else:
-            ds = xr.open_zarr(source, chunks={})
+        ds = (xr.open_mfdataset(netcdf, combine="by_coords", chunks={}) if netcdf
+              else xr.open_zarr(source, chunks={}))
     except Exception as e:  # the backends raise many kinds for what they cannot read
         raise ConfigError(f"SOURCE {source} is neither a zarr store nor a folder of .nc files "
                           f"xarray can read ({type(e).__name__}: {e})") from None

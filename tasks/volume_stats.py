@@ -71,11 +71,8 @@ def histograms(pred: np.ndarray, true: np.ndarray, bins: int = HIST_BINS) -> dic
     equal bins spanning both fields' values (each integrates to 1)."""
     lo = float(min(np.min(true), np.min(pred)))
     hi = float(max(np.max(true), np.max(pred)))
-    if hi <= lo:
-        hi = lo + 1.0
-    edges = np.linspace(lo, hi, bins + 1)
-    h_true, _ = np.histogram(true, edges, density=True)
-    h_pred, _ = np.histogram(pred, edges, density=True)
+    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+    h_true, h_pred = (np.histogram(a, edges, density=True)[0] for a in (true, pred))
     return {"centres": 0.5 * (edges[1:] + edges[:-1]), "true": h_true, "pred": h_pred}
 
 
