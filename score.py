@@ -231,17 +231,22 @@ def join_ranks(world: int, rank: int) -> bool:
         if var not in os.environ:
             raise ConfigError(f"WORLD_SIZE={world} but {var} is not set: launch with torchrun, or "
                               f"source export_DDP_vars.sh in the job script")
-    # gloo for the host's tensors (the ranks' agreement, the U-Net's volume), nccl for the
-    # ViT's sums where they are on a GPU.
+    # gloo for host tensors (the ranks' agreement, the U-Net's volume), nccl for the ViT's GPU sums
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, rank=rank, world_size=world)
     return True
 
 
-def agree(error: BaseException | None, rank: int, world: int):
-    """Raise on every rank when any rank failed: a rank's own error there; elsewhere the first
-    failing rank's user error (prefixed with that rank unless it is rank 0), or a one-line pointer
-    to that rank's traceback. Nothing to agree on with one rank."""
+@contextlib.contextmanager
+def agreed(world: int):
+    """Run the block on every rank, then raise on every rank when any rank's block failed: a
+    rank's own error there; elsewhere the first failing rank's user error (prefixed with that rank
+    unless it is rank 0), or a one-line pointer to that rank's traceback."""
+    error = None
+    try:
+        yield
+    except Exception as e:
+        error = e
     if world > 1:  # collective, also the ranks' barrier: none is left waiting in the next one
         told = [None] * world
         mine = None if error is None else (error if isinstance(error, UserError) else
@@ -262,8 +267,7 @@ def score(args) -> str | None:
     with contextlib.ExitStack() as group:
         if join_ranks(world, rank):
             group.callback(dist.destroy_process_group)
-        error = None
-        try:  # the checkpoint, the output directory, the config, the model with its weights
+        with agreed(world):  # the checkpoint, the output directory, the config, the model
             state, ckpt, run_dir = find_checkpoint(args.run)
             out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
             overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
@@ -276,9 +280,6 @@ def score(args) -> str | None:
             model = task.build_model()
             load_weights(model, state, ckpt, cfg)
             model.to(device).eval()
-        except Exception as e:  # told to every rank first
-            error = e
-        agree(error, rank, world)
         amp = AMP_DTYPES[cfg.amp_mode]
         kernels = task.forward_kernels(device, amp or torch.float32)
 
@@ -293,20 +294,17 @@ def score(args) -> str | None:
         # rank (the same files and options), so that all ranks refuse together.
         report = task.score(model, device, autocast, argparse.Namespace(**vars(args), rank=rank,
                                                                         world_size=world))
-        written = []
-        if rank == 0:
-            report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
-                               device=str(device), amp_mode=cfg.amp_mode, ranks=world)
-            tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
-            try:
-                written = write_report(report, tmp)
-                os.rename(tmp, out)
-            except Exception as e:  # told to every rank first
-                error = e
-            finally:
-                if os.path.exists(tmp):
-                    shutil.rmtree(tmp)
-        agree(error, rank, world)  # every rank waits for rank 0's report
+        with agreed(world):  # every rank waits for rank 0's report
+            if rank == 0:
+                report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
+                                   device=str(device), amp_mode=cfg.amp_mode, ranks=world)
+                tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
+                try:
+                    written = write_report(report, tmp)
+                    os.rename(tmp, out)
+                finally:
+                    if os.path.exists(tmp):
+                        shutil.rmtree(tmp)
     if rank != 0:
         return None
     for line in report.summary:
