@@ -21,18 +21,12 @@ from datapipe.formats import ERA5_CHANNELS
 from datapipe.synthetic import _atomic_path, _ints, list_files
 from settings.errors import ConfigError, OneLineParser, at_least, refuse
 
-# The tutorial's channels as (variable, pressure level in hPa or None) in WeatherBench 2's names.
-CHANNELS = {
-    "u10m": ("10m_u_component_of_wind", None), "v10m": ("10m_v_component_of_wind", None),
-    "t2m": ("2m_temperature", None), "sp": ("surface_pressure", None),
-    "msl": ("mean_sea_level_pressure", None), "t850": ("temperature", 850),
-    "u1000": ("u_component_of_wind", 1000), "v1000": ("v_component_of_wind", 1000),
-    "z1000": ("geopotential", 1000), "u850": ("u_component_of_wind", 850),
-    "v850": ("v_component_of_wind", 850), "z850": ("geopotential", 850),
-    "u500": ("u_component_of_wind", 500), "v500": ("v_component_of_wind", 500),
-    "z500": ("geopotential", 500), "t500": ("temperature", 500), "z50": ("geopotential", 50),
-    "r500": ("relative_humidity", 500), "r850": ("relative_humidity", 850),
-    "tcwv": ("total_column_water_vapour", None)}
+SURFACE = {"u10m": "10m_u_component_of_wind", "v10m": "10m_v_component_of_wind", "t2m": "2m_temperature",
+           "sp": "surface_pressure", "msl": "mean_sea_level_pressure", "tcwv": "total_column_water_vapour"}
+UPPER_AIR = {"u": "u_component_of_wind", "v": "v_component_of_wind", "z": "geopotential", "t": "temperature",
+             "r": "relative_humidity"}  # z500: geopotential at 500 hPa
+# The tutorial's channels, in its order, as (variable, pressure level in hPa or None) in WeatherBench 2's names.
+CHANNELS = {c: (SURFACE[c], None) if c in SURFACE else (UPPER_AIR[c[0]], int(c[1:])) for c in ERA5_CHANNELS}
 # Other common spellings of the dimensions (the CDS's NetCDF files, CF short names).
 RENAMES = {"valid_time": "time", "pressure_level": "level", "lat": "latitude", "lon": "longitude"}
 MARK = "CONVERTED.txt"  # in a folder this command writes: it may write there again

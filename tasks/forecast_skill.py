@@ -118,8 +118,7 @@ class SkillSums:
     def reduce(self):
         """Add up the sums of all ranks, on every rank (nothing to do in one process)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # Each rank scored its own initial conditions: one all-reduce of each sum gives the
-            # means of one process scoring them all, to the order of the float64 additions.
+            # one all-reduce of each sum: the means of one process scoring every initial condition
             for t in (self.rmse, self.acc, self.power, self.count):
                 dist.all_reduce(t)
 
