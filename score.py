@@ -40,8 +40,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the data to score on: valid (default), train, test (ViT: a directory "
                         "under data_root; U-Net: valid, train or a volume file under data_root)")
     p.add_argument("--out", default=None,
-                   help="directory to write the scores into (default <run dir>/score); it must "
-                        "not exist yet")
+                   help="directory to write the scores into (default <run dir>/score); it must not exist yet")
     p.add_argument("--lead_steps", type=at_least(1), default=None,
                    help="ViT: forecast steps of each rollout (default: 10 days of the model's "
                         "dt x 6 h steps, fewer where the split's years are shorter)")
@@ -52,16 +51,14 @@ def parser() -> argparse.ArgumentParser:
                         "root of the mean over initial times of the MSE) or sqrt_before_time_avg "
                         "(the mean of each initial time's RMSE)")
     p.add_argument("--batch_size", type=at_least(1), default=None,
-                   help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) "
-                        "per forward pass")
+                   help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) per forward pass")
     p.add_argument("--tile", type=at_least(1), default=None,
                    help="U-Net: side in voxels of the tiles the volume is predicted in (default "
                         "the training crop side, data_size); a multiple of 2^levels")
     p.add_argument("--halo", type=at_least(0), default=None,
-                   help="U-Net: voxels of context around each tile (default: the smallest with "
-                        "which the tiles stitch into exactly one whole-volume forward, 64 for 5 "
-                        "levels, 128 for 6; less bounds memory, but seams may show); a multiple "
-                        "of 2^levels")
+                   help="U-Net: voxels of context around each tile (default: the smallest with which the tiles "
+                        "stitch into exactly one whole-volume forward, 64 for 5 levels, 128 for 6; less bounds "
+                        "memory, but seams may show); a multiple of 2^levels")
     p.add_argument("--data_root", default=None,
                    help="read the data from here instead of the run's data_root")
     p.add_argument("--device", choices=CHOICES["device"], default=None,
@@ -157,8 +154,7 @@ def run_config(run_dir: str, state: dict, overrides: dict):
 def config_name(path: str) -> str:
     """The name of the one config a run's ``config.yaml`` holds. A damaged file is refused here,
     naming it: the settings' own reader would name --yaml_config, which score.py has not."""
-    fix = ("restore it, or move it out of the run directory to score with the config saved in "
-           "the checkpoint")
+    fix = "restore it, or move it out of the run directory to score with the config saved in the checkpoint"
     try:
         with open(path) as f:
             doc = yaml.safe_load(f)
@@ -166,8 +162,7 @@ def config_name(path: str) -> str:
         reason = e.strerror if isinstance(e, OSError) else str(e)
         raise ConfigError(f"{path}, the run's config, cannot be read ({reason}): {fix}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}, the run's config, is not valid YAML ({yaml_problem(e)}): "
-                          f"{fix}") from None
+        raise ConfigError(f"{path}, the run's config, is not valid YAML ({yaml_problem(e)}): {fix}") from None
     if not (isinstance(doc, dict) and len(doc) == 1 and isinstance(next(iter(doc)), str)
             and isinstance(next(iter(doc.values())), dict)):
         raise ConfigError(f"{path}, the run's config, does not hold one config (its name, and "
@@ -181,9 +176,8 @@ def check_model_options(args, cfg, run: str):
         given = [n for n in names if getattr(args, n) is not None]
         if given and model != cfg.model:
             other = MODEL_OPTIONS.get(cfg.model, (cfg.model,))[0]
-            raise ConfigError(f"--{given[0]} {getattr(args, given[0])} is an option of the "
-                              f"{label}'s scoring, and {run} is a {other} run: drop "
-                              f"--{given[0]}")
+            raise ConfigError(f"--{given[0]} {getattr(args, given[0])} is an option of the {label}'s "
+                              f"scoring, and {run} is a {other} run: drop --{given[0]}")
 
 
 def load_weights(model: torch.nn.Module, state: dict, path: str, cfg):
@@ -193,8 +187,7 @@ def load_weights(model: torch.nn.Module, state: dict, path: str, cfg):
     if saved != cfg.model:
         name = {m: label for m, (label, _) in MODEL_OPTIONS.items()}
         raise ConfigError(f"{path} is a {name.get(saved, saved)} checkpoint given to a "
-                          f"{name.get(cfg.model, cfg.model)} run: score it with its own run "
-                          f"directory")
+                          f"{name.get(cfg.model, cfg.model)} run: score it with its own run directory")
     try:
         model.load_state_dict(checkpoint.weights(state))
     except RuntimeError as e:
@@ -207,8 +200,7 @@ def output_dir(out: str | None, run_dir: str) -> str:
     """Where the scores go; refused when it exists already (scores are never written over)."""
     out = out or os.path.join(run_dir, "score")
     if os.path.exists(out):
-        raise ConfigError(f"{out} exists already, and scores are never written over: remove it, "
-                          f"or give --out DIR")
+        raise ConfigError(f"{out} exists already, and scores are never written over: remove it, or give --out DIR")
     check_dir("--out", os.path.dirname(os.path.abspath(out)), writable=True)
     return out
 

@@ -101,8 +101,7 @@ def year_steps(ds, year: int) -> np.ndarray:
                          & (seconds % (6 * 3600) == 0))
     if len(pos) < 2:
         raise ConfigError(f"the source holds {len(pos)} six-hourly steps of {year} (its times: "
-                          f"{' to '.join(np.datetime_as_string(times[[0, -1]], 'm'))}): choose "
-                          f"years it holds")
+                          f"{' to '.join(np.datetime_as_string(times[[0, -1]], 'm'))}): choose years it holds")
     gaps = np.flatnonzero(np.diff(times[pos]) != np.timedelta64(6, "h"))
     if len(gaps):
         a, b = np.datetime_as_string(times[pos[gaps[0]:gaps[0] + 2]], "m")

@@ -198,9 +198,8 @@ def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | 
                         f"again with numpy.save, or remove it to score without ACC") from None
     h, w = img_size
     if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] < n_channels or a.shape[2] < h or a.shape[3] < w:
-        raise DataError(f"{path} has shape {a.shape}; expected (1, C, H, W) with C >= "
-                        f"{n_channels}, H >= {h}, W >= {w}: write it again, or remove it to score "
-                        f"without ACC")
+        raise DataError(f"{path} has shape {a.shape}; expected (1, C, H, W) with C >= {n_channels}, "
+                        f"H >= {h}, W >= {w}: write it again, or remove it to score without ACC")
     return np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)
 
 
@@ -239,15 +238,13 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                                            fit=getattr(opts, "fit", False))
     if n_steps > 1 and cfg.n_in_channels != cfg.n_out_channels:
         n_steps, note = 1, (f"note: the model reads {cfg.n_in_channels} channels and writes "
-                            f"{cfg.n_out_channels}, so its output cannot be its next input: one "
-                            f"lead step")
+                            f"{cfg.n_out_channels}, so its output cannot be its next input: one lead step")
     notes += [note] if note else []
     if data.file_rows > cfg.img_size[0] + 1:  # (the tutorial's crop drops one row: the south pole)
-        notes.append(f"note: the data's fields have {data.file_rows} rows and img_size keeps the "
-                     f"first {cfg.img_size[0]}; the latitude weights take those rows to run from "
-                     f"pole to pole (as the tutorial's metric does), so they weight rows as at "
-                     f"other latitudes than theirs: these scores do not compare with whole-globe "
-                     f"ones")
+        notes.append(f"note: the data's fields have {data.file_rows} rows and img_size keeps the first "
+                     f"{cfg.img_size[0]}; the latitude weights take those rows to run from pole to pole (as "
+                     f"the tutorial's metric does), so they weight rows as at other latitudes than theirs: "
+                     f"these scores do not compare with whole-globe ones")
     starts = initial_conditions(year_steps, n_steps * cfg.dt, n_init)
     rank, world = opts.rank, opts.world_size
     mine = starts[rank::world]
@@ -363,8 +360,7 @@ def _report(task, rmse, accs, power, n_steps, n_init, split, notes, rmse_name, s
                 "lead_hours": hours[k], "wavenumber": int(j), "power": float(power[i, k, c, j])}
                for i, f in enumerate((*FORECASTS, "truth")) if f in (*shown, "truth")
                for c, name in enumerate(channels) for k in kept for j in m]
-    summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps "
-               f"({hours[-1]} h)"]
+    summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps ({hours[-1]} h)"]
     for c in headline or range(min(4, len(channels))):
         parts = []
         for k in leads:
