@@ -1,13 +1,8 @@
 """Score a trained model as its science judges it, from its run directory or a checkpoint.
 
-    python score.py --run logs/ViT/quickstart/1/0                    # the newest checkpoint of a run
-    python score.py --run logs/ViT/quickstart/1/0/checkpoints/ckpt_00000290.pt --lead_steps 20
-    python score.py --run logs/ViT/quickstart/1/0 --split test --out scores/test
-    torchrun --nproc_per_node 2 -- score.py --run ...                 # ranks share the work
-
 The ViT's forecast skill over lead time (``tasks.forecast_skill``), the U-Net's statistics of a
-whole predicted volume (``tasks.volume_stats``). docs/scoring.md says what is read, what is
-written, how ranks share the work, and defines every number.
+whole predicted volume (``tasks.volume_stats``). docs/scoring.md has the commands, says what is
+read, what is written, how ranks share the work, and defines every number.
 """
 from __future__ import annotations
 

@@ -55,10 +55,9 @@ def open_source(source: str):
 
 
 def select(ds, table: dict) -> list:
-    """(lazy array, its channels) per variable of ``table``: (time, latitude, longitude), or
-    (time, level, latitude, longitude) with its channels' levels in order, rows north to south;
-    a variable is read once for all its levels. What the store lacks is refused naming what it
-    holds."""
+    """(lazy array, its channels) per variable of ``table``, read once for its channels' levels
+    in their order: (time, [level,] latitude, longitude), rows north to south. What the store
+    lacks is refused, naming what it holds."""
     missing = [d for d in ("time", "latitude", "longitude") if d not in ds.dims]
     if missing:
         raise ConfigError(f"the source has no dimension {', '.join(missing)} (its dimensions: "

@@ -96,10 +96,9 @@ def unet_halo(levels: int) -> int:
 
 
 def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, int, int]]:
-    """Along one axis of ``side`` voxels: (core start, core stop, window start) of each tile. The
-    cores of ``tile`` voxels cover the axis; each window, of min(side, tile + 2 halo) voxels,
-    holds its core with ``halo`` voxels on each side, or reaches the edge of the volume, and
-    starts at a multiple of ``align`` (the U-Net's 2^levels), as the whole forward's strides do."""
+    """Along one axis of ``side`` voxels: (core start, core stop, window start) of each tile, the
+    windows of min(side, tile + 2 halo) voxels starting at multiples of ``align`` (2^levels), as
+    docs/scoring.md says."""
     for name, v in (("side", side), ("tile", tile), ("halo", halo)):
         if v % align or (v < align and name != "halo"):
             # the multiples either side of v; a halo may be 0, a side or tile not
@@ -115,11 +114,10 @@ def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, in
 def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, batch: int = 1,
                   progress=None, share: tuple[int, int] = (0, 1),
                   out_channels: int | None = None) -> torch.Tensor:
-    """``forward`` of the volume ``x`` (1, C, L, L, L), window by window (``tile_plan`` along
-    each axis, up to ``batch`` windows per call); the cores stitched into (1, C_out, L, L, L)
-    float32 on the CPU. ``progress(done, total)`` is called after each call. ``share`` (rank,
-    ranks): only every ranks-th tile from the rank-th, the rest left 0, so that the ranks'
-    volumes add up to the whole (``out_channels`` then makes it for a rank without a tile)."""
+    """``forward`` of the volume ``x`` (1, C, L, L, L), up to ``batch`` windows of ``tile_plan``
+    per call, then ``progress(done, total)``; the cores stitched into (1, C_out, L, L, L) float32
+    on the CPU. ``share`` (rank, ranks): every ranks-th tile from the rank-th, the rest left 0
+    (``out_channels`` makes the volume of a rank without a tile)."""
     side = x.shape[-1]
     if x.shape[0] != 1 or x.shape[2:] != (side,) * 3:
         raise ValueError(f"a volume of shape {tuple(x.shape)}: need (1, C, L, L, L)")
