@@ -121,10 +121,8 @@ def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, ba
     side = x.shape[-1]
     if x.shape[0] != 1 or x.shape[2:] != (side,) * 3:
         raise ValueError(f"a volume of shape {tuple(x.shape)}: need (1, C, L, L, L)")
-    plan = tile_plan(side, tile, halo, align)
     window = min(side, tile + 2 * halo)
-    rank, ranks = share
-    tiles = list(itertools.product(plan, repeat=3))[rank::ranks]
+    tiles = list(itertools.product(tile_plan(side, tile, halo, align), repeat=3))[share[0]::share[1]]
     out = None if out_channels is None else torch.zeros((1, out_channels, side, side, side))
     for first in range(0, len(tiles), batch):
         group = tiles[first:first + batch]
@@ -225,11 +223,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
             pred = pred.cpu()
     if rank != 0:
         return None  # rank 0 computes the statistics
-    pred = pred[0].numpy()
-    log.info(f"Computing the spectra and distributions of {pred.shape[0]} channels")
-    truth = y[0]
-    stats = [(spectra(pred[c], truth[c]), histograms(pred[c], truth[c]),
-              field_errors(pred[c], truth[c])) for c in range(pred.shape[0])]
+    log.info(f"Computing the spectra and distributions of {pred.shape[1]} channels")
+    stats = [(spectra(p, t), histograms(p, t), field_errors(p, t)) for p, t in zip(pred[0].numpy(), y[0])]
     return _report(list(task.channels), stats, opts.split, where, side, tile, halo, notes)
 
 
