@@ -140,9 +140,8 @@ def write_events(report: Report, logdir: str, plots: dict):
 
 
 def write_report(report: Report, directory: str) -> list[str]:
-    """Everything the report holds, into ``directory`` (made): the table, one PNG per figure and
-    the TensorBoard events (``tensorboard/``: the scalars, and the PNGs as images). The paths
-    written, relative to ``directory``."""
+    """Everything the report holds, into ``directory`` (made): the tables, one PNG per figure and
+    the TensorBoard events (``tensorboard/``); the paths written, relative to ``directory``."""
     os.makedirs(directory, exist_ok=True)
     try:
         import matplotlib  # noqa: F401

@@ -185,9 +185,9 @@ def split_directory(data_root: str, split: str) -> str:
                       f"of {', '.join(held)}")
 
 
-def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | None:
-    """``<data_root>/stats/time_means.npy`` (1, C, H, W) as (n_channels, h, w) float32, cropped
-    to ``img_size``; None when the file is absent. A file of the wrong shape is refused."""
+def load_climatology(data_root: str, n_channels: int, img_size, device) -> torch.Tensor | None:
+    """``<data_root>/stats/time_means.npy`` (1, C, H, W) as (n_channels, h, w) float32 on ``device``,
+    cropped to ``img_size``; None when the file is absent. A file of the wrong shape is refused."""
     path = os.path.join(data_root, "stats", "time_means.npy")
     if not os.path.exists(path):
         return None
@@ -200,7 +200,7 @@ def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | 
     if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] < n_channels or a.shape[2] < h or a.shape[3] < w:
         raise DataError(f"{path} has shape {a.shape}; expected (1, C, H, W) with C >= {n_channels}, "
                         f"H >= {h}, W >= {w}: write it again, or remove it to score without ACC")
-    return np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)).to(device)
 
 
 def training_skill(task, model, device: torch.device, forward, rank: int = 0,
@@ -220,9 +220,8 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
 
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
-    """Roll ``model`` out from initial conditions spread through ``opts.split`` and score every
-    lead time. ``opts``: score.py's options (None: the defaults) and ``rank``, ``world_size``:
-    this rank rolls out every ``world_size``-th initial condition from its ``rank``-th."""
+    """Roll ``model`` out from initial conditions spread through ``opts.split`` (score.py's options
+    and ``rank``, ``world_size``: this rank's share of them) and score every lead time."""
     cfg = task.cfg
     if cfg.data_is_generated:
         raise ConfigError("this run's ERA5 batches were generated in memory (data_loader_config "
@@ -252,11 +251,10 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     c_out = cfg.n_out_channels
     mean, std = (torch.from_numpy(a).to(device)  # (C, 1, 1)
                  for a in load_stats(cfg.data_root, max(cfg.n_in_channels, c_out)))
-    clim_np = load_climatology(cfg.data_root, c_out, cfg.img_size)
-    if clim_np is None:
+    clim = load_climatology(cfg.data_root, c_out, cfg.img_size, device)
+    if clim is None:
         notes.append(f"note: {cfg.data_root}/stats/time_means.npy is missing: no climatology, so "
                      f"no ACC and no climatology forecast")
-    clim = None if clim_np is None else torch.from_numpy(clim_np).to(device)
     shown = [f for f, on in zip(FORECASTS, (True, cfg.n_in_channels >= c_out, clim is not None)) if on]
     weights = task.weights.to(device)
     (c_in, h, w), _ = data.sample_shapes

@@ -168,9 +168,9 @@ def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
-    """Predict the whole volume of ``opts.split`` tile by tile and compute its statistics.
-    ``opts``: score.py's options (None: the defaults) and ``rank``, ``world_size``: this rank
-    predicts its share of the tiles; rank 0 returns the report, the other ranks None."""
+    """Predict the whole volume of ``opts.split`` tile by tile (score.py's options and ``rank``,
+    ``world_size``: this rank's share of the tiles) and compute its statistics on rank 0 (the
+    report; the other ranks None)."""
     cfg = task.cfg
     align = 2**model.levels
     x, y, where = _volume(cfg, opts.split)
