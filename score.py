@@ -19,8 +19,7 @@ from settings.config import Config, field_types
 from settings.errors import ConfigError, OneLineParser, UserError, at_least, print_error, refuse
 
 CHOICES = {k: typing.get_args(field_types(Config)[k]) for k in ("device", "amp_mode")}
-# The options only one model's scoring reads (their defaults None), and the model's name: given
-# for the other model's run they would do nothing, so they are refused instead.
+# The model's name and the options only its scoring reads (default None): refused for the other's runs.
 MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init", "rmse")), "unet": ("U-Net", ("tile", "halo"))}
 RMSE = ("sqrt_after_time_avg", "sqrt_before_time_avg")  # WeatherBench 2's RMSE first, the default
 

@@ -217,9 +217,8 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
             say(line)
             sums += [year_sums] if year_sums else []
     steps, mean, m2, time_sum = functools.reduce(merge, sums)
-    c, n = len(mean), steps * time_sum[0].size
-    values = {"global_means": mean.reshape(1, c, 1, 1),
-              "global_stds": np.sqrt(m2 / n).reshape(1, c, 1, 1),
+    n = steps * time_sum[0].size
+    values = {"global_means": mean[None, :, None, None], "global_stds": np.sqrt(m2 / n)[None, :, None, None],
               "time_means": (time_sum / steps)[None]}
     os.makedirs(os.path.join(out_dir, "stats"), exist_ok=True)
     for name in STATS:
