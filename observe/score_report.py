@@ -57,11 +57,8 @@ class Report:
 
 def _plain(v):
     """A JSON value: numpy scalars as Python numbers, nan and inf as null."""
-    if isinstance(v, (np.floating, float)):
-        return float(v) if math.isfinite(v) else None
-    if isinstance(v, np.integer):
-        return int(v)
-    return v
+    v = v.item() if isinstance(v, np.generic) else v
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def write_table(report: Report, directory: str) -> list[str]:
