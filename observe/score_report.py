@@ -61,22 +61,6 @@ def _plain(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def write_table(report: Report, directory: str) -> list[str]:
-    """``scores.csv`` and each further table's ``<name>.csv`` (one row per line), and
-    ``scores.json`` (the meta, the notes, the rows and the further tables); the files' names."""
-    tables = {name: [{k: _plain(v) for k, v in row.items()} for row in rows]
-              for name, rows in {"scores": report.rows, **report.tables}.items()}
-    for name, rows in tables.items():
-        with open(os.path.join(directory, f"{name}.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)  # None as an empty field
-    with open(os.path.join(directory, "scores.json"), "w") as f:
-        json.dump({"meta": report.meta, "notes": report.notes, "rows": tables.pop("scores"),
-                   **tables}, f, indent=1)
-    return ["scores.csv", *(f"{name}.csv" for name in tables), "scores.json"]
-
-
 def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
     """Draw ``figure`` into the PNG ``path``; the file's bytes."""
     import matplotlib
@@ -137,14 +121,26 @@ def write_events(report: Report, logdir: str, plots: dict):
 
 
 def write_report(report: Report, directory: str) -> list[str]:
-    """Everything the report holds, into ``directory`` (made): the tables, one PNG per figure and
-    the TensorBoard events (``tensorboard/``); the paths written, relative to ``directory``."""
+    """Everything the report holds, into ``directory`` (made): ``scores.csv`` and each further
+    table's ``<name>.csv`` (one row per line), ``scores.json`` (the meta, the notes, the rows and
+    the further tables), one PNG per figure and the TensorBoard events (``tensorboard/``); the
+    paths written, relative to ``directory``."""
     os.makedirs(directory, exist_ok=True)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         report.notes.append(NO_PLOTS)
-    written = write_table(report, directory)
+    tables = {name: [{k: _plain(v) for k, v in row.items()} for row in rows]
+              for name, rows in {"scores": report.rows, **report.tables}.items()}
+    for name, rows in tables.items():
+        with open(os.path.join(directory, f"{name}.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)  # None as an empty field
+    written = [f"{name}.csv" for name in tables] + ["scores.json"]
+    with open(os.path.join(directory, "scores.json"), "w") as f:
+        json.dump({"meta": report.meta, "notes": report.notes, "rows": tables.pop("scores"),
+                   **tables}, f, indent=1)
     meta, plots = report.meta, {}
     caption = f"{os.path.basename(meta.get('checkpoint', ''))} (step {meta.get('step')})"
     if "initial_conditions" in meta:  # each plot names what it scores
