@@ -212,8 +212,7 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
     in_process = contextlib.nullcontext(SimpleNamespace(map=map))
     with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn")) if workers > 1 \
             else in_process as pool:
-        for line, year_sums in pool.map(convert_year, *zip(*[(source, table, out_dir, s, y)
-                                                             for s, y in jobs])):
+        for line, year_sums in pool.map(functools.partial(convert_year, source, table, out_dir), *zip(*jobs)):
             say(line)
             sums += [year_sums] if year_sums else []
     steps, mean, m2, time_sum = functools.reduce(merge, sums)
