@@ -232,13 +232,12 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     data = ERA5Dataset(directory, cfg.data_root, cfg.img_size, dt=1, n_in=cfg.n_in_channels,
                        n_out=cfg.n_out_channels)
     year_steps = [n + 1 for n in data.pairs_per_file]
-    notes = []
     n_steps, n_init, note = lead_steps_for(year_steps, cfg.dt, opts.lead_steps, opts.n_init,
                                            fit=getattr(opts, "fit", False))
     if n_steps > 1 and cfg.n_in_channels != cfg.n_out_channels:
         n_steps, note = 1, (f"note: the model reads {cfg.n_in_channels} channels and writes "
                             f"{cfg.n_out_channels}, so its output cannot be its next input: one lead step")
-    notes += [note] if note else []
+    notes = [note] if note else []
     if data.file_rows > cfg.img_size[0] + 1:  # (the tutorial's crop drops one row: the south pole)
         notes.append(f"note: the data's fields have {data.file_rows} rows and img_size keeps the first "
                      f"{cfg.img_size[0]}; the latitude weights take those rows to run from pole to pole (as "
