@@ -98,33 +98,11 @@ def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
         return f.read()
 
 
-def write_events(report: Report, logdir: str, plots: dict):
-    """The report's scalars, and its ``plots`` ({figure name: PNG bytes}) as images tagged
-    ``Plots/<name>`` (the IMAGES tab), as TensorBoard events under ``logdir``. The PNGs go in as
-    they are (no decoding and encoding again): their size and colour type read from the IHDR."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    from observe.tensorboard import Board
-
-    board = Board(logdir)
-    for tag, value, step in report.scalars:
-        if math.isfinite(value):
-            board.scalar(tag, value, step)
-    for name, png in plots.items():
-        width, height = struct.unpack(">II", png[16:24])
-        channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
-        image = Summary.Image(height=height, width=width, colorspace=channels,
-                              encoded_image_string=png)
-        value = Summary.Value(tag=f"Plots/{name}", image=image)
-        board.writer.file_writer.add_summary(Summary(value=[value]), 0)
-    board.close()
-
-
 def write_report(report: Report, directory: str) -> list[str]:
     """Everything the report holds, into ``directory`` (made): ``scores.csv`` and each further
     table's ``<name>.csv`` (one row per line), ``scores.json`` (the meta, the notes, the rows and
-    the further tables), one PNG per figure and the TensorBoard events (``tensorboard/``); the
-    paths written, relative to ``directory``."""
+    the further tables), one PNG per figure and the TensorBoard events (``tensorboard/``: the
+    scalars and the plots, tagged ``Plots/<name>``); the paths written, relative to ``directory``."""
     os.makedirs(directory, exist_ok=True)
     try:
         import matplotlib  # noqa: F401
@@ -141,13 +119,27 @@ def write_report(report: Report, directory: str) -> list[str]:
     with open(os.path.join(directory, "scores.json"), "w") as f:
         json.dump({"meta": report.meta, "notes": report.notes, "rows": tables.pop("scores"),
                    **tables}, f, indent=1)
-    meta, plots = report.meta, {}
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from observe.tensorboard import Board
+
+    board = Board(os.path.join(directory, "tensorboard"))
+    for tag, value, step in report.scalars:
+        if math.isfinite(value):
+            board.scalar(tag, value, step)
+    meta = report.meta
     caption = f"{os.path.basename(meta.get('checkpoint', ''))} (step {meta.get('step')})"
     if "initial_conditions" in meta:  # each plot names what it scores
         caption += f", {meta['initial_conditions']} initial conditions"
     for figure in report.figures if NO_PLOTS not in report.notes else ():
-        path = os.path.join(directory, f"{figure.name}.png")
-        plots[figure.name] = draw(figure, path, caption)
+        png = draw(figure, os.path.join(directory, f"{figure.name}.png"), caption)
         written.append(f"{figure.name}.png")
-    write_events(report, os.path.join(directory, "tensorboard"), plots)
+        # also an image (the IMAGES tab) as it is, not decoded and encoded again: its size and
+        # colour type read from the IHDR
+        width, height = struct.unpack(">II", png[16:24])
+        channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
+        image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png)
+        value = Summary.Value(tag=f"Plots/{figure.name}", image=image)
+        board.writer.file_writer.add_summary(Summary(value=[value]), 0)
+    board.close()
     return written + ["tensorboard/"]
