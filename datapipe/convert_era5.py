@@ -21,11 +21,12 @@ from datapipe.formats import ERA5_CHANNELS
 from datapipe.synthetic import _atomic_path, _ints, list_files
 from settings.errors import ConfigError, OneLineParser, at_least, refuse
 
+# The tutorial's channels, in its order, as (variable, pressure level in hPa or None) in WeatherBench
+# 2's names: the surface ones by name, the upper-air ones by letter and level (z500: geopotential, 500).
 SURFACE = {"u10m": "10m_u_component_of_wind", "v10m": "10m_v_component_of_wind", "t2m": "2m_temperature",
            "sp": "surface_pressure", "msl": "mean_sea_level_pressure", "tcwv": "total_column_water_vapour"}
 UPPER_AIR = {"u": "u_component_of_wind", "v": "v_component_of_wind", "z": "geopotential", "t": "temperature",
-             "r": "relative_humidity"}  # z500: geopotential at 500 hPa
-# The tutorial's channels, in its order, as (variable, pressure level in hPa or None) in WeatherBench 2's names.
+             "r": "relative_humidity"}
 CHANNELS = {c: (SURFACE[c], None) if c in SURFACE else (UPPER_AIR[c[0]], int(c[1:])) for c in ERA5_CHANNELS}
 # Other common spellings of the dimensions (the CDS's NetCDF files, CF short names).
 RENAMES = {"valid_time": "time", "pressure_level": "level", "lat": "latitude", "lon": "longitude"}
