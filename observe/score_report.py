@@ -134,8 +134,7 @@ def write_report(report: Report, directory: str) -> list[str]:
     for figure in report.figures if NO_PLOTS not in report.notes else ():
         png = draw(figure, os.path.join(directory, f"{figure.name}.png"), caption)
         written.append(f"{figure.name}.png")
-        # also an image (the IMAGES tab) as it is, not decoded and encoded again: its size and
-        # colour type read from the IHDR
+        # also an image (IMAGES tab), the PNG as it is: its size and colour type read from the IHDR
         width, height = struct.unpack(">II", png[16:24])
         channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
         image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png)
