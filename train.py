@@ -154,9 +154,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         self.run_log = RunLog(
             cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock, model=self.model,
-            optimizer=self.optimizer,
-            steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
-            iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
+            optimizer=self.optimizer, iteration=self.iteration, resumed=self.resumed,
             lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
             finished=self.nothing_to_do, derived=self.derived(),
             kept_checkpoints=self.checkpointer.kept)

@@ -1,4 +1,4 @@
-"""TensorBoard events for rank 0, other ranks get a do-nothing board; and the pictures drawn
+"""TensorBoard events for rank 0 (other ranks get a ``Nothing``); and the pictures drawn
 for it. What a run writes there: docs/example-runs.md (its tags are the tutorials', so that runs
 compare against their example logs)."""
 from __future__ import annotations
@@ -8,15 +8,6 @@ import re
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
-
-
-class NullBoard:
-    """A board that writes nothing (every rank but 0; a finished run)."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):  # (copy, pickle: as for any object)
-            raise AttributeError(name)
-        return lambda *args, **kwargs: None
 
 
 class Board:
