@@ -163,43 +163,40 @@ def nearest(name: str, choices, listed: bool = False) -> str:
 
 _BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True,
                "false": False, "no": False, "0": False, "off": False}
+# What each scalar type is called in its error, and the fix said after it.
+_KINDS = {bool: ("a boolean", "use true or false"),
+          int: ("an integer", "give a whole number, e.g. {key}=4"),
+          float: ("a number", "give e.g. {key}=1e-3"), str: ("a string", "")}
+
+
+# What each scalar type is called in its error, and the fix said after it.
+_KINDS = {bool: ("a boolean", "use true or false"),
+          int: ("an integer", "give a whole number, e.g. {key}=4"),
+          float: ("a number", "give e.g. {key}=1e-3"), str: ("a string", "")}
 
 
 def _coerce_scalar(key, value, tp):
+    """``value`` as a ``tp`` (bool, int, float or str), or a ConfigError saying what it is not."""
+    what, fix = _KINDS[tp]
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _BOOL_WORDS:
-            return _BOOL_WORDS[value.lower()]
-        raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is not an integer")
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, (int, str)):
-            with contextlib.suppress(ValueError):
-                return int(value)
-        raise ConfigError(f"{key}={value!r} is not an integer: give a whole number, e.g. {key}=4")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is not a number")
-        try:  # (a string too: YAML 1.1 reads 5E-4 as one)
-            number = float(value) if isinstance(value, (int, float, str)) else None
-        except OverflowError:  # an integer beyond any float
-            number = math.inf
-        except ValueError:
-            number = None
-        if number is None:
-            raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
-        if not math.isfinite(number):  # nan and inf parse as floats but are never a setting
-            raise ConfigError(f"{key}={value!r} is not a finite number: give e.g. {key}=1e-3")
-        return number
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return expand_env(str(value))
-        raise ConfigError(f"{key}={value!r} is not a string")
-    raise TypeError(f"unsupported config type {tp} for {key}")
+        word = value.lower() if isinstance(value, str) else None
+        if isinstance(value, bool) or word in _BOOL_WORDS:
+            return _BOOL_WORDS.get(word, value)
+    elif isinstance(value, bool):  # (to Python a bool is an int; here it never is one)
+        fix = ""
+    elif tp is str and isinstance(value, (str, int, float)):
+        return expand_env(str(value))
+    elif isinstance(value, (str, int)) or isinstance(value, float) and (tp is float or
+                                                                       value.is_integer()):
+        with contextlib.suppress(ValueError):
+            try:
+                number = tp(value)  # (a string too: YAML 1.1 reads 5E-4 as one)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
+            if tp is int or math.isfinite(number):
+                return number
+            what = "a finite number"  # nan and inf parse as floats but are never a setting
+    raise ConfigError(f"{key}={value!r} is not {what}" + (f": {fix.format(key=key)}" if fix else ""))
 
 
 # A setting's bounds (``_f``'s checks): name -> (the comparison its value must pass, its sign).
@@ -207,16 +204,16 @@ _BOUNDS = {"min": (operator.ge, ">="), "max": (operator.le, "<="), "above": (ope
            "below": (operator.lt, "<")}
 
 
-def _coerce_mixed_choice(key, value, choices):
-    """``value`` as the first of ``choices``' types that reads it as a choice (e.g. ``resume``:
-    false, true or "auto"; "yes" reads as true, "auto" as the string)."""
-    for tp in dict.fromkeys(type(c) for c in choices):
-        try:
-            v = _coerce_scalar(key, value, tp)
-        except ConfigError:
-            continue
-        if v in choices:
-            return v
+def _coerce_choice(key, value, choices):
+    """``value`` read as the type of ``choices``; where they mix types (``resume``: false, true
+    or "auto"), as the first type that reads it as a choice ("yes" as true), else as given."""
+    types = dict.fromkeys(type(c) for c in choices)
+    if len(types) == 1:
+        return _coerce_scalar(key, value, *types)
+    for tp in types:
+        with contextlib.suppress(ConfigError):
+            if (v := _coerce_scalar(key, value, tp)) in choices:
+                return v
     return value
 
 
@@ -224,9 +221,7 @@ def _coerce_item(key, value, tp, meta):
     """One value of type ``tp`` (a scalar type or ``Literal[...]``), checked against ``meta``."""
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
-        v = _coerce_mixed_choice(key, value, choices) if len({type(c) for c in choices}) > 1 \
-            else _coerce_scalar(key, value, type(choices[0]))
-        if v not in choices:
+        if (v := _coerce_choice(key, value, choices)) not in choices:
             aliases = [alias for (k, alias) in VALUE_ALIASES if k == key]
             raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(value_text, choices))}: "
                               f"{nearest(str(v), [value_text(c) for c in choices] + aliases, listed=True)}")
