@@ -57,8 +57,7 @@ class NullProbe(Nothing):
 class MemoryProbe:
     def __init__(self, device: torch.device, model: torch.nn.Module, optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
-        self.after_forward = 0
-        self.peak = 0
+        self.after_forward = self.peak = 0
 
     @contextlib.contextmanager
     def step(self):

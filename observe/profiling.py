@@ -116,10 +116,9 @@ class TraceWindow:
         # all. KINETO_LOG_LEVEL set by the user is kept.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         os.makedirs(directory, exist_ok=True)
-        window = cls(directory, rank, 0, total_steps)
-        second = steps_per_epoch
-        fits = iteration <= second and total_steps - second >= window.length
-        window.start = second if fits else iteration
+        window = cls(directory, rank, steps_per_epoch, total_steps)
+        if iteration > steps_per_epoch or total_steps - steps_per_epoch < window.length:
+            window.start = iteration
         return window
 
     def avoid(self, iteration: int):

@@ -1,8 +1,6 @@
 """The run log: everything a run shows (rank 0's lines, one per event, as docs/training.md ("What
 a run prints") and docs/performance.md show and define them; TensorBoard; the profilers'
-windows), owned by ``RunLog``. The loop calls ``start_epoch``; around each step ``step_begins``,
-``step_ends`` and ``step_done``; then ``end_epoch``, ``epoch``, ``skill``, ``summary``, ``close``.
-"""
+windows), owned by ``RunLog``, in the order of its methods."""
 from __future__ import annotations
 
 import contextlib
@@ -52,11 +50,9 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
 
 def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None,
                    workers: int, task, amp_dtype):
-    """The device and ranks, the model and its size, each rank's threads and loader workers
-    (``workers``), the model-parallel layout, and the data and steps the run will train on; a
-    warning when a step would need more memory than the rank has. ``rt``: the run's ranks,
-    device and batch sizes (``engine.runtime.Runtime``); ``loaders``: its sample and step
-    counts."""
+    """The device and ranks (``rt``: ``engine.runtime.Runtime``), the model and its size, each
+    rank's threads and loader workers, the model-parallel layout, and the data and steps the run
+    will train on; a warning when a step would need more memory than the rank has."""
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
              f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
@@ -85,9 +81,8 @@ class Progress:
                  every_s: float = 30.0, clock=time.monotonic):
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
         self.enabled, self.every_s, self.clock = enabled, every_s, clock
-        self.loss = math.nan
+        self.loss = self.lr = math.nan
         self.loss_at = None  # (epoch, step in epoch) of the log point that read ``loss``
-        self.lr = math.nan
 
     def start_epoch(self, epoch: int, step_in_epoch: int, last: int):
         """Before the epoch's first step (``step_in_epoch`` > 0 after a resume mid-epoch);

@@ -31,9 +31,8 @@ def _groups(cls) -> dict:
 def _type_text(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return "{" + ",".join(map(value_text, typing.get_args(tp))) + "}"
-    if typing.get_origin(tp) is typing.Union:  # Optional[x]
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_type_text(inner[0])} or null"
+    if typing.get_origin(tp) is typing.Union:  # Optional[x]: (x, NoneType)
+        return f"{_type_text(typing.get_args(tp)[0])} or null"
     if typing.get_origin(tp) is list:
         return f"list[{_type_text(typing.get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))

@@ -243,10 +243,8 @@ def coerce(cls, key: str, value: Any):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is list:
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(yaml.YAMLError):
                 value = yaml.safe_load(value if value.strip().startswith("[") else f"[{value}]")
-            except yaml.YAMLError:
-                pass
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r} is not a list: give e.g. {key}=[1,2]")
         (item,) = typing.get_args(tp)
@@ -286,8 +284,7 @@ def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
 
 def _apply(cls, values: dict, source: str) -> dict:
     fields = {f.name for f in dataclasses.fields(cls)}
-    out = {}
-    aliased = {}  # setting -> the flag alias that set it
+    out, aliased = {}, {}  # aliased: setting -> the flag alias that set it
     for key, val in values.items():
         if key in SETTING_ALIASES:
             target = SETTING_ALIASES[key]
@@ -308,8 +305,7 @@ def _apply(cls, values: dict, source: str) -> dict:
                               f"chosen with --config and --yaml_config; remove '{key}'")
         if key not in fields:
             family = {c: m for m, c in CONFIG_CLASSES.items()}
-            others = [m for c, m in family.items()
-                      if c is not cls and key in {f.name for f in dataclasses.fields(c)}]
+            others = [m for c, m in family.items() if c is not cls and key in c.__dataclass_fields__]
             if RENAMED.get(key):
                 hint = f"use {RENAMED[key]}"
             elif others:  # e.g. the U-Net's memory_format given to a ViT config
@@ -351,14 +347,10 @@ def _yaml_files_holding(name: str, yaml_path: str) -> list[str]:
     folder = os.path.dirname(yaml_path)
     found = []
     for other in sorted(glob.glob(os.path.join(folder, "*.yaml"))):
-        if os.path.samefile(other, yaml_path):
-            continue
-        try:
-            if name in load_yaml_configs(other):
+        with contextlib.suppress(ConfigError):  # a broken neighbour is not this error's subject
+            if not os.path.samefile(other, yaml_path) and name in load_yaml_configs(other):
                 rel = os.path.relpath(other)
                 found.append(other if rel.startswith("..") else rel)
-        except ConfigError:  # a broken neighbour is not this error's subject
-            continue
     return found
 
 
