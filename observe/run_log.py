@@ -218,7 +218,7 @@ class RunLog:
         self.progress = Progress(steps_per_epoch, rt.global_batch, rt.is_main)
         self.data_wait = DataWait(self.device)
         self.fetching = self.data_wait.fetching  # around the fetch of one batch: a wait for data
-        self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
+        self.epoch_sum = torch.zeros((), device=self.device)  # this rank's step losses, summed
         self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
         self.window_steps = 0
         self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
@@ -301,20 +301,10 @@ class RunLog:
                           self.data_wait.share(elapsed) if self.steps_run else None,
                           self.checkpoint_s)
 
-    # ------------------------------------------------------------------ what checkpoints keep
-
-    def epoch_loss_sum(self) -> torch.Tensor:
-        """This rank's summed step losses of the epoch so far (a device tensor)."""
-        return self.epoch_sum
-
     def window_carry(self) -> tuple:
         """(loss sum, grad norm sum, steps) since the last log point, for a checkpoint between
         log points. Waits for the device."""
         return (*self.window.tolist(), self.window_steps)
-
-    def checkpoint_took(self, seconds: float):
-        """A checkpoint write took ``seconds`` of the epoch's wall time."""
-        self.checkpoint_s += seconds
 
     # ------------------------------------------------------------------ the lines
 
@@ -405,8 +395,9 @@ class RunLog:
             mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""
             log.info(f"  Model {tflops:.3g} TFLOP/s per device "
                      f"({self.flops_per_sample / 1e9:.4g} GFLOP per sample){mfu}")
-            points |= {"Avg iters per sec": steps_per_s, "Avg samples per sec":
-                       stats.samples_per_s, "Performance/TFLOPs per sec": tflops}
+            points |= {"Avg iters per sec": steps_per_s,
+                       "Avg samples per sec": stats.samples_per_s,
+                       "Performance/TFLOPs per sec": tflops}
             if peak:
                 points["Performance/MFU"] = tflops / peak
         log.info(f"  Avg train loss={stats.avg_loss:.6f}")

@@ -169,12 +169,6 @@ _KINDS = {bool: ("a boolean", "use true or false"),
           float: ("a number", "give e.g. {key}=1e-3"), str: ("a string", "")}
 
 
-# What each scalar type is called in its error, and the fix said after it.
-_KINDS = {bool: ("a boolean", "use true or false"),
-          int: ("an integer", "give a whole number, e.g. {key}=4"),
-          float: ("a number", "give e.g. {key}=1e-3"), str: ("a string", "")}
-
-
 def _coerce_scalar(key, value, tp):
     """``value`` as a ``tp`` (bool, int, float or str), or a ConfigError saying what it is not."""
     what, fix = _KINDS[tp]
@@ -186,8 +180,7 @@ def _coerce_scalar(key, value, tp):
         fix = ""
     elif tp is str and isinstance(value, (str, int, float)):
         return expand_env(str(value))
-    elif isinstance(value, (str, int)) or isinstance(value, float) and (tp is float or
-                                                                       value.is_integer()):
+    elif isinstance(value, (str, int)) or isinstance(value, float) and (tp is float or value.is_integer()):
         with contextlib.suppress(ValueError):
             try:
                 number = tp(value)  # (a string too: YAML 1.1 reads 5E-4 as one)
@@ -401,13 +394,11 @@ def dump(cfg: Config, derived: Optional[dict] = None) -> str:
     The file it was read from, the run's name and the ``derived`` values (the per-rank batch,
     the peak lr, ...) are comment lines above the settings."""
     settings = to_dict(cfg, identity=False)
-    run = settings.get("run_num")
     for key in ("run_num", "resume", "resume_from"):
-        if key in settings:
-            settings[key] = default_value(type(cfg), key)
+        settings[key] = default_value(type(cfg), key)
     text = yaml.safe_dump({cfg.name: settings}, sort_keys=False, default_flow_style=None)
     notes = {"read from": cfg.yaml_path} if cfg.yaml_path else {}
-    if run not in (None, settings.get("run_num")):
-        notes["run"] = run
+    if cfg.run_num != settings["run_num"]:
+        notes["run"] = cfg.run_num
     notes.update(derived or {})
     return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text
