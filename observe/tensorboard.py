@@ -130,13 +130,10 @@ def comparison_image(target: np.ndarray, pred: np.ndarray, scale: int = 1,
               (pred - target, "error", -half, half, _DIVERGING)]
     width = target.shape[1] * scale
     size = 2 if width >= 240 else 1  # font pixels per image pixel
-    bar_h = 4 * size
     columns = []
     for field, name, a, b, anchors in fields:
-        panel = colormap(field, a, b, anchors)
-        if scale > 1:
-            panel = panel.repeat(scale, axis=0).repeat(scale, axis=1)
-        bar = colormap(np.linspace(a, b, width), a, b, anchors)[None].repeat(bar_h, axis=0)
+        panel = colormap(field, a, b, anchors).repeat(scale, axis=0).repeat(scale, axis=1)
+        bar = colormap(np.linspace(a, b, width), a, b, anchors)[None].repeat(4 * size, axis=0)
         columns.append(np.concatenate([_caption(width, size, name), panel, bar,
                                        _caption(width, size, f"{a:.3g}", f"{b:.3g}")]))
     gap = np.full((columns[0].shape[0], 2 * size + 2, 3), 255, np.uint8)
