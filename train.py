@@ -152,9 +152,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         self.run_log = RunLog(
             cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock, model=self.model,
-            optimizer=self.optimizer,
-            steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
-            iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
+            optimizer=self.optimizer, iteration=self.iteration, resumed=self.resumed,
             lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
             finished=False, derived=self.derived(),
             kept_checkpoints=self.checkpointer.kept)
@@ -271,7 +269,7 @@ class Trainer:
             st.step_in_epoch += 1
             if self.checkpoint_due() and not self.validation_next():
                 # (the epoch's last step: after its validation)
-                self.save_checkpoint(self.run_log.epoch_loss_sum())
+                self.save_checkpoint(self.run_log.epoch_sum)
             self.run_log.step_done(st.iteration)
         return self.run_log.end_epoch(st.iteration, st.step_in_epoch, st.epoch_loss_carry)
 
@@ -295,7 +293,7 @@ class Trainer:
         ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
         end)."""
         seconds = self.checkpointer.save(epoch_sum, self.run_log.window_carry())
-        self.run_log.checkpoint_took(seconds)
+        self.run_log.checkpoint_s += seconds  # (inside the epoch's wall time)
 
     def stop_here(self, signum: int):
         """Every rank writes the checkpoint of the last finished step and raises RunStopped.
@@ -303,7 +301,7 @@ class Trainer:
         steps, or after a validation that a stop signal cut short."""
         if not (self.checkpoint_due() and not self.validation_next()):
             # (unless this step's periodic one is written)
-            self.save_checkpoint(self.run_log.epoch_loss_sum())
+            self.save_checkpoint(self.run_log.epoch_sum)
         raise RunStopped(signum, self.iteration, self.checkpointer.written_for(self.iteration))
 
     # ------------------------------------------------------------------ validation
