@@ -154,7 +154,7 @@ class Trainer:
             cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock, model=self.model,
             optimizer=self.optimizer, iteration=self.iteration, resumed=self.resumed,
             lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
-            finished=False, derived=self.derived(),
+            derived=self.derived(),
             kept_checkpoints=self.checkpointer.kept)
         self.stopper = Stopper(ending.request, rt.distributed, rt.host_group, cfg.log_every,
                                cfg.loader_timeout_s, self.checkpointer.kept,

@@ -190,12 +190,12 @@ class EpochStats:
 
 class RunLog:
     def __init__(self, cfg: Config, rt, task, *, run_dir: str, start_clock: StartClock, model,
-                 optimizer, iteration: int, lr, resumed: bool, finished: bool, derived: dict,
+                 optimizer, iteration: int, lr, resumed: bool, derived: dict,
                  kept_checkpoints):
         """``start_clock``: the start's parts so far; ``model``, ``optimizer``: what the memory
         probe counts; ``iteration``: the step this launch starts at; ``lr(n)``: update ``n``'s
         learning rate computed on the host (a captured step's is a device tensor, which would
-        wait); ``finished``: nothing left to do (no TensorBoard events); ``derived``: the values
+        wait); ``derived``: the values
         the config implies (``steps_per_epoch``, ``total_steps`` and ``peak_lr`` among them);
         ``kept_checkpoints()``: what a bad loss leaves to resume from."""
         self.cfg, self.rt, self.task, self.device = cfg, rt, task, rt.device
@@ -210,7 +210,7 @@ class RunLog:
         # A resumed run drops the events after its checkpoint's step.
         self.board = Board(os.path.join(run_dir, "tensorboard"),
                            purge_step=iteration + 1 if resumed else None) \
-            if rt.is_main and not finished else Nothing()
+            if rt.is_main else Nothing()
         self.profiler = ProfilerWindow.for_run(cfg.enable_manual_profiling, self.device,
                                                iteration, steps_per_epoch, total_steps)
         self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, iteration, steps_per_epoch,
