@@ -165,7 +165,7 @@ class Trainer:
             write_config(cfg, self.run_dir, self.derived(), resumed=self.resumed)
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)(),
-                       cfg.num_data_workers, self.task, AMP_DTYPES[cfg.amp_mode])
+                       cfg.num_data_workers, self.task)
         log.info(describe_lr(cfg.lr, self.peak_lr, rt.global_batch, cfg.base_batch_size,
                              cfg.lr_scaling, cfg.warmup_steps, cfg.end_lr))
 

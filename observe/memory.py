@@ -109,10 +109,7 @@ def available_bytes(device: torch.device, ranks_here: int) -> int:
 def memory_warning(model: torch.nn.Module, sample_shape: tuple, batch: int, device: torch.device,
                    amp_dtype, ranks_here: int) -> str | None:
     """One line when a training step of the unsharded ``model`` is estimated to need more
-    memory than this rank has (None otherwise, or for sharded weights, where the serial
-    estimate would overstate it), said before the first step allocates it."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return None
+    memory than this rank has (None otherwise), said before anything is allocated for it."""
     try:
         need = estimated_step_bytes(model, sample_shape, batch, device, amp_dtype)
     except Exception:  # an operation fake tensors cannot run (a custom kernel): no estimate
@@ -128,13 +125,16 @@ def memory_warning(model: torch.nn.Module, sample_shape: tuple, batch: int, devi
 
 def estimated_step_bytes(model: torch.nn.Module, sample_shape: tuple, batch: int,
                          device: torch.device, amp_dtype) -> int:
-    """The bytes one training step of ``model`` (unsharded) needs at ``batch`` samples, before
-    the step allocates any: the forward pass runs on fake tensors (shapes, no data), the kernels
-    chosen as on ``device``, and the count is the CPU probe's above: parameters, their gradients
-    and Adam's two moments, and what the forward pass saves for backward."""
+    """The bytes one training step of ``model`` (unsharded, not compiled) needs at ``batch``
+    samples on ``device``, before anything is allocated there: the forward pass runs on fake
+    tensors (shapes, no data), the kernels chosen as on ``device``, and the count is the CPU
+    probe's above: parameters, their gradients and Adam's two moments, and what the forward
+    pass saves for backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (torch.compile's fake tensors)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = {name: mode.from_tensor(p) for name, p in model.named_parameters()}
+    with mode:  # the model's tensors as fakes on the device (the model itself may be elsewhere)
+        params = {name: mode.from_tensor(p).to(device) for name, p in model.named_parameters()}
+        buffers = {name: mode.from_tensor(b).to(device) for name, b in model.named_buffers()}
     param_storages = {p.untyped_storage()._cdata for p in params.values()}
     saved = {}
 
@@ -148,6 +148,6 @@ def estimated_step_bytes(model: torch.nn.Module, sample_shape: tuple, batch: int
             torch.autocast(device.type, dtype=amp_dtype or torch.float32,
                            enabled=amp_dtype is not None):
         x = torch.empty(batch, *sample_shape, device=device)
-        torch.func.functional_call(model, params, (x,))
+        torch.func.functional_call(model, {**params, **buffers}, (x,))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return 4 * weights + sum(saved.values())  # weights, gradients, two moments; activations

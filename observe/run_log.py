@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from observe.logging_utils import Nothing, duration, over_ranks
-from observe.memory import GiB, MemoryProbe, NullProbe, memory_warning, resident_peak_bytes
+from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, StartClock, TraceWindow
 from observe.tensorboard import Board
 from settings.config import Config, to_dict
@@ -49,10 +49,10 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
 
 
 def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None,
-                   workers: int, task, amp_dtype):
+                   workers: int, task):
     """The device and ranks (``rt``: ``engine.runtime.Runtime``), the model and its size, each
-    rank's threads and loader workers, the model-parallel layout, and the data and steps the run
-    will train on; a warning when a step would need more memory than the rank has."""
+    rank's threads and loader workers, the model-parallel layout, the data and steps the run
+    will train on, and the loss."""
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
              f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
@@ -66,10 +66,6 @@ def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | N
              f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
              f"({rt.local_batch} per rank); {total_steps} steps in all")
     log.info(f"Loss: {task.loss_name}")
-    if rt.is_main and rt.groups is None and (warning := memory_warning(
-            model, task.sample_shape(), rt.local_batch, rt.device, amp_dtype,
-            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
-        log.warning(f"Memory: {warning}")
 
 
 class Progress:
