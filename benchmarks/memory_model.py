@@ -331,15 +331,12 @@ def fsdp_collectives(rows, dp: int, amp: bool, checkpointing: bool, accum_steps:
     a = 2 if amp else 4
     k = accum_steps
     r = k if reduce_each_microbatch else 1
-    out = []
-    for what, kind, calls, nbytes in (
-            ("block weights (forward, again in backward)", "all-gather", 2 * depth * k, block),
-            ("root weights (forward)", "all-gather", k, root),
-            ("block gradients (fp32)", "reduce-scatter", depth * r, 4 * block // a),
-            ("root gradients (fp32)", "reduce-scatter", r, 4 * root // a)):
-        out.append(dict(what=what, kind=kind, group="dp", size=dp, calls=calls,
-                        bytes_per_call=int(nbytes), bytes_per_step=int(round(share * nbytes * calls))))
-    return out
+    return [dict(what=what, kind=kind, group="dp", size=dp, calls=calls, bytes_per_call=int(nbytes),
+                 bytes_per_step=int(round(share * nbytes * calls))) for what, kind, calls, nbytes in (
+        ("block weights (forward, again in backward)", "all-gather", 2 * depth * k, block),
+        ("root weights (forward)", "all-gather", k, root),
+        ("block gradients (fp32)", "reduce-scatter", depth * r, 4 * block // a),
+        ("root gradients (fp32)", "reduce-scatter", r, 4 * root // a))]
 
 
 def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda") -> Prediction:
