@@ -7,6 +7,7 @@ memory: once, at load).
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import h5py
@@ -138,9 +139,5 @@ class CosmoCropDataset(BatchReadDataset):
 def _runs(source):
     """``(lo, hi, first)`` for each run of output channels lo..hi-1 whose sources are the
     consecutive channels first, first + 1, ...: one read each."""
-    runs, lo = [], 0
-    for c in range(1, len(source) + 1):
-        if c == len(source) or source[c] != source[c - 1] + 1:
-            runs.append((lo, c, source[lo]))
-            lo = c
-    return runs
+    runs = (list(g) for _, g in itertools.groupby(enumerate(source), lambda p: p[1] - p[0]))
+    return [(run[0][0], run[-1][0] + 1, run[0][1]) for run in runs]

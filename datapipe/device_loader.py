@@ -97,39 +97,25 @@ def check_fits(need: VolumeNeed, free: int | None, where: str):
                       f"{' or '.join(choices)}")
 
 
-def _cgroup_headroom() -> int | None:
-    """Bytes this process's cgroup (v2) may still take, None without a limit."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            rel = next((line.strip().split("::", 1)[1] for line in f if line.startswith("0::")),
-                       None)
-        if rel is None:
-            return None
-        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(os.path.join(base, "memory.current")) as f:
-            return max(0, int(limit) - int(f.read()))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def host_available() -> int | None:
-    """Bytes of host memory available to this process: MemAvailable of /proc/meminfo (within the
-    cgroup's limit, when it sets one); elsewhere the free physical pages; None when unknown."""
+    """Bytes of host memory available to this process: MemAvailable of /proc/meminfo, within the
+    limit of its cgroup (v2) when that sets one; None when unknown."""
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f
                              if line.startswith("MemAvailable:"))
     except (OSError, ValueError, IndexError, StopIteration):
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    headroom = _cgroup_headroom()
-    return available if headroom is None else min(available, headroom)
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next(line.strip().split("::", 1)[1] for line in f if line.startswith("0::"))
+        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(base, "memory.current")) as f:
+            return min(available, max(0, int(limit) - int(f.read())))
+    except (OSError, ValueError, IndexError, StopIteration):  # no cgroup v2, or no limit (max)
+        return available
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -573,19 +573,19 @@ def main(argv=None):
                           help=f"years written under {split}/{lists} (default: "
                           f"{' '.join(map(str, years))})")
     cosmo = sub.add_parser("cosmo", parents=[common], help="N-body / hydro boxes for the 3D U-Net")
-    cosmo.add_argument("--train_size", type=int, default=64,
-                       help="side in voxels of the training box (default: %(default)s)")
-    cosmo.add_argument("--val_size", type=int, default=64,
-                       help="side in voxels of the validation box (default: %(default)s)")
+    for split, box in (("train", "training"), ("val", "validation")):
+        cosmo.add_argument(f"--{split}_size", type=int, default=64,
+                           help=f"side in voxels of the {box} box (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.kind == "era5":
-        args.img_size = _ints(era5, "img_size", args.img_size, length=2)
-        for name in ("train_years", "valid_years", "test_years"):
-            setattr(args, name, _ints(era5, name, getattr(args, name)))
-        plan = era5_plan(args.img_size, args.steps_per_year, args.train_years, args.valid_years,
-                         args.test_years)
+        shapes = dict(img_size=tuple(_ints(era5, "img_size", args.img_size, length=2)),
+                      steps_per_year=args.steps_per_year)
+        shapes.update({name: _ints(era5, name, getattr(args, name))
+                       for name in ("train_years", "valid_years", "test_years")})
+        plan, make = era5_plan(**shapes), make_era5
     else:
-        plan = cosmo_plan(args.train_size, args.val_size)
+        shapes = dict(train_size=args.train_size, val_size=args.val_size)
+        plan, make = cosmo_plan(**shapes), make_cosmo
     out = f"--out {args.out}"
     mark = CLI_MARK.format(command=shlex.join(["python", "-m", "datapipe.synthetic", *argv]))
     try:
@@ -597,11 +597,7 @@ def main(argv=None):
                      f"directory, or over earlier synthetic data: choose another --out")
         if not args.replace:
             check_same_shapes(args.out, plan, out)
-        if args.kind == "era5":
-            make_era5(args.out, tuple(args.img_size), args.steps_per_year, args.train_years,
-                      args.valid_years, args.test_years, args.seed, mark=mark)
-        else:
-            make_cosmo(args.out, args.train_size, args.val_size, args.seed, mark=mark)
+        make(args.out, seed=args.seed, mark=mark, **shapes)
     except ValueError as e:  # ConfigError included
         refuse(str(e))
     except OSError as e:
