@@ -11,9 +11,8 @@ summed from three (B, s) rows. One advanced-indexing gather per field per batch,
 vector channels re-ordered (``datapipe.rotations.channel_plan``); one multiplication by the
 (B, C) signs follows only when a sample turns a vector component backwards.
 
-On a CPU with float32 storage (``method="copy"``) each crop is instead copied through its rotated
-view (``rotate_into``) over torch's intra-op threads: a CPU gathers slowly. Both give the bits of
-the ``lowmem`` loaders, built first (never iterated), whose dataset and samplers decide them.
+On a CPU with float32 storage (``method="copy"``) each crop is copied through its rotated view
+instead (``CropGather.copy``). Both give the bits of the ``lowmem`` loaders (never iterated).
 """
 from __future__ import annotations
 
