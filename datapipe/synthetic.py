@@ -1,14 +1,10 @@
 """Synthetic ERA5 and cosmology data in exactly the on-disk formats of the real data sets (the
-files, the command line and where it may write: docs/data.md, "Synthetic data").
-
-ERA5: row j is at latitude 90 - j*180/(H-1) degrees (north pole first), column i at longitude
-360*i/W degrees (periodic); statistics are over the training years. Cosmology (after Harrington
-et al. 2021): vector component k (x, y, z) lies along array axis k + 1 of a (C, X, Y, Z) volume;
-every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the network's tanh output.
-
-Both generators are deterministic for a seed, write every file under a temporary name moved into
-place with os.replace, and generate in slices (time steps, channels) so that large grids fit in
-memory.
+files, the command line and where it may write: docs/data.md, "Synthetic data"; the grids and
+vector axes: ``datapipe.formats``). ERA5 statistics are over the training years. Cosmology after
+Harrington et al. 2021; every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the
+network's tanh output. Both generators are deterministic for a seed, write every file under a
+temporary name moved into place (``_atomic_path``), and generate in slices (time steps, channels)
+so that large grids fit in memory.
 """
 import contextlib
 import os
