@@ -26,14 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import h5py
 import numpy as np
 import torch
 
-from datapipe.batch_dataset import read_float32
-from datapipe.cosmo_data import CosmoCropDataset
+from datapipe.cosmo_data import CosmoCropDataset, load_field
 from datapipe.rotations import ROTATIONS, channel_plan, rotate_into
-from settings.errors import ConfigError, DataError
+from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import UNetConfig
@@ -41,7 +39,6 @@ if TYPE_CHECKING:  # annotations only: the settings are read by name
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SLAB_BYTES = 256 * 2**20  # host memory of one read while loading (float32 planes of a channel)
 INDEX_DTYPE = torch.int64
 
 
@@ -128,32 +125,6 @@ def free_memory(device: torch.device) -> int | None:
 
 
 # ----------------------------------------------------------------------------- the volumes
-
-def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torch.Tensor:
-    """The first ``n`` channels of dataset ``name`` of ``path`` as a (n, L, L, L) tensor of
-    ``dtype`` on ``device``, read as float32 slab by slab (at most ``SLAB_BYTES`` of host memory
-    at a time), each slab checked for non-finite values and, in half precision, for values
-    beyond the type's range."""
-    with h5py.File(path, "r") as f:
-        ds = f[name]
-        side = ds.shape[1]
-        out = torch.empty((n, *ds.shape[1:]), dtype=dtype, device=device)
-        planes = max(1, SLAB_BYTES // (4 * side * side))
-        for c in range(n):
-            for a in range(0, side, planes):
-                b = min(side, a + planes)
-                slab = torch.from_numpy(read_float32(ds, (slice(c, c + 1), slice(a, b))))[0]
-                if not bool(slab.isfinite().all()):
-                    raise DataError(f"{path}: '{name}' holds non-finite values: repair the file")
-                dest = out[c, a:b]
-                dest.copy_(slab)  # the cast to the storage type, on the device
-                if dtype != torch.float32 and not bool(dest.isfinite().all()):
-                    raise ConfigError(f"{path}: '{name}' holds values beyond the range of "
-                                      f"{str(dtype).removeprefix('torch.')} (largest "
-                                      f"{torch.finfo(dtype).max:g}): use --device_volume_dtype "
-                                      f"bfloat16 or float32")
-    return out
-
 
 class CropGather:
     """The volumes of one split on the device, and the batch cut from them (module docstring):
