@@ -230,8 +230,9 @@ class RunEnding:
         try:
             if kind is None:
                 self.rt.barrier()  # every rank has finished before any tears its groups down
-                signum = self.trainer.stopper.signalled()  # came too late to stop before the end
-                if signum:  # the run honoured it by ending: exit code 0, nothing to resume
+                # (a finished run's resume ends before a trainer exists: nothing came too late)
+                signum = self.trainer.stopper.signalled() if self.trainer is not None else 0
+                if signum:  # too late to stop before the end: exit code 0, nothing to resume
                     log.info(f"{signal.Signals(signum).name} came as the run was ending: it "
                              f"ended as planned, on its final checkpoint "
                              f"{self.trainer.checkpointer.written_for(self.trainer.iteration)} "
