@@ -46,8 +46,18 @@ class Unsharded:
 
     def to_serial(self, model, tensors: dict, keep: bool = True) -> dict:
         """``tensors`` (like this rank's parameters, by name) in the serial layout, copied to host
-        memory one by one; ``keep`` false: {}, on a rank that only takes part in the collectives."""
-        return {k: _to_host(t) for k, t in tensors.items()} if keep else {}
+        memory one by one (collective but here: at most one whole tensor beyond the slices);
+        ``keep`` false: {}, on a rank that only takes part in the collectives."""
+        out = {}
+        for name, t in tensors.items():
+            name, whole = self.whole(model, name, t.detach())
+            if keep:
+                out[name] = _to_host(whole)
+            del whole
+        return out
+
+    def whole(self, model, name, t):  # (name, tensor) in the serial layout
+        return name, t
 
     def from_serial(self, model, tensors: dict) -> dict:
         return tensors
@@ -56,11 +66,11 @@ class Unsharded:
 
     def model_state(self, model, keep: bool = True) -> dict:
         """The weights in the serial layout (``keep`` false: {}, the collectives only)."""
-        params = self.to_serial(model, dict(model.named_parameters()), keep)
+        params = self.to_serial(model, dict(resharded(model).named_parameters()), keep)
         return params | dict(model.named_buffers()) if keep else params
 
     def load_model_state(self, model, state: dict):
-        params = self.from_serial(model, {n: state[n] for n, _ in model.named_parameters()})
+        params = self.from_serial(model, {n: state[n] for n, _ in resharded(model).named_parameters()})
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(params[name])
@@ -69,7 +79,7 @@ class Unsharded:
 
     def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
         """Adam's state in the serial layout, by name (``keep`` false: the collectives only)."""
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in resharded(model).named_parameters()}
         state, per_param = {}, {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -89,7 +99,7 @@ class Unsharded:
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state(self, model, optimizer, saved: dict):
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in resharded(model).named_parameters()}
         current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         if [sorted(g) for g in current] != [sorted(g["params"]) for g in saved["param_groups"]]:
             raise ValueError("the checkpoint's optimizer holds other parameters than this model")
@@ -133,14 +143,8 @@ class RowBandSharding(Unsharded):
         # (the hook also sums over tp/cp the gradients of parameters replicated there)
         ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
 
-    def to_serial(self, model, tensors, keep=True):
-        # collective over tp/cp, one tensor at a time: at most one whole tensor beyond the slices
-        out = {}
-        for name, t in tensors.items():
-            whole = tensors_to_serial(model, self.groups, {name: t})
-            if keep:
-                out.update((k, _to_host(v)) for k, v in whole.items())
-        return out
+    def whole(self, model, name, t):  # collective over tp/cp
+        return next(iter(tensors_to_serial(model, self.groups, {name: t}).items()))
 
     def from_serial(self, model, tensors):
         return tensors_from_serial(model, self.groups, tensors)
@@ -169,26 +173,8 @@ class FullyShardedSharding(Unsharded):
         if isinstance(self.inner, RowBandSharding):
             reduce_replicated_grad_shards(model, self.inner.groups)
 
-    def model_state(self, model, keep: bool = True) -> dict:
-        return super().model_state(resharded(model), keep)
-
-    def load_model_state(self, model, state: dict):
-        super().load_model_state(resharded(model), state)
-
-    def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
-        return super().optimizer_state(resharded(model), optimizer, keep)
-
-    def load_optimizer_state(self, model, optimizer, saved: dict):
-        super().load_optimizer_state(resharded(model), optimizer, saved)
-
-    def to_serial(self, model, tensors, keep=True):
-        # one tensor at a time: gathered over dp (collective), then over tp/cp by ``inner``
-        out = {}
-        for k, t in tensors.items():
-            whole = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
-            out.update(self.inner.to_serial(model, {k: whole}, keep))
-            del whole
-        return out
+    def whole(self, model, name, t):  # gathered over dp (collective), then over tp/cp by ``inner``
+        return self.inner.whole(model, name, t.full_tensor() if isinstance(t, DTensor) else t)
 
     def from_serial(self, model, tensors):
         like = dict(model.named_parameters())

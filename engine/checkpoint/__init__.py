@@ -7,5 +7,5 @@ what a checkpoint holds; ``checkpointer``: what the training loop talks to.
 """
 from engine.checkpoint.files import (  # noqa: F401 (the package's names)
     REQUIRED, TENSORS, is_sharded, list_checkpoints, load_file, load_latest, path_for, read_tensors,
-    save, save_sharded, state_nbytes, weights, written_for)
+    save, state_nbytes, weights, written_for)
 from engine.checkpoint.checkpointer import Checkpointer, RunFinished  # noqa: F401

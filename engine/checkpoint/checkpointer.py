@@ -1,7 +1,7 @@
 """The checkpointer: the one object the training loop asks about checkpoints."""
 from __future__ import annotations
 
-import dataclasses
+import collections
 import os
 import time
 
@@ -16,13 +16,10 @@ from settings.errors import ConfigError, TrainingError, on_every_rank
 log = files.log  # the package's one logger
 
 
-@dataclasses.dataclass
-class Resume:
-    """The checkpoint a run continues from, which every rank has read."""
-
-    state: dict  # its contents (a DCP directory's without the tensors: they are read on load)
-    path: str
-    cfg: object  # the run's settings, with the run length it had unless the command gives one
+# The checkpoint a run continues from, which every rank has read: its contents (a DCP directory's
+# without the tensors: they are read on load), its path, and the run's settings (``cfg``) with
+# the run length it had unless the command gives one.
+Resume = collections.namedtuple("Resume", "state path cfg")
 
 
 class RunFinished(Exception):
@@ -102,9 +99,8 @@ class Checkpointer:
         run_dir = os.path.dirname(ckpt_dir)
         files.clean_leftovers(ckpt_dir)
         existing = files.list_checkpoints(ckpt_dir)
-        if cfg.resume == "auto" and existing:
-            return self._newest()
-        if cfg.resume_from:
+        auto = cfg.resume == "auto" and existing  # (then the newest, as --resume takes)
+        if cfg.resume_from and not auto:
             if existing:
                 raise ConfigError(f"--resume_from: {run_dir} already holds checkpoints: use "
                                   f"--resume to continue it, or choose another --run_num")
@@ -120,7 +116,7 @@ class Checkpointer:
             if state is None:
                 raise ConfigError(f"--resume_from {src}: no checkpoint there loads")
             return state, path
-        if cfg.resume is not True:  # false, or auto with nothing to continue
+        if cfg.resume is not True and not auto:  # false, or auto with nothing to continue
             if existing:
                 raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to "
                                   f"continue that run, or choose another --run_num")
@@ -129,10 +125,7 @@ class Checkpointer:
             raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}: check --config, "
                               f"--run_num, --expdir and the number of ranks "
                               f"({self.rt.world_size}), or use --resume_from PATH")
-        return self._newest()
-
-    def _newest(self):
-        state, path = files.load_latest(self.directory)
+        state, path = files.load_latest(ckpt_dir)
         if state is None:
             raise ConfigError(f"--resume: none of the checkpoints in {self.directory} loads "
                               f"(each is damaged or cut short; the log above names why): resume "
@@ -168,13 +161,11 @@ class Checkpointer:
         carried = 0.0 if epoch_sum is None else rt.dp_sum(epoch_sum.clone().float()).item()
         path, failure = None, None
         try:  # (state_dict: collective, its contents on rank 0)
-            if st.sharding.writes_shards:
-                rest = st.state_dict(carried, window, tensors=False)
-                path = files.save_sharded(self.directory, st.iteration,
-                                          files.shards(st.model, st.optimizer), rest, keep,
-                                          rt.is_main)
-            elif (state := st.state_dict(carried, window)) is not None:
-                path = files.save(self.directory, st.iteration, state, keep)
+            sharded = st.sharding.writes_shards  # (then every rank writes its shards)
+            state = st.state_dict(carried, window, tensors=not sharded)
+            if sharded or rt.is_main:
+                shards = files.shards(st.model, st.optimizer) if sharded else None
+                path = files.save(self.directory, st.iteration, state, keep, shards, rt.is_main)
         except files.WriteFailed as e:
             failure = (rt.rank if e.rank is None else e.rank, str(e))
         # (the exchange also holds every rank until rank 0 has put the checkpoint in place)

@@ -133,7 +133,7 @@ class TrainState:
             # A directory of shards (an FSDP run's): under FSDP alone each rank reads its own
             # shards (collective), on any other layout the whole tensors, as of a .pt file.
             if "dcp" in state and self.sharding.writes_shards:
-                state = state | files.read_shards(self.model, self.optimizer, state["dcp"])
+                state = state | files.shards(self.model, self.optimizer, state["dcp"])
             elif "dcp" in state:
                 state = state | files.read_tensors(state["dcp"])
             self.sharding.load_model_state(self.model, state["model"])
