@@ -80,17 +80,12 @@ class Unsharded:
     def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
         """Adam's state in the serial layout, by name (``keep`` false: the collectives only)."""
         names = {id(p): n for n, p in resharded(model).named_parameters()}
-        state, per_param = {}, {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                for key, v in optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        per_param.setdefault(key, {})[names[id(p)]] = v
-                    else:
-                        state.setdefault(names[id(p)], {})[key] = v
-        for key, tensors in per_param.items():
-            for name, t in self.to_serial(model, tensors, keep).items():
-                state.setdefault(name, {})[key] = t
+        state = {}
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            for key, v in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.shape == p.shape:  # (a moment: collective)
+                    v = self.to_serial(model, {names[id(p)]: v}, keep).get(names[id(p)])
+                state.setdefault(names[id(p)], {})[key] = v
         # hyperparameters as plain numbers (also a CUDA-graph step's device-tensor lr)
         groups = [{k: v.item() if torch.is_tensor(v) and v.dim() == 0 else v
                    for k, v in g.items() if k != "params"}
@@ -103,13 +98,10 @@ class Unsharded:
         current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         if [sorted(g) for g in current] != [sorted(g["params"]) for g in saved["param_groups"]]:
             raise ValueError("the checkpoint's optimizer holds other parameters than this model")
-        keys = {k for st in saved["state"].values() for k, v in st.items()
-                if torch.is_tensor(v) and v.dim() > 0}
-        local = {key: self.from_serial(model, {n: st[key] for n, st in saved["state"].items()
-                                               if key in st}) for key in keys}
         # (torch pairs saved state with parameters by position: this optimizer's order)
         index = {n: i for i, n in enumerate(n for g in current for n in g)}
-        state = {index[name]: {k: (local[k][name] if k in local else v) for k, v in st.items()}
+        state = {index[name]: {k: self.from_serial(model, {name: v})[name]
+                               if torch.is_tensor(v) and v.dim() > 0 else v for k, v in st.items()}
                  for name, st in saved["state"].items()}
         groups = [sg | {"params": [index[n] for n in cur]}
                   for sg, cur in zip(saved["param_groups"], current)]
@@ -159,13 +151,12 @@ _KEEP_LOCAL_SLICE = {"src_data_rank": None} \
 class FullyShardedSharding(Unsharded):
     """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner`` (``Unsharded``,
     or ``RowBandSharding`` whose slices FSDP shards further), whose batches, losses and outputs
-    these are. Checkpoints of FSDP alone hold the shards (DCP); with tp/cp (slices DCP could not
-    place) the serial layout (docs/parallelism.md)."""
+    these are."""
 
     def __init__(self, task, inner: Unsharded):
         super().__init__(task)
         self.inner = inner
-        self.writes_shards = type(inner) is Unsharded
+        self.writes_shards = type(inner) is Unsharded  # (DCP could not place tp/cp's slices)
         self.local_batch, self.loss, self.whole_output = inner.local_batch, inner.loss, inner.whole_output
 
     def reduce_replicated_grads(self, model):
@@ -178,14 +169,13 @@ class FullyShardedSharding(Unsharded):
 
     def from_serial(self, model, tensors):
         like = dict(model.named_parameters())
-        shards = {k: t for k, t in tensors.items() if isinstance(t, DTensor)}  # read by DCP: as they are
-        out = self.inner.from_serial(model, {k: t for k, t in tensors.items() if k not in shards})
+        out = self.inner.from_serial(model, {k: t for k, t in tensors.items()
+                                             if not isinstance(t, DTensor)})  # (DCP's shards stay)
         for name, t in out.items():
-            p = like[name]
-            if isinstance(p, DTensor):
+            if isinstance(p := like[name], DTensor):
                 out[name] = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
                                               **_KEEP_LOCAL_SLICE)
-        return out | shards
+        return tensors | out
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

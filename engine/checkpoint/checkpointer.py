@@ -39,29 +39,6 @@ class Checkpointer:
         """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a fresh
         run; RunFinished for a finished one. Rank 0 chooses, the others load exactly its choice
         (docs/preemption.md says why)."""
-        choice = self._agreed_choice()
-        if choice is None:
-            return None
-        state, path = choice
-        cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
-        per_epoch = state.get("steps_per_epoch")  # (every step taken, the last validation done)
-        if per_epoch is not None and state["step_in_epoch"] == 0 \
-                and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch):
-            if os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
-                    os.path.realpath(self.directory):  # --resume_from
-                raise on_every_rank(ConfigError(
-                    f"--resume_from {cfg.resume_from}: that run has finished its "
-                    f"{state['iteration']} steps, so run {cfg.run_num} would train nothing: add a "
-                    f"larger --num_epochs or --num_iters to train on from it"))
-            resume_changes(state, path, cfg, self.rt.global_batch)  # (refused ones said first)
-            raise RunFinished(f"Nothing to do: run {cfg.run_num} has finished its "
-                              f"{state['iteration']} steps (checkpoint {path}). To train longer, "
-                              f"resume with a larger --num_epochs or --num_iters (the "
-                              f"learning-rate schedule then spans the new total)")
-        self.resumed = Resume(state, path, cfg)
-        return self.resumed
-
-    def _agreed_choice(self):
         rt = self.rt
         choice = None  # (state, path), None for a fresh run, or the ConfigError every rank raises
         if rt.is_main:
@@ -75,22 +52,39 @@ class Checkpointer:
             dist.broadcast_object_list(sent, src=0, group=rt.host_group)
         if isinstance(sent[0], ConfigError):
             raise sent[0]
-        if sent[0] is None or not rt.distributed:
-            return choice
-        path = sent[0]
-        if not rt.is_main:
-            choice = files.load_file(path)
-        loaded = [None] * rt.world_size
-        # Whether the chosen checkpoint loaded on every rank: all go on with it, or all raise.
-        dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
-        if not all(loaded):
-            rank = loaded.index(False)
-            raise on_every_rank(ConfigError(
-                f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to resume from (rank "
-                f"{rank}'s warning line says why): every rank must see the same files; check the "
-                f"file system they share, or move that checkpoint aside to resume from the one "
-                f"before"))
-        return choice
+        if sent[0] is None:
+            return None
+        if rt.distributed:
+            if not rt.is_main:
+                choice = files.load_file(sent[0])
+            loaded = [None] * rt.world_size
+            # Whether the chosen checkpoint loaded on every rank: all go on with it, or all raise.
+            dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
+            if not all(loaded):
+                rank = loaded.index(False)
+                raise on_every_rank(ConfigError(
+                    f"rank {rank} cannot load {sent[0]}, the checkpoint rank 0 chose to resume "
+                    f"from (rank {rank}'s warning line says why): every rank must see the same "
+                    f"files; check the file system they share, or move that checkpoint aside to "
+                    f"resume from the one before"))
+        state, path = choice
+        cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
+        per_epoch = state.get("steps_per_epoch")  # (every step taken, the last validation done)
+        if per_epoch is not None and state["step_in_epoch"] == 0 \
+                and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch):
+            if os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
+                    os.path.realpath(self.directory):  # --resume_from
+                raise on_every_rank(ConfigError(
+                    f"--resume_from {cfg.resume_from}: that run has finished its "
+                    f"{state['iteration']} steps, so run {cfg.run_num} would train nothing: add a "
+                    f"larger --num_epochs or --num_iters to train on from it"))
+            resume_changes(state, path, cfg, rt.global_batch)  # (refused ones said first)
+            raise RunFinished(f"Nothing to do: run {cfg.run_num} has finished its "
+                              f"{state['iteration']} steps (checkpoint {path}). To train longer, "
+                              f"resume with a larger --num_epochs or --num_iters (the "
+                              f"learning-rate schedule then spans the new total)")
+        self.resumed = Resume(state, path, cfg)
+        return self.resumed
 
     def _choose(self):
         """Rank 0's part of ``resume`` (``--resume auto``: this run directory's newest checkpoint,
@@ -134,10 +128,16 @@ class Checkpointer:
         return state, path
 
     def start_weights(self, model, from_reference):
-        """``--init_from``: a fresh run's ``model`` from saved weights (``start_weights``)."""
+        """``--init_from``: a fresh run's ``model`` from saved weights (``start_weights``). Every
+        rank reads the file; all go on or all raise."""
         if self.cfg.init_from and self.resumed is None:
-            log.info(load_start_weights(model, self.cfg.init_from, from_reference, self.cfg,
-                                        self.rt))
+            failure = line = None
+            try:
+                line = load_start_weights(model, self.cfg.init_from, from_reference, self.cfg)
+            except ConfigError as e:
+                failure = (self.rt.rank, str(e))
+            self.rt.raise_first_failure(failure, ConfigError)
+            log.info(line)
 
     def load(self, model, sharding, optimizer, scaler, scheduler,
              steps_per_epoch: int) -> TrainState:

@@ -1,6 +1,7 @@
-"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash leaves
-at worst a stray file, which ``clean_leftovers`` puts right), the newest K kept, checked whole.
-"""
+"""The checkpoint's two forms on disk: ``ckpt_<step>.pt``, the whole state in the serial layout,
+written by rank 0; ``ckpt_<step>.dcp/``, an FSDP run's DCP directory (each rank its shards, rank 0
+the metadata and ``train_state.pt``: the rest). Written atomically (a crash leaves at worst a
+stray file, which ``clean_leftovers`` puts right), the newest K kept, checked whole."""
 from __future__ import annotations
 
 import contextlib
