@@ -17,8 +17,7 @@ log = files.log  # the package's one logger
 
 
 # The checkpoint a run continues from, which every rank has read: its contents (a DCP directory's
-# without the tensors: they are read on load), its path, and the run's settings (``cfg``) with
-# the run length it had unless the command gives one.
+# without the tensors), path, and the run's settings with its run length unless the command gives one.
 Resume = collections.namedtuple("Resume", "state path cfg")
 
 
@@ -161,9 +160,8 @@ class Checkpointer:
         carried = 0.0 if epoch_sum is None else rt.dp_sum(epoch_sum.clone().float()).item()
         path, failure = None, None
         try:  # (state_dict: collective, its contents on rank 0)
-            sharded = st.sharding.writes_shards  # (then every rank writes its shards)
-            state = st.state_dict(carried, window, tensors=not sharded)
-            if sharded or rt.is_main:
+            state = st.state_dict(carried, window)
+            if (sharded := st.sharding.writes_shards) or rt.is_main:  # (FSDP alone: all write)
                 shards = files.shards(st.model, st.optimizer) if sharded else None
                 path = files.save(self.directory, st.iteration, state, keep, shards, rt.is_main)
         except files.WriteFailed as e:

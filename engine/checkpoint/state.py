@@ -82,11 +82,10 @@ class TrainState:
         self.step_in_epoch = 0
         self.epoch_loss_carry = 0.0
 
-    def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
-                   tensors: bool = True) -> dict | None:
-        """Collective: the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``: the
-        epoch's summed losses so far; ``window``: this rank's (loss sum, grad norm sum, steps) since
-        the last log point; ``tensors`` false: without the model and optimizer (shards)."""
+    def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0)) -> dict | None:
+        """Collective: the checkpoint's contents on rank 0, None elsewhere (under FSDP alone without
+        the model and optimizer: their shards). ``epoch_loss_sum``: the epoch's summed losses so
+        far; ``window``: this rank's (loss sum, grad norm sum, steps) since the last log point."""
         rt = self.rt
         carried = self.epoch_loss_carry + epoch_loss_sum
         if not math.isfinite(carried):
@@ -106,14 +105,14 @@ class TrainState:
         if rt.distributed:
             per_rank = [None] * rt.world_size
             dist.all_gather_object(per_rank, mine)  # every rank's dropout stream and window
-        if tensors:
-            # Collective: tensor by tensor, only rank 0 keeps them (in host memory)
+        saved = {}
+        if not self.sharding.writes_shards:  # collective: tensor by tensor, rank 0 keeps them
             saved = {"model": self.sharding.model_state(self.model, rt.is_main),
                      "optimizer": self.sharding.optimizer_state(self.model, self.optimizer,
                                                                 rt.is_main)}
         if not rt.is_main:
             return None
-        return (saved if tensors else {}) | {
+        return saved | {
             "scaler": self.scaler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "iteration": self.iteration,
