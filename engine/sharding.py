@@ -44,36 +44,32 @@ class Unsharded:
     def reduce_replicated_grads(self, model):
         """Gradient sums left after the backward passes (none here)."""
 
-    def to_serial(self, model, tensors: dict, keep: bool = True) -> dict:
-        """``tensors`` (like this rank's parameters, by name) in the serial layout, copied to host
-        memory one by one (collective but here: at most one whole tensor beyond the slices);
-        ``keep`` false: {}, on a rank that only takes part in the collectives."""
-        out = {}
-        for name, t in tensors.items():
-            name, whole = self.whole(model, name, t.detach())
-            if keep:
-                out[name] = _to_host(whole)
-            del whole
-        return out
+    def to_serial(self, model, name: str, t: torch.Tensor, keep: bool = True):
+        """``t``, like this rank's parameter ``name``, in the serial layout, copied to host memory
+        (collective but here); ``keep`` false: None, on a rank that only takes part in it."""
+        whole = self.whole(model, name, t.detach())
+        return _to_host(whole) if keep else None
 
-    def whole(self, model, name, t):  # (name, tensor) in the serial layout
-        return name, t
+    def whole(self, model, name, t):
+        return t
 
-    def from_serial(self, model, tensors: dict) -> dict:
-        return tensors
+    def from_serial(self, model, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The serial-layout ``t`` as this rank's parameter ``name`` holds it (its slice)."""
+        return t
 
-    # -- state in the serial layout, keyed by parameter name (collective for RowBandSharding) ---
+    # -- state in the serial layout, keyed by parameter name, one tensor at a time (collective
+    # but here: at most one whole tensor beyond this rank's slices) -------------------------------
 
     def model_state(self, model, keep: bool = True) -> dict:
         """The weights in the serial layout (``keep`` false: {}, the collectives only)."""
-        params = self.to_serial(model, dict(resharded(model).named_parameters()), keep)
-        return params | dict(model.named_buffers()) if keep else params
+        params = {n: self.to_serial(model, n, p, keep)
+                  for n, p in resharded(model).named_parameters()}
+        return params | dict(model.named_buffers()) if keep else {}
 
     def load_model_state(self, model, state: dict):
-        params = self.from_serial(model, {n: state[n] for n, _ in resharded(model).named_parameters()})
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(params[name])
+            for name, p in resharded(model).named_parameters():
+                p.copy_(self.from_serial(model, name, state[name]))
             for name, b in model.named_buffers():
                 b.copy_(state[name])
 
@@ -83,8 +79,8 @@ class Unsharded:
         state = {}
         for p in (p for g in optimizer.param_groups for p in g["params"]):
             for key, v in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.shape == p.shape:  # (a moment: collective)
-                    v = self.to_serial(model, {names[id(p)]: v}, keep).get(names[id(p)])
+                if torch.is_tensor(v) and v.shape == p.shape:  # a moment, like the parameter
+                    v = self.to_serial(model, names[id(p)], v, keep)
                 state.setdefault(names[id(p)], {})[key] = v
         # hyperparameters as plain numbers (also a CUDA-graph step's device-tensor lr)
         groups = [{k: v.item() if torch.is_tensor(v) and v.dim() == 0 else v
@@ -100,7 +96,7 @@ class Unsharded:
             raise ValueError("the checkpoint's optimizer holds other parameters than this model")
         # (torch pairs saved state with parameters by position: this optimizer's order)
         index = {n: i for i, n in enumerate(n for g in current for n in g)}
-        state = {index[name]: {k: self.from_serial(model, {name: v})[name]
+        state = {index[name]: {k: self.from_serial(model, name, v)
                                if torch.is_tensor(v) and v.dim() > 0 else v for k, v in st.items()}
                  for name, st in saved["state"].items()}
         groups = [sg | {"params": [index[n] for n in cur]}
@@ -136,10 +132,10 @@ class RowBandSharding(Unsharded):
         ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
 
     def whole(self, model, name, t):  # collective over tp/cp
-        return next(iter(tensors_to_serial(model, self.groups, {name: t}).items()))
+        return tensors_to_serial(model, self.groups, {name: t})[name]
 
-    def from_serial(self, model, tensors):
-        return tensors_from_serial(model, self.groups, tensors)
+    def from_serial(self, model, name, t):
+        return tensors_from_serial(model, self.groups, {name: t})[name]
 
 
 # Every rank holds the whole tensor (it read the checkpoint): each keeps its slice, without the
@@ -167,15 +163,14 @@ class FullyShardedSharding(Unsharded):
     def whole(self, model, name, t):  # gathered over dp (collective), then over tp/cp by ``inner``
         return self.inner.whole(model, name, t.full_tensor() if isinstance(t, DTensor) else t)
 
-    def from_serial(self, model, tensors):
-        like = dict(model.named_parameters())
-        out = self.inner.from_serial(model, {k: t for k, t in tensors.items()
-                                             if not isinstance(t, DTensor)})  # (DCP's shards stay)
-        for name, t in out.items():
-            if isinstance(p := like[name], DTensor):
-                out[name] = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                              **_KEEP_LOCAL_SLICE)
-        return tensors | out
+    def from_serial(self, model, name, t):
+        if isinstance(t, DTensor):  # a shard DCP read: as it is
+            return t
+        t, p = self.inner.from_serial(model, name, t), model.get_parameter(name)
+        if isinstance(p, DTensor):
+            t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                  **_KEEP_LOCAL_SLICE)
+        return t
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

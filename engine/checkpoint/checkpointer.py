@@ -16,8 +16,9 @@ from settings.errors import ConfigError, TrainingError, on_every_rank
 log = files.log  # the package's one logger
 
 
-# The checkpoint a run continues from, which every rank has read: its contents (a DCP directory's
-# without the tensors), path, and the run's settings with its run length unless the command gives one.
+# The checkpoint a run continues from, which every rank has read: its contents (a DCP
+# directory's without the tensors), path, and settings (the run length its run had unless the
+# command gives one).
 Resume = collections.namedtuple("Resume", "state path cfg")
 
 
