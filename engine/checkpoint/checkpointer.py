@@ -142,14 +142,13 @@ class Checkpointer:
     def load(self, model, sharding, optimizer, scaler, scheduler,
              steps_per_epoch: int) -> TrainState:
         """The run's state: at step 0, or put back from the checkpoint ``resume`` chose."""
-        self.state = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt, self.cfg,
-                                steps_per_epoch)
+        self.state = st = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt,
+                                     self.cfg, steps_per_epoch)
         if self.resumed is not None:
-            st = self.state
             st.load_state_dict(self.resumed.state, self.resumed.path)
             log.info(f"Resumed from {self.resumed.path} at step {st.iteration} (epoch "
                      f"{st.epoch + 1}, step {st.step_in_epoch} of {st.steps_per_epoch})")
-        return self.state
+        return st
 
     def save(self, epoch_sum: torch.Tensor | None, window: tuple) -> float:
         """Collective: write the checkpoint of the step just taken (the newest ``checkpoint_keep``
