@@ -169,9 +169,10 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
     # slow torch/cuDNN combinations for this model and a step too big for its memory (estimated
     # on fake tensors before anything is allocated there; whole models only) are named
     warn_slow_paths(model, rt.device, cfg.amp_mode, memory_format, rt.is_main)
-    if rt.is_main and rt.groups is None and not cfg.fsdp and (warning := memory_warning(
-            model, task.sample_shape(), rt.local_batch, rt.device, AMP_DTYPES[cfg.amp_mode],
-            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
+    shape = task.sample_shape() if rt.is_main and rt.groups is None and not cfg.fsdp else None
+    if shape and (warning := memory_warning(model, shape, rt.local_batch, rt.device,
+                                            AMP_DTYPES[cfg.amp_mode],
+                                            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
         log.warning(f"Memory: {warning}")
     model = model.to(rt.device)
     if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
