@@ -20,14 +20,10 @@ ran), and a handler that raises unwinds the wait. A wait inside C code that neve
 Python (DALI's executor) defers the handlers: a watchdog thread ends the process with the same
 line ``watchdog_grace_s`` after the timeout. Outside the main thread no handler can be set.
 
-**The agreement**: after each fetch (a loader that ``never_waits``: each ``every``-th) every rank
-proposes the signal that ended its wait, or at a log point one it recorded, or 0, in one
-all-reduce (MAX) launched with ``async_op``, read just before the batch's step. A rank fetches
-nothing more from a pass whose wait was ended: its later proposals are those of a pass's end, at
-the same indices. Each decision notes the lag that would have hidden its wait; the blocking
-agreement after each validation (``now``) carries the median since the last one, and the ranks'
-largest becomes every rank's lag (at most ``MAX_LAG``, never lowered). ``NeverStop`` never takes
-part in a collective.
+**The agreement** (docs/preemption.md, "How the ranks agree"): after each fetch (a loader that
+``never_waits``: each ``every``-th) every rank proposes, in one all-reduce (MAX) launched with
+``async_op`` and read just before the batch's step. A rank fetches nothing more from a pass whose
+wait was ended: its later proposals are those of a pass's end, at the same indices.
 """
 from __future__ import annotations
 
@@ -54,10 +50,7 @@ __all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped", "In
 
 SIGNAL_GRACE_S = 2.0  # how long a fetch may still take once a stop signal came
 WATCHDOG_GRACE_S = 30.0  # after the timeout, for a wait that no signal handler can end
-# Steps a batch is fetched ahead of its step, at most (each one held in memory): gloo runs a
-# group's collectives on 2 threads, each held for the whole of its ring, so 2 in flight at once
-# is what a deeper lag could use.
-MAX_LAG = 2
+MAX_LAG = 2  # steps a batch is fetched ahead, at most: gloo's 2 threads a group (docs/parallelism.md)
 HIDDEN_S = 1e-3  # a decision's wait this short (or 5% of a step) counts as hidden
 
 log = logging.getLogger(__name__)

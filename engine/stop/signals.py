@@ -130,10 +130,8 @@ def _at_exit():
 
 def arm_hard_exit(exit_code: int, seconds: float | None = None):
     """``os._exit(exit_code)`` in ``seconds`` (default ``HARD_EXIT_AFTER_S``) unless the process
-    has ended by then. A timer thread rather than SIGALRM: a signal handler runs only between
-    the main thread's bytecodes, never while it is blocked in a system call that does not return
-    (a write to a hung NFS mount), while another thread still runs. Daemon: it never keeps the
-    process alive. It writes nothing (stderr may be the stalled file)."""
+    has ended by then, writing nothing (stderr may be the stalled file). A daemon timer thread,
+    not SIGALRM, whose handler never runs while the main thread is blocked in a system call."""
     timer = threading.Timer(HARD_EXIT_AFTER_S if seconds is None else seconds, os._exit,
                             args=(exit_code,))
     timer.daemon = True
@@ -164,27 +162,20 @@ def end_children(children: list, timeout: float | None = None) -> list:
 
 # ---------------------------------------------------------------------- how a run ends
 
-# How a run ends, every way, in one place: the entry point trains inside ``with RunEnding(cfg)``
-# (the exit codes: docs/errors.md).
-#
-# - trained to the end: every rank waits for the others before any tears its groups down;
-# - a stop signal: every rank stopped at the same step with its checkpoint (``RunStopped``), one
-#   line saying how to resume; one that came too late to stop the run before its end: one line;
-# - a second Ctrl-C (``KeyboardInterrupt``): one line, and the process ends at once (exit 130);
-# - a user's error (``UserError``), or an allocation too big for the device: one line;
-# - a failed collective (a dead or hung peer rank) or a stalled loader: one line, and the process
-#   ends at once (``fail(..., broken_group=True)``);
-# - anything else is a bug and keeps its traceback.
-# Whatever the end, the run directory's lock is released, a start that failed in set-up leaves no
-# run behind, and the trainer is freed before the process groups are destroyed.
-
-
 class RunEnding:
-    """The stop signals' handlers (installed from construction on: a signal stops cleanly) and
-    the run's end. ``request``: what records the stop signals (default: handlers installed for
-    ``stop_signals``; ``NeverStop()`` for a trainer driven without the entry point). ``rt`` and
-    ``trainer`` are set as the run builds them; ``trainer.close()`` ends its loaders and waits,
-    ``trainer.close(at_once=True)`` only flushes what it shows."""
+    """How a run ends, every way, in one place: the entry point trains inside ``with
+    RunEnding(cfg)`` (the exit codes: docs/errors.md). Trained to the end, every rank waits for
+    the others before any tears its groups down; a stop signal stops every rank at the same step
+    with its checkpoint (``RunStopped``), or, too late for that, is logged; a second Ctrl-C, a
+    user's error, an allocation too big, a failed collective or a stalled loader end with one
+    line (the last two, and Ctrl-C, at once: ``fail(..., broken_group=True)``); anything else is
+    a bug and keeps its traceback. Whatever the end, the run directory's lock is released, a
+    start that failed in set-up leaves no run behind, and the trainer is freed before the process
+    groups are destroyed.
+
+    ``request``: what records the stop signals (default: handlers installed for
+    ``stop_signals`` from construction on; ``NeverStop()`` for a trainer driven without the entry
+    point). ``rt`` and ``trainer`` are set as the run builds them."""
 
     def __init__(self, cfg, request: StopRequest | None = None):
         self.cfg, self.rt, self.trainer, self.installed = cfg, None, None, request is None
@@ -194,12 +185,10 @@ class RunEnding:
              every_rank: bool = False):
         """End the process with one line on stderr (and in the run's out.log, on rank 0).
 
-        ``broken_group``: a collective failed (a peer died or hangs), or a loader stalled (its
-        peers wait in a collective; its workers in reads that even SIGKILL may not end soon).
-        The process group cannot be shut down cleanly then (gloo's destructors may abort the
-        process while a peer is still connected): the logs and TensorBoard events are flushed
-        and the process exits at once (loader workers end with it: exit_with_parent), within
-        ``HARD_EXIT_AFTER_S`` even if a write to a stalled file system never returns."""
+        ``broken_group``: a collective failed or a loader stalled: the process group cannot be
+        shut down cleanly (gloo's destructors may abort while a peer is still connected), so the
+        logs are flushed and the process exits at once, within ``HARD_EXIT_AFTER_S`` even if a
+        write to a stalled file system never returns (loader workers end with it)."""
         if broken_group:
             arm_hard_exit(exit_code)
         rt = self.rt
@@ -268,11 +257,8 @@ class RunEnding:
         release_run_locks()  # the run directory is free for another process (also on errors)
         if self.trainer is None:  # the start failed in set-up: it leaves no run behind
             discard_unstarted_run()
-        # The trainer (its DDP reducer, the work it queued) is freed before the process groups
-        # are destroyed, while the interpreter is whole (its data waits' watchdog thread, which
-        # held it, has ended): left to the interpreter's exit, gloo's threads could free it
-        # during finalization, which aborts the process (SIGABRT, "terminate called without an
-        # active exception") after a run that succeeded.
+        # The trainer (its DDP reducer, its queued work) is freed while the interpreter is whole:
+        # freed by gloo's threads during finalization, it aborts a run that succeeded (SIGABRT).
         self.trainer = None
         gc.collect()
         if self.rt is not None:
