@@ -1,17 +1,10 @@
-"""Tensor / context / sequence parallel layers of the ViT, and gradient reduction.
-
-Token tensors are ``(B, N, E)``, split over cp in contiguous bands that may differ in length
-(``ParallelAttention(band_tokens=...)``) and, with ``sequence_parallel=True``, over tp between
-the column- and row-parallel linears; docs/parallelism.md ("How model parallelism works")
-tells the whole layout.
+"""Tensor / context / sequence parallel layers of the ViT, and gradient reduction (the layout:
+docs/parallelism.md, "How model parallelism works"). Token tensors are ``(B, N, E)``.
 
 Every parameter carries ``param.shard_spec`` (:class:`ShardSpec`: how it is cut out of the
-serial parameter of the same name) and ``param.reduce_over``: the axes (``"cp"``, ``"tp"``) over
-which identical copies of it see *different* tokens, so that each holds a partial gradient.
-Those are summed in one place: :func:`replicated_grads_comm_hook` under DDP,
-:func:`reduce_replicated_grad_shards` otherwise. Parallel layers take their weights from the
-serial model (``load_serial_state_dict``, same parameter names), so that replicated parameters
-are identical on every rank.
+serial parameter of the same name) and ``param.reduce_over``: the axes over which its identical
+copies see *different* tokens, each holding a partial gradient, summed by
+:func:`replicated_grads_comm_hook` under DDP, :func:`reduce_replicated_grad_shards` otherwise.
 """
 from collections import defaultdict
 from dataclasses import dataclass

@@ -1,14 +1,8 @@
-"""Turn the serial ViT into its tensor / context / sequence parallel form (``parallelize_vit``).
-
-The image is cut into bands of whole patch rows, over cp and, with row bands, over tp;
-:func:`token_layout` picks how each cp band's tokens are split over tp (the engine logs which).
-docs/parallelism.md ("How model parallelism works") tells the whole layout, and which
-parameters are split or replicated over which axes. The sharded model has the serial parameter
-names: ``distributed.layers``' ``serial_state_dict`` / ``load_serial_state_dict`` (and
-``tensors_to_serial`` / ``tensors_from_serial`` for optimizer moments) convert to and from the
-serial layout, for any tp/cp. Dropout on sharded activations needs a different random stream
-per rank: seed each rank differently *after* ``parallelize_vit`` (the weights come from the
-serial model).
+"""Turn the serial ViT into its tensor / context / sequence parallel form (``parallelize_vit``),
+with the serial parameter names: docs/parallelism.md ("How model parallelism works") tells the
+layout and which parameters are split or replicated over which axes. Dropout on sharded
+activations needs a random stream per rank: seed each rank differently *after*
+``parallelize_vit``.
 """
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
