@@ -155,14 +155,9 @@ def validate_vit_layout(img_size, patch_size: int, embed_dim: int, num_heads: in
 
 
 class ParallelViT(nn.Module):
-    """The ViT sharded over tp and cp; build it with :func:`parallelize_vit`.
-
-    ``forward(x_band) -> y_band``: ``x_band`` is ``shard_image(x)``, (B, C_in, band rows, W);
-    the result is the same band of the serial output, (B, C_out, band rows, W). The bands are
-    the ``T = tp * cp`` row bands (``layout.row_bands``) or the ``cp`` bands (padded sequence
-    parallelism, or none). Parameters have the serial names; which are split or replicated over
-    which axes: docs/parallelism.md ("Replicated parameters and their gradients").
-    """
+    """The ViT sharded over tp and cp (:func:`parallelize_vit`). ``forward(x_band) -> y_band``:
+    ``x_band`` is ``shard_image(x)``, (B, C_in, band rows, W); the result is the same band of the
+    serial output, (B, C_out, band rows, W): a ``layout.band_axes`` band."""
 
     def __init__(self, model: nn.Module, groups: ParallelGroups, activation_checkpointing: bool,
                  sequence_parallel: bool):
@@ -258,14 +253,10 @@ class ParallelViT(nn.Module):
 
 def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpointing: Optional[bool] = None,
                     sequence_parallel: bool = True) -> ParallelViT:
-    """Shard a serial ``networks.vit.ViT`` over ``groups`` (tp and cp), starting from its weights.
-
-    Every rank of a replica must pass the same serial model (same config, seed and weights);
-    each keeps only its slices. No communication. The sharded model mirrors the serial one's
-    dropout, LayerNorm ``eps``, head bias and ``activation_checkpointing`` (which, given here,
-    overrides the model's). ``sequence_parallel``: split the tokens over cp and tp
-    (:func:`token_layout`), or over cp only; ``pm.layout`` says how.
-    """
+    """Shard a serial ``networks.vit.ViT`` over ``groups`` (tp and cp), each rank keeping its
+    slices of its weights (every rank of a replica passes the same model; no communication), its
+    dropout, ``eps``, head bias and ``activation_checkpointing`` (unless given here).
+    ``sequence_parallel``: split the tokens over cp and tp (:func:`token_layout`), or cp only."""
     if activation_checkpointing is None:
         activation_checkpointing = bool(getattr(model, "activation_checkpointing", False))
     return ParallelViT(model, groups, activation_checkpointing, sequence_parallel)

@@ -139,13 +139,10 @@ class Stopper:
 
     def validation_batches(self, loader, epoch: int, sizes: list[int], n_valid: int):
         """``(size, batch)`` for each of the validation's forwards, ``sizes`` its batch sizes on
-        this rank (0: a forward with no batch of its own): ``batch`` None where it has none, or
-        where a stop signal ended its wait for one (the forwards go on, on a stand-in, so that
-        their collectives meet the peers'). A validation set with no batch (``n_valid``
-        samples in all), or a loader that gives more batches than ``sizes``, is a TrainingError.
-        With a loader that may wait, the ranks agree after the first fetch: a rank whose first
-        wait a signal ended has no stand-in, so every rank then leaves before any forward, and
-        ``stop_agreed`` stops them."""
+        this rank: ``batch`` None where it has none (size 0), or where a stop signal ended its
+        wait (docs/preemption.md: the forwards go on, on a stand-in). No batch at all (``n_valid``
+        samples), or more batches than ``sizes``, is a TrainingError. After a first wait that a
+        signal ended on any rank, every rank leaves before any forward."""
         if not sizes:
             raise TrainingError("the validation set is empty: check the validation data")
         fetches = self._pass(loader, "validation", epoch)
@@ -221,12 +218,10 @@ class Stopper:
         self.proposals += 1
 
     def decision(self, index: int | None = None, note: bool = True) -> int:
-        """The signal every rank stops on before step ``index`` (0: go on): the combined
-        proposal launched after that step's fetch, the oldest in flight (``index`` None: the
-        oldest); 0 when none was launched for it. Waits for its all-reduce, which in the steady
-        state finished while the steps before ran, and (``note``) notes the lag that would
-        have hidden the wait: 0 where it was hidden (at most ``HIDDEN_S`` or 5% of a step: the
-        time from one decision's end to the next one's read, over the steps between them)."""
+        """The signal every rank stops on before step ``index`` (0: go on; ``index`` None: the
+        oldest proposal in flight), 0 when no proposal was launched for it. Waits for its
+        all-reduce and (``note``) notes the lag that would have hidden the wait: 0 where it was
+        hidden (at most ``HIDDEN_S`` or 5% of a step, the time between decisions per step)."""
         if not self._pending or index is not None and self._pending[0][0] != index:
             return 0
         _, pending = self._pending.popleft()

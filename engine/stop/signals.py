@@ -2,12 +2,9 @@
 (``StopRequest``), the line that says how to resume (``RunStopped``), exits that cannot block
 (``arm_hard_exit``, ``end_children``), and every way a run ends (``RunEnding``, below).
 
-``StopRequest.install(names)`` replaces the handlers of the named signals (``stop_signals``) with
-one that only records the signal: no Python code runs in between a step's operations, nothing is
-written from a handler, and a second signal (even during the checkpoint write) merely records it
-again, but for a second SIGINT: a user's second Ctrl-C, which ends the run at once. The ranks then
-agree on the step to stop after (``engine.stop.Stopper``), write its checkpoint and end with
-``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns into a requeue (docs/preemption.md).
+``StopRequest.install(names)`` replaces the handlers of the ``stop_signals`` with one that only
+records the signal (nothing runs or is written from a handler; a second signal merely records it
+again), but for a user's second Ctrl-C, which ends the run at once (docs/preemption.md).
 """
 from __future__ import annotations
 
