@@ -410,13 +410,10 @@ class RowParallelLinear(_ParallelLinear):
 # ---- dropout ----------------------------------------------------------------------------------
 
 class ReplicatedDropout(nn.Dropout):
-    """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``).
-
-    Ranks draw from different random streams (seeded per rank for the sharded activations), so
-    with ``tp > 1`` and no sequence parallelism tp rank 0 draws the keep-mask and broadcasts it
-    over tp: the copies stay identical. Activation checkpointing's recomputation draws the same
-    mask again (the RNG state is restored). Otherwise, and in eval mode, it is ``nn.Dropout``.
-    """
+    """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``,
+    tp > 1): the ranks' random streams differ, so tp rank 0 draws the keep-mask and broadcasts it
+    over tp (a recomputation draws it again from the restored RNG state). Otherwise, and in eval
+    mode, ``nn.Dropout``."""
 
     def __init__(self, p: float, groups: ParallelGroups, sequence_parallel: bool = True):
         super().__init__(p)
@@ -445,12 +442,8 @@ class ReplicatedDropout(nn.Dropout):
 # ---- transformer layers -----------------------------------------------------------------------
 
 class TokenShardedLayerNorm(nn.LayerNorm):
-    """LayerNorm over the last dim of a token-sharded input: purely local (per token).
-
-    ``weight`` and ``bias`` are replicated over cp and, with sequence parallelism, tp; each rank
-    normalises different tokens, so their gradients are partial: ``reduce_over=("cp", "tp")``
-    (``("cp",)`` without sequence parallelism, where tp ranks hold the same tokens).
-    """
+    """LayerNorm of a token-sharded input, per token; ``weight`` and ``bias`` are replicated, their
+    gradients summed over the ranks holding other tokens (cp, and tp with sequence parallelism)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, sequence_parallel: bool = True, dtype=None, device=None):
         super().__init__(dim, eps=eps, dtype=dtype, device=device)
@@ -458,11 +451,8 @@ class TokenShardedLayerNorm(nn.LayerNorm):
 
 
 class ParallelMLP(nn.Module):
-    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp
-    (the linears say which of their parameters are split or replicated). The hidden activation's
-    dropout (``drop``, split over tp) uses each rank's own stream, the output's (``out_drop``)
-    is a :class:`ReplicatedDropout`.
-    """
+    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp; the
+    hidden activation's dropout uses each rank's own stream, the output's is replicated."""
 
     def __init__(self, dim: int, hidden_dim: int, groups: ParallelGroups, drop: float = 0.0,
                  sequence_parallel: bool = True, dtype=None, device=None):

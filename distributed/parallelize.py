@@ -22,19 +22,11 @@ from networks.vit import patch_grid, tokens_to_image
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """How the tokens of one model replica are laid out over its tp x cp ranks.
-
-    * ``rows`` x ``cols``: the image's patch rows and columns;
-    * ``sequence_parallel``: the activations outside the linears are split over tp (at tp = 1
-      there is nothing to split);
-    * ``row_bands``: ``tp * cp`` image bands of whole patch rows (``band_axes == ("cp", "tp")``),
-      else ``cp`` bands (``("cp",)``), every tp rank of a cp rank embedding the same band;
-    * ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
-      ``pad_of(c)`` zero tokens to a multiple of tp, are cut into tp equal chunks.
-
-    ``band_tokens``, ``local_tokens`` and ``pad`` are those of band 0, a longest one (over cp the
-    bands may differ by one patch row); the ``*_of`` methods give every band's.
-    """
+    """How the tokens of one model replica are laid out over its tp x cp ranks (``rows`` x
+    ``cols`` patches): ``row_bands``, ``tp * cp`` image bands of whole patch rows, else ``cp``
+    bands; ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
+    ``pad_of(c)`` zero tokens to a multiple of tp, cut into tp equal chunks. ``band_tokens``,
+    ``local_tokens`` and ``pad`` are those of band 0, a longest one; ``*_of`` give every band's."""
 
     sequence_parallel: bool
     row_bands: bool

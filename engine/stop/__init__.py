@@ -102,14 +102,12 @@ class Stopper:
     def batches(self, loader, what: str, epoch: int, step: int, first: int = 0,
                 end: int | None = None, stop=None, around=contextlib.nullcontext, begun=None,
                 first_recorded: bool = False):
-        """The batches of a pass of ``loader`` for the steps ``step``, ``step + 1``, ... (up
-        to ``end``: nothing fetched from there on, the proposals still made), each fetched
-        ``lag`` steps ahead in a data wait inside ``nvtx_range("data wait")`` and ``around()``
-        (``what``, ``epoch``, ``first``: what the stall line names; ``begun``: the pass, already
-        begun, or None). Where every rank agreed to stop before a step, ``stop(signum)`` is
-        called there (it writes the checkpoint and raises ``RunStopped``) and the pass ends,
-        nothing left in flight. The first proposal holds no recorded signal (an epoch takes a
-        step) unless ``first_recorded``."""
+        """The batches of a pass of ``loader`` for the steps ``step``, ``step + 1``, ... (up to
+        ``end``: nothing fetched from there on), each fetched ``lag`` steps ahead in a data wait
+        inside ``around()`` (``what``, ``epoch``, ``first``: what the stall line names;
+        ``begun``: the pass, already begun). Where every rank agreed to stop before a step,
+        ``stop(signum)`` is called there (it writes the checkpoint and raises ``RunStopped``).
+        The first proposal holds no recorded signal unless ``first_recorded``."""
         fetches = self._pass(loader, what, epoch, first, around, begun)
         self.drain()  # a pass left before its end (the throughput report's rounds) leaves some
         fetched = collections.deque()

@@ -113,11 +113,9 @@ class NeverStop(StopRequest):
 
 
 def _at_exit():
-    """The process is ending: no stop signal may kill it now, nor loader workers keep it. Loader
-    workers still running (a run that ended on an exception keeps its loaders referenced) ignore
-    SIGTERM, with which multiprocessing's exit hook would end them before waiting for them: they
-    are SIGKILLed here instead (``end_children``), torch's SIGCHLD check (which raises on a
-    worker killed by a signal) switched off first."""
+    """The process is ending: no stop signal may kill it now, nor loader workers keep it. Workers
+    still running ignore the SIGTERM of multiprocessing's exit hook: they are SIGKILLed here,
+    torch's SIGCHLD check (which raises on a worker killed by a signal) switched off first."""
     ignore_stop_signals()
     children = [p for p in multiprocessing.active_children() if p.daemon]
     if children:
