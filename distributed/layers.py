@@ -546,13 +546,10 @@ class ParallelBlock(nn.Module):
 
 
 class ParallelPatchEmbed(PatchEmbed):
-    """Patch embedding of the rank's band of image rows: the ``H/p`` patch rows are cut into one
-    band of whole rows per chunk of ``band_axes`` (:func:`axes_index`, :func:`split_bounds`; with
-    ``("cp",)`` every tp rank of a cp rank embeds the same band). Input: the band's image rows at
-    full width (``rows``, in patch rows); output: its tokens ``(B, band rows * W/p, E)``, a
-    contiguous token range of the serial model. ``proj`` is whole on every rank, its gradient
-    summed over ``reduce_over`` (by default ``band_axes``: the ranks that see other bands).
-    """
+    """Patch embedding of the rank's band of whole patch rows, one band per chunk of
+    ``band_axes`` (:func:`axes_index`): (B, C, band rows, W) -> (B, band tokens, E), a contiguous
+    token range of the serial model. ``proj`` is whole, its gradient summed over ``reduce_over``
+    (by default ``band_axes``: the ranks that see other bands)."""
 
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,
                  band_axes: Sequence[str] = ("cp", "tp"), reduce_over: Optional[Sequence[str]] = None, dtype=None,

@@ -70,12 +70,10 @@ class _TimedOut(BaseException):
 
 
 class Stopper:
-    """A run's stopping: ``request``, the stop signals' record (``StopRequest.install``, or
-    ``NeverStop``); the ranks' agreement (``distributed``: whether there are peers to agree with;
-    ``group``: its gloo group, None for the default one; ``every``: the log interval) and the
-    data waits (``timeout_s``: ``loader_timeout_s``, 0 for none; ``advice()``: what the stall
-    line ends with, the checkpoint kept; ``fail(message)``: ends the process from the watchdog
-    thread, ``watchdog_grace_s`` after the timeout)."""
+    """``request``: the stop signals' record; ``distributed``: whether there are peers to agree
+    with (``group``: the gloo group, None for the default one; ``every``: the log interval);
+    ``timeout_s``: ``loader_timeout_s`` (0: none); ``advice()``: what the stall line ends with;
+    ``fail(message)``: ends the process from the watchdog thread."""
 
     def __init__(self, request: StopRequest, distributed: bool, group=None, every: int = 1,
                  timeout_s: float = 0, advice=lambda: "", fail=None,

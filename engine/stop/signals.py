@@ -135,10 +135,8 @@ def arm_hard_exit(exit_code: int, seconds: float | None = None):
 
 
 def end_children(children: list, timeout: float | None = None) -> list:
-    """SIGKILL ``children`` (``multiprocessing.Process``), wait up to ``timeout`` seconds in all
-    (default ``CHILD_JOIN_S``) for them to end, and return those still alive after it (in an
-    uninterruptible read: they die when it returns), which multiprocessing's exit hook will then
-    not wait for."""
+    """SIGKILL ``children``, wait up to ``timeout`` seconds in all (default ``CHILD_JOIN_S``), and
+    return those still alive (in an uninterruptible read), which the exit hook then leaves."""
     deadline = time.monotonic() + (CHILD_JOIN_S if timeout is None else timeout)
     for p in children:
         p.kill()
