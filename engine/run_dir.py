@@ -261,8 +261,8 @@ atexit.register(release_run_locks)
 
 
 def _lock_record() -> dict:
-    pid, stat = os.getpid(), _proc_stat(os.getpid())
-    return {"host": HOST, "pid": pid, "start": stat[19] if stat else None,
+    pid = os.getpid()
+    return {"host": HOST, "pid": pid, "start": _start_time(pid),
             "since": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.executable), *sys.argv])[:300],
             **_slurm_attempt()}
@@ -314,6 +314,11 @@ def _proc_stat(pid: int) -> list[str] | None:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def _start_time(pid: int) -> str | None:
+    stat = _proc_stat(pid)
+    return stat[19] if stat else None
 
 
 def _alive(pid: int, start: str | None) -> bool:  # process pid of this host, started at start
