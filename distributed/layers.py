@@ -145,11 +145,8 @@ def _spec(p: nn.Parameter) -> ShardSpec:
 
 
 def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor], groups: ParallelGroups):
-    """Copy this rank's slices of a *serial* state dict into a parallel module (no communication).
-
-    Parameter names of the parallel module equal the serial ones; ``state_dict`` may come from
-    a serial model, a serial checkpoint, or :func:`serial_state_dict` of any other tp/cp layout.
-    """
+    """Copy this rank's slices of a *serial* state dict (a serial model's or checkpoint's, or
+    :func:`serial_state_dict` of any tp/cp layout) into a parallel module (no communication)."""
     module = unwrap(module)
     state_dict = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
     names = dict(module.named_parameters())
@@ -165,12 +162,8 @@ def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor
 
 def tensors_to_serial(module: nn.Module, groups: ParallelGroups,
                       tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Reassemble per-parameter tensors shaped like the local parameters (the parameters, their
-    gradients, Adam moments, ...) into the serial layout, keyed by parameter name.
-
-    Collective over tp and cp: every rank of a replica must call it with the same names; every
-    rank gets the full tensors.
-    """
+    """Per-parameter tensors shaped like the local parameters (gradients, Adam moments, ...) in
+    the serial layout, on every rank. Collective over tp and cp (the same names on every rank)."""
     params = dict(unwrap(module).named_parameters())
     out = {}
     for name, t in tensors.items():
@@ -187,12 +180,8 @@ def tensors_from_serial(module: nn.Module, groups: ParallelGroups,
 
 
 def serial_state_dict(module: nn.Module, groups: ParallelGroups, grads: bool = False) -> Dict[str, torch.Tensor]:
-    """The serial-layout state dict (or gradients, ``grads=True``) of a parallel module.
-
-    Collective over tp and cp (every rank of a replica must call it); every rank gets the full
-    dict. Replicated parameters are taken from the local copy, so call it after gradient
-    reduction when ``grads=True``. Missing gradients are returned as zeros.
-    """
+    """The serial-layout state dict (or gradients, after their reduction, missing ones as zeros:
+    ``grads=True``) of a parallel module, on every rank. Collective over tp and cp."""
     module = unwrap(module)
     tensors = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
                for name, p in module.named_parameters()}
@@ -249,16 +238,9 @@ def reduce_replicated_grad_shards(model: nn.Module, groups: ParallelGroups, aver
 
 
 def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: sum marked gradients over tp/cp, then average the bucket over dp.
-
-    Use with the dp group as DDP's process group::
-
-        ddp = DistributedDataParallel(model, process_group=groups.dp_group)
-        ddp.register_comm_hook(groups, replicated_grads_comm_hook)
-
-    The tp/cp sums run synchronously inside the hook (every rank of a tp/cp group has the same
-    buckets in the same order), the dp average asynchronously as DDP expects.
-    """
+    """DDP communication hook (DDP over ``groups.dp_group``): sum marked gradients over tp/cp,
+    synchronously (every rank of a tp/cp group has the same buckets in the same order), then
+    average the bucket over dp, asynchronously as DDP expects."""
     buf = bucket.buffer()
     # DDP's bucket buffer holds the bucket's parameters' gradients back to back, in order.
     params = bucket.parameters()
