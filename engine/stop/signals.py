@@ -210,6 +210,7 @@ class RunEnding:
     def __exit__(self, kind, e, traceback) -> bool:
         self.request.ctrl_c = False  # the run ends now: a second Ctrl-C need not end it at once
         try:
+            where = "during set-up" if self.trainer is None else f"after step {self.trainer.iteration}"
             if kind is None:
                 self.rt.barrier()  # every rank has finished before any tears its groups down
                 signum = self.trainer.stopper.signalled()  # came too late to stop before the end
@@ -223,17 +224,14 @@ class RunEnding:
                 log.info(e.message(sys.argv, self.rt.world_size))
                 raise SystemExit(STOPPED_EXIT_CODE) from None
             elif issubclass(kind, KeyboardInterrupt):
-                kept = (f"after step {self.trainer.iteration}. {self.trainer.checkpointer.kept()}"
-                        if self.trainer is not None else "during set-up")
-                self.fail(f"interrupted by SIGINT (Ctrl-C), at once, {kept}", INTERRUPTED_EXIT_CODE,
-                          broken_group=True)
+                kept = f". {self.trainer.checkpointer.kept()}" if self.trainer is not None else ""
+                self.fail(f"interrupted by SIGINT (Ctrl-C), at once, {where}{kept}",
+                          INTERRUPTED_EXIT_CODE, broken_group=True)
             elif issubclass(kind, LoaderStalled):  # at once: its peers wait in a collective
                 self.fail(str(e), e.exit_code, broken_group=True)
             elif issubclass(kind, UserError):
                 self.fail(str(e), e.exit_code, every_rank=e.every_rank)
             elif issubclass(kind, (RuntimeError, MemoryError)):  # incl. torch's DistError
-                where = (f"after step {self.trainer.iteration}" if self.trainer is not None
-                         else "during set-up")
                 too_big = describe_allocation_failure(e, self.cfg, self.rt, where)
                 if too_big is not None:
                     self.fail(too_big, 2)
