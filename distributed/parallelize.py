@@ -25,8 +25,7 @@ class TokenLayout:
     """How the tokens of one model replica are laid out over its tp x cp ranks (``rows`` x
     ``cols`` patches): ``row_bands``, ``tp * cp`` image bands of whole patch rows, else ``cp``
     bands; ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
-    ``pad_of(c)`` zero tokens to a multiple of tp, cut into tp equal chunks. ``band_tokens``,
-    ``local_tokens`` and ``pad`` are those of band 0, a longest one; ``*_of`` give every band's."""
+    ``pad_of(c)`` zero tokens to a multiple of tp, cut into tp equal chunks."""
 
     sequence_parallel: bool
     row_bands: bool
@@ -71,19 +70,6 @@ class TokenLayout:
     def pad_of(self, cp_rank: int) -> int:
         """Zero tokens appended to cp rank ``cp_rank``'s band (padded layout; else 0)."""
         return self.local_tokens_of(cp_rank) * self.tp - self.cp_band_tokens()[cp_rank] if self.padded else 0
-
-    @property
-    def band_tokens(self) -> int:
-        start, stop = self.band_rows(0)
-        return (stop - start) * self.cols
-
-    @property
-    def local_tokens(self) -> int:
-        return self.local_tokens_of(0)
-
-    @property
-    def pad(self) -> int:
-        return self.pad_of(0)
 
 
 def token_layout(img_size, patch_size: int, tp: int, cp: int, sequence_parallel: bool = True) -> TokenLayout:
