@@ -213,8 +213,9 @@ class RunEnding:
             where = "during set-up" if self.trainer is None else f"after step {self.trainer.iteration}"
             if kind is None:
                 self.rt.barrier()  # every rank has finished before any tears its groups down
-                signum = self.trainer.stopper.signalled()  # came too late to stop before the end
-                if signum:  # the run honoured it by ending: exit code 0, nothing to resume
+                # (no trainer: a finished run's resume, which ended before anything was built)
+                signum = self.trainer.stopper.signalled() if self.trainer is not None else 0
+                if signum:  # too late to stop before the end: the run honoured it by ending
                     log.info(f"{signal.Signals(signum).name} came as the run was ending: it "
                              f"ended as planned, on its final checkpoint "
                              f"{self.trainer.checkpointer.written_for(self.trainer.iteration)} "
