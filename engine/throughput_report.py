@@ -87,6 +87,16 @@ def _mean_std(values: list[float]) -> dict:
             "std": statistics.pstdev(values) if len(values) > 1 else 0.0}
 
 
+def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
+    """Mean and std over rounds of all ranks' samples/s together (``per_rank``: their ``measure``);
+    the ``replica_ranks`` of a model replica (tp x cp) share a batch, counted once."""
+    out = {}
+    for mode in MODES:
+        rounds = zip(*(r[mode] for r in per_rank))
+        out[mode] = _mean_std([sum(vals) / replica_ranks for vals in rounds])
+    return out
+
+
 def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0,
                     std: dict | None = None) -> str:
     """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC; the advice
@@ -119,6 +129,14 @@ def _modes_text(stats: dict) -> str:
     return ", ".join(f"{m} {stats[m]['mean']:.1f} +/- {stats[m]['std']:.1f}" for m in MODES)
 
 
+def rank_lines(entries: list[dict]) -> list[str]:
+    """Each rank's line up to ``EVERY_RANK_UP_TO`` ranks, beyond one per trial: slowest, median, fastest."""
+    if len(entries) <= EVERY_RANK_UP_TO:
+        return [f"  rank {e['rank']}: {_modes_text(e)}" for e in entries]
+    return [f"  {m} per rank (mean of the rounds): "
+            f"{over_ranks([e[m]['mean'] for e in entries], '.1f')}" for m in MODES]
+
+
 def run(tr) -> dict | None:
     """Measure on every rank and put the trainer's state back; rank 0 logs, writes and returns the
     report (``throughput.json``, TensorBoard scalars)."""
@@ -140,10 +158,7 @@ def run(tr) -> dict | None:
         dist.all_gather_object(per_rank, mine)  # collective, once: every rank's round rates
     if not rt.is_main:
         return None
-    # all ranks' samples/s together, per round: the ranks of a replica (tp x cp) share a batch
-    replica = rt.world_size // rt.dp_size
-    total = {m: _mean_std([sum(vals) / replica for vals in zip(*(r[m] for r in per_rank))])
-             for m in MODES}
+    total = summarise(per_rank, rt.world_size // rt.dp_size)
     report = {
         "unit": "samples/s", "modes": list(MODES), "rounds": ROUNDS, "warmup_batches": warmup,
         "timed_batches": timed, "local_batch_size": rt.local_batch,
@@ -161,14 +176,9 @@ def run(tr) -> dict | None:
     who = f"all {rt.world_size} ranks, " if rt.distributed else ""
     log.info(f"Throughput ({who}samples/s, mean +/- std of {ROUNDS} rounds of {timed} batches): "
              f"{_modes_text(total)}")
-    entries = report["per_rank"]
-    if len(entries) > EVERY_RANK_UP_TO:  # beyond, one line per trial: slowest, median, fastest
-        for m in MODES:
-            log.info(f"  {m} per rank (mean of the rounds): "
-                     f"{over_ranks([e[m]['mean'] for e in entries], '.1f')}")
-    elif rt.distributed:
-        for e in entries:
-            log.info(f"  rank {e['rank']}: {_modes_text(e)}")
+    if rt.distributed:
+        for line in rank_lines(report["per_rank"]):
+            log.info(line)
     log.info(report["bottleneck"])
     path = os.path.join(tr.run_dir, "throughput.json")
     with open(path, "w") as f:
