@@ -258,13 +258,10 @@ def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) 
 
 class _AllGatherLinear(torch.autograd.Function):
     """``F.linear(all_gather(x, dim), w, b)`` over ``group`` that keeps only the local ``x`` for
-    backward (Megatron-style sequence parallelism): grad_x = reduce-scatter(grad @ w), and the
-    gathered input grad_w needs is all-gathered again, so the saved activation is 1/tp of it.
-
-    Under autocast ``x`` (the fp32 LayerNorm output) is cast to the autocast dtype *before* it
-    is saved and gathered, as ``F.linear`` would cast the gathered tensor: the same result bit
-    for bit, half the bytes saved and sent. ``grad_x`` is returned in ``x``'s own dtype.
-    """
+    backward: grad_x = reduce-scatter(grad @ w), and grad_w's input is all-gathered again. Under
+    autocast ``x`` is cast to the autocast dtype *before* it is saved and gathered, as
+    ``F.linear`` would cast the gathered tensor: the same result bit for bit, half the bytes
+    saved and sent; ``grad_x`` comes back in ``x``'s own dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, dim):
@@ -451,17 +448,12 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Multi-head self-attention with heads split over tp and tokens split over cp.
-
-    * ``qkv`` (column-parallel, [q | k | v] stacked): tp rank r holds heads
-      ``[r*H/tp, (r+1)*H/tp)`` of q, k and v; ``proj`` is row-parallel.
-    * queries stay on the rank's cp band; keys and values of the local heads are all-gathered
-      over cp (their gradients reduce-scattered back), so every query sees all ``N`` tokens.
-    * input/output: this rank's tokens, (B, n/tp, E) with sequence parallelism ((B, n, E)
-      without), ``n`` the tokens of its cp band (padding included).
-    * ``band_tokens``: the real tokens of every cp band, in cp-rank order (``None``: all tokens
-      are real and the bands equal); the padding beyond them (padded sequence parallelism) is
-      never a key or value.
+    """Multi-head self-attention, heads split over tp (``qkv`` column-parallel, [q | k | v]
+    stacked; ``proj`` row-parallel) and tokens over cp: the local heads' keys and values are
+    all-gathered over cp (gradients reduce-scattered back), so every query sees all ``N`` tokens.
+    Input/output: (B, n/tp, E) with sequence parallelism, else (B, n, E), ``n`` the tokens of the
+    cp band (padding included). ``band_tokens``: the real tokens of every cp band, in cp-rank
+    order (``None``: all real, the bands equal); the padding beyond them is never a key or value.
     """
 
     def __init__(self, dim: int, num_heads: int, groups: ParallelGroups, attn_drop: float = 0.0,

@@ -250,9 +250,8 @@ class Stopper:
                 pending[0].wait()
 
     def now(self, interrupted: int = 0, recorded: bool = True) -> int:
-        """Propose and wait for the decision at once: a blocking agreement, twice per validation
-        at most. It carries the lag this rank asks for: the median of what its decisions since
-        the last one needed; every rank takes the largest."""
+        """A blocking agreement (twice per validation at most), carrying the lag this rank asks
+        for: the median of what its decisions since the last one needed; all take the largest."""
         self.drain()
         lag = statistics.median_low(self._needed) if self._needed else 0
         self._needed = []
