@@ -59,9 +59,10 @@ class Shape:
         its band; for band 0, a longest one (cp bands may differ by one patch row)."""
         start, stop = lay.band_rows(0)
         band_rows = (stop - start) * self.patch
+        band_tokens = (stop - start) * lay.cols
         if lay.sequence_parallel:  # row bands: local_tokens * tp = N / cp; padded: the padded cp band
-            return lay.local_tokens, lay.local_tokens * tp, band_rows
-        return lay.band_tokens, lay.band_tokens, band_rows
+            return lay.local_tokens_of(0), lay.local_tokens_of(0) * tp, band_rows
+        return band_tokens, band_tokens, band_rows
 
 
 @dataclass
@@ -118,7 +119,8 @@ def parameters(s: Shape, tp: int, cp: int, lay) -> List[Tuple[str, int, Tuple[st
     """(name, elements on this rank, axes its gradient is summed over) for every parameter."""
     E, F, pp = s.embed, s.hidden // tp, s.patch * s.patch
     mp = ("cp", "tp") if lay.sequence_parallel else ("cp",)  # the axes whose ranks hold other tokens
-    pos = (lay.band_tokens * E, ("tp",) if lay.padded else ())  # the slice of the rank's image band
+    start, stop = lay.band_rows(0)
+    pos = ((stop - start) * lay.cols * E, ("tp",) if lay.padded else ())  # the slice of the rank's image band
     out = [("patch_embed.proj.weight", E * s.cin * pp, mp), ("patch_embed.proj.bias", E, mp), ("pos_embed", *pos)]
     for i in range(s.depth):
         b = f"blocks.{i}."
@@ -286,7 +288,7 @@ def predict(s: Shape, tp: int, cp: int, dp: int = 1, amp: bool = False, attentio
     items = activations(s, tp, cp, amp, attention, checkpointing, measure, lay)
     acts = sum(v for _, v in items)
     p = Prediction(tp, cp, dp, s.batch, params, params, adam, acts, activation_items=items, sequence_parallel=sp,
-                   padding=lay.pad, fsdp=fsdp)
+                   padding=lay.pad_of(0), fsdp=fsdp)
     if fsdp and dp > 1:
         root, block = fsdp_gathered(rows, amp)
         p.gathered = root + block
