@@ -31,6 +31,7 @@ if __name__ == "__main__":  # bad settings and --help are answered before torch 
 
 from train import Trainer, run
 from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture
+from settings.errors import ConfigError
 
 log = logging.getLogger("train")
 
@@ -40,6 +41,10 @@ class GraphTrainer(Trainer):
 
     def __init__(self, cfg, rt, ending=None, ops=None):
         """``ops``: the CUDA side of capture (a stand-in drives the same logic in CPU tests)."""
+        if getattr(cfg, "rollout_max", 1) > 1:
+            raise ConfigError(f"rollout of {cfg.rollout_max} steps (rollout_steps, "
+                              f"rollout_schedule) is not captured as a CUDA graph: train with "
+                              f"train.py")
         if ops is None:
             check_can_capture(cfg, rt.device, model_parallel=rt.groups is not None)
             ops = CudaGraphOps(rt.device)

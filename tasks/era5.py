@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from datapipe import generated_data
 from datapipe.era5_data import load_stats
@@ -29,7 +30,7 @@ class ERA5Task(Task):
         self.cfg = cfg
         self.channels = ERA5_CHANNELS[: cfg.n_out_channels]
         self.weights = latitude_weights(cfg.img_size[0])
-        self.loss = RelativeL2()  # per-sample; loss(pred, y) or partial sums of image bands
+        self.loss = LeadMeanRelativeL2()  # per-sample; loss(pred, y) or partial sums of bands
         self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
 
     def device_batch(self, x, y):
@@ -45,6 +46,32 @@ class ERA5Task(Task):
                                      mean[:, : c.n_out_channels], inv_std[:, : c.n_out_channels])
         mean_in, inv_std_in, mean_out, inv_std_out = self._stats[x.device]
         return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
+
+    def training_loss(self, model, x, y, loss, epoch: int) -> torch.Tensor:
+        """Rollout training (docs/training.md): the mean of ``loss`` over the epoch's rollout
+        steps (``rollout_at``), each step fed the model's previous output (under tp/cp: its
+        band of rows, the next step's input band); each step's activations recomputed in the
+        backward pass with ``rollout_checkpointing``. One target per sample: the base's step."""
+        if y.dim() == x.dim():
+            return super().training_loss(model, x, y, loss, epoch)
+        steps = self.cfg.rollout_at(epoch)
+        total = 0
+        for k in range(steps):
+            x = (checkpoint(model, x, use_reentrant=False) if self.cfg.rollout_checkpointing
+                 else model(x))
+            total = total + loss(x, y[:, k])
+        return total / steps
+
+    def forecast(self, model, x, whole) -> torch.Tensor:
+        """Validation: the whole outputs of the run's ``rollout_max`` steps from ``x``, (B, N, C,
+        H, W), each step fed the previous one's output; one step's, (B, C, H, W), as the base."""
+        if self.cfg.rollout_max == 1:
+            return super().forecast(model, x, whole)
+        leads = []
+        for _ in range(self.cfg.rollout_max):
+            x = model(x)
+            leads.append(whole(x))
+        return torch.stack(leads, dim=1)
 
     def forward_kernels(self, device: torch.device, dtype: torch.dtype):
         """The context the forward pass runs under: the attention's kernel (tasks.attention)."""
@@ -68,22 +95,43 @@ class ERA5Task(Task):
         return list(model.blocks)
 
     def metric_sums(self, pred, y) -> torch.Tensor:
-        """Per-channel latitude-weighted RMSE summed over the batch: (C,)."""
-        return weighted_rmse(pred, y, self.weights).sum(dim=0)
+        """Per-channel latitude-weighted RMSE summed over the batch: (C,); of a rollout's (B, N,
+        C, H, W), the first step's, then the loss of each of the N steps: (C + N,)."""
+        if y.dim() == 4:
+            return weighted_rmse(pred, y, self.weights).sum(dim=0)
+        leads = [self.loss(pred[:, k], y[:, k]).sum() for k in range(y.shape[1])]
+        return torch.cat([weighted_rmse(pred[:, 0], y[:, 0], self.weights).sum(dim=0),
+                          torch.stack(leads)])
 
     def baseline_pred(self, x, y):
-        """Persistence: tomorrow's weather is today's (needs the input channels to cover the output)."""
-        return x[:, : y.shape[1]] if x.shape[1] >= y.shape[1] else None
+        """Persistence: tomorrow's weather is today's (needs the input channels to cover the
+        output), at every step of a rollout."""
+        c = y.shape[-3]
+        if x.shape[1] < c:
+            return None
+        return x[:, :c] if y.dim() == 4 else x[:, None, :c].expand_as(y)
 
     def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
-        return channel_lines("  Val lat-weighted RMSE (normalised units)", self.channels, metrics, base,
-                             "persistence", ".4f")
+        c = len(self.channels)
+        lines = channel_lines("  Val lat-weighted RMSE (normalised units)", self.channels,
+                              metrics[:c], None if base is None else base[:c], "persistence",
+                              ".4f")
+        if len(metrics) > c:  # a rollout's loss per lead step
+            lines += channel_lines("  Val loss per lead step", range(1, len(metrics) - c + 1),
+                                   metrics[c:], None if base is None else base[c:],
+                                   "persistence", ".6f")
+        return lines
 
     def metric_scalars(self, metrics: np.ndarray) -> dict:
-        return {f"RMSE({n})/valid": float(v) for n, v in zip(self.channels, metrics)}
+        c = len(self.channels)
+        return ({f"RMSE({n})/valid": float(v) for n, v in zip(self.channels, metrics)}
+                | {f"Loss/valid_lead_{k}": float(v) for k, v in enumerate(metrics[c:], 1)})
 
     def picture(self, x, y, pred) -> np.ndarray:
-        """u10 of the first validation sample: target | prediction | error."""
+        """u10 of the first validation sample (a rollout's first step): target | prediction |
+        error."""
+        if y.dim() == 5:
+            y, pred = y[:, 0], pred[:, 0]
         return comparison_image(y[0, 0].float().cpu().numpy(), pred[0, 0].float().cpu().numpy(),
                                 scale=max(1, 256 // y.shape[-1]),
                                 title=f"{self.channels[0]} one step ahead",
@@ -131,6 +179,22 @@ class ERA5Task(Task):
         if self.cfg.head_bias and "head.bias" not in sd:
             raise ConfigError("the tutorial's ViT head has no bias: set head_bias false")
         return vit_from_reference(sd, self.cfg.patch_size, self.cfg.n_out_channels)
+
+
+class LeadMeanRelativeL2(RelativeL2):
+    """``RelativeL2`` of a state (B, C, H, W); of a rollout's states (B, N, C, H, W), the mean of
+    each step's (the validation loss of rollout training)."""
+
+    def partial_sums(self, pred, target):
+        if pred.dim() == 4:
+            return super().partial_sums(pred, target)
+        return torch.cat([RelativeL2.partial_sums(self, pred[:, k], target[:, k])
+                          for k in range(pred.shape[1])], dim=1)
+
+    def finish(self, sums):
+        if sums.shape[1] == 2:
+            return super().finish(sums)
+        return torch.stack([RelativeL2.finish(self, s) for s in sums.split(2, dim=1)]).mean(dim=0)
 
 
 register(ViTConfig, ERA5Task)
