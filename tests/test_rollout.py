@@ -174,10 +174,15 @@ def test_resume_in_the_middle_of_a_schedule_is_exact(tmp_path, data):
     b = torch.load(os.path.join(run_dir(exp), "checkpoints", final), weights_only=True)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+    board = tb_scalars(os.path.join(run_dir(ref), "tensorboard"))
     for tag in ("Loss/train", "Loss/valid", "Loss/valid_lead_1", "Loss/valid_lead_2"):
-        want = [e.value for e in tb_scalars(os.path.join(run_dir(ref), "tensorboard")).Scalars(tag)]
+        want = [e.value for e in board.Scalars(tag)]
         got = [e.value for e in tb_scalars(os.path.join(run_dir(exp), "tensorboard")).Scalars(tag)]
         assert got == want and want, tag
+    # the validation loss: the mean of the lead steps'
+    leads = [[e.value for e in board.Scalars(f"Loss/valid_lead_{k}")] for k in (1, 2)]
+    assert [e.value for e in board.Scalars("Loss/valid")] == pytest.approx(
+        [(a + b) / 2 for a, b in zip(*leads)], rel=1e-6)
 
 
 @pytest.mark.parametrize("args,message", [
