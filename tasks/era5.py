@@ -1,6 +1,8 @@
 """The ERA5 problem: the ViT forecasts the state of the atmosphere ``dt`` steps ahead."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -32,6 +34,7 @@ class ERA5Task(Task):
         self.weights = latitude_weights(cfg.img_size[0])
         self.loss = LeadMeanRelativeL2()  # per-sample; loss(pred, y) or partial sums of bands
         self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
+        self.kernels = contextlib.nullcontext  # the forward's attention kernels (forward_kernels)
 
     def device_batch(self, x, y):
         """Normalise a batch as delivered by the loader (raw values, on the device already) with
@@ -55,10 +58,12 @@ class ERA5Task(Task):
         if y.dim() == x.dim():
             return super().training_loss(model, x, y, loss, epoch)
         steps = self.cfg.rollout_at(epoch)
+        # (recomputed with the forward's attention kernel: another saves other tensors)
+        recompute = lambda: (contextlib.nullcontext(), self.kernels())  # noqa: E731
         total = 0
         for k in range(steps):
-            x = (checkpoint(model, x, use_reentrant=False) if self.cfg.rollout_checkpointing
-                 else model(x))
+            x = (checkpoint(model, x, use_reentrant=False, context_fn=recompute)
+                 if self.cfg.rollout_checkpointing else model(x))
             total = total + loss(x, y[:, k])
         return total / steps
 
@@ -76,7 +81,9 @@ class ERA5Task(Task):
     def forward_kernels(self, device: torch.device, dtype: torch.dtype):
         """The context the forward pass runs under: the attention's kernel (tasks.attention)."""
         c = self.cfg
-        return attention.kernels(c.attention_backend, device, dtype, c.embed_dim // c.num_heads)
+        self.kernels = attention.kernels(c.attention_backend, device, dtype,
+                                         c.embed_dim // c.num_heads)
+        return self.kernels
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the ViT's are matmuls (cuBLAS's switch)."""
