@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import numpy as np
 import torch
@@ -22,6 +23,8 @@ from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
 from tasks.registry import register
 from tasks.reference_weights import vit_from_reference
 
+log = logging.getLogger("train")
+
 
 class ERA5Task(Task):
     """One-step forecast: relative L2 loss, latitude-weighted RMSE per channel, persistence."""
@@ -35,6 +38,7 @@ class ERA5Task(Task):
         self.loss = LeadMeanRelativeL2()  # per-sample; loss(pred, y) or partial sums of bands
         self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
         self.kernels = contextlib.nullcontext  # the forward's attention kernels (forward_kernels)
+        self._steps_said = None  # the rollout steps the log last gave
 
     def device_batch(self, x, y):
         """Normalise a batch as delivered by the loader (raw values, on the device already) with
@@ -58,6 +62,12 @@ class ERA5Task(Task):
         if y.dim() == x.dim():
             return super().training_loss(model, x, y, loss, epoch)
         steps = self.cfg.rollout_at(epoch)
+        if steps != self._steps_said:  # at the start, and where the schedule changes them
+            c, self._steps_said = self.cfg, steps
+            given = f"rollout_schedule {c.rollout_schedule}" if c.rollout_schedule else \
+                f"rollout_steps {c.rollout_steps}"
+            log.info(f"Rollout training: {steps} step{'s' * (steps > 1)} a sample from epoch "
+                     f"{epoch + 1} ({given})")
         # (recomputed with the forward's attention kernel: another saves other tensors)
         recompute = lambda: (contextlib.nullcontext(), self.kernels())  # noqa: E731
         total = 0
