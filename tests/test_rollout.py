@@ -11,7 +11,8 @@ states of one year.
 - a run under rollout_schedule 0:1,1:2 stopped after its first epoch and resumed equals the
   uninterrupted run (the steps follow from the epoch);
 - validation logs the loss per lead step; bad settings are refused in one line;
-- 2 gloo ranks (DDP, with and without checkpointing; FSDP) equal the single process.
+- 2 gloo ranks (DDP, with and without checkpointing; FSDP; tensor and context parallelism)
+  equal the single process; torch.compile with bf16 and checkpointing trains as eager does.
 """
 import copy
 import os
@@ -120,6 +121,14 @@ def test_checkpointing_gives_the_same_steps(data):
     assert a.losses == pytest.approx(b.losses, rel=1e-6)
     for p, q in zip(weights(a), weights(b)):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.compile
+def test_compiled_bf16_checkpointed_rollout_trains_like_eager(data):
+    eager = run(data, "eager-bf16", rollout_steps=2, amp_mode="bf16")
+    compiled = run(data, "jit-bf16", rollout_steps=2, amp_mode="bf16", enable_jit="true",
+                   rollout_checkpointing="true")
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-3)
 
 
 @pytest.mark.parametrize("inmem", [False, True], ids=["lowmem", "inmem"])
