@@ -42,9 +42,8 @@ class GraphTrainer(Trainer):
     def __init__(self, cfg, rt, ending=None, ops=None):
         """``ops``: the CUDA side of capture (a stand-in drives the same logic in CPU tests)."""
         if getattr(cfg, "rollout_max", 1) > 1:
-            raise ConfigError(f"rollout of {cfg.rollout_max} steps (rollout_steps, "
-                              f"rollout_schedule) is not captured as a CUDA graph: train with "
-                              f"train.py")
+            raise ConfigError(f"rollout of {cfg.rollout_max} steps is not captured as a CUDA "
+                              f"graph: train with train.py")
         if ops is None:
             check_can_capture(cfg, rt.device, model_parallel=rt.groups is not None)
             ops = CudaGraphOps(rt.device)

@@ -123,8 +123,7 @@ class ERA5Dataset(BatchReadDataset):
 
     @property
     def sample_shapes(self):
-        """Shapes of one input and one target: (n_in, rows, W) and (n_out, rows, W), the target
-        (steps, n_out, rows, W) with steps > 1."""
+        """Shapes of one input and one target: (n_in, rows, W) and ([steps,] n_out, rows, W)."""
         h, w = self.rows[1] - self.rows[0], self.img_size[1]
         return (self.n_in, h, w), (self.steps,) * (self.steps > 1) + (self.n_out, h, w)
 
@@ -245,11 +244,10 @@ class ERA5Dataset(BatchReadDataset):
                     self._refuse(k, t)
 
     def _targets(self, t, out) -> list:
-        """(step, destination) of each target state of the sample at step ``t``: ``out`` (C,
-        rows, W) itself, or each of its ``steps`` states."""
-        if self.steps == 1:
-            return [(t + self.dt, out)]
-        return [(t + (i + 1) * self.dt, out[i]) for i in range(self.steps)]
+        """(step, destination) of each target state of the sample at step ``t``, whose target is
+        ``out``: (C, rows, W), or (steps, C, rows, W)."""
+        states = out.reshape(self.steps, *out.shape[-3:])  # (a view: the batch buffer's)
+        return [(t + (i + 1) * self.dt, state) for i, state in enumerate(states)]
 
     def _pieces(self, path, fd, layout, t, out):
         """Pieces of step ``t``'s first ``len(out)`` channels, rows ``self.rows``, width ``W`` of

@@ -243,7 +243,7 @@ class ViTConfig(Config):
                             "mean over N steps, each fed the model's previous output "
                             "(docs/training.md)", min=1)
     rollout_schedule: str = _f("", "rollout steps by epoch, EPOCH:STEPS entries from epoch 0, e.g. "
-                               "0:1,20:2,40:4 (empty: rollout_steps throughout)")
+                               "0:1,20:2,40:4, in place of rollout_steps (empty: none)")
     rollout_checkpointing: bool = _f(False, "recompute each rollout step's activations in the "
                                      "backward pass: memory grows far less than the steps",
                                      resume=True)
@@ -319,8 +319,7 @@ class ViTConfig(Config):
                                   f"multiple of {16 * tp}, or --fp8_linears none")
 
     def rollout_plan(self) -> list[tuple[int, int]]:
-        """(first epoch, rollout steps) of each part of the run: ``rollout_schedule``'s entries,
-        else ``rollout_steps`` from epoch 0; a malformed schedule is refused."""
+        """(first epoch, rollout steps) of each part of the run; a malformed schedule refused."""
         if not self.rollout_schedule:
             return [(0, self.rollout_steps)]
         example = "e.g. --rollout_schedule 0:1,20:2,40:4"
@@ -336,9 +335,6 @@ class ViTConfig(Config):
         if epochs[0] != 0 or any(b <= a for a, b in zip(epochs, epochs[1:])):
             raise ConfigError(f"rollout_schedule={self.rollout_schedule} must start at epoch 0 "
                               f"and its epochs increase: {example}")
-        if self.rollout_steps != 1:
-            raise ConfigError(f"rollout_steps={self.rollout_steps} and rollout_schedule="
-                              f"{self.rollout_schedule} both set the rollout steps: keep one")
         return plan
 
     @property

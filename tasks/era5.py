@@ -55,19 +55,15 @@ class ERA5Task(Task):
         return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
 
     def training_loss(self, model, x, y, loss, epoch: int) -> torch.Tensor:
-        """Rollout training (docs/training.md): the mean of ``loss`` over the epoch's rollout
-        steps (``rollout_at``), each step fed the model's previous output (under tp/cp: its
-        band of rows, the next step's input band); each step's activations recomputed in the
-        backward pass with ``rollout_checkpointing``. One target per sample: the base's step."""
+        """Rollout training (docs/training.md): the mean of ``loss`` over the epoch's steps, each
+        fed the model's previous output (tp/cp: its band of rows). One target: the base's step."""
         if y.dim() == x.dim():
             return super().training_loss(model, x, y, loss, epoch)
         steps = self.cfg.rollout_at(epoch)
         if steps != self._steps_said:  # at the start, and where the schedule changes them
-            c, self._steps_said = self.cfg, steps
-            given = f"rollout_schedule {c.rollout_schedule}" if c.rollout_schedule else \
-                f"rollout_steps {c.rollout_steps}"
+            self._steps_said = steps
             log.info(f"Rollout training: {steps} step{'s' * (steps > 1)} a sample from epoch "
-                     f"{epoch + 1} ({given})")
+                     f"{epoch + 1}")
         # (recomputed with the forward's attention kernel: another saves other tensors)
         recompute = lambda: (contextlib.nullcontext(), self.kernels())  # noqa: E731
         total = 0
@@ -112,8 +108,7 @@ class ERA5Task(Task):
         return list(model.blocks)
 
     def metric_sums(self, pred, y) -> torch.Tensor:
-        """Per-channel latitude-weighted RMSE summed over the batch: (C,); of a rollout's (B, N,
-        C, H, W), the first step's, then the loss of each of the N steps: (C + N,)."""
+        """Per-channel latitude-weighted RMSE summed over the batch, (C,); a rollout's: (C + N,)."""
         if y.dim() == 4:
             return weighted_rmse(pred, y, self.weights).sum(dim=0)
         leads = [self.loss(pred[:, k], y[:, k]).sum() for k in range(y.shape[1])]
@@ -121,8 +116,7 @@ class ERA5Task(Task):
                           torch.stack(leads)])
 
     def baseline_pred(self, x, y):
-        """Persistence: tomorrow's weather is today's (needs the input channels to cover the
-        output), at every step of a rollout."""
+        """Persistence: tomorrow's weather is today's (needs the input channels to cover the output)."""
         c = y.shape[-3]
         if x.shape[1] < c:
             return None
@@ -145,8 +139,7 @@ class ERA5Task(Task):
                 | {f"Loss/valid_lead_{k}": float(v) for k, v in enumerate(metrics[c:], 1)})
 
     def picture(self, x, y, pred) -> np.ndarray:
-        """u10 of the first validation sample (a rollout's first step): target | prediction |
-        error."""
+        """u10 of the first validation sample (step): target | prediction | error."""
         if y.dim() == 5:
             y, pred = y[:, 0], pred[:, 0]
         return comparison_image(y[0, 0].float().cpu().numpy(), pred[0, 0].float().cpu().numpy(),
