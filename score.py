@@ -26,7 +26,8 @@ from settings.errors import ConfigError, OneLineParser, UserError, print_error, 
 CHOICES = {k: typing.get_args(field_types(Config)[k]) for k in ("device", "amp_mode")}
 # The options only one model's scoring reads (their defaults None), and the model's name: given
 # for the other model's run they would do nothing, so they are refused instead.
-MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init")), "unet": ("U-Net", ("tile", "halo"))}
+MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init", "rmse")), "unet": ("U-Net", ("tile", "halo"))}
+RMSE = ("sqrt_after_time_avg", "sqrt_before_time_avg")  # WeatherBench 2's RMSE first, the default
 
 
 def _whole(minimum: int):
@@ -59,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
                         "dt x 6 h steps, fewer where the split's years are shorter)")
     p.add_argument("--n_init", type=_whole(1), default=None,
                    help="ViT: initial conditions, spread evenly through the split (default 32)")
+    p.add_argument("--rmse", choices=RMSE, default=None,
+                   help="ViT: sqrt_after_time_avg (default, WeatherBench 2's RMSE: the square "
+                        "root of the mean over initial times of the MSE) or sqrt_before_time_avg "
+                        "(the mean of each initial time's RMSE)")
     p.add_argument("--batch_size", type=_whole(1), default=None,
                    help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) "
                         "per forward pass")
@@ -108,7 +113,7 @@ import yaml
 from engine import checkpoint
 from engine.runtime import AMP_DTYPES, _env_int, check_amp, choose_device
 from observe.logging_utils import setup_logging
-from observe.score_report import check_matplotlib, write_report
+from observe.score_report import NO_PLOTS, write_report
 from settings.config import CONFIG_CLASSES, check_dir, validate
 from settings.parse import build_config, yaml_problem
 from tasks import make_task
@@ -199,8 +204,15 @@ def check_model_options(args, cfg, run: str):
                               f"--{given[0]}")
 
 
-def load_weights(model: torch.nn.Module, state: dict, path: str):
-    """The checkpoint's weights in the serial layout into ``model``; a mismatch is refused."""
+def load_weights(model: torch.nn.Module, state: dict, path: str, cfg):
+    """The checkpoint's weights in the serial layout into ``model``; a checkpoint of the other
+    model, or another mismatch, is refused."""
+    saved = state.get("config", {}).get("model", cfg.model)
+    if saved != cfg.model:
+        name = {m: label for m, (label, _) in MODEL_OPTIONS.items()}
+        raise ConfigError(f"{path} is a {name.get(saved, saved)} checkpoint given to a "
+                          f"{name.get(cfg.model, cfg.model)} run: score it with its own run "
+                          f"directory")
     weights = checkpoint.weights(state)
     try:
         model.load_state_dict(weights)
@@ -294,8 +306,6 @@ def score(args) -> str | None:
 def _score(args, rank: int, world: int, local_rank: int) -> str | None:
     error = None
     try:  # the checkpoint, the output directory, the config, the model with its weights
-        if rank == 0:
-            check_matplotlib()  # only rank 0 draws
         state, ckpt, run_dir = find_checkpoint(args.run)
         out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
         overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
@@ -306,7 +316,7 @@ def _score(args, rank: int, world: int, local_rank: int) -> str | None:
         check_amp(cfg, device)
         task = make_task(cfg)
         model = task.build_model()
-        load_weights(model, state, ckpt)
+        load_weights(model, state, ckpt, cfg)
         model.to(device).eval()
     except Exception as e:  # told to every rank first
         error = e
@@ -337,6 +347,8 @@ def _score(args, rank: int, world: int, local_rank: int) -> str | None:
     for line in report.summary:
         log.info(line)
     log.info(f"Scores written to {out}: {', '.join(written)}")
+    if NO_PLOTS in report.notes:
+        log.info(NO_PLOTS)
     log.info(f"  Look at them: tensorboard --logdir {out}")
     return out
 

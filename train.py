@@ -33,7 +33,7 @@ import torch  # from here on: torch and the engine (seconds to load)
 
 from datapipe.data_loader import build_loaders, ensure_data, validation_batch_sizes
 from engine import throughput_report
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer, RunFinished
 from engine.optimizer import (build_optimizer, build_scheduler, describe as describe_lr, lr_at,
                               peak_lr, resumed_schedule)
 from engine.parallelism import apply_parallelism
@@ -89,7 +89,6 @@ class Trainer:
         resume = self.checkpointer.resume()  # rank 0's choice, read by every rank
         if resume is not None:  # to the end it had, unless the command gives another
             self.cfg = resume.cfg
-        self.nothing_to_do = resume is not None and resume.nothing_to_do
         self.resumed = resume is not None
         return resume
 
@@ -100,9 +99,8 @@ class Trainer:
         rt = self.rt
         loaders = build_loaders(self.cfg, rt.dp_size, rt.dp_rank, rt.local_batch, self.device,
                                 rows, self.memory_format)
-        if not self.nothing_to_do:
-            state = resume.state if resume is not None else {}
-            loaders.begin_training_pass(state.get("epoch", 0), state.get("step_in_epoch", 0))
+        state = resume.state if resume is not None else {}
+        loaders.begin_training_pass(state.get("epoch", 0), state.get("step_in_epoch", 0))
         clock.mark("loaders")
         return loaders
 
@@ -144,7 +142,7 @@ class Trainer:
             change = resumed_schedule(self.optimizer, resume.state["config"], self.steps_per_epoch,
                                       self.iteration, self.peak_lr, cfg.end_lr, cfg.warmup_steps,
                                       self.total_steps)
-            if change and not self.nothing_to_do:  # (a shorter end than reached: no schedule)
+            if change:
                 log.info(change)
 
     def start_collaborators(self, ending: RunEnding, clock: StartClock):
@@ -158,7 +156,7 @@ class Trainer:
             steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
             iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
             lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
-            finished=self.nothing_to_do, derived=self.derived(),
+            finished=False, derived=self.derived(),
             kept_checkpoints=self.checkpointer.kept)
         self.stopper = Stopper(ending.request, rt.distributed, rt.host_group, cfg.log_every,
                                cfg.loader_timeout_s, self.checkpointer.kept,
@@ -169,7 +167,7 @@ class Trainer:
             write_config(cfg, self.run_dir, self.derived(), resumed=self.resumed)
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)(),
-                       self.task, AMP_DTYPES[cfg.amp_mode])
+                       cfg.num_data_workers, self.task, AMP_DTYPES[cfg.amp_mode])
         log.info(describe_lr(cfg.lr, self.peak_lr, rt.global_batch, cfg.base_batch_size,
                              cfg.lr_scaling, cfg.warmup_steps, cfg.end_lr))
 
@@ -225,7 +223,7 @@ class Trainer:
                 with self.parallel.no_sync() if i < k - 1 else contextlib.nullcontext():
                     with nvtx_range("forward"), self.autocast(), self.kernels():
                         loss = self.task.training_loss(self.wrapped_model, xm, ym,
-                                                       self.sharding.loss, self.state.epoch)
+                                                       self.parallel.loss, self.state.epoch)
                         loss = loss.sum() / n  # its part of the mean
                     if i == 0:
                         probe.forward_done()
@@ -444,7 +442,11 @@ def run(cfg, trainer_cls=Trainer):
     with RunEnding(cfg) as end:
         check_torch_version()
         end.rt = setup_runtime(cfg)
-        end.trainer = trainer_cls(cfg, end.rt, end)
+        try:
+            end.trainer = trainer_cls(cfg, end.rt, end)
+        except RunFinished as finished:  # its one line, exit code 0
+            log.info(finished)
+            return
         end.trainer.fit()
 
 

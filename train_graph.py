@@ -5,21 +5,14 @@
     torchrun --nproc_per_node 4 train_graph.py --config bs64_opt
 
 The same engine, configs, loaders, logs and checkpoints as train.py (a checkpoint of either
-resumes in the other). What changes is one optimizer step: after ``graph_warmup_steps`` eager
-steps on a side stream, the forward and backward passes, the gradient scaler, gradient clipping
-and the fused, capturable Adam update are recorded once as a ``torch.cuda.CUDAGraph``; every
-later step copies its batch into the graph's static input buffers and replays it. The learning
-rate is a device tensor the schedule fills between replays. Validation stays eager. The log
-says how long capture took and how a replayed step compares with the eager ones of the same run.
-See engine/cuda_graph.py for what capture requires of the step.
+resumes in the other); how the step is captured: docs/performance.md, "CUDA graphs".
 """
 import logging
 import os
 import sys
 
-# Capturing NCCL collectives (DDP's gradient all-reduce) needs torch's asynchronous NCCL error
-# handling off, before the process group starts (PyTorch's CUDA graphs notes). A value the user
-# set is kept, and the log says which one the run has.
+# Capturing DDP's NCCL all-reduce needs torch's asynchronous NCCL error handling off, before the
+# process group starts; a value the user set is kept (the log says which the run has).
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ERROR_HANDLING_GIVEN = NCCL_ERROR_HANDLING in os.environ
 os.environ.setdefault(NCCL_ERROR_HANDLING, "0")
@@ -39,8 +32,7 @@ log = logging.getLogger("train")
 class GraphTrainer(Trainer):
     captures_step = True  # capturable Adam with a tensor learning rate; autocast without cache
 
-    def __init__(self, cfg, rt, ending=None, ops=None):
-        """``ops``: the CUDA side of capture (a stand-in drives the same logic in CPU tests)."""
+    def __init__(self, cfg, rt, ending=None, ops=None):  # ops: a stand-in in CPU tests
         if getattr(cfg, "rollout_max", 1) > 1:
             raise ConfigError(f"rollout of {cfg.rollout_max} steps is not captured as a CUDA "
                               f"graph: train with train.py")

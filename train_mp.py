@@ -3,13 +3,10 @@
     torchrun --nproc_per_node 4 train_mp.py --tensor_parallel 2 --context_parallel 2
     sbatch -N 4 submit_pm.sh ... (SCRIPT=train_mp.py) --config mp --tensor_parallel 4
 
-The same engine as train.py. Each model replica spans tensor_parallel x context_parallel ranks:
-attention heads and MLP width are split over tp, the image rows (tokens) over cp and, outside
-attention and MLP, over tp as well (sequence parallelism: in whole patch rows when they divide by
-tp x cp, else in equal chunks of each cp band's tokens padded to a multiple of tp; the log says
-which; --sequence_parallel false turns it off). The remaining
-world / (tp x cp) ranks are data parallel. Checkpoints are written in the serial layout and
-load on any layout.
+The same engine as train.py. Each model replica spans tensor_parallel x context_parallel ranks
+(attention heads and MLP width split over tp, image rows over cp; docs/parallelism.md, "How
+model parallelism works"); the remaining world / (tp x cp) ranks are data parallel. Checkpoints
+are written in the serial layout and load on any layout.
 """
 import sys
 

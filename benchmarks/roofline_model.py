@@ -285,7 +285,7 @@ def vit_model(cfg, batch: int, amp: bool) -> StepModel:
 
 
 def _relative_l2(ops: _Ops, batch: int, v: int):
-    """tasks.losses.RelativeL2 on v values (prediction in the activations' dtype, target
+    """tasks.era5.RelativeL2 on v values (prediction in the activations' dtype, target
     fp32): sum (pred - y)^2 and sum y^2 per sample."""
     ops.cast("fwd", "loss: prediction to fp32", v, False)
     ops.add("loss", "fwd", "pred - y", 2 * F32 * v, F32 * v)
@@ -299,7 +299,7 @@ def _relative_l2(ops: _Ops, batch: int, v: int):
 
 
 def _l1(ops: _Ops, batch: int, v: int):
-    """tasks.losses.L1Rho without the density term on v values: sum |pred - y| per sample (in
+    """tasks.cosmo.L1Rho without the density term on v values: sum |pred - y| per sample (in
     the prediction's layout, channels-last or not)."""
     ops.cast("fwd", "loss: prediction to fp32", v, False)
     ops.add("loss", "fwd", "pred - y", 2 * F32 * v, F32 * v)

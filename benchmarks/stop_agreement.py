@@ -72,13 +72,12 @@ def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds:
 
     torch.set_num_threads(1)
     from engine.runtime import setup_runtime
-    from engine.stop import StopRequest
-    from engine.stop.agreement import StopAgreement
+    from engine.stop import RunEnding, Stopper, StopRequest
     from settings.parse import build_config
     from train import Trainer
 
-    class Timed(StopAgreement):
-        """The agreement, its calls timed."""
+    class Timed(Stopper):
+        """The stopper, its agreement's calls timed."""
         spent = 0.0
 
         def after_fetch(self, *args, **kwargs):
@@ -101,25 +100,28 @@ def _rank(rank: int, world: int, port: int, data_root: str, expdir: str, rounds:
         embed_dim="32", depth="1", num_heads="2"))  # a step of milliseconds
     if rank:
         logging.disable(logging.INFO)
-    tr = Trainer(cfg, setup_runtime(cfg), stop_request=StopRequest())
-    ways = {w: Timed(tr.stopper.request, w == "with", tr.rt.host_group, cfg.log_every)
-            for w in ("with", "without")}
+    tr = Trainer(cfg, setup_runtime(cfg), RunEnding(cfg, StopRequest()))
+    tr.stopper.close()
+    ways = {w: Timed(tr.stopper.request, w == "with", tr.rt.host_group, cfg.log_every,
+                     cfg.loader_timeout_s) for w in ("with", "without")}
     times = {w: [] for w in ways}
     spent = []
     try:
         for epoch in range(1 + 2 * rounds):  # the first: the warm-up, with the agreement
             way = "without" if epoch % 2 else "with"
-            agreement = tr.stopper.agreement = ways[way]
-            agreement.spent = 0.0
+            stopper = tr.stopper = ways[way]
+            stopper.spent = 0.0
             stats = tr.train_epoch()
             tr.state.next_epoch()
-            agreement.now()  # as after a validation
+            stopper.now()  # as after a validation
             if epoch:
                 times[way].append(tr.rt.global_batch / stats.steady_samples_per_s)
                 if way == "with":
-                    spent.append(agreement.spent / stats.steps)
+                    spent.append(stopper.spent / stats.steps)
     finally:
         tr.loaders.close()
+        for stopper in ways.values():
+            stopper.close()
     if rank == 0:
         queue.put({w: statistics.median(t) for w, t in times.items()} | {
             "spent": statistics.median(spent), "lag": ways["with"].lag})

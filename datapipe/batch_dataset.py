@@ -39,7 +39,7 @@ class BatchReadDataset(Dataset):
 
 def finite_sums(*arrays) -> bool:
     """Whether the sum of each array is finite (false for any NaN or infinity in it): one
-    reduction, torch's being several times faster than numpy's on large float32 arrays."""
+    reduction, torch's (several times faster than numpy's on large float32 arrays)."""
     return all(bool(torch.from_numpy(a).sum().isfinite()) for a in arrays)
 
 

@@ -2,68 +2,42 @@
 
 ``BatchLoader`` serves the batches of a dataset with ``sample_shapes`` and ``read_batch(keys, x,
 y)`` (``datapipe.batch_dataset``) in the order of a sampler, as torch's DataLoader did, without its
-per-batch costs: no new shared-memory file per batch, no page faults and zeroing of fresh pages,
-no copy into pinned memory.
+per-batch costs. What a user sees of it is in docs/performance.md ("Batch hand-over"); how:
 
-What a user sees of it (buffers made once, filled in place, reused only when nothing can read
-them, errors) is in docs/performance.md ("Batch hand-over"); how it does it:
-
-* **Slots.** One batch's input and target in one mapping: an anonymous ``memfd`` shared with the
-  workers (without workers, memory of the main process alone), made by the main process, on a
-  GPU registered once with ``cudaHostRegister``, its descriptor passed to a worker with the first
-  work on it. At most ``prefetch_depth * workers + 2`` (+ 1 on a GPU) are made, the most the
-  engine's loop needs at once (it holds the batch of its step and 1 or 2 fetched ahead:
-  ``engine.stop.agreement``); more only while the consumer holds on to batches.
+* **Slots.** One batch's input and target in one mapping: an anonymous ``memfd`` made by the main
+  process (without workers, memory of the main process alone), on a GPU registered once with
+  ``cudaHostRegister``, its descriptor passed to a worker with the first work on it. At most
+  ``prefetch_depth * workers + 2`` (+ 1 on a GPU) are made, the most the engine's loop needs at
+  once (``engine.stop``); more only while the consumer holds on to batches.
 * **Workers share each batch**: its keys are split over them, each reading its rows into the same
-  slot, so the first batch of an epoch is built by all together. Up to ``prefetch_depth *
-  workers`` batches are in flight. Workers are forked at the first pass and kept, die with the
-  main process (``exit_with_parent``), ignore the stop signals and Ctrl-C, and send errors back
-  as raised: a ``UserError`` as itself, anything else as a RuntimeError with the worker's
-  traceback; a worker that dies ends the pass with one line (``LoaderWorkerDied``).
-* **Release.** A batch is handed out as two tensors on a storage of its own (a fresh view of the
-  slot), watched by weak reference; at every fetch a batch no longer referenced is released. On
-  a CPU its slot is free at once (CPU ops are synchronous). On a GPU a ``non_blocking`` copy from
-  it may still be queued, so the pool records a CUDA event on the current stream of the loader's
-  device when it finds the batch released, and reuses the slot only once that event completed.
-* **Passes.** ``iter(loader)`` starts a pass over the sampler's current keys (``set_epoch``
-  first) and ends the previous one: its batches still queued are skipped by the workers (a
-  shared pass number) and its slots return to the pool before the new pass sends any work.
+  slot. Workers are forked at the first pass and kept, die with the main process, ignore the stop
+  signals and Ctrl-C, and send errors back as raised (a ``UserError`` as itself, anything else as
+  a RuntimeError with the worker's traceback); a worker that dies ends the pass with one line.
+* **Release.** A batch is handed out as two tensors on a storage of its own, watched by weak
+  reference; at every fetch a batch no longer referenced is released. On a GPU a ``non_blocking``
+  copy from it may still be queued: the slot is reused only once a CUDA event recorded at its
+  release has completed.
+* **Passes.** ``iter(loader)`` starts a pass over the sampler's current keys and ends the previous
+  one: its batches still queued are skipped by the workers (a shared pass number).
 
-Invariants. The stress test (tests/test_batch_pool_stress.py, "stress" below) checks each after
-every step of random sequences of passes, fetches, held batches, slow and failing reads, killed
-workers, interrupts and ``close()``; the tests named check one case more closely.
+Invariants, checked after every step of random sequences of passes, fetches, held batches, slow
+and failing reads, killed workers, interrupts and ``close()`` by tests/test_batch_pool_stress.py:
 
-1. **Only parts not yet answered are waited for, and each is answered once.** A batch in
-   flight (``in_flight``) lists its parts not answered yet (``_Batch.out``), and every loop
-   around a wait (``_receive``) ends when the parts it needs are answered. Ending a pass waits
-   for the parts still out, then gives back the slot of every batch in flight, complete or not
-   (not an answer per batch: one answered before its pass ended would get none). Stress: every
-   step within a deadline; test_a_new_pass_after_one_abandoned_with_batches_complete,
-   test_training_then_the_throughput_report_finishes_20_of_20_times.
-2. **A batch holds exactly the samples its keys name.** A slot is in one state at a time (free,
-   in flight, handed out, releasing) and each row of a batch in flight is written by one worker.
-   Stress: every batch's samples against its keys; test_batches_equal_the_datasets_reads.
-3. **A batch handed out does not change while it is referenced** (Release, above). Stress: held
-   batches compared after every step; test_a_held_batch_does_not_change.
-4. **Every wait returns on an answer or on a worker's end, and a signal handler can interrupt
-   it:** ``connection.wait`` on the pipes and the workers' sentinels (a dead worker ends the
-   pass with ``LoaderWorkerDied``), ``Process.join`` after SIGKILL, and on a GPU a polled CUDA
-   event; the one C-level wait is the device synchronisation in ``close()``, bounded by the work
-   queued on the GPU. ``waiting_for()`` says what a wait is for. Stress: killed workers, and a
-   signal handler that raises while ``next()`` or ``iter()`` waits.
-5. **An exception at any point leaves a loader that ``close()`` and the next pass recover.** An
-   exception raised in the middle of an exchange with the workers (by a signal handler: a stop
-   request, a stall timeout) may leave a message half sent or half read: ``in_doubt`` stays set,
-   that pass ends (its iterator stops), and the next ``iter()`` starts with ``close()``: fresh
-   workers and slots (batches still referenced stay valid). ``close()`` can be repeated after
-   being interrupted itself; workers are forked with Python's signal handlers deferred, so none
-   is ever left out of ``workers``. Stress: the interrupt rules, then fetches, passes, close().
-6. **Nothing outlives ``close()`` or the main process**: the workers are killed and joined; the
-   slots are anonymous memory (nothing in /dev/shm); a worker's first act is to ask for SIGKILL
-   when the main process dies (``exit_with_parent``). Stress: after every close(); the test of a
-   killed parent, test_workers_die_with_their_parent.
-7. **An iterator of an ended pass stops** (superseded, run out, failed, interrupted, closed).
-   Stress: every ended pass's iterator, after every step.
+1. Only parts not yet answered are waited for, and each is answered once (``_Batch.out``); ending
+   a pass waits for the parts still out, then gives back the slot of every batch in flight.
+2. A batch holds exactly the samples its keys name: a slot is in one state at a time (free, in
+   flight, handed out, releasing) and each row of a batch in flight is written by one worker.
+3. A batch handed out does not change while it is referenced (Release, above).
+4. Every wait returns on an answer or on a worker's end, and a signal handler can interrupt it
+   (``connection.wait`` on pipes and sentinels, a polled CUDA event); the one C-level wait is the
+   device synchronisation in ``close()``. ``waiting_for()`` says what a wait is for.
+5. An exception at any point (a stop request, a stall timeout) leaves a loader that ``close()``
+   and the next pass recover: ``in_doubt`` stays set, that pass ends, and the next ``iter()``
+   starts with ``close()``. Workers are forked with signal handlers deferred, so none is ever
+   left out of ``workers``.
+6. Nothing outlives ``close()`` or the main process: workers are killed and joined, slots are
+   anonymous memory, and a worker's first act is ``exit_with_parent``.
+7. An iterator of an ended pass stops (superseded, run out, failed, interrupted, closed).
 """
 from __future__ import annotations
 
@@ -119,9 +93,9 @@ class LoaderWorkerDied(TrainingError):
 
 # ----------------------------------------------------------------------------- host memory
 
-
 class HostMemory:
-    """CPU batches: slots are plain shared memory; a released batch's slot is free at once."""
+    """CPU batches: slots are plain shared memory; a released batch's slot is free at once (the
+    pool asks only pinned memory for marks)."""
 
     pinned = False
 
@@ -129,19 +103,6 @@ class HostMemory:
         pass
 
     def unregister(self, address: int):
-        pass
-
-    def mark(self):
-        """A point in the device's queue of work, after everything queued so far."""
-        return None
-
-    def passed(self, mark) -> bool:
-        return True
-
-    def wait(self, mark):
-        pass
-
-    def wait_all(self):
         pass
 
 
@@ -184,6 +145,7 @@ class PinnedHostMemory(HostMemory):
             self.runtime.cudaHostUnregister(address)  # an error here leaves nothing to undo
 
     def mark(self):
+        """A point in the device's queue of work, after everything queued so far."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
@@ -200,7 +162,6 @@ class PinnedHostMemory(HostMemory):
 
 
 # ----------------------------------------------------------------------------- slots
-
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
@@ -367,7 +328,6 @@ class BatchPool:
 
 # ----------------------------------------------------------------------------- workers
 
-
 def _worker_loop(dataset, conn, control, worker_id: int, parent_pid: int, seed: int, others):
     """A worker: map the slots it is sent, fill its parts of batches, answer each part."""
     exit_with_parent(parent_pid)
@@ -494,11 +454,9 @@ class _Pass:
 
 class BatchLoader:
     """Batches ``(x, y)`` of ``dataset`` for the keys of ``sampler`` in its order, ``batch_size``
-    at a time (the last one may be smaller), read by ``workers`` processes (0: this one) into
-    the slots of a ``BatchPool`` (see the module docstring). ``memory``: ``HostMemory()`` on a
-    CPU, ``PinnedHostMemory(device)`` on a GPU. Used like a DataLoader: ``len()``, ``iter()``,
-    ``.dataset``, ``.sampler``, ``.batch_size``, ``.pin_memory``; ``close()`` ends the workers;
-    ``waiting_for()`` says what a blocked fetch waits for."""
+    at a time (the last one may be smaller), read by ``workers`` processes (0: this one) into the
+    slots of a ``BatchPool``; ``memory``: ``PinnedHostMemory(device)`` on a GPU. Used like a
+    DataLoader; ``close()`` ends the workers, ``waiting_for()`` says what a fetch waits for."""
 
     def __init__(self, dataset, sampler, batch_size: int, workers: int = 0,
                  prefetch_depth: int = 2, memory: HostMemory | None = None, seed: int = 0):
@@ -690,9 +648,8 @@ class BatchLoader:
 
     def waiting_for(self) -> str:
         """What this loader waits for, in one line: the pass and batch, the workers alive and
-        dead, the parts outstanding (worker, batch, rows, keys). Reads plain state only, never
-        blocks: safe in a signal handler that interrupts a fetch. After a wait interrupted by
-        an exception, what it waited for then (until the next pass or ``close()``)."""
+        dead, the parts outstanding. Reads plain state only, never blocks: safe in a signal
+        handler that interrupts a fetch (and after it, until the next pass or ``close()``)."""
         pass_id, batch = self.awaited or (self.passes, None)
         what = (f"pass {pass_id} waits for nothing" if self.awaited is None
                 else f"pass {pass_id} waits for batch {batch}" if batch is not None

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 
-# datapipe.generated_data and datapipe.synthetic are imported where used: importing the package
-# (which imports this module) must not import datapipe.synthetic, which also runs as a script
-# (python -m datapipe.synthetic) and would then run a second copy of itself.
+# datapipe.generated_data and datapipe.synthetic are imported where used (datapipe/data_sets.py)
 from datapipe.cosmo_data import CosmoCropDataset, crop_settings
 from datapipe.data_sets import register
 from settings.config import UNetConfig
@@ -38,7 +36,7 @@ class CosmoData:
     def synthetic_files(self) -> list[str]:
         """What ``synthesize`` writes, relative to data_root."""
         from datapipe import synthetic
-        return synthetic.cosmo_files(self.cfg.train_file, self.cfg.val_file)
+        return list(synthetic.cosmo_plan(train_name=self.cfg.train_file, val_name=self.cfg.val_file))
 
     def datasets(self, rows=None):
         c = self.cfg

@@ -1,12 +1,9 @@
 """Random cubic crops of N-body (input) and hydro (target) volumes, with rotation augmentation
-(docs/data.md: the format, and what a sample is).
-
-A crop's window and rotation are a function of (seed, epoch, sample index) alone, so a run is
-reproducible whatever the worker count, and a run resumed mid-epoch sees exactly the samples an
-uninterrupted run would. Read from the file, each channel of a crop goes straight into the place
-the rotation sends it in the caller's batch buffer, and the crop is then turned where it lies
-(``rotate_in_place``), with no second buffer for it; crops read from the file are checked for
-non-finite values once per batch (in memory: once, at load).
+(docs/data.md: the format, and what a sample is). A crop's window and rotation are a function of
+(seed, epoch, sample index) alone: the same whatever the worker count, or after a resume. Read
+from the file, each channel goes straight to where the rotation sends it in the batch buffer, and
+the crop is turned there (``rotate_in_place``); non-finite values are refused once per batch (in
+memory: once, at load).
 """
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ from settings.errors import DataError
 
 
 def crop_settings(cfg) -> dict:
-    """The CosmoCropDataset arguments a U-Net config decides, besides where the volumes come
-    from, the sample count and augmentation."""
+    """The CosmoCropDataset arguments of a U-Net config but the volumes, count and augmentation."""
     return dict(size=cfg.data_size, n_in=cfg.n_in_channels, n_out=cfg.n_out_channels,
                 nbody_vector_channels=cfg.nbody_vector_channels,
                 hydro_vector_channels=cfg.hydro_vector_channels, seed=cfg.seed)

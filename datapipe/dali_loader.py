@@ -1,26 +1,15 @@
-"""NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of
-``datapipe.data_loader``, assembled by DALI pipelines. What runs where, and why the batches equal
-the PyTorch loaders' (whose datasets and samplers, built first and never iterated, are used as
-they are), is in docs/performance.md ("DALI loaders").
-
-One pipeline definition per model serves both devices: with a GPU (``device_id`` = the local
-device index) the operators after the host read run on the GPU; with ``device_id=None`` the same
-operators run on CPU threads. ERA5: an external source reads each (t, t + dt) pair, raw, in
-Python workers (lowmem) or copies it from memory (inmem, in the main process). Cosmology: the
-source gives the crop's window and rotation; the crop is read by the workers (lowmem) or cut by
-``fn.slice`` from the volume held in memory (inmem, passed without a copy); DALI operators then
-rotate the grid (one of six transposes, flips) and turn the vector channels as vectors.
+"""NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of the
+PyTorch loaders, whose datasets and samplers (built first, never iterated) decide them, assembled
+by DALI pipelines; what runs where is in docs/performance.md ("DALI loaders"). One pipeline
+definition per model serves a GPU (``device_id``) and CPU threads (``device_id=None``).
 
 The epoch's keys reach the Python workers through a small shared file (``EpochKeys``): the
-engine sets the sampler's epoch after the workers started, so the workers look the keys up
-instead of being given them. A sample callback past the epoch's keys, or from an earlier DALI
-epoch, raises StopIteration; a partial last batch (validation) is filled with repeats of the last
-key and cut back to its true size.
-
-The Python workers ignore the run's stop signals, as the PyTorch loaders' workers do: they are
-started with those signals held back (``settings.signals.held``, around the build), and a
-callback ignores them, then lets them through, the first time it runs in a worker. An error a
-worker raises on the data ends the run as that error, in one line (``worker_error``).
+engine sets the sampler's epoch after the workers started. A sample callback past the epoch's
+keys, or from an earlier DALI epoch, raises StopIteration; a partial last batch (validation) is
+filled with repeats of the last key and cut back. The Python workers are started with the run's
+stop signals held back (``settings.signals.held``) and a callback ignores them the first time it
+runs in a worker; an error a worker raises on the data ends the run as that error, in one line
+(``worker_error``).
 """
 from __future__ import annotations
 
@@ -111,34 +100,6 @@ def _remove(path: str, owner: int):
         os.remove(path)
 
 
-class _Source:
-    """A per-sample callback, which DALI runs in its Python workers (a parallel source) or in the
-    main process: in a worker, the first call ignores the run's ``stop_signals``, which the
-    worker was started holding back, and then lets them through."""
-
-    def __init__(self, stop_signals):
-        self.stop_signals, self.owner, self.entered = tuple(stop_signals), os.getpid(), None
-
-    def enter(self):
-        if self.entered != os.getpid():
-            if os.getpid() != self.owner:
-                release_ignored(self.stop_signals)
-            self.entered = os.getpid()
-
-
-class ERA5Source(_Source):
-    """Per-sample callback: the raw (x, y) pair of the key's time step."""
-
-    def __init__(self, dataset, keys: EpochKeys, stop_signals=()):
-        super().__init__(stop_signals)
-        self.dataset, self.keys = dataset, keys
-
-    def __call__(self, info):
-        self.enter()
-        x, y = self.dataset[self.keys.key(info)]
-        return x.numpy(), y.numpy()
-
-
 def rotation_arguments(rot: int, vector_channels, n_channels: int):
     """Per-sample arguments of the DALI rotation: the transpose branch, the flips of the
     (D, H, W) axes, and for every output channel its source channel and sign."""
@@ -149,18 +110,27 @@ def rotation_arguments(rot: int, vector_channels, n_channels: int):
             mul.copy())
 
 
-class CosmoSource(_Source):
-    """Per-sample callback: the rotation arguments of both fields, then with ``read=True`` the
-    unrotated crops read from the file, else the crop's corner."""
+class SampleSource:
+    """A per-sample callback, which DALI runs in its Python workers (a parallel source) or in the
+    main process; in a worker, the first call ignores the run's ``stop_signals``, which the worker
+    was started holding back, and then lets them through. ERA5: the raw (x, y) pair of the key's
+    step. Cosmology: the rotation arguments of both fields, then with ``read`` the unrotated crops
+    read from the file, else the crop's corner."""
 
-    def __init__(self, dataset, keys: EpochKeys, read: bool, stop_signals=()):
-        super().__init__(stop_signals)
+    def __init__(self, dataset, keys: EpochKeys, stop_signals, read: bool = True):
         self.dataset, self.keys, self.read = dataset, keys, read
+        self.stop_signals, self.owner, self.entered = tuple(stop_signals), os.getpid(), None
 
     def __call__(self, info):
-        self.enter()
-        ds = self.dataset
-        (a, b, c), rot = ds.window(self.keys.key(info))
+        if self.entered != os.getpid():
+            if os.getpid() != self.owner:
+                release_ignored(self.stop_signals)
+            self.entered = os.getpid()
+        ds, key = self.dataset, self.keys.key(info)
+        if isinstance(ds, ERA5Dataset):
+            x, y = ds[key]
+            return x.numpy(), y.numpy()
+        (a, b, c), rot = ds.window(key)
         k, flips, src_x, mul_x = rotation_arguments(rot, ds.in_vec, ds.n_in)
         _, _, src_y, mul_y = rotation_arguments(rot, ds.out_vec, ds.n_out)
         out = (k, flips, src_x, mul_x, src_y, mul_y)
@@ -183,27 +153,15 @@ class _Repeat:
         return self.batch
 
 
-def _transpose(fn, v, j: int):
-    return fn.transpose(v, perm=[0] + [1 + p for p in PERMS[j]], transpose_layout=False)
-
-
 def _rotate(fn, v, k, flips, src, mul, vector_channels, n_channels, gpu: bool):
     """DALI operators turning a (C, D, H, W) crop (layout CDHW): transpose branch ``k``, flips,
     then the vector channels re-ordered and signed. Exact: only moves and sign changes."""
     # A per-sample choice among the six transposes (DALI conditionals split the batch, so each
     # branch runs on its own samples only).
-    if k == 0:
-        g = v
-    elif k == 1:
-        g = _transpose(fn, v, 1)
-    elif k == 2:
-        g = _transpose(fn, v, 2)
-    elif k == 3:
-        g = _transpose(fn, v, 3)
-    elif k == 4:
-        g = _transpose(fn, v, 4)
-    else:
-        g = _transpose(fn, v, 5)
+    g = v
+    for j in range(1, len(PERMS)):
+        if k == j:
+            g = fn.transpose(v, perm=[0] + [1 + p for p in PERMS[j]], transpose_layout=False)
     g = fn.flip(g, depthwise=flips[0], vertical=flips[1], horizontal=flips[2])
     if not vector_channels:
         return g
@@ -227,37 +185,19 @@ class Handoff(NamedTuple):
 
 def handoff(device, exec_dynamic: bool) -> Handoff:
     """The hand-off of the next batch on ``device``; ``exec_dynamic``: the pipeline runs DALI's
-    dynamic executor (the default, and the case for every pipeline built here).
+    dynamic executor (the default, and that of every pipeline built here).
 
-    On a GPU, torch's current stream, read per batch (the step that uses the batch runs on it).
-    ``pipe.run()`` without a stream is host-synchronous: it waits until the batch's GPU work is
-    done. ``pipe.run(stream)`` makes the stream wait for it instead (dynamic executor only), and
-    ``feed_ndarray`` queues the device copy on the same stream, after which DALI's own stream
-    waits for the copy before the source buffer can be reused; the destination comes from torch's
-    allocator, whose reuse of a block is ordered on that stream too. The batch is copied, not
-    wrapped (DLPack, as DALI's own iterator does after a host-synchronous run): DALI's executor
-    keeps its outputs in the order of its own stream, which does not wait for torch's, so a
-    wrapped buffer dropped by the engine could be refilled by a later batch while the step that
-    reads it is still queued. The copy is one device-to-device pass over the batch.
-
-    On CPU there is no stream. The dynamic executor gives every batch its own buffer, kept while
-    anything refers to it, so the tensor wraps it; the legacy executor reuses output buffers at
-    the next run, so they are copied."""
+    On a GPU, torch's current stream, read per batch: ``pipe.run(stream)`` makes that stream wait
+    for the batch (``pipe.run()`` would wait on the host), and ``feed_ndarray`` queues the copy on
+    it, which DALI's stream waits for before reusing the source. The batch is copied, not wrapped
+    (DLPack): DALI's outputs follow its own stream, which does not wait for torch's, so a wrapped
+    buffer dropped by the engine could be refilled while the step reading it is still queued.
+    On CPU the dynamic executor gives every batch its own buffer, which the tensor wraps; the
+    legacy executor reuses its output buffers at the next run, so they are copied."""
     if device.type == "cuda":
         stream = torch.cuda.current_stream(device)
         return Handoff(stream, stream if exec_dynamic else None, share=False)
     return Handoff(None, None, share=exec_dynamic)
-
-
-def to_torch(out, device, plan: Handoff, feed) -> torch.Tensor:
-    """One pipeline output as a torch tensor on ``device``: the loader's one copy of the batch,
-    or none with ``plan.share`` (CPU)."""
-    out = out.as_tensor()  # the batch as one dense tensor: a view, pipeline outputs are contiguous
-    if plan.share:
-        return torch.from_dlpack(out)
-    t = torch.empty(out.shape(), dtype=torch.float32, device=device)
-    feed(out, t, cuda_stream=plan.stream)
-    return t
 
 
 class DALILoader:
@@ -300,6 +240,15 @@ class DALILoader:
         self.open = True
         return n
 
+    def _to_torch(self, out, plan: Handoff) -> torch.Tensor:
+        """One pipeline output (as one dense tensor: a view) on the device: the loader's one copy
+        of the batch, or none with ``plan.share`` (CPU)."""
+        if plan.share:
+            return torch.from_dlpack(out)
+        t = torch.empty(out.shape(), dtype=torch.float32, device=self.device)
+        self.feed(out, t, cuda_stream=plan.stream)
+        return t
+
     def _finish(self):
         """Run the pipeline to its StopIteration (cut short if the epoch was abandoned)."""
         if not self.open:
@@ -317,8 +266,7 @@ class DALILoader:
             n = self._start_epoch()
             for step in range(len(self)):
                 plan = handoff(self.device, self.pipe.exec_dynamic)
-                x, y = (to_torch(o, self.device, plan, self.feed)
-                        for o in self.pipe.run(plan.run_stream))
+                x, y = (self._to_torch(o.as_tensor(), plan) for o in self.pipe.run(plan.run_stream))
                 keep = min(self.b, n - step * self.b)
                 yield x[:keep], y[:keep]  # views: no copy
             self._finish()
@@ -372,7 +320,7 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
     def era5_pipeline(dataset, keys):
         @pipeline_def(**settings)
         def pipe():
-            x, y = fn.external_source(source=ERA5Source(dataset, keys, stop), num_outputs=2,
+            x, y = fn.external_source(source=SampleSource(dataset, keys, stop), num_outputs=2,
                                       **source)
             return (x.gpu(), y.gpu()) if gpu else (x, y)
 
@@ -383,7 +331,7 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
 
         @pipeline_def(**settings)
         def pipe():
-            outs = fn.external_source(source=CosmoSource(dataset, keys, not inmem, stop),
+            outs = fn.external_source(source=SampleSource(dataset, keys, stop, not inmem),
                                       num_outputs=7 if inmem else 8, **source)
             k, flips, src_x, mul_x, src_y, mul_y = outs[:6]
             if inmem:  # the crop cut from the volumes held in memory, passed without a copy

@@ -4,14 +4,10 @@
 The sampler decides everything about order: in epoch e the training samples are a permutation
 drawn from (seed, e); step s takes the global batch ``perm[s*G:(s+1)*G]`` and data-parallel rank r
 its slice ``[r*b:(r+1)*b]`` of it (G = global, b = local batch). So a data-parallel step sees
-exactly the samples of the serial step with the same global batch, the shards of the ranks are
-disjoint, and a resumed run starts at the step it stopped at. The sampler yields (epoch, index)
-keys; datasets whose samples are random crops use the epoch to draw new crops. What the samples
-are is the problem's data set's (``datapipe.data_sets``).
-
-Batches are assembled in place, in the reused buffers of ``datapipe.batch_pool.BatchLoader``.
-Samples are as stored (see each dataset); what is done to them on the device is the task's
-``device_batch``.
+exactly the samples of the serial step with the same global batch, and a resumed run starts at the
+step it stopped at. The sampler yields (epoch, index) keys (random crops draw anew each epoch);
+what the samples are is the problem's data set's (``datapipe.data_sets``), assembled in the reused
+buffers of ``datapipe.batch_pool.BatchLoader``.
 """
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ import ctypes
 import functools
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -126,15 +121,11 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt p
 
 @functools.lru_cache(maxsize=None)
 def reuse_freed_memory() -> bool:
-    """Let this process reuse the memory of freed batches instead of mapping fresh pages.
-
-    glibc serves large allocations (a batch: tens to hundreds of MB) with a fresh ``mmap`` each
-    and unmaps them when freed, so every batch pays a page fault per 4 kB page of its buffer
-    (half the loader's time on a 360 x 720 ERA5 batch). Raising the mmap and trim thresholds
-    keeps freed blocks in the heap for the next batch, and the heap grows in 512 MB steps.
-    Process-wide and once; a no-op (False) without glibc. Memory freed by the process is kept
-    for reuse rather than returned to the OS.
-    """
+    """Let this process reuse the memory of freed batches instead of mapping fresh pages: glibc
+    maps each large allocation afresh and unmaps it when freed, a page fault per 4 kB page of
+    every batch (half the loader's time on a 360 x 720 ERA5 batch). Raised mmap and trim
+    thresholds keep freed blocks in the heap (grown in 512 MB steps). Once per process; False
+    without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
@@ -171,9 +162,8 @@ class Loaders:
         return begun[3]
 
     def close(self):
-        """End the loader worker processes now (``BatchLoader.close``: at once, their batch
-        buffers given back) rather than whenever garbage collection gets to the loaders. Loaders
-        without workers (cached, device, DALI's) may have nothing to close."""
+        """End the loader worker processes now (``BatchLoader.close``) rather than whenever
+        garbage collection gets to the loaders; loaders without workers may have no ``close``."""
         for loader in (self.train, self.valid):
             close = getattr(loader, "close", None)
             if callable(close):
@@ -207,16 +197,14 @@ def _samplers(cfg: Config, shuffle: bool, n_train: int, n_valid: int, dp_size: i
 
 
 def ensure_data(cfg: Config, rank: int, world_size: int):
-    """Synthesise small data under data_root when the config asks for it and none is there (not
-    for generated batches, which need no data): once, however many runs need it at the same time
-    (``make_data_once``). A run on synthetic data made earlier says so, as the first run did.
-    Collective when ``world_size`` > 1: rank 0 decides and writes, every rank returns or raises
-    alike."""
+    """Synthesise small data under data_root when the config asks for it and none is there
+    (``make_data_once``); a run on synthetic data made earlier says what made it. Collective when
+    ``world_size`` > 1: rank 0 decides and writes, every rank returns or raises alike."""
     if cfg.data_is_generated:
         return
-    if has_data(cfg) and os.path.exists(os.path.join(cfg.data_root, synthetic.SYNTHETIC_MARK)):
-        log.info(f"Data: the synthetic {cfg.model} data under {cfg.data_root} (made by an "
-                 f"earlier run: not real data)")
+    if has_data(cfg) and (maker := synthetic.made_by(cfg.data_root)) is not None:
+        log.info(f"Data: the synthetic {cfg.model} data under {cfg.data_root} (made by {maker}: "
+                 f"not real data)")
         return
     if not cfg.synthesize_if_missing:
         return
@@ -254,15 +242,11 @@ def ensure_data(cfg: Config, rank: int, world_size: int):
 def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
                   rows: tuple[int, int] | None = None,
                   memory_format: torch.memory_format = torch.contiguous_format) -> Loaders:
-    """Loaders of one data-parallel rank (see the module docstring).
-
-    ``rows=(start, stop)``: the training batches hold only those image rows, (B, C, stop - start,
-    W), read from disk as such; a model-parallel rank passes the band it computes on
-    (``ParallelViT.image_rows()``). Validation batches stay whole images. ViT (ERA5) only.
-    ``memory_format``: the layout of the batches on the device (the task's ``memory_format``):
-    the device loader cuts its crops in it and the synthetic training batch is kept in it; the
-    other loaders' batches keep the host layout and ``Trainer.to_device`` converts them.
-    """
+    """Loaders of one data-parallel rank. ``rows=(start, stop)``: the training batches hold only
+    those image rows, read as such (a model-parallel ViT rank's band, ``ParallelViT.image_rows()``;
+    validation batches stay whole). ``memory_format``: the batches' layout on the device, in which
+    the device loader cuts and the generated training batch is kept (the other loaders' batches
+    keep the host layout: ``Trainer.to_device`` converts them)."""
     data = data_set(cfg)
     if rows is not None and not data.row_bands:
         raise ValueError(f"rows={rows!r} selects image rows of samples; the {cfg.model} "
@@ -293,11 +277,10 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
 def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
                       rows: tuple[int, int] | None = None,
                       memory_format: torch.memory_format = torch.contiguous_format) -> Loaders:
-    """``--data_loader_config synthetic``: the rank's first training batch and first validation
-    batch, made in memory (``datapipe.generated_data``) and served for every batch of their pass:
-    the training batch from device memory (no copy in the step), the validation batch from host
-    memory, copied like a loaded one (device memory stays the training run's). The samplers are
-    the real ones: the same steps per epoch, shards and validation counts as a run on files."""
+    """``--data_loader_config synthetic``: the rank's first training and validation batches, made
+    in memory (``datapipe.generated_data``) and served for every batch of their pass, the training
+    batch from device memory, the validation batch from host memory (copied like a loaded one);
+    the samplers are the real ones."""
     data = data_set(cfg)
     n_train, n_valid = data.generated_counts()
     sampler, valid_sampler = _samplers(cfg, data.shuffle, n_train, n_valid, dp_size, dp_rank,

@@ -16,6 +16,10 @@ A data class is made from the config (``data_class(cfg)``) and answers:
 - ``datasets(rows)``: the (training, validation) datasets read from the files;
 - ``generated_counts()``, ``describe_generated_counts()``, ``generated_batch(keys, split, rows)``:
   ``data_loader_config: synthetic``, batches made in memory (numpy, float32, raw values).
+
+A problem's module imports datapipe.synthetic (and what imports it) only where used: importing
+the package must not import datapipe.synthetic, which also runs as a script (python -m
+datapipe.synthetic) and would then run a second copy of itself.
 """
 from __future__ import annotations
 

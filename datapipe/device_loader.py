@@ -1,27 +1,19 @@
 """``data_loader_config: device`` (U-Net): the cosmology volumes held in the memory of the device
-the run trains on, each batch's crops cut and rotated there. What it is for, what it holds and
-when it refuses is in docs/performance.md ("Cosmology volumes on the device"); how it cuts:
+the run trains on, each batch's crops cut and rotated there (what for, and when it refuses:
+docs/performance.md, "Cosmology volumes on the device").
 
-Per batch the host draws each sample's window (crop corner and rotation,
-``CosmoCropDataset.window``) and sends the (B, 4) table to the device, which does the rest:
-
-- the crop and its rotation as one index: new grid axis k of a crop runs along old axis
-  ``perm[k]``, forwards or (``sign[k] < 0``) backwards, from the corner, so the voxel
-  (i0, i1, i2) of crop j is the volume's voxel at linear offset ``off[j, 0, i0] + off[j, 1, i1]
-  + off[j, 2, i2]`` (``off[j, k, i]``: the coordinate along old axis ``perm[k]`` times that axis's
-  stride) -- a (B, s, s, s) int64 index summed from three (B, s) rows;
-- the vector channels as vectors (``datapipe.rotations.channel_plan``): a (B, C) table of the
-  source channel of each output channel, and of its sign;
-- ONE advanced-indexing gather per field per batch,
-  ``volume.view(C, L^3)[src[:, :, None, None, None], index[:, None]]`` -> (B, C, s, s, s)
-  (index tensors broadcast, not materialised), then, only when a sample of the batch turns a
-  vector component backwards, one multiplication by the (B, C) signs (in half precision
-  storage, that multiplication or a cast makes the float32 batch).
+Per batch the host draws each sample's window (corner and rotation, ``CosmoCropDataset.window``)
+and sends the (B, 4) table to the device. New grid axis k of a crop runs along old axis
+``perm[k]``, backwards where ``sign[k] < 0``, so voxel (i0, i1, i2) of crop j is the volume's
+voxel at linear offset ``off[j, 0, i0] + off[j, 1, i1] + off[j, 2, i2]``: a (B, s, s, s) index
+summed from three (B, s) rows. One advanced-indexing gather per field per batch,
+``volume.view(C, L^3)[src[:, :, None, None, None], index[:, None]]``, takes the crops with the
+vector channels re-ordered (``datapipe.rotations.channel_plan``); one multiplication by the
+(B, C) signs follows only when a sample turns a vector component backwards.
 
 On a CPU with float32 storage (``method="copy"``) each crop is instead copied through its rotated
-view (``rotate_into``) over torch's intra-op threads: a CPU gathers slowly, while a copy runs
-along whole rows. Both ways give the same bits, those of the ``lowmem`` loaders, built first
-(never iterated), whose dataset and samplers decide the samples and their order.
+view (``rotate_into``) over torch's intra-op threads: a CPU gathers slowly. Both give the bits of
+the ``lowmem`` loaders, built first (never iterated), whose dataset and samplers decide them.
 """
 from __future__ import annotations
 
@@ -55,7 +47,6 @@ INDEX_DTYPE = torch.int64
 
 
 # ----------------------------------------------------------------------------- memory
-
 
 @dataclass
 class VolumeNeed:
@@ -128,16 +119,11 @@ def _cgroup_headroom() -> int | None:
 def host_available() -> int | None:
     """Bytes of host memory available to this process: MemAvailable of /proc/meminfo (within the
     cgroup's limit, when it sets one); elsewhere the free physical pages; None when unknown."""
-    available = None
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if available is None:
+            available = next(int(line.split()[1]) * 1024 for line in f
+                             if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
@@ -157,7 +143,6 @@ def free_memory(device: torch.device) -> int | None:
 
 
 # ----------------------------------------------------------------------------- the volumes
-
 
 def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torch.Tensor:
     """The first ``n`` channels of dataset ``name`` of ``path`` as a (n, L, L, L) tensor of
@@ -187,11 +172,9 @@ def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torc
 
 class CropGather:
     """The volumes of one split on the device, and the batch cut from them (module docstring):
-    ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation).
-    ``method``: "copy" (a copy per crop through its rotated view) where it can (CPU, float32
-    storage), else "gather" (one indexed gather per field).
-    ``memory_format``: the layout the batches are written in (``torch.channels_last_3d``: the
-    gather's index runs over (B, s, s, s, C), whose (B, C, s, s, s) view is channels-last)."""
+    ``gather(windows)`` with ``windows`` a (B, 4) int64 array of (corner x, y, z, rotation), by
+    ``method`` "copy" (CPU, float32 storage) or "gather", in ``memory_format`` (channels-last:
+    the gather's index runs over (B, s, s, s, C))."""
 
     def __init__(self, dataset: CosmoCropDataset, device, dtype: torch.dtype,
                  memory_format: torch.memory_format = torch.contiguous_format):

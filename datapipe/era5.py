@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 
-# datapipe.generated_data and datapipe.synthetic are imported where used: importing the package
-# (which imports this module) must not import datapipe.synthetic, which also runs as a script
-# (python -m datapipe.synthetic) and would then run a second copy of itself.
+# datapipe.generated_data and datapipe.synthetic are imported where used (datapipe/data_sets.py)
 from datapipe.data_sets import register
 from datapipe.era5_data import ERA5Dataset
 from settings.config import ViTConfig
@@ -42,7 +40,7 @@ class ERA5Data:
     def synthetic_files(self) -> list[str]:
         """What ``synthesize`` writes, relative to data_root (make_era5's default years)."""
         from datapipe import synthetic
-        return synthetic.era5_files()
+        return list(synthetic.era5_plan())
 
     def datasets(self, rows=None):
         """Training and validation sets; ``rows`` limits the training samples to that band of

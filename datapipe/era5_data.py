@@ -1,23 +1,15 @@
-"""ERA5 input/target pairs read from per-year HDF5 files, as the tutorial data is stored
-(docs/data.md: the format, row bands, and which files are read by byte offset).
+"""ERA5 input/target pairs read from per-year HDF5 files (docs/data.md: the format, row bands,
+and which files are read by byte offset, over how many threads).
 
-A sample is the state at step t and the state at t + dt of the same year, cropped to
-``img_size``, as stored (float32, not normalised: ``ERA5Task.device_batch`` normalises on the
-device). Every valid pair (t, t + dt), t in [0, T - dt), of every year is one index. With
-``steps`` N > 1 (rollout training) the target is the N states t + dt, ..., t + N dt of the same
-year, (N, C, H, W), and t runs over [0, T - N dt).
-``rows=(start, stop)`` limits a dataset to that band of image rows (a model-parallel rank's,
-``ParallelViT.image_rows()``): only ``fields[t, :C, start:stop, :W]`` is read, or held in memory.
-
-Batches are read whole (``read_batch``) straight into the caller's batch buffer and checked for
-non-finite values (refused with one line naming the file, steps and rows). Where ``fields`` is
-plain little-endian float32 bytes at a known place in the file (``raw_layout``), they are read
-with ``os.preadv`` (a row band is one run of bytes per channel; a cropped width goes through a
-small bounce buffer), the 1 MB pieces of a batch shared by a few threads (``read_threads``: the
-reads release the GIL), each piece checked while still in cache. Any other file is read through
-h5py, hyperslab by hyperslab, converted to float32 by HDF5, and checked once per batch. File
-descriptors, h5py handles and threads belong to one process: a forked worker opens its own and
-starts its own threads at its first read; none is pickled.
+A sample is the state at step t and at t + dt of the same year, cropped to ``img_size``, as stored
+(float32, not normalised: ``ERA5Task.device_batch`` normalises on the device); every valid pair
+of every year is one index; with ``steps`` N > 1 (rollout training) the target is the N states
+t + dt, ..., t + N dt of the same year, (N, C, H, W). ``rows=(start, stop)`` reads (or holds)
+only that band of image rows.
+Batches are read whole into the caller's batch buffer and checked for non-finite values: by
+``os.preadv`` where ``fields`` is plain float32 bytes (``raw_layout``), each 1 MB piece checked
+while still in cache; else through h5py, checked once per batch. File descriptors, h5py handles
+and threads belong to one process: a forked worker opens its own at its first read.
 """
 from __future__ import annotations
 
@@ -304,12 +296,9 @@ MAX_READ_THREADS = 4
 
 
 def read_threads() -> int:
-    """Threads that read a batch in this process, the CPUs it may run on shared out.
-
-    Without loader workers (the main process reads) up to ``MAX_READ_THREADS``. In a torch
-    DataLoader worker the CPUs are shared by its ``num_workers``. In any other child process of
-    ``multiprocessing`` (``datapipe.batch_pool`` workers, DALI's) the number of processes reading
-    beside it is unknown, and the loader already reads in parallel across them: one thread."""
+    """Threads that read a batch in this process: up to ``MAX_READ_THREADS`` in the main process,
+    the CPUs shared by ``num_workers`` in a torch DataLoader worker, and one in any other child
+    process (``datapipe.batch_pool``'s workers, DALI's), which already read in parallel."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

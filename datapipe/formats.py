@@ -1,10 +1,8 @@
 """Facts about the on-disk data formats, shared by the loaders and the synthetic generator
-(numpy only, so the generator's command line starts fast)."""
+(numpy and the settings only, so the generator's command line starts fast)."""
 import numpy as np
 
-# ERA5 channels of `fields` (T, C, H, W), in file order.
-ERA5_CHANNELS = ("u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
-                 "v850", "z850", "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv")
+from settings.config import ERA5_CHANNELS  # noqa: F401  (the settings name them too)
 
 # Cosmology: channels that are the (x, y, z) components of a velocity; component k lies along
 # array axis k + 1 of a (C, X, Y, Z) volume.

@@ -1,16 +1,9 @@
-"""The data of ``--data_loader_config synthetic`` (compute only; docs/performance.md: counts,
-what a rank makes), made in memory by the synthetic generator (``datapipe.synthetic``) as the
-samples of the real formats:
-
-- ERA5: training sample i is the state at step i of the generator's trajectory for ``seed``
-  (``synthetic_steps_per_year`` steps a year, from the first training year that
-  ``python -m datapipe.synthetic era5`` writes) and its target the state ``dt`` steps later;
-  validation samples follow the last training target. Values are raw (SI-like units), like the
-  files; the normalisation statistics are the mean and std of ``ERA5_STATS_STEPS`` steps spread
-  over one year.
-- Cosmology: crops (rotated, for training) cut by the dataset's own code from the training and
-  validation boxes that ``python -m datapipe.synthetic cosmo`` writes for the seed, of side
-  ``synthetic_size`` (at least ``data_size``).
+"""The data of ``--data_loader_config synthetic`` (docs/performance.md: counts, what a rank
+makes): the samples the synthetic generator (``datapipe.synthetic``) writes, made in memory. ERA5:
+training sample i is step i of the seed's trajectory from the first training year (raw values),
+validation samples follow the last training target, and the statistics are those of
+``ERA5_STATS_STEPS`` steps spread over a year. Cosmology: the files' crops, cut by the dataset's
+own code from the boxes of side ``synthetic_size`` (at least ``data_size``).
 """
 from __future__ import annotations
 
@@ -63,8 +56,8 @@ def _era5_stats(img_size: tuple, steps_per_year: int, seed: int, start: int):
 
 
 def era5_stats(cfg: ViTConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Normalisation means and stds of the generated fields, as (C, 1, 1) float32 arrays for the
-    first max(n_in, n_out) channels (the shape ``era5_data.load_stats`` returns)."""
+    """Normalisation means and stds of the generated fields, as ``era5_data.load_stats`` returns
+    them."""
     mean, std = _era5_stats(tuple(cfg.img_size), cfg.synthetic_steps_per_year, cfg.seed,
                             _era5_start(cfg))
     c = max(cfg.n_in_channels, cfg.n_out_channels)

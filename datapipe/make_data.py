@@ -1,10 +1,7 @@
 """Synthetic data made for a run that asks for it (``synthesize_if_missing``): once, however
-many runs need the same data set at the same time.
-
-Runs that start at once (a job array, a sweep) take turns on ``<data_root>.lock`` (``flock``):
-the first makes the set, in a staging directory beside data_root that is renamed into place once
-complete, so a data_root is either absent or whole; the others find it made. Within a run, rank 0
-makes it while the other ranks wait.
+many runs need it at the same time. Runs that start at once take turns on ``<data_root>.lock``
+(``flock``): the first makes the set in a staging directory beside data_root, renamed into place
+once complete (a data_root is absent or whole); the others find it made.
 """
 from __future__ import annotations
 
@@ -37,10 +34,9 @@ SYNTHESIS_WAIT = datetime.timedelta(hours=24)
 
 
 def make_data_once(cfg: Config, others: str = "") -> bool:
-    """Make the synthetic data set at data_root unless it is there (module docstring); True when
-    this process made it. The set is written into ``<data_root>.staging-<host>-<pid>``, so a maker
-    that dies leaves only that, which the next maker removes. A data_root that cannot be written
-    is a ConfigError naming the path."""
+    """Make the synthetic data set at data_root unless it is there; True when this process made
+    it. A maker that dies leaves only ``<data_root>.staging-<host>-<pid>``, which the next one
+    removes. A data_root that cannot be written is a ConfigError naming the path."""
     root = os.path.realpath(cfg.data_root)
     parent, name = os.path.split(root)
     try:
@@ -124,11 +120,9 @@ def _remove_leftovers(parent: str, name: str):
 
 
 def _publish(staging: str, root: str, name: str):
-    """Rename the complete set ``staging`` to ``root``: one step when ``root`` does not exist or
-    is an empty directory. An earlier, incomplete synthetic set there is moved aside, checked
-    again (``datapipe.synthetic.check_target`` against what ``staging`` holds: a file added since
-    the check before synthesis is not the generator's) and only then removed; one that fails goes
-    back to ``root`` untouched (ConfigError naming the files, ``name`` naming data_root)."""
+    """Rename the complete set ``staging`` to ``root``. An earlier, incomplete synthetic set there
+    is moved aside, checked again (a file added since the first check is not the generator's)
+    and only then removed; one that fails goes back to ``root`` untouched (a ConfigError)."""
     try:
         os.rename(staging, root)
     except OSError as e:
@@ -158,11 +152,9 @@ def has_data(cfg: Config) -> bool:
 
 
 def check_synthesis_target(cfg: Config):
-    """Synthesis writes only into a new or empty data_root, or one it made itself (marked with
-    ``SYNTHETIC_MARK``) that holds nothing but what the generator writes (the data set's
-    ``synthetic_files``): never over or beside a user's files (``datapipe.synthetic.check_target``,
-    the rule its command follows too). Otherwise a ConfigError says what is missing, or which
-    files are in the way."""
+    """``datapipe.synthetic.check_target`` for data_root and the data set's ``synthetic_files``:
+    never over or beside a user's files; a ConfigError says what is missing, or what is in the
+    way."""
     root, data = cfg.data_root, data_set(cfg)
     listed = getattr(data, "synthetic_files", None)  # none listed: a marked root is never replaced
     synthetic.check_target(

@@ -1,17 +1,11 @@
 """The 24 proper rotations of a cube, applied to (C, X, Y, Z) volumes with vector channels.
 
-A rotation here is a signed permutation matrix R with det(R) = +1: new axis i is old axis
-``perm[i]`` times ``sign[i]``. Rotating a field f by R gives f'(x) = f(R^-1 x): the grid moves.
-A vector field also turns: v'(x) = R v(R^-1 x), so its components are permuted and sign-flipped
-exactly like the axes. Moving the voxels without turning the vectors (what a plain "rotate the
-array" augmentation does) gives a sample that no physical simulation could produce.
-
-Two ways to apply one: ``rotate_into`` copies a volume into another buffer through a rotated view
-(a crop of a volume held in memory); ``rotate_in_place`` turns a volume where it lies (a crop just
-read from the file into its slot of a batch): the channels are permuted by whoever fills the
-buffer (``channel_plan`` says from where), and the grid is turned block by block along the cycles
-in which the rotation moves the blocks, through two block-sized scratch buffers (a few hundred kB,
-in cache) instead of a second copy of the volume.
+A rotation is a signed permutation matrix R with det(R) = +1: new axis i is old axis ``perm[i]``
+times ``sign[i]``. A field turns as f'(x) = f(R^-1 x); a vector field also as v'(x) = R v(R^-1 x),
+its components permuted and sign-flipped like the axes (moving the voxels alone gives a sample no
+simulation could produce). ``rotate_into`` copies a volume through a rotated view into another
+buffer; ``rotate_in_place`` turns one where it lies, block by block, through two block-sized
+scratch buffers instead of a second copy of the volume.
 """
 from __future__ import annotations
 
@@ -48,10 +42,8 @@ def rotated_grid(x: np.ndarray, rot) -> np.ndarray:
 
 
 def rotate_into(x: np.ndarray, rot, vector_channels, out: np.ndarray) -> np.ndarray:
-    """Rotate a (C, X, Y, Z) array by ``rot`` into ``out`` (the rotated shape, not overlapping ``x``),
-    one pass: every channel is copied once from the rotated view; channels in
-    ``vector_channels`` (the x, y, z components, in that order) are turned as a vector
-    (``channel_plan``)."""
+    """Rotate a (C, X, Y, Z) array by ``rot`` into ``out`` (not overlapping ``x``), each channel
+    copied once from the rotated view; ``vector_channels`` (x, y, z) turned as a vector."""
     v = rotated_grid(x, rot)
     source, signs = channel_plan(rot, tuple(vector_channels), x.shape[0])
     for c, (src, s) in enumerate(zip(source, signs)):
@@ -63,8 +55,7 @@ def rotate_into(x: np.ndarray, rot, vector_channels, out: np.ndarray) -> np.ndar
 
 
 def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
-    """Rotate a (C, X, Y, Z) array by ``rot`` (see ``rotate_into``); returns a new contiguous
-    array."""
+    """``rotate_into`` a new contiguous array."""
     out = np.empty(rotated_grid(x, rot).shape, dtype=x.dtype)
     return rotate_into(x, rot, vector_channels, out)
 
@@ -73,8 +64,7 @@ def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
 def channel_plan(rot, vector_channels: tuple, n_channels: int):
     """How turning a (C, ...) array by ``rot`` moves its channels: output channel c is input
     channel ``source[c]`` times ``signs[c]`` (new vector component i is sign[i] times old component
-    perm[i]; every other channel stays where it was, times 1). Returns ``(source, signs)``, a
-    tuple of ints and a float32 array of shape (C,)."""
+    perm[i]). Returns ``(source, signs)``: a tuple of ints, a float32 (C,) array."""
     perm, sign = rot
     source, signs = list(range(n_channels)), np.ones(n_channels, np.float32)
     for i, c in enumerate(vector_channels):
@@ -137,13 +127,9 @@ def _block_cycles(side: int, rot, block: int | None) -> tuple:
 
 def rotate_in_place(a: np.ndarray, rot, signs=None, block: int | None = None) -> np.ndarray:
     """Turn the grid of a (C, S, S, S) array by ``rot`` where it lies, and multiply channel c by
-    ``signs[c]`` (``channel_plan``; None: all 1). Channels are not permuted (fill them from
-    ``channel_plan``'s sources first). The cube is cut into blocks that the rotation moves onto
-    one another (slabs for flips alone, else cubes; ``block`` voxels wide, by default the size
-    measured fastest, at most an eighth of the volume); each cycle of blocks is turned through
-    two scratch blocks: every voxel is copied out to a scratch block (in cache) and back turned,
-    and no second buffer of the volume is made. Equals ``rotate_volume`` of the array with its
-    vector channels taken from ``channel_plan``'s sources."""
+    ``signs[c]`` (``channel_plan``; None: all 1); channels are not permuted (fill them from
+    ``channel_plan``'s sources first). Each cycle of the blocks the rotation moves onto one another
+    (``block`` voxels wide, by default ``_blocking``'s) is turned through two scratch blocks."""
     c, side = a.shape[0], a.shape[1]
     if a.shape[1:] != (side, side, side):
         raise ValueError(f"rotate_in_place turns cubes (C, S, S, S), not {a.shape}")

@@ -1,26 +1,20 @@
-"""Synthetic ERA5 and cosmology data in exactly the on-disk formats of the real data sets.
+"""Synthetic ERA5 and cosmology data in exactly the on-disk formats of the real data sets (the
+files, the command line and where it may write: docs/data.md, "Synthetic data").
 
-The files, their datasets and shapes, the command line and where it may write are in
-docs/data.md ("Synthetic data"); the loaders read real and synthetic files the same way.
+ERA5: row j is at latitude 90 - j*180/(H-1) degrees (north pole first), column i at longitude
+360*i/W degrees (periodic); statistics are over the training years. Cosmology (after Harrington
+et al. 2021): vector component k (x, y, z) lies along array axis k + 1 of a (C, X, Y, Z) volume;
+every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the network's tanh output.
 
-ERA5 (Vision Transformer): channels ``ERA5_CHANNELS`` in SI-like units (m/s, K, Pa, m^2/s^2, %,
-kg/m^2). Row j is at latitude 90 - j*180/(H-1) degrees (north pole first, south pole last),
-column i at longitude 360*i/W degrees (periodic). Statistics are over the training years.
-
-Cosmology (3D U-Net, after Harrington et al. 2021): vector component k (x, y, z) lies along array
-axis k + 1 of the (C, X, Y, Z) volume; the vector channels are ``NBODY_VECTOR_CHANNELS`` and
-``HYDRO_VECTOR_CHANNELS``. Every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of
-the network's tanh output. Hydro channel 0 is clip(ln(rho_gas / mean) / 14, -0.95, 0.95), so
-exp(14 x) is the gas overdensity.
-
-Both generators are deterministic for a seed (numpy Generators seeded from a SeedSequence), write
-every file under a temporary name in its final directory and move it into place with os.replace,
-and generate in slices (time steps, channels) so that large grids fit in memory. The command
-writes only where ``check_target`` allows, and marks the directory with ``SYNTHETIC_MARK``.
+Both generators are deterministic for a seed, write every file under a temporary name moved into
+place with os.replace, and generate in slices (time steps, channels) so that large grids fit in
+memory.
 """
 import contextlib
 import os
 import re
+import shlex
+import sys
 
 import h5py
 import numpy as np
@@ -54,7 +48,7 @@ _N_S = 0.965  # primordial spectral index
 _FAH = 50.0  # growth rate times a*H, km/s per Mpc/h: v(k) = i f a H delta(k) k / k^2
 _VEL_SCALE = 250.0  # km/s per unit of a velocity channel
 _NBODY_LOG_SCALE = 4.0  # Nbody channel 0 = ln(rho_m / mean) / 4
-_GAS_LOG_SCALE = 14.0  # Hydro channel 0 = ln(rho_gas / mean) / 14
+_GAS_LOG_SCALE = 14.0  # Hydro channel 0 = ln(rho_gas / mean) / 14: exp(14 x) is the overdensity
 _JEANS_MPC = 1.5  # Gaussian (pressure) smoothing of the gas density and velocity, Mpc/h
 _GAS_BIAS = 1.4  # rho_gas ~ (smoothed rho_m)^1.4
 _GAS_GAMMA = 1.6  # T ~ rho_gas^(gamma - 1)
@@ -78,14 +72,30 @@ def _atomic_path(path):
 # ------------------------------------------------------------------ where synthetic data may go
 
 SYNTHETIC_MARK = "SYNTHETIC.txt"  # in a directory of synthetic data: it may be written again
+_WRITTEN_BY = "Synthetic data written by "  # the mark's first line: then what wrote the data
+CLI_MARK = ("{command}\nIt may be written again here (with files of other shapes only with "
+            "--replace), and a training run with synthesize_if_missing may regenerate it.")
+RUN_MARK = "a training run (synthesize_if_missing)\nIt may be regenerated here."
 
 
 def write_mark(out_dir, text):
-    """Mark ``out_dir`` as synthetic data (``SYNTHETIC_MARK``, holding ``text``), before any data
-    is written there: a writer that stops part-way leaves a directory that may be written again."""
+    """Mark ``out_dir`` as synthetic data written by ``text`` (its first line: what wrote it),
+    before any data is written there: a writer that stops part-way leaves a directory that may
+    be written again."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, SYNTHETIC_MARK), "w") as f:
-        f.write(text.rstrip("\n") + "\n")
+        f.write(_WRITTEN_BY + text.rstrip("\n") + "\n")
+
+
+def made_by(out_dir) -> str | None:
+    """What wrote the synthetic data in ``out_dir``, as its mark says (None: not marked)."""
+    try:
+        with open(os.path.join(out_dir, SYNTHETIC_MARK)) as f:
+            first = f.readline().strip()
+    except OSError:
+        return None
+    # marks written before the writer's command was recorded: "<writer>; it may ..."
+    return first.removeprefix(_WRITTEN_BY).split("; it may")[0] or "an unnamed writer"
 
 
 def list_files(root):
@@ -100,12 +110,11 @@ def list_files(root):
 
 
 def check_target(out_dir, files, name, option, unmarked):
-    """The rule of every writer of synthetic data (this module's command, a training run's
-    ``synthesize_if_missing``): it writes only into a new or empty directory, or into one marked
-    with ``SYNTHETIC_MARK`` that holds nothing but the mark and ``files`` (paths relative to
-    ``out_dir``), so that no file the generator did not make is lost. Otherwise a ConfigError:
-    ``name`` names the directory (``--out DIR``), ``option`` chooses another, ``unmarked`` is
-    the refusal of a directory that holds files but no mark."""
+    """The rule of every writer of synthetic data (this module's command, a run's
+    ``synthesize_if_missing``): only into a new or empty directory, or one marked with
+    ``SYNTHETIC_MARK`` that holds nothing but the mark and ``files`` (relative to ``out_dir``).
+    Otherwise a ConfigError: ``name`` names the directory, ``option`` chooses another,
+    ``unmarked`` refuses a directory with files but no mark."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"{name} is a file, not a directory: choose a directory")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
@@ -121,37 +130,54 @@ def check_target(out_dir, files, name, option, unmarked):
                           f"nothing else is): move them out, or choose another {option}")
 
 
+def _stored_shapes(path) -> dict | None:
+    """{dataset: shape} of an HDF5 file, {None: shape} of a .npy array; None if unreadable."""
+    try:
+        if path.endswith(".npy"):
+            return {None: np.load(path, mmap_mode="r").shape}
+        with h5py.File(path, "r") as f:
+            return {name: f[name].shape for name in f}
+    except Exception:  # noqa: BLE001 - whatever is not the array it should be differs from it
+        return None
+
+
+def _shapes_text(shapes) -> str:
+    return "  ".join(f"{name} {tuple(shape)}" if name else str(tuple(shape))
+                     for name, shape in shapes.items())
+
+
+def check_same_shapes(out_dir, plan, out):
+    """Refuse (ConfigError) to write over synthetic files whose shapes differ from ``plan``'s
+    ({path relative to ``out_dir``: {dataset: shape}}): another data set, which a run may use."""
+    for rel, shapes in plan.items():
+        path = os.path.join(out_dir, rel)
+        if os.path.lexists(path) and (found := _stored_shapes(path)) != shapes:
+            raise ConfigError(f"{out} holds synthetic data of other shapes than this command "
+                              f"writes ({rel}: {_shapes_text(found) if found else 'unreadable'}, "
+                              f"not {_shapes_text(shapes)}): add --replace to write over it, or "
+                              f"choose another --out")
+
+
 # ----------------------------------------------------------------------------------------- ERA5
 
 def era5_zonal_speed(lat_deg):
-    """Eastward drift of the anomalies, degrees of longitude per 6-hour step, at ``lat_deg``.
-
-    A broad jet peaking at 45 degrees in each hemisphere (16 degrees/step) over a 6 degrees/step
-    background: 1.25 to 2.85 grid cells per step on a 32 x 64 grid, whatever the resolution.
-    """
+    """Eastward drift of the anomalies, degrees of longitude per 6-hour step, at ``lat_deg``: a
+    jet peaking at 45 degrees (16 degrees/step) over a 6 degrees/step background."""
     lat = np.abs(np.asarray(lat_deg, dtype=np.float64))
     return 6.0 + 10.0 * np.exp(-((lat - 45.0) / 30.0) ** 2)
 
 
 def era5_geostrophic_factor(lat_deg):
-    """The factor K (seconds) that replaces 1/f in u = -K/R dz/dphi, v = K/(R cos phi) dz/dlambda.
-
-    K = sin(phi) / (2 Omega (sin^2 phi + 0.25^2)) equals 1/f away from the tropics, is bounded
-    everywhere and goes smoothly through 0 at the equator instead of diverging.
-    """
+    """K (seconds), for 1/f in u = -K/R dz/dphi, v = K/(R cos phi) dz/dlambda: K = sin(phi) /
+    (2 Omega (sin^2 phi + 0.25^2)) is 1/f away from the tropics and goes smoothly through 0."""
     s = np.sin(np.deg2rad(np.asarray(lat_deg, dtype=np.float64)))
     return s / (2.0 * OMEGA * (s * s + _CORIOLIS_FLOOR ** 2))
 
 
 def _zonal_mean_state(phi, season):
     """Zonal-mean geopotential of 1000, 850, 500, 50 hPa (m^2/s^2): (T, 4, H) for phi (H,) in
-    radians and season (T,) in [-1, 1] (+1 at northern midsummer).
-
-    Built upwards with the hypsometric equation z_top - z_bottom = R_d T_layer ln(p_bottom/p_top)
-    from a 1000 hPa field with subtropical highs and subpolar lows, a 1000-500 hPa layer that is
-    cold at the poles and warm in the summer hemisphere, and a stratosphere with a cold winter
-    pole (polar vortex).
-    """
+    radians and season (T,) in [-1, 1] (+1 at northern midsummer), built upwards with the
+    hypsometric equation from subtropical highs and subpolar lows at 1000 hPa."""
     s = season[:, None]
     sin = np.sin(phi)[None, :]
     alat = np.abs(np.rad2deg(phi))[None, :]
@@ -174,26 +200,14 @@ def _magnus(t_kelvin):
 class _Era5Model:
     """A seeded atmosphere in closed form: ``fields(t)`` evaluates any steps of the trajectory.
 
-    Three latent anomalies -- psi (dynamical, shared by all geopotential levels), tau (thermal,
-    raises the upper levels) and q (a moisture tracer) -- are each a sum over 17 latitude bands
-    (Gaussians of e-folding half-width 14 degrees centred every 10 degrees from 80S to 80N) and
-    zonal wavenumbers m <= 20:
-
-        core(phi, lambda, t) = sum_n B_n(phi) Re sum_m a_nm env_nm(t) exp(i m (lambda - c_n t)),
-
-    with seeded complex amplitudes a_nm (red spectrum, strongest in the midlatitude storm
-    tracks). Band n drifts east at c_n = era5_zonal_speed(band latitude), so every row moves
-    with (a smooth blend of) the local jet speed, yet the field stays smooth in latitude forever:
-    a per-row shift would shear the field into ever finer filaments, a per-band one cannot.
-    env = 1 + 0.3 sin(2 pi t / P + phase) with periods P of 25-150 days is a mild growth and
-    decay. Anomalies are multiplied by cos(phi) (single-valued at the poles) and by
-    1 - 0.25 season sin(phi) (stronger in the winter hemisphere).
-
-    Time t counts 6-hour steps from EPOCH_YEAR; a year file holds steps (year - EPOCH_YEAR) T
-    to (year - EPOCH_YEAR + 1) T - 1 of one trajectory per seed, so each year continues the
-    previous one exactly. The seasonal cycle spans one year file whatever T is; the diurnal
-    cycle has a period of 4 steps. All coefficients are drawn for the full spectrum before the
-    grid is known, so one seed gives the same physical fields at every resolution.
+    Three latent anomalies (psi dynamical, tau thermal, q a moisture tracer) are each a sum over
+    17 latitude bands and zonal wavenumbers m <= 20:
+    core(phi, lambda, t) = sum_n B_n(phi) Re sum_m a_nm env_nm(t) exp(i m (lambda - c_n t)).
+    Each band drifts at its own jet speed c_n: a per-row shift would shear the field into ever
+    finer filaments, a per-band one cannot. Time t counts 6-hour steps from EPOCH_YEAR, so each
+    year file continues the previous one; the seasonal cycle spans a year file, the diurnal one 4
+    steps. The coefficients are drawn for the full spectrum before the grid is known: one seed
+    gives the same physical fields at every resolution.
     """
 
     def __init__(self, img_size, steps_per_year, seed):
@@ -328,39 +342,27 @@ def era5_fields(steps, img_size, steps_per_year, seed=0):
     return out
 
 
-_ERA5_STATS = ("global_means", "global_stds", "time_means")
-
-
-def _year_file(split, year):
-    return os.path.join(split, f"{year}.h5")
-
-
-def _stats_file(name):
-    return os.path.join("stats", f"{name}.npy")
-
-
-def era5_files(train_years=YEARS["train"], valid_years=YEARS["valid"], test_years=YEARS["test"]):
-    """The files make_era5 writes for these years, as paths relative to its ``out_dir``."""
+def era5_plan(img_size=(32, 64), steps_per_year=256, train_years=YEARS["train"],
+              valid_years=YEARS["valid"], test_years=YEARS["test"]):
+    """What make_era5 writes: {path relative to its ``out_dir``: {dataset: shape}} (None: the
+    array of a .npy file)."""
+    h, w, nc = int(img_size[0]), int(img_size[1]), len(ERA5_CHANNELS)
     splits = {"train": train_years, "valid": valid_years, "test": test_years}
-    return ([_year_file(split, int(y)) for split, years in splits.items() for y in years]
-            + [_stats_file(name) for name in _ERA5_STATS])
+    plan = {os.path.join(split, f"{int(y)}.h5"): {"fields": (int(steps_per_year), nc, h, w)}
+            for split, years in splits.items() for y in years}
+    for name, shape in (("global_means", (1, nc, 1, 1)), ("global_stds", (1, nc, 1, 1)),
+                        ("time_means", (1, nc, h, w))):
+        plan[os.path.join("stats", f"{name}.npy")] = {None: shape}
+    return plan
 
 
 def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS["train"],
               valid_years=YEARS["valid"], test_years=YEARS["test"], seed=0, mark=None):
-    """Write synthetic ERA5 year files and normalisation statistics under ``out_dir``.
-
-    Every year file holds ``steps_per_year`` 6-hourly steps of one trajectory per seed (see
-    _Era5Model): step 0 of a year follows the last step of the year before it, and valid/test
-    years are later (or earlier) stretches of the same trajectory as the training years. The
-    statistics are population mean/std over (time, lat, lon) of the stored training values.
-
-    ``mark``: the text of a ``SYNTHETIC_MARK`` written into ``out_dir`` once the arguments are
-    checked, before any data (None: no mark).
-
-    Returns {"train"/"valid"/"test": [year file paths], "global_means"/"global_stds"/
-    "time_means": stats paths, "files": [(path, {dataset: shape})] in the order written}.
-    """
+    """Write synthetic ERA5 year files (``steps_per_year`` 6-hourly steps of one trajectory per
+    seed, years continuing each other) and the population mean/std over (time, lat, lon) of the
+    stored training values under ``out_dir``; ``mark``: what writes them (``write_mark``, once
+    the arguments are checked; None: no mark). Returns {"train"/"valid"/"test": [year file
+    paths], "global_means"/"global_stds"/"time_means": stats paths}."""
     h, w = (int(v) for v in img_size)
     steps_per_year = int(steps_per_year)
     if h < 2 or w < 4:
@@ -382,12 +384,12 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
     nc = len(ERA5_CHANNELS)
     chunk = min(steps_per_year, _era5_chunk(h, w))
     ref, s1, s2, time_sum, count = None, np.zeros(nc), np.zeros(nc), np.zeros((nc, h, w)), 0
-    result = {"files": []}
+    result = {}
     for split, split_years in splits.items():
         os.makedirs(os.path.join(out_dir, split), exist_ok=True)
         result[split] = []
         for year in split_years:
-            path = os.path.join(out_dir, _year_file(split, year))
+            path = os.path.join(out_dir, split, f"{year}.h5")
             t0 = (year - EPOCH_YEAR) * steps_per_year
             with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
                 dset = f.create_dataset("fields", (steps_per_year, nc, h, w), dtype=np.float32)
@@ -405,7 +407,6 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
                         time_sum += x.sum(axis=0)
                         count += stop - start
             result[split].append(path)
-            result["files"].append((path, {"fields": (steps_per_year, nc, h, w)}))
 
     n = count * h * w
     mean = ref + s1 / n
@@ -413,13 +414,10 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
     stats = {"global_means": mean.reshape(1, nc, 1, 1), "global_stds": std.reshape(1, nc, 1, 1),
              "time_means": (time_sum / count)[None]}
     os.makedirs(os.path.join(out_dir, "stats"), exist_ok=True)
-    for name in _ERA5_STATS:
-        array = stats[name]
-        path = os.path.join(out_dir, _stats_file(name))
-        with _atomic_path(path) as tmp, open(tmp, "wb") as f:
+    for name, array in stats.items():
+        result[name] = os.path.join(out_dir, "stats", f"{name}.npy")
+        with _atomic_path(result[name]) as tmp, open(tmp, "wb") as f:
             np.save(f, array.astype(np.float32))
-        result[name] = path
-        result["files"].append((path, {None: array.shape}))
     return result
 
 
@@ -500,35 +498,30 @@ def cosmo_box(size, seed=0, split="train"):
     return arrays["Nbody"], arrays["Hydro"]
 
 
-def cosmo_files(train_name="train.h5", val_name="valid.h5"):
-    """The files make_cosmo writes with these names, as paths relative to its ``out_dir``."""
-    return [train_name, val_name]
+def cosmo_plan(train_size=64, val_size=64, train_name="train.h5", val_name="valid.h5"):
+    """What make_cosmo writes, as ``era5_plan`` says it."""
+    return {name: {dataset: (n,) + (int(size),) * 3 for dataset, n in _COSMO_CHANNELS.items()}
+            for name, size in ((train_name, train_size), (val_name, val_size))}
 
 
 def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5",
                val_name="valid.h5", mark=None):
-    """Write independent training and validation boxes (N-body inputs, hydro targets).
-    ``mark``: as make_era5's.
-
-    Returns {"train": path, "valid": path, "files": [(path, {dataset: shape})]}.
-    """
+    """Write independent training and validation boxes (N-body inputs, hydro targets); ``mark``:
+    as make_era5's. Returns {"train": path, "valid": path}."""
     for name, size in (("train_size", train_size), ("val_size", val_size)):
         if int(size) < 8:
             raise ValueError(f"{name} must be at least 8 voxels, got {size}")
     os.makedirs(out_dir, exist_ok=True)
     if mark is not None:
         write_mark(out_dir, mark)
-    result = {"files": []}
+    result = {}
     for split, size, name in (("train", train_size, train_name), ("valid", val_size, val_name)):
-        path = os.path.join(out_dir, name)
-        shapes = {dataset: (n,) + (int(size),) * 3 for dataset, n in _COSMO_CHANNELS.items()}
-        with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        result[split] = os.path.join(out_dir, name)
+        with _atomic_path(result[split]) as tmp, h5py.File(tmp, "w") as f:
             datasets = {dataset: f.create_dataset(dataset, shape, dtype=np.float32)
-                        for dataset, shape in shapes.items()}
+                        for dataset, shape in cosmo_plan(size)["train.h5"].items()}
             for dataset, channel, field in _cosmo_fields(int(size), _cosmo_rng(seed, split)):
                 datasets[dataset][channel] = field
-        result[split] = path
-        result["files"].append((path, shapes))
     return result
 
 
@@ -557,17 +550,18 @@ def _ints(parser, name: str, values: list[str], length: int | None = None) -> li
     return out
 
 
-CLI_MARK = ("Synthetic data written by python -m datapipe.synthetic; it may be written again "
-            "here, and a training run with synthesize_if_missing may regenerate it.")
-RUN_MARK = ("Synthetic data written by this project's training run (synthesize_if_missing); it "
-            "may be regenerated here.")
-
-
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = OneLineParser(prog="python -m datapipe.synthetic", description=__doc__.split("\n")[0])
+    common = OneLineParser(add_help=False)
+    common.add_argument("--out", required=True, help="directory to write the files into")
+    common.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    common.add_argument("--replace", action="store_true",
+                        help="write over synthetic data of other shapes in --out (refused "
+                        "without it: another data set, which a run may use)")
     sub = parser.add_subparsers(dest="kind", required=True, metavar="{era5,cosmo}")
-    era5 = sub.add_parser("era5", help="ERA5-format year files and statistics for the ViT")
-    era5.add_argument("--out", required=True, help="directory to write the files into")
+    era5 = sub.add_parser("era5", parents=[common],
+                          help="ERA5-format year files and statistics for the ViT")
     lists = " (a list: 1 2 3, '[1,2,3]' or 1,2,3)"
     era5.add_argument("--img_size", nargs="+", default=["32", "64"], metavar="H W",
                       help="latitude x longitude grid, e.g. 32 64 or '[32,64]' (default: 32 64)")
@@ -578,46 +572,45 @@ def main(argv=None):
                           default=[str(y) for y in years],
                           help=f"years written under {split}/{lists} (default: "
                           f"{' '.join(map(str, years))})")
-    era5.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    cosmo = sub.add_parser("cosmo", help="N-body / hydro boxes for the 3D U-Net")
-    cosmo.add_argument("--out", required=True, help="directory to write the files into")
+    cosmo = sub.add_parser("cosmo", parents=[common], help="N-body / hydro boxes for the 3D U-Net")
     cosmo.add_argument("--train_size", type=int, default=64,
                        help="side in voxels of the training box (default: %(default)s)")
     cosmo.add_argument("--val_size", type=int, default=64,
                        help="side in voxels of the validation box (default: %(default)s)")
-    cosmo.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.kind == "era5":
         args.img_size = _ints(era5, "img_size", args.img_size, length=2)
         for name in ("train_years", "valid_years", "test_years"):
             setattr(args, name, _ints(era5, name, getattr(args, name)))
-        files = era5_files(args.train_years, args.valid_years, args.test_years)
+        plan = era5_plan(args.img_size, args.steps_per_year, args.train_years, args.valid_years,
+                         args.test_years)
     else:
-        files = cosmo_files()
+        plan = cosmo_plan(args.train_size, args.val_size)
     out = f"--out {args.out}"
+    mark = CLI_MARK.format(command=shlex.join(["python", "-m", "datapipe.synthetic", *argv]))
     try:
-        # Never over a user's files: only where this command (or a training run) wrote before.
-        check_target(args.out, files, out, "--out",
+        # Never over a user's files: only where this command (or a training run) wrote before,
+        # and over another synthetic set (other shapes) only when asked to.
+        check_target(args.out, plan, out, "--out",
                      f"{out} holds files but no {SYNTHETIC_MARK}, the mark of synthetic data "
                      f"written there before; synthetic data is written only into a new or empty "
                      f"directory, or over earlier synthetic data: choose another --out")
+        if not args.replace:
+            check_same_shapes(args.out, plan, out)
         if args.kind == "era5":
-            result = make_era5(args.out, tuple(args.img_size), args.steps_per_year,
-                               args.train_years, args.valid_years, args.test_years, args.seed,
-                               mark=CLI_MARK)
+            make_era5(args.out, tuple(args.img_size), args.steps_per_year, args.train_years,
+                      args.valid_years, args.test_years, args.seed, mark=mark)
         else:
-            result = make_cosmo(args.out, args.train_size, args.val_size, args.seed,
-                                mark=CLI_MARK)
+            make_cosmo(args.out, args.train_size, args.val_size, args.seed, mark=mark)
     except ValueError as e:  # ConfigError included
         refuse(str(e))
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
         refuse(f"{out}: cannot write there ({e.strerror or e}{where}): choose a directory you "
                 f"can write to, with free space")
-    for path, shapes in result["files"]:
-        desc = "  ".join(f"{name} {tuple(shape)}" if name else str(tuple(shape))
-                         for name, shape in shapes.items())
-        print(f"{path}  {desc} float32  {_format_size(os.path.getsize(path))}")
+    for rel, shapes in plan.items():
+        path = os.path.join(args.out, rel)
+        print(f"{path}  {_shapes_text(shapes)} float32  {_format_size(os.path.getsize(path))}")
 
 
 if __name__ == "__main__":

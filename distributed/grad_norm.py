@@ -1,16 +1,12 @@
 """The norm of the serial model's gradient, from the shards each rank holds, and clipping by it.
 
 A parameter split over some of a replica's axes (``param.shard_spec.axes``, e.g. ``("tp",)``)
-holds ``1 / shards`` of the serial parameter; the other ``copies = tp * cp / shards`` ranks of the
-replica hold the very same slice. After the gradient reduction (DDP's communication hook sums
-the partial gradients of replicated parameters over the axes in ``reduce_over``) every copy holds
-the same gradient, so each rank adds ``|grad|^2 / copies`` of its parameters and one all-reduce
-over the replica gives the serial squared norm, identical on every rank. Gradients are already
-averaged over data-parallel ranks at that point, so dp needs no reduction.
-
-Under FSDP (``fsdp``) each rank holds a dp slice of every averaged gradient, as a DTensor: the
-norm of the DTensors is this rank's part, and ``full_tensor()`` sums the squares over dp (one
-all-reduce of a scalar); with tp/cp the tp x cp all-reduce above is followed by one over dp.
+holds ``1 / shards`` of the serial parameter, and ``copies = tp * cp / shards`` ranks of the
+replica hold that very slice, with the same gradient once the partial gradients are summed
+(``reduce_over``): each rank adds ``|grad|^2 / copies`` of its parameters and one all-reduce over
+the replica gives the serial squared norm, identical on every rank. Gradients are averaged over
+dp already. Under FSDP (``fsdp``) each rank holds a dp slice of every gradient, as a DTensor:
+the squares are summed over dp as well (one all-reduce of a scalar).
 """
 from __future__ import annotations
 

@@ -3,23 +3,17 @@
 The ``world_size`` ranks form a tp x cp x dp grid with ``dp = world_size / (tp * cp)``.
 ``parallel_order`` names the three axes from fastest to slowest varying rank: with
 ``"tp-cp-dp"`` the tp ranks of a group are adjacent (ranks 0,1 | 2,3 for tp=2), which keeps the
-chattiest collectives (tp) inside a node. A rank's coordinates are::
+chattiest collectives (tp) inside a node::
 
     rank = c[order[0]] + size[order[0]] * (c[order[1]] + size[order[1]] * c[order[2]])
 
-Groups:
-
-* ``tp``: ranks that differ only in their tp coordinate (they shard heads / hidden units and,
-  between blocks, tokens),
-* ``cp``: ranks that differ only in their cp coordinate (they shard tokens),
-* ``dp``: ranks that differ only in their dp coordinate (they see different samples),
-* ``mp``: all tp x cp ranks with the same dp coordinate (one model replica); used for sums
-  over everything a replica shards (the loss, gradients of parameters replicated over both).
-
-``group_ranks`` computes the rank lists without any process group; ``build_groups`` creates the
-groups (a ``DeviceMesh`` with dims named tp/cp/dp) in one ``ParallelGroups`` object that layers
-receive explicitly. Without torch.distributed every group is :data:`SINGLE_PROCESS`, over which
-every collective is the identity (``None`` means the default group, as in torch.distributed).
+The ``tp``, ``cp`` and ``dp`` groups are the ranks that differ only in that coordinate; ``mp``
+is the tp x cp ranks of one model replica (sums over everything a replica shards: the loss,
+gradients of parameters replicated over both). ``group_ranks`` computes the rank lists without
+any process group; ``build_groups`` creates the groups (a ``DeviceMesh`` with dims named
+tp/cp/dp) in one ``ParallelGroups`` object that layers receive explicitly. Without
+torch.distributed every group is :data:`SINGLE_PROCESS`, over which every collective is the
+identity (``None`` means the default group, as in torch.distributed).
 """
 import datetime
 import inspect
@@ -119,8 +113,8 @@ def group_ranks(world_size: int, tensor_parallel: int = 1, context_parallel: int
 @dataclass
 class ParallelGroups:
     """Sizes, coordinates, rank lists and process groups (:data:`SINGLE_PROCESS` without
-    torch.distributed) of one rank in the tp x cp x dp grid. ``group(name)``, ``size(name)``,
-    ``rank_in(name)`` and ``ranks(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``."""
+    torch.distributed) of one rank in the tp x cp x dp grid. ``group(name)``, ``size(name)`` and
+    ``rank_in(name)`` accept ``"tp"``, ``"cp"``, ``"dp"`` and ``"mp"``."""
 
     tensor_parallel: int = 1
     context_parallel: int = 1
@@ -177,9 +171,6 @@ class ParallelGroups:
 
     def rank_in(self, name: str) -> int:
         return getattr(self, f"{self._check(name)}_rank")
-
-    def ranks(self, name: str) -> List[int]:
-        return list(getattr(self, f"{self._check(name)}_ranks"))
 
     def __deepcopy__(self, memo):
         return self  # process groups are shared handles; copies of a model (e.g. an EMA) share them

@@ -1,21 +1,17 @@
 """Tensor / context / sequence parallel layers of the ViT, and gradient reduction.
 
-Token tensors are ``(B, N, E)``. Inside a model replica the ``N`` tokens are split over cp in
-contiguous bands, in cp-rank order, which may differ in length (``ParallelAttention(band_tokens=
-...)``). With ``sequence_parallel=True`` each cp band is further split over tp between the
-column- and row-parallel linears (LayerNorm, residual adds, dropout), so every activation a
-block keeps is split over tp; inside attention and the MLP the band's tokens are gathered over
-tp while heads / hidden units are split over tp, and keys and values are gathered over cp. With
-``sequence_parallel=False`` (plain Megatron) the activations outside the linears are replicated
-over tp. docs/parallelism.md ("How model parallelism works") tells the whole layout.
+Token tensors are ``(B, N, E)``, split over cp in contiguous bands that may differ in length
+(``ParallelAttention(band_tokens=...)``) and, with ``sequence_parallel=True``, over tp between
+the column- and row-parallel linears; docs/parallelism.md ("How model parallelism works")
+tells the whole layout.
 
 Every parameter carries ``param.shard_spec`` (:class:`ShardSpec`: how it is cut out of the
 serial parameter of the same name) and ``param.reduce_over``: the axes (``"cp"``, ``"tp"``) over
 which identical copies of it see *different* tokens, so that each holds a partial gradient.
-Those are summed in one place: :func:`replicated_grads_comm_hook` (DDP) or
-:func:`reduce_replicated_grads` (without DDP), which also average every gradient over dp.
-Parallel layers are built from the serial ones (``from_serial``, same parameter names), so that
-replicated parameters are identical on every rank.
+Those are summed in one place: :func:`replicated_grads_comm_hook` under DDP,
+:func:`reduce_replicated_grad_shards` otherwise. Parallel layers take their weights from the
+serial model (``load_serial_state_dict``, same parameter names), so that replicated parameters
+are identical on every rank.
 """
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,13 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from distributed.groups import ParallelGroups
 from distributed.mappings import (all_gather_along, all_gather_fwd_reduce_scatter_bwd,
                                   all_reduce_fwd_identity_bwd, eager_apply,
                                   identity_fwd_all_reduce_bwd, reduce_scatter_along,
                                   reduce_scatter_fwd_all_gather_bwd)
-from networks.vit import patch_grid
+from networks.vit import PatchEmbed
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -84,12 +81,11 @@ class ShardSpec:
     """How a local parameter relates to the serial parameter of the same name.
 
     ``axes == ()``: replicated (the local tensor is the serial tensor). Otherwise the serial
-    tensor, viewed as ``view`` (or as is when ``view`` is None), is cut along ``dim`` into
-    ``prod(size(a) for a in axes)`` contiguous chunks of whole units of ``unit`` elements, whose
-    lengths differ by at most one unit (:func:`split_bounds`): equal chunks when they divide, as
-    for weights split over tp; ``unit`` = patch columns cuts tokens in whole patch rows. ``axes``
-    go from outer to inner, so with ``("cp", "tp")`` the rank keeps chunk ``cp_rank * tp +
-    tp_rank``. With a ``view`` the chunk is reshaped to ``(-1, *full_shape[1:])``.
+    tensor, viewed as ``view`` (if given), is cut along ``dim`` into ``prod(size(a) for a in
+    axes)`` contiguous chunks of whole units of ``unit`` elements, whose lengths differ by at
+    most one unit (:func:`split_bounds`; ``unit`` = patch columns cuts tokens in whole patch
+    rows), the rank's chosen by :func:`axes_index`. With a ``view`` the chunk is reshaped to
+    ``(-1, *full_shape[1:])``.
     """
 
     full_shape: Tuple[int, ...]
@@ -213,13 +209,10 @@ def serial_state_dict(module: nn.Module, groups: ParallelGroups, grads: bool = F
 # ---- gradient reduction of replicated parameters ----------------------------------------------
 
 def _reduce_key(param: nn.Parameter, groups: ParallelGroups) -> Optional[str]:
-    axes = {a for a in getattr(param, "reduce_over", ()) if groups.size(a) > 1}
-    if not axes:
-        return None
-    if axes == {"cp", "tp"}:
-        return "mp"  # the tp x cp group: one all-reduce instead of two
-    (axis,) = axes
-    return axis
+    """The group ``param``'s gradient is summed over: "mp" for both cp and tp (one all-reduce
+    instead of two), or None."""
+    axes = tuple(a for a in ("cp", "tp") if a in getattr(param, "reduce_over", ()) and groups.size(a) > 1)
+    return {("cp",): "cp", ("tp",): "tp", ("cp", "tp"): "mp"}.get(axes)
 
 
 def _all_reduce_coalesced(tensors, group, scale: Optional[float] = None):
@@ -248,32 +241,18 @@ def _reduce_marked(pairs, groups: ParallelGroups):
         _all_reduce_coalesced(by_key[key], groups.group(key))
 
 
-def reduce_replicated_grads(model: nn.Module, groups: ParallelGroups, average_dp: bool = True):
-    """Reduce gradients after ``backward`` when the model is not wrapped in DDP.
-
-    1. Parameters with ``reduce_over`` get their gradients summed over those axes (tp, cp or the
-       tp x cp group): each rank computed the gradient from its own tokens only.
-    2. With ``average_dp`` every gradient is averaged over dp (each dp rank saw other samples).
-
-    Same result as DDP with :func:`replicated_grads_comm_hook`. Missing gradients count as zero.
-    """
-    model = unwrap(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    _reduce_marked([(p, p.grad) for p in params], groups)
+def reduce_replicated_grad_shards(model: nn.Module, groups: ParallelGroups, average_dp: bool = False):
+    """After ``backward``, where no DDP hook (:func:`replicated_grads_comm_hook`) did it: sum the
+    gradients of parameters with ``reduce_over`` over those axes (each rank computed them from
+    its own tokens only). Under FSDP the gradients are DTensors, reduce-scattered and averaged
+    over dp: every tp/cp copy of a replicated parameter holds the same dp slice of it, so the
+    slices are summed as the whole gradients would be. Without FSDP or DDP, ``average_dp`` also
+    averages every gradient over dp, which gives what DDP with the hook gives."""
+    params = [p for p in unwrap(model).parameters() if p.grad is not None]
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    _reduce_marked(list(zip(params, grads)), groups)
     if average_dp and groups.dp_size > 1:
-        _all_reduce_coalesced([p.grad for p in params], groups.dp_group, scale=1.0 / groups.dp_size)
-
-
-def reduce_replicated_grad_shards(model: nn.Module, groups: ParallelGroups):
-    """The tp/cp sums of ``reduce_replicated_grads`` on gradients that FSDP has reduce-scattered
-    over dp (DTensors): every tp/cp copy of a replicated parameter holds the same dp slice of it,
-    so the slices are summed as the whole gradients would be. The dp average is FSDP's."""
-    pairs = [(p, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-             for p in unwrap(model).parameters() if p.grad is not None]
-    _reduce_marked(pairs, groups)
+        _all_reduce_coalesced(grads, groups.dp_group, scale=1.0 / groups.dp_size)
 
 
 def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -303,17 +282,13 @@ def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) 
 # ---- linear layers ----------------------------------------------------------------------------
 
 class _AllGatherLinear(torch.autograd.Function):
-    """``F.linear(all_gather(x, dim), w, b)`` that keeps only the local ``x`` for backward.
-
-    Forward: all-gather ``x`` along ``dim`` over ``group``, then the linear map.
-    Backward: grad_x = reduce-scatter(grad @ w) along ``dim``; grad_w needs the gathered input,
-    which is all-gathered again instead of being stored (Megatron-style sequence parallelism),
-    so the saved activation is 1/tp of the gathered one.
+    """``F.linear(all_gather(x, dim), w, b)`` over ``group`` that keeps only the local ``x`` for
+    backward (Megatron-style sequence parallelism): grad_x = reduce-scatter(grad @ w), and the
+    gathered input grad_w needs is all-gathered again, so the saved activation is 1/tp of it.
 
     Under autocast ``x`` (the fp32 LayerNorm output) is cast to the autocast dtype *before* it
-    is saved and gathered: ``F.linear`` would cast the gathered tensor to that dtype anyway, so
-    the result is the same bit for bit, while the saved slice and both all-gathers take half the
-    bytes. ``grad_x`` is returned in ``x``'s own dtype.
+    is saved and gathered, as ``F.linear`` would cast the gathered tensor: the same result bit
+    for bit, half the bytes saved and sent. ``grad_x`` is returned in ``x``'s own dtype.
     """
 
     @staticmethod
@@ -342,27 +317,16 @@ class _AllGatherLinear(torch.autograd.Function):
 
 
 class _ParallelLinear(nn.Module):
-    """What column- and row-parallel linears share: building one from a serial ``nn.Linear``,
-    and the matmul of this rank's slice, ``local_linear(x, weight, bias)``: ``F.linear``, or
-    another function of the same contract put in its place (the fp8 matmul of
-    ``engine.fp8_linears``); the collectives around it stay the layer's."""
+    """What column- and row-parallel linears share: the matmul of this rank's slice,
+    ``local_linear(x, weight, bias)``: ``F.linear``, or another function of the same contract put
+    in its place (the fp8 matmul of ``engine.fp8_linears``); the collectives stay the layer's."""
 
     local_linear = staticmethod(F.linear)
 
-    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, sequence_parallel: bool,
-                 seq_dim: int):
+    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, sequence_parallel: bool):
         super().__init__()
-        self.groups, self.sequence_parallel, self.seq_dim = groups, sequence_parallel, seq_dim
+        self.groups, self.sequence_parallel = groups, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, groups: ParallelGroups, **kwargs):
-        """This rank's slice of ``linear`` (same in/out features, bias and dtype)."""
-        p = linear.weight
-        m = cls(linear.in_features, linear.out_features, groups, bias=linear.bias is not None,
-                dtype=p.dtype, device=p.device, **kwargs)
-        load_serial_state_dict(m, linear.state_dict(), groups)
-        return m
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -372,15 +336,15 @@ class ColumnParallelLinear(_ParallelLinear):
       serial ones on tp rank r, or with ``stacked=k`` (e.g. 3 for a fused [q | k | v] output)
       that range taken from each of the k equal blocks. Replicated over cp
       (``reduce_over=("cp",)``): cp ranks see different tokens.
-    * input: ``sequence_parallel=True``: (..., N/tp, ..., in), tokens split over tp along
-      ``seq_dim``; they are all-gathered (the gathered tensor is not kept for backward).
-      ``False``: the full input, replicated over tp (``identity_fwd_all_reduce_bwd``).
-    * output: (..., N, ..., out/tp), all tokens of this cp rank, features split over tp.
+    * input: ``sequence_parallel=True``: (B, N/tp, in), tokens split over tp; they are
+      all-gathered (the gathered tensor is not kept for backward). ``False``: the full input,
+      replicated over tp (``identity_fwd_all_reduce_bwd``).
+    * output: (B, N, out/tp), all tokens of this cp rank, features split over tp.
     """
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
-                 sequence_parallel: bool = True, seq_dim: int = 1, stacked: int = 1, dtype=None, device=None):
-        super().__init__(in_features, out_features, groups, sequence_parallel, seq_dim)
+                 sequence_parallel: bool = True, stacked: int = 1, dtype=None, device=None):
+        super().__init__(in_features, out_features, groups, sequence_parallel)
         tp = groups.tp_size
         if out_features % stacked:
             raise ValueError(f"out_features={out_features} is not divisible by stacked={stacked}")
@@ -391,25 +355,20 @@ class ColumnParallelLinear(_ParallelLinear):
         self.weight = sharded_parameter((out_features // tp, in_features),
                                         ShardSpec((out_features, in_features), ("tp",), 1, blocks + (in_features,)),
                                         ("cp",), dtype, device)
-        if bias:
-            self.bias = sharded_parameter((out_features // tp,), ShardSpec((out_features,), ("tp",), 1, blocks),
-                                          ("cp",), dtype, device)
-        else:
-            self.register_parameter("bias", None)
+        self.bias = sharded_parameter((out_features // tp,), ShardSpec((out_features,), ("tp",), 1, blocks),
+                                      ("cp",), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp_group = self.groups.tp_group
         if self.sequence_parallel and self.groups.tp_size > 1:
-            dim = self.seq_dim % x.dim()
             if self.local_linear is F.linear:
                 # its forward and backward call collectives: kept out of torch.compile's graphs
-                return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, dim)
-            # Another matmul (fp8): the tokens gathered over tp (backward: reduce-scattered) in
-            # the autocast dtype, as _AllGatherLinear gathers them; the matmul keeps the
-            # gathered input for its backward, not only this rank's slice.
+                return eager_apply(_AllGatherLinear, x, self.weight, self.bias, tp_group, 1)
+            # Another matmul (fp8): the tokens gathered in the autocast dtype as _AllGatherLinear
+            # does, but the matmul keeps the gathered input for backward, not this rank's slice.
             if torch.is_autocast_enabled(x.device.type):
                 x = x.to(torch.get_autocast_dtype(x.device.type))
-            x = all_gather_fwd_reduce_scatter_bwd(x, tp_group, dim)
+            x = all_gather_fwd_reduce_scatter_bwd(x, tp_group, 1)
             return self.local_linear(x, self.weight, self.bias)
         return self.local_linear(identity_fwd_all_reduce_bwd(x, tp_group), self.weight, self.bias)
 
@@ -425,31 +384,27 @@ class RowParallelLinear(_ParallelLinear):
       rank r; replicated over cp (``reduce_over=("cp",)``).
     * ``bias`` (out): replicated over tp and cp; added after the reduction, to the rank's own
       tokens, so ``reduce_over=("cp", "tp")`` with sequence parallelism, ``("cp",)`` without.
-    * input: (..., N, ..., in/tp), features split over tp (output of a column-parallel layer).
-    * output: partial sums over tp are reduce-scattered along ``seq_dim``
-      (``sequence_parallel=True``, output tokens split over tp) or all-reduced (``False``, output
-      replicated over tp).
+    * input: (B, N, in/tp), features split over tp (output of a column-parallel layer).
+    * output: partial sums over tp are reduce-scattered along the tokens (``sequence_parallel=
+      True``, output tokens split over tp) or all-reduced (``False``, output replicated over tp).
     """
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, bias: bool = True,
-                 sequence_parallel: bool = True, seq_dim: int = 1, dtype=None, device=None):
-        super().__init__(in_features, out_features, groups, sequence_parallel, seq_dim)
+                 sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__(in_features, out_features, groups, sequence_parallel)
         tp = groups.tp_size
         check_divisible("in_features", in_features, "tensor_parallel", tp)
         self.weight = sharded_parameter((out_features, in_features // tp),
                                         ShardSpec((out_features, in_features), ("tp",), 1), ("cp",), dtype, device)
-        if bias:
-            self.bias = sharded_parameter((out_features,), ShardSpec((out_features,)),
-                                          _token_axes(sequence_parallel), dtype, device)
-        else:
-            self.register_parameter("bias", None)
+        self.bias = sharded_parameter((out_features,), ShardSpec((out_features,)), _token_axes(sequence_parallel),
+                                      dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups.tp_size == 1:  # nothing to reduce: the serial op, fused bias
             return self.local_linear(x, self.weight, self.bias)
         y = self.local_linear(x, self.weight, None)
         if self.sequence_parallel:
-            y = reduce_scatter_fwd_all_gather_bwd(y, self.groups.tp_group, self.seq_dim % y.dim())
+            y = reduce_scatter_fwd_all_gather_bwd(y, self.groups.tp_group, 1)
         else:
             y = all_reduce_fwd_identity_bwd(y, self.groups.tp_group)
         return y if self.bias is None else y + self.bias
@@ -461,30 +416,13 @@ class RowParallelLinear(_ParallelLinear):
 
 # ---- dropout ----------------------------------------------------------------------------------
 
-class _MaskedScale(torch.autograd.Function):
-    """``x * mask * scale`` keeping only the 1-byte mask for backward (as ``nn.Dropout`` does)."""
-
-    @staticmethod
-    def forward(ctx, x, mask, scale):
-        ctx.save_for_backward(mask)
-        ctx.scale = scale
-        return x * mask * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return grad * mask * ctx.scale, None, None
-
-
 class ReplicatedDropout(nn.Dropout):
     """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``).
 
-    Ranks draw from different random streams (they are seeded per rank for the sharded
-    activations), so with ``tp > 1`` and no sequence parallelism tp rank 0 draws the keep-mask
-    and broadcasts it over tp (1 byte per element): every tp rank drops the same elements and
-    the copies stay identical. Under activation checkpointing the recomputation draws and
-    broadcasts the same mask again (the per-rank RNG state is restored). Otherwise, and in eval
-    mode, it is ``nn.Dropout``.
+    Ranks draw from different random streams (seeded per rank for the sharded activations), so
+    with ``tp > 1`` and no sequence parallelism tp rank 0 draws the keep-mask and broadcasts it
+    over tp: the copies stay identical. Activation checkpointing's recomputation draws the same
+    mask again (the RNG state is restored). Otherwise, and in eval mode, it is ``nn.Dropout``.
     """
 
     def __init__(self, p: float, groups: ParallelGroups, sequence_parallel: bool = True):
@@ -495,7 +433,8 @@ class ReplicatedDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.synchronized and self.training and self.p > 0):
             return super().forward(x)
-        return _MaskedScale.apply(x, self._shared_mask(x), 0.0 if self.p >= 1 else 1.0 / (1.0 - self.p))
+        # the uint8 mask is what autograd keeps for backward (1 byte per element, as nn.Dropout)
+        return x * self._shared_mask(x) * (0.0 if self.p >= 1 else 1.0 / (1.0 - self.p))
 
     @torch.compiler.disable
     def _shared_mask(self, x: torch.Tensor) -> torch.Tensor:
@@ -520,50 +459,27 @@ class TokenShardedLayerNorm(nn.LayerNorm):
     (``("cp",)`` without sequence parallelism, where tp ranks hold the same tokens).
     """
 
-    def __init__(self, normalized_shape, groups: ParallelGroups, eps: float = 1e-5,
-                 elementwise_affine: bool = True, sequence_parallel: bool = True, dtype=None, device=None):
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, dtype=dtype,
-                         device=device)
-        self.sequence_parallel = sequence_parallel
+    def __init__(self, dim: int, eps: float = 1e-5, sequence_parallel: bool = True, dtype=None, device=None):
+        super().__init__(dim, eps=eps, dtype=dtype, device=device)
         mark_module_replicated(self, _token_axes(sequence_parallel))
-
-    @classmethod
-    def from_serial(cls, norm: nn.LayerNorm, groups: ParallelGroups, **kwargs) -> "TokenShardedLayerNorm":
-        ref = next(norm.parameters(), None)
-        m = cls(norm.normalized_shape, groups, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
-                dtype=None if ref is None else ref.dtype, device=None if ref is None else ref.device, **kwargs)
-        load_serial_state_dict(m, norm.state_dict(), groups)
-        return m
 
 
 class ParallelMLP(nn.Module):
-    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp.
-
-    Input/output tokens: split over cp, and over tp with sequence parallelism. ``fc1.weight``
-    (hidden/tp, E), ``fc1.bias`` (hidden/tp), ``fc2.weight`` (E, hidden/tp) are split over tp
-    and replicated over cp; ``fc2.bias`` is replicated over cp (and tp when sequence parallel).
-    The hidden activation's dropout (``drop``, split over tp) uses each rank's own stream, the
-    output's (``out_drop``) is a :class:`ReplicatedDropout`.
+    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp
+    (the linears say which of their parameters are split or replicated). The hidden activation's
+    dropout (``drop``, split over tp) uses each rank's own stream, the output's (``out_drop``)
+    is a :class:`ReplicatedDropout`.
     """
 
     def __init__(self, dim: int, hidden_dim: int, groups: ParallelGroups, drop: float = 0.0,
                  sequence_parallel: bool = True, dtype=None, device=None):
         super().__init__()
-        check_divisible("mlp hidden dim", hidden_dim, "tensor_parallel", groups.tp_size)
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.fc1 = ColumnParallelLinear(dim, hidden_dim, groups, **kw)
         self.act = nn.GELU()
         self.fc2 = RowParallelLinear(hidden_dim, dim, groups, **kw)
         self.drop = nn.Dropout(drop)
         self.out_drop = ReplicatedDropout(drop, groups, sequence_parallel)
-
-    @classmethod
-    def from_serial(cls, mlp: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelMLP":
-        w = mlp.fc1.weight
-        m = cls(mlp.fc1.in_features, mlp.fc1.out_features, groups, drop=mlp.drop.p,
-                dtype=w.dtype, device=w.device, **kwargs)
-        load_serial_state_dict(m, mlp.state_dict(), groups)
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_drop(self.fc2(self.drop(self.act(self.fc1(x)))))
@@ -573,18 +489,14 @@ class ParallelAttention(nn.Module):
     """Multi-head self-attention with heads split over tp and tokens split over cp.
 
     * ``qkv`` (column-parallel, [q | k | v] stacked): tp rank r holds heads
-      ``[r*H/tp, (r+1)*H/tp)`` of q, k and v: weight (3E/tp, E), bias (3E/tp); replicated over cp.
+      ``[r*H/tp, (r+1)*H/tp)`` of q, k and v; ``proj`` is row-parallel.
     * queries stay on the rank's cp band; keys and values of the local heads are all-gathered
-      over cp (backward: their gradients are reduce-scattered back) so every query sees all
-      ``N`` tokens.
-    * ``proj`` (row-parallel): weight (E, E/tp) split over tp, replicated over cp; bias replicated.
+      over cp (their gradients reduce-scattered back), so every query sees all ``N`` tokens.
     * input/output: this rank's tokens, (B, n/tp, E) with sequence parallelism ((B, n, E)
       without), ``n`` the tokens of its cp band (padding included).
     * ``band_tokens``: the real tokens of every cp band, in cp-rank order (``None``: all tokens
-      are real and the bands equal). Tokens of a band beyond its real ones are padding (padded
-      sequence parallelism, see ``distributed.parallelize``): they are never keys or values.
-      Bands of different lengths are padded to the longest for the K/V all-gather and the
-      padding dropped after it.
+      are real and the bands equal); the padding beyond them (padded sequence parallelism) is
+      never a key or value.
     """
 
     def __init__(self, dim: int, num_heads: int, groups: ParallelGroups, attn_drop: float = 0.0,
@@ -607,14 +519,6 @@ class ParallelAttention(nn.Module):
         self.proj = RowParallelLinear(dim, dim, groups, **kw)
         self.attn_drop = attn_drop
         self.proj_drop = ReplicatedDropout(proj_drop, groups, sequence_parallel)
-
-    @classmethod
-    def from_serial(cls, attn: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelAttention":
-        w = attn.qkv.weight
-        m = cls(attn.qkv.in_features, attn.num_heads, groups, attn_drop=attn.attn_drop,
-                proj_drop=attn.proj_drop.p, dtype=w.dtype, device=w.device, **kwargs)
-        load_serial_state_dict(m, attn.state_dict(), groups)
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, n, 3 * local_heads * head_dim), n = tokens of this cp band
@@ -639,57 +543,40 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """Pre-norm block ``x + attn(norm1(x))``, ``x + mlp(norm2(x))`` on token-sharded ``x``.
-
-    The residual stream, LayerNorms and dropouts act on the rank's own tokens
-    (``N/(cp*tp)`` of them with sequence parallelism); see the attention/MLP/LayerNorm classes
-    for what is split or replicated.
-    """
+    """Pre-norm block ``x + attn(norm1(x))``, ``x + mlp(norm2(x))`` on the rank's own tokens
+    (``N/(cp*tp)`` with sequence parallelism); its layers say what is split or replicated."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden_dim: int, groups: ParallelGroups,
                  drop: float = 0.0, eps: float = 1e-5, sequence_parallel: bool = True,
                  band_tokens: Optional[Sequence[int]] = None, dtype=None, device=None):
         super().__init__()
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        self.norm1 = TokenShardedLayerNorm(dim, groups, eps=eps, **kw)
+        self.norm1 = TokenShardedLayerNorm(dim, eps=eps, **kw)
         self.attn = ParallelAttention(dim, num_heads, groups, attn_drop=drop, proj_drop=drop,
                                       band_tokens=band_tokens, **kw)
-        self.norm2 = TokenShardedLayerNorm(dim, groups, eps=eps, **kw)
+        self.norm2 = TokenShardedLayerNorm(dim, eps=eps, **kw)
         self.mlp = ParallelMLP(dim, mlp_hidden_dim, groups, drop=drop, **kw)
-
-    @classmethod
-    def from_serial(cls, block: nn.Module, groups: ParallelGroups, **kwargs) -> "ParallelBlock":
-        w = block.attn.qkv.weight
-        m = cls(block.attn.qkv.in_features, block.attn.num_heads, block.mlp.fc1.out_features, groups,
-                drop=block.mlp.drop.p, eps=block.norm1.eps, dtype=w.dtype, device=w.device, **kwargs)
-        m.norm2.eps = block.norm2.eps
-        load_serial_state_dict(m, block.state_dict(), groups)
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
-class ParallelPatchEmbed(nn.Module):
-    """Patch embedding of the rank's band of image rows.
-
-    The ``H/p`` patch rows are cut into one band of whole rows per chunk of ``band_axes`` (outer
-    to inner, :func:`axes_index`; lengths differ by at most one row, :func:`split_bounds`): with
-    ``("cp", "tp")`` band ``cp_rank * tp + tp_rank``, with ``("cp",)`` band ``cp_rank`` (every tp
-    rank of a cp rank embeds the same band). Input: the band's image rows at full width
-    (``rows``, in patch rows); output: its tokens ``(B, band rows * W/p, E)``, a contiguous token
-    range of the serial model. ``proj`` is whole on every rank; its gradient is summed over
-    ``reduce_over``: by default ``band_axes``, the ranks that see other bands (padded sequence
-    parallelism: ``("cp", "tp")``, each tp rank keeps another chunk of the band's tokens).
+class ParallelPatchEmbed(PatchEmbed):
+    """Patch embedding of the rank's band of image rows: the ``H/p`` patch rows are cut into one
+    band of whole rows per chunk of ``band_axes`` (:func:`axes_index`, :func:`split_bounds`; with
+    ``("cp",)`` every tp rank of a cp rank embeds the same band). Input: the band's image rows at
+    full width (``rows``, in patch rows); output: its tokens ``(B, band rows * W/p, E)``, a
+    contiguous token range of the serial model. ``proj`` is whole on every rank, its gradient
+    summed over ``reduce_over`` (by default ``band_axes``: the ranks that see other bands).
     """
 
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,
                  band_axes: Sequence[str] = ("cp", "tp"), reduce_over: Optional[Sequence[str]] = None, dtype=None,
                  device=None):
-        super().__init__()
+        super().__init__(img_size, patch_size, in_chans, embed_dim)
+        self.proj.to(dtype=dtype, device=device)
         self.band_axes = tuple(band_axes)
-        self.grid = patch_grid(img_size, patch_size)
         chunks, index = axes_index(groups, self.band_axes)
         if chunks > self.grid[0]:
             names = " x ".join(f"{'context_parallel' if a == 'cp' else 'tensor_parallel'}={groups.size(a)}"
@@ -697,13 +584,10 @@ class ParallelPatchEmbed(nn.Module):
             raise ValueError(f"{names} = {chunks} bands exceed the {self.grid[0]} patch rows "
                              f"(img height {img_size[0]} / patch_size {patch_size}): every band needs a "
                              f"whole patch row; use at most {self.grid[0]} bands")
-        self.patch_size, self.chunks = patch_size, chunks
+        self.patch_size = patch_size
         self.rows = split_bounds(self.grid[0], chunks, index)  # this rank's patch rows [start, stop)
         self.local_grid = (self.rows[1] - self.rows[0], self.grid[1])
-        self.num_patches = self.grid[0] * self.grid[1]
         self.local_num_patches = self.local_grid[0] * self.local_grid[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size,
-                              dtype=dtype, device=device)
         mark_module_replicated(self.proj, self.band_axes if reduce_over is None else reduce_over)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -712,4 +596,4 @@ class ParallelPatchEmbed(nn.Module):
         if tuple(x.shape[-2:]) != want:
             raise ValueError(f"expected this rank's band of {want[0]} image rows x {want[1]} columns "
                              f"(use shard_image), got spatial shape {tuple(x.shape[-2:])}")
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, C, rows, W) -> (B, band tokens, E)
+        return super().forward(x)  # (B, C, rows, W) -> (B, band tokens, E)

@@ -9,7 +9,6 @@ mapping                                  forward                             bac
 =======================================  ==================================  ==================================
 ``identity_fwd_all_reduce_bwd``          identity                            all-reduce (sum)
 ``all_reduce_fwd_identity_bwd``          all-reduce (sum)                    identity
-``split_fwd_all_gather_bwd``             split along ``dim``, keep own chunk all-gather along ``dim``
 ``all_gather_fwd_split_bwd``             all-gather along ``dim``            split along ``dim``, keep own chunk
 ``all_gather_fwd_reduce_scatter_bwd``    all-gather along ``dim``            reduce-scatter (sum) along ``dim``
 ``reduce_scatter_fwd_all_gather_bwd``    reduce-scatter (sum) along ``dim``  all-gather along ``dim``
@@ -24,16 +23,11 @@ differently (e.g. K/V of all tokens against local queries), hence the different 
 
 Chunks are in group-rank order: rank r of a group of size n holds ``[r*c, (r+1)*c)`` of a
 dimension of length ``n*c``. Sizes must divide evenly (a ``ValueError`` says which dimension),
-except for the two all-gathers, which take ``sizes`` (the length of every rank's chunk, in
-group-rank order) for chunks of different lengths: each chunk is padded to the longest, gathered,
-and the padding dropped again; the backward gives each rank the gradient of its real chunk.
+except for the two all-gathers, which take ``sizes`` (every rank's chunk length, in group-rank
+order) for chunks of different lengths: padded to the longest, gathered, the padding dropped.
 
-Under ``torch.compile`` the mappings run eagerly, a graph break at each (``eager_apply``).
-
-``group`` is a ``torch.distributed`` process group, ``None`` for the default (world) group as
-in torch.distributed, or ``distributed.groups.SINGLE_PROCESS`` (one process, no
-torch.distributed). Over any group of size 1 every mapping is the identity and nothing is
-communicated.
+``group`` is a process group, ``None`` for the default group (as in torch.distributed), or
+``distributed.groups.SINGLE_PROCESS``; over a group of size 1 every mapping is the identity.
 The plain ``all_reduce``, ``all_gather_along``, ``reduce_scatter_along`` and ``split_along``
 serve layers with hand-written backward passes.
 """
@@ -43,17 +37,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distributed.groups import SingleProcessGroup
-
 
 def group_size(group) -> int:
     """Number of ranks in ``group`` (``None``: the default group, as in torch.distributed)."""
-    return 1 if isinstance(group, SingleProcessGroup) else dist.get_world_size(group)
+    return dist.get_world_size() if group is None else group.size()
 
 
 def group_rank(group) -> int:
     """This process's rank within ``group``."""
-    return 0 if isinstance(group, SingleProcessGroup) else dist.get_rank(group)
+    return dist.get_rank() if group is None else group.rank()
 
 
 def _chunk_len(x: torch.Tensor, dim: int, n: int) -> int:
@@ -97,31 +89,10 @@ def _drop_padding(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tens
 # ---- plain collectives ------------------------------------------------------------------------
 
 # Single-tensor collectives: torch 2.13 names them all_gather_single / reduce_scatter_single and
-# deprecates all_gather_into_tensor / reduce_scatter_tensor; older versions have only the latter.
+# deprecates all_gather_into_tensor / reduce_scatter_tensor; older versions have only the latter
+# (gloo has both since torch 2.2).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-# Older gloo builds implement neither single-tensor reduce-scatter nor all-gather on CPU (they
-# raise "not supported"); torch 2.13 has both. The first such failure on a backend switches it to
-# the fallbacks below (all-reduce + split, list all-gather) for the rest of the process.
-_UNSUPPORTED = set()
-
-
-def _single(collective, out: torch.Tensor, x: torch.Tensor, group, **kwargs) -> bool:
-    """Run a single-tensor ``collective``; False where this gloo build lacks it (from then on)."""
-    backend = dist.get_backend(group)
-    if backend in _UNSUPPORTED:
-        return False
-    try:
-        collective(out, x, group=group, **kwargs)
-        return True
-    except (RuntimeError, NotImplementedError) as err:
-        msg = str(err).lower()
-        if backend != "gloo" or not any(s in msg for s in ("not supported", "not implemented",
-                                                           "does not support", "unsupported")):
-            raise
-        _UNSUPPORTED.add(backend)
-        return False
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -142,16 +113,6 @@ def split_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.narrow(dim, group_rank(group) * c, c).contiguous()
 
 
-def _all_gather_equal(x: torch.Tensor, group, dim: int, n: int) -> torch.Tensor:
-    xt = x.movedim(dim, 0).contiguous()
-    out = xt.new_empty((n * xt.shape[0],) + tuple(xt.shape[1:]))
-    if not _single(_all_gather_single, out, xt, group):
-        parts = [torch.empty_like(xt) for _ in range(n)]
-        dist.all_gather(parts, xt, group=group)
-        out = torch.cat(parts, dim=0)
-    return out.movedim(0, dim).contiguous()
-
-
 def all_gather_along(x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``x``, in rank order. The other dims must
     agree; along ``dim`` the chunks are equal, or of the lengths ``sizes`` (pad, gather, drop)."""
@@ -160,15 +121,12 @@ def all_gather_along(x: torch.Tensor, group, dim: int, sizes: Optional[Sequence[
         return x
     dim = _norm_dim(x, dim)
     sizes = _check_sizes(x, group, dim, sizes)
-    if sizes is None:
-        return _all_gather_equal(x, group, dim, n)
-    # Collectives need equal chunks: pad every chunk to the longest, gather, drop the padding.
-    return _drop_padding(_all_gather_equal(_pad_to(x, dim, max(sizes)), group, dim, n), dim, sizes)
-
-
-def _reduce_scatter_via_all_reduce(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Reduce-scatter as all-reduce + keep own chunk (twice the traffic, but works everywhere)."""
-    return split_along(all_reduce(x, group), group, dim)
+    xt = _pad_to(x, dim, max(sizes)) if sizes else x
+    xt = xt.movedim(dim, 0).contiguous()
+    out = xt.new_empty((n * xt.shape[0],) + tuple(xt.shape[1:]))
+    _all_gather_single(out, xt, group=group)
+    out = out.movedim(0, dim).contiguous()
+    return out if sizes is None else _drop_padding(out, dim, sizes)
 
 
 def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -179,8 +137,7 @@ def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     c = _chunk_len(x, dim, n)
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((c,) + tuple(xt.shape[1:]))
-    if not _single(_reduce_scatter_single, out, xt, group, op=dist.ReduceOp.SUM):
-        return _reduce_scatter_via_all_reduce(x, group, dim)
+    _reduce_scatter_single(out, xt, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -208,36 +165,27 @@ class _Mapping(torch.autograd.Function):
         return ctx.bwd(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-# Under torch.compile dynamo would trace the collectives these Functions (and _AllGatherLinear in
-# distributed.layers) call into the compiled graphs: the gloo fallback's try/except would be
-# traced away, and the collective order would become each rank's own compiled schedule, where
-# every rank of a group must issue the same collectives in the same order. So each is applied
-# through eager_apply: a graph break, the Function (and its backward) run eagerly, the compute
-# between them compiled. The DL4SCI25 reference decorates its mapping helpers the same way.
-
 @torch.compiler.disable
 def eager_apply(fn, *args):
-    """``fn.apply(*args)`` for an autograd Function ``fn`` that calls collectives, always run
-    eagerly: under ``torch.compile`` a graph break, not a traced collective (see above)."""
+    """``fn.apply(*args)`` for an autograd Function ``fn`` that calls collectives (these mappings,
+    ``distributed.layers._AllGatherLinear``), always run eagerly. Traced by torch.compile, the
+    collective order would become each rank's own compiled schedule, where every rank of a group
+    must issue the same collectives in the same order; so a graph break, the Function and its
+    backward eager, the compute between them compiled (the DL4SCI25 reference does the same)."""
     return fn.apply(*args)
 
 
-def _map(x: torch.Tensor, fwd, bwd, group, dim: Optional[int] = None) -> torch.Tensor:
+def _map(x: torch.Tensor, fwd, bwd, group, dim: Optional[int] = None,
+         sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     if group_size(group) == 1:
         return x
-    return eager_apply(_Mapping, x, fwd, bwd, group, None if dim is None else _norm_dim(x, dim))
-
-
-def _gather(x: torch.Tensor, bwd, group, dim: int, sizes: Optional[Sequence[int]]) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
-    dim = _norm_dim(x, dim)
+    dim = None if dim is None else _norm_dim(x, dim)
     sizes = _check_sizes(x, group, dim, sizes)
     if sizes is None:
-        return eager_apply(_Mapping, x, all_gather_along, bwd, group, dim)
+        return eager_apply(_Mapping, x, fwd, bwd, group, dim)
     # Equal chunks on the wire: the padding is differentiable (its gradient is dropped) and the
     # dropped padding gets a zero gradient, so each rank's gradient is that of its real chunk.
-    padded = eager_apply(_Mapping, _pad_to(x, dim, max(sizes)), all_gather_along, bwd, group, dim)
+    padded = eager_apply(_Mapping, _pad_to(x, dim, max(sizes)), fwd, bwd, group, dim)
     return _drop_padding(padded, dim, sizes)
 
 
@@ -251,23 +199,18 @@ def all_reduce_fwd_identity_bwd(x: torch.Tensor, group) -> torch.Tensor:
     return _map(x, _sum, _identity, group)
 
 
-def split_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    """Keep this rank's chunk along ``dim``: forward split, backward all-gather."""
-    return _map(x, split_along, all_gather_along, group, dim)
-
-
 def all_gather_fwd_split_bwd(x: torch.Tensor, group, dim: int = -1,
                              sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Concatenate the chunks along ``dim``: forward all-gather, backward split (keep own chunk).
     ``sizes``: every rank's chunk length along ``dim`` when they differ."""
-    return _gather(x, split_along, group, dim, sizes)
+    return _map(x, all_gather_along, split_along, group, dim, sizes)
 
 
 def all_gather_fwd_reduce_scatter_bwd(x: torch.Tensor, group, dim: int = 0,
                                       sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Concatenate the chunks along ``dim``: forward all-gather, backward reduce-scatter (sum).
     ``sizes``: every rank's chunk length along ``dim`` when they differ."""
-    return _gather(x, reduce_scatter_along, group, dim, sizes)
+    return _map(x, all_gather_along, reduce_scatter_along, group, dim, sizes)
 
 
 def reduce_scatter_fwd_all_gather_bwd(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

@@ -1,27 +1,14 @@
-"""Turn the serial ViT into its tensor / context / sequence parallel form.
+"""Turn the serial ViT into its tensor / context / sequence parallel form (``parallelize_vit``).
 
-The image is cut in whole patch rows. Over cp it is cut into ``cp`` bands whose lengths differ
-by at most one patch row, longer ones first (``distributed.layers.split_bounds``: 45 rows at
-cp = 4 are 12, 11, 11 and 11), without padding; the K/V all-gather and ``gather_image`` pad the
-bands to the longest and drop the padding again. :func:`token_layout` then picks how each cp
-band is split over tp (the engine logs which):
-
-* row bands (tp = 1, or sequence parallelism with tp x cp dividing the patch rows): ``tp * cp``
-  bands, the rank with chunk index ``cp_rank * tp + tp_rank`` gets that band's image rows
-  (``shard_image``), embeds them as a contiguous range of the serial tokens and returns the
-  same band of the output; :func:`sharded_loss` sums the loss's partial sums over the replica;
-* padded (sequence parallelism otherwise): every tp rank of a cp rank embeds the cp band, whose
-  tokens, padded with zeros to a multiple of tp, are cut into tp equal chunks; padding tokens
-  are never keys or values, and after the head the chunks are gathered over tp and the padding
-  dropped; the loss sums over cp only;
-* no sequence parallelism: the cp bands, whole on every tp rank (plain Megatron).
-
+The image is cut into bands of whole patch rows, over cp and, with row bands, over tp;
+:func:`token_layout` picks how each cp band's tokens are split over tp (the engine logs which).
 docs/parallelism.md ("How model parallelism works") tells the whole layout, and which
 parameters are split or replicated over which axes. The sharded model has the serial parameter
-names: ``serial_state_dict`` / ``load_serial_state_dict`` (and ``tensors_to_serial`` /
-``tensors_from_serial`` for optimizer moments) convert to and from the serial layout, for any
-tp/cp. Dropout on sharded activations needs a different random stream per rank: seed each rank
-differently *after* ``parallelize_vit`` (the weights come from the serial model).
+names: ``distributed.layers``' ``serial_state_dict`` / ``load_serial_state_dict`` (and
+``tensors_to_serial`` / ``tensors_from_serial`` for optimizer moments) convert to and from the
+serial layout, for any tp/cp. Dropout on sharded activations needs a different random stream
+per rank: seed each rank differently *after* ``parallelize_vit`` (the weights come from the
+serial model).
 """
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
@@ -34,14 +21,9 @@ from torch.utils.checkpoint import checkpoint
 from distributed.groups import ParallelGroups
 from distributed.layers import (ParallelBlock, ParallelPatchEmbed, ReplicatedDropout, ShardSpec,
                                 TokenShardedLayerNorm, check_divisible, load_serial_state_dict,
-                                mark_module_replicated, serial_state_dict, sharded_parameter,
-                                split_bounds, tensors_from_serial, tensors_to_serial)
+                                mark_module_replicated, sharded_parameter, split_bounds)
 from distributed.mappings import all_gather_fwd_split_bwd, all_reduce_fwd_identity_bwd
 from networks.vit import patch_grid, tokens_to_image
-
-__all__ = ["ParallelViT", "parallelize_vit", "validate_vit_layout", "TokenLayout", "token_layout",
-           "sequence_parallel_summary", "sharded_loss", "serial_state_dict", "load_serial_state_dict",
-           "tensors_to_serial", "tensors_from_serial"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +38,8 @@ class TokenLayout:
     * ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
       ``pad_of(c)`` zero tokens to a multiple of tp, are cut into tp equal chunks.
 
-    Over cp the bands may differ by one patch row, longer first. ``band_tokens``,
-    ``local_tokens`` and ``pad`` are those of band 0, a longest one; the ``*_of`` methods give
-    every band's.
+    ``band_tokens``, ``local_tokens`` and ``pad`` are those of band 0, a longest one (over cp the
+    bands may differ by one patch row); the ``*_of`` methods give every band's.
     """
 
     sequence_parallel: bool
@@ -120,16 +101,11 @@ class TokenLayout:
 
 
 def token_layout(img_size, patch_size: int, tp: int, cp: int, sequence_parallel: bool = True) -> TokenLayout:
-    """The :class:`TokenLayout` of a ViT image at ``tp`` x ``cp``.
-
-    Tokens are always split over cp in whole patch rows, in bands that differ by at most one row
-    (``ValueError`` when cp exceeds the patch rows). With ``sequence_parallel`` and tp > 1 they
-    are further split over tp: in whole patch rows when tp x cp divides the rows, else in equal
-    chunks of each cp band's tokens padded with zero tokens to a multiple of tp (e.g. 360 x 720
-    at patch 8, tp = 4: 45 rows, 4050 tokens, 2 pad tokens, 1013 per rank).
-    ``sequence_parallel=False``: split over cp only, every tp rank of a cp rank holds the same
-    tokens (plain Megatron tensor parallelism).
-    """
+    """The :class:`TokenLayout` of a ViT image at ``tp`` x ``cp``: tokens split over cp in bands
+    of whole patch rows (``ValueError`` when cp exceeds the patch rows) and, with
+    ``sequence_parallel`` and tp > 1, over tp: in whole rows when tp x cp divides the rows, else
+    padded (360 x 720 at patch 8, tp = 4: 45 rows, 4050 tokens, 2 pad tokens, 1013 per rank).
+    Without, every tp rank of a cp rank holds the same tokens (plain Megatron)."""
     rows = patch_grid(img_size, patch_size)[0]
     if cp > rows:
         raise ValueError(
@@ -190,48 +166,41 @@ class ParallelViT(nn.Module):
     ``forward(x_band) -> y_band``: ``x_band`` is ``shard_image(x)``, (B, C_in, band rows, W);
     the result is the same band of the serial output, (B, C_out, band rows, W). The bands are
     the ``T = tp * cp`` row bands (``layout.row_bands``) or the ``cp`` bands (padded sequence
-    parallelism, or none); see the module docstring.
-
-    Parameters (names as in the serial ViT):
-
-    * ``patch_embed.proj``, ``norm``, ``head``: whole on every rank; each rank applies them to
-      its own tokens (padded mode: the patch embedding to its cp band, of which it keeps its tp
-      chunk), so their gradients are summed over the ranks holding other tokens:
-      ``reduce_over=("cp", "tp")`` with sequence parallelism, ``("cp",)`` without. The head has
-      a bias only if the serial one has;
-    * ``pos_embed``: split along tokens over the image bands, (1, band tokens, E); in padded
-      mode the tp ranks hold the cp band's whole slice and use their chunk of it: summed over tp;
-    * blocks: see :class:`distributed.layers.ParallelBlock`.
+    parallelism, or none). Parameters have the serial names; which are split or replicated over
+    which axes: docs/parallelism.md ("Replicated parameters and their gradients").
     """
 
-    def __init__(self, img_size, patch_size: int, in_chans: int, out_chans: int, embed_dim: int, depth: int,
-                 num_heads: int, mlp_hidden_dim: int, groups: ParallelGroups, dropout: float = 0.0,
-                 eps: float = 1e-5, head_bias: bool = True, activation_checkpointing: bool = False,
-                 sequence_parallel: bool = True, dtype=None, device=None):
+    def __init__(self, model: nn.Module, groups: ParallelGroups, activation_checkpointing: bool,
+                 sequence_parallel: bool):
         super().__init__()
-        lay = validate_vit_layout(img_size, patch_size, embed_dim, num_heads, mlp_hidden_dim, groups,
-                                  sequence_parallel)
+        ref, blocks = model.pos_embed, model.blocks
+        embed_dim, p = ref.shape[-1], model.patch_size
+        num_heads = blocks[0].attn.num_heads if len(blocks) else 1
+        hidden = blocks[0].mlp.fc1.out_features if len(blocks) else embed_dim
+        lay = validate_vit_layout(model.img_size, p, embed_dim, num_heads, hidden, groups, sequence_parallel)
         self.groups, self.layout = groups, lay
-        self.img_size, self.patch_size, self.out_chans = tuple(img_size), patch_size, out_chans
+        self.img_size, self.patch_size, self.out_chans = model.img_size, p, model.out_chans
         self.activation_checkpointing = activation_checkpointing
-        sp = lay.sequence_parallel
+        sp, dropout, eps = lay.sequence_parallel, model.pos_drop.p, model.norm.eps
         token_axes = ("cp", "tp") if sp else ("cp",)  # the axes whose ranks hold other tokens
-        kw = dict(sequence_parallel=sp, dtype=dtype, device=device)
-        self.patch_embed = ParallelPatchEmbed(img_size, patch_size, in_chans, embed_dim, groups, dtype=dtype,
-                                              device=device, band_axes=lay.band_axes, reduce_over=token_axes)
-        n = self.patch_embed.num_patches
+        kw = dict(sequence_parallel=sp, dtype=ref.dtype, device=ref.device)
+        self.patch_embed = ParallelPatchEmbed(model.img_size, p, model.patch_embed.proj.in_channels, embed_dim,
+                                              groups, band_axes=lay.band_axes, reduce_over=token_axes,
+                                              dtype=ref.dtype, device=ref.device)
         self.pos_embed = sharded_parameter((1, self.patch_embed.local_num_patches, embed_dim),
-                                           ShardSpec((1, n, embed_dim), lay.band_axes, 1, unit=lay.cols),
-                                           ("tp",) if lay.padded else (), dtype, device)
+                                           ShardSpec(tuple(ref.shape), lay.band_axes, 1, unit=lay.cols),
+                                           ("tp",) if lay.padded else (), ref.dtype, ref.device)
         self.pos_drop = ReplicatedDropout(dropout, groups, sp)
         self.blocks = nn.ModuleList(
-            ParallelBlock(embed_dim, num_heads, mlp_hidden_dim, groups, drop=dropout, eps=eps,
+            ParallelBlock(embed_dim, num_heads, hidden, groups, drop=dropout, eps=eps,
                           band_tokens=lay.cp_band_tokens(), **kw)
-            for _ in range(depth))
-        self.norm = TokenShardedLayerNorm(embed_dim, groups, eps=eps, **kw)
-        self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size, bias=head_bias, dtype=dtype,
-                              device=device)
+            for _ in blocks)
+        self.norm = TokenShardedLayerNorm(embed_dim, eps=eps, **kw)
+        self.head = nn.Linear(embed_dim, model.head.out_features, bias=model.head.bias is not None,
+                              dtype=ref.dtype, device=ref.device)
         mark_module_replicated(self.head, token_axes)
+        load_serial_state_dict(self, model.state_dict(), groups)
+        self.train(model.training)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -305,34 +274,15 @@ def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpo
     """
     if activation_checkpointing is None:
         activation_checkpointing = bool(getattr(model, "activation_checkpointing", False))
-    ref = model.pos_embed
-    blk = model.blocks[0] if len(model.blocks) else None
-    embed_dim = ref.shape[-1]
-    num_heads = blk.attn.num_heads if blk is not None else 1
-    mlp_hidden = blk.mlp.fc1.out_features if blk is not None else embed_dim
-    pm = ParallelViT(model.img_size, model.patch_size, model.patch_embed.proj.in_channels, model.out_chans,
-                     embed_dim, len(model.blocks), num_heads, mlp_hidden, groups, dropout=model.pos_drop.p,
-                     eps=model.norm.eps, head_bias=model.head.bias is not None,
-                     activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
-                     dtype=ref.dtype, device=ref.device)
-    for name, norm in model.named_modules():  # same names in the sharded model
-        if isinstance(norm, nn.LayerNorm):
-            pm.get_submodule(name).eps = norm.eps
-    load_serial_state_dict(pm, model.state_dict(), groups)
-    pm.train(model.training)
-    return pm
+    return ParallelViT(model, groups, activation_checkpointing, sequence_parallel)
 
 
 def sharded_loss(loss_fn, pred: torch.Tensor, target: torch.Tensor, groups: ParallelGroups,
-                 layout: TokenLayout) -> torch.Tensor:
-    """The per-sample (B,) loss ``loss_fn`` of whole images, from this rank's bands of them.
-
-    ``loss_fn`` is the task's loss (``tasks.losses.PartialSumLoss``: ``partial_sums`` then
-    ``finish``). Each rank's per-sample partial sums are added over the ranks holding other bands
-    with ``all_reduce_fwd_identity_bwd``: the replica (tp x cp) with row bands, cp only otherwise
-    (the tp ranks hold the same band). ``finish`` then gives the serial loss on every rank, and
-    each rank's gradient is that of its band.
-    """
-    sums = loss_fn.partial_sums(pred, target)  # (B, K): this band's share of each sample's sums
+                 layout: TokenLayout, rows=None) -> torch.Tensor:
+    """The per-sample (B,) loss ``loss_fn`` (``tasks.losses.PartialSumLoss``) of whole images,
+    from this rank's bands of them (image ``rows``, for a loss that weights rows): the partial
+    sums added over the ranks holding other bands (the replica with row bands, else cp), then
+    finished: the serial loss on every rank, each rank's gradient that of its band."""
+    sums = loss_fn.partial_sums(pred, target, rows)  # (B, K): this band's share of each sample's sums
     sums = all_reduce_fwd_identity_bwd(sums, groups.mp_group if layout.row_bands else groups.cp_group)
     return loss_fn.finish(sums)

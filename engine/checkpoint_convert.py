@@ -6,8 +6,7 @@ and config. The file resumes any run (``--resume_from``) and serves inference or
 
     python -m engine.checkpoint_convert logs/ViT/quickstart/4/0/checkpoints/ckpt_00000100.dcp ckpt.pt
 
-Runs in one process on a CPU and reads every shard: it needs memory for the whole model and its
-optimizer state. Bad input is one ``error:`` line and exit code 2, and nothing is written.
+One process on a CPU, reading every shard: it needs memory for the whole model and Adam state.
 """
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ from settings.errors import OneLineParser, refuse
 
 
 def convert(src: str, out: str) -> dict:
-    """Write the DCP checkpoint ``src`` (or the newest in a checkpoints directory) as one file
-    ``out`` (which must not exist: never overwritten); returns what was written. Raises
-    ValueError naming the problem."""
+    """Write the DCP checkpoint ``src`` (or a directory's newest) as one new file ``out``."""
     if not os.path.exists(src):
         raise ValueError(f"{src} does not exist: give a ckpt_<step>.dcp directory or a "
                          f"checkpoints directory")

@@ -1,18 +1,7 @@
-"""The training step captured once as a CUDA graph and replayed (``train_graph.py``).
-
-A CUDA graph records the kernels a piece of code launches, with their arguments and memory
-addresses, and launches all of them again with one call. What that asks of the step
-(docs/performance.md, "CUDA graphs", says it in full): its inputs in static buffers; everything
-it changes at fixed addresses (parameters, gradients allocated in the graph's pool, the
-``capturable`` Adam's state, the scaler's scale, the learning rate as a device tensor); no wait
-for the device (no ``.item()``); lazy initialisation done before capture, by eager warm-up steps
-on a side stream (under DDP at least 11, as the PyTorch documentation asks); and a thread-local
-capture (``capture_error_mode="thread_local"``), since the loader's pin-memory thread and DALI's
-threads keep making CUDA calls while it runs.
-
-``StepGraph`` holds the static buffers and runs the eager warm-up steps, the capture and the
-replays through ``CudaGraphOps``; tests drive the same logic on a CPU through a stand-in with
-the same three methods.
+"""The training step captured once as a CUDA graph and replayed (``train_graph.py``; what
+capture asks of the step: docs/performance.md, "CUDA graphs"). ``StepGraph`` holds the static
+buffers and runs the eager warm-up steps, the capture and the replays through ``CudaGraphOps``;
+tests drive the same logic on a CPU through a stand-in with the same three methods.
 """
 from __future__ import annotations
 
@@ -36,11 +25,8 @@ DDP_SAMPLE_EVERY = 100  # DDP times every 100th iteration with CUDA events (its 
 
 
 def capture_warmup_steps(cfg: Config, ddp: bool) -> int:
-    """The eager steps before capture: ``graph_warmup_steps``, and under DDP at least 11.
-
-    DDP times its first 10 iterations and every 100th with CUDA events and reads them at the
-    next one (a host sync), neither of which the captured iteration ``warm-up + 1`` may do: so
-    warm-up % 100 may be neither 99 nor 0."""
+    """The eager steps before capture: ``graph_warmup_steps``, under DDP at least 11 and neither 99
+    nor 0 modulo 100 (DDP syncs on iterations it timed: its first 10 and every 100th)."""
     warmup = cfg.graph_warmup_steps
     if not ddp:
         return warmup
@@ -95,9 +81,7 @@ class CudaGraphOps:
         current.wait_stream(self.stream)
 
     def capture(self, fn, clear) -> "CapturedStep":
-        """Record the kernels ``fn`` launches; nothing runs until ``replay()``. ``clear``: what
-        ``fn`` expects done before it (gradients set to None), done once before capture; a
-        replay repeats the recorded kernels, whose backward writes the gradients afresh."""
+        """Record the kernels ``fn`` launches, run by ``replay()`` (``clear`` was done before)."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: the loader's threads go on making CUDA calls during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
@@ -109,22 +93,17 @@ class CudaGraphOps:
 
 
 class CapturedStep:
-    """``replay()`` launches the recorded kernels; ``outputs``: the tensors ``fn`` returned while
-    captured, which hold the latest replay's values."""
+    """``replay()`` launches the recorded kernels; ``outputs`` then hold the latest replay's values."""
 
     def __init__(self, replay, outputs):
         self.replay, self.outputs = replay, outputs
 
 
 class StepGraph:
-    """``step(x, y, probe)``: one training step on ``x``, ``y`` through ``body``.
-
-    ``body(x, y, probe)`` takes the step's device work and returns its output tensors; ``clear()``
-    resets the gradients to None after each eager step (so the captured backward allocates them
-    in the graph's pool). The first ``warmup_steps`` calls run ``body`` eagerly on the side
-    stream; the next captures it once and replays; every later call replays. The first
-    ``timed`` replays and the eager steps after the first are timed (with device syncs), and one
-    log line compares them."""
+    """``step(x, y, probe)``: one training step through ``body(x, y, probe)`` (returning its
+    output tensors), ``clear()`` after each eager one (the captured backward then allocates the
+    gradients in the graph's pool): ``warmup_steps`` eager calls on the side stream, then a
+    capture and replays; one log line compares the first ``timed`` replays with eager steps."""
 
     def __init__(self, body, clear, ops, warmup_steps: int, timed: int = 5):
         self.body, self.clear, self.ops = body, clear, ops
@@ -164,8 +143,7 @@ class StepGraph:
             buf.copy_(t, non_blocking=True)
 
     @contextlib.contextmanager
-    def _timed(self, times: list[float], on: bool = True):
-        """Append the block's time, between device syncs, to ``times`` when ``on``."""
+    def _timed(self, times: list[float], on: bool = True):  # (between device syncs)
         if on:
             self.ops.synchronize()
             t0 = time.perf_counter()
@@ -176,7 +154,7 @@ class StepGraph:
 
     def _eager(self, probe):
         self.last_mode = "eager"
-        # the first step initialises lazily and is not representative
+        # (the first step, which initialises lazily, is not timed)
         with self._timed(self.eager_s, on=self.calls > 0), self.ops.side_stream():
             out = self.body(*self.static, probe)
             self.clear()

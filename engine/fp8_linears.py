@@ -1,19 +1,9 @@
-"""fp8 linear layers (the ViT setting ``fp8_linears``): the transformer blocks' linear layers
-(``task.blocks``: qkv, proj, fc1, fc2) compute their matmuls in float8 with torchao's float8
-training; the patch embedding and the head keep the autocast precision, and weights, gradients
-and Adam's state stay fp32. What is scaled how, what it can gain, and how it goes with tp/cp,
-FSDP, torch.compile and checkpoints: docs/performance.md, "fp8 linear layers".
-
-Applied by ``engine.parallelism.apply_parallelism`` after the tp/cp split, before FSDP and
-torch.compile: a serial (or FSDP) model's ``nn.Linear`` become torchao's ``Float8Linear``; a
-tp/cp model's parallel linears keep their collectives and compute their slice's matmul with the
-same fp8 matmul (``local_linear``), each rank scaling its weight slice by the slice's maximum.
-On a CPU the casts are emulated (operands rounded to fp8, multiplied in fp32): for checking a
-run and for the tests, not for speed.
+"""fp8 linear layers (``fp8_linears``): the transformer blocks' linears compute in float8 with
+torchao (docs/performance.md, "fp8 linear layers"); tp/cp linears keep their collectives, their
+slice's matmul in fp8 (``local_linear``). Emulated on a CPU, for checks, not speed.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 
@@ -29,34 +19,25 @@ MIN_CAPABILITY = (8, 9)  # the first GPUs with fp8 tensor cores (Ada); Hopper is
 DIM_MULTIPLE = 16  # fp8 matmul kernels need both dimensions of each operand to be multiples
 
 
-@contextlib.contextmanager
-def _quiet(*names: str):
-    """Loggers ``names`` at ERROR inside: importing torchao reports, as warnings, compiled
-    extensions of other features that do not load here (its CUDA kernels for MX formats and
-    CUTLASS; float8 training uses torch's own scaled matmul)."""
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
 def load_torchao(recipe: str, device: torch.device):
-    """``torchao.float8``, imported on first use (about 2 s), and its ``Float8LinearConfig`` of
-    ``recipe``, emulated off a CUDA GPU; ConfigError (one line) when torchao is not installed or
-    does not import with this torch."""
+    """``torchao.float8`` (imported on first use: about 2 s) and its ``Float8LinearConfig`` of
+    ``recipe``, emulated off a CUDA GPU; ConfigError when torchao does not import."""
+    # Importing torchao warns of compiled extensions of other features that do not load here
+    # (its MX and CUTLASS kernels; float8 training uses torch's own scaled matmul).
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
     try:
-        with _quiet("torchao", "torch.utils._pytree"):
-            import torchao.float8 as float8
-            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        import torchao.float8 as float8
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"fp8_linears={recipe} needs torchao's float8 training ({e}): pip "
                           f"install -r requirements-fp8.txt, or train without fp8 "
                           f"(--fp8_linears none)") from None
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     return float8, dataclasses.replace(config, emulate=device.type != "cuda")
 
@@ -67,9 +48,8 @@ def fits(out_features: int, in_features: int) -> bool:
 
 
 def check(recipe: str, device: torch.device):
-    """Refuse, before anything is written, a run with fp8 linears that cannot have them: torchao
-    missing, a GPU without fp8 tensor cores, or a matmul that fails on the device (one
-    forward and backward of a 16 x 16 fp8 linear in bf16, a few milliseconds)."""
+    """Refuse, before anything is written, fp8 linears that cannot run: torchao missing, a GPU
+    without fp8 tensor cores, or a 16 x 16 fp8 linear's forward and backward failing."""
     if recipe == "none":
         return
     if device.type == "cuda":
@@ -98,9 +78,8 @@ def check(recipe: str, device: torch.device):
 
 
 def fp8_linear(config):
-    """``(x, weight, bias) -> y``, ``F.linear``'s contract, with torchao's float8 matmul (the
-    one ``Float8Linear`` calls) and its rule for autocast: on a GPU under autocast the input
-    is first cast to the autocast dtype, and the result comes in the input's dtype."""
+    """``F.linear`` with torchao's float8 matmul (``Float8Linear``'s) and its autocast rule: on a
+    GPU under autocast the input is cast to the autocast dtype first."""
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
     with torch.device("meta"):  # only for the matmul settings torchao derives from the config
         mm_config = Float8Linear(DIM_MULTIPLE, DIM_MULTIPLE, bias=False,
@@ -115,9 +94,8 @@ def fp8_linear(config):
 
 
 def convert(blocks: list[nn.Module], recipe: str, device: torch.device) -> int:
-    """Make the linear layers of ``blocks`` compute in fp8 (in place); the number converted.
-    Serial linears become ``Float8Linear`` (same parameters, same names); tp/cp linears keep
-    their collectives and take the fp8 matmul for their slice."""
+    """Make the linear layers of ``blocks`` compute in fp8, in place (serial ones become
+    ``Float8Linear``, the same parameters); the number converted."""
     from distributed.layers import _ParallelLinear
     float8, config = load_torchao(recipe, device)
     from torchao.float8.float8_linear import Float8Linear

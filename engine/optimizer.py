@@ -7,26 +7,16 @@ import logging
 import math
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from settings.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def _fused_device_types() -> set[str]:
-    """The device types torch has fused optimizer kernels for, on this build."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        return set(_get_fused_kernels_supported_devices())
-    except ImportError:
-        return {"cuda"}
-
-
 def fused_unavailable(params: list, device: torch.device) -> str:
-    """Why the fused Adam kernel cannot update ``params`` on ``device``, or "" when it can
-    (checked before the optimizer is built: torch checks at the first step, too late to fall
-    back)."""
-    supported = _fused_device_types()
+    """Why fused Adam cannot update ``params`` on ``device`` ("": it can), before torch finds out."""
+    supported = set(_get_fused_kernels_supported_devices())
     if device.type not in supported:
         return f"no fused kernel for {device.type} (only {', '.join(sorted(supported))})"
     for p in params:
@@ -37,13 +27,9 @@ def fused_unavailable(params: list, device: torch.device) -> str:
 
 def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
                     for_cuda_graph: bool = False) -> torch.optim.Adam:
-    """Adam over ``params`` with learning rate ``lr`` and ``betas``, no weight decay; ``fused``
-    (``enable_fused``): the fused kernel where available (else, after a warning, the default one).
-
-    ``for_cuda_graph`` (``train_graph.py``): a step that can be captured in a CUDA graph. Its lr
-    is a device tensor the schedule fills in place between replays (a float would be frozen into
-    the graph), and it is the fused kernel, which the gradient scaler drives without a host sync.
-    ``capturable`` (step counts on the device) exists on GPUs only: on a CPU it is left off."""
+    """Adam over ``params`` with ``lr`` and ``betas``, no weight decay; ``fused``: the fused kernel
+    where available (else a warning); ``for_cuda_graph``: fused and ``capturable`` (on a GPU), its
+    lr a device tensor the schedule fills between replays."""
     params = list(params)
     kw = dict(lr=lr, betas=tuple(betas))
     if for_cuda_graph:
@@ -61,17 +47,14 @@ def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
     return torch.optim.Adam(params, **kw)
 
 
-# How an optimizer runs, not what it has learnt: kept from the running optimizer when a state is
-# loaded, so that a checkpoint of train.py resumes in train_graph.py and the other way round.
+# How an optimizer runs, not what it learnt: kept on loading a state (train.py's checkpoints
+# resume in train_graph.py and the other way round).
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
-    """``optimizer.load_state_dict(state)`` that keeps this optimizer's implementation settings
-    and the kind of its hyperparameters (a device-tensor lr, which a CUDA graph reads, stays that
-    tensor, filled with the saved value; a saved tensor becomes a float where floats are held),
-    and puts step counts where the implementation wants them (the parameter's device for
-    capturable or fused Adam, else the CPU)."""
+    """``optimizer.load_state_dict(state)`` keeping this optimizer's implementation settings and
+    kinds of hyperparameters (a device-tensor lr stays one), step counts where it wants them."""
     own = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, before in zip(optimizer.param_groups, own):
@@ -93,9 +76,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
                     st[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
             if torch.is_tensor(st.get("step")):
                 st["step"] = st["step"].to(p.device if on_device else "cpu", torch.float32)
-
-
-# ---------------------------------------------------------------------- the learning rate
 
 
 def peak_lr(lr: float, global_batch: int, base_batch: int, scaling: str) -> float:
@@ -124,11 +104,8 @@ def describe(lr: float, peak: float, global_batch: int, base_batch: int, scaling
 
 
 def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
-    """Learning rate of the update with 0-based index ``step`` out of ``total`` updates.
-
-    Warm-up: peak * (step + 1) / warmup for the first ``warmup`` updates (the first update already
-    moves the weights). Then a cosine from peak at update ``warmup`` to ``end`` at update ``total``.
-    """
+    """Learning rate of update ``step`` (0-based) of ``total``: peak * (step + 1) / warmup for the
+    first ``warmup``, then a cosine from peak to ``end`` at update ``total``."""
     if step < warmup:
         return peak * (step + 1) / warmup
     span = max(total - warmup, 1)
@@ -137,10 +114,7 @@ def lr_at(step: int, peak: float, end: float, warmup: int, total: int) -> float:
 
 
 def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int):
-    """A LambdaLR whose factor times the optimizer's initial lr (= peak) gives ``lr_at``.
-
-    An optimizer whose lr is a device tensor (``train_graph.py``) keeps that tensor: the schedule
-    fills it in place, and computes with a float peak (not a tensor on the device)."""
+    """A LambdaLR giving ``lr_at`` (a device-tensor lr, ``train_graph.py``'s, filled in place)."""
     set_lr(optimizer, peak)
     factor = (lambda step: 1.0) if peak == 0 else \
         (lambda step: lr_at(step, peak, end, warmup, total) / peak)
@@ -152,8 +126,7 @@ def build_scheduler(optimizer, peak: float, end: float, warmup: int, total: int)
 
 
 def set_lr(optimizer, value: float):
-    """The learning rate of every group; one held as a device tensor (``train_graph.py``) is
-    filled in place, as a captured step reads that tensor."""
+    """The learning rate of every group (a device tensor, which a captured step reads, in place)."""
     for group in optimizer.param_groups:
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(value)
@@ -163,10 +136,8 @@ def set_lr(optimizer, value: float):
 
 def resumed_schedule(optimizer, saved_cfg: dict, steps_per_epoch: int, iteration: int,
                      peak: float, end: float, warmup: int, total: int) -> str:
-    """Put the learning rate of step ``iteration`` of a run of ``total`` steps in place after a
-    resume. When the checkpoint's run was to end elsewhere (``--num_epochs``/``--num_iters``
-    changed), the schedule now spans the new total: returns the log line that says so (else
-    "")."""
+    """Step ``iteration``'s learning rate put in place after a resume; the line saying the schedule
+    spans a new ``total`` when the run length changed, else ""."""
     set_lr(optimizer, lr_at(iteration, peak, end, warmup, total))
     old_total = saved_cfg.get("num_iters") or (saved_cfg.get("num_epochs") or 0) * steps_per_epoch
     if not old_total or old_total == total:

@@ -1,32 +1,13 @@
-"""Parallelism applied to a serial model, in one place and in this order:
-
-1. sharding over the tensor/context-parallel ranks (``distributed.parallelize``), when
-   tensor_parallel x context_parallel > 1: each rank keeps its slices of the serial weights, so
-   a sharded run starts where a serial run with the same seed starts;
-2. fp8 linears (``fp8_linears``: ``engine.fp8_linears``), before FSDP shards them and
-   torch.compile traces them;
-3. activation checkpointing, an option of the model itself (the sharded ViT keeps the serial
-   model's choice);
-4. the move to the run's device, in the task's memory format (``memory_format``), the
-   torch/cuDNN combinations known to be slow for this model there named in the log
-   (``engine.slow_paths``);
-5. data parallelism: DistributedDataParallel (under tp/cp its communication hook also sums the
-   gradients of parameters replicated over tp/cp), or with ``fsdp`` torch's FSDP2
-   (``fully_shard``) of each of the task's blocks and then the whole model over the
-   data-parallel mesh (under tp/cp the ``dp`` dimension of the tp x cp x dp mesh);
-6. ``torch.compile`` (``enable_jit``) of the whole wrapped model, or with ``compile_blocks`` of
-   each of the task's blocks in place (the parameters' names stay, so checkpoints are the same
-   either way; blocks alike share one compiled graph). Under tp/cp the sharded layers'
-   collectives run eagerly, a graph break each (``distributed.mappings.eager_apply``), with
-   the compile caches where ``compile_cache_dir`` says (``compile_dir``: where they are).
-
-docs/parallelism.md tells more. The model itself knows nothing of any of this.
+"""Parallelism applied to a serial model, in one place (``apply_parallelism``, whose numbered
+comments give the order: tp/cp sharding, fp8 linears, the move to the device, DDP or FSDP2,
+torch.compile; docs/parallelism.md tells more). The model itself knows nothing of any of this.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,15 +34,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ParallelModel:
-    """A model ready to train on this rank.
-
-    ``module``: the model's parameters and state (sharded under tp/cp), for the optimizer,
-    checkpoints and train/eval; ``wrapped``: what a step calls (``module`` under DDP and/or
-    ``torch.compile``); ``sharding``: how batches enter and leave it and how its state maps to the
-    serial layout (``engine.sharding``)."""
+    """A model ready to train: ``module`` its parameters, ``wrapped`` what a step calls (under DDP
+    and/or ``torch.compile``), ``loss(pred, y)`` the task's per-sample loss of its output (of
+    image bands: summed over the ranks of the other bands), ``sharding`` how batches and state
+    map to it."""
 
     module: nn.Module
     wrapped: nn.Module
+    loss: object
     sharding: Unsharded
     rt: Runtime
     fsdp_reduce_each_microbatch: bool = True
@@ -69,13 +49,8 @@ class ParallelModel:
     batch: int = 0  # under torch.compile, the local batch every forward is given (full_batch)
 
     def no_sync(self):
-        """Inside: the backward passes of the inner micro-batches of gradient accumulation.
-
-        DDP: they accumulate gradients without its all-reduce, which then runs once, in the last
-        micro-batch's backward. FSDP: by default a do-nothing context, as torchtitan does: every
-        micro-batch's backward reduce-scatters its gradients onto the shards; with
-        ``fsdp_reduce_each_microbatch`` off, FSDP2 keeps every parameter's whole unsharded
-        gradient until the last micro-batch (docs/parallelism.md weighs the two)."""
+        """Inside: the inner micro-batches' backward passes. DDP all-reduces in the last; FSDP in
+        each, or with ``fsdp_reduce_each_microbatch`` off in the last (docs/parallelism.md)."""
         if isinstance(self.module, FSDPModule):
             if self.fsdp_reduce_each_microbatch:
                 return contextlib.nullcontext()
@@ -88,43 +63,36 @@ class ParallelModel:
         ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)
         return ddp if isinstance(ddp, DistributedDataParallel) else None
 
-    def reduce_replicated_grads(self):
-        """After the backward passes, under FSDP with tp/cp: the gradient sums over tp/cp that
-        DDP's communication hook does otherwise (nothing to do in any other run)."""
+    def reduce_replicated_grads(self):  # (FSDP with tp/cp: FullyShardedSharding's)
         self.sharding.reduce_replicated_grads(self.module)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0."""
+        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0:
+        torch's own for a model whole on every rank (max_norm inf scales by exactly 1), the one
+        of ``distributed.grad_norm`` for shards (tp/cp, FSDP)."""
+        if self.rt.groups is None and not isinstance(self.module, FSDPModule):
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm or math.inf)
         return clip_grad_norm(self.module, max_norm, self.rt.groups)
 
     def full_batch(self, x: torch.Tensor) -> torch.Tensor:
         """A compiled model's validation batch filled up to the local batch with copies of its
-        first sample, whose outputs are then dropped: the smaller last batch of a pass runs the
-        graph compiled for the others instead of compiling one for a batch of any size (dynamo's
-        response to a second batch size). Eager models take the batch as it is."""
+        first sample (their outputs dropped): a smaller last batch then runs the graph compiled
+        for the others, not a new one for a batch of any size. (Eager: the batch as it is.)"""
         if not self.batch or x.shape[0] == self.batch:
             return x
         fill = torch.zeros(self.batch - x.shape[0], dtype=torch.long, device=x.device)
         return x[torch.cat([torch.arange(x.shape[0], device=x.device), fill])]  # keeps its layout
 
     def regroup_gradients(self, x: torch.Tensor, y: torch.Tensor, forward_context):
-        """A resumed run's backward pass of its first micro-batch (``x``, ``y``) before its first
-        step, discarded, under DDP.
-
-        DDP all-reduces the gradients in buckets. It groups them anew after a run's first
-        backward, in the order that backward made them ready, and every later step uses that
-        grouping, in which the ranks' ring adds each element in a fixed order. A resumed run's
-        first step would use the first grouping, so with three or more ranks it would add some
-        elements in another order (about 1e-7 apart). This backward makes DDP regroup as the
-        uninterrupted run did. Its gradients are dropped, and the random streams and buffers are
-        put back, so the resumed run continues bitwise as the uninterrupted one (checked on the
-        CPU: tests/test_preemption.py). One micro-batch's forward and backward more at each
-        resume."""
+        """Under DDP, a resumed run's backward of its first micro-batch (``x``, ``y``) before its
+        first step, discarded (gradients dropped, random streams and buffers put back): DDP
+        regroups its gradient buckets after a run's first backward, and without it a resumed run
+        on three or more ranks would add some elements in another order (about 1e-7 apart)."""
         buffers = [(b, b.clone()) for b in self.module.buffers()]
         device = self.rt.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             with forward_context():
-                loss = self.sharding.loss(self.wrapped(x), y).sum()
+                loss = self.loss(self.wrapped(x), y).sum()
             loss.backward()
         self.module.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -133,9 +101,7 @@ class ParallelModel:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(module):
-    """FSDP2 keeps the unsharded gradients of the micro-batches inside and reduce-scatters their
-    sum (over dp: every rank leaves after the same micro-batch) in the next backward."""
+def _fsdp_no_sync(module):  # the sum is reduce-scattered in the backward after it
     module.set_requires_gradient_sync(False)
     try:
         yield
@@ -144,10 +110,8 @@ def _fsdp_no_sync(module):
 
 
 def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
-    """FSDP2's casts matching ``amp_mode``: the gathered parameters in bf16 for the forward and
-    backward (the engine's autocast still picks each op's precision), the gradients
-    reduce-scattered in fp32 and the sharded parameters and Adam state kept in fp32. fp16 is
-    refused with fsdp (``settings.config.validate``)."""
+    """FSDP2's casts for ``amp_mode`` bf16: parameters gathered in bf16, gradients reduced and
+    shards and Adam state kept in fp32 (fp16 is refused with fsdp)."""
     if amp_mode == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -155,15 +119,12 @@ def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
 
 def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Runtime,
                 mesh=None) -> nn.Module:
-    """``fully_shard`` each block, then the whole model (what is left: embeddings, head, norms)
-    over a one-dimensional data-parallel mesh: ``mesh`` (the dp dimension of the tp x cp x dp
-    mesh), or one over every rank. A block's weights are gathered together, so peak memory holds
-    the largest gathered block on top of the shards."""
+    """``fully_shard`` each block, then the rest of the model, over the data-parallel ``mesh``
+    (the dp dimension of the tp x cp x dp mesh) or one over every rank."""
     if mesh is None:
         mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
     policy = mixed_precision_policy(amp_mode)
-    # The tp/cp layers' marks on their parameters (how each is cut from the serial one, over
-    # which axes its copies' gradients are summed), for the DTensor parameters FSDP puts in place.
+    # the tp/cp layers' marks on their parameters, for the DTensor parameters FSDP puts in place
     marks = {name: {k: getattr(p, k) for k in ("shard_spec", "reduce_over") if hasattr(p, k)}
              for name, p in model.named_parameters()}
     for block in blocks:
@@ -180,9 +141,8 @@ def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Ru
 
 
 def _buffer_sync_kwargs(disable: bool) -> dict:
-    """DDP's per-step broadcast of module buffers from rank 0: on unless disabled. Newer torch
-    calls the switch forward_sync_buffers (and warns on every rank when broadcast_buffers is
-    passed at all); buffers are still made equal once, at wrapping."""
+    """DDP's per-step broadcast of buffers off when ``disable`` (newer torch names it
+    forward_sync_buffers, and warns on every rank when broadcast_buffers is passed)."""
     if not disable:
         return {}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
@@ -193,17 +153,19 @@ def _buffer_sync_kwargs(disable: bool) -> dict:
 def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
                       memory_format: torch.memory_format = torch.contiguous_format
                       ) -> ParallelModel:
-    """``model``: the serial model, built on the CPU with the same seed on every rank (a sharded
-    model never lives whole on a GPU); ``memory_format``: the layout of its 5-D weights there."""
+    """``model``: the serial model, built on the CPU with the same seed on every rank (so a
+    sharded run starts where a serial one does); ``memory_format``: its 5-D weights' layout."""
     if rt.groups is not None:  # 1. tensor / context parallel
         model = parallelize_vit(model, rt.groups, sequence_parallel=cfg.sequence_parallel)
         sharding = RowBandSharding(task, model, rt.groups)
     else:
         sharding = Unsharded(task)
     fp8 = getattr(cfg, "fp8_linears", "none")
-    if fp8 != "none":  # 2. fp8 linears (checked with the device: engine.runtime)
+    if fp8 != "none":  # 2. fp8 linears, before FSDP shards and torch.compile traces them
         fp8_linears.convert(task.blocks(model), fp8, rt.device)
-    warn_slow_paths(model, rt.device, cfg.amp_mode, memory_format, rt.is_main)  # 4.
+    # (3. activation checkpointing is the model's own option.) 4. the device, where the known
+    # slow torch/cuDNN combinations for this model are named in the log
+    warn_slow_paths(model, rt.device, cfg.amp_mode, memory_format, rt.is_main)
     model = model.to(rt.device)
     if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
         model = model.to(memory_format=memory_format)
@@ -226,7 +188,9 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
             **_buffer_sync_kwargs(cfg.disable_broadcast_buffers))
         sharding.register_grad_hooks(wrapped)
     compile_dir = None
-    if cfg.enable_jit:  # 6. torch.compile (tp/cp collectives stay out of the graphs: eager_apply)
+    # 6. torch.compile: tp/cp collectives stay out of the graphs (eager_apply); compile_blocks
+    # compiles each block in place (the same parameter names, so the same checkpoints)
+    if cfg.enable_jit:
         compile_dir = use_compile_cache_dir(cfg.compile_cache_dir)  # with earlier runs' caches
         options = task.compile_options(memory_format) or None
         if cfg.compile_blocks:
@@ -238,5 +202,6 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
                 block.compile(options=options)
         else:
             wrapped = torch.compile(wrapped, options=options)
-    return ParallelModel(model, wrapped, sharding, rt, cfg.fsdp_reduce_each_microbatch,
+    loss = task.loss if rt.groups is None else sharding.loss
+    return ParallelModel(model, wrapped, loss, sharding, rt, cfg.fsdp_reduce_each_microbatch,
                          compile_dir, rt.local_batch if cfg.enable_jit else 0)

@@ -1,9 +1,7 @@
 """The run directory: ``<expdir>/<config>/<world size>/<run_num>/``, holding ``out.log``,
-``config.yaml``, ``tensorboard/`` and ``checkpoints/`` (and ``.run.lock`` while a process trains
-it). Runs started at once into one experiment directory each get their own (a number is taken by
-creating its directory; one process at a time trains a directory, under its lock, taken over
-when its holder is gone): docs/preemption.md, "Many runs at once". A start that fails in set-up
-leaves no run behind (``discard_unstarted_run``).
+``config.yaml``, ``tensorboard/``, ``checkpoints/`` and, while a process trains it, its lock
+``.run.lock`` (runs started at once each get their own: docs/preemption.md, "Many runs at
+once"). A start that fails in set-up leaves no run behind (``discard_unstarted_run``).
 """
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ from engine import checkpoint
 from engine.runtime import Runtime
 from observe.logging_utils import setup_logging
 from settings.parse import dump, load_yaml_configs
-from settings.errors import ConfigError
+from settings.errors import ConfigError, on_every_rank
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config
@@ -37,9 +35,7 @@ COMPUTE_ONLY = "-synthetic"  # runs on generated batches sit apart from the conf
 
 
 def open_run_dir(cfg: Config, rt: Runtime) -> str:
-    """The run's directory, claimed and locked for this process (``resolve_run_num``: with
-    ``--run_num auto``, the default, the next free number; one another process trains is
-    refused), its out.log opened; returns its path."""
+    """The run's directory (``resolve_run_num``), locked for this process, its out.log opened."""
     why = resolve_run_num(cfg, rt)
     run_dir = run_dir_for(cfg, rt.world_size)
     setup_logging(rt.rank, os.path.join(run_dir, "out.log"))
@@ -49,8 +45,7 @@ def open_run_dir(cfg: Config, rt: Runtime) -> str:
 
 
 def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
-    """The resolved config, readable back with --yaml_config, as ``<run_dir>/config.yaml``
-    (a resumed run keeps the file of the run it continues)."""
+    """The resolved config as ``<run_dir>/config.yaml`` (a resumed run keeps its own)."""
     path = os.path.join(run_dir, "config.yaml")
     if not resumed or not os.path.exists(path):
         with open(path, "w") as f:
@@ -59,9 +54,8 @@ def write_config(cfg: Config, run_dir: str, derived: dict, resumed: bool):
 
 
 def run_dir_for(cfg: Config, world_size: int) -> str:
-    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (compute-only timing)
-    under ``<config>-synthetic``, so that neither TensorBoard nor ``--resume`` takes it for a run
-    of the config."""
+    """``<expdir>/<config>/<ranks>/<run>``; a run on generated batches (compute-only timing) under
+    ``<config>-synthetic``, where neither TensorBoard nor ``--resume`` takes it for the config's."""
     name = cfg.name + (COMPUTE_ONLY if cfg.data_is_generated else "")
     return os.path.join(cfg.expdir, name, str(world_size), str(cfg.run_num))
 
@@ -70,20 +64,15 @@ AUTO = "auto"
 
 
 def resolve_run_num(cfg: Config, rt: Runtime) -> str:
-    """Claim this run's directory and lock it for this process, on rank 0; replace ``run_num:
-    auto`` by the run's name (in ``cfg``), the same on every rank (the others are told). Returns
-    how the run was chosen, for the log ("" for a named run, unless a stale lock was taken over).
-
-    ``auto`` is, for a fresh run (also ``--resume_from``), the next free number above the
-    highest of this config and rank count; with ``--resume``, the run that wrote the newest
-    checkpoint (``--resume auto``: else the next free number). A run directory that another live
-    process trains is refused (ConfigError naming it)."""
+    """Rank 0 claims and locks this run's directory (``auto``: docs/checkpoints.md, "Run numbers"),
+    whose name replaces ``run_num: auto`` in ``cfg`` on every rank; how it was chosen, for the log
+    ("" for a named run). A run directory another live process trains is refused."""
     choice = [None]
     if rt.is_main:
         try:
             choice = [_claim_run(cfg, rt.world_size)]
         except ConfigError as e:
-            choice = [e]  # every rank raises it
+            choice = [on_every_rank(e)]
     if rt.distributed:
         dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], ConfigError):
@@ -92,8 +81,7 @@ def resolve_run_num(cfg: Config, rt: Runtime) -> str:
     return why
 
 
-def _model_of(run_dir: str) -> str | None:
-    """The model family a run directory's config.yaml names; None when it cannot be read."""
+def _model_of(run_dir: str) -> str | None:  # as its config.yaml names it (None: unreadable)
     try:
         (settings,) = load_yaml_configs(os.path.join(run_dir, "config.yaml")).values()
         return settings.get("model")
@@ -101,8 +89,7 @@ def _model_of(run_dir: str) -> str | None:
         return None
 
 
-def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
-    """(run name, how it was chosen) of the run directory this process now holds the lock of."""
+def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:  # (run name, how chosen)
     _made.forget()
     if cfg.run_num != AUTO:
         run_dir = run_dir_for(cfg, world_size)
@@ -139,24 +126,19 @@ def _claim_run(cfg: Config, world_size: int) -> tuple[str, str]:
         run_dir = os.path.join(parent, str(number))
         try:
             os.mkdir(run_dir)
-        except FileExistsError:
+            note = lock_run_dir(run_dir)
+        except (FileExistsError, RunInUse):  # (RunInUse: a --run_num <number> run locked it first)
             number += 1
             continue
         except OSError as e:
             raise _cannot_create(cfg, run_dir, e) from None
-        try:
-            note = lock_run_dir(run_dir)
-        except RunInUse:  # a run started with --run_num <number> locked it first
-            number += 1
-            continue
         _made.dirs.append(os.path.abspath(run_dir))
         _made.run = os.path.abspath(run_dir)
         return str(number), (f"--run_num auto: the next free number under {parent}"
                              + (f"; {note}" if note else ""))
 
 
-def _make_dirs(cfg: Config, path: str):
-    """``os.makedirs``, noting the directories it creates (``discard_unstarted_run``)."""
+def _make_dirs(cfg: Config, path: str):  # os.makedirs, noting the directories it creates
     missing, probe = [], os.path.abspath(path)
     while not os.path.exists(probe):
         missing.append(probe)
@@ -169,25 +151,19 @@ def _make_dirs(cfg: Config, path: str):
 
 
 class _Made:
-    """What this process created for the run it is starting: a start that fails in set-up
-    removes it again, so that it leaves no run behind (nor uses up its number)."""
-
-    def __init__(self):
-        self.forget()
+    """What this process created for the run it is starting: the directories (outermost first),
+    the run directory, the out.log it writes into an existing run without one."""
 
     def forget(self):
-        self.dirs: list[str] = []  # the directories it created, outermost first
-        self.run: str | None = None  # the run directory itself, when this process made it
-        self.log: str | None = None  # the out.log it writes into an existing run without one
+        self.dirs, self.run, self.log = [], None, None
 
 
 _made = _Made()
+_made.forget()
 
 
 def discard_unstarted_run():
-    """After a start that failed in set-up: remove the run directory this process created (and
-    the parents it created, when empty); one that existed before stays, without the out.log
-    this start wrote there when it had none."""
+    """After a start that failed in set-up: remove what this process created (``_Made``)."""
     root, made = logging.getLogger(), [p for p in (_made.run, _made.log) if p]
     for h in list(root.handlers):  # out.log: closed before it or its directory goes
         if isinstance(h, logging.FileHandler) and any(
@@ -225,11 +201,9 @@ def _is_mine(record: dict | None) -> bool:
 
 
 def lock_run_dir(run_dir: str) -> str:
-    """Take ``run_dir``'s lock for this process (a process that holds it already keeps it).
-    Returns a note for the log when it took over the lock of a process that no longer runs, ""
-    otherwise. RunInUse (one line: which process holds it, and what to do) when another
-    process of this host that still runs holds it, or a process of another host (whether that
-    one still runs cannot be told from here)."""
+    """Take ``run_dir``'s lock for this process (which keeps one it holds). Returns a note for
+    the log when it took over the lock of a process that no longer runs, else "". RunInUse when
+    a running process of this host holds it, or one of another host (which may run)."""
     path = os.path.join(run_dir, LOCK_NAME)
     note = ""
     try:
@@ -269,8 +243,7 @@ def lock_run_dir(run_dir: str) -> str:
 
 
 def release_run_locks():
-    """Remove the run locks this process holds: when its run ends (finished, failed on an
-    error, or stopped by a signal), and at exit. A forked child (a loader worker) removes none."""
+    """Remove the run locks this process (not a forked child) holds, however its run ends."""
     for path in list(_held):
         _held.discard(path)
         if _is_mine(_read_lock(path)):
@@ -289,8 +262,7 @@ def _lock_record() -> dict:
             **_slurm_attempt()}
 
 
-def _slurm_attempt() -> dict:
-    """The Slurm job and how often it was requeued, inside a batch job."""
+def _slurm_attempt() -> dict:  # the Slurm job and how often it was requeued
     job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "")
     if not job:
         return {}
@@ -298,9 +270,7 @@ def _slurm_attempt() -> dict:
 
 
 def _earlier_attempt_of_this_job(record: dict) -> bool:
-    """The lock was taken by an earlier attempt of this Slurm job, which was requeued since (a
-    preempted job killed before it could remove its lock, or one whose node failed): that attempt
-    has ended, on whichever node it ran, since Slurm runs one attempt of a job at a time."""
+    """The lock is an earlier attempt's of this Slurm job, which has ended (one at a time)."""
     mine = _slurm_attempt()
     theirs = record.get("slurm_restart")
     return bool(mine) and record.get("slurm_job") == mine["slurm_job"] and \
@@ -314,19 +284,16 @@ def _holder(record: dict) -> str:
 
 
 def _held_elsewhere(run_dir: str, path: str, record: dict) -> str:
-    if not record:
-        who = f"the lock file {path} names no process"
-    else:
-        who = f"{_holder(record)} holds it (lock {path}); whether it still runs cannot be told " \
-              f"from {HOST}"
+    who = f"{_holder(record)} holds it (lock {path}); whether it still runs cannot be told from " \
+          f"{HOST}" if record else f"the lock file {path} names no process"
     return (f"run directory {run_dir} is locked: {who}: if no run of it is going on (its process "
             f"was killed, or its node lost), remove {path} and start again; else wait for that "
             f"run to end, or start another run (another --run_num)")
 
 
 def _read_lock(path: str) -> dict | None:
-    """The lock's record; None when there is no lock; {} when it names no process (a holder
-    that died between creating and writing it, after waiting a second for the write)."""
+    """The lock's record; None without a lock; {} when it names no process (after a second's
+    wait for the write: its holder died between creating and writing it)."""
     for _ in range(20):
         try:
             with open(path) as f:
@@ -342,9 +309,8 @@ def _read_lock(path: str) -> dict | None:
 
 
 def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command: the state first, the start time (clock
-    ticks since boot, which tells a process from a later one that reuses its PID) 20th; None
-    without /proc."""
+    """/proc/<pid>/stat's fields after the command (the state first, the start time 20th: it
+    tells a process from a later one with its PID); None without /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -357,8 +323,7 @@ def _start_time(pid: int) -> str | None:
     return stat[19] if stat else None
 
 
-def _alive(pid: int, start: str | None) -> bool:
-    """Whether process ``pid`` of this host runs, and is the one that started at ``start``."""
+def _alive(pid: int, start: str | None) -> bool:  # process pid of this host, started at start
     if pid <= 0:
         return False
     try:
@@ -374,9 +339,8 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 def _take_over(path: str, stale: dict) -> bool:
-    """Remove the lock ``stale`` of a process that no longer runs, when it is still the lock:
-    one process of this host at a time (``flock`` on ``.run.lock.takeover``), so that two takers
-    never both remove it (the second finds the first's lock instead)."""
+    """Remove the lock ``stale`` of a process that no longer runs, if it still is the lock (one
+    taker of this host at a time, ``flock``: the second finds the first's lock instead)."""
     with file_lock(path + ".takeover"):
         if _read_lock(path) != stale:
             return False

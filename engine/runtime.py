@@ -1,8 +1,6 @@
-"""Run-time set-up: the device, the process group, and who does what.
-
-Ranks come from the environment that torchrun or ``export_DDP_vars.sh`` (Slurm) sets: RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. NCCL joins GPU ranks (each bound to its
-LOCAL_RANK device), gloo joins CPU ranks. Without those variables the run is one process.
+"""Run-time set-up: the device, the process group, and who does what. Ranks come from the
+environment torchrun or ``export_DDP_vars.sh`` (Slurm) sets (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT; without them, one process); NCCL joins GPU ranks, gloo CPU ranks.
 """
 from __future__ import annotations
 
@@ -12,8 +10,11 @@ import glob
 import logging
 import os
 import re
+import shlex
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from distributed.groups import ParallelGroups, build_groups, validate_parallel_c
 from distributed.parallelize import validate_vit_layout
 from engine import fp8_linears
 from engine.optimizer import check_end
-from settings.errors import ConfigError
+from settings.errors import ConfigError, UserError, on_every_rank
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import Config, ViTConfig
@@ -44,32 +45,25 @@ class Runtime:
     local_batch: int = 1
     global_batch: int = 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    is_main = property(lambda self: self.rank == 0)
+    distributed = property(lambda self: self.world_size > 1)
 
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the data-parallel ranks, in place (nothing to do on one rank)."""
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:  # over the data-parallel ranks, in place
         if self.distributed:
             dist.all_reduce(t, group=self.dp_group)
         return t
 
-    def first_failure(self, failure) -> str | None:
-        """Collective on all ranks (host group): the first of the ranks' ``failure`` (``(rank,
-        line)`` or None) as the line every rank raises (``rank N: ...`` under several ranks), or
-        None: a rank that raised alone would leave the others waiting in their next collective."""
+    def raise_first_failure(self, failure, kind: type[UserError]):
+        """Collective (host group): raise ``kind`` of the first of the ranks' ``failure`` (``(rank,
+        line)`` or None) on every rank, not on one alone (the others would wait in their next
+        collective); return when none failed."""
         if self.distributed:
             outcomes = [None] * self.world_size
             dist.all_gather_object(outcomes, failure, group=self.host_group)
             failure = next((f for f in outcomes if f is not None), None)
-        if failure is None:
-            return None
-        rank, line = failure
-        return f"rank {rank}: {line}" if self.distributed else line
+        if failure is not None:
+            rank, line = failure
+            raise on_every_rank(kind(f"rank {rank}: {line}" if self.distributed else line))
 
     def barrier(self):
         if self.distributed:
@@ -86,8 +80,7 @@ TORCH_FLOOR = (2, 5)
 
 
 def check_torch_version(version: str | None = None):
-    """Refuse a torch below ``TORCH_FLOOR`` (pre-releases such as NGC's "2.6.0a0+..." count as
-    their release). ``version``: torch's own by default."""
+    """Refuse a torch below ``TORCH_FLOOR`` (NGC's "2.6.0a0+..." counts as 2.6)."""
     version = version or torch.__version__
     m = re.match(r"(\d+)\.(\d+)", version)
     if m and (int(m.group(1)), int(m.group(2))) < TORCH_FLOOR:
@@ -98,20 +91,14 @@ def check_torch_version(version: str | None = None):
 
 
 def gpu_signs() -> list[str]:
-    """What says this node has GPUs for this process, whatever torch can see: the variables
-    Slurm and the CUDA runtime read, and the NVIDIA device files."""
-    signs = []
+    """What says this node has GPUs for this process: Slurm's and CUDA's variables, device files."""
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd not in (None, "", "-1", "NoDevFiles"):
-        signs.append(f"CUDA_VISIBLE_DEVICES={cvd}")
-    for var in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
-        v = os.environ.get(var, "")
-        if v not in ("", "0"):
-            signs.append(f"{var}={v}")
-    devices = sorted(glob.glob("/dev/nvidia[0-9]*"))
-    if devices:
-        signs.append(f"{devices[0]}" + (f" (and {len(devices) - 1} more)" if len(devices) > 1
-                                        else ""))
+    signs = [f"CUDA_VISIBLE_DEVICES={cvd}"] if cvd not in (None, "", "-1", "NoDevFiles") else []
+    signs += [f"{var}={os.environ[var]}" for var in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS",
+                                                     "SLURM_STEP_GPUS")
+              if os.environ.get(var, "") not in ("", "0")]
+    if devices := sorted(glob.glob("/dev/nvidia[0-9]*")):
+        signs.append(devices[0] + (f" (and {len(devices) - 1} more)" if len(devices) > 1 else ""))
     return signs
 
 
@@ -125,9 +112,8 @@ def _no_cuda_reason() -> str:
 
 
 def choose_device(cfg: Config, local_rank: int) -> torch.device:
-    """The one place the device is decided: cuda when present (or asked for), else cpu. A node
-    whose GPUs this torch cannot use is refused unless the CPU is asked for (``--device cpu``):
-    a run that silently trains on the CPU of a GPU node wastes the allocation."""
+    """The device: cuda when present, else cpu; a node whose GPUs this torch cannot use is refused
+    unless ``--device cpu`` (training on its CPU would waste the allocation)."""
     has_cuda = torch.cuda.is_available()
     if cfg.device == "cpu":
         return torch.device("cpu")
@@ -151,11 +137,9 @@ def choose_device(cfg: Config, local_rank: int) -> torch.device:
 
 
 def configure_cuda(cfg: Config, device: torch.device):
-    """cuDNN autotuning (the U-Net is all 3D convolutions, 2.9x faster tuned on an H100), or,
-    with ``cudnn_benchmark`` false, the same deterministic algorithms on every run; and TF32 for
-    fp32 matmuls and convolutions, unless ``allow_tf32`` is false or NVIDIA_TF32_OVERRIDE=0
-    (which turns it off inside cuBLAS and cuDNN: torch's switches then say so too, and the MFU,
-    which reads them, divides by the fp32 peak)."""
+    """cuDNN autotuning (the U-Net's 3D convolutions: 2.9x faster on an H100) or deterministic
+    algorithms; TF32 unless ``allow_tf32`` is false or NVIDIA_TF32_OVERRIDE=0 (torch's switches,
+    which the MFU reads, then say it is off)."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = not cfg.cudnn_benchmark
@@ -185,8 +169,7 @@ def _env_int(name, default):
 
 
 def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:
-    """(local, global) batch sizes; global must split evenly over the data-parallel ranks, and
-    each rank's share evenly into grad_accum_steps micro-batches."""
+    """(local, global) batch sizes, global split evenly over dp ranks and grad_accum_steps."""
     if cfg.local_batch_size is not None:
         local, global_ = cfg.local_batch_size, cfg.local_batch_size * dp_size
     elif cfg.global_batch_size % dp_size:
@@ -207,9 +190,12 @@ def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:
 
 
 def check_model_parallel(cfg: ViTConfig, world: int):
-    """tp x cp x dp == world size and a ViT that shards over them, checked before any rank
-    joins a process group."""
+    """tp x cp x dp == world size and a ViT that shards over them."""
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
+    if world == 1:  # (started with python, not torchrun)
+        raise ConfigError(f"tensor_parallel={tp} x context_parallel={cp} splits each model over "
+                          f"{tp * cp} ranks, and this is one process: start them with torchrun: "
+                          f"torchrun --nproc_per_node {tp * cp} {shlex.join(sys.argv)}")
     if cfg.noddp:
         raise ConfigError("noddp turns off the data-parallel gradient all-reduce for timing; it "
                           "cannot be combined with tensor_parallel/context_parallel")
@@ -223,56 +209,48 @@ def check_model_parallel(cfg: ViTConfig, world: int):
 
 
 def new_host_group(timeout: datetime.timedelta):
-    """A gloo group of all ranks (collective), connected lazily (``TORCH_GLOO_LAZY_INIT``, read as
-    the group is made; older torch ignores it): its small ring all-reduces open 2 connections a
-    rank, not a full mesh of N - 1 at start-up."""
-    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
+    """A gloo group of all ranks (collective), connected lazily (``TORCH_GLOO_LAZY_INIT``): 2
+    connections a rank for its ring all-reduces, not a mesh of N - 1 at start-up."""
+    with mock.patch.dict(os.environ, TORCH_GLOO_LAZY_INIT="1"):
         return dist.new_group(backend="gloo", timeout=timeout)
-    finally:
-        if before is None:
-            del os.environ["TORCH_GLOO_LAZY_INIT"]
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = before
 
 
 def setup_runtime(cfg: Config) -> Runtime:
-    world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     device = choose_device(cfg, local_rank)
     configure_cuda(cfg, device)
-    check_amp(cfg, device)
     fp8_linears.check(getattr(cfg, "fp8_linears", "none"), device)  # torchao, the GPU's fp8
     tp = getattr(cfg, "tensor_parallel", 1)
     cp = getattr(cfg, "context_parallel", 1)
     sharded = tp * cp > 1
-    if sharded:
-        check_model_parallel(cfg, world)
-    # Checked before any process group exists, so every rank fails at once with the same message.
-    local_batch, global_batch = batch_sizes(cfg, world // (tp * cp))
-    check_end(cfg.lr, cfg.end_lr, global_batch, cfg.base_batch_size, cfg.lr_scaling)
-    if world > 1 and not dist.is_initialized():
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            if var not in os.environ:
+    # Checked before any process group exists, so every rank fails at once with the same
+    # message, which rank 0 alone prints (``every_rank``).
+    try:
+        world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+        check_amp(cfg, device)
+        if sharded:
+            check_model_parallel(cfg, world)
+        local_batch, global_batch = batch_sizes(cfg, world // (tp * cp))
+        check_end(cfg.lr, cfg.end_lr, global_batch, cfg.base_batch_size, cfg.lr_scaling)
+        for var in ("MASTER_ADDR", "MASTER_PORT") if world > 1 else ():
+            if var not in os.environ and not dist.is_initialized():
                 raise ConfigError(f"WORLD_SIZE={world} but {var} is not set: launch with torchrun "
                                   f"or source export_DDP_vars.sh in the job script")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+    except ConfigError as e:
+        raise on_every_rank(e)
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank,
+                                world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     rt = Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank,
-                 dp_rank=rank, dp_size=world)
+                 dp_rank=rank, dp_size=world, local_batch=local_batch, global_batch=global_batch)
     if sharded:
-        rt.groups = build_groups(world, tp, cp, cfg.parallel_order,
-                                 timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+        rt.groups = build_groups(world, tp, cp, cfg.parallel_order, timeout=timeout)
         rt.dp_group, rt.dp_rank, rt.dp_size = rt.groups.dp_group, rt.groups.dp_rank, rt.groups.dp_size
     if world > 1 and dist.get_backend() != "gloo":
-        # The ranks' stop agreement (engine.stop.agreement) runs on the host, without
-        # waiting: on NCCL reading it would be a host-device sync.
-        rt.host_group = new_host_group(datetime.timedelta(seconds=cfg.dist_timeout_s))
-    rt.local_batch, rt.global_batch = local_batch, global_batch
+        # (the ranks' stop agreement runs on the host: on NCCL reading it would sync the device)
+        rt.host_group = new_host_group(timeout)
     return rt
 
 
@@ -283,8 +261,7 @@ _BACKEND_MARKERS = ("gloo", "nccl", "processgroup", "connection reset by peer",
 
 
 def describe_dist_failure(exc: BaseException, cfg: Config, where: str) -> str | None:
-    """One line for a failed collective or rendezvous (a dead, hung or unreachable rank), or None
-    when ``exc`` is not one. ``where`` says how far the run got, e.g. "after step 12"."""
+    """One line for a failed collective or rendezvous, else None; ``where``: "after step 12"."""
     text = str(exc)
     low = text.lower()
     if not isinstance(exc, dist.DistError) and not (
@@ -315,8 +292,7 @@ OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 def describe_allocation_failure(exc: BaseException, cfg: Config, rt: Runtime | None,
                                 where: str) -> str | None:
-    """One line for a failed memory allocation (the model, the optimizer state or a step did not
-    fit), naming the settings that decide the sizes, or None when ``exc`` is not one."""
+    """One line for a failed allocation naming the settings that decide the sizes, else None."""
     low = str(exc).lower()
     if not (isinstance(exc, (MemoryError, OUT_OF_MEMORY))
             or "can't allocate memory" in low or "out of memory" in low):

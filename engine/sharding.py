@@ -1,16 +1,6 @@
-"""How a model, its batches and its state are split over the ranks of one model replica.
-
-``Unsharded``: every rank holds the whole model; batches and outputs pass as they are.
-``RowBandSharding`` (tensor/context-parallel ViT): each rank holds slices of the weights and
-computes on a band of image rows; the task's loss is summed over the bands' owners
-(``distributed.parallelize.sharded_loss``) and whole outputs are gathered for validation.
-``FullyShardedSharding`` (``fsdp``): every rank computes the whole model on its own samples, but
-holds 1/N of each parameter, gradient and Adam moment as a DTensor sharded over the
-data-parallel ranks.
-
-State is saved in the serial layout keyed by parameter name (one file, rank 0), so a checkpoint
-loads on any number of ranks and any tp/cp layout; FSDP alone saves its shards with torch's
-distributed checkpoint, keyed by the same names (``engine.checkpoint``).
+"""How a model, its batches and its state are split over the ranks of one model replica:
+``Unsharded``, ``RowBandSharding`` (tp/cp ViT: bands of image rows), ``FullyShardedSharding``
+(``fsdp``). State maps to the serial layout keyed by parameter name: it loads on any layout.
 """
 from __future__ import annotations
 
@@ -39,28 +29,24 @@ class Unsharded:
     def __init__(self, task):
         self.task = task
 
-    def local_batch(self, x, y):
-        """This rank's part of a whole batch (all of it, here)."""
+    def local_batch(self, x, y):  # this rank's part of a whole batch
         return x, y
 
-    def loss(self, pred, y):
-        """Per-sample training loss of this rank's output."""
+    def loss(self, pred, y):  # per sample, of this rank's output
         return self.task.loss(pred, y)
 
-    def whole_output(self, pred):
-        """The whole prediction, for validation metrics and pictures."""
+    def whole_output(self, pred):  # for validation metrics and pictures
         return pred
 
     def register_grad_hooks(self, ddp_model):
-        """Extra gradient reductions beyond DDP's data-parallel average (none here)."""
+        """Gradient reductions beyond DDP's data-parallel average (none here)."""
 
     def reduce_replicated_grads(self, model):
-        """Gradient sums left after the backward passes (none: DDP, or nothing, did them)."""
+        """Gradient sums left after the backward passes (none here)."""
 
     def to_serial(self, model, tensors: dict, keep: bool = True) -> dict:
-        """``tensors`` (shaped like this rank's parameters, keyed by name) in the serial layout,
-        copied to host memory one by one (``keep``), or {} on a rank that only takes part in
-        the collectives (nothing is held)."""
+        """``tensors`` (like this rank's parameters, by name) in the serial layout, copied to host
+        memory one by one; ``keep`` false: {}, on a rank that only takes part in the collectives."""
         return {k: _to_host(t) for k, t in tensors.items()} if keep else {}
 
     def from_serial(self, model, tensors: dict) -> dict:
@@ -82,8 +68,7 @@ class Unsharded:
                 b.copy_(state[name])
 
     def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
-        """Adam's per-parameter tensors in the serial layout, by name; scalars as they are
-        (``keep`` false: the collectives only, what is returned is incomplete)."""
+        """Adam's state in the serial layout, by name (``keep`` false: the collectives only)."""
         names = {id(p): n for n, p in model.named_parameters()}
         state, per_param = {}, {}
         for group in optimizer.param_groups:
@@ -96,8 +81,7 @@ class Unsharded:
         for key, tensors in per_param.items():
             for name, t in self.to_serial(model, tensors, keep).items():
                 state.setdefault(name, {})[key] = t
-        # Hyperparameters as plain numbers, also where the optimizer holds one as a device
-        # tensor (the learning rate of a CUDA-graph step): the checkpoint loads anywhere.
+        # hyperparameters as plain numbers (also a CUDA-graph step's device-tensor lr)
         groups = [{k: v.item() if torch.is_tensor(v) and v.dim() == 0 else v
                    for k, v in g.items() if k != "params"}
                   | {"params": [names[id(p)] for p in g["params"]]}
@@ -113,8 +97,7 @@ class Unsharded:
                 if torch.is_tensor(v) and v.dim() > 0}
         local = {key: self.from_serial(model, {n: st[key] for n, st in saved["state"].items()
                                                if key in st}) for key in keys}
-        # torch pairs saved state with parameters by position in param_groups: use the current
-        # order of this optimizer, whatever order the checkpoint was written in.
+        # (torch pairs saved state with parameters by position: this optimizer's order)
         index = {n: i for i, n in enumerate(n for g in current for n in g)}
         state = {index[name]: {k: (local[k][name] if k in local else v) for k, v in st.items()}
                  for name, st in saved["state"].items()}
@@ -131,9 +114,8 @@ class RowBandSharding(Unsharded):
         self.model, self.groups = model, groups
 
     def local_batch(self, x, y):
-        """This rank's band of image rows: whole images are cut (and dropped as soon as they are
-        sliced); a batch that already is the band (a loader reading ``model.image_rows()``
-        only) passes as it is."""
+        """This rank's band of image rows, cut from whole images; a batch that is the band
+        already (a loader reading ``model.image_rows()`` only) passes as it is."""
         start, stop = self.model.image_rows()
         if x.shape[-2] == stop - start and y.shape[-2] == stop - start:
             return x, y
@@ -141,19 +123,18 @@ class RowBandSharding(Unsharded):
 
     def loss(self, pred, y):
         # The task's per-band partial sums, added over the ranks holding other bands: the serial loss.
-        return sharded_loss(self.task.loss, pred, y, self.groups, self.model.layout)
+        return sharded_loss(self.task.loss, pred, y, self.groups, self.model.layout,
+                            self.model.image_rows())
 
     def whole_output(self, pred):
         return self.model.gather_image(pred)
 
     def register_grad_hooks(self, ddp_model):
-        # DDP averages over dp; the hook also sums the gradients of parameters replicated over
-        # tp/cp (each rank saw only its own tokens).
+        # (the hook also sums over tp/cp the gradients of parameters replicated there)
         ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
 
     def to_serial(self, model, tensors, keep=True):
-        # Collective over tp/cp, one tensor at a time: a rank never holds more than one whole
-        # tensor beyond its slices, and only ``keep`` ranks keep them (on the host).
+        # collective over tp/cp, one tensor at a time: at most one whole tensor beyond the slices
         out = {}
         for name, t in tensors.items():
             whole = tensors_to_serial(model, self.groups, {name: t})
@@ -172,13 +153,10 @@ _KEEP_LOCAL_SLICE = {"src_data_rank": None} \
 
 
 class FullyShardedSharding(Unsharded):
-    """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner``: the whole model
-    (``Unsharded``) or the tensor/context-parallel ViT (``RowBandSharding``, whose plain slices
-    FSDP shards further over dp). Batches, losses and outputs are ``inner``'s. The serial layout
-    is each DTensor's whole tensor (an all-gather over dp, every rank in the same order), put
-    together over tp/cp by ``inner``, and back (each rank keeps its slice). Checkpoints of FSDP
-    alone hold the shards (DCP); with tp/cp (slices that DCP could not place) the serial layout,
-    one tensor at a time, kept by rank 0 alone in host memory (docs/parallelism.md)."""
+    """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner`` (``Unsharded``,
+    or ``RowBandSharding`` whose slices FSDP shards further), whose batches, losses and outputs
+    these are. Checkpoints of FSDP alone hold the shards (DCP); with tp/cp (slices DCP could not
+    place) the serial layout (docs/parallelism.md)."""
 
     def __init__(self, task, inner: Unsharded):
         super().__init__(task)
@@ -187,8 +165,7 @@ class FullyShardedSharding(Unsharded):
         self.local_batch, self.loss, self.whole_output = inner.local_batch, inner.loss, inner.whole_output
 
     def reduce_replicated_grads(self, model):
-        """After the backward passes: the tp/cp sums of replicated parameters' gradients (DDP's
-        communication hook, ``RowBandSharding.register_grad_hooks``, does them without FSDP)."""
+        """The tp/cp sums of replicated parameters' gradients (without FSDP: DDP's hook)."""
         if isinstance(self.inner, RowBandSharding):
             reduce_replicated_grad_shards(model, self.inner.groups)
 
@@ -205,8 +182,7 @@ class FullyShardedSharding(Unsharded):
         super().load_optimizer_state(resharded(model), optimizer, saved)
 
     def to_serial(self, model, tensors, keep=True):
-        # One tensor at a time: its dp shards gathered (collective over dp), then put together
-        # over tp/cp by ``inner``; a rank holds at most one whole tensor beyond its shards.
+        # one tensor at a time: gathered over dp (collective), then over tp/cp by ``inner``
         out = {}
         for k, t in tensors.items():
             whole = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
@@ -227,15 +203,12 @@ class FullyShardedSharding(Unsharded):
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory, in torch's default layout whatever the model's
-    memory_format (the same checkpoint either way)."""
+    """A copy of ``t`` in host memory, in torch's default layout whatever the memory_format."""
     return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
 
 
 def resharded(model):
-    """``model`` with every FSDP unit's sharded parameters in place: the root unit keeps its
-    gathered weights after a forward pass without a backward (validation), and the module then
-    holds those instead of the DTensors the optimizer updates."""
+    """``model`` with every FSDP unit's shards in place (not validation's gathered weights)."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()

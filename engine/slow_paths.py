@@ -1,7 +1,6 @@
 """Known slow paths of the torch/cuDNN stack, named in one warning line at start-up: torch 2.9.0
 and 2.9.1 run half-precision 3-D convolutions in the default layout without cuDNN on some cuDNN
-versions (the conditions are torch's ``ConvParams::use_cudnn``, as compiled in the released
-wheels; the table of versions is in docs/performance.md, "Known slow paths of torch and cuDNN").
+versions (docs/performance.md, "Known slow paths of torch and cuDNN", has the table).
 """
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ def _dotted(version: int) -> str:
 def conv3d_slow_path(torch_version: str, cudnn_version: int | None, amp_mode: str,
                      device_type: str, *, cudnn_built: int | None = None,
                      memory_format: torch.memory_format = torch.contiguous_format) -> str | None:
-    """The warning line when this torch, with cuDNN ``cudnn_version`` loaded (and
-    ``cudnn_built``, the one it was built with), runs ``amp_mode`` 3-D convolutions on a
-    ``device_type`` device in ``memory_format`` past cuDNN; else None."""
+    """The warning line when this torch, with cuDNN ``cudnn_version`` (``cudnn_built`` at build),
+    runs ``amp_mode`` 3-D convolutions in ``memory_format`` past cuDNN; else None."""
     if device_type != "cuda" or amp_mode not in HALF_AMP \
             or memory_format == torch.channels_last_3d:
         return None
@@ -62,8 +60,7 @@ def conv3d_slow_path(torch_version: str, cudnn_version: int | None, amp_mode: st
 
 
 def convolves_in_3d(model: nn.Module) -> bool:
-    """Whether ``model`` has a 3-D convolution, plain or transposed, with a kernel extent other
-    than 1: the ones the slow path takes."""
+    """Whether ``model`` has a 3-D convolution (or transposed) with a kernel extent other than 1."""
     return any(isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)) and any(k != 1 for k in m.kernel_size)
                for m in model.modules())
 
@@ -81,9 +78,7 @@ def stack_versions() -> tuple[str, int | None, int | None]:
 
 def warn_slow_paths(model: nn.Module, device: torch.device, amp_mode: str,
                     memory_format: torch.memory_format, is_main: bool = True) -> str | None:
-    """Log (rank 0) and return the slow-path line for ``model`` trained on ``device`` with
-    ``amp_mode`` in ``memory_format``, or None: a model without 3-D convolutions, a CPU, fp32
-    and the known-good versions say nothing."""
+    """Log (rank 0) and return the slow-path line for ``model`` as it trains, or None."""
     if not is_main or device.type != "cuda" or not convolves_in_3d(model):
         return None
     torch_version, loaded, built = stack_versions()

@@ -1,15 +1,6 @@
-"""The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, alias ``--enable_benchy``;
-what it shows: docs/performance.md).
-
-After training, every rank times each trial in ``ROUNDS`` rounds (``trial_sizes``): **IO**, the
-training loader alone with each batch moved to the device (``Trainer.to_device``); **SYNTHETIC**,
-``Trainer.train_step`` on one batch held on the device; **FULL**, both, as in training. Each round
-of IO and FULL is one fresh pass of the loader (its own epoch number, so no timed window crosses
-an epoch's end), and each window ends with a device synchronisation, so queued kernels are
-counted. The trials take optimizer steps after the final checkpoint; the trainer's state is read
-back from it afterwards (``Checkpointer.reload``) and the sampler's position put back, so neither
-the checkpoints nor the trainer's state differ from a run without the report.
-"""
+"""The IO / SYNTHETIC / FULL throughput report (``--throughput_report``, ``--enable_benchy``;
+docs/performance.md, "IO / SYNTHETIC / FULL"): the trials' optimizer steps follow the final
+checkpoint, which is read back afterwards."""
 from __future__ import annotations
 
 import itertools
@@ -31,45 +22,37 @@ MODES = ("IO", "SYNTHETIC", "FULL")
 ROUNDS = 3  # repetitions of each trial: the spread of the rounds is the reported std
 WARMUP = 2  # untimed batches at the start of each round (worker start-up, allocator, caches)
 MAX_TIMED = 20  # timed batches per round, at most
+NOISY = 0.25  # a trial whose rounds' std exceeds this share of their mean supports no verdict
 
 log = logging.getLogger(__name__)
 
 
 def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
-    """(warm-up, timed) batches per round, in one pass of the loader and short of its last
-    ``lag`` batches: batches are fetched ``lag`` steps ahead, so each timed batch's step fetches
-    a batch, and a window that reached the pass's end would count batches fetched before it
-    began. (A pass of ``lag`` batches or fewer has no such window: one batch is timed.)"""
+    """(warm-up, timed) batches per round, in one pass of the loader short of its last ``lag``
+    batches: those are fetched before the window (``lag`` steps ahead), which would count them.
+    (A pass of ``lag`` batches or fewer has no such window: one batch is timed.)"""
     room = max(steps_per_epoch - lag, 1)
     warmup = min(WARMUP, room - 1)
     return warmup, min(MAX_TIMED, room - warmup)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the window must include the kernels still queued
-
-
 def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
-    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones."""
+    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones, to a device sync."""
+    sync = torch.cuda.synchronize if tr.device.type == "cuda" else lambda: None
     for _ in range(warmup):
         work(*next(batches))
-    _sync(tr.device)
+    sync()
     tr.rt.barrier()  # collective: every rank starts its window together
     t0 = time.perf_counter()
     for _ in range(timed):
         work(*next(batches))
-    _sync(tr.device)
+    sync()
     return time.perf_counter() - t0
 
 
 def _loader_pass(tr, epoch: int):
-    """A fresh pass of the training loader, as epoch ``epoch`` of its sampler: each fetch a
-    data wait, each batch fetched ahead and the ranks' stop proposals decided while the batches
-    before are used, as in training (``Trainer.stopper``)."""
-    def stop(signum):
-        # A stop signal on any rank, recorded or ending its wait, ends the report on every
-        # rank (the run's final checkpoint is written already).
+    """A fresh pass of the training loader as epoch ``epoch``, fetched as in training (``stopper``)."""
+    def stop(signum):  # on any rank: the report ends on all (the final checkpoint is written)
         raise RunStopped(signum, tr.iteration, tr.checkpointer.written_for(tr.iteration))
 
     tr.loaders.train_sampler.set_epoch(epoch, 0)
@@ -105,9 +88,8 @@ def _mean_std(values: list[float]) -> dict:
 
 
 def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
-    """Mean and std over rounds of all ranks' samples/s together. ``per_rank``: every rank's
-    ``measure`` result, in rank order; ``replica_ranks``: ranks per model replica
-    (tensor_parallel x context_parallel), which share one batch, so their samples count once."""
+    """Mean and std over rounds of all ranks' samples/s together (``per_rank``: their ``measure``);
+    the ``replica_ranks`` of a model replica (tp x cp) share a batch, counted once."""
     out = {}
     for mode in MODES:
         rounds = zip(*(r[mode] for r in per_rank))
@@ -115,9 +97,18 @@ def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
     return out
 
 
-def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0) -> str:
+def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0,
+                    std: dict | None = None) -> str:
     """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC; the advice
-    fits the run's ``workers`` (its num_data_workers)."""
+    fits the run's ``workers`` (its num_data_workers). No verdict where a trial's rounds disagree
+    by more than ``NOISY`` (``std``: each mode's std), but how to measure more steadily."""
+    noisy = [f"{m} {mean:.1f} +/- {std[m]:.1f}" for m, mean in zip(MODES, (io, synthetic, full))
+             if std and std[m] > NOISY * mean]
+    if noisy:
+        return (f"Bottleneck: none named, the measurement is too noisy ({', '.join(noisy)} "
+                f"samples/s): for a steadier one, time more batches (more steps per epoch: a round "
+                f"times up to {MAX_TIMED}), use fewer threads "
+                f"(OMP_NUM_THREADS, --num_data_workers) and an otherwise idle machine")
     if io >= synthetic:
         text = (f"the loader keeps up (IO {io:.1f} >= SYNTHETIC {synthetic:.1f} samples/s): "
                 f"the model's step bounds FULL")
@@ -139,9 +130,7 @@ def _modes_text(stats: dict) -> str:
 
 
 def rank_lines(entries: list[dict]) -> list[str]:
-    """The report's per-rank lines: each rank's trials up to ``EVERY_RANK_UP_TO`` ranks; beyond,
-    one line per trial with its slowest and fastest rank and the median (every rank's rounds
-    stay in throughput.json)."""
+    """Each rank's line up to ``EVERY_RANK_UP_TO`` ranks, beyond one per trial: slowest, median, fastest."""
     if len(entries) <= EVERY_RANK_UP_TO:
         return [f"  rank {e['rank']}: {_modes_text(e)}" for e in entries]
     return [f"  {m} per rank (mean of the rounds): "
@@ -149,8 +138,8 @@ def rank_lines(entries: list[dict]) -> list[str]:
 
 
 def run(tr) -> dict | None:
-    """Measure on every rank, then (rank 0) log the summary, write ``throughput.json`` and the
-    TensorBoard scalars, and put the trainer's state back. Returns the report on rank 0."""
+    """Measure on every rank and put the trainer's state back; rank 0 logs, writes and returns the
+    report (``throughput.json``, TensorBoard scalars)."""
     rt = tr.rt
     warmup, timed = trial_sizes(tr.steps_per_epoch, tr.stopper.lag)
     log.info(f"Throughput report: IO, SYNTHETIC and FULL trials, {ROUNDS} rounds of {warmup} "
@@ -181,7 +170,8 @@ def run(tr) -> dict | None:
         "per_rank": [{"rank": i, **{m: dict(_mean_std(r[m]), rounds=r[m]) for m in MODES}}
                      for i, r in enumerate(per_rank)],
         "bottleneck": bottleneck_line(*(total[m]["mean"] for m in MODES),
-                                      workers=tr.cfg.num_data_workers),
+                                      workers=tr.cfg.num_data_workers,
+                                      std={m: total[m]["std"] for m in MODES}),
     }
     who = f"all {rt.world_size} ranks, " if rt.distributed else ""
     log.info(f"Throughput ({who}samples/s, mean +/- std of {ROUNDS} rounds of {timed} batches): "

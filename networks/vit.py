@@ -121,15 +121,13 @@ class ViT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
+        """Truncated-normal weights (std 0.02), zero biases; LayerNorms keep torch's ones and zeros."""
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
 
     def tokens_to_image(self, x):
         """(B, N, C_out*p*p) -> (B, C_out, H, W)."""

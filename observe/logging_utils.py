@@ -23,8 +23,7 @@ def setup_logging(rank: int = 0, log_file: str | None = None):
 
 
 def wrapped(head: str, items: list[str], width: int = 100, indent: str = "    ") -> list[str]:
-    """``head`` and the comma-separated ``items`` as lines of at most ``width`` characters
-    (after the log's own prefix): the head on the first line, the items on the lines below it."""
+    """``head``, then the comma-separated ``items`` on lines of at most ``width`` characters."""
     lines, line = [head], indent
     for k, item in enumerate(items):
         piece = item + ("," if k < len(items) - 1 else "")
@@ -46,9 +45,8 @@ def channel_lines(head: str, names, values, base=None, base_name: str = "",
 
 
 def over_ranks(values, spec: str) -> str:
-    """Every rank's value, in rank order, up to ``EVERY_RANK_UP_TO`` ranks; beyond, the lowest and
-    the highest with their ranks and the median, so that a line stays readable at hundreds of
-    ranks."""
+    """Every rank's value up to ``EVERY_RANK_UP_TO`` ranks; beyond, the lowest and the highest
+    with their ranks and the median (a line readable at hundreds of ranks)."""
     values = list(values)
     if len(values) <= EVERY_RANK_UP_TO:
         return ", ".join(f"{v:{spec}}" for v in values)

@@ -65,8 +65,8 @@ class MemoryProbe:
 
     @classmethod
     def for_run(cls, device: torch.device, model: torch.nn.Module, optimizer, compiled: bool):
-        """The probe of a run; a do-nothing one for a compiled model on a CPU: the CPU probe
-        hooks autograd's saved tensors, which compiled graphs do not expose."""
+        """A do-nothing probe for a compiled model on a CPU (compiled graphs do not expose the
+        saved tensors the CPU probe hooks)."""
         return cls(device, model, optimizer) if device.type == "cuda" or not compiled \
             else NullProbe()
 

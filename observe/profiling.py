@@ -1,9 +1,7 @@
-"""Where a run's time goes: named ranges and two profilers' windows of steps (docs/performance.md,
-"Profiling"): the CUDA profiler API's for Nsight Systems (``ProfilerWindow``), and a
-torch.profiler trace that also works without a GPU (``TraceWindow``); and how long the run took
-to start (``StartClock``): the seconds from the process's start (the kernel's record of it, so
-the imports are counted) to the end of its first step, by part, logged after that step, and
-where torch.compile keeps its caches (docs/performance.md, "Seconds to the first step")."""
+"""Where a run's time goes (docs/performance.md, "Profiling" and "Seconds to the first step"):
+named ranges, the CUDA profiler API's window of steps for Nsight Systems (``ProfilerWindow``), a
+torch.profiler trace that also works without a GPU (``TraceWindow``), and how long the start
+took to the end of the first step, by part (``StartClock``)."""
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +24,9 @@ log = logging.getLogger("train")
 
 @contextlib.contextmanager
 def nvtx_range(name: str):
-    """An NVTX range and a torch.profiler range of the same name around the block, so that both
-    profilers' timelines show it; next to free while none listens. The ``nvtx`` package works
-    without a GPU (torch.cuda.nvtx raises on a CPU build); without it the NVTX half is a no-op."""
+    """An NVTX range and a torch.profiler range of the same name around the block (next to free
+    while no profiler listens). The ``nvtx`` package works without a GPU (torch.cuda.nvtx raises
+    on a CPU build); without it the NVTX half is a no-op."""
     nvtx = _nvtx.annotate(name) if _nvtx is not None else contextlib.nullcontext()
     with torch.profiler.record_function(name), nvtx:
         yield
@@ -42,17 +40,16 @@ class ProfilerWindow:
     ``nsys profile -c cudaProfilerApi``, which records only between the two."""
 
     def __init__(self, enabled: bool, start: int, length: int = 30):
-        self.enabled = enabled
-        self.start, self.stop = start, start + length
+        self.enabled, self.start, self.stop = enabled, start, start + length
         self.active = False
 
     @classmethod
     def for_run(cls, requested: bool, device: torch.device, iteration: int,
                 steps_per_epoch: int, total_steps: int, length: int = 30):
-        """The window of a run: ``length`` steps from the second epoch's first step (the first
-        holds compilation, loader start-up and autotuning), or from this launch's first step when
-        it was resumed past that point; cut at the run's end. Open when asked for or when the run
-        is under Nsight Systems, so that ``nsys profile -c cudaProfilerApi`` needs no flag."""
+        """``length`` steps from the second epoch's first step (after compilation, loader
+        start-up and autotuning), or from this launch's first when resumed past it; cut at the
+        run's end. Open when asked for or under Nsight Systems (``nsys -c cudaProfilerApi`` then
+        needs no flag)."""
         under_nsys = bool(os.environ.get(NSYS_ENV))
         if requested and device.type != "cuda":
             log.warning("enable_manual_profiling: no CUDA device, so no CUDA profiler window "
@@ -82,22 +79,6 @@ class ProfilerWindow:
             self.active = False
 
 
-def check_trace_dir(directory: str) -> str:
-    """Create ``directory`` if needed; a ConfigError naming the fix when it cannot hold traces."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ConfigError(f"profile_trace={directory!r} is a file, not a directory: give a "
-                          f"directory (it is created when missing)")
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"profile_trace={directory!r} cannot be created ({e.strerror}): give "
-                          f"a directory you can write to") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"profile_trace={directory!r} is not writable: give a directory you "
-                          f"can write to")
-    return directory
-
-
 def unused_path(path: str) -> str:
     """``path``, or ``<stem>_2<ext>``, ``<stem>_3<ext>``... when it exists: traces of earlier
     runs are never overwritten."""
@@ -123,10 +104,10 @@ class TraceWindow:
     """A ``torch.profiler.profile`` over ``wait + warmup + active`` steps from step ``start``,
     stopped after them or at ``end`` (the run's last step), whichever comes first.
 
-    Call ``step(it)`` with the index of the step about to run: once before an epoch's first step
+    ``step(it)`` takes the index of the step about to run: once before an epoch's first step
     and after every step (repeated indices are ignored). Each call after the start ends one
     profiler step, so a step's range covers its wait for the batch, forward, backward and
-    optimizer. Its files are named in docs/performance.md."""
+    optimizer."""
 
     def __init__(self, directory: str, rank: int, start: int, end: int, wait: int = 1,
                  warmup: int = 1, active: int = 3):
@@ -140,12 +121,17 @@ class TraceWindow:
     @classmethod
     def for_run(cls, directory: str, rank: int, iteration: int, steps_per_epoch: int,
                 total_steps: int):
-        """The window of a run: from the second epoch's first step, or from this launch's first
-        step (``iteration``) when the run has fewer steps than the window after its first epoch
-        or was resumed past that point. ``NullTrace`` when ``directory`` is empty."""
+        """From the second epoch's first step, or from this launch's first (``iteration``) when
+        fewer steps than the window follow the first epoch or the run was resumed past it.
+        ``NullTrace`` when ``directory`` is empty; ``validate`` checked it."""
         if not directory:
             return NullTrace()
-        window = cls(check_trace_dir(directory), rank, 0, total_steps)
+        # Kineto (torch.profiler's tracer) writes lines of its own to stderr, between the run's
+        # (USDT: ... profiler_start, STAGE: ...); read when it starts, level 6 is above them
+        # all. KINETO_LOG_LEVEL set by the user is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        os.makedirs(directory, exist_ok=True)
+        window = cls(directory, rank, 0, total_steps)
         second = steps_per_epoch
         fits = iteration <= second and total_steps - second >= window.length
         window.start = second if fits else iteration
@@ -179,18 +165,16 @@ class TraceWindow:
             self.start = -1  # the window runs once
 
     def _write(self, prof):
-        # Runs at the end of the active steps, inside prof.step() (or stop()).
+        # At the end of the active steps, inside prof.step() (or stop()). A profile's results
+        # are saved once, so TensorBoard's profile plugin gets a copy under its own file name.
         first = self.start + self.wait + self.warmup
         path = unused_path(os.path.join(self.dir, f"trace_rank{self.rank}_step{first}.json"))
         prof.export_chrome_trace(path)
-        # The profile plugin reads the same JSON under its own file name. A profile's results
-        # can be saved only once, so the trace is copied rather than exported a second time
-        # with torch.profiler.tensorboard_trace_handler.
         tb_dir = os.path.join(self.dir, "tensorboard")
         os.makedirs(tb_dir, exist_ok=True)
         ms = time.time_ns() // 10**6
-        tb_name = "rank{}.{}.pt.trace.json"
-        while os.path.exists(tb_path := os.path.join(tb_dir, tb_name.format(self.rank, ms))):
+        while os.path.exists(tb_path := os.path.join(tb_dir,
+                                                     f"rank{self.rank}.{ms}.pt.trace.json")):
             ms += 1
         shutil.copyfile(path, tb_path)
         self.written.append(path)
@@ -219,16 +203,15 @@ def compile_cache_dir() -> str:
     """Where torch.compile keeps its caches in this process."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-        return cache_dir()
     except ImportError:  # older layouts of torch
         from torch._inductor.utils import cache_dir
-        return cache_dir()
+    return cache_dir()
 
 
 def use_compile_cache_dir(path: str) -> str:
-    """Point torch.compile's caches at ``path`` (made if missing) unless it is empty; return the
-    directory the caches are in. Call before the first compile. A path with white space is
-    refused (ConfigError): torch's compiler command lines split it."""
+    """Point torch.compile's caches at ``path`` (made if missing) unless it is empty, before the
+    first compile; the directory the caches are in. A path with white space is refused:
+    torch's compiler command lines split it."""
     if path:
         path = os.path.abspath(os.path.expanduser(path))
         if any(c.isspace() for c in path):
@@ -264,8 +247,8 @@ class StartClock:
         self.marks.append((name, self.clock()))
 
     def lines(self, width: int = 100) -> list[str]:
-        """The log's lines: the total, then the parts, wrapped at ``width`` characters (so that a
-        line with its time stamp fits a terminal)."""
+        """The total, then the parts, wrapped at ``width`` characters (a line with its time
+        stamp fits a terminal)."""
         total = (self.marks[-1][1] if self.marks else self.clock()) - self.start
         out = [f"Start: {total:.1f} s to the end of the first step, by part:"]
         begins = [self.start] + [end for _, end in self.marks]

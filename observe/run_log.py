@@ -1,13 +1,7 @@
-"""The run log: everything a run shows, owned by one object (``RunLog``) that the training loop
-tells of each step: progress lines inside an epoch (``Progress``), how long the start took after
-the run's first step (``profiling.StartClock``), every rank's memory after each epoch's first step
-(``memory.py``), the epoch's lines after its validation, the skill and summary lines,
-TensorBoard (rank 0) and the profilers' windows. The lines go to rank 0's output, one per event,
-fit for a Slurm output file: docs/training.md ("What a run prints") and docs/performance.md
-show and define them.
-
-The loop calls ``start_epoch``; around each step ``step_begins``, ``step_ends`` and
-``step_done``; then ``end_epoch`` (its EpochStats), ``epoch``, ``skill``, ``summary``, ``close``.
+"""The run log: everything a run shows (rank 0's lines, one per event, as docs/training.md ("What
+a run prints") and docs/performance.md show and define them; TensorBoard; the profilers'
+windows), owned by ``RunLog``. The loop calls ``start_epoch``; around each step ``step_begins``,
+``step_ends`` and ``step_done``; then ``end_epoch``, ``epoch``, ``skill``, ``summary``, ``close``.
 """
 from __future__ import annotations
 
@@ -42,10 +36,9 @@ PEAK_TFLOPS = {
 
 
 def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float | None:
-    """Dense peak TFLOP/s of ``device`` (a ``torch.device``, or a GPU's name as
-    ``torch.cuda.get_device_name`` gives it) at the precision ``amp_mode`` computes in; None for
-    a CPU or a GPU not in ``PEAK_TFLOPS``. ``amp_mode`` none computes at the tf32 peak when
-    ``allow_tf32``: whether the switch that governs the model's FLOPs (the task's) allows TF32."""
+    """Dense peak TFLOP/s of ``device`` (a ``torch.device`` or a GPU's name) at the precision
+    ``amp_mode`` computes in (none: tf32 where ``allow_tf32``, the task's switch for its FLOPs);
+    None for a CPU or a GPU not in ``PEAK_TFLOPS``."""
     if isinstance(device, torch.device):
         if device.type != "cuda":
             return None
@@ -62,22 +55,26 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
     return PEAK_TFLOPS[model][precision]
 
 
-def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None, task,
-                   amp_dtype):
-    """The device and ranks, the model and its size, the model-parallel layout, and the data and
-    steps the run will train on; a warning when a step would need more memory than the rank
-    has. ``rt``: the run's ranks, device and batch sizes (``engine.runtime.Runtime``);
-    ``loaders``: its sample and step counts."""
+def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None,
+                   workers: int, task, amp_dtype):
+    """The device and ranks, the model and its size, each rank's threads and loader workers
+    (``workers``), the model-parallel layout, and the data and steps the run will train on; a
+    warning when a step would need more memory than the rank has. ``rt``: the run's ranks,
+    device and batch sizes (``engine.runtime.Runtime``); ``loaders``: its sample and step
+    counts."""
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
              f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
              + (" on this rank" if rt.groups is not None else ""))
+    log.info(f"Per rank: {torch.get_num_threads()} intra-op threads (OMP_NUM_THREADS), "
+             f"{workers} loader workers (num_data_workers)")
     if rt.groups is not None:
         log.info("Model-parallel layout: " + rt.groups.describe())
         log.info(layout_summary)
     log.info(f"{loaders.n_train} training samples, {loaders.n_valid} validation samples; "
              f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
              f"({rt.local_batch} per rank); {total_steps} steps in all")
+    log.info(f"Loss: {task.loss_name}")
     if rt.is_main and rt.groups is None and (warning := memory_warning(
             model, task.sample_shape(), rt.local_batch, rt.device, amp_dtype,
             int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
@@ -85,9 +82,9 @@ def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | N
 
 
 class Progress:
-    """The progress lines: at every log point (every ``log_every`` steps, where the loss is read
-    back anyway) and, on long steps, at least every ``every_s`` seconds; those show the latest
-    log point's loss and name its step (reading a new one would make every rank wait)."""
+    """The progress lines: at every log point (where the loss is read back anyway) and, on long
+    steps, at least every ``every_s`` seconds, with the latest log point's loss and its step
+    (reading a new one would make every rank wait)."""
 
     def __init__(self, steps_per_epoch: int, global_batch: int, enabled: bool,
                  every_s: float = 30.0, clock=time.monotonic):
@@ -99,8 +96,7 @@ class Progress:
 
     def start_epoch(self, epoch: int, step_in_epoch: int, last: int):
         """Before the epoch's first step (``step_in_epoch`` > 0 after a resume mid-epoch);
-        ``last``: the step in the epoch this call of it will end at (the run may end before the
-        epoch does)."""
+        ``last``: the step in the epoch it will end at (the run may end first)."""
         self.epoch, self.first, self.last = epoch, step_in_epoch, last
         self.t0 = self.last_line = self.clock()
         self.t1 = None  # when this epoch's first step ended
@@ -111,8 +107,8 @@ class Progress:
         return (step_in_epoch - self.first) * self.global_batch / max(elapsed, 1e-9)
 
     def step(self, step_in_epoch: int, loss: float | None = None, lr: float | None = None):
-        """After each step, with the learning rate of the next: a line when ``loss`` (a log
-        point's) is given, or when ``every_s`` has passed since the last line."""
+        """After each step, with the next one's learning rate: a line at a log point (``loss``)
+        or when ``every_s`` has passed since the last line."""
         now = self.clock()
         if step_in_epoch == self.first + 1:
             self.t1 = now
@@ -150,8 +146,8 @@ class Progress:
 
 
 class DataWait:
-    """The share of an epoch the step waited for data, on a CPU: the time spent fetching batches
-    (the host runs the step, so while it fetches nothing is computed)."""
+    """On a CPU, the share of an epoch spent fetching batches (the host runs the step, so
+    nothing is computed meanwhile)."""
 
     label = "fetching batches"
 
@@ -186,9 +182,8 @@ class DataWait:
 
 
 class DeviceIdle(DataWait):
-    """On a GPU: the device's idle share of the epoch, between the pairs of CUDA events that
-    bracket each step's device work (the batch's copy included); idle, the host has not yet
-    queued the next step. Read at the epoch's end, when it waits for the device anyway."""
+    """On a GPU, the device's idle share of the epoch outside the CUDA events that bracket each
+    step's work (the batch's copy included), read at the epoch's end (which waits anyway)."""
 
     label = "device idle"
 
@@ -233,22 +228,18 @@ class RunLog:
     def __init__(self, cfg: Config, rt, task, *, run_dir: str, start_clock: StartClock, model,
                  optimizer, steps_per_epoch: int, total_steps: int, iteration: int, lr,
                  peak_lr: float, resumed: bool, finished: bool, derived: dict, kept_checkpoints):
-        """``rt``: the runtime (ranks, device, the data-parallel sum); ``start_clock``: the
-        set-up's parts so far (the run's first step ends the start); ``model``, ``optimizer``:
-        what the memory probe of each epoch's first step counts; ``iteration``: the step this
-        launch starts at; ``lr(n)``: the learning rate of update ``n``, computed on the host as
-        the schedule computes it (a captured step's rate is a device tensor: reading it would
-        wait for the device); ``finished``: a resumed run with nothing left to do (it writes no TensorBoard events);
-        ``derived``: the values the config implies, shown beside it in TensorBoard;
-        ``kept_checkpoints()``: what a run that ends on a bad loss leaves to resume from."""
+        """``start_clock``: the start's parts so far; ``model``, ``optimizer``: what the memory
+        probe counts; ``iteration``: the step this launch starts at; ``lr(n)``: update ``n``'s
+        learning rate computed on the host (a captured step's is a device tensor, which would
+        wait); ``finished``: nothing left to do (no TensorBoard events); ``derived``: the values
+        the config implies; ``kept_checkpoints()``: what a bad loss leaves to resume from."""
         self.cfg, self.rt, self.task, self.device = cfg, rt, task, rt.device
         self.run_dir, self.start_clock = run_dir, start_clock
         self.probe = MemoryProbe.for_run(self.device, model, optimizer, cfg.enable_jit)
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.lr, self.peak_lr, self.kept_checkpoints = lr, peak_lr, kept_checkpoints
         self.flops_per_sample = task.flops_per_sample()  # forward + backward, one sample
-        # TensorBoard (rank 0): a resumed run drops events after its checkpoint's step; a
-        # finished one, with nothing to add, gets no new event file.
+        # A resumed run drops the events after its checkpoint's step.
         self.board = Board(os.path.join(run_dir, "tensorboard"),
                            purge_step=iteration + 1 if resumed else None) \
             if rt.is_main and not finished else NullBoard()
@@ -268,9 +259,8 @@ class RunLog:
     # ------------------------------------------------------------------ an epoch of steps
 
     def start_epoch(self, epoch: int, step_in_epoch: int, iteration: int, window_carry: tuple):
-        """Before an epoch's first step (``step_in_epoch`` > 0 after a resume mid-epoch), the
-        run at step ``iteration``; ``window_carry``: the loss window a stop between log points
-        left in its checkpoint (loss and grad norm sums, steps)."""
+        """Before an epoch's first step, the run at step ``iteration``; ``window_carry``: the
+        loss window a checkpoint between log points kept."""
         *carried, self.window_steps = window_carry
         self.window = torch.tensor(carried, device=self.device)
         self.epoch_sum = torch.zeros((), device=self.device)
@@ -285,8 +275,8 @@ class RunLog:
         return self.data_wait.fetching()
 
     def step_begins(self, iteration: int):
-        """Before step ``iteration``, its batch fetched. Returns the memory probe for the step:
-        the epoch's first step is measured."""
+        """Before step ``iteration``, its batch fetched: the step's memory probe (measuring the
+        epoch's first step)."""
         self.profiler.step(iteration)
         if self.start_clock is not None:
             self.start_clock.mark("first batch")
@@ -297,15 +287,13 @@ class RunLog:
     def step_ends(self, loss: torch.Tensor, grad_norm: torch.Tensor, iteration: int,
                   step_in_epoch: int, measured: bool = True):
         """After a step, with its loss and gradient norm (device tensors, read at log points
-        only) and the run's counts that include it; ``measured``: whether the step measured its
-        memory (a replayed CUDA graph does not)."""
+        only); ``measured``: whether it measured its memory (a replayed CUDA graph does not)."""
         self.data_wait.step_ends()
         if not self.told_long_step and (took := time.monotonic() - self.step_t0) > STOP_GRACE_S:
             self.told_long_step = True  # a stop signal waits for the step it comes in to end
             log.warning(f"Stop: step {iteration} took {duration(took)}, longer than the "
                         f"{STOP_GRACE_S} s a scheduler commonly allows between its stop signal "
-                        f"and the kill: ask for "
-                        f"the signal earlier (sbatch --signal=B:USR1@SECONDS; submit_pm.sh asks "
+                        f"and the kill: ask for the signal earlier (sbatch --signal=B:USR1@SECONDS; submit_pm.sh asks "
                         f"120 s before the end) or make the step shorter (a smaller batch)")
         if self.start_clock is not None:
             self.log_start()
@@ -331,7 +319,7 @@ class RunLog:
         self.trace.avoid(iteration)
 
     def end_epoch(self, iteration: int, step_in_epoch: int, loss_carry: float) -> EpochStats:
-        """After the epoch's last step (or the run's); ``loss_carry``: the epoch's summed step
+        """After the epoch's (or the run's) last step; ``loss_carry``: the epoch's summed step
         losses before a resume mid-epoch. Waits for the device."""
         if self.window_steps:
             self.log_window(iteration, step_in_epoch)
@@ -357,8 +345,8 @@ class RunLog:
         return self.epoch_sum
 
     def window_carry(self) -> tuple:
-        """The loss window since the last log point (loss and grad norm sums, steps), which a
-        checkpoint between log points keeps. Waits for the device."""
+        """(loss sum, grad norm sum, steps) since the last log point, for a checkpoint between
+        log points. Waits for the device."""
         return (*self.window.tolist(), self.window_steps)
 
     def checkpoint_took(self, seconds: float):
@@ -416,8 +404,8 @@ class RunLog:
         self.window_steps = 0
 
     def epoch(self, stats: EpochStats, val: dict, val_s: float, epoch: int, iteration: int):
-        """Epoch ``epoch``'s lines in the log and its points in TensorBoard, after its
-        validation (``val``, which took ``val_s`` seconds); the run at step ``iteration``."""
+        """Epoch ``epoch``'s lines and TensorBoard points, after its validation ``val`` (which
+        took ``val_s`` seconds)."""
         if not math.isfinite(val["loss"]):
             raise TrainingError(f"the validation loss is {val['loss']} at step {iteration}: the "
                                 f"model diverged; lower lr or check the data; checkpoints "
@@ -472,8 +460,7 @@ class RunLog:
         board.flush()
 
     def skill(self, scalars: dict, lines: list[str], seconds: float, iteration: int):
-        """The model's skill as its science scores it (the task's ``skill``), which took
-        ``seconds``: in the log and TensorBoard."""
+        """The task's ``skill`` lines and points, which took ``seconds``."""
         for line in lines:
             log.info(line)
         log.info(f"  Skill took {seconds:.2f} s")
@@ -486,8 +473,8 @@ class RunLog:
         self.board.flush()
 
     def summary(self, wall_s: float, val: dict | None, iteration: int):
-        """The closing lines: the final validation loss (``val``, None when the run ended without
-        one) beside the baseline, the wall time, where the run is and how to look at it."""
+        """The closing lines: the wall time, the final validation loss (``val``, None without
+        one) beside the baseline, the run directory and how to look at it."""
         cfg = self.cfg
         log.info(f"Summary: {cfg.name} run {cfg.run_num}, {wall_s:.1f} s of training and "
                  f"validation")

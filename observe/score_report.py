@@ -1,6 +1,6 @@
 """What scoring a trained model writes (docs/scoring.md), from the ``Report`` a task's scoring
-fills in: numbers and the plots' layout only; matplotlib draws them here, imported when a plot
-is drawn (``check_matplotlib`` tells first, in one line, when it is missing)."""
+fills in: numbers and the plots' layout only; matplotlib draws them here where it is installed
+(without it the plots are skipped, with ``NO_PLOTS`` among the notes)."""
 from __future__ import annotations
 
 import csv
@@ -8,11 +8,11 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from settings.errors import ConfigError
+NO_PLOTS = "note: matplotlib is not installed, so the plots were skipped: pip install matplotlib"
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Panel:
     logx: bool = False
     logy: bool = False
     hline: float | None = None  # a reference level drawn across (1 for ratios)
+    xstep: float | None = None  # the distance between ticks on the x axis (24 for hours)
 
 
 @dataclass
@@ -42,7 +43,8 @@ class Figure:
 class Report:
     """The scores of one run: the table's ``rows`` (dicts, the columns in the order of their
     keys), ``meta`` (what was scored, and how), TensorBoard ``scalars`` as (tag, value, step),
-    ``figures``, the printed ``summary`` lines and ``notes`` (what was left out, and why)."""
+    ``figures``, the printed ``summary`` lines, ``notes`` (what was left out, and why) and
+    further ``tables`` ({name: rows}, each also ``<name>.csv``)."""
 
     rows: list
     meta: dict
@@ -50,15 +52,7 @@ class Report:
     figures: list
     summary: list
     notes: list
-
-
-def check_matplotlib():
-    """Refuse, in one line, before any work, when matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError("matplotlib is not installed, and the scores' plots need it: pip "
-                          "install -r requirements-plots.txt") from None
+    tables: dict = field(default_factory=dict)
 
 
 def _plain(v):
@@ -70,23 +64,37 @@ def _plain(v):
     return v
 
 
-def write_table(report: Report, directory: str):
-    """``scores.csv`` (one row per line) and ``scores.json`` (the meta, the notes and the rows)."""
-    rows = [{k: _plain(v) for k, v in row.items()} for row in report.rows]
-    with open(os.path.join(directory, "scores.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)  # None as an empty field
+def write_table(report: Report, directory: str) -> list[str]:
+    """``scores.csv`` and each further table's ``<name>.csv`` (one row per line), and
+    ``scores.json`` (the meta, the notes, the rows and the further tables); the files' names."""
+    tables = {name: [{k: _plain(v) for k, v in row.items()} for row in rows]
+              for name, rows in {"scores": report.rows, **report.tables}.items()}
+    for name, rows in tables.items():
+        with open(os.path.join(directory, f"{name}.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)  # None as an empty field
     with open(os.path.join(directory, "scores.json"), "w") as f:
-        json.dump({"meta": report.meta, "notes": report.notes, "rows": rows}, f, indent=1)
+        json.dump({"meta": report.meta, "notes": report.notes, "rows": tables.pop("scores"),
+                   **tables}, f, indent=1)
+    return ["scores.csv", *(f"{name}.csv" for name in tables), "scores.json"]
 
 
-def draw(figure: Figure, path: str) -> bytes:
+def caption(meta: dict) -> str:
+    """What a plot scores: the checkpoint, its step and the initial conditions (where counted)."""
+    words = [f"{os.path.basename(meta.get('checkpoint', ''))} (step {meta.get('step')})"]
+    if "initial_conditions" in meta:
+        words.append(f"{meta['initial_conditions']} initial conditions")
+    return ", ".join(words)
+
+
+def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
     """Draw ``figure`` into the PNG ``path``; the file's bytes."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     n = max(1, len(figure.panels))
     cols = min(figure.columns, n)
@@ -99,6 +107,8 @@ def draw(figure: Figure, path: str) -> bytes:
             ax.axhline(panel.hline, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log" if panel.logx else "linear")
         ax.set_yscale("log" if panel.logy else "linear")
+        if panel.xstep:
+            ax.xaxis.set_major_locator(matplotlib.ticker.MultipleLocator(panel.xstep))
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(panel.xlabel, fontsize=8)
         ax.set_ylabel(panel.ylabel, fontsize=8)
@@ -108,7 +118,7 @@ def draw(figure: Figure, path: str) -> bytes:
         ax.set_visible(False)
     if figure.panels and figure.panels[0].series:
         axes.flat[0].legend(fontsize=7)
-    fig.suptitle(figure.title)
+    fig.suptitle(f"{figure.title}\n{subtitle}" if subtitle else figure.title)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=90)
     plt.close(fig)
@@ -143,11 +153,15 @@ def write_report(report: Report, directory: str) -> list[str]:
     the TensorBoard events (``tensorboard/``: the scalars, and the PNGs as images). The paths
     written, relative to ``directory``."""
     os.makedirs(directory, exist_ok=True)
-    write_table(report, directory)
-    written = ["scores.csv", "scores.json"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        report.notes.append(NO_PLOTS)
+    written = write_table(report, directory)
     plots = {}
-    for figure in report.figures:
-        plots[figure.name] = draw(figure, os.path.join(directory, f"{figure.name}.png"))
+    for figure in report.figures if NO_PLOTS not in report.notes else ():
+        path = os.path.join(directory, f"{figure.name}.png")
+        plots[figure.name] = draw(figure, path, caption(report.meta))
         written.append(f"{figure.name}.png")
     write_events(report, os.path.join(directory, "tensorboard"), plots)
     return written + ["tensorboard/"]

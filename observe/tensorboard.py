@@ -11,8 +11,7 @@ from torch.utils.tensorboard.summary import hparams
 
 
 class NullBoard:
-    """A board that writes nothing (every rank but 0; a finished run): each of ``Board``'s
-    calls does nothing."""
+    """A board that writes nothing (every rank but 0; a finished run)."""
 
     def __getattr__(self, name):
         if name.startswith("__"):  # (copy, pickle: as for any object)
@@ -32,16 +31,15 @@ class Board:
         self.writer.add_image(tag, img, step, dataformats="HWC")
 
     def describe_run(self, settings: dict, baseline_tag: str):
-        """The run's resolved settings (TEXT and HPARAMS tabs), and the training, validation and
-        baseline losses on one chart (CUSTOM SCALARS tab)."""
+        """The run's settings (TEXT and HPARAMS tabs), and the training, validation and baseline
+        losses on one chart (CUSTOM SCALARS tab)."""
         lines = [f"{k}: {v}" for k, v in settings.items()]
         self.writer.add_text("Config", "    " + "\n    ".join(lines), 0)  # a code block
         plain = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                  for k, v in settings.items()}
         for summary in _hparams(plain, {"Loss/valid": 0.0, "Loss/train": 0.0}):
             self.writer.file_writer.add_summary(summary)  # in this run, beside its scalars
-        # One chart per model (its title names the model and its baseline, so that runs of both
-        # models in one log directory give two charts), its tags anchored regexes.
+        # One chart per model (runs of both in one log directory give two), tags as regexes.
         model = settings.get("model", "")
         tags = ["Loss/train", "Loss/valid", baseline_tag]
         self.writer.add_custom_scalars({"Loss": {
@@ -111,8 +109,8 @@ _GLYPHS = {
 
 
 def text_mask(text: str, size: int = 1) -> np.ndarray:
-    """``text`` (upper-cased; unknown characters as blanks) as a boolean mask, 5 * size pixels
-    high, 4 * size per character (one column of spacing)."""
+    """``text`` (upper-cased; unknown characters blank) as a boolean mask, 5 * size pixels high,
+    4 * size per character."""
     cols = []
     for ch in text.upper():
         g = np.array([c == "1" for c in _GLYPHS.get(ch, _GLYPHS[" "])]).reshape(5, 3)
@@ -133,9 +131,8 @@ def _caption(width: int, size: int, left: str, right: str = "") -> np.ndarray:
 
 def comparison_image(target: np.ndarray, pred: np.ndarray, scale: int = 1,
                      title: str = "", units: str = "") -> np.ndarray:
-    """Target | prediction | error (prediction - target) side by side, (H', W', 3) uint8, each
-    titled over its colour bar; the error's scale is centred on zero with half the target's
-    range. ``title`` (e.g. the variable and its units) heads the picture."""
+    """Target | prediction | error (prediction - target), (H', W', 3) uint8, each titled over its
+    colour bar (the error's centred on zero, half the target's range), under ``title``."""
     lo, hi = float(target.min()), float(target.max())
     half = (hi - lo) / 2
     fields = [(target, "target", lo, hi, _ANCHORS), (pred, "prediction", lo, hi, _ANCHORS),

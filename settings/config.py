@@ -1,9 +1,6 @@
 """The settings of a run: one dataclass per model family (``ViTConfig``, ``UNetConfig``, on the
-shared ``Config``), each setting declared once, in one ``_f(...)`` line (its default, the
-description ``--help`` prints, its bounds: ``_f`` says what else). The rules between settings of
-one family are its class's ``check()``; ``validate`` checks the rest. Reading YAML files and the
-command line into these classes is ``settings.parse``.
-"""
+shared ``Config``), each setting declared once by ``_f``. The rules between settings of one family
+are its class's ``check()``; ``validate`` checks the rest; ``settings.parse`` reads them."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +18,8 @@ _current_group = [None]  # the group the settings declared next belong to (``_gr
 
 
 def _group(name: str | None):
-    """In a config class body: the settings declared after it belong to group ``name``
-    (``--help`` lists them under it); ``config_class`` ends a class's groups. Settings outside
-    any group are listed under their class's name."""
+    """In a config class body: the settings declared after it are listed under ``name`` by
+    ``--help`` (until ``config_class`` ends the class; the others under their class's name)."""
     _current_group[0] = name
 
 
@@ -101,8 +97,7 @@ class Config:
     local_batch_size: Optional[int] = _f(None, "samples per rank per step; when set, "
                                          "global_batch_size = local_batch_size x data-parallel "
                                          "ranks", min=1, resume=True)
-    base_batch_size: int = _f(16, "batch size at which lr is the learning rate (lr_scaling)",
-                              min=1)
+    base_batch_size: int = _f(16, "batch size at which lr is the learning rate (lr_scaling)", min=1)
     num_epochs: Optional[int] = _f(None, "epochs to train (give this or num_iters)", min=1,
     resume=True)
     num_iters: Optional[int] = _f(None, "optimizer steps to train (give this or num_epochs)",
@@ -147,9 +142,10 @@ class Config:
         False, "continue from the newest valid checkpoint of this run directory; auto: continue "
         "when it holds checkpoints, start fresh otherwise (a requeued job)", resume=True)
     stop_signals: list[str] = _f(
-        ["SIGTERM", "SIGUSR1"], "signals that stop the run cleanly at the next log point (or, when a rank "
-        "waits for data, within a few seconds at the last finished step): "
-        f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable)", resume=True)
+        ["SIGTERM", "SIGUSR1", "SIGINT"], "signals that stop the run cleanly at the next log point "
+        "(or, when a rank waits for data, within a few seconds at the last finished step): "
+        f"checkpoint, then exit code {STOPPED_EXIT_CODE} (resumable); a second SIGINT (Ctrl-C) "
+        "ends the run at once (exit code 130)", resume=True)
     resume_from: str = _f("", "continue from this checkpoint (a ckpt_<step>.pt file or an FSDP "
                           "run's ckpt_<step>.dcp directory), or the newest in this run directory "
                           "(e.g. one written with another number of ranks)", resume=True)
@@ -189,12 +185,16 @@ class Config:
 
     @property
     def data_is_generated(self) -> bool:
-        """Batches are made in memory (data_loader_config synthetic): nothing under data_root is
-        read, and nothing is written there."""
+        """Batches are made in memory: nothing under data_root is read or written."""
         return self.data_loader_config == "synthetic"
 
     def check(self):
-        """The rules between a family's own settings (its class says them)."""
+        """The rules between a family's own settings (``validate`` calls it last)."""
+
+
+# ERA5 channels of `fields` (T, C, H, W), in file order (docs/data.md).
+ERA5_CHANNELS = ("u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
+                 "v850", "z850", "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv")
 
 
 @config_class
@@ -238,6 +238,15 @@ class ViTConfig(Config):
     limit_nsamples_val: Optional[int] = _f(None, "use this many validation pairs, spread evenly "
                                            "over the years", min=1)
     synthetic_steps_per_year: int = _f(240, "time steps per year when synthesizing data", min=2)
+    loss_latitude_weights: bool = _f(False, "weight the training loss of each grid row by the "
+                                     "area of its cells (cos latitude, mean 1), as WeatherBench "
+                                     "2 scores; false: the tutorial's unweighted loss")
+    loss_level_weights: bool = _f(False, "weight each pressure-level variable (z500, t850...) "
+                                  "by its level over their mean level, as GraphCast; surface "
+                                  "variables 1")
+    loss_variable_weights: list[str] = _f([], "NAME=WEIGHT for variables whose loss weighs other "
+                                          "than 1 (e.g. t2m=2,z50=0.5); names as in the log's "
+                                          "RMSE lines")
     _group("rollout training")
     rollout_steps: int = _f(1, "autoregressive steps of each training sample: the loss is the "
                             "mean over N steps, each fed the model's previous output "
@@ -262,8 +271,22 @@ class ViTConfig(Config):
                                  "tensor-parallel ranks too (false: whole on each of them)",
                                  resume=True)
 
+    def variable_weights(self) -> dict:
+        """``loss_variable_weights`` as {name: weight}; a ConfigError naming a wrong entry."""
+        names, weights = ERA5_CHANNELS[: self.n_out_channels], {}
+        for entry in self.loss_variable_weights:
+            name, _, value = entry.partition("=")
+            try:
+                weights[name] = float(value)
+            except ValueError:
+                weights[name] = -1.0
+            if name not in names or not weights[name] >= 0:
+                raise ConfigError(f"loss_variable_weights: {entry!r} is not NAME=WEIGHT with a "
+                                  f"weight >= 0 and NAME one of {', '.join(names)}")
+        return weights
+
     def check(self):
-        """The rules between this family's settings (``validate`` calls it last)."""
+        self.variable_weights()
         if self.data_loader_config == "device":
             raise ConfigError("data_loader_config=device holds the U-Net's cosmology volumes on "
                               "the training device; the ViT's ERA5 data has no such loader: use "
@@ -271,8 +294,11 @@ class ViTConfig(Config):
         h, w = self.img_size
         p = self.patch_size
         if h % p or w % p:
+            near = [max(p, round(n / p) * p) for n in (h, w)]
+            other = next((d for d in range(p - 1, 1, -1) if h % d == w % d == 0), None)
             raise ConfigError(f"img_size={self.img_size} is not divisible by patch_size={p}: "
-                              f"choose a patch_size that divides {h} and {w}")
+                              f"change img_size to multiples of {p}, e.g. --img_size {near[0]} "
+                              f"{near[1]}" + (f", or --patch_size {other}" if other else ""))
         if self.data_is_generated and (h < 2 or w < 4):
             raise ConfigError(f"img_size={self.img_size} is too small for generated ERA5 fields "
                               f"(the rows run from pole to pole): use at least 2 rows and 4 "
@@ -300,9 +326,8 @@ class ViTConfig(Config):
             raise ConfigError(f"skill_every={self.skill_every} rolls the model out through stored "
                               f"ERA5 years, and data_loader_config synthetic has none: train on "
                               f"ERA5 files, or --skill_every 0")
-        # fp8 linears: bf16 around the fp8 matmuls (torchao's float8 training), and every block
-        # linear's dims on a rank (embed_dim, the MLP's hidden width; split over tp) multiples
-        # of 16, as the fp8 kernels need. The device is checked when it is known.
+        # fp8 linears: bf16 around the fp8 matmuls, and each block linear's dims on a rank
+        # multiples of 16 (the fp8 kernels'). The device is checked when it is known.
         if self.fp8_linears != "none" and self.amp_mode != "bf16":
             raise ConfigError(f"fp8_linears={self.fp8_linears} runs with amp_mode bf16 (the rest "
                               f"of the model in bf16 around the fp8 matmuls), not "
@@ -385,7 +410,6 @@ class UNetConfig(Config):
         "checkpoint of either resumes in the other", resume=True)
 
     def check(self):
-        """The rules between this family's settings (``validate`` calls it last)."""
         levels = 6 if self.full_scale else 5
         if self.data_size % 2**levels:
             raise ConfigError(f"data_size={self.data_size} must be divisible by 2^{levels}="

@@ -7,6 +7,7 @@ import sys
 
 class UserError(Exception):
     exit_code = 1
+    every_rank = False  # raised alike on every rank of a launch: rank 0 alone prints it
 
 
 class ConfigError(UserError, ValueError):
@@ -23,31 +24,41 @@ class TrainingError(UserError):
     """Training cannot go on (e.g. the loss became NaN); checkpoints already written are kept."""
 
 
-def print_error(message: str, prefix: str = ""):
+def print_error(message: str, prefix: str = "", every_rank: bool = False):
     """``<prefix>error: <message>`` on stderr in one write: ranks that share a stream (torchrun
     runs them unbuffered) then never join two lines (print writes the line and its newline
-    apart)."""
+    apart). ``every_rank``: the same error ends every rank (the same settings, or an outcome the
+    ranks agreed on), and only rank 0 (RANK, set by torchrun and export_DDP_vars.sh) prints it:
+    one line above torchrun's report, not one per rank."""
+    if every_rank and os.environ.get("RANK", "0") not in ("", "0"):
+        return
     sys.stderr.write(f"{prefix}error: {message}\n")
     sys.stderr.flush()
 
 
+def on_every_rank(error: UserError) -> UserError:
+    """``error``, marked as raised alike on every rank of a launch (``print_error``)."""
+    error.every_rank = True
+    return error
+
+
 def refuse(message: str):
-    """End a command-line program on bad input: its one ``error:`` line, exit code 2."""
-    print_error(message)
+    """End a command-line program on bad input: its one ``error:`` line (the same on every rank
+    of a launch: rank 0's), exit code 2."""
+    print_error(message, every_rank=True)
     raise SystemExit(2)
 
 
 class OneLineParser(argparse.ArgumentParser):
     """An argparse parser that refuses bad arguments in one ``error:`` line naming ``--help``
-    (no usage block), exit code 2, as every other refusal of the project's commands."""
+    (no usage block), exit code 2."""
 
     def error(self, message):
         refuse(f"{message} ({self.prog} --help lists the options)")
 
 
 def at_least(low, kind=int):
-    """An argparse ``type``: a ``kind`` (int or float) of ``low`` or more; anything else is refused
-    naming the value and the bound (in OneLineParser's one line)."""
+    """An argparse ``type``: a ``kind`` (int or float) of ``low`` or more."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -64,8 +75,7 @@ def at_least(low, kind=int):
 
 
 def new_file(text: str) -> str:
-    """An argparse ``type``: the path of an output file that does not exist yet (never written
-    over) in a directory that does."""
+    """An argparse ``type``: a new output file (never written over) in an existing directory."""
     if os.path.lexists(text):
         raise argparse.ArgumentTypeError(f"{text} exists: choose another name, or remove it")
     parent = os.path.dirname(os.path.abspath(text))
@@ -75,8 +85,8 @@ def new_file(text: str) -> str:
 
 
 def counts(low: int, example: str, why: str = ""):
-    """An argparse ``type``: comma-separated integers of ``low`` or more, as a list; ``why``
-    follows a number that is too small in the message, ``example`` shows valid ones."""
+    """An argparse ``type``: comma-separated integers of ``low`` or more, as a list (``why``: said
+    of a number that is too small)."""
     def parse(text: str) -> list[int]:
         out = []
         for item in text.split(","):

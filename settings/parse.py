@@ -42,6 +42,16 @@ SETTING_ALIASES = {"row_parallel_size": "tensor_parallel"}
 VALUE_ALIASES = {("data_loader_config", "dali"): "dali-lowmem",
                  ("data_loader_config", "pytorch"): "lowmem"}
 ENTRY_ARGS = ("yaml_config", "config")
+# Names that mean a setting or a value where their spelling is nearer another one (batch_size
+# is not patch_size, gpu is not cpu): ``nearest`` suggests these first, where they are choices.
+MEANINGS = {
+    "batch_size": ("global_batch_size", "local_batch_size"), "batch": ("global_batch_size",),
+    "bs": ("global_batch_size", "local_batch_size"), "learning_rate": ("lr",),
+    "steps": ("num_iters",), "max_steps": ("num_iters",), "precision": ("amp_mode",),
+    "compile": ("enable_jit",), "grad_clip": ("max_grad_norm",), "tp": ("tensor_parallel",),
+    "cp": ("context_parallel",), "out_dir": ("expdir",), "output_dir": ("expdir",),
+    "log_dir": ("expdir",), "logdir": ("expdir",), "gpu": ("cuda",), "fp32": ("none",),
+}
 
 
 # ----------------------------------------------------------------------------- YAML loading
@@ -136,12 +146,15 @@ def value_text(v) -> str:
 
 
 def nearest(name: str, choices, listed: bool = False) -> str:
-    """'did you mean ...?' with the closest of ``choices`` (letter case aside), else the valid
-    ones (or, where the message ``listed`` them already, a word to pick one)."""
+    """'did you mean ...?' with what ``name`` means (``MEANINGS``), else the closest of
+    ``choices`` (letter case aside), else the valid ones (or, where the message ``listed`` them
+    already, a word to pick one)."""
     by_lower = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.5)
+    close = [m for m in MEANINGS.get(name.lower(), ()) if m in choices] or [
+        by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=1,
+                                                      cutoff=0.5)]
     if close:
-        return f"did you mean '{by_lower[close[0]]}'?"
+        return f"did you mean {' or '.join(repr(c) for c in close)}?"
     return "choose one of these" if listed else f"valid: {', '.join(sorted(choices))}"
 
 
@@ -171,13 +184,12 @@ def _coerce_scalar(key, value, tp):
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} is not a number")
-        number = None
         try:  # (a string too: YAML 1.1 reads 5E-4 as one)
             number = float(value) if isinstance(value, (int, float, str)) else None
         except OverflowError:  # an integer beyond any float
             number = math.inf
         except ValueError:
-            pass
+            number = None
         if number is None:
             raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
         if not math.isfinite(number):  # nan and inf parse as floats but are never a setting
@@ -193,12 +205,6 @@ def _coerce_scalar(key, value, tp):
 # A setting's bounds (``_f``'s checks): name -> (the comparison its value must pass, its sign).
 _BOUNDS = {"min": (operator.ge, ">="), "max": (operator.le, "<="), "above": (operator.gt, ">"),
            "below": (operator.lt, "<")}
-
-
-def _check_bounds(key, v, meta):
-    for bound, (ok, sign) in _BOUNDS.items():
-        if bound in meta and not ok(v, meta[bound]):
-            raise ConfigError(f"{key}={v} must be {sign} {meta[bound]}")
 
 
 def _coerce_mixed_choice(key, value, choices):
@@ -226,7 +232,9 @@ def _coerce_item(key, value, tp, meta):
                               f"{nearest(str(v), [value_text(c) for c in choices] + aliases, listed=True)}")
         return v
     v = _coerce_scalar(key, value, tp)
-    _check_bounds(key, v, meta)
+    for bound, (ok, sign) in _BOUNDS.items():
+        if bound in meta and not ok(v, meta[bound]):
+            raise ConfigError(f"{key}={v} must be {sign} {meta[bound]}")
     return v
 
 
@@ -307,7 +315,7 @@ def _apply(cls, values: dict, source: str) -> dict:
             family = {c: m for m, c in CONFIG_CLASSES.items()}
             others = [m for c, m in family.items()
                       if c is not cls and key in {f.name for f in dataclasses.fields(c)}]
-            if key in RENAMED and RENAMED[key]:
+            if RENAMED.get(key):
                 hint = f"use {RENAMED[key]}"
             elif others:  # e.g. the U-Net's memory_format given to a ViT config
                 hint = (f"a setting of {' and '.join(others)} configs, not of "
@@ -324,16 +332,12 @@ def _apply(cls, values: dict, source: str) -> dict:
     return out
 
 
-def _is_list(cls, key) -> bool:
-    tp = field_types(cls)[key]
-    return typing.get_origin(tp) is list or any(typing.get_origin(a) is list
-                                                for a in typing.get_args(tp))
-
-
 def _coerce_given(cls, key, val, source):
     """``coerce``, saying so when a command-line setting was given without its value (a bare
     ``--lr`` reads as true), or with several values for a setting that takes one."""
-    if isinstance(val, list) and source == "command line" and not _is_list(cls, key):
+    tp = field_types(cls)[key]
+    takes_list = any(typing.get_origin(t) is list for t in (tp, *typing.get_args(tp)))
+    if isinstance(val, list) and source == "command line" and not takes_list:
         dashed = [v for v in val[1:] if re.fullmatch(r"-[A-Za-z_][\w-]*(=.*)?", v)]
         fix = (f"'{dashed[0]}' has one dash: write --{dashed[0][1:]}" if dashed else
                "quote a value that holds spaces")

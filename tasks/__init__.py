@@ -5,7 +5,7 @@ config's class) and answers:
 
 - ``build_model()``: the serial model (``networks/``), which knows nothing of parallelism;
 - ``device_batch(x, y)``: the first operation of the step on a batch as the loader delivers it;
-- ``loss``: per-sample losses, or partial sums of them (``tasks.losses``);
+- ``loss``: per-sample losses, or partial sums of them (``tasks.losses``); ``loss_name``: it in words;
 - ``metric_sums(pred, y)``, ``metric_lines``, ``metric_scalars``: validation metrics, summed over
   samples so that sums all-reduced over ranks and divided by the count are exact means however
   the samples were split; ``baseline_name``, ``baseline_pred(x, y)``: the naive forecast the log

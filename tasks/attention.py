@@ -13,19 +13,15 @@ from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from settings.errors import ConfigError
-
-try:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-except ImportError:  # pragma: no cover  (torch < 2.3; the project needs 2.5)
-    SDPBackend = sdpa_kernel = None
 
 BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 HOPPER_ORDER = ("cudnn", "flash", "efficient", "math")  # fastest first, measured (docs/performance.md)
 # Whether sdpa_kernel can set the priority of the backends it allows (torch >= 2.6).
-_CAN_ORDER = sdpa_kernel is not None and "set_priority" in inspect.signature(sdpa_kernel).parameters
+_CAN_ORDER = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 def auto_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...] | None:

@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from observe.flops import training_flops
 from settings.errors import ConfigError
 
 
@@ -22,6 +23,10 @@ class Task:
     def compile_options(self, memory_format: torch.memory_format) -> dict:
         """Options for torch.compile of the model in ``memory_format``: torch's defaults."""
         return {}
+
+    def flops_per_sample(self) -> int:
+        """FLOPs of one sample's forward and backward pass, from ``forward_flops()``."""
+        return training_flops(*self.forward_flops())
 
     def blocks(self, model) -> list:
         """The model's blocks, the units it is built of: FSDP gathers each one's weights together

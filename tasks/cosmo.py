@@ -10,14 +10,13 @@ import torch
 from datapipe import generated_data
 from datapipe.formats import HYDRO_CHANNELS
 from networks.unet import UNet
-from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import UNetConfig
 from settings.errors import ConfigError
 from tasks import volume_stats
 from tasks.base import Task
-from tasks.losses import L1Rho
+from tasks.losses import PartialSumLoss, per_sample_sum, sum_dtype
 from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
 
@@ -27,6 +26,37 @@ from tasks.reference_weights import unet_from_reference
 # under enable_jit and channels_last with enable_jit is refused; else the torch.compile options
 # ({} for none) under which it compiles and trains the eager step's numbers.
 CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
+
+
+def rho_transform(x: torch.Tensor) -> torch.Tensor:
+    """Hydro channel 0 is stored as log(density) / 14; this undoes it."""
+    return torch.exp(14.0 * x)
+
+
+class L1Rho(PartialSumLoss):
+    """Mean absolute error per sample, plus ``lambda_rho`` times that of the density
+    exp(14 x[0]) of channel 0.
+
+    Sums: [sum |pred - target|, number of values] and, with ``lambda_rho``, [sum |rho(pred_0) -
+    rho(target_0)|, number of channel-0 values]; finish: the ratios, weighted."""
+
+    def __init__(self, lambda_rho: float = 0.0):
+        self.lambda_rho = lambda_rho
+
+    def partial_sums(self, pred, target, rows=None):
+        dtype = sum_dtype(pred)
+        err = (pred.to(dtype) - target.to(dtype)).abs()
+        sums = [per_sample_sum(err), err.new_full((err.shape[0],), err[0].numel())]
+        if self.lambda_rho:
+            d = (rho_transform(pred[:, 0].to(dtype)) - rho_transform(target[:, 0].to(dtype))).abs()
+            sums += [per_sample_sum(d), d.new_full((d.shape[0],), d[0].numel())]
+        return torch.stack(sums, dim=1)
+
+    def finish(self, sums):
+        loss = sums[:, 0] / sums[:, 1]
+        if self.lambda_rho:
+            loss = loss + self.lambda_rho * sums[:, 2] / sums[:, 3]
+        return loss
 
 
 class CosmoTask(Task):
@@ -39,6 +69,7 @@ class CosmoTask(Task):
         self._mean = None
         self.channels = HYDRO_CHANNELS[: cfg.n_out_channels]
         self.loss = L1Rho(cfg.lambda_rho)  # per-sample; loss(pred, y) or partial sums of sub-volumes
+        self.loss_name = "L1" + (f" + {cfg.lambda_rho} x L1 of the density" if cfg.lambda_rho else "")
 
     def device_batch(self, x, y):
         """Crops are used as stored: nothing to do on the device."""
@@ -72,9 +103,7 @@ class CosmoTask(Task):
         return torch.channels_last_3d, f"memory_format auto: {self.cfg.amp_mode} on a GPU"
 
     def compile_options(self, memory_format: torch.memory_format) -> dict:
-        if memory_format == torch.channels_last_3d:
-            return CHANNELS_LAST_COMPILE_OPTIONS or {}
-        return {}
+        return (CHANNELS_LAST_COMPILE_OPTIONS or {}) if memory_format == torch.channels_last_3d else {}
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by
@@ -158,9 +187,6 @@ class CosmoTask(Task):
             up += 2 * cin * widths[i - 1] * k3 * side[i]**3
         last = 2 * (2 * widths[0]) * cfg.n_out_channels * k3 * side[0]**3
         return sum(down) + up + last, down[0]
-
-    def flops_per_sample(self) -> int:
-        return training_flops(*self.forward_flops())
 
     def from_reference(self, sd: dict, model) -> dict:
         """The tutorial model's weights ``sd`` under this model's names and layouts."""

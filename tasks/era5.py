@@ -12,18 +12,70 @@ from datapipe import generated_data
 from datapipe.era5_data import load_stats
 from datapipe.formats import ERA5_CHANNELS
 from networks.vit import ViT
-from observe.flops import training_flops
 from observe.logging_utils import channel_lines
 from observe.tensorboard import comparison_image
 from settings.config import ViTConfig
 from settings.errors import ConfigError
 from tasks import attention, forecast_skill
 from tasks.base import Task
-from tasks.losses import RelativeL2, latitude_weights, weighted_rmse
+from tasks.losses import (PartialSumLoss, latitude_weights, per_sample_sum, sum_dtype,
+                          weighted_rmse)
 from tasks.registry import register
 from tasks.reference_weights import vit_from_reference
 
 log = logging.getLogger("train")
+
+
+class RelativeL2(PartialSumLoss):
+    """The tutorial's loss: ||pred - target||_2 / ||target||_2 over all of a sample's values,
+    ``loss(pred, target)`` = ``finish(partial_sums(pred, target))``.
+
+    Sums: [sum (pred - target)^2, sum target^2]; finish: sqrt(a) / sqrt(b)."""
+
+    def partial_sums(self, pred, target, rows=None):
+        dtype = sum_dtype(pred)
+        diff = (pred.to(dtype) - target.to(dtype)).flatten(1)
+        ref = target.to(dtype).flatten(1)
+        return torch.stack([diff.pow(2).sum(1), ref.pow(2).sum(1)], dim=1)
+
+    def finish(self, sums):
+        return sums[:, 0].sqrt() / sums[:, 1].sqrt()
+
+    def __call__(self, pred, target):
+        if pred.dim() == 5:  # a rollout's states (B, N, C, H, W): the mean of each step's loss
+            return torch.stack([self(pred[:, k], target[:, k]) for k in range(pred.shape[1])]).mean(0)
+        return super().__call__(pred, target)
+
+
+class WeightedRelativeL2(RelativeL2):
+    """RelativeL2 with each value weighted by its channel and image row: ``weights`` (C, H, 1),
+    the product of the variable, pressure-level and latitude (area) weights (``loss_weights``).
+
+    Sums: [sum w (pred - target)^2, sum w target^2]; finish: sqrt(a) / sqrt(b)."""
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights
+
+    def partial_sums(self, pred, target, rows=None):
+        dtype = sum_dtype(pred)
+        w = self.weights if rows is None else self.weights[:, rows[0]:rows[1]]
+        w = w.to(pred.device, dtype)
+        diff = (pred.to(dtype) - target.to(dtype)).pow(2) * w
+        ref = target.to(dtype).pow(2) * w
+        return torch.stack([per_sample_sum(diff), per_sample_sum(ref)], dim=1)
+
+
+def loss_weights(channels, h: int, latitude: bool, level: bool, variable: dict) -> torch.Tensor:
+    """(C, H, 1) weights of ``WeightedRelativeL2``: per channel, ``variable``'s weight (1 where
+    it names none) times, with ``level``, the pressure level in hPa over the mean level of the
+    channels that have one (surface variables: 1), as GraphCast weights its loss; per row, with
+    ``latitude``, ``latitude_weights`` (the area of its cells, mean 1)."""
+    levels = {c: int(c[1:]) for c in channels if c[0] in "uvtzrq" and c[1:].isdigit()}
+    mean_level = np.mean(list(levels.values())) if levels else 1.0
+    per_channel = [variable.get(c, 1.0) * (levels[c] / mean_level if level and c in levels else 1.0)
+                   for c in channels]
+    rows = latitude_weights(h) if latitude else torch.ones(h)
+    return torch.tensor(per_channel, dtype=torch.float32).view(-1, 1, 1) * rows.view(1, -1, 1)
 
 
 class ERA5Task(Task):
@@ -35,7 +87,16 @@ class ERA5Task(Task):
         self.cfg = cfg
         self.channels = ERA5_CHANNELS[: cfg.n_out_channels]
         self.weights = latitude_weights(cfg.img_size[0])
-        self.loss = LeadMeanRelativeL2()  # per-sample; loss(pred, y) or partial sums of bands
+        # per-sample; loss(pred, y) or partial sums of image bands
+        variable = cfg.variable_weights()
+        weighted = [what for what, on in (("latitude (area)", cfg.loss_latitude_weights),
+                                          ("pressure level", cfg.loss_level_weights),
+                                          ("variable", variable)) if on]
+        self.loss = WeightedRelativeL2(loss_weights(
+            self.channels, cfg.img_size[0], cfg.loss_latitude_weights, cfg.loss_level_weights,
+            variable)) if weighted else RelativeL2()
+        self.loss_name = "relative L2, " + (f"weighted by {', '.join(weighted)}" if weighted
+                                            else "unweighted (the tutorial's)")
         self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
         self.kernels = contextlib.nullcontext  # the forward's attention kernels (forward_kernels)
         self._steps_said = None  # the rollout steps the log last gave
@@ -181,27 +242,11 @@ class ERA5Task(Task):
         head = 2 * n * e * cfg.n_out_channels * p * p
         return embed + cfg.depth * block + head, embed
 
-    def flops_per_sample(self) -> int:
-        return training_flops(*self.forward_flops())
-
     def from_reference(self, sd: dict, model) -> dict:
         """The tutorial model's weights ``sd`` under this model's names and layouts."""
         if self.cfg.head_bias and "head.bias" not in sd:
             raise ConfigError("the tutorial's ViT head has no bias: set head_bias false")
         return vit_from_reference(sd, self.cfg.patch_size, self.cfg.n_out_channels)
-
-
-class LeadMeanRelativeL2(RelativeL2):
-    """``RelativeL2`` of a state (B, C, H, W); of a rollout's states (B, N, C, H, W), the mean of
-    each step's (the validation loss of rollout training)."""
-
-    def partial_sums(self, pred, target):
-        if pred.dim() == 4:
-            return super().partial_sums(pred, target)
-        return super().partial_sums(pred.flatten(0, 1), target.flatten(0, 1)).view(len(pred), -1)
-
-    def finish(self, sums):  # (B, 2 N) -> (B,); N = 1: RelativeL2's, exactly (a mean of one)
-        return super().finish(sums.view(-1, 2)).view(len(sums), -1).mean(dim=1)
 
 
 register(ViTConfig, ERA5Task)

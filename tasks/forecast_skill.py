@@ -1,12 +1,13 @@
 """Forecast skill of the ERA5 ViT over lead time, as weather forecasts are scored: autoregressive
 rollouts (``rollout``), each lead time scored per variable in physical units by latitude-weighted
-RMSE and ACC, beside persistence and climatology. docs/scoring.md has the formulas and where they
-differ from WeatherBench 2. ``SkillSums`` adds per-sample scores up, so the means are exact
-however the initial conditions were batched or split over ranks.
+RMSE, ACC and zonal power spectra, beside persistence and climatology. docs/scoring.md has the
+formulas and where they differ from WeatherBench 2. ``SkillSums`` adds per-sample scores up, so
+the means are exact however the initial conditions were batched or split over ranks.
 """
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
 import time
@@ -41,6 +42,12 @@ def units(name: str) -> str:
     return UNITS.get(name) or UNITS.get(name.rstrip("0123456789"), "")
 
 
+def power_units(name: str) -> str:
+    """The units of a variable's power spectrum: its units squared (``t2m`` -> K^2)."""
+    u = units(name)
+    return f"({u})^2" if "/" in u or "^" in u else f"{u}^2" if u else ""
+
+
 def acc(forecast: torch.Tensor, truth: torch.Tensor, clim: torch.Tensor,
         weights: torch.Tensor) -> torch.Tensor:
     """Latitude-weighted anomaly correlation per sample and channel, as docs/scoring.md defines
@@ -55,6 +62,24 @@ def acc(forecast: torch.Tensor, truth: torch.Tensor, clim: torch.Tensor,
                        torch.zeros_like(num)).float()
 
 
+def zonal_spectrum(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Zonal power spectra P(m) of fields (B, C, H, W), as docs/scoring.md defines them, over the
+    rows' latitude ``weights`` (H,): (B, C, W // 2 + 1)."""
+    f = torch.fft.rfft(x.double(), dim=-1)
+    p = f.real ** 2 + f.imag ** 2
+    p[..., 1:(x.shape[-1] + 1) // 2] *= 2  # the power of -m, folded onto m
+    w = weights.to(x.device, torch.float64).view(1, 1, -1, 1)
+    return (w * p).mean(dim=2) / x.shape[-1] ** 2
+
+
+def small_scale_ratio(power: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """P ratio (docs/scoring.md): a forecast's power over the truth's in the upper half of the
+    wavenumbers, spectra (..., M) -> (...); nan where the truth has no power there."""
+    high = power[..., power.shape[-1] // 2 + 1:].sum(-1), truth[..., truth.shape[-1] // 2 + 1:].sum(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(high[1] > 0, high[0] / high[1], np.nan)
+
+
 def rollout(step, x0: torch.Tensor, n_steps: int):
     """Yield (k, forecast k steps ahead) for k = 1..n_steps, each step's output the next step's
     input: ``step`` (B, C, H, W) -> (B, C, H, W) in the model's (normalised) units."""
@@ -65,49 +90,78 @@ def rollout(step, x0: torch.Tensor, n_steps: int):
 
 
 class SkillSums:
-    """Per-sample RMSE and ACC of each forecast, summed over samples per lead and channel."""
+    """Per-sample MSE (``rmse`` sqrt_after_time_avg) or RMSE (sqrt_before_time_avg), ACC and
+    zonal power spectra of each forecast (and the truth's, last), summed over samples per lead
+    and channel, of fields ``width`` wide."""
 
-    def __init__(self, n_leads: int, n_channels: int, device="cpu"):
+    def __init__(self, n_leads: int, n_channels: int, width: int, device="cpu",
+                 rmse="sqrt_after_time_avg"):
         shape = (len(FORECASTS), n_leads, n_channels)
+        self.sqrt_after = rmse != "sqrt_before_time_avg"
         self.rmse = torch.zeros(shape, dtype=torch.float64, device=device)
         self.acc = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.power = torch.zeros((len(FORECASTS) + 1, *shape[1:], width // 2 + 1),
+                                 dtype=torch.float64, device=device)
         self.count = torch.zeros(n_leads, dtype=torch.float64, device=device)
 
     def add(self, forecast: str, lead: int, pred, truth, clim, weights):
         """Scores of a batch ``pred`` against ``truth`` (B, C, H, W, physical units) at ``lead``."""
         i = FORECASTS.index(forecast)
-        self.rmse[i, lead] += weighted_rmse(pred, truth, weights).double().sum(0)
+        rmse = weighted_rmse(pred, truth, weights).double()
+        self.rmse[i, lead] += (rmse ** 2 if self.sqrt_after else rmse).sum(0)
         if clim is not None:
             self.acc[i, lead] += acc(pred, truth, clim, weights).double().sum(0)
+        self.power[i, lead] += zonal_spectrum(pred, weights).sum(0)
         if i == 0:
             self.count[lead] += pred.shape[0]
+            self.power[-1, lead] += zonal_spectrum(truth, weights).sum(0)
 
     def reduce(self):
         """Add up the sums of all ranks, on every rank (nothing to do in one process)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Each rank scored its own initial conditions: one all-reduce of each sum gives the
             # means of one process scoring them all, to the order of the float64 additions.
-            for t in (self.rmse, self.acc, self.count):
+            for t in (self.rmse, self.acc, self.power, self.count):
                 dist.all_reduce(t)
 
-    def means(self) -> tuple[np.ndarray, np.ndarray]:
-        """(RMSE, ACC) means over the samples, (forecasts, leads, channels) float64 arrays."""
+    def means(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(RMSE, ACC) over the samples, (forecasts, leads, channels) float64 arrays, and the
+        mean power spectra (forecasts and truth, leads, channels, wavenumbers)."""
         n = self.count.clamp_min(1).view(1, -1, 1)
-        return (self.rmse / n).cpu().numpy(), (self.acc / n).cpu().numpy()
+        rmse = self.rmse / n
+        return ((rmse.sqrt() if self.sqrt_after else rmse).cpu().numpy(),
+                (self.acc / n).cpu().numpy(), (self.power / n[..., None]).cpu().numpy())
 
 
-def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None) -> tuple[int, str]:
-    """(model steps of the rollout, a note or ''): ``wanted``, or ten days' worth (240 h over
-    the model's ``dt`` 6-hour steps), capped at what the longest year of the split holds."""
-    n = wanted if wanted is not None else max(1, DEFAULT_LEAD_HOURS // (HOURS_PER_STEP * dt))
-    most = (max(year_steps) - 1) // dt
-    if most < 1:
+def lead_steps_for(year_steps: list[int], dt: int, wanted: int | None,
+                   n_init: int | None, fit: bool = False) -> tuple[int, int, str]:
+    """(model steps of the rollout, initial conditions, a note or ''), from the ``wanted`` steps
+    and ``n_init`` (None: the defaults) as docs/scoring.md says; beyond the split's, refused,
+    or with ``fit`` (during training, ``skill_every``) cut to what the split gives."""
+    def starts(n: int) -> int:  # the split's initial conditions of n-step rollouts
+        return sum(max(0, steps - n * dt) for steps in year_steps)
+
+    if starts(1) < 1:
         raise DataError(f"the split's years hold {max(year_steps)} steps, fewer than one forecast "
                         f"step (dt={dt}) and its target: score another --split")
+    hours = dt * HOURS_PER_STEP
+    if fit:  # the longest lead any year gives, then the initial conditions that lead has
+        wanted = min(wanted, max(n for n in range(1, max(year_steps)) if starts(n) >= 1))
+        n_init = min(n_init, starts(wanted))
+    if n_init is not None and n_init > starts(1):
+        raise ConfigError(f"--n_init {n_init}: the split's years hold {starts(1)} initial "
+                          f"conditions of a {hours} h forecast: give --n_init {starts(1)} or fewer")
+    n_init = n_init or min(N_INIT, starts(1))
+    most = max(n for n in range(1, max(year_steps)) if starts(n) >= n_init)
+    if wanted is not None and wanted > most:
+        raise ConfigError(f"--lead_steps {wanted}: the split's years give {n_init} initial "
+                          f"conditions for at most {most} lead steps ({most * hours} h): give "
+                          f"--lead_steps {most} or fewer, or a smaller --n_init")
+    n = wanted or max(1, DEFAULT_LEAD_HOURS // hours)
     if n > most:
-        return most, (f"note: the split's longest year holds {max(year_steps)} steps: {most} "
-                      f"lead steps ({most * dt * HOURS_PER_STEP} h) instead of {n}")
-    return n, ""
+        return most, n_init, (f"note: the split's years give {n_init} initial conditions for at "
+                              f"most {most} lead steps ({most * hours} h): {most} instead of {n}")
+    return n, n_init, ""
 
 
 def initial_conditions(year_steps: list[int], span: int, n: int) -> list[tuple[int, int]]:
@@ -157,8 +211,8 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
     """The skill of a model being trained (``skill_every``, docs/scoring.md): ``score``'s numbers
     for ``SKILL_INITS`` initial conditions of the validation years. Returns the TensorBoard
     scalars (the model's RMSE and ACC of every variable at the last lead) and the summary."""
-    opts = SimpleNamespace(split="valid", lead_steps=task.cfg.skill_lead_steps,
-                           n_init=SKILL_INITS, batch_size=None, rank=rank, world_size=world)
+    opts = SimpleNamespace(split="valid", lead_steps=task.cfg.skill_lead_steps, n_init=SKILL_INITS,
+                           batch_size=None, rmse=None, rank=rank, world_size=world, fit=True)
     report = score(task, model, device, forward, opts)
     last = report.meta["lead_steps"]
     hours = last * report.meta["hours_per_step"]
@@ -186,7 +240,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                        n_out=cfg.n_out_channels)
     year_steps = [n + 1 for n in data.pairs_per_file]
     notes = []
-    n_steps, note = lead_steps_for(year_steps, cfg.dt, opts.lead_steps)
+    n_steps, n_init, note = lead_steps_for(year_steps, cfg.dt, opts.lead_steps, opts.n_init,
+                                           fit=getattr(opts, "fit", False))
     if n_steps > 1 and cfg.n_in_channels != cfg.n_out_channels:
         n_steps, note = 1, (f"note: the model reads {cfg.n_in_channels} channels and writes "
                             f"{cfg.n_out_channels}, so its output cannot be its next input: one "
@@ -198,7 +253,7 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                      f"pole to pole (as the tutorial's metric does), so they weight rows as at "
                      f"other latitudes than theirs: these scores do not compare with whole-globe "
                      f"ones")
-    starts = initial_conditions(year_steps, n_steps * cfg.dt, opts.n_init or N_INIT)
+    starts = initial_conditions(year_steps, n_steps * cfg.dt, n_init)
     rank, world = opts.rank, opts.world_size
     mine = starts[rank::world]
     batch_size = opts.batch_size or 8
@@ -213,15 +268,10 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     clim = None if clim_np is None else torch.from_numpy(clim_np).to(device)
     persistence = cfg.n_in_channels >= c_out
     weights = task.weights.to(device)
-    sums = SkillSums(n_steps + 1, c_out, device)
     (c_in, h, w), _ = data.sample_shapes
+    rmse_name = opts.rmse or "sqrt_after_time_avg"  # score.py's RMSE
+    sums = SkillSums(n_steps + 1, c_out, w, device, rmse_name)
     scratch_in, scratch_out = np.empty((1, c_in, h, w), np.float32), np.empty((1, c_out, h, w), np.float32)
-
-    def upload(a: np.ndarray) -> torch.Tensor:
-        """``a`` on the device, from (cached) pinned memory: queued behind the steps before it,
-        while the host reads the next states (from pageable memory the host would wait)."""
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
     def stored(batch, lead):
         """The stored states ``lead`` steps after each start of ``batch``, on the device: at lead
@@ -231,7 +281,8 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
         for j, (k, t) in enumerate(batch):
             x, y = (scratch_in, out[j:j + 1]) if lead else (out[j:j + 1], scratch_out)
             data.read_batch([int(data.offsets[k]) + t + max(lead - 1, 0)], x, y)
-        return upload(out)
+        out = torch.from_numpy(out)  # to a GPU from pinned memory, queued (docs/scoring.md, Speed)
+        return out.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else out
 
     def step(state):
         with autocast():
@@ -247,17 +298,14 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
         for b in range(0, len(mine), batch_size):
             batch = mine[b:b + batch_size]
             x0 = stored(batch, 0)
-            truth = x0[:, :c_out]
-            for name in FORECASTS[: 2 if persistence else 1]:  # lead 0: both are the truth
-                sums.add(name, 0, truth, truth, clim, weights)
-            if clim is not None:
-                sums.add("climatology", 0, clim.expand_as(truth), truth, clim, weights)
-            x0n = (x0 - mean[:c_in]) / std[:c_in]
-            for k, pred_n in rollout(step, x0n, n_steps):
-                truth = stored(batch, k * cfg.dt)
-                sums.add("model", k, pred_n * std[:c_out] + mean[:c_out], truth, clim, weights)
+            truth0 = x0[:, :c_out]  # lead 0: the model's and persistence's forecast
+            forecasts = rollout(step, (x0 - mean[:c_in]) / std[:c_in], n_steps)
+            for k, pred_n in itertools.chain([(0, None)], forecasts):
+                truth = stored(batch, k * cfg.dt) if k else truth0
+                pred = pred_n * std[:c_out] + mean[:c_out] if k else truth0
+                sums.add("model", k, pred, truth, clim, weights)
                 if persistence:
-                    sums.add("persistence", k, x0[:, :c_out], truth, clim, weights)
+                    sums.add("persistence", k, truth0, truth, clim, weights)
                 if clim is not None:  # its ACC is 0 by definition: not computed, left 0
                     sums.add("climatology", k, clim.expand_as(truth), truth, None, weights)
             done += len(batch)
@@ -266,54 +314,75 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                      f"{done * n_steps / elapsed:.1f} forecast steps/s, "
                      f"ETA {duration(elapsed / done * (len(mine) - done))}")
     sums.reduce()
-    rmse, accs = sums.means()
-    return _report(task, rmse, accs, n_steps, len(starts), opts.split, notes,
+    rmse, accs, power = sums.means()
+    return _report(task, rmse, accs, power, n_steps, len(starts), opts.split, notes, rmse_name,
                    has=dict(persistence=persistence, climatology=clim is not None))
 
 
-def _report(task, rmse, accs, n_steps, n_init, split, notes, has) -> Report:
-    """The table, plots, TensorBoard scalars and summary of the scores."""
+def _report(task, rmse, accs, power, n_steps, n_init, split, notes, rmse_name, has) -> Report:
+    """The tables (the scores, and the spectra's), plots, TensorBoard scalars and summary."""
     cfg = task.cfg
     channels = list(task.channels)
     hours = [k * cfg.dt * HOURS_PER_STEP for k in range(n_steps + 1)]
     shown = [f for f in FORECASTS if f == "model" or has[f]]
+    varying = [f for f in shown if f != "climatology"]  # climatology's ACC and P ratio are flat
+    ratio = small_scale_ratio(power[:-1], power[-1:])
     with_acc = has["climatology"]
     rows = [{"forecast": forecast, "variable": name, "units": units(name), "lead_step": k,
              "lead_hours": hour, "rmse": float(rmse[i, k, c]),
-             "acc": float(accs[i, k, c]) if with_acc else None}
+             "acc": float(accs[i, k, c]) if with_acc else None, "p_ratio": float(ratio[i, k, c])}
             for i, forecast in enumerate(FORECASTS) if forecast in shown
             for c, name in enumerate(channels) for k, hour in enumerate(hours)]
-    metrics = {"rmse": ("RMSE", rmse, "Latitude-weighted RMSE")}  # column: label, means, title
+    # column: label, means, title, the forecasts drawn
+    metrics = {"rmse": ("RMSE", rmse, "Latitude-weighted RMSE", shown)}
     if with_acc:
-        metrics["acc"] = ("ACC", accs, "Anomaly correlation")
+        metrics["acc"] = ("ACC", accs, "Anomaly correlation", varying)
+    metrics["p_ratio"] = ("P_ratio", ratio, "Forecast / truth power at the smallest scales",
+                          varying)
     scalars = [(f"Skill/{label}({row['variable']})/{row['forecast']}", row[key], row["lead_hours"])
-               for key, (label, _, _) in metrics.items() for row in rows]
+               for key, (label, _, _, drawn) in metrics.items() for row in rows
+               if row["forecast"] in drawn]
+    xstep = 24 * max(1, round(hours[-1] / 240))
 
-    def panel(c, label, values):
+    def panel(c, label, values, drawn):
         unit = f" ({units(channels[c])})" if label == "RMSE" and units(channels[c]) else ""
         return Panel(title=channels[c], xlabel="lead time (h)", ylabel=f"{label}{unit}",
-                     series=[(f, hours, values[FORECASTS.index(f), :, c]) for f in shown])
+                     series=[(f, hours, values[FORECASTS.index(f), :, c]) for f in drawn],
+                     logy=label == "P_ratio", hline=1.0 if label == "P_ratio" else None,
+                     xstep=xstep)
 
     headline = [channels.index(n) for n in HEADLINE if n in channels]
-    figures = [Figure(f"{key}_{which}", f"{title} {what}", [panel(c, label, values) for c in cs],
-                      columns)
+    figures = [Figure(f"{key}_{which}", f"{title} {what}",
+                      [panel(c, label, values, drawn) for c in cs], columns)
                for which, what, cs, columns in (("headline", "against lead time", headline, 2),
                                                 ("all", "of every variable", range(len(channels)), 5))
-               for key, (label, values, title) in metrics.items()]
-    summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps "
-               f"({hours[-1]} h)"]
+               for key, (label, values, title, drawn) in metrics.items()]
     leads = sorted({k for k in (1, 24 // (cfg.dt * HOURS_PER_STEP), n_steps // 2, n_steps)
                     if 1 <= k <= n_steps})
+    m = np.arange(power.shape[-1])
+    figures.append(Figure("spectra_headline", "Zonal power spectra", [
+        Panel(channels[c], "zonal wavenumber", f"P(m) ({power_units(channels[c])})",
+              [(f"{f} {hours[k]} h", m[1:], power[i, k, c, 1:])  # m = 0 is off the log axis
+               for f, i, ks in (("truth", -1, [n_steps]), ("persistence", 1, [n_steps]),
+                                ("model", 0, leads)) if f in ("truth", *varying) for k in ks],
+              logx=True, logy=True) for c in headline]))
+    kept = [k for k in range(n_steps + 1) if k in leads or hours[k] % 24 == 0]
+    spectra = [{"forecast": f, "variable": name, "power_units": power_units(name), "lead_step": k,
+                "lead_hours": hours[k], "wavenumber": int(j), "power": float(power[i, k, c, j])}
+               for i, f in enumerate((*FORECASTS, "truth")) if f in (*shown, "truth")
+               for c, name in enumerate(channels) for k in kept for j in m]
+    summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps "
+               f"({hours[-1]} h)"]
     for c in headline or range(min(4, len(channels))):
         parts = []
         for k in leads:
             values = " / ".join(f"{rmse[FORECASTS.index(f), k, c]:.4g}" for f in shown)
             score_acc = f", model ACC {accs[0, k, c]:.3f}" if with_acc else ""
-            parts.append(f"{hours[k]} h {values}{score_acc}")
+            parts.append(f"{hours[k]} h {values}{score_acc}, P ratio {ratio[0, k, c]:.3g}")
         summary.append(f"  {channels[c]} RMSE ({units(channels[c])}), "
                        f"{' / '.join(shown)}: " + "; ".join(parts))
     meta = {"problem": "forecast skill", "split": split, "initial_conditions": n_init,
             "lead_steps": n_steps, "hours_per_step": cfg.dt * HOURS_PER_STEP,
-            "forecasts": shown, "acc": with_acc}
-    return Report(rows, meta, scalars, figures, summary, notes)
-
+            "forecasts": shown, "acc": with_acc, "rmse": rmse_name,
+            "p_ratio_wavenumbers": [len(m) // 2 + 1, len(m) - 1]}
+    return Report(rows, meta, scalars, figures, summary, notes, {"spectra": spectra})

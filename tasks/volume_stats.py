@@ -85,7 +85,7 @@ def histograms(pred: np.ndarray, true: np.ndarray, bins: int = HIST_BINS) -> dic
 def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
     """Means and errors of one channel, in float64: the means of both fields, the bias
     mean(pred - true), the mean absolute error, the RMSE and the relative error
-    ||pred - true||_2 / ||true||_2 (the relative L2 of ``tasks.losses.RelativeL2``)."""
+    ||pred - true||_2 / ||true||_2 (the relative L2 of ``tasks.era5.RelativeL2``)."""
     p = np.asarray(pred, np.float64)
     t = np.asarray(true, np.float64)
     d = p - t
@@ -96,11 +96,9 @@ def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
 
 
 def unet_halo(levels: int) -> int:
-    """The smallest halo, a multiple of 2^levels, that makes tiles exact for the U-Net of
-    ``networks.unet`` (4^3 kernels of stride 2 and padding 1, ``levels`` levels, skip
-    connections): the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond
-    it (``tests/test_scoring.py`` perturbs the input voxels to check it), rounded up to whole
-    2^levels: 64 for 5 levels, 128 for 6."""
+    """The smallest halo, a multiple of 2^levels, that makes tiles exact for ``networks.unet``:
+    the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond it
+    (``tests/test_scoring.py`` checks it), rounded up to whole 2^levels: 64 for 5 levels."""
     return 2 * 2**levels
 
 
@@ -262,11 +260,12 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                                     for c, (spec, hist, _) in zip(channels, stats)], columns=3)
 
     figures = [
-        figure("power_spectra", "Power spectra P(k): truth and prediction", "P(k)",
+        figure("power_spectra", "Power spectra P(k): truth and prediction",
+               "P(k) ((stored units)^2 voxel^3)",
                lambda s, _: [("truth", s["k"], s["p_true"]), ("prediction", s["k"], s["p_pred"])],
                logx=True, logy=True),
         figure("spectrum_ratio", "P_pred(k) / P_true(k)", "ratio",
-               lambda s, _: [("ratio", s["k"], s["ratio"])], logx=True, hline=1.0),
+               lambda s, _: [("ratio", s["k"], s["ratio"])], logx=True, logy=True, hline=1.0),
         figure("cross_correlation", "Cross-correlation r(k) = P_xy / sqrt(P_xx P_yy)", "r(k)",
                lambda s, _: [("r", s["k"], s["r"])], logx=True, hline=1.0),
         figure("pdfs", "One-point distributions", "density",
@@ -284,4 +283,7 @@ def _report(channels, stats, split, where, side, tile, halo, notes) -> Report:
                        f"P ratio {spec['ratio'][quarter]:.3g} at k={spec['k'][quarter]}")
     meta = {"problem": "volume statistics", "split": split, "volume": where, "side": side,
             "tile": tile, "halo": halo, "channels": channels}
-    return Report(rows, meta, scalars, figures, summary, notes)
+    pdfs = [{"channel": name, "value": x, "density_true": p, "density_pred": q}
+            for name, (_, h, _) in zip(channels, stats)
+            for x, p, q in zip(h["centres"], h["true"], h["pred"])]
+    return Report(rows, meta, scalars, figures, summary, notes, {"pdfs": pdfs})

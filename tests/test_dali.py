@@ -390,7 +390,7 @@ def test_dali_workers_ignore_the_stop_signals_and_their_errors_are_one_line(dali
     workers = [p for p in multiprocessing.active_children() if p.pid not in earlier]
     assert len(workers) == 2  # this pipeline's Python workers
     for w in workers:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):  # the default stop_signals
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # the default stop_signals
             os.kill(w.pid, sig)
     time.sleep(0.5)
     assert all(w.is_alive() for w in workers)

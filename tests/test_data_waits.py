@@ -343,16 +343,28 @@ def test_two_ranks_end_when_one_loader_stalls(tmp_path, workdir):
     assert not os.path.exists(os.path.join(run_dir(exp, ws=2), "checkpoints"))
 
 
+def first_batch(stopper, loader, what: str = "training", epoch: int = 0):
+    """The first batch of a pass of ``loader`` through ``stopper``; Interrupted where a stop
+    signal ended the wait for it (the stopper then stops the pass before its first step)."""
+    from engine.stop import Interrupted
+
+    stops = []
+    batch = next(stopper.batches(loader, what, epoch, 0, stop=stops.append), None)
+    if stops:
+        raise Interrupted(stops[0])
+    return batch
+
+
 def test_data_wait_ends_on_a_signal_and_on_its_timeout(monkeypatch):
-    """In one process: a blocking read inside ``DataWaits.fetch`` ends with Interrupted two
+    """In one process: a blocking read inside ``Stopper.fetch`` ends with Interrupted two
     seconds after a stop signal, or with LoaderStalled after the timeout; handlers and timer
     are put back after each wait."""
-    from engine.stop.waits import DataWaits, Interrupted, LoaderStalled
-    from engine.stop.signals import StopRequest
+    from engine.stop import Interrupted, Stopper, StopRequest
+    from engine.stop.signals import LoaderStalled
 
     request = StopRequest.install(["SIGUSR2"])
     try:
-        waits = DataWaits(request, 0, lambda: "advice")
+        stopper = Stopper(request, False, advice=lambda: "advice")
         alarm = signal.getsignal(signal.SIGALRM)
 
         class Blocked:
@@ -362,12 +374,12 @@ def test_data_wait_ends_on_a_signal_and_on_its_timeout(monkeypatch):
 
         t0 = time.monotonic()
         with pytest.raises(Interrupted):
-            next(iter(waits.batches(Blocked(), "training", 0)))
+            first_batch(stopper, Blocked())
         assert 1.5 < time.monotonic() - t0 < 5 and request.signum == signal.SIGUSR2
         assert signal.getsignal(signal.SIGALRM) is alarm
         assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
         request.signum = 0
-        waits.timeout_s = 0.5
+        stopper.timeout_s = 0.5
 
         class Slow:
             def __iter__(self):
@@ -375,8 +387,8 @@ def test_data_wait_ends_on_a_signal_and_on_its_timeout(monkeypatch):
 
         with pytest.raises(LoaderStalled, match=r"no batch came for 0.5 s .* the validation "
                                                 r"loader \(Slow: epoch 3, batch 1\).* advice"):
-            next(iter(waits.batches(Slow(), "validation", 2)))
-        assert list(waits.batches([1, 2], "training", 0)) == [1, 2]
+            first_batch(stopper, Slow(), "validation", 2)
+        assert list(stopper.batches([1, 2], "training", 0, 0)) == [1, 2]
     finally:
         request.restore()
 
@@ -389,13 +401,12 @@ def test_a_loader_that_never_waits_is_fetched_without_a_data_wait():
     from datapipe.dali_loader import DALILoader
     from datapipe.data_loader import CachedBatchLoader
     from datapipe.device_loader import DeviceCropLoader
-    from engine.stop.waits import DataWaits, may_wait
-    from engine.stop.signals import NeverStop
+    from engine.stop import NeverStop, Stopper, may_wait
 
     assert [may_wait(cls.__new__(cls)) for cls in
             (BatchLoader, DALILoader, CachedBatchLoader, DeviceCropLoader)] == \
         [True, True, False, False]
-    waits = DataWaits(NeverStop(), 600)
+    stopper = Stopper(NeverStop(), False, timeout_s=600)
     alarm = signal.getsignal(signal.SIGALRM)
 
     class Noting(list):
@@ -406,48 +417,49 @@ def test_a_loader_that_never_waits_is_fetched_without_a_data_wait():
     class NeverWaits(Noting):
         never_waits = True
 
-    assert [kept for _, kept in waits.batches(NeverWaits([1, 2]), "training", 0)] == [True] * 2
-    assert [kept for _, kept in waits.batches(Noting([1, 2]), "training", 0)] == [False] * 2
+    assert [kept for _, kept in stopper.batches(NeverWaits([1, 2]), "training", 0, 0)] == \
+        [True] * 2
+    assert [kept for _, kept in stopper.batches(Noting([1, 2]), "training", 0, 0)] == [False] * 2
 
 
 def test_close_ends_the_watchdog_thread_and_lets_go_of_the_advice():
     """The watchdog thread, started by the first fetch with a timeout, ends at ``close()`` (a
-    run's end): while it runs it holds the waits and what their advice refers to (a trainer)."""
+    run's end): while it runs it holds the stopper and what its advice refers to (a trainer)."""
     import gc
     import weakref
 
-    from engine.stop.waits import DataWaits
-    from engine.stop.signals import NeverStop
+    from engine.stop import NeverStop, Stopper
 
     class Owner:  # as a trainer: its method is the advice
         def advice(self):
             return "advice"
 
     owner = Owner()
-    waits = DataWaits(NeverStop(), 600, owner.advice)
-    assert list(waits.batches([1, 2], "training", 0)) == [1, 2]
-    thread = waits._watchdog
+    stopper = Stopper(NeverStop(), False, timeout_s=600, advice=owner.advice)
+    assert list(stopper.batches([1, 2], "training", 0, 0)) == [1, 2]
+    thread = stopper._watchdog
     assert thread is not None and thread.is_alive()
-    waits.close()
+    stopper.close()
     assert not thread.is_alive()
     gone = weakref.ref(owner)
-    del owner, waits
+    del owner, stopper
     gc.collect()
     assert gone() is None
-    closed = DataWaits(NeverStop(), 600)
+    closed = Stopper(NeverStop(), False, timeout_s=600)
     closed.close()  # closed before any fetch: none is started later
-    assert list(closed.batches([1], "training", 0)) == [1] and closed._watchdog is None
+    assert list(closed.batches([1], "training", 0, 0)) == [1] and closed._watchdog is None
 
 
 def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
     """A wait in C code that never returns to Python (here: the main thread blocks the timer's
     signal, as such code keeps it from running a handler) is ended by the watchdog thread with
     the same line, ``watchdog_grace_s`` after the timeout."""
-    from engine.stop.waits import DataWaits, LoaderStalled
-    from engine.stop.signals import NeverStop
+    from engine.stop import NeverStop, Stopper
+    from engine.stop.signals import LoaderStalled
 
     said = []
-    waits = DataWaits(NeverStop(), 0.5, lambda: "advice", said.append, watchdog_grace_s=0.5)
+    stopper = Stopper(NeverStop(), False, timeout_s=0.5, advice=lambda: "advice",
+                      fail=said.append, watchdog_grace_s=0.5)
 
     class Deaf:
         def __iter__(self):
@@ -460,7 +472,7 @@ def test_a_wait_no_handler_can_end_is_ended_by_the_watchdog():
             yield 1
 
     with pytest.raises(LoaderStalled):
-        next(iter(waits.batches(Deaf(), "training", 0)))
+        first_batch(stopper, Deaf())
     (line,) = said
     assert line.startswith("no batch came for 0.5 s (loader_timeout_s): the training loader "
                            "(Deaf: epoch 1, batch 1).") and line.endswith(" advice"), line
@@ -471,13 +483,13 @@ def test_the_watchdog_stays_armed_while_an_ended_wait_unwinds(ended_by):
     """A loader whose clean-up blocks once its wait was ended (a timeout or a stop signal
     raised in it; DALI drops its pipeline then): the watchdog ends the process
     ``watchdog_grace_s`` later, with a line that says the clean-up blocks."""
-    from engine.stop.waits import DataWaits, Interrupted, LoaderStalled
-    from engine.stop.signals import StopRequest
+    from engine.stop import Interrupted, Stopper, StopRequest
+    from engine.stop.signals import LoaderStalled
 
     said = []
     request = StopRequest.install(["SIGUSR1"])
-    waits = DataWaits(request, 0.3 if ended_by == "timeout" else 0, lambda: "advice",
-                      said.append, watchdog_grace_s=0.3)
+    stopper = Stopper(request, False, timeout_s=0.3 if ended_by == "timeout" else 0,
+                      advice=lambda: "advice", fail=said.append, watchdog_grace_s=0.3)
 
     class Stuck:
         def __iter__(self):
@@ -495,7 +507,7 @@ def test_the_watchdog_stays_armed_while_an_ended_wait_unwinds(ended_by):
     t0 = time.monotonic()
     try:
         with pytest.raises(LoaderStalled if ended_by == "timeout" else Interrupted):
-            next(iter(waits.batches(Stuck(), "training", 0)))
+            first_batch(stopper, Stuck())
     finally:
         request.restore()
     assert time.monotonic() - t0 < 10  # (the clean-up would block 10 s without the watchdog)
@@ -514,16 +526,15 @@ def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):
     import random
     import threading
 
-    from engine.stop import waits as data_waits
-    from engine.stop.waits import DataWaits, Interrupted, LoaderStalled
-    from engine.stop.signals import StopRequest
+    from engine.stop import Interrupted, Stopper, StopRequest
+    from engine.stop.signals import LoaderStalled
 
     grace, slack = 0.2, 0.4
-    monkeypatch.setattr(data_waits, "SIGNAL_GRACE_S", grace)
+    monkeypatch.setattr("engine.stop.SIGNAL_GRACE_S", grace)
     rng = random.Random(7)
     request = StopRequest.install(["SIGUSR2"])
     alarm = signal.getsignal(signal.SIGALRM)
-    waits = DataWaits(request, 0)
+    stopper = Stopper(request, False)
 
     class Late:
         def __init__(self, delay):
@@ -537,11 +548,11 @@ def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):
     try:
         for _ in range(40):
             request.signum = 0  # the engine stopped on an earlier one
-            waits.timeout_s = rng.choice([0, 0.3, 0.6])
+            stopper.timeout_s = rng.choice([0, 0.3, 0.6])
             delay = rng.choice([0.0, 0.1, 0.5, 5.0])
             signal_at = rng.choice([None, 0.0, 0.05, 0.25])
             if delay == 5.0 and signal_at is None:
-                waits.timeout_s = waits.timeout_s or 0.3  # (timeout 0 waits for it: 5 s)
+                stopper.timeout_s = stopper.timeout_s or 0.3  # (timeout 0 waits for it: 5 s)
             timer = None
             if signal_at is not None:
                 timer = threading.Timer(signal_at, os.kill, (os.getpid(), signal.SIGUSR2))
@@ -549,7 +560,7 @@ def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):
             if timer:
                 timer.start()
             try:
-                got = next(iter(waits.batches(Late(delay), "training", 0)))
+                got = first_batch(stopper, Late(delay))
             except Interrupted:
                 got = "interrupted"
             except LoaderStalled:
@@ -558,17 +569,18 @@ def test_data_waits_under_random_signals_delays_and_timeouts(monkeypatch):
             if timer:
                 timer.join()
             outcomes.add(got)
-            case = (waits.timeout_s, delay, signal_at, got, round(took, 3))
+            case = (stopper.timeout_s, delay, signal_at, got, round(took, 3))
             assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), case
             assert signal.getsignal(signal.SIGALRM) is alarm and request.while_waiting is None
             if got == "interrupted":
                 assert signal_at is not None and took >= signal_at + grace - 0.05, case
             elif got == "stalled":
-                assert waits.timeout_s and took >= waits.timeout_s - 0.05, case
+                assert stopper.timeout_s and took >= stopper.timeout_s - 0.05, case
             else:
                 assert got == "batch", case
             if delay == 5.0:  # waited forever: ends by the nearer deadline
-                deadlines = [waits.timeout_s or 99, 99 if signal_at is None else signal_at + grace]
+                deadlines = [stopper.timeout_s or 99,
+                             99 if signal_at is None else signal_at + grace]
                 assert got != "batch" and took < min(deadlines) + slack, case
         assert outcomes == {"batch", "interrupted", "stalled"}
     finally:

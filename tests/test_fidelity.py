@@ -128,7 +128,7 @@ def test_fused_adam_on_cpu_matches_the_default():
 
 def test_fused_adam_falls_back_with_a_warning(monkeypatch, caplog):
     cfg = build_config(VIT, "base", {"enable_fused": "true"})
-    monkeypatch.setattr(optimizer_module, "_fused_device_types", lambda: {"cuda"})
+    monkeypatch.setattr(optimizer_module, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
     with caplog.at_level(logging.WARNING, logger="engine.optimizer"):
         opt, w = _step_results(cfg)
     assert not opt.defaults.get("fused") and opt.defaults["betas"] == (0.9, 0.95)

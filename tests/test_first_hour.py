@@ -52,10 +52,10 @@ def test_a_rerun_on_synthetic_data_says_so(tmp_path):
     args = ["--data_root", str(tmp_path / "era5"), "--expdir", str(tmp_path / "logs"),
             *TINY_VIT, "--synthesize_if_missing", "true", "--num_iters", "1"]
     first = train(args).stdout
-    assert "generating synthetic vit data" in first and "made by an earlier run" not in first
+    assert "generating synthetic vit data" in first and "(made by" not in first
     again = train(args).stdout
-    assert f"Data: the synthetic vit data under {tmp_path / 'era5'} (made by an earlier run: " \
-           f"not real data)" in again and "generating synthetic" not in again
+    assert f"Data: the synthetic vit data under {tmp_path / 'era5'} (made by a training run " \
+           f"(synthesize_if_missing): not real data)" in again and "generating synthetic" not in again
 
 
 def test_the_job_scripts_variable_table_names_every_variable_it_reads():

@@ -220,13 +220,14 @@ def test_a_device_whose_fp8_matmul_fails_is_refused(monkeypatch):
 
 def test_tensor_parallel_linears_take_the_fp8_matmul():
     from distributed.groups import ParallelGroups
-    from distributed.layers import ColumnParallelLinear, RowParallelLinear
+    from distributed.layers import ColumnParallelLinear, RowParallelLinear, load_serial_state_dict
     groups = ParallelGroups(tensor_parallel=1, context_parallel=1)
     torch.manual_seed(0)
     serial = nn.Linear(32, 48)
     x = torch.randn(2, 8, 32)
     for cls in (ColumnParallelLinear, RowParallelLinear):
-        layer = cls.from_serial(serial, groups)
+        layer = cls(32, 48, groups)
+        load_serial_state_dict(layer, serial.state_dict(), groups)
         block = nn.ModuleDict({"layer": layer})
         assert fp8_linears.convert([block], "tensorwise", CPU) == 1
         assert layer.local_linear is not nn.functional.linear

@@ -234,7 +234,8 @@ def test_reads_a_real_log_and_its_throughput_report(tmp_path, era5_root):
     printed = re.search(r"IO ([\d.]+) \+/- [\d.]+, SYNTHETIC ([\d.]+) \+/- [\d.]+, FULL ([\d.]+)",
                         out).groups()
     assert got["throughput"] == dict(zip(("IO", "SYNTHETIC", "FULL"), map(float, printed)))
-    assert got["bottleneck"].startswith("the ")
+    # (a verdict, or on a machine too noisy for one, the line that says so)
+    assert got["bottleneck"].startswith(("the ", "none named, the measurement is too noisy"))
 
 
 def test_reads_gpu_lines_with_their_log_prefix_mfu_wait_report_and_every_rank():

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.losses import L1Rho, RelativeL2, latitude_weights, weighted_rmse
+from tasks.cosmo import L1Rho
+from tasks.era5 import RelativeL2, WeightedRelativeL2, loss_weights
+from tasks.losses import latitude_weights, weighted_rmse
 from engine.optimizer import build_scheduler, check_end, describe, lr_at, peak_lr
 
 
@@ -46,7 +48,11 @@ def test_l1_rho():
     assert torch.allclose(L1Rho(0.5)(p, t), torch.full((2,), 0.1 + 0.5 * extra))
 
 
-@pytest.mark.parametrize("loss", [RelativeL2(), L1Rho(), L1Rho(0.3)], ids=["relative_l2", "l1", "l1_rho"])
+WEIGHTED = WeightedRelativeL2(loss_weights(("t850", "z500"), 7, True, True, {"z500": 3.0}))
+
+
+@pytest.mark.parametrize("loss", [RelativeL2(), L1Rho(), L1Rho(0.3), WEIGHTED],
+                         ids=["relative_l2", "l1", "l1_rho", "weighted_relative_l2"])
 def test_partial_sums_of_bands_add_up(loss):
     """Partial sums of row bands of different heights, added, finish to the loss of the whole
     sample, and their gradient is the whole sample's (what the sharded model relies on)."""
@@ -56,14 +62,15 @@ def test_partial_sums_of_bands_add_up(loss):
     whole = loss(p, t)
     (g_whole,) = torch.autograd.grad(whole.sum(), p)
     bands = [(0, 3), (3, 5), (5, 7)]
-    sums = sum(loss.partial_sums(p[..., a:b, :], t[..., a:b, :]) for a, b in bands)
+    sums = sum(loss.partial_sums(p[..., a:b, :], t[..., a:b, :], (a, b)) for a, b in bands)
     assert sums.shape[0] == 3 and sums.dtype == torch.float64
     banded = loss.finish(sums)
     (g_banded,) = torch.autograd.grad(banded.sum(), p)
     torch.testing.assert_close(banded, whole, rtol=1e-12, atol=0)
     torch.testing.assert_close(g_banded, g_whole, rtol=1e-12, atol=1e-15)
     # one band alone is not the whole sample's loss
-    assert not torch.allclose(loss.finish(loss.partial_sums(p[..., :3, :], t[..., :3, :])), whole)
+    assert not torch.allclose(loss.finish(loss.partial_sums(p[..., :3, :], t[..., :3, :], (0, 3))),
+                              whole)
 
 
 def test_partial_sums_in_float32_for_bf16():
@@ -116,3 +123,45 @@ def test_an_end_lr_above_the_peak_is_refused_before_the_run_starts(tmp_path):
     with pytest.raises(ConfigError, match="end_lr=1 is above the peak learning rate"):
         setup_runtime(cfg)
     assert not (tmp_path / "logs").exists()
+
+
+def test_loss_weights_as_graphcast_and_weatherbench_weigh():
+    """Per channel: the variable's weight times its pressure level over the levels' mean
+    (surface variables 1); per row: the area of its cells (mean 1)."""
+    w = loss_weights(("t2m", "t850", "z500", "z50"), 5, True, True, {"t2m": 2.0, "z500": 0.5})
+    mean_level = (850 + 500 + 50) / 3
+    per_channel = [2.0, 850 / mean_level, 0.5 * 500 / mean_level, 50 / mean_level]
+    expect = torch.tensor(per_channel).view(4, 1, 1) * latitude_weights(5).view(1, 5, 1)
+    torch.testing.assert_close(w, expect)
+    assert torch.equal(loss_weights(("t2m", "z500"), 3, False, False, {}), torch.ones(2, 3, 1))
+
+
+def test_the_weighted_loss_by_hand_and_unweighted_as_the_tutorials():
+    t = torch.tensor([[[[3.0], [0.0]], [[0.0], [4.0]]]])  # (1 sample, 2 channels, 2 rows, 1 col)
+    p = torch.tensor([[[[3.0], [1.0]], [[2.0], [4.0]]]])
+    w = torch.tensor([[[1.0], [2.0]], [[3.0], [4.0]]])  # (C, H, 1)
+    # errors: (0, 1) channel 0, (2, 0) channel 1: sum w e^2 = 2*1 + 3*4 = 14; sum w t^2 = 9 + 64
+    torch.testing.assert_close(WeightedRelativeL2(w)(p, t), torch.tensor([math.sqrt(14 / 73)]))
+    g = torch.Generator().manual_seed(1)
+    p, t = torch.randn(3, 4, 6, 5, generator=g), torch.randn(3, 4, 6, 5, generator=g)
+    torch.testing.assert_close(WeightedRelativeL2(torch.ones(4, 6, 1))(p, t), RelativeL2()(p, t))
+
+
+def test_a_run_names_its_loss_and_trains_on_the_weighted_one(tmp_path, era5_root):
+    """Off by default (the tutorial's loss, as before); each weight named in the log when on,
+    and the run's loss is the weighted one."""
+    import re
+
+    from test_training import TINY_VIT, train
+
+    def run(*extra):
+        out = train(["--data_root", era5_root, "--expdir", str(tmp_path), "--num_iters", "2",
+                     *TINY_VIT, *extra]).stdout
+        return re.search(r"Loss: (.*)", out).group(1), re.findall(r"Avg val loss=([0-9.e+-]+)", out)
+
+    name, plain = run()
+    assert name == "relative L2, unweighted (the tutorial's)"
+    name, weighted = run("--loss_latitude_weights", "true", "--loss_level_weights", "true",
+                         "--loss_variable_weights", "t2m=2,z500=0.5")
+    assert name == "relative L2, weighted by latitude (area), pressure level, variable"
+    assert weighted and weighted != plain

@@ -73,7 +73,7 @@ def test_single_process_groups():
     pg = build_groups()  # no process group initialised
     assert isinstance(pg, ParallelGroups)
     assert (pg.world_size, pg.tp_size, pg.cp_size, pg.dp_size, pg.mp_rank) == (1, 1, 1, 1, 0)
-    assert pg.size("cp") == 1 and pg.ranks("dp") == [0]
+    assert pg.size("cp") == 1 and pg.dp_ranks == [0]
     # not None, which torch.distributed reads as the default (world) group
     assert all(pg.group(a) is SINGLE_PROCESS for a in ("tp", "cp", "dp", "mp"))
     assert (SINGLE_PROCESS.size(), SINGLE_PROCESS.rank()) == (1, 0)
@@ -130,7 +130,8 @@ def _build_all_layouts(scale):
         got = {}
         for name in ("tp", "cp", "dp", "mp"):
             grp = g.group(name)
-            got[name] = (g.ranks(name), dist.get_process_group_ranks(grp), g.rank_in(name), dist.get_rank(grp))
+            got[name] = (getattr(g, f"{name}_ranks"), dist.get_process_group_ranks(grp), g.rank_in(name),
+                         dist.get_rank(grp))
         out[(tp, cp, order)] = (got, (g.tp_rank, g.cp_rank, g.dp_rank), g.mesh.mesh_dim_names)
     return out
 

@@ -2,9 +2,9 @@
 
 Four gloo ranks are spawned once and run all cases: layouts tp=2 x cp=2, tp=4, cp=4 and
 tp=2 x dp=2 (order dp-tp-cp), each with and without sequence parallelism. The serial layer and
-the parallel one share weights (``from_serial``); each rank feeds its slice of the same input
+the parallel one share weights (``load_serial_state_dict``); each rank feeds its slice of the same input
 and backpropagates its slice of the same output gradient ``G`` (loss ``<y, G>``). Weight
-gradients are reduced with ``reduce_replicated_grads`` and gathered to the serial layout.
+gradients are reduced with ``reduce_replicated_grad_shards`` and gathered to the serial layout.
 
 Tolerances: float64 rtol 1e-10, atol 1e-12; float32 rtol 1e-4, atol 1e-5.
 """
@@ -51,7 +51,7 @@ def _rank_main():
     from distributed.groups import build_groups
     from distributed.layers import (ColumnParallelLinear, ParallelAttention, ParallelBlock, ParallelMLP,
                                     ParallelPatchEmbed, RowParallelLinear, TokenShardedLayerNorm,
-                                    load_serial_state_dict, reduce_replicated_grads, serial_state_dict)
+                                    load_serial_state_dict, reduce_replicated_grad_shards, serial_state_dict)
     from networks.vit import MLP, Attention, Block, PatchEmbed
 
     results = {}
@@ -82,42 +82,39 @@ def _rank_main():
                     if layer == "column" or layer == "column_stacked":
                         stacked = 3 if layer == "column_stacked" else 1
                         serial = nn.Linear(E, 3 * E if stacked == 3 else HIDDEN)
-                        par_fn = lambda m: ColumnParallelLinear.from_serial(m, groups, stacked=stacked, **kw)  # noqa
+                        par_fn = lambda m: ColumnParallelLinear(E, m.out_features, groups, stacked=stacked, **kw)  # noqa
                         xshape = (B, N, E)
                         in_slice, out_slice = tokens, lambda t: features(cp_tokens(t), stacked)
                     elif layer == "row":
                         serial = nn.Linear(HIDDEN, E)
-                        par_fn = lambda m: RowParallelLinear.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: RowParallelLinear(HIDDEN, E, groups, **kw)  # noqa
                         xshape = (B, N, HIDDEN)
                         in_slice, out_slice = lambda t: features(cp_tokens(t)), tokens
                     elif layer == "mlp":
                         serial = MLP(E, HIDDEN)
-                        par_fn = lambda m: ParallelMLP.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: ParallelMLP(E, HIDDEN, groups, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "attention":
                         serial = Attention(E, HEADS)
-                        par_fn = lambda m: ParallelAttention.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: ParallelAttention(E, HEADS, groups, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "layernorm":
                         serial = nn.LayerNorm(E)
-                        par_fn = lambda m: TokenShardedLayerNorm.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: TokenShardedLayerNorm(E, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     elif layer == "block":
                         serial = Block(E, HEADS, mlp_ratio=HIDDEN / E)
-                        par_fn = lambda m: ParallelBlock.from_serial(m, groups, **kw)  # noqa
+                        par_fn = lambda m: ParallelBlock(E, HEADS, HIDDEN, groups, eps=1e-6, **kw)  # noqa
                         xshape, in_slice, out_slice = (B, N, E), tokens, tokens
                     else:  # patch_embed: the rank's band of image rows -> its tokens
                         serial = PatchEmbed(IMG, PATCH, CIN, E)
-
-                        def par_fn(m):
-                            pe = ParallelPatchEmbed(IMG, PATCH, CIN, E, groups, dtype=dtype,
-                                                    band_axes=("cp", "tp") if sp else ("cp",))
-                            load_serial_state_dict(pe, m.state_dict(), groups)
-                            return pe
+                        par_fn = lambda m: ParallelPatchEmbed(  # noqa
+                            IMG, PATCH, CIN, E, groups, band_axes=("cp", "tp") if sp else ("cp",))
                         xshape = (B, CIN) + IMG
                         in_slice, out_slice = (lambda t: chunk(t, 2, n_tok, i_tok)), tokens
                     serial = _randomize(serial, seed).to(dtype)
-                    par = par_fn(serial)
+                    par = par_fn(serial).to(dtype)  # the serial layer's weights, sliced:
+                    load_serial_state_dict(par, serial.state_dict(), groups)
                     # the layer holds exactly the serial weights
                     same = serial_state_dict(par, groups)
                     X = _rand(xshape, seed + 1, dtype).requires_grad_(True)
@@ -127,7 +124,7 @@ def _rank_main():
                     x = in_slice(X.detach()).requires_grad_(True)
                     y = par(x)
                     (y * out_slice(G)).sum().backward()
-                    reduce_replicated_grads(par, groups)
+                    reduce_replicated_grad_shards(par, groups, average_dp=True)
                     grads = serial_state_dict(par, groups, grads=True)
                     res = {"output": (y.detach(), out_slice(Y.detach())),
                            "input grad": (x.grad, in_slice(X.grad))}
@@ -146,10 +143,12 @@ def _column_under_autocast(groups, tp, cp):
     float32 like its input, and output and gradients match within bf16 rounding."""
     import torch.nn as nn
 
-    from distributed.layers import ColumnParallelLinear, reduce_replicated_grads, serial_state_dict
+    from distributed.layers import (ColumnParallelLinear, load_serial_state_dict, reduce_replicated_grad_shards,
+                                    serial_state_dict)
 
     serial = _randomize(nn.Linear(E, HIDDEN), 7)
-    par = ColumnParallelLinear.from_serial(serial, groups, sequence_parallel=True)
+    par = ColumnParallelLinear(E, HIDDEN, groups, sequence_parallel=True)
+    load_serial_state_dict(par, serial.state_dict(), groups)
     X = _rand((B, N, E), 8, torch.float32).requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         Y = serial(X)
@@ -168,7 +167,7 @@ def _column_under_autocast(groups, tp, cp):
         y = par(x)
     g_out = G.chunk(cp, 1)[groups.cp_rank].chunk(tp, -1)[groups.tp_rank]
     (y.float() * g_out).sum().backward()
-    reduce_replicated_grads(par, groups)
+    reduce_replicated_grad_shards(par, groups, average_dp=True)
     grads = serial_state_dict(par, groups, grads=True)
     return {"saved dtypes": saved, "output dtype": str(y.dtype), "input grad dtype": str(x.grad.dtype),
             "output": (y.float(), Y.detach().float().chunk(cp, 1)[groups.cp_rank].chunk(tp, -1)[groups.tp_rank]),

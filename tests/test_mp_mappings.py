@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distributed_harness import run_ranks  # noqa: E402
 
-MAPPINGS = ["identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "split_fwd_all_gather_bwd",
-            "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd", "reduce_scatter_fwd_all_gather_bwd"]
+MAPPINGS = ["identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "all_gather_fwd_split_bwd",
+            "all_gather_fwd_reduce_scatter_bwd", "reduce_scatter_fwd_all_gather_bwd"]
 NO_DIM = ("identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd")
 GROUP_SIZES = [2, 4]
 DIMS = [0, 1, -1]
@@ -50,7 +50,7 @@ def _chunk(t, dim, n, r):
 
 def _out_shape(name, n, dim):
     shape = list(SHAPE)
-    if name in ("split_fwd_all_gather_bwd", "reduce_scatter_fwd_all_gather_bwd"):
+    if name == "reduce_scatter_fwd_all_gather_bwd":
         shape[dim] //= n
     elif name in GATHERS:
         shape[dim] *= n
@@ -71,8 +71,6 @@ def _expected(name, n, dim, r):
         return xs[r], sum(ws)
     if name == "all_reduce_fwd_identity_bwd":
         return sum(xs), ws[r]
-    if name == "split_fwd_all_gather_bwd":  # own chunk; bwd all-gather
-        return _chunk(xs[r], dim, n, r), torch.cat(ws, dim)
     if name == "all_gather_fwd_split_bwd":  # bwd: own chunk
         return torch.cat(xs, dim), _chunk(ws[r], dim, n, r)
     if name == "all_gather_fwd_reduce_scatter_bwd":  # bwd: sum of the own chunks
@@ -126,20 +124,8 @@ def _rank_main():
         plain = mappings.all_gather_along(x.detach(), group, dim, UNEVEN[n])
         out[("uneven", name, n, dim)] = (y.detach(), x.grad.clone(), r, plain)
 
-    # The gloo fallbacks (all-reduce + split, list all-gather) give the same results.
     x = _tensor(3, pg4.tp_rank)
-    extra = {
-        "rs_fallback": (mappings._reduce_scatter_via_all_reduce(x, pg4.tp_group, 1),
-                        mappings.reduce_scatter_along(x, pg4.tp_group, 1)),
-    }
-    mappings._UNSUPPORTED.add("gloo")
-    try:
-        extra["ag_fallback"] = (mappings.all_gather_along(x, pg4.tp_group, 2),
-                                torch.cat([_tensor(3, s) for s in range(4)], 2))
-        extra["rs_fallback_forced"] = (mappings.reduce_scatter_along(x, pg4.tp_group, 2),
-                                       _chunk(sum(_tensor(3, s) for s in range(4)), 2, 4, pg4.tp_rank))
-    finally:
-        mappings._UNSUPPORTED.discard("gloo")
+    extra = {}
     # None is the default group (all four ranks), as in torch.distributed: it communicates.
     rank = dist.get_rank()
     xw = torch.full((2,), float(rank + 1), dtype=torch.float64, requires_grad=True)
@@ -194,9 +180,9 @@ def test_gather_of_uneven_chunks(rank_results, name, n, dim):
         torch.testing.assert_close(gx, eg, **TOL, msg=lambda m: f"backward of {name} (rank {r}): {m}")
 
 
-def test_fallbacks_and_edge_cases(rank_results):
+def test_edge_cases(rank_results):
     for _, extra in rank_results:
-        for key in ("rs_fallback", "ag_fallback", "rs_fallback_forced", "single process identity",
+        for key in ("single process identity",
                     "single process sum", "default group forward", "default group backward",
                     "default group gather"):
             got, want = extra[key]

@@ -3,7 +3,7 @@
 One spawn of four gloo ranks runs every layout: tp in {1, 2, 4}, cp in {1, 2} and tp=2 x cp=2,
 with the remaining ranks as data parallel (tp=1 -> dp=4, tp=2 or cp=2 -> dp=2). The global
 batch of 4 samples is split over dp; the dp-averaged gradient must equal the serial gradient
-of the whole batch. Gradients are reduced both with ``reduce_replicated_grads`` and with DDP
+of the whole batch. Gradients are reduced both with ``reduce_replicated_grad_shards`` and with DDP
 (``replicated_grads_comm_hook``), and once with activation checkpointing.
 
 The ``-rowsK`` layouts use an image of K patch rows that tp x cp does not divide (3 rows at
@@ -109,13 +109,14 @@ def _reference_losses(pred, tar):
 
 
 def _partial_sum_loss(name):
-    from tasks.losses import L1Rho, PartialSumLoss
+    from tasks.cosmo import L1Rho
+    from tasks.losses import PartialSumLoss
 
     class ChannelWeightedMSE(PartialSumLoss):
         """sum_c w_c mean((pred_c - target_c)^2): sums [sum_c w_c sum (pred_c - target_c)^2, values
         per channel]."""
 
-        def partial_sums(self, pred, target):
+        def partial_sums(self, pred, target, rows=None):
             sq = (pred - target).pow(2).flatten(2).sum(2)  # (B, C)
             per_channel = pred[0, 0].numel()
             return torch.stack([sq @ torch.tensor(CHANNEL_WEIGHTS, dtype=sq.dtype),
@@ -192,12 +193,12 @@ def _rank_main():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distributed.groups import build_groups
-    from distributed.layers import reduce_replicated_grads, replicated_grads_comm_hook
+    from distributed.layers import (load_serial_state_dict, reduce_replicated_grad_shards, replicated_grads_comm_hook,
+                                    serial_state_dict, tensors_from_serial, tensors_to_serial)
     from distributed.mappings import all_gather_along
-    from distributed.parallelize import (load_serial_state_dict, serial_state_dict, sharded_loss, tensors_from_serial,
-                                         tensors_to_serial)
     from distributed.parallelize import parallelize_vit as _parallelize
-    from tasks.losses import RelativeL2
+    from distributed.parallelize import sharded_loss
+    from tasks.era5 import RelativeL2
     from engine.sharding import RowBandSharding
 
     def parallelize_vit(model, groups, activation_checkpointing=None):
@@ -220,7 +221,7 @@ def _rank_main():
         loss = rel_l2(pm, y, pm.shard_image(dp_slice(t, groups)), groups)
         loss.backward()
         if reduce:
-            reduce_replicated_grads(pm, groups)
+            reduce_replicated_grad_shards(pm, groups, average_dp=True)
         return y, loss
 
     for lay, (tp, cp, order, img, sp) in LAYOUTS.items():
@@ -300,7 +301,7 @@ def _rank_main():
                     xb, tb = io.local_batch(dp_slice(x, groups), dp_slice(ts, groups))
                     got = io.loss(pml(xb), tb)
                     got.mean().backward()
-                    reduce_replicated_grads(pml, groups)
+                    reduce_replicated_grad_shards(pml, groups, average_dp=True)
                     gl = serial_state_dict(pml, groups, grads=True)
                     out[(lay, f"loss-{name}")] = ([("per-sample losses", got.detach(), dp_slice(want, groups).detach(),
                                                     tol)]
@@ -346,7 +347,7 @@ def _rank_main():
                 torch.manual_seed(1000 + dist.get_rank())  # per-rank streams, as the engine seeds them
                 y = pmd(xs)
                 rel_l2(pmd, y, ts, groups).backward()
-                reduce_replicated_grads(pmd, groups)
+                reduce_replicated_grad_shards(pmd, groups, average_dp=True)
                 res.append((y.detach(), serial_state_dict(pmd, groups, grads=True)))
             (y, grads), (y_ck, grads_ck) = res
             with torch.no_grad():
@@ -497,9 +498,9 @@ def test_invalid_layouts(vit, tp, cp, message):
 def test_single_process_parallelize_is_serial():
     """Without torch.distributed (world 1) the parallel model is the serial one, bit for bit."""
     from distributed.groups import SINGLE_PROCESS, build_groups
-    from distributed.layers import reduce_replicated_grads
-    from distributed.parallelize import parallelize_vit, serial_state_dict, sharded_loss
-    from tasks.losses import RelativeL2
+    from distributed.layers import reduce_replicated_grad_shards, serial_state_dict
+    from distributed.parallelize import parallelize_vit, sharded_loss
+    from tasks.era5 import RelativeL2
 
     groups = build_groups()
     assert groups.tp_group is SINGLE_PROCESS and groups.mp_group is SINGLE_PROCESS
@@ -511,7 +512,7 @@ def test_single_process_parallelize_is_serial():
     yp = pm(pm.shard_image(x))
     loss = sharded_loss(RelativeL2(), yp, pm.shard_image(t), groups, pm.layout).mean()
     loss.backward()
-    reduce_replicated_grads(pm, groups)
+    reduce_replicated_grad_shards(pm, groups, average_dp=True)
     torch.testing.assert_close(pm.gather_image(yp), y, rtol=0, atol=0)
     torch.testing.assert_close(loss, _serial_loss(y, t), rtol=1e-12, atol=0)
     grads = serial_state_dict(pm, groups, grads=True)

@@ -275,7 +275,8 @@ def test_memory_model_dtypes_attention_checkpointing(tp, cp, imgs):
     (["--tensor_parallel", "2", "--context_parallel", "2"], 6,
      "error: tensor_parallel=2 x context_parallel=2 = 4 does not divide world size 6"),
     (["--tensor_parallel", "2"], 1,
-     "error: tensor_parallel=2 x context_parallel=1 = 2 does not divide world size 1"),
+     "error: tensor_parallel=2 x context_parallel=1 splits each model over 2 ranks, and this is one "
+     "process: start them with torchrun: torchrun --nproc_per_node 2 train_mp.py --config quickstart "),
     (["--noddp", "--tensor_parallel", "2"], 2,
      "error: noddp turns off the data-parallel gradient all-reduce for timing; it cannot be combined with "
      "tensor_parallel/context_parallel"),

@@ -44,16 +44,16 @@ class Signalled(train.Trainer):
         super().__init__(*args, **kwargs)
         if os.environ.get("COUNT_AGREEMENTS"):  # the ranks' stop proposals (host collectives)
             atexit.register(lambda: print(
-                f"stop agreements: {{self.stopper.agreement.proposals}}", flush=True))
+                f"stop agreements: {{self.stopper.proposals}}", flush=True))
 
     def train_step(self, *args, **kwargs):
-        if str(self.iteration) == os.environ.get("SIGNAL_AT_STEP") and \\
+        if str(self.iteration) in os.environ.get("SIGNAL_AT_STEP", "").split(",") and \\
                 str(self.rt.rank) == os.environ.get("SIGNAL_RANK", "0"):
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNAL", "SIGUSR1")))
         return super().train_step(*args, **kwargs)
 
     def save_checkpoint(self, epoch_sum=None):
-        if self.stopper.signum and os.environ.get("SIGNAL_DURING_SAVE"):
+        if self.stopper.request.signum and os.environ.get("SIGNAL_DURING_SAVE"):
             os.kill(os.getpid(), signal.SIGTERM)  # handled in the middle of the write below
         super().save_checkpoint(epoch_sum)
 
@@ -138,9 +138,12 @@ def resume_as_told(stdout):
     return train(command[2:])  # (train.py also where a test's driver script stopped)
 
 
-@pytest.mark.parametrize("sig,workers", [(signal.SIGTERM, 2), (signal.SIGUSR1, 0)])
+@pytest.mark.parametrize("sig,workers", [(signal.SIGTERM, 2), (signal.SIGUSR1, 0),
+                                         (signal.SIGINT, 2)])
 def test_signal_stops_with_checkpoint_and_resume_matches(tmp_path, data, reference, sig,
                                                          workers):
+    """SIGTERM, SIGUSR1 and SIGINT (a terminal's Ctrl-C, sent to the whole process group) stop
+    the run cleanly by default."""
     exp = str(tmp_path / "stopped")
     ckpts = os.path.join(run_dir(exp), "checkpoints")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -180,6 +183,43 @@ def test_second_signal_while_saving_is_harmless(tmp_path, data, reference):
     assert os.listdir(ckpts) == ["ckpt_00000012.pt"]  # no stray temporary file
     resume_as_told(r.stdout)
     assert_same_as_reference(reference, run_dir(exp))
+
+
+def test_a_second_ctrl_c_ends_the_run_at_once_in_one_line(tmp_path, data):
+    """The first SIGINT asks for a clean stop; a second, before it, ends the run at once: one
+    error line naming the checkpoint kept, exit code 130, no traceback."""
+    exp = str(tmp_path / "exp")
+    args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--checkpoint_every", "2",
+                       "--expdir", exp]
+    r = run_driver(tmp_path, args, SIGNAL="SIGINT", SIGNAL_AT_STEP="3,4")
+    assert r.returncode == 130, r.stdout[-3000:] + r.stderr[-3000:]
+    kept = os.path.join(run_dir(exp), "checkpoints", "ckpt_00000004.pt")
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: interrupted by SIGINT (Ctrl-C), at once, after step 4. Nothing was written: "
+        f"the newest checkpoint, {kept}, is kept (continue with --resume auto)"), r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
+    assert "Stopped on" not in r.stdout
+
+
+def test_a_signal_too_late_to_stop_the_run_is_logged_at_its_end(tmp_path, data):
+    """SIGTERM in the run's last step, after the last log point's batch was fetched: the run
+    ends as it would have (exit 0, its final checkpoint) and its log says so."""
+    last = "ckpt_00000012.pt"  # the final checkpoint of 12 steps
+    exp = str(tmp_path / "exp")
+    args = TINY_VIT + ["--data_root", data, "--num_iters", "12", "--expdir", exp]
+    r = run_driver(tmp_path, args, SIGNAL="SIGTERM", SIGNAL_AT_STEP="11")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    final = os.path.join(run_dir(exp), "checkpoints", last)
+    line = (f"SIGTERM came as the run was ending: it ended as planned, on its final checkpoint "
+            f"{final} (exit code 0: nothing is left to resume)")
+    assert line in r.stdout and "Stopped on" not in r.stdout, r.stdout[-3000:]
+    assert line in open(os.path.join(run_dir(exp), "out.log")).read()
+    # On two ranks, rank 1's signal alone: rank 0 logs it (the ranks agree on it at the end).
+    codes, outs = launch_ranks(tmp_path, args + ["--expdir", str(tmp_path / "ranks")],
+                               SIGNAL="SIGTERM", SIGNAL_AT_STEP="11", SIGNAL_RANK="1")
+    final = os.path.join(run_dir(str(tmp_path / "ranks"), ws=2), "checkpoints", last)
+    assert codes == [0, 0] and f"SIGTERM came as the run was ending: it ended as planned, on " \
+        f"its final checkpoint {final}" in outs[0][0], outs
 
 
 def launch_ranks(tmp_path, args, ranks=2, **env):
@@ -289,7 +329,8 @@ def test_resume_auto_starts_fresh_then_continues_and_never_reruns_a_finished_run
     first = train(args)
     assert "Resumed from" not in first.stdout and "Avg val loss" in first.stdout
     again = train(args)
-    assert "Resumed from" in again.stdout and "ckpt_00000004.pt" in again.stdout
+    assert "Nothing to do: run 0 has finished its 4 steps (checkpoint " in again.stdout
+    assert "ckpt_00000004.pt" in again.stdout and "Resumed from" not in again.stdout
     assert "Avg val loss" not in again.stdout  # finished: nothing is run or logged again
     valid = tb_scalars(os.path.join(run_dir(str(tmp_path)), "tensorboard")).Scalars("Loss/valid")
     assert len(valid) == 1
@@ -380,7 +421,7 @@ def test_resume_and_stop_signals_settings():
         return build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
                             parse_overrides(list(argv))[1])
 
-    assert cfg().resume is False and cfg().stop_signals == ["SIGTERM", "SIGUSR1"]
+    assert cfg().resume is False and cfg().stop_signals == ["SIGTERM", "SIGUSR1", "SIGINT"]
     assert cfg("--resume").resume is True and cfg("--resume", "auto").resume == "auto"
     assert cfg("--resume", "false").resume is False and cfg("--resume=yes").resume is True
     assert cfg("--stop_signals", "[USR2, SIGINT]").stop_signals == ["USR2", "SIGINT"]

@@ -11,7 +11,7 @@ from distributed_harness import run_ranks
 from test_training import TINY_VIT, _cfg, run_dir, train
 from observe import profiling
 from settings.errors import ConfigError
-from observe.profiling import NSYS_ENV, NullTrace, ProfilerWindow, TraceWindow, check_trace_dir, nvtx_range, unused_path
+from observe.profiling import NSYS_ENV, NullTrace, ProfilerWindow, TraceWindow, nvtx_range, unused_path
 
 RANGES = ("forward", "backward", "optimizer", "data wait")
 
@@ -30,6 +30,8 @@ def test_vit_run_writes_a_trace_with_the_named_ranges(tmp_path, era5_root):
                          "--profile_trace", str(trace_dir)]
     r = train(common + ["--expdir", exp, "--enable_manual_profiling"])
     log = open(os.path.join(run_dir(exp), "out.log")).read()
+    # the profiler's own lines (USDT: ... profiler_start) stay out of the run's output
+    assert "profiler_start" not in r.stdout + r.stderr and "USDT:" not in r.stderr, r.stderr
     assert "no CUDA profiler window" in log  # the nsys window needs a GPU: said, not silent
     steps_per_epoch = int(open(os.path.join(run_dir(exp), "config.yaml")).read()
                           .split("steps_per_epoch:")[1].split()[0])
@@ -65,8 +67,8 @@ def test_trace_dir_that_is_a_file_is_refused(tmp_path, era5_root):
     assert lines[-1].startswith("error: profile_trace=") and "give a directory" in lines[-1]
     assert len([ln for ln in lines if ln.startswith("error:")]) == 1
     assert not_a_dir.read_text() == "{}"
-    with pytest.raises(ConfigError, match="cannot be created"):
-        check_trace_dir(str(not_a_dir / "below"))
+    with pytest.raises(ConfigError, match="is a file, not a directory"):  # a directory below it
+        _cfg(era5_root, tmp_path, profile_trace=str(not_a_dir / "below"))
 
 
 def test_window_start_and_null_trace(tmp_path):
@@ -169,10 +171,9 @@ def test_ranges_without_the_nvtx_package(monkeypatch):
 
 
 def test_each_fetch_of_a_pass_is_a_data_wait_range_and_items_are_kept():
-    from engine.stop.waits import DataWaits
-    from engine.stop.signals import NeverStop
+    from engine.stop import NeverStop, Stopper
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        items = list(DataWaits(NeverStop(), 0).batches([1, 2, 3], "training", 0))
+        items = list(Stopper(NeverStop(), False).batches([1, 2, 3], "training", 0, 0))
     assert items == [1, 2, 3]
     # one range per item and one for the fetch that ends the iteration
     assert sum(e.name == "data wait" for e in prof.events()) == 4

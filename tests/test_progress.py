@@ -1,6 +1,7 @@
 """Progress lines inside an epoch: at log points, at least every 30 s on long steps, in the log."""
 import logging
 import os
+import re
 import time
 
 import pytest
@@ -99,6 +100,9 @@ def test_a_run_shows_its_progress_in_the_log_and_tensorboard(tmp_path, era5_root
     assert all("samples/s, train loss " in line for line in lines)
     log = open(os.path.join(run_dir(exp), "out.log")).read()
     assert lines[0].split(" - ")[-1] in log
+    # how many threads and loader workers each rank has, and how to change them
+    assert re.search(r"Per rank: \d+ intra-op threads \(OMP_NUM_THREADS\), 0 loader workers "
+                     r"\(num_data_workers\)", log)
     acc = tb_scalars(os.path.join(run_dir(exp), "tensorboard"))
     assert [e.step for e in acc.Scalars("Performance/samples per sec (epoch so far)")] == \
         [2, 4, 5, 6, 8, 10]

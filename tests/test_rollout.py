@@ -28,7 +28,7 @@ from datapipe.era5_data import ERA5Dataset
 from distributed_harness import run_ranks
 from engine.runtime import setup_runtime
 from settings.parse import build_config
-from tasks.losses import RelativeL2
+from tasks.era5 import RelativeL2
 from test_training import TINY_VIT as TINY_VIT_ARGS, run_dir, tb_scalars, train
 from train import Trainer
 

@@ -95,7 +95,7 @@ class Census(Trainer):
         self.proposals_at = {}
 
     def train_step(self, *args, **kwargs):
-        self.proposals_at[self.iteration] = self.stopper.agreement.proposals
+        self.proposals_at[self.iteration] = self.stopper.proposals
         return super().train_step(*args, **kwargs)
 
     def validate(self):
@@ -122,7 +122,7 @@ def _counting(tr: Census):
                 # on the host group (all ranks; on gloo the default group) or on a model
                 # group of the step itself (tp, cp, dp: the step's device collectives)
                 host = kwargs.get("group") in (None, dist.group.WORLD,
-                                               tr.stopper.agreement.group)
+                                               tr.stopper.group)
                 tr.calls.setdefault(tr.iteration, []).append((_name, blocking, host))
             return _fn(*args, **kwargs)
 

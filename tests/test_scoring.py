@@ -24,8 +24,9 @@ import preloaded
 from conftest import ROOT, file_digests, write_cosmo, write_cosmo_pair, write_era5
 from distributed_harness import run_ranks
 from networks.unet import UNet, down_block, up_block
+from settings.errors import ConfigError
 from tasks.forecast_skill import (SkillSums, acc, initial_conditions, lead_steps_for, rollout,
-                                  units)
+                                  small_scale_ratio, units, zonal_spectrum)
 from tasks.losses import latitude_weights, weighted_rmse
 from tasks.volume_stats import (cross_power, field_errors, histograms, predict_tiled, spectra,
                                 tile_plan, unet_halo)
@@ -86,21 +87,74 @@ def test_rollout_feeds_back_its_output_and_persistence_at_lead_0_is_exact():
     for k, pred in steps:
         assert torch.allclose(pred, x0 + k)
     # against a truth that stays at x0: the model's RMSE is k at lead k (weights of mean 1)
-    sums = SkillSums(6, 4)
+    sums = SkillSums(6, 4, W)
     sums.add("model", 0, x0, x0, clim, w)
     sums.add("persistence", 0, x0, x0, clim, w)
     for k, pred in steps:
         sums.add("model", k, pred, x0, clim, w)
-    rmse, accs = sums.means()
+    rmse, accs, _ = sums.means()
     assert np.allclose(rmse[0], np.arange(6)[:, None], atol=1e-6)
     assert np.all(rmse[1, 0] == 0) and np.allclose(accs[1, 0], 1)
 
 
+def test_rmse_is_weatherbench2s_sqrt_of_the_time_mean_mse_or_by_name_the_mean_rmse():
+    """Two initial times with errors 3 and 4 everywhere: WeatherBench 2's RMSE (the default) is
+    sqrt((9 + 16) / 2); sqrt_before_time_avg's (3 + 4) / 2."""
+    truth = torch.zeros(2, 1, H, W)
+    pred = torch.tensor([3.0, 4.0]).view(2, 1, 1, 1).expand(2, 1, H, W)
+    for rmse, want in ((None, np.sqrt(12.5)), ("sqrt_before_time_avg", 3.5)):
+        sums = SkillSums(1, 1, W, **({"rmse": rmse} if rmse else {}))
+        sums.add("model", 0, pred, truth, None, latitude_weights(H))
+        assert sums.means()[0][0, 0, 0] == pytest.approx(want, rel=1e-6)
+
+
+def test_zonal_spectrum_of_known_wavenumbers_and_a_smoothed_fields_ratio_falls():
+    """Rows 2 cos(3 x) + 0.5 sin(7 x) + 1: power 2^2 / 2 at m = 3, 0.5^2 / 2 at m = 7, 1 at
+    m = 0, nothing else; the spectrum sums to the weighted mean square. A field smoothed
+    along the latitude circle keeps less of the truth's small-scale power the more it is
+    smoothed; itself, all of it."""
+    x = 2 * np.pi * np.arange(W) / W
+    row = 2 * np.cos(3 * x) + 0.5 * np.sin(7 * x) + 1
+    field = torch.tensor(np.broadcast_to(row, (1, 1, H, W)).copy())
+    want = np.zeros(W // 2 + 1)
+    want[[0, 3, 7]] = 1, 2.0, 0.125
+    assert np.allclose(zonal_spectrum(field, torch.ones(H))[0, 0].numpy(), want, atol=1e-12)
+    rng = np.random.default_rng(0)
+    noise = torch.tensor(rng.standard_normal((4, 2, H, 64)))
+    w = latitude_weights(H)
+    power = zonal_spectrum(noise, w)
+    assert torch.allclose(power.sum(-1), (w.double().view(1, 1, -1, 1) * noise**2).mean((2, 3)))
+    ratios = []
+    for width in (1, 3, 5, 9):
+        smooth = sum(noise.roll(s, -1) for s in range(-(width // 2), width // 2 + 1)) / width
+        ratios.append(small_scale_ratio(zonal_spectrum(smooth, w).numpy(), power.numpy()))
+    assert np.allclose(ratios[0], 1)
+    assert all(np.all(b < a) for a, b in zip(ratios, ratios[1:])), ratios
+    assert np.all(ratios[1] < 0.5)
+
+
 def test_lead_steps_and_initial_conditions():
-    assert lead_steps_for([100], dt=1, wanted=None) == (40, "")
-    assert lead_steps_for([100], dt=2, wanted=None) == (20, "")
-    n, note = lead_steps_for([12, 30], dt=1, wanted=None)
-    assert n == 29 and note.startswith("note: the split's longest year holds 30 steps: 29")
+    assert lead_steps_for([100], dt=1, wanted=None, n_init=None) == (40, 32, "")
+    assert lead_steps_for([100], dt=2, wanted=None, n_init=None) == (20, 32, "")
+    # years of 12 and 30 steps give 32 initial conditions for at most 5 lead steps (7 + 25)
+    n, n_init, note = lead_steps_for([12, 30], dt=1, wanted=None, n_init=None)
+    assert (n, n_init) == (5, 32) and note == ("note: the split's years give 32 initial "
+                                               "conditions for at most 5 lead steps (30 h): 5 "
+                                               "instead of 40")
+    assert lead_steps_for([12, 30], dt=1, wanted=29, n_init=1) == (29, 1, "")
+    assert lead_steps_for([3, 4], dt=1, wanted=None, n_init=None)[:2] == (1, 5)  # all there are
+    # during training (skill_every) a split too short is fitted, not refused: the longest lead
+    # any year gives, with the initial conditions it has
+    assert lead_steps_for([12, 30], dt=1, wanted=4, n_init=8, fit=True)[:2] == (4, 8)
+    assert lead_steps_for([12, 30], dt=1, wanted=27, n_init=8, fit=True)[:2] == (27, 3)
+    assert lead_steps_for([12, 30], dt=1, wanted=40, n_init=8, fit=True)[:2] == (29, 1)
+    with pytest.raises(ConfigError, match=r"^--lead_steps 6: the split's years give 32 initial "
+                       r"conditions for at most 5 lead steps \(30 h\): give --lead_steps 5 or "
+                       r"fewer, or a smaller --n_init$"):
+        lead_steps_for([12, 30], dt=1, wanted=6, n_init=None)
+    with pytest.raises(ConfigError, match=r"^--n_init 41: the split's years hold 40 initial "
+                       r"conditions of a 6 h forecast: give --n_init 40 or fewer$"):
+        lead_steps_for([12, 30], dt=1, wanted=1, n_init=41)
     starts = initial_conditions([12, 30], span=8, n=5)
     assert len(starts) == 5 and starts[0] == (0, 0) and starts[-1] == (1, 21)
     assert all(t + 8 < [12, 30][k] for k, t in starts)
@@ -385,12 +439,13 @@ def test_vit_run_trained_then_scored(vit_run, tmp_path, capsys):
     r = score(["--run", d, "--lead_steps", "6", "--n_init", "3", "--batch_size", "2"])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = os.path.join(d, "score")
-    for name in ("scores.csv", "scores.json", "rmse_headline.png", "acc_headline.png",
-                 "rmse_all.png", "acc_all.png"):
+    plots = ["acc_all", "acc_headline", "p_ratio_all", "p_ratio_headline", "rmse_all",
+             "rmse_headline", "spectra_headline"]
+    for name in ("scores.csv", "spectra.csv", "scores.json", *(f"{p}.png" for p in plots)):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     events = tb_scalars(os.path.join(out, "tensorboard"))  # the plots also as images
-    assert sorted(events.Tags()["images"]) == ["Plots/acc_all", "Plots/acc_headline",
-                                                "Plots/rmse_all", "Plots/rmse_headline"]
+    assert sorted(events.Tags()["images"]) == [f"Plots/{p}" for p in plots]
+    assert "Skill/P_ratio(z500)/model" in events.Tags()["scalars"]
     image = events.Images("Plots/rmse_headline")[0]
     assert image.encoded_image_string == open(os.path.join(out, "rmse_headline.png"), "rb").read()
     assert (image.width, image.height) > (300, 200)
@@ -403,8 +458,18 @@ def test_vit_run_trained_then_scored(vit_run, tmp_path, capsys):
         assert len(pers) == 7 and pers[0] == 0 and all(b > a for a, b in zip(pers, pers[1:])), pers
         model0 = [x for x in rows if x["forecast"] == "model" and x["variable"] == variable][0]
         assert float(model0["rmse"]) == 0 and float(model0["acc"]) == pytest.approx(1)
-    meta = json.load(open(os.path.join(out, "scores.json")))["meta"]
+        assert float(model0["p_ratio"]) == pytest.approx(1)
+    saved = json.load(open(os.path.join(out, "scores.json")))
+    meta = saved["meta"]
     assert meta["forecasts"] == ["model", "persistence", "climatology"] and meta["step"] == 4
+    assert meta["rmse"] == "sqrt_after_time_avg" and meta["p_ratio_wavenumbers"] == [9, 16]
+    # spectra at leads 0, 1, 3 (half), 4 (a day) and 6, of 3 forecasts and the truth, m = 0..16
+    spectra = read_rows(os.path.join(out, "spectra.csv"))
+    assert len(spectra) == len(saved["spectra"]) == 4 * 20 * 5 * 17
+    assert {x["lead_step"] for x in spectra} == {"0", "1", "3", "4", "6"}
+    assert spectra[0] == {"forecast": "model", "variable": "u10m", "power_units": "(m/s)^2",
+                          "lead_step": "0", "lead_hours": "0", "wavenumber": "0",
+                          "power": spectra[0]["power"]}
 
     # an existing output is refused, and left as it was
     before = hashlib.md5(open(os.path.join(out, "scores.csv"), "rb").read()).hexdigest()
@@ -436,6 +501,10 @@ def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys):
     assert "Volume statistics of" in r.stdout and "r(k)" in r.stdout
     assert sorted(tb_scalars(os.path.join(out, "tensorboard")).Tags()["images"]) == [
         "Plots/cross_correlation", "Plots/pdfs", "Plots/power_spectra", "Plots/spectrum_ratio"]
+    pdfs = read_rows(os.path.join(out, "pdfs.csv"))  # the PDFs' 60 bins of each channel
+    assert len(pdfs) == 5 * 60 and list(pdfs[0]) == ["channel", "value", "density_true",
+                                                     "density_pred"]
+    assert json.load(open(os.path.join(out, "scores.json")))["pdfs"][0]["channel"] == "log_rho"
 
     # the same weights as a DCP directory (what an FSDP run writes) score the same
     import warnings
@@ -678,3 +747,79 @@ def test_a_crop_of_fewer_rows_than_the_data_is_noted_for_its_latitude_weights(vi
         assert any(n.startswith(note) for n in notes) == noted, notes
         assert re.search(r"z500 RMSE \(m\^2/s\^2\), model / persistence / climatology: 6 h "
                          r"\S+ / \S+ / \S+, model ACC -?[01]\.\d{3}", printed), printed[-2000:]
+
+
+def test_without_matplotlib_the_tables_are_written_and_one_line_says_the_plots_were_skipped(
+        vit_run, tmp_path):
+    out = str(tmp_path / "s")
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = ['score.py', *sys.argv[1:]]; "
+            "runpy.run_path('score.py', run_name='__main__')")
+    r = preloaded.run([sys.executable, "-c", code, "--run", vit_run, "--out", out,
+                       *VIT_OPTIONS], cwd=ROOT, capture_output=True, text=True,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    line = "note: matplotlib is not installed, so the plots were skipped: pip install matplotlib"
+    assert r.stdout.count(line) == 1 and "error" not in r.stderr, r.stdout[-2000:] + r.stderr
+    assert sorted(os.listdir(out)) == ["scores.csv", "scores.json", "spectra.csv", "tensorboard"]
+    assert line in json.load(open(os.path.join(out, "scores.json")))["notes"]
+    assert "Skill/RMSE(z500)/model" in tb_scalars(os.path.join(out, "tensorboard")).Tags()["scalars"]
+
+
+def test_plots_name_their_checkpoint_and_initial_conditions(vit_run, unet_run, tmp_path,
+                                                            monkeypatch):
+    """ACC and P ratio are drawn without climatology's flat lines, lead times ticked every 24 h;
+    the U-Net's spectrum ratio on a log axis, its P(k) in units."""
+    import score as score_command
+    drawn = {}
+
+    def record(figure, path, subtitle=""):
+        drawn[figure.name] = (figure, subtitle)
+        return no_plots(figure, path)
+
+    monkeypatch.setattr("observe.score_report.draw", record)
+    score_command.main(["--run", vit_run, "--out", str(tmp_path / "vit"), *VIT_OPTIONS])
+    acc_panel = drawn["acc_headline"][0].panels[0]
+    assert [label for label, _, _ in acc_panel.series] == ["model", "persistence"]
+    assert acc_panel.xstep == 24 and drawn["rmse_all"][0].panels[0].xstep == 24
+    assert [label for label, _, _ in drawn["rmse_all"][0].panels[0].series] == [
+        "model", "persistence", "climatology"]
+    assert drawn["p_ratio_all"][0].panels[0].logy
+    assert drawn["acc_all"][1] == "ckpt_00000004.pt (step 4), 2 initial conditions"
+    spectra = drawn["spectra_headline"][0].panels[0]
+    assert spectra.ylabel == "P(m) ((m^2/s^2)^2)" and [s[0] for s in spectra.series] == [
+        "truth 36 h", "persistence 36 h", "model 6 h", "model 18 h", "model 24 h", "model 36 h"]
+    score_command.main(["--run", unet_run, "--out", str(tmp_path / "unet"), *UNET_OPTIONS])
+    assert drawn["spectrum_ratio"][0].panels[0].logy
+    assert drawn["power_spectra"][0].panels[0].ylabel == "P(k) ((stored units)^2 voxel^3)"
+    assert drawn["pdfs"][1] == "ckpt_00000002.pt (step 2)"
+
+
+def test_a_lead_or_initial_conditions_the_split_cannot_give_are_refused_naming_the_most(
+        vit_run, tmp_path, capsys):
+    """16 steps a year: 15 initial conditions of one step; 3 of them for up to 13 steps."""
+    out = tmp_path / "s"
+    for options, says in (
+            (["--lead_steps", "500", "--n_init", "3"], "--lead_steps 500: the split's years give 3 "
+             "initial conditions for at most 13 lead steps (78 h): give --lead_steps 13 or fewer, "
+             "or a smaller --n_init\n"),
+            (["--lead_steps", "14", "--n_init", "3"], "--lead_steps 14: "),
+            (["--n_init", "16"], "--n_init 16: the split's years hold 15 initial conditions of a "
+             "6 h forecast: give --n_init 15 or fewer\n")):
+        err = refusal(capsys, ["--run", vit_run, *options, "--out", str(out)], vit_run)
+        assert err.startswith("error: " + says), err
+    assert not out.exists()
+
+
+def test_a_checkpoint_of_the_other_model_is_refused_by_name(vit_run, unet_run, tmp_path, capsys):
+    import shutil
+    for run, ckpt, says in ((vit_run, unet_run, "a U-Net checkpoint given to a ViT run"),
+                            (os.path.dirname(os.path.dirname(unet_run)),
+                             os.path.join(vit_run, "checkpoints", "ckpt_00000004.pt"),
+                             "a ViT checkpoint given to a U-Net run")):
+        other = tmp_path / says.split()[1]  # a copy of the run, holding the other's checkpoint
+        shutil.copytree(run, other, ignore=shutil.ignore_patterns("score", "checkpoints"))
+        (other / "checkpoints").mkdir()
+        shutil.copy(ckpt, other / "checkpoints")
+        err = refusal(capsys, ["--run", str(other), "--out", str(tmp_path / "s")], str(other))
+        assert err == (f"error: {other / 'checkpoints' / os.path.basename(ckpt)} is {says}: "
+                       f"score it with its own run directory\n"), err

@@ -1,4 +1,4 @@
-"""The ranks' stop agreement (engine.stop.agreement) on real gloo ranks: a proposal never waits
+"""The ranks' stop agreement (engine.stop's Stopper) on real gloo ranks: a proposal never waits
 for the peers, the decision is the same on every rank, and the cadence is the same on every
 rank whatever the loader; batches fetched ``lag`` steps ahead, the lag the ranks choose
 together where the ring outlasts a step, and a stateful stress test of the rules over random
@@ -26,41 +26,61 @@ class _Cached:  # one that never waits
     never_waits = True
 
 
+class _Over:
+    """A loader whose pass is ``items``; one that may wait unless ``never_waits``."""
+
+    def __init__(self, items, never_waits: bool = False):
+        self.items, self.never_waits = items, never_waits
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def _decided(stopper, loader, **kw):
+    """``(0, batch)`` for each step of a pass of ``loader`` through ``stopper``, then
+    ``(signum, None)`` where every rank stopped."""
+    stops = []
+    for batch in stopper.batches(loader, "training", 0, 0, stop=stops.append, **kw):
+        yield 0, batch
+    if stops:
+        yield stops[0], None
+
+
 def rank_agreements(world):
     import datetime
 
     import torch.distributed as dist
 
     from engine.runtime import new_host_group
-    from engine.stop.agreement import StopAgreement
+    from engine.stop import Stopper
 
     rank = dist.get_rank()
     group = new_host_group(datetime.timedelta(seconds=60))  # lazily connected
     request = _Request()
-    agreement = StopAgreement(request, True, group, every=3)
+    stopper = Stopper(request, True, group, every=3)
     decisions, propose_s = [], []
     for index in range(8):
         if rank == world - 1 and index == 1:
             time.sleep(2.0)  # the slowest rank: the others' proposals must not wait for it
         interrupted = 15 if (rank == 2 and index == 5) else 0
         t0 = time.perf_counter()
-        agreement.after_fetch(_Reads(), index, interrupted)
+        stopper.after_fetch(_Reads(), index, interrupted)
         propose_s.append(time.perf_counter() - t0)
-        decisions.append(agreement.decision())
+        decisions.append(stopper.decision())
     # A recorded signal is proposed at log points only (every 3rd fetch), then decided.
     request.signum = 10 if rank == 1 else 0
     recorded = []
     for index in range(1, 7):
-        agreement.after_fetch(_Reads(), index)
-        recorded.append(agreement.decision())
+        stopper.after_fetch(_Reads(), index)
+        recorded.append(stopper.decision())
     # With a loader that never waits only every 3rd fetch proposes: no collective between.
-    before = agreement.proposals
+    before = stopper.proposals
     cached = []
     for index in range(1, 7):
-        agreement.after_fetch(_Cached(), index)
-        cached.append(agreement.decision())
+        stopper.after_fetch(_Cached(), index)
+        cached.append(stopper.decision())
     return dict(decisions=decisions, propose_s=max(propose_s), recorded=recorded,
-                cached=cached, cached_proposals=agreement.proposals - before)
+                cached=cached, cached_proposals=stopper.proposals - before)
 
 
 def test_proposals_never_wait_and_every_rank_decides_the_same():
@@ -75,13 +95,12 @@ def test_proposals_never_wait_and_every_rank_decides_the_same():
 
 
 def test_a_stop_request_that_never_agrees_takes_part_in_no_collective():
-    from engine.stop import NeverStop
-    from engine.stop.agreement import StopAgreement
+    from engine.stop import NeverStop, Stopper
 
-    agreement = StopAgreement(NeverStop(), True)  # no process group exists here
-    agreement.after_fetch(_Reads(), 0, interrupted=0)
-    assert agreement.decision() == 0 and agreement.proposals == 0
-    assert agreement.now(0) == 0 and agreement.decision() == 0
+    stopper = Stopper(NeverStop(), True)  # no process group exists here
+    stopper.after_fetch(_Reads(), 0, interrupted=0)
+    assert stopper.decision() == 0 and stopper.proposals == 0
+    assert stopper.now(0) == 0 and stopper.decision() == 0
 
 
 # ----------------------------------------------------------------------------- fetching ahead
@@ -100,7 +119,7 @@ class _Pass:
     def __next__(self):
         import signal
 
-        from engine.stop.waits import Interrupted
+        from engine.stop import Interrupted
 
         i = len(self.fetched)
         if i == self.interrupt_at:
@@ -112,44 +131,44 @@ class _Pass:
         return i
 
 
-def _steps(agreement, batches, **kw):
-    """(signum, batch, fetches made so far) at each step the agreement's pass yields."""
+def _steps(stopper, batches, **kw):
+    """(signum, batch, fetches made so far) at each step of the stopper's pass."""
     return [(signum, batch, len(batches.fetched))
-            for signum, batch in agreement.batches(_Reads(), batches, 0, **kw)]
+            for signum, batch in _decided(stopper, batches, **kw)]
 
 
 def test_each_batch_is_fetched_lag_steps_ahead_and_none_past_the_end():
     import signal
 
-    from engine.stop.agreement import StopAgreement
+    from engine.stop import Stopper
 
-    agreement = StopAgreement(_Request(), False)
-    agreement.lag = 3  # (raised by the ranks' agreement; see below)
+    stopper = Stopper(_Request(), False)
+    stopper.lag = 3  # (raised by the ranks' agreement; see below)
     p = _Pass(20)
-    assert _steps(agreement, p, end=8) == [(0, k, min(k + 4, 8)) for k in range(8)]
+    assert _steps(stopper, p, end=8) == [(0, k, min(k + 4, 8)) for k in range(8)]
     assert p.fetched == list(range(8))  # nothing for the steps at and past the end
     p = _Pass(5)  # the pass ends first
-    assert _steps(agreement, p) == [(0, k, 5) if k else (0, 0, 4) for k in range(5)]
+    assert _steps(stopper, p) == [(0, k, 5) if k else (0, 0, 4) for k in range(5)]
     # A signal ends the wait for step 5's batch: the steps before run, then every rank stops
     # before step 5, and the pass is not asked for another batch.
     p = _Pass(20, interrupt_at=5)
-    got = _steps(agreement, p)
+    got = _steps(stopper, p)
     assert [b for _, b, _ in got] == [0, 1, 2, 3, 4, None] and got[-1][0] == signal.SIGUSR1
     assert p.fetched == [0, 1, 2, 3, 4, "interrupted"]
 
 
 def test_a_recorded_signal_stops_at_the_next_log_point_whatever_the_lag():
-    from engine.stop.agreement import StopAgreement
+    from engine.stop import Stopper
 
     for lag in (1, 2, 4):
         request = _Request()
-        agreement = StopAgreement(request, False, every=4)
-        agreement.lag = lag
+        stopper = Stopper(request, False, every=4)
+        stopper.lag = lag
         request.signum = 10  # recorded before the pass: an epoch still takes its first steps
-        assert [(s, b) for s, b, _ in _steps(agreement, _Pass(20))] == \
+        assert [(s, b) for s, b, _ in _steps(stopper, _Pass(20))] == \
             [(0, 0), (0, 1), (0, 2), (0, 3), (10, None)]
         # the throughput report's passes propose a recorded signal at once
-        assert [s for s, _, _ in _steps(agreement, _Pass(20), first_recorded=True)] == [10]
+        assert [s for s, _, _ in _steps(stopper, _Pass(20), first_recorded=True)] == [10]
 
 
 RING_S, STEP_S = 0.08, 0.05  # a ring of all-reduce messages longer than a step
@@ -165,16 +184,16 @@ def rank_lag(world):
     import torch.distributed as dist
 
     from engine.runtime import new_host_group
-    from engine.stop.agreement import StopAgreement
+    from engine.stop import Stopper
 
     from benchmarks.stop_agreement import simulate_long_ring
 
     rank = dist.get_rank()
     simulate_long_ring(RING_S if rank == 3 else 0.03)
-    agreement = StopAgreement(_Request(), True, new_host_group(datetime.timedelta(seconds=60)))
+    stopper = Stopper(_Request(), True, new_host_group(datetime.timedelta(seconds=60)))
     passes = []
     for interrupt_at in (None, None, 7 if rank == 2 else None):
-        decide = agreement.decision
+        decide = stopper.decision
         waits = []
 
         def timed(index=None, note=True):
@@ -183,16 +202,16 @@ def rank_lag(world):
             waits.append(time.perf_counter() - t0)
             return signum
 
-        agreement.decision = timed
+        stopper.decision = timed
         p = _Pass(10, interrupt_at)
-        lag, steps = agreement.lag, []
-        for signum, batch in agreement.batches(_Reads(), p, 0):
+        lag, steps = stopper.lag, []
+        for signum, batch in _decided(stopper, p):
             steps.append((signum, batch))
             time.sleep(STEP_S)
-        agreement.decision = decide
+        stopper.decision = decide
         passes.append(dict(lag=lag, steps=steps, fetched=p.fetched,
                            wait=statistics.median(waits[1:])))  # (the first waits for all)
-        agreement.now()  # as after a validation: the ranks take the largest lag asked for
+        stopper.now()  # as after a validation: the ranks take the largest lag asked for
     return passes
 
 
@@ -265,19 +284,18 @@ def rank_stress(world, scenarios, seed):
     import torch.distributed as dist
 
     from engine.runtime import new_host_group
-    from engine.stop.agreement import MAX_LAG, StopAgreement
-    from engine.stop.waits import Interrupted
+    from engine.stop import MAX_LAG, Interrupted, Stopper
 
     rank = dist.get_rank()
     rng = random.Random(seed)  # the same draws on every rank
     request = _Request()
-    agreement = StopAgreement(request, True, new_host_group(datetime.timedelta(seconds=60)))
+    stopper = Stopper(request, True, new_host_group(datetime.timedelta(seconds=60)))
     out = []
     for k in range(scenarios):
         s = _scenario(rng, world)
         if k % 10 == 0:
-            agreement.lag = rng.randint(1, 4)  # as a new run's (any lag: the mechanics hold)
-        agreement.every = s["every"]
+            stopper.lag = rng.randint(1, 4)  # as a new run's (any lag: the mechanics hold)
+        stopper.every = s["every"]
         request.signum = signals.SIGUSR1 if s["record"][rank] == -1 else 0
         interrupt, record = s["interrupt"][rank], s["record"][rank]
         fetched = []
@@ -290,10 +308,10 @@ def rank_stress(world, scenarios, seed):
                 fetched.append(i)
                 yield i
 
-        loader = _Reads() if s["waits"] else _Cached()
-        steps, signum, lag = [], 0, agreement.lag
-        for signum, batch in agreement.batches(loader, batches(), 0, end=s["end"],
-                                               first_recorded=s["first_recorded"]):
+        loader = _Over(batches(), never_waits=not s["waits"])
+        steps, signum, lag = [], 0, stopper.lag
+        for signum, batch in _decided(stopper, loader, end=s["end"],
+                                      first_recorded=s["first_recorded"]):
             if signum:
                 break
             assert batch == len(steps), (batch, steps)  # this step's own batch, in order
@@ -303,13 +321,13 @@ def rank_stress(world, scenarios, seed):
             if len(steps) == s["abandon"]:
                 break  # proposals stay in flight: the next pass starts after them
         else:
-            assert not agreement._pending  # nothing in flight after a pass
+            assert not stopper._pending  # nothing in flight after a pass
         if k % 3 == 2:  # as after a validation: each rank asks for the median of its needs
-            before = agreement.lag
-            agreement._needed = list(s["needed"][rank])
-            agreement.now()
+            before = stopper.lag
+            stopper._needed = list(s["needed"][rank])
+            stopper.now()
             asked = [sorted(v)[(len(v) - 1) // 2] if v else 0 for v in s["needed"]]
-            assert agreement.lag == max(before, min(MAX_LAG, max(asked))), (agreement.lag, asked)
+            assert stopper.lag == max(before, min(MAX_LAG, max(asked))), (stopper.lag, asked)
         out.append(dict(steps=steps, signum=signum, lag=lag, fetched=fetched, scenario=s))
     return out
 
@@ -359,8 +377,7 @@ def test_the_stopper_stops_a_pass_in_one_call_and_agrees_after_a_validation():
 
     from settings.errors import TrainingError
 
-    from engine.stop import Stopper
-    from engine.stop.waits import Interrupted
+    from engine.stop import Interrupted, Stopper
 
     request = _Request()
     stopper = Stopper(request, False, every=2)

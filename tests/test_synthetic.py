@@ -1,4 +1,5 @@
 """Synthetic ERA5 and cosmology data: file formats, determinism and the physics the models learn."""
+import dataclasses
 import logging
 import os
 import subprocess
@@ -411,6 +412,102 @@ def test_cli_marks_its_output_and_writes_over_only_that(tmp_path):
     assert_one_error_line(proc, f"error: --out {out} holds synthetic data (SYNTHETIC.txt) but "
                           f"also NOTES.txt, train/2019.h5,", "move them out, or choose another --out")
     assert file_digests(out) == before
+
+
+@pytest.mark.parametrize("kind, first, other", [
+    ("era5", TINY_ERA5, ("--img_size", "8", "16", "--steps_per_year", "5")),
+    ("cosmo", ("--train_size", "8", "--val_size", "8"), ("--train_size", "16", "--val_size", "8")),
+])
+def test_cli_replaces_synthetic_data_of_other_shapes_only_when_asked(tmp_path, kind, first, other):
+    """Synthetic data of other shapes in --out is another data set (a run may be using it): one
+    error line naming a file, its shapes and --replace, exit 2, nothing changed; with --replace
+    it is written over. The mark records the command that wrote the data."""
+    out = tmp_path / kind
+    assert run_cli(kind, "--out", str(out), *first).returncode == 0
+    mark = (out / "SYNTHETIC.txt").read_text().splitlines()[0]
+    assert mark == f"Synthetic data written by python -m datapipe.synthetic {kind} --out {out} " \
+        + " ".join(first)
+    before = file_digests(out)
+    proc = run_cli(kind, "--out", str(out), *other)
+    assert_one_error_line(proc, f"error: --out {out} holds synthetic data of other shapes",
+                          "add --replace to write over it, or choose another --out")
+    assert proc.stdout == "" and file_digests(out) == before
+    proc = run_cli(kind, "--out", str(out), *other, "--replace")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "--replace" in (out / "SYNTHETIC.txt").read_text().splitlines()[0]
+    assert run_cli(kind, "--out", str(out), *other).returncode == 0  # now of these shapes
+
+
+def test_a_run_on_synthetic_data_names_what_made_it(tmp_path, caplog):
+    """The run's data line names the writer that SYNTHETIC.txt records: the command, or a run."""
+    from datapipe.data_loader import ensure_data
+    from datapipe.make_data import make_data_once
+    cli, run = tmp_path / "cli", tmp_path / "run"
+    synthetic.main(["era5", "--out", str(cli), "--img_size", "16", "32", "--steps_per_year", "4"])
+    make_data_once(_vit_cfg(run))
+    for root, maker in ((cli, f"python -m datapipe.synthetic era5 --out {cli} --img_size 16 32 "
+                              f"--steps_per_year 4"),
+                        (run, "a training run (synthesize_if_missing)")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            ensure_data(_vit_cfg(root), 0, 1)
+        assert f"Data: the synthetic vit data under {root} (made by {maker}: not real data)" \
+            in caplog.text, caplog.text
+
+
+def _doc_commands():
+    """Every ``python -m datapipe.synthetic`` command of the README and docs/."""
+    import glob
+    import shlex
+    found = []
+    for path in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]:
+        for line in open(path).read().splitlines():
+            if line.strip().startswith("python -m datapipe.synthetic"):
+                found.append((os.path.relpath(path, ROOT), shlex.split(line.split("#")[0])[3:]))
+    return found
+
+
+def _arrays(root):
+    out = {}
+    for rel in synthetic.list_files(root):
+        if rel.endswith(".npy"):
+            out[rel] = {None: np.load(os.path.join(root, rel))}
+        elif rel.endswith(".h5"):
+            with h5py.File(os.path.join(root, rel), "r") as f:
+                out[rel] = {name: f[name][:] for name in f}
+    return out
+
+
+def test_the_documented_data_commands_leave_the_quickstarts_data_as_they_make_it(tmp_path):
+    """A documented command that writes into a config's synthesize_if_missing data_root writes
+    exactly the data that config makes there (else its figures would no longer reproduce); the
+    others write elsewhere."""
+    from datapipe.make_data import synthesize
+    from settings.parse import build_config, load_yaml_configs
+    roots = {}  # data_root -> the configs that make their data there
+    for kind, yaml in (("era5", "ViT.yaml"), ("cosmo", "UNet.yaml")):
+        path = os.path.join(ROOT, "config", yaml)
+        for name in load_yaml_configs(path):
+            cfg = build_config(path, name, {})
+            if cfg.synthesize_if_missing:
+                roots.setdefault((kind, os.path.normpath(cfg.data_root)), []).append(cfg)
+    commands = _doc_commands()
+    assert {kind for _, (kind, *_) in commands} == {"era5", "cosmo"}, commands
+    compared = 0
+    for i, (doc, (kind, *args)) in enumerate(commands):
+        at = args.index("--out") + 1
+        for j, cfg in enumerate(roots.get((kind, os.path.normpath(args[at])), [])):
+            made, ours = tmp_path / f"doc{i}", tmp_path / f"cfg{i}-{j}"
+            synthetic.main([kind, *args[:at], str(made), *args[at + 1:]])
+            synthesize(dataclasses.replace(cfg, data_root=str(ours)))
+            a, b = _arrays(made), _arrays(ours)
+            assert a.keys() == b.keys(), (doc, args)
+            for rel in a:
+                assert a[rel].keys() == b[rel].keys(), (doc, args, rel)
+                for name in a[rel]:
+                    np.testing.assert_array_equal(a[rel][name], b[rel][name], err_msg=f"{doc}: {args}")
+            compared += 1
+    assert compared >= 2  # the README's commands write the quickstarts' data_roots
 
 
 def test_cli_runs_without_warnings(tmp_path):

@@ -173,9 +173,13 @@ def test_a_rerun_is_the_next_run_and_an_existing_run_is_not_overwritten(tmp_path
     # --resume continues the run with the newest checkpoint: run 1, already finished
     r = train(common + ["--resume"])
     assert "Run 1 (--run_num auto with --resume: the run with the newest checkpoint)" in r.stdout
-    assert "Nothing to do: run 1 has finished its 3 steps" in r.stdout
+    ckpt = os.path.join(run_dir(str(tmp_path), run="1"), "checkpoints", "ckpt_00000003.pt")
+    assert f"Nothing to do: run 1 has finished its 3 steps (checkpoint {ckpt})" in r.stdout
     assert "--num_iters" in r.stdout.split("Nothing to do")[1]
-    assert r.stdout.index("Nothing to do") < r.stdout.index("Device ")  # before start-up lines
+    # one answer: no start-up lines, no resume, no training loop
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and "Nothing to do" in lines[1], r.stdout
+    assert "Resumed" not in r.stdout and "Starting training loop" not in r.stdout
     # without a run length on the command line the run keeps its own, not the YAML's 10 epochs
     run1 = file_digests(run_dir(str(tmp_path), run="1"))
     r = train(common[:-2] + ["--resume"])
@@ -239,6 +243,24 @@ def test_fp16_on_cpu_refused(tmp_path, era5_root):
     r = train(TINY_VIT + ["--data_root", era5_root, "--expdir", str(tmp_path), "--num_iters", "2",
                           "--amp_mode", "fp16"], check=False)
     assert r.returncode == 2 and "amp_mode=fp16 needs a CUDA GPU" in r.stderr
+
+
+def test_an_error_alike_on_every_rank_is_printed_by_rank_0_alone(tmp_path, era5_root):
+    """Under torchrun every rank refuses the same settings: rank 0 prints the one line, the
+    others nothing, and every rank exits 2 (a bad setting; a batch that does not split)."""
+    exp = tmp_path / "exp"
+    for args in (["--lr", "x"], TINY_VIT + ["--data_root", era5_root, "--expdir", str(exp),
+                                            "--global_batch_size", "3"]):
+        err = []
+        for rank in (0, 1):
+            env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                       WORLD_SIZE="2")
+            r = preloaded.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                              text=True, env=env)
+            assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+            err.append(r.stderr)
+        assert err[0].startswith("error: ") and err[0].count("\n") == 1 and err[1] == "", err
+    assert not exp.exists()
 
 
 def test_bf16_and_fused_on_cpu(tmp_path, era5_root):

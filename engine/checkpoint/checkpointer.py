@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import files
-from engine.checkpoint.state import TrainState, keep_run_length
+from engine.checkpoint.state import TrainState, keep_run_length, resume_changes
 from engine.checkpoint.start_weights import load_start_weights
-from settings.errors import ConfigError, TrainingError
+from settings.errors import ConfigError, TrainingError, on_every_rank
 
 log = files.log  # the package's one logger
 
@@ -23,47 +23,45 @@ class Resume:
     state: dict  # its contents (a DCP directory's without the tensors: they are read on load)
     path: str
     cfg: object  # the run's settings, with the run length it had unless the command gives one
-    nothing_to_do: bool  # every step taken and the last epoch's validation done
+
+
+class RunFinished(Exception):
+    """Resumed with every step taken and the last validation done: the line saying so, exit 0."""
 
 
 class Checkpointer:
-    """The checkpoints of the run of ``cfg`` in ``directory`` (its ``checkpoints/``), on the
-    ranks of ``rt``: ``resume`` chooses the checkpoint to continue from (before the model is
-    built), ``load`` puts the run's state back from it (once the model, optimizer, scaler and
-    schedule exist), ``save`` writes the checkpoint of a step."""
+    """The checkpoints of the run of ``cfg`` in ``directory`` on the ranks of ``rt``: which to
+    resume (before the model is built), its state loaded, a step's checkpoint saved."""
 
     def __init__(self, directory: str, cfg, rt):
         self.directory, self.cfg, self.rt = directory, cfg, rt
         self.resumed = None  # the Resume that ``resume`` chose, or None for a fresh run
         self.state = None  # the run's TrainState, made by ``load``
 
-    # ------------------------------------------------------------------ which to resume
-
     def resume(self) -> Resume | None:
-        """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a
-        fresh run: one choice for all ranks. Rank 0 puts right what interrupted writes left in
-        the run's checkpoints (``files.clean_leftovers``) and chooses; the others load exactly
-        the checkpoint it chose (docs/preemption.md says why)."""
+        """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a fresh
+        run; RunFinished for a finished one. Rank 0 chooses, the others load exactly its choice
+        (docs/preemption.md says why)."""
         choice = self._agreed_choice()
         if choice is None:
             return None
         state, path = choice
         cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
         per_epoch = state.get("steps_per_epoch")  # (every step taken, the last validation done)
-        finished = per_epoch is not None and state["step_in_epoch"] == 0 \
-            and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch)
-        self.resumed = Resume(state, path, cfg, finished)
-        from_elsewhere = os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
-            os.path.realpath(self.directory)  # --resume_from
-        if self.resumed.nothing_to_do and from_elsewhere:
-            raise ConfigError(f"--resume_from {cfg.resume_from}: that run has finished its "
-                              f"{state['iteration']} steps, so run {cfg.run_num} would train "
-                              f"nothing: add a larger --num_epochs or --num_iters to train on "
-                              f"from it")
-        if self.resumed.nothing_to_do:  # said before the start-up lines, as for any resume
-            log.info(f"Nothing to do: run {cfg.run_num} has finished its {state['iteration']} "
-                     f"steps. To train longer, resume with a larger --num_epochs or --num_iters "
-                     f"(the learning-rate schedule then spans the new total)")
+        if per_epoch is not None and state["step_in_epoch"] == 0 \
+                and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch):
+            if os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
+                    os.path.realpath(self.directory):  # --resume_from
+                raise on_every_rank(ConfigError(
+                    f"--resume_from {cfg.resume_from}: that run has finished its "
+                    f"{state['iteration']} steps, so run {cfg.run_num} would train nothing: add a "
+                    f"larger --num_epochs or --num_iters to train on from it"))
+            resume_changes(state, path, cfg, self.rt.global_batch)  # (refused ones said first)
+            raise RunFinished(f"Nothing to do: run {cfg.run_num} has finished its "
+                              f"{state['iteration']} steps (checkpoint {path}). To train longer, "
+                              f"resume with a larger --num_epochs or --num_iters (the "
+                              f"learning-rate schedule then spans the new total)")
+        self.resumed = Resume(state, path, cfg)
         return self.resumed
 
     def _agreed_choice(self):
@@ -73,7 +71,7 @@ class Checkpointer:
             try:
                 choice = self._choose()
             except ConfigError as e:
-                choice = e
+                choice = on_every_rank(e)
         sent = [choice[1] if isinstance(choice, tuple) else choice]
         if rt.distributed:
             # Rank 0's choice to all: the path, None for a fresh run, or the error all raise.
@@ -90,17 +88,16 @@ class Checkpointer:
         dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
         if not all(loaded):
             rank = loaded.index(False)
-            raise ConfigError(f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to "
-                              f"resume from (rank {rank}'s warning line says why): every rank "
-                              f"must see the same files; check the file system they share, or "
-                              f"move that checkpoint aside to resume from the one before")
+            raise on_every_rank(ConfigError(
+                f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to resume from (rank "
+                f"{rank}'s warning line says why): every rank must see the same files; check the "
+                f"file system they share, or move that checkpoint aside to resume from the one "
+                f"before"))
         return choice
 
     def _choose(self):
-        """Rank 0's part of ``resume``. Refuses to start a fresh run over one that holds
-        checkpoints. ``--resume auto`` (a requeued job) continues this run directory when it
-        holds checkpoints, even one first started with ``--resume_from``, and otherwise starts
-        as without it."""
+        """Rank 0's part of ``resume`` (``--resume auto``: this run directory's newest checkpoint,
+        else a fresh run; a fresh run over one that holds checkpoints is refused)."""
         cfg, ckpt_dir = self.cfg, self.directory
         run_dir = os.path.dirname(ckpt_dir)
         files.clean_leftovers(ckpt_dir)
@@ -144,19 +141,14 @@ class Checkpointer:
         return state, path
 
     def start_weights(self, model, from_reference):
-        """``--init_from``: a fresh run's ``model`` starts from an earlier run's checkpoint or the
-        tutorial's weights (``from_reference``: the task's renaming of those), and the log says
-        what it took. Nothing when resuming (the checkpoint has the weights)."""
+        """``--init_from``: a fresh run's ``model`` from saved weights (``start_weights``)."""
         if self.cfg.init_from and self.resumed is None:
             log.info(load_start_weights(model, self.cfg.init_from, from_reference, self.cfg,
                                         self.rt))
 
-    # ------------------------------------------------------------------ the run's state
-
     def load(self, model, sharding, optimizer, scaler, scheduler,
              steps_per_epoch: int) -> TrainState:
-        """The run's state, which the checkpoints hold from now on: at step 0, or put back from
-        the checkpoint ``resume`` chose (on this run's layout of the weights)."""
+        """The run's state: at step 0, or put back from the checkpoint ``resume`` chose."""
         self.state = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt, self.cfg,
                                 steps_per_epoch)
         if self.resumed is not None:
@@ -167,12 +159,9 @@ class Checkpointer:
         return self.state
 
     def save(self, epoch_sum: torch.Tensor | None, window: tuple) -> float:
-        """Collective on all ranks: write the checkpoint of the step just taken (the newest
-        ``checkpoint_keep`` kept) and log its path; the seconds it took. A write that failed on
-        any rank raises TrainingError on every rank, one line naming that rank and the
-        checkpoint. ``epoch_sum``: this rank's summed step losses of the epoch so far (None at
-        an epoch's end); ``window``: this rank's loss and grad norm sums and steps since the
-        last log point."""
+        """Collective: write the checkpoint of the step just taken (the newest ``checkpoint_keep``
+        kept) and return its seconds; a write failed on any rank raises TrainingError on all.
+        ``epoch_sum``: this rank's summed losses of the epoch so far (None at its end)."""
         t0 = time.perf_counter()
         rt, st, keep = self.rt, self.state, self.cfg.checkpoint_keep
         # Host sync and one collective: the epoch's losses so far, over the data-parallel ranks
@@ -188,17 +177,13 @@ class Checkpointer:
                 path = files.save(self.directory, st.iteration, state, keep)
         except files.WriteFailed as e:
             failure = (rt.rank if e.rank is None else e.rank, str(e))
-        # (the outcomes' exchange also holds every rank until rank 0 has put the checkpoint in
-        # place)
-        line = rt.first_failure(failure)
-        if line is not None:
-            raise TrainingError(line)
+        # (the exchange also holds every rank until rank 0 has put the checkpoint in place)
+        rt.raise_first_failure(failure, TrainingError)
         if rt.is_main:
             log.info(f"Checkpoint written: {path} ({time.perf_counter() - t0:.2f} s)")
         return time.perf_counter() - t0
 
     def written_for(self, step: int) -> str | None:
-        """The checkpoint of ``step``, of either form, or None."""
         return files.written_for(self.directory, step)
 
     def kept(self) -> str:
@@ -210,8 +195,7 @@ class Checkpointer:
                 f"--resume auto)")
 
     def reload(self):
-        """Collective: put the run's state back as its newest checkpoint holds it (after the
-        throughput report's trial steps, which follow the final checkpoint)."""
+        """Collective: the run's state put back from its newest checkpoint (after the trials)."""
         state, path = files.load_latest(self.directory)
         if state is None:
             raise TrainingError(f"cannot put the training state back: no checkpoint in "

@@ -1,7 +1,5 @@
-"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash
-mid-write leaves at worst a stray temporary or set-aside file or directory, which
-``clean_leftovers`` puts right at the next start, never a checkpoint name that loads wrongly),
-listed newest first, the newest K kept, checked whole and loaded with ``weights_only=True``.
+"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash leaves
+at worst a stray file, which ``clean_leftovers`` puts right), the newest K kept, checked whole.
 """
 from __future__ import annotations
 
@@ -41,16 +39,14 @@ def path_for(directory: str, iteration: int, sharded: bool = False) -> str:
 
 def written_for(directory: str, iteration: int) -> str | None:
     """The checkpoint of ``iteration`` in ``directory``, of either form, or None."""
-    for sharded in (False, True):
-        if os.path.exists(path_for(directory, iteration, sharded)):
-            return path_for(directory, iteration, sharded)
-    return None
+    forms = (path_for(directory, iteration, sharded) for sharded in (False, True))
+    return next(filter(os.path.exists, forms), None)
 
 
 def is_sharded(path: str) -> bool:
     """Whether ``path`` names a DCP checkpoint directory (``ckpt_<step>.dcp``)."""
-    return os.path.isdir(path) and path.rstrip(os.sep).endswith(".dcp") \
-        and bool(_NAME.search(path.rstrip(os.sep)))
+    match = _NAME.search(path.rstrip(os.sep))
+    return os.path.isdir(path) and match is not None and match.group(2) == "dcp"
 
 
 def list_checkpoints(directory: str) -> list[str]:
@@ -66,17 +62,16 @@ def _remove(path: str):
         os.remove(path)
 
 
-def _fsync_dir(directory: str):
+def _fsync_dir(directory: str):  # makes a rename in it durable
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # make a rename in it durable
+        os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
 def write_file(final: str, state: dict):
-    """``torch.save(state)`` to ``final`` through a temporary file beside it, flushed to disk and
-    renamed into place: ``final`` is whole or absent, never part-written."""
+    """``torch.save(state)`` to ``final`` through a flushed temporary file renamed into place."""
     directory = os.path.dirname(os.path.abspath(final))
     tmp = f"{final}.{os.getpid()}.tmp"
     try:
@@ -93,8 +88,7 @@ def write_file(final: str, state: dict):
 
 
 class WriteFailed(TrainingError):
-    """A checkpoint write that failed, in one line; ``rank``: the rank it failed on when another
-    rank's failure is reported here (DCP reports a shard write's failure on every rank)."""
+    """A failed checkpoint write, in one line; ``rank``: where DCP reports another rank's failure."""
 
     def __init__(self, line: str, rank: int | None = None):
         super().__init__(line)
@@ -102,9 +96,8 @@ class WriteFailed(TrainingError):
 
 
 def save(directory: str, iteration: int, state: dict, keep: int) -> str:
-    """Write ``state`` as the checkpoint of ``iteration`` and drop all but the newest ``keep``.
-    A failed write (full disk, quota, an unwritable directory) raises WriteFailed naming the
-    path and the space needed, and leaves the existing checkpoints as they were."""
+    """Write ``state`` as the checkpoint of ``iteration``, keeping the newest ``keep``; a failed
+    write raises WriteFailed and leaves the existing checkpoints as they were."""
     final = path_for(directory, iteration)
     try:
         write_file(final, state)
@@ -117,17 +110,13 @@ def save(directory: str, iteration: int, state: dict, keep: int) -> str:
 
 def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | None, keep: int,
                  is_main: bool) -> str:
-    """Collective on every rank: write ``tensors`` (``{"model": ..., "optimizer": ...}``, this
-    rank's DTensor shards keyed by parameter name) with DCP, each rank its own file, and ``rest``
-    (rank 0's; None elsewhere) as ``train_state.pt``, into ``ckpt_<iteration>.dcp``; rank 0 then
-    renames it into place. A failed shard write raises WriteFailed on every rank (naming the
-    failing rank), a failure of rank 0's own part on rank 0 only: the ranks then agree on the
-    outcome (``Checkpointer.save``). The existing checkpoints are left as they were."""
+    """Collective: write ``tensors`` (``shards``) with DCP, each rank its own file, and ``rest``
+    (rank 0's) as ``train_state.pt`` into ``ckpt_<iteration>.dcp``, renamed into place by rank 0.
+    WriteFailed on every rank for a shard write, on rank 0 alone for its own part."""
     final = path_for(directory, iteration, sharded=True)
     tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
     try:
-        # Each rank writes its shards (fsynced), then rank 0 the metadata: collectives inside,
-        # which raise a failure on any rank as a CheckpointException on every rank.
+        # (collectives inside: a failure on any rank is a CheckpointException on every rank)
         dcp.save(tensors, checkpoint_id=tmp)
         if is_main:
             write_file(os.path.join(tmp, TRAIN_STATE), rest)
@@ -154,9 +143,8 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
 
 
 def clean_leftovers(directory: str):
-    """Put right what interrupted writes left in ``directory`` (docs/preemption.md says what),
-    while no rank writes there (rank 0, before the checkpoint to resume from is chosen). Nothing
-    else is touched. One line logged per thing done."""
+    """Put right what interrupted writes left in ``directory`` (docs/preemption.md), while no rank
+    writes there; nothing else is touched. One line logged per thing done."""
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         match, path = _LEFTOVER.fullmatch(name), os.path.join(directory, name)
         if match is None or os.path.isdir(path) != match.group(1).startswith("dcp"):
@@ -172,18 +160,13 @@ def clean_leftovers(directory: str):
 
 def state_nbytes(obj) -> int:
     """Bytes of the tensors in a (nested) checkpoint state: about the size of its file."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_nbytes(v) for v in obj)
-    return 0
+    if isinstance(obj, (dict, list, tuple)):
+        return sum(map(state_nbytes, obj.values() if isinstance(obj, dict) else obj))
+    return obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor) else 0
 
 
 def _write_failure(directory: str, final: str, state: dict, exc: BaseException) -> str:
-    """One line: what failed, the space a checkpoint needs and the space there is, the newest
-    checkpoint that is kept, and what to do."""
+    """One line: what failed, the space needed and free, the newest checkpoint kept, what to do."""
     previous = list_checkpoints(directory)  # (none where the directory is missing)
     need = _size(previous[0]) if previous else state_nbytes(state)
     try:
@@ -207,10 +190,8 @@ def _size(path: str) -> int:
 
 
 def load_file(path: str):
-    """(state, path) if the checkpoint loads and holds every expected entry, else (None, None),
-    with a warning line that says why. For a DCP directory (its shard files all there, whole)
-    the state holds its ``train_state.pt`` and ``"dcp": path`` in place of the tensors, which
-    ``read_tensors`` or ``read_shards`` read later."""
+    """(state, path) if the checkpoint loads whole, else (None, None) and a warning line saying
+    why; a DCP directory's holds ``"dcp": path`` in place of the tensors, read later."""
     sharded, file = os.path.isdir(path), path
     try:
         if sharded:  # the directory, then its train_state.pt
@@ -228,19 +209,15 @@ def load_file(path: str):
 
 
 def read_pt(path: str, mmap: bool = False):
-    """What ``torch.save`` wrote to ``path``, in types ``weights_only`` loading accepts. ``mmap``:
-    mapped, not read (a checkpoint: a rank reads the pages of the slices it takes, its tp/cp
-    and FSDP shards, not the whole file)."""
+    """What ``torch.save`` wrote to ``path``, in types ``weights_only`` loading accepts; ``mmap``:
+    mapped (a rank then reads only the pages of the slices it takes)."""
     with warnings.catch_warnings():  # torch's "please file an issue" about odd pickles
         warnings.simplefilter("ignore")
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def unreadable(exc: Exception) -> str:
-    """Why a file did not load, in one line. torch's own text may run to paragraphs (for bytes
-    that are no checkpoint, the weights-only unpickler's advice to load untrusted files with
-    ``weights_only=False`` and to file an issue): only its first sentence is kept, and none of
-    that advice."""
+    """Why a file did not load, in one line: torch's first sentence, without its advice."""
     what = "it is not a complete checkpoint (damaged, cut short, or not written by torch.save)"
     text = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(exc)).strip()
     if not text or "weights only load failed" in text.lower():
@@ -261,14 +238,9 @@ def _check_shards(path: str):
 
 
 def read_tensors(path: str, keys=None) -> dict:
-    """The whole tensors of a DCP checkpoint, in this process alone (every rank reads all of
-    them): ``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``, the
-    serial layout of a ``.pt`` checkpoint; only the entries ``keys`` names (e.g. ``{"model"}``)
-    when given."""
-    # Torch (to 2.13 at least) has no public call that reads a DCP checkpoint without a state
-    # dict to fill: ``dcp.load`` hands back only the keys it was given. This is what torch's own
-    # ``format_utils.dcp_to_torch_save`` does; it becomes ``dcp.load`` once that fills an empty
-    # state dict from the metadata.
+    """A DCP checkpoint's whole tensors (``keys``' only, when given) in this process alone."""
+    # torch (to 2.13 at least) has no public call that fills an empty state dict from a DCP
+    # checkpoint; this is what its own ``format_utils.dcp_to_torch_save`` does.
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     tensors = {}
@@ -278,23 +250,21 @@ def read_tensors(path: str, keys=None) -> dict:
 
 
 def shards(model, optimizer) -> dict:
-    """This rank's shards of an FSDP model's weights and Adam state, keyed by parameter name
-    (torch's distributed state dict: the layout DCP saves and reads)."""
+    """This rank's shards of an FSDP model's weights and Adam state (as DCP saves and reads them)."""
     model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
 def read_shards(model, optimizer, path: str) -> dict:
-    """Collective: each rank reads its own shards of the DCP checkpoint ``path``, written on any
-    number of ranks, into the layout of ``shards``."""
+    """Collective: each rank reads its own shards of the DCP checkpoint ``path`` (of any number
+    of ranks), in the layout of ``shards``."""
     state = shards(model, optimizer)
     dcp.load(state, checkpoint_id=path)
     return state
 
 
 def weights(state: dict) -> dict:
-    """The model's weights, in the serial layout, of a checkpoint ``load_file`` loaded (a DCP
-    directory's are read from its shards)."""
+    """The model's weights, in the serial layout, of a checkpoint ``load_file`` loaded."""
     return read_tensors(state["dcp"], keys={"model"})["model"] if "dcp" in state \
         else state["model"]
 

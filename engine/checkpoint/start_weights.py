@@ -1,6 +1,5 @@
 """Start a new run from saved weights (``init_from``; docs/checkpoints.md): a checkpoint of this
-project, whose weights are taken as they are, or the weights of the tutorial's own models, which
-the task renames into this model's layout (``Task.from_reference``)."""
+project, or the tutorial's models' weights renamed by the task (``Task.from_reference``)."""
 from __future__ import annotations
 
 import os
@@ -50,19 +49,15 @@ def _read(path: str):
 
 
 def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, rt) -> str:
-    """Copy the weights saved at ``path`` into the serial ``model`` (before any sharding) of a
-    new run of ``cfg``; returns the line that says where they came from. ``from_reference(sd,
-    model)``: the task's renaming of the tutorial's. Every rank of ``rt`` reads the file, and all
-    go on or all raise the same ConfigError (naming the first rank that could not load it), so
-    that no rank goes on to wait for one that stopped."""
+    """Copy the weights saved at ``path`` into the serial ``model`` of a new run of ``cfg``;
+    returns the line saying where they came from (``from_reference(sd, model)``: the task's
+    renaming of the tutorial's). Every rank reads the file; all go on or all raise."""
     failure = line = None
     try:
         line = _load(model, path, from_reference, cfg)
     except ConfigError as e:
         failure = (rt.rank, str(e))
-    failure = rt.first_failure(failure)
-    if failure is not None:
-        raise ConfigError(failure)
+    rt.raise_first_failure(failure, ConfigError)
     return line
 
 

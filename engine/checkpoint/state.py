@@ -1,7 +1,6 @@
 """What a checkpoint holds, and how a run is put back exactly where it stopped: ``TrainState``,
-the loop's position and everything with state of its own (model, optimizer, gradient scaler, LR
-schedule), gathered in the serial layout (keyed by parameter name: a checkpoint loads on any
-number of ranks and any tp/cp layout) with every rank's RNG streams."""
+the loop's position and everything with state of its own in the serial layout (loading on any
+layout), with every rank's RNG streams."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,21 +13,15 @@ import torch.distributed as dist
 
 from engine.checkpoint import files
 from settings.config import CONFIG_CLASSES, to_dict
-from settings.errors import ConfigError, TrainingError
+from settings.errors import ConfigError, TrainingError, on_every_rank
 
 log = files.log  # the package's one logger
 
 
 def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(allowed, refused) changes from the checkpoint's settings to this run's, each as
-    ``"key old -> new"``. Settings one side does not know (added in another version) are skipped,
-    and so are those that say how the run was resumed. The batch fields may differ as long as the
-    global batch they give is the same (``TrainState.load_state_dict``)."""
-    # Settings a resumed run may change (``resume=True`` in their field's metadata): how long to
-    # train, how often to log and checkpoint, how the data is loaded, how the work is laid out
-    # over the ranks and split into micro-batches, and where the run was started from. Every
-    # other setting (the model, the optimisation, the batch, the data, the seed, the precision)
-    # makes a different run: a resume with another value is refused.
+    """(allowed, refused) changes from the checkpoint's settings to this run's, as ``"key old ->
+    new"``: allowed where the field's metadata says ``resume=True`` (docs/errors.md, "Resuming with
+    changed settings"); settings one side does not know, and how it was resumed, skipped."""
     may_change = {f.name for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)
                   if f.metadata.get("resume")}
     allowed, refused = [], []
@@ -39,10 +32,27 @@ def setting_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     return allowed, refused
 
 
+def resume_changes(state: dict, path: str, cfg, global_batch: int) -> list[str]:
+    """The allowed setting changes from the checkpoint ``state`` to ``cfg``; others are refused."""
+    if state.get("config", {}).get("model", cfg.model) != cfg.model:
+        raise on_every_rank(ConfigError(
+            f"{path} was written by a {state['config']['model']} run; this is a {cfg.model} "
+            f"config: resume with the config that wrote it"))
+    allowed, refused = setting_changes(state.get("config", {}), to_dict(cfg))
+    saved_batch = state.get("global_batch", global_batch)
+    if saved_batch != global_batch:
+        refused.append(f"global batch {saved_batch} -> {global_batch}")
+    if refused:
+        raise on_every_rank(ConfigError(
+            f"{path} was written with other settings: {'; '.join(refused)}. Resume with the "
+            f"checkpoint's values (config.yaml in its run directory), or start a new run from its "
+            f"weights: --init_from {path} (step 0, a new optimizer and schedule)"))
+    return allowed
+
+
 def keep_run_length(cfg, saved: dict):
-    """``cfg`` with the run length the checkpoint's run was started with (``saved``: its
-    settings), unless this command gives one: a plain ``--resume`` continues a run to the end it
-    had (and a finished run stays finished), whatever the YAML's ``num_epochs`` says."""
+    """``cfg`` with the run length of the checkpoint's run (``saved``: its settings) unless this
+    command gives one (a finished run stays finished, whatever the YAML's ``num_epochs`` says)."""
     given = getattr(cfg, "command_line", frozenset())
     run_length = ("num_epochs", "num_iters")
     length = {k: saved[k] for k in run_length if k in saved}
@@ -63,9 +73,8 @@ class TrainState:
         self.epoch = 0  # epochs completed
         self.step_in_epoch = 0  # steps taken in the current epoch
         self.epoch_loss_carry = 0.0  # the current epoch's summed step losses before a resume
-        # This rank's [loss, grad norm] sums and steps since the last log point, from the
-        # checkpoint (a stop between log points): the next log point then averages the same
-        # steps as an uninterrupted run's.
+        # This rank's loss and grad norm sums and steps since the last log point, from the
+        # checkpoint: the next log point averages the same steps as an uninterrupted run's.
         self.window_carry = (0.0, 0.0, 0)
 
     def next_epoch(self):
@@ -75,12 +84,9 @@ class TrainState:
 
     def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
                    tensors: bool = True) -> dict | None:
-        """Collective on all ranks (RNG states and loss windows are gathered, sharded tensors
-        reassembled); the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``:
-        this epoch's summed step losses (over data-parallel ranks) so far, so a resumed epoch
-        reports the same mean; ``window``: this rank's (loss sum, grad norm sum, steps) since the
-        last log point. ``tensors`` false: without the model and the optimizer (saved in shards
-        beside it)."""
+        """Collective: the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``: the
+        epoch's summed losses so far; ``window``: this rank's (loss sum, grad norm sum, steps) since
+        the last log point; ``tensors`` false: without the model and optimizer (shards)."""
         rt = self.rt
         carried = self.epoch_loss_carry + epoch_loss_sum
         if not math.isfinite(carried):
@@ -116,22 +122,8 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict, path: str):
-        """Restore everything ``state_dict`` wrote; ``path`` names the file in errors and logs.
-        A resume whose settings make a different run is refused (one line listing every such
-        difference); each allowed change is logged on a line of its own."""
-        if state.get("config", {}).get("model", self.cfg.model) != self.cfg.model:
-            raise ConfigError(f"{path} was written by a {state['config']['model']} run; this is a "
-                              f"{self.cfg.model} config: resume with the config that wrote it")
-        allowed, refused = setting_changes(state.get("config", {}), to_dict(self.cfg))
-        saved_batch = state.get("global_batch", self.rt.global_batch)
-        if saved_batch != self.rt.global_batch:
-            refused.append(f"global batch {saved_batch} -> {self.rt.global_batch}")
-        if refused:
-            raise ConfigError(f"{path} was written with other settings: {'; '.join(refused)}. "
-                              f"Resume with the checkpoint's values (config.yaml in its run "
-                              f"directory), or start a new run from its weights: --init_from "
-                              f"{path} (step 0, a new optimizer and schedule)")
-        for change in allowed:
+        """Restore everything ``state_dict`` wrote (``path``: for errors and logs)."""
+        for change in resume_changes(state, path, self.cfg, self.rt.global_batch):
             log.info(f"resume: {change}")
         if state["steps_per_epoch"] != self.steps_per_epoch:
             raise ConfigError(f"the checkpoint {path} has {state['steps_per_epoch']} steps per "

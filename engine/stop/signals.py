@@ -5,9 +5,9 @@
 ``StopRequest.install(names)`` replaces the handlers of the named signals (``stop_signals``) with
 one that only records the signal: no Python code runs in between a step's operations, nothing is
 written from a handler, and a second signal (even during the checkpoint write) merely records it
-again. The ranks then agree on the step to stop after (``engine.stop.agreement``), write its
-checkpoint and end with ``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns into a requeue
-(docs/preemption.md).
+again, but for a second SIGINT: a user's second Ctrl-C, which ends the run at once. The ranks then
+agree on the step to stop after (``engine.stop.Stopper``), write its checkpoint and end with
+``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns into a requeue (docs/preemption.md).
 """
 from __future__ import annotations
 
@@ -24,14 +24,18 @@ import time
 
 from engine.run_dir import discard_unstarted_run, release_run_locks
 from engine.runtime import describe_allocation_failure, describe_dist_failure
-from engine.stop.waits import LoaderStalled
-from settings.errors import UserError, print_error
+from settings.errors import TrainingError, UserError, print_error
 from settings.signals import STOPPED_EXIT_CODE, ignore_stop_signals, installed, signal_number
 
 log = logging.getLogger("train")
 
+INTERRUPTED_EXIT_CODE = 130  # a second Ctrl-C: 128 + SIGINT, as a shell reports it
 HARD_EXIT_AFTER_S = 10.0  # seconds the cleanup of an immediate exit may take
 CHILD_JOIN_S = 10.0  # seconds to wait, in all, for SIGKILLed children to end
+
+
+class LoaderStalled(TrainingError):
+    """A rank waited ``loader_timeout_s`` for its next batch."""
 
 
 class RunStopped(Exception):
@@ -71,7 +75,8 @@ class StopRequest:
     def __init__(self):
         self.signum = 0
         self._previous = {}  # signal number -> the handler before install
-        self.while_waiting = None  # set by ``DataWaits.fetch`` while the rank waits for data
+        self.while_waiting = None  # set by ``Stopper.fetch`` while the rank waits for data
+        self.ctrl_c = False  # a SIGINT came
 
     @classmethod
     def install(cls, names: list[str]) -> StopRequest:
@@ -90,6 +95,10 @@ class StopRequest:
             signal.signal(number, signal.SIG_DFL if previous is None else previous)
 
     def _record(self, signum, frame):
+        if signum == signal.SIGINT:
+            if self.ctrl_c:  # a second Ctrl-C: the user wants out now (``RunEnding``: one line)
+                raise KeyboardInterrupt
+            self.ctrl_c = True
         self.signum = signum  # nothing else: the loop acts on it at a step boundary
         waiting = self.while_waiting
         if waiting is not None:  # a wait for data: it ends if the batch does not come soon
@@ -98,7 +107,7 @@ class StopRequest:
 
 class NeverStop(StopRequest):
     """For trainers driven without the entry point (tests, benchmarks): never asks to stop and
-    never takes part in the ranks' stop agreement (``engine.stop.agreement``)."""
+    never takes part in the ranks' stop agreement."""
 
     agrees = False
 
@@ -160,7 +169,8 @@ def end_children(children: list, timeout: float | None = None) -> list:
 #
 # - trained to the end: every rank waits for the others before any tears its groups down;
 # - a stop signal: every rank stopped at the same step with its checkpoint (``RunStopped``), one
-#   line saying how to resume;
+#   line saying how to resume; one that came too late to stop the run before its end: one line;
+# - a second Ctrl-C (``KeyboardInterrupt``): one line, and the process ends at once (exit 130);
 # - a user's error (``UserError``), or an allocation too big for the device: one line;
 # - a failed collective (a dead or hung peer rank) or a stalled loader: one line, and the process
 #   ends at once (``fail(..., broken_group=True)``);
@@ -180,7 +190,8 @@ class RunEnding:
         self.cfg, self.rt, self.trainer, self.installed = cfg, None, None, request is None
         self.request = StopRequest.install(cfg.stop_signals) if request is None else request
 
-    def fail(self, message: str, exit_code: int, broken_group: bool = False):
+    def fail(self, message: str, exit_code: int, broken_group: bool = False,
+             every_rank: bool = False):
         """End the process with one line on stderr (and in the run's out.log, on rank 0).
 
         ``broken_group``: a collective failed (a peer died or hangs), or a loader stalled (its
@@ -192,12 +203,13 @@ class RunEnding:
         if broken_group:
             arm_hard_exit(exit_code)
         rt = self.rt
-        prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed else ""
+        # (an error every rank raises alike is rank 0's alone to print: print_error)
+        prefix = f"[rank {rt.rank}] " if rt is not None and rt.distributed and not every_rank else ""
         record = logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None)
         for handler in logging.getLogger().handlers:  # keep the reason in the run's out.log
             if isinstance(handler, logging.FileHandler):
                 handler.emit(record)
-        print_error(message, prefix)
+        print_error(message, prefix, every_rank)
         if broken_group:
             if self.trainer is not None:
                 self.trainer.close(at_once=True)
@@ -214,17 +226,29 @@ class RunEnding:
         return self
 
     def __exit__(self, kind, e, traceback) -> bool:
+        self.request.ctrl_c = False  # the run ends now: a second Ctrl-C need not end it at once
         try:
             if kind is None:
                 self.rt.barrier()  # every rank has finished before any tears its groups down
+                signum = self.trainer.stopper.signalled()  # came too late to stop before the end
+                if signum:  # the run honoured it by ending: exit code 0, nothing to resume
+                    log.info(f"{signal.Signals(signum).name} came as the run was ending: it "
+                             f"ended as planned, on its final checkpoint "
+                             f"{self.trainer.checkpointer.written_for(self.trainer.iteration)} "
+                             f"(exit code 0: nothing is left to resume)")
             elif issubclass(kind, RunStopped):
                 self.rt.barrier()  # all stopped at the same step: none tears down while one works
                 log.info(e.message(sys.argv, self.rt.world_size))
                 raise SystemExit(STOPPED_EXIT_CODE) from None
+            elif issubclass(kind, KeyboardInterrupt):
+                kept = (f"after step {self.trainer.iteration}. {self.trainer.checkpointer.kept()}"
+                        if self.trainer is not None else "during set-up")
+                self.fail(f"interrupted by SIGINT (Ctrl-C), at once, {kept}", INTERRUPTED_EXIT_CODE,
+                          broken_group=True)
             elif issubclass(kind, LoaderStalled):  # at once: its peers wait in a collective
                 self.fail(str(e), e.exit_code, broken_group=True)
             elif issubclass(kind, UserError):
-                self.fail(str(e), e.exit_code)
+                self.fail(str(e), e.exit_code, every_rank=e.every_rank)
             elif issubclass(kind, (RuntimeError, MemoryError)):  # incl. torch's DistError
                 where = (f"after step {self.trainer.iteration}" if self.trainer is not None
                          else "during set-up")
