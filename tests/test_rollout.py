@@ -123,6 +123,18 @@ def test_checkpointing_gives_the_same_steps(data):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("weights", [{}, {"loss_latitude_weights": "true",
+                                         "loss_variable_weights": "t2m=2"}], ids=["plain", "weighted"])
+def test_a_rollouts_loss_is_the_mean_of_its_steps(data, weights):
+    from tasks import make_task
+    cfg = build_config(VIT_YAML, "quickstart", dict(TINY, data_root=data["era5"], num_iters="1",
+                                                    **weights))
+    loss = make_task(cfg).loss
+    pred, y = torch.randn(2, 3, 20, 16, 32), torch.randn(2, 3, 20, 16, 32)
+    want = torch.stack([loss(pred[:, k], y[:, k]) for k in range(3)]).mean(0)
+    assert want.shape == (2,) and torch.allclose(loss(pred, y), want)
+
+
 @pytest.mark.compile
 def test_compiled_bf16_checkpointed_rollout_trains_like_eager(data):
     eager = run(data, "eager-bf16", rollout_steps=2, amp_mode="bf16")
