@@ -63,18 +63,25 @@ def measure(cfg, steps: int, checkpointing: bool, device, timed: int, warmup: in
                 after_forward=probe.after_forward, peak=probe.peak)
 
 
+def rollout_list(text: str) -> list[int]:
+    steps = [int(n) for n in text.split(",")]  # (a ValueError: argparse's one line)
+    if min(steps) < 1:
+        raise ValueError(text)
+    return steps
+
+
 def main(argv=None):
     p = OneLineParser(prog="python -m benchmarks.rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=at_least(1), default=5, help="timed optimizer steps per row")
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps before them")
-    p.add_argument("--rollouts", default="1,2,4", help="the rollout steps N, comma-separated")
+    p.add_argument("--rollouts", type=rollout_list, default="1,2,4",
+                   help="the rollout steps N, comma-separated")
     args, rest = p.parse_known_args(argv)
     yaml = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config",
                         "ViT.yaml")
     cfg = build_config(yaml, "quickstart", SMALL | parse_overrides(rest)[1])
     device = torch.device(args.device)
-    rollouts = [int(n) for n in args.rollouts.split(",")]
     print(f"ViT img_size {cfg.img_size}, patch {cfg.patch_size}, embed {cfg.embed_dim}, depth "
           f"{cfg.depth}, batch {cfg.global_batch_size}, {cfg.n_in_channels} channels on "
           f"{device.type} ({torch.get_num_threads()} threads); memory in MiB "
@@ -82,7 +89,7 @@ def main(argv=None):
     print(f"{'N':>3} {'checkpointing':>13} {'step (s)':>9} {'x N=1':>6} {'after fwd':>10} "
           f"{'peak':>8} {'x N=1':>6}")
     base = None
-    for n in rollouts:
+    for n in args.rollouts:
         for ckpt in (False, True):
             r = measure(cfg, n, ckpt, device, args.steps, args.warmup)
             base = base or r

@@ -268,3 +268,12 @@ def test_two_ranks_equal_the_single_process(tmp_path, data):
         for k in want:
             torch.testing.assert_close(got["weights"][k], want[k], rtol=1e-5, atol=2e-6,
                                        msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+
+
+def test_benchmark_measures_each_rollout_with_and_without_checkpointing(capsys):
+    from benchmarks import rollout
+    rollout.main(["--rollouts", "1,2", "--steps", "1", "--warmup", "1", "--depth", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "no"), ("1", "yes"), ("2", "no"), ("2", "yes")]
+    peak = {(r[0], r[1]): float(r[5]) for r in rows}
+    assert peak[("2", "yes")] < peak[("1", "no")] < peak[("2", "no")]
