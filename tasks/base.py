@@ -36,7 +36,7 @@ class Task:
 
     def training_loss(self, model, x, y, loss, epoch: int) -> torch.Tensor:
         """The per-sample training loss of batch ``x``, ``y`` in epoch ``epoch`` (0-based):
-        ``loss`` (the sharding's: this rank's part) of one forward pass of ``model``."""
+        ``loss`` (the parallel model's: of this rank's part) of one forward pass of ``model``."""
         return loss(model(x), y)
 
     def forecast(self, model, x, whole) -> torch.Tensor:
