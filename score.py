@@ -1,13 +1,8 @@
 """Score a trained model as its science judges it, from its run directory or a checkpoint.
 
-    python score.py --run logs/ViT/quickstart/1/0                    # the newest checkpoint of a run
-    python score.py --run logs/ViT/quickstart/1/0/checkpoints/ckpt_00000290.pt --lead_steps 20
-    python score.py --run logs/ViT/quickstart/1/0 --split test --out scores/test
-    torchrun --nproc_per_node 2 -- score.py --run ...                 # ranks share the work
-
 The ViT's forecast skill over lead time (``tasks.forecast_skill``), the U-Net's statistics of a
-whole predicted volume (``tasks.volume_stats``). docs/scoring.md says what is read, what is
-written, how ranks share the work, and defines every number.
+whole predicted volume (``tasks.volume_stats``). docs/scoring.md has the commands, says what is
+read, what is written, how ranks share the work, and defines every number.
 """
 from __future__ import annotations
 
@@ -21,26 +16,12 @@ import sys
 import typing
 
 from settings.config import Config, field_types
-from settings.errors import ConfigError, OneLineParser, UserError, print_error, refuse
+from settings.errors import ConfigError, OneLineParser, UserError, at_least, print_error, refuse
 
 CHOICES = {k: typing.get_args(field_types(Config)[k]) for k in ("device", "amp_mode")}
-# The options only one model's scoring reads (their defaults None), and the model's name: given
-# for the other model's run they would do nothing, so they are refused instead.
+# The model's name and the options only its scoring reads (default None): refused for the other's runs.
 MODEL_OPTIONS = {"vit": ("ViT", ("lead_steps", "n_init", "rmse")), "unet": ("U-Net", ("tile", "halo"))}
 RMSE = ("sqrt_after_time_avg", "sqrt_before_time_avg")  # WeatherBench 2's RMSE first, the default
-
-
-def _whole(minimum: int):
-    """An argparse type: a whole number of at least ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-        return value
-    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,28 +34,25 @@ def parser() -> argparse.ArgumentParser:
                    help="the data to score on: valid (default), train, test (ViT: a directory "
                         "under data_root; U-Net: valid, train or a volume file under data_root)")
     p.add_argument("--out", default=None,
-                   help="directory to write the scores into (default <run dir>/score); it must "
-                        "not exist yet")
-    p.add_argument("--lead_steps", type=_whole(1), default=None,
+                   help="directory to write the scores into (default <run dir>/score); it must not exist yet")
+    p.add_argument("--lead_steps", type=at_least(1), default=None,
                    help="ViT: forecast steps of each rollout (default: 10 days of the model's "
                         "dt x 6 h steps, fewer where the split's years are shorter)")
-    p.add_argument("--n_init", type=_whole(1), default=None,
+    p.add_argument("--n_init", type=at_least(1), default=None,
                    help="ViT: initial conditions, spread evenly through the split (default 32)")
     p.add_argument("--rmse", choices=RMSE, default=None,
                    help="ViT: sqrt_after_time_avg (default, WeatherBench 2's RMSE: the square "
                         "root of the mean over initial times of the MSE) or sqrt_before_time_avg "
                         "(the mean of each initial time's RMSE)")
-    p.add_argument("--batch_size", type=_whole(1), default=None,
-                   help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) "
-                        "per forward pass")
-    p.add_argument("--tile", type=_whole(1), default=None,
+    p.add_argument("--batch_size", type=at_least(1), default=None,
+                   help="initial conditions (ViT, default 8) or tile windows (U-Net, default 1) per forward pass")
+    p.add_argument("--tile", type=at_least(1), default=None,
                    help="U-Net: side in voxels of the tiles the volume is predicted in (default "
                         "the training crop side, data_size); a multiple of 2^levels")
-    p.add_argument("--halo", type=_whole(0), default=None,
-                   help="U-Net: voxels of context around each tile (default: the smallest with "
-                        "which the tiles stitch into exactly one whole-volume forward, 64 for 5 "
-                        "levels, 128 for 6; less bounds memory, but seams may show); a multiple "
-                        "of 2^levels")
+    p.add_argument("--halo", type=at_least(0), default=None,
+                   help="U-Net: voxels of context around each tile (default: the smallest with which the tiles "
+                        "stitch into exactly one whole-volume forward, 64 for 5 levels, 128 for 6; less bounds "
+                        "memory, but seams may show); a multiple of 2^levels")
     p.add_argument("--data_root", default=None,
                    help="read the data from here instead of the run's data_root")
     p.add_argument("--device", choices=CHOICES["device"], default=None,
@@ -84,22 +62,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_not_found(path: str) -> ConfigError | None:
-    """The refusal of a ``--run`` that does not exist; None when it does."""
-    if os.path.exists(path):
-        return None
-    return ConfigError(f"--run {path}: no such run directory or checkpoint: give a run directory "
-                       f"(<expdir>/<config>/<world size>/<run>) or a checkpoint (ckpt_<step>.pt or "
-                       f"ckpt_<step>.dcp)")
+def missing_run(path: str) -> str:
+    """The refusal of a ``--run`` that does not exist."""
+    return (f"--run {path}: no such run directory or checkpoint: give a run directory "
+            f"(<expdir>/<config>/<world size>/<run>) or a checkpoint (ckpt_<step>.pt or ckpt_<step>.dcp)")
 
 
 def read_command_line(argv) -> argparse.Namespace:
     """The options, refused in one line before torch loads. A missing ``--run`` is refused here
     only in one process: ranks refuse it together (``agree``), as it may exist on some nodes."""
     args = parser().parse_args(argv)
-    error = run_not_found(args.run) if os.environ.get("WORLD_SIZE", "1") == "1" else None
-    if error is not None:
-        refuse(str(error))
+    if os.environ.get("WORLD_SIZE", "1") == "1" and not os.path.exists(args.run):
+        refuse(missing_run(args.run))
     return args
 
 
@@ -124,9 +98,8 @@ log = logging.getLogger("score")
 def find_checkpoint(path: str) -> tuple[dict, str, str]:
     """(checkpoint state, its path, the run directory) for ``--run``: a run directory (its
     newest loadable checkpoint) or a checkpoint file or DCP directory."""
-    error = run_not_found(path)
-    if error is not None:
-        raise error
+    if not os.path.exists(path):
+        raise ConfigError(missing_run(path))
     if os.path.isdir(path) and not checkpoint.is_sharded(path):
         run_dir, folder = path, os.path.join(path, "checkpoints")
         inside = os.path.abspath(path)
@@ -175,8 +148,7 @@ def run_config(run_dir: str, state: dict, overrides: dict):
 def config_name(path: str) -> str:
     """The name of the one config a run's ``config.yaml`` holds. A damaged file is refused here,
     naming it: the settings' own reader would name --yaml_config, which score.py has not."""
-    fix = ("restore it, or move it out of the run directory to score with the config saved in "
-           "the checkpoint")
+    fix = "restore it, or move it out of the run directory to score with the config saved in the checkpoint"
     try:
         with open(path) as f:
             doc = yaml.safe_load(f)
@@ -184,8 +156,7 @@ def config_name(path: str) -> str:
         reason = e.strerror if isinstance(e, OSError) else str(e)
         raise ConfigError(f"{path}, the run's config, cannot be read ({reason}): {fix}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}, the run's config, is not valid YAML ({yaml_problem(e)}): "
-                          f"{fix}") from None
+        raise ConfigError(f"{path}, the run's config, is not valid YAML ({yaml_problem(e)}): {fix}") from None
     if not (isinstance(doc, dict) and len(doc) == 1 and isinstance(next(iter(doc)), str)
             and isinstance(next(iter(doc.values())), dict)):
         raise ConfigError(f"{path}, the run's config, does not hold one config (its name, and "
@@ -199,9 +170,8 @@ def check_model_options(args, cfg, run: str):
         given = [n for n in names if getattr(args, n) is not None]
         if given and model != cfg.model:
             other = MODEL_OPTIONS.get(cfg.model, (cfg.model,))[0]
-            raise ConfigError(f"--{given[0]} {getattr(args, given[0])} is an option of the "
-                              f"{label}'s scoring, and {run} is a {other} run: drop "
-                              f"--{given[0]}")
+            raise ConfigError(f"--{given[0]} {getattr(args, given[0])} is an option of the {label}'s "
+                              f"scoring, and {run} is a {other} run: drop --{given[0]}")
 
 
 def load_weights(model: torch.nn.Module, state: dict, path: str, cfg):
@@ -211,11 +181,9 @@ def load_weights(model: torch.nn.Module, state: dict, path: str, cfg):
     if saved != cfg.model:
         name = {m: label for m, (label, _) in MODEL_OPTIONS.items()}
         raise ConfigError(f"{path} is a {name.get(saved, saved)} checkpoint given to a "
-                          f"{name.get(cfg.model, cfg.model)} run: score it with its own run "
-                          f"directory")
-    weights = checkpoint.weights(state)
+                          f"{name.get(cfg.model, cfg.model)} run: score it with its own run directory")
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(checkpoint.weights(state))
     except RuntimeError as e:
         reason = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         raise ConfigError(f"{path}: its weights do not fit the model its config builds "
@@ -226,25 +194,9 @@ def output_dir(out: str | None, run_dir: str) -> str:
     """Where the scores go; refused when it exists already (scores are never written over)."""
     out = out or os.path.join(run_dir, "score")
     if os.path.exists(out):
-        raise ConfigError(f"{out} exists already, and scores are never written over: remove it, "
-                          f"or give --out DIR")
+        raise ConfigError(f"{out} exists already, and scores are never written over: remove it, or give --out DIR")
     check_dir("--out", os.path.dirname(os.path.abspath(out)), writable=True)
     return out
-
-
-def forward_context(task, device: torch.device, amp_mode: str):
-    """A factory of the context the scoring forwards run in: autocast in ``amp_mode`` and the
-    task's kernel choices, as in training."""
-    amp = AMP_DTYPES[amp_mode]
-    kernels = task.forward_kernels(device, amp or torch.float32)
-
-    @contextlib.contextmanager
-    def context():
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), \
-                kernels():
-            yield
-
-    return context
 
 
 def ranks() -> tuple[int, int, int]:
@@ -265,20 +217,23 @@ def join_ranks(world: int, rank: int) -> bool:
         if var not in os.environ:
             raise ConfigError(f"WORLD_SIZE={world} but {var} is not set: launch with torchrun, or "
                               f"source export_DDP_vars.sh in the job script")
-    # gloo for the host's tensors (the ranks' agreement, the U-Net's volume), nccl for the
-    # ViT's sums where they are on a GPU.
+    # gloo for host tensors (the ranks' agreement, the U-Net's volume), nccl for the ViT's GPU sums
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, rank=rank, world_size=world)
     return True
 
 
-def agree(error: BaseException | None, rank: int, world: int):
-    """Raise on every rank when any rank failed: a rank's own error there; elsewhere the first
-    failing rank's user error (prefixed with that rank unless it is rank 0), or a one-line pointer
-    to that rank's traceback. Nothing to agree on with one rank."""
-    if world > 1:
-        # Every rank's error (or None), on every rank: a refusal found on one rank ends all
-        # ranks together, none left waiting in the next collective. Also the ranks' barrier.
+@contextlib.contextmanager
+def agreed(world: int):
+    """Run the block on every rank, then raise on every rank when any rank's block failed: a
+    rank's own error there; elsewhere the first failing rank's user error (prefixed with that rank
+    unless it is rank 0), or a one-line pointer to that rank's traceback."""
+    error = None
+    try:
+        yield
+    except Exception as e:
+        error = e
+    if world > 1:  # collective, also the ranks' barrier: none is left waiting in the next one
         told = [None] * world
         mine = None if error is None else (error if isinstance(error, UserError) else
                                            UserError(f"{type(error).__name__}: {error}"))
@@ -295,53 +250,47 @@ def score(args) -> str | None:
     """Score the run ``args.run`` as its task does and write the report; its directory (None on
     ranks other than 0, which write nothing)."""
     rank, world, local_rank = ranks()
-    made_group = join_ranks(world, rank)
-    try:
-        return _score(args, rank, world, local_rank)
-    finally:
-        if made_group:
-            dist.destroy_process_group()
+    with contextlib.ExitStack() as group:
+        if join_ranks(world, rank):
+            group.callback(dist.destroy_process_group)
+        with agreed(world):  # the checkpoint, the output directory, the config, the model
+            state, ckpt, run_dir = find_checkpoint(args.run)
+            out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
+            overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
+                         if getattr(args, k) is not None}
+            cfg = run_config(run_dir, state, overrides)
+            check_model_options(args, cfg, args.run)
+            device = choose_device(cfg, local_rank)
+            check_amp(cfg, device)
+            task = make_task(cfg)
+            model = task.build_model()
+            load_weights(model, state, ckpt, cfg)
+            model.to(device).eval()
+        amp = AMP_DTYPES[cfg.amp_mode]
+        kernels = task.forward_kernels(device, amp or torch.float32)
 
+        @contextlib.contextmanager
+        def autocast():  # the forwards' context: autocast and the task's kernels, as in training
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), kernels():
+                yield
 
-def _score(args, rank: int, world: int, local_rank: int) -> str | None:
-    error = None
-    try:  # the checkpoint, the output directory, the config, the model with its weights
-        state, ckpt, run_dir = find_checkpoint(args.run)
-        out = output_dir(args.out, run_dir) if rank == 0 else None  # only rank 0 writes
-        overrides = {k: getattr(args, k) for k in ("data_root", "device", "amp_mode")
-                     if getattr(args, k) is not None}
-        cfg = run_config(run_dir, state, overrides)
-        check_model_options(args, cfg, args.run)
-        device = choose_device(cfg, local_rank)
-        check_amp(cfg, device)
-        task = make_task(cfg)
-        model = task.build_model()
-        load_weights(model, state, ckpt, cfg)
-        model.to(device).eval()
-    except Exception as e:  # told to every rank first
-        error = e
-    agree(error, rank, world)
-    autocast = forward_context(task, device, cfg.amp_mode)
-    on = f"{world} ranks ({device} on rank 0)" if world > 1 else str(device)
-    log.info(f"Scoring {ckpt} (step {state['iteration']}) on {on}, amp_mode {cfg.amp_mode}")
-    # The task's own checks of the data come before its collectives, and are the same on every
-    # rank (the same files and options), so that all ranks refuse together.
-    report = task.score(model, device, autocast, argparse.Namespace(**vars(args), rank=rank,
-                                                                    world_size=world))
-    written = []
-    if rank == 0:
-        report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
-                           device=str(device), amp_mode=cfg.amp_mode, ranks=world)
-        tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
-        try:
-            written = write_report(report, tmp)
-            os.rename(tmp, out)
-        except Exception as e:  # told to every rank first
-            error = e
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-    agree(error, rank, world)  # every rank waits for rank 0's report
+        on = f"{world} ranks ({device} on rank 0)" if world > 1 else str(device)
+        log.info(f"Scoring {ckpt} (step {state['iteration']}) on {on}, amp_mode {cfg.amp_mode}")
+        # The task's own checks of the data come before its collectives, and are the same on every
+        # rank (the same files and options), so that all ranks refuse together.
+        report = task.score(model, device, autocast, argparse.Namespace(**vars(args), rank=rank,
+                                                                        world_size=world))
+        with agreed(world):  # every rank waits for rank 0's report
+            if rank == 0:
+                report.meta.update(checkpoint=os.path.abspath(ckpt), step=int(state["iteration"]),
+                                   device=str(device), amp_mode=cfg.amp_mode, ranks=world)
+                tmp = f"{out}.{os.getpid()}.tmp"  # written whole, then renamed into place
+                try:
+                    written = write_report(report, tmp)
+                    os.rename(tmp, out)
+                finally:
+                    if os.path.exists(tmp):
+                        shutil.rmtree(tmp)
     if rank != 0:
         return None
     for line in report.summary:

@@ -152,11 +152,9 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         self.run_log = RunLog(
             cfg, rt, self.task, run_dir=self.run_dir, start_clock=clock, model=self.model,
-            optimizer=self.optimizer,
-            steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
-            iteration=self.iteration, peak_lr=self.peak_lr, resumed=self.resumed,
+            optimizer=self.optimizer, iteration=self.iteration, resumed=self.resumed,
             lr=lambda n: lr_at(n, self.peak_lr, cfg.end_lr, cfg.warmup_steps, self.total_steps),
-            finished=False, derived=self.derived(),
+            derived=self.derived(),
             kept_checkpoints=self.checkpointer.kept)
         self.stopper = Stopper(ending.request, rt.distributed, rt.host_group, cfg.log_every,
                                cfg.loader_timeout_s, self.checkpointer.kept,
@@ -167,7 +165,7 @@ class Trainer:
             write_config(cfg, self.run_dir, self.derived(), resumed=self.resumed)
         log_run_header(self.model, rt, self.loaders, self.total_steps,
                        getattr(self.model, "sequence_parallel_summary", lambda: None)(),
-                       cfg.num_data_workers, self.task, AMP_DTYPES[cfg.amp_mode])
+                       cfg.num_data_workers, self.task)
         log.info(describe_lr(cfg.lr, self.peak_lr, rt.global_batch, cfg.base_batch_size,
                              cfg.lr_scaling, cfg.warmup_steps, cfg.end_lr))
 
@@ -273,7 +271,7 @@ class Trainer:
             st.step_in_epoch += 1
             if self.checkpoint_due() and not self.validation_next():
                 # (the epoch's last step: after its validation)
-                self.save_checkpoint(self.run_log.epoch_loss_sum())
+                self.save_checkpoint(self.run_log.epoch_sum)
             self.run_log.step_done(st.iteration)
         return self.run_log.end_epoch(st.iteration, st.step_in_epoch, st.epoch_loss_carry)
 
@@ -297,7 +295,7 @@ class Trainer:
         ``epoch_sum``: this rank's summed step losses of the epoch so far (None at an epoch's
         end)."""
         seconds = self.checkpointer.save(epoch_sum, self.run_log.window_carry())
-        self.run_log.checkpoint_took(seconds)
+        self.run_log.checkpoint_s += seconds  # (inside the epoch's wall time)
 
     def stop_here(self, signum: int):
         """Every rank writes the checkpoint of the last finished step and raises RunStopped.
@@ -305,7 +303,7 @@ class Trainer:
         steps, or after a validation that a stop signal cut short."""
         if not (self.checkpoint_due() and not self.validation_next()):
             # (unless this step's periodic one is written)
-            self.save_checkpoint(self.run_log.epoch_loss_sum())
+            self.save_checkpoint(self.run_log.epoch_sum)
         raise RunStopped(signum, self.iteration, self.checkpointer.written_for(self.iteration))
 
     # ------------------------------------------------------------------ validation

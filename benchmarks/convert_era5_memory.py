@@ -1,11 +1,9 @@
 """Peak memory of python -m datapipe.convert_era5 at ERA5's 0.25 degree grid (721 x 1440).
 
-Writes a WeatherBench 2-layout zarr store of a short year (--steps six-hourly steps of the six
-surface variables and five pressure-level variables on four levels, random values) into a
-temporary folder, converts it in a child process and prints the child's peak resident memory
-beside what the imports alone take and the sizes it is bounded against: the year written (what
-a converter holding a year whole would need) and one time step. Needs requirements-era5.txt.
-The figure is in docs/convert_era5.md.
+Writes a WeatherBench 2-layout zarr store of a short year (--steps six-hourly steps, random
+values) into a temporary folder, converts it in a child process and prints the child's peak
+resident memory beside what the imports alone take, the year written and one time step. Needs
+requirements-era5.txt. The figure and what it is bounded against: docs/convert_era5.md.
 
     python benchmarks/convert_era5_memory.py --steps 16
 """

@@ -20,11 +20,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from settings.errors import OneLineParser, refuse
 
-from settings.errors import OneLineParser, refuse  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 UNET = ["--yaml_config", "config/UNet.yaml", "--config", "quickstart"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

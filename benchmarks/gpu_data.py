@@ -1,14 +1,14 @@
 """Synthetic data at the tutorial's sizes, written in seconds, for timing runs on a GPU node
 (``python -m benchmarks.gpu_runs --make-data``): ``<out>/cosmo/`` (config/UNet.yaml's
-``train_file`` and ``val_file``: ``Nbody`` and ``Hydro`` boxes) and ``<out>/era5/`` (a training
-and a validation year file of ``fields`` and their ``stats/``), in the formats the project's
-loaders read (datapipe/synthetic.py) but with random values instead of its physical models,
-which take minutes at these sizes: a model trained on them learns nothing. An ERA5 file repeats
-one random block of ``BLOCK`` steps, so the statistics are exact: those of the training block.
+``train_file`` and ``val_file``) and ``<out>/era5/`` (a training and a validation year file and
+their ``stats/``), in the formats the project's loaders read (datapipe/synthetic.py) but with
+random values instead of its physical models, which take minutes at these sizes: a model trained
+on them learns nothing. An ERA5 file repeats one random block of ``BLOCK`` steps, so the
+statistics are exact: those of the training block.
 
 A data set already there with the asked shapes is kept; every file is written under a temporary
-name and moved into place, and only ever over a file this tool wrote (its HDF5 files say so in
-an attribute): another data set's files in the way are refused in one line, nothing written.
+name and moved into place, and only over a file this tool wrote (an HDF5 attribute says so):
+another data set's files in the way are refused in one line, nothing written.
 """
 from __future__ import annotations
 

@@ -3,13 +3,8 @@ optimised configs of the U-Net and the ViT (the device loader, compile, the thro
 the time to the first step, a second run on warm compile caches), the roofline, compiled
 channels-last and fp8, tabulated beside the tutorial's A100 figures and the goals.
 
-    python -m benchmarks.gpu_runs --dry-run              # the plan: commands, estimates
-    python -m benchmarks.gpu_runs --make-data            # the device call (~8 min on an H200)
-    python -m benchmarks.gpu_runs --make-data --only unet vit   # series, or runs by key
-
-The series (``SERIES``), the budget and timeouts, the data ``--make-data`` writes, the table
-(GPU.md in ``--out-dir``, beside gpu_runs.log and gpu_runs.json) and the rows of the runs that
-failed or were skipped (exit status 1): docs/performance.md ("Measuring on a GPU").
+How to run it, the series (``SERIES``), the budget, the data, the table and the rows of the runs
+that failed or were skipped (exit status 1): docs/performance.md ("Measuring on a GPU").
 """
 from __future__ import annotations
 
@@ -27,12 +22,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-if __package__ in (None, ""):  # run as a script: the packages from the repository
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import gpu_data  # noqa: E402
-from observe.profiling import unused_path  # noqa: E402
-from settings.errors import OneLineParser, at_least, refuse  # noqa: E402
+from benchmarks import gpu_data
+from observe.profiling import unused_path
+from settings.errors import OneLineParser, at_least, refuse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 540.0  # one call: under the device's 10-minute command limit, with room to spare
@@ -234,11 +226,23 @@ def run_logged(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, s
     return code, out
 
 
-def outcome(code: int | None, output: str, timeout: float) -> dict:
-    """``read_log``'s numbers of a run that succeeded, else ``{"failed": why}``: the exit code
-    (or signal) or the timeout, and the last error line."""
+def outcome(code: int | None, output: str, timeout: float, report: str | None = None) -> dict:
+    """A training run's ``read_log`` numbers when it succeeded; a report run's ``{"report": the
+    JSON it wrote at ``report``}`` when that has its ``markdown`` (whatever the exit code: a
+    verdict such as "does not compile" is a result); else ``{"failed": why}``: the exit code (or
+    signal) or the timeout, and the last error line."""
+    if report is not None:
+        try:
+            with open(report) as f:
+                written = json.load(f)
+        except (OSError, ValueError):
+            written = None
+        if isinstance(written, dict) and written.get("markdown"):
+            return {"report": written}
     if code is None:
         return {"failed": f"timed out after {timeout:g} s; last line: {last_error_line(output)}"}
+    if report is not None:
+        return {"failed": f"exit {code}, no result written: {last_error_line(output)}"}
     if code != 0:
         how = f"exit {code}" if code > 0 else f"killed by signal {-code}"  # e.g. 9: out of memory
         return {"failed": f"{how}: {last_error_line(output)}"}
@@ -246,21 +250,6 @@ def outcome(code: int | None, output: str, timeout: float) -> dict:
         return read_log(output)
     except ValueError as e:
         return {"failed": f"exit 0 but {e}; last line: {last_error_line(output)}"}
-
-
-def report_outcome(code: int | None, output: str, timeout: float, path: str) -> dict:
-    """``{"report": the script's JSON}`` when it wrote one with its ``markdown`` (whatever its
-    exit code: a verdict such as "does not compile" is a result), else ``{"failed": why}``."""
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, ValueError):
-        report = None
-    if isinstance(report, dict) and report.get("markdown"):
-        return {"report": report}
-    if code is None:
-        return {"failed": f"timed out after {timeout:g} s; last line: {last_error_line(output)}"}
-    return {"failed": f"exit {code}, no result written: {last_error_line(output)}"}
 
 
 # ---------------------------------------------------------------------------- the budget
@@ -621,10 +610,8 @@ def execute(run: Run, i: int, a, data_dir: str, tmp: str, env: dict, budget: Bud
     os.makedirs(expdir, exist_ok=True)
     code, output = run_logged(cmd, env, timeout)
     writer.log_run(run, cmd, code, time.monotonic() - t0, output)
-    if run.kind == "report":
-        result = report_outcome(code, output, timeout, os.path.join(expdir, "report.json"))
-    else:
-        result = outcome(code, output, timeout)
+    report = os.path.join(expdir, "report.json") if run.kind == "report" else None
+    result = outcome(code, output, timeout, report)
     result["seconds"] = round(time.monotonic() - t0, 1)
     shutil.rmtree(expdir, ignore_errors=True)  # checkpoints of a 117 M-parameter model: 1.4 GB
     return result

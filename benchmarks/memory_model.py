@@ -1,18 +1,13 @@
 """Per-rank memory and communication of the tensor / context / data parallel ViT, from its shapes.
 
-    python -m benchmarks.memory_model --config mp --tensor_parallel 1 --context_parallel 1
     python -m benchmarks.memory_model --config mp --tensor_parallel 4     # 45 patch rows: padded sequence parallelism
-    python -m benchmarks.memory_model --config mp --img_size '[352,720]' --tensor_parallel 4 \\
-        --local_batch_size 16 --data_parallel 4 --attention flash --activation_checkpointing
-    python -m benchmarks.memory_model --config mp_cpu --tensor_parallel 2 --measure cpu
     python -m benchmarks.memory_model --config mp --amp_mode bf16 --data_parallel 8 --fsdp
 
 Any config key can be overridden (``--key value``, as for train.py); the model's own options are
-in ``--help``. World = tp x cp x dp; the local batch is ``global_batch_size / dp`` unless
-``--local_batch_size`` is given. The layout is the engine's
-(``distributed.parallelize.token_layout``; ``--sequence_parallel false`` as for train_mp.py). What is
-counted, and every assumption: benchmarks/memory_model.md. Tested against the CPU byte count
-(``observe.memory.MemoryProbe``) in tests/test_mp_training.py.
+in ``--help``; more examples: docs/parallelism.md ("Memory per rank"). World = tp x cp x dp; the
+local batch is ``global_batch_size / dp`` unless ``--local_batch_size`` is given; the layout is
+the engine's (``distributed.parallelize.token_layout``). What is counted, and every assumption:
+benchmarks/memory_model.md. Tested against the CPU byte count in tests/test_mp_training.py.
 """
 from __future__ import annotations
 
@@ -336,15 +331,12 @@ def fsdp_collectives(rows, dp: int, amp: bool, checkpointing: bool, accum_steps:
     a = 2 if amp else 4
     k = accum_steps
     r = k if reduce_each_microbatch else 1
-    out = []
-    for what, kind, calls, nbytes in (
-            ("block weights (forward, again in backward)", "all-gather", 2 * depth * k, block),
-            ("root weights (forward)", "all-gather", k, root),
-            ("block gradients (fp32)", "reduce-scatter", depth * r, 4 * block // a),
-            ("root gradients (fp32)", "reduce-scatter", r, 4 * root // a)):
-        out.append(dict(what=what, kind=kind, group="dp", size=dp, calls=calls,
-                        bytes_per_call=int(nbytes), bytes_per_step=int(round(share * nbytes * calls))))
-    return out
+    return [dict(what=what, kind=kind, group="dp", size=dp, calls=calls, bytes_per_call=int(nbytes),
+                 bytes_per_step=int(round(share * nbytes * calls))) for what, kind, calls, nbytes in (
+        ("block weights (forward, again in backward)", "all-gather", 2 * depth * k, block),
+        ("root weights (forward)", "all-gather", k, root),
+        ("block gradients (fp32)", "reduce-scatter", depth * r, 4 * block // a),
+        ("root gradients (fp32)", "reduce-scatter", r, 4 * root // a))]
 
 
 def predict_config(cfg, data_parallel: int = 1, attention: str = "flash", measure: str = "cuda") -> Prediction:

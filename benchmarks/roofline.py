@@ -163,8 +163,7 @@ def build_case(name: str, small: bool, device, memory_format: str = "auto"):
     step = compute_only_step(task, model, opt, x, y, dtype, task.forward_kernels(device, dtype),
                              lambda: torch.profiler.record_function(OPT_RANGE))
     layout = "channels_last_3d" if fmt == torch.channels_last_3d else "default layout"
-    return model, step, step_model(task, batch, amp=gpu,
-                                   channels_last=fmt == torch.channels_last_3d), cfg, layout
+    return model, step, step_model(task, batch, amp=gpu), cfg, layout
 
 
 def _ancestors(e):

@@ -5,7 +5,7 @@ How a step is modelled, and every assumption: benchmarks/roofline.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 # ATen op names (without "aten::" and the overload) that classify an op whatever its module.
@@ -47,7 +47,6 @@ class StepModel:
     classify: Callable[..., str]  # (module path or None, op name, cat_index) -> group
     cast_group: str  # where every dtype cast goes
     accumulation_group: str  # where autograd's sums of the gradients of a tensor used twice go
-    notes: dict = field(default_factory=dict)  # group -> what it holds
 
     def totals(self, group: str | None = None, phase: str | None = None) -> dict:
         ops = [o for o in self.ops if (group is None or o.group == group)
@@ -62,8 +61,7 @@ class StepModel:
         for g in self.groups:
             t = self.totals(g)
             out.append({"group": g, **t, **floor(t["flops"], t["bytes"], matmul_flops_per_s,
-                                                 bytes_per_s),
-                        "note": self.notes.get(g, "")})
+                                                 bytes_per_s)})
         return out
 
 
@@ -183,17 +181,6 @@ class _Ops(list):
 # ----------------------------------------------------------------------------------- the ViT
 
 VIT_GROUPS = ("attention", "projections", "mlp", "norms", "adds", "copies", "loss", "optimizer")
-VIT_NOTES = {
-    "attention": "the fused SDPA kernel, forward and backward",
-    "projections": "patch embedding, qkv, proj, head: matmuls and bias-gradient sums",
-    "mlp": "fc1, fc2 and GELU",
-    "norms": "LayerNorm forward and backward (fp32)",
-    "adds": "residual adds, position embedding and its gradient, gradient sums of the residual "
-            "stream",
-    "copies": "autocast casts; q/k/v gradients stacked; tokens to image",
-    "loss": "relative L2 (fp32)",
-    "optimizer": "fused Adam",
-}
 
 
 def vit_group(module: str | None, op: str, cat_index: int | None = None) -> str:
@@ -281,7 +268,7 @@ def vit_model(cfg, batch: int, amp: bool) -> StepModel:
     params = model_params(cfg)
     ops.adam(params)
     return StepModel("vit", batch, amp, list(ops), VIT_GROUPS, params, vit_group, "copies",
-                     "adds", VIT_NOTES)
+                     "adds")
 
 
 def _relative_l2(ops: _Ops, batch: int, v: int):
@@ -359,10 +346,9 @@ def unet_group(module: str | None, op: str, cat_index: int | None = None,
     return "other"
 
 
-def unet_model(cfg, batch: int, amp: bool, channels_last: bool = False) -> StepModel:
-    """The ops of a training step of the U-Net of ``cfg`` (a UNetConfig) on ``batch`` crops,
-    its weights and batch in the default layout or ``channels_last`` (torch.channels_last_3d:
-    the same ops but for one copy in the loss)."""
+def unet_model(cfg, batch: int, amp: bool) -> StepModel:
+    """The ops of a training step of the U-Net of ``cfg`` (a UNetConfig) on ``batch`` crops, in
+    either memory format (channels-last has the same ops)."""
     if cfg.lambda_rho:
         raise ValueError(f"lambda_rho={cfg.lambda_rho}: the roofline models the L1 loss "
                          f"without the density term; use lambda_rho 0")
@@ -403,19 +389,15 @@ def unet_model(cfg, batch: int, amp: bool, channels_last: bool = False) -> StepM
         ops.add("skip grad sums", "bwd", f"skip {i} gradient sum", 2 * a * n, a * n)
     params = model_params(cfg)
     ops.adam(params)
-    notes = {"casts": "autocast: the input, weights and biases to the 2-byte dtype, their "
-                      "gradients back; the loss's prediction to fp32 and its gradient back",
-             "skip grad sums": "the gradients of each skip from the cat and the next down block",
-             "loss": "L1 (fp32)", "optimizer": "fused Adam"}
 
     def classify(module, op, cat_index=None):
         return unet_group(module, op, cat_index, levels)
     return StepModel("unet", batch, amp, list(ops), unet_groups(levels), params, classify,
-                     "casts", "skip grad sums", notes)
+                     "casts", "skip grad sums")
 
 
-def step_model(task, batch: int, amp: bool, channels_last: bool = False) -> StepModel:
+def step_model(task, batch: int, amp: bool) -> StepModel:
     """The step model of a task's model (tasks/era5.py's ViT or tasks/cosmo.py's U-Net)."""
     if hasattr(task.cfg, "img_size"):
         return vit_model(task.cfg, batch, amp)
-    return unet_model(task.cfg, batch, amp, channels_last)
+    return unet_model(task.cfg, batch, amp)

@@ -4,13 +4,10 @@
     python -m benchmarks.scaling --models vit --ranks 1,2
     python -m benchmarks.scaling --plot-only        # redraw from benchmarks/scaling/results.json
 
-Every point is one ``torchrun`` of a model's ``quickstart`` on synthetic data (gloo, one thread
-per rank, 5 epochs), in weak and strong scaling series, with DDP and with --noddp (compute
-alone); the method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine:
-other processes' load would be timed as ours.
-
-Writes benchmarks/scaling/results.json (every epoch, the best epoch), prints Markdown tables, and
-with matplotlib (pip install -r requirements-plots.txt) draws throughput.png and efficiency.png.
+Every point is one ``torchrun`` of a model's ``quickstart``, with DDP and with --noddp; the
+method and the results: benchmarks/scaling/RESULTS.md. Run it on a quiet machine: other
+processes' load would be timed as ours. Writes results.json, prints Markdown tables, and with
+matplotlib (pip install -r requirements-plots.txt) draws throughput.png and efficiency.png.
 """
 from __future__ import annotations
 
@@ -26,12 +23,10 @@ import sys
 import tempfile
 import time
 
+from settings.errors import OneLineParser, at_least, counts, refuse
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "scaling")
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from settings.errors import OneLineParser, at_least, counts, refuse  # noqa: E402
 
 # Per model: YAML, overrides making a step long enough to time, weak local batch, strong global
 # batch, steps per epoch.

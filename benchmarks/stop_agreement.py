@@ -2,31 +2,25 @@
 all-reduce launched after each fetch, read before the batch's step) and without it.
 
     python -m benchmarks.stop_agreement                 # 2, 4 and 8 gloo ranks, ~3 min on 2 cores
-    python -m benchmarks.stop_agreement --ranks 2,4,8,16 --rounds 3
     python -m benchmarks.stop_agreement --ranks 2,4 --ring-ms 40   # a ring of 40 ms
 
-Each point: N gloo ranks (one thread each) train the ViT quickstart cut to one block of width 32
-from files without workers (the ranks propose after every fetch) at a local batch of 1; a warm-up
-epoch, then ``--rounds`` epochs of each way alternating in the same processes. A way's figure is
-the median of rank 0's steady-state step times; the agreement's own, its calls' time per step on
-rank 0; ``--ring-ms``: ``simulate_long_ring``. The method and the figures: docs/parallelism.md.
+A warm-up epoch, then ``--rounds`` epochs of each way alternating in the same processes; a way's
+figure is the median of rank 0's steady-state step times, the agreement's own its calls' time
+per step on rank 0. The model trained and the figures: docs/preemption.md, docs/parallelism.md.
 """
 from __future__ import annotations
 
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from settings.errors import OneLineParser, at_least, counts
 
-from settings.errors import OneLineParser, at_least, counts  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def simulate_long_ring(ring_s: float):

@@ -3,11 +3,9 @@
     python -m benchmarks.throughput                  # everything, prints Markdown tables
     python -m benchmarks.throughput --only loaders   # or: raw
 
-Data: synthetic files in the real formats under --data (made once): an ERA5 year of 120 steps at
-the tutorial's 360x720 (2.5 GB; 29 batches of 4 per epoch) and a 256^3 cosmology box with 64^3
-crops. Loader rows: each setting (lowmem, inmem; for the U-Net also ``device``; DALI's where it
-is installed) and worker count beside the raw h5py read of the same bytes, timed interleaved
-(how, and the columns: benchmarks/RESULTS.md). Raw rows: h5py reads alone.
+Loader rows: each setting (DALI's where it is installed) and worker count beside the raw h5py
+read of the same bytes, timed interleaved; raw rows: h5py reads alone. The data (synthetic files
+in the real formats under --data, made once), the method and the columns: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ import gc
 import glob
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,13 +21,12 @@ import h5py
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from datapipe import synthetic
+from datapipe.data_loader import build_loaders
+from settings.errors import OneLineParser, at_least
+from settings.parse import build_config
 
-from datapipe import synthetic  # noqa: E402
-from datapipe.data_loader import build_loaders  # noqa: E402
-from settings.errors import OneLineParser, at_least  # noqa: E402
-from settings.parse import build_config  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ERA5_STEPS = 120  # steps of the ERA5 training year: 119 pairs, 29 batches of 4 per epoch
 SETTINGS = ("lowmem", "inmem", "device", "dali-lowmem", "dali-inmem")

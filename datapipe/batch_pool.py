@@ -4,19 +4,16 @@
 y)`` (``datapipe.batch_dataset``) in the order of a sampler, as torch's DataLoader did, without its
 per-batch costs. What a user sees of it is in docs/performance.md ("Batch hand-over"); how:
 
-* **Slots.** One batch's input and target in one mapping: an anonymous ``memfd`` made by the main
-  process (without workers, memory of the main process alone), on a GPU registered once with
-  ``cudaHostRegister``, its descriptor passed to a worker with the first work on it. At most
-  ``prefetch_depth * workers + 2`` (+ 1 on a GPU) are made, the most the engine's loop needs at
-  once (``engine.stop``); more only while the consumer holds on to batches.
+* **Slots.** One batch's input and target in one mapping, made by the main process (an anonymous
+  ``memfd``; without workers, memory of the main process alone), on a GPU registered once; its
+  descriptor goes to a worker with the first work on it. Their count: ``BatchLoader.depth``.
 * **Workers share each batch**: its keys are split over them, each reading its rows into the same
   slot. Workers are forked at the first pass and kept, die with the main process, ignore the stop
   signals and Ctrl-C, and send errors back as raised (a ``UserError`` as itself, anything else as
   a RuntimeError with the worker's traceback); a worker that dies ends the pass with one line.
 * **Release.** A batch is handed out as two tensors on a storage of its own, watched by weak
-  reference; at every fetch a batch no longer referenced is released. On a GPU a ``non_blocking``
-  copy from it may still be queued: the slot is reused only once a CUDA event recorded at its
-  release has completed.
+  reference and released at the first fetch after it is no longer referenced; on a GPU its slot
+  is reused only once a CUDA event recorded at its release has completed.
 * **Passes.** ``iter(loader)`` starts a pass over the sampler's current keys and ends the previous
   one: its batches still queued are skipped by the workers (a shared pass number).
 

@@ -21,18 +21,13 @@ from datapipe.formats import ERA5_CHANNELS
 from datapipe.synthetic import _atomic_path, _ints, list_files
 from settings.errors import ConfigError, OneLineParser, at_least, refuse
 
-# The tutorial's channels as (variable, pressure level in hPa or None) in WeatherBench 2's names.
-CHANNELS = {
-    "u10m": ("10m_u_component_of_wind", None), "v10m": ("10m_v_component_of_wind", None),
-    "t2m": ("2m_temperature", None), "sp": ("surface_pressure", None),
-    "msl": ("mean_sea_level_pressure", None), "t850": ("temperature", 850),
-    "u1000": ("u_component_of_wind", 1000), "v1000": ("v_component_of_wind", 1000),
-    "z1000": ("geopotential", 1000), "u850": ("u_component_of_wind", 850),
-    "v850": ("v_component_of_wind", 850), "z850": ("geopotential", 850),
-    "u500": ("u_component_of_wind", 500), "v500": ("v_component_of_wind", 500),
-    "z500": ("geopotential", 500), "t500": ("temperature", 500), "z50": ("geopotential", 50),
-    "r500": ("relative_humidity", 500), "r850": ("relative_humidity", 850),
-    "tcwv": ("total_column_water_vapour", None)}
+# The tutorial's channels, in its order, as (variable, pressure level in hPa or None) in WeatherBench
+# 2's names: the surface ones by name, the upper-air ones by letter and level (z500: geopotential, 500).
+SURFACE = {"u10m": "10m_u_component_of_wind", "v10m": "10m_v_component_of_wind", "t2m": "2m_temperature",
+           "sp": "surface_pressure", "msl": "mean_sea_level_pressure", "tcwv": "total_column_water_vapour"}
+UPPER_AIR = {"u": "u_component_of_wind", "v": "v_component_of_wind", "z": "geopotential", "t": "temperature",
+             "r": "relative_humidity"}
+CHANNELS = {c: (SURFACE[c], None) if c in SURFACE else (UPPER_AIR[c[0]], int(c[1:])) for c in ERA5_CHANNELS}
 # Other common spellings of the dimensions (the CDS's NetCDF files, CF short names).
 RENAMES = {"valid_time": "time", "pressure_level": "level", "lat": "latitude", "lon": "longitude"}
 MARK = "CONVERTED.txt"  # in a folder this command writes: it may write there again
@@ -52,10 +47,8 @@ def open_source(source: str):
     if "://" not in source and not os.path.exists(source):
         raise ConfigError(f"SOURCE {source} not found: give a zarr store or a folder of .nc files")
     try:
-        if netcdf:
-            ds = xr.open_mfdataset(netcdf, combine="by_coords", chunks={})
-        else:
-            ds = xr.open_zarr(source, chunks={})
+        ds = (xr.open_mfdataset(netcdf, combine="by_coords", chunks={}) if netcdf
+              else xr.open_zarr(source, chunks={}))
     except Exception as e:  # the backends raise many kinds for what they cannot read
         raise ConfigError(f"SOURCE {source} is neither a zarr store nor a folder of .nc files "
                           f"xarray can read ({type(e).__name__}: {e})") from None
@@ -63,10 +56,9 @@ def open_source(source: str):
 
 
 def select(ds, table: dict) -> list:
-    """(lazy array, its channels) per variable of ``table``: (time, latitude, longitude), or
-    (time, level, latitude, longitude) with its channels' levels in order, rows north to south;
-    a variable is read once for all its levels. What the store lacks is refused naming what it
-    holds."""
+    """(lazy array, its channels) per variable of ``table``, read once for its channels' levels
+    in their order: (time, [level,] latitude, longitude), rows north to south. What the store
+    lacks is refused, naming what it holds."""
     missing = [d for d in ("time", "latitude", "longitude") if d not in ds.dims]
     if missing:
         raise ConfigError(f"the source has no dimension {', '.join(missing)} (its dimensions: "
@@ -109,8 +101,7 @@ def year_steps(ds, year: int) -> np.ndarray:
                          & (seconds % (6 * 3600) == 0))
     if len(pos) < 2:
         raise ConfigError(f"the source holds {len(pos)} six-hourly steps of {year} (its times: "
-                          f"{' to '.join(np.datetime_as_string(times[[0, -1]], 'm'))}): choose "
-                          f"years it holds")
+                          f"{' to '.join(np.datetime_as_string(times[[0, -1]], 'm'))}): choose years it holds")
     gaps = np.flatnonzero(np.diff(times[pos]) != np.timedelta64(6, "h"))
     if len(gaps):
         a, b = np.datetime_as_string(times[pos[gaps[0]:gaps[0] + 2]], "m")
@@ -182,19 +173,6 @@ def convert_year(source, table, out_dir, split, year):
     return f"{line}, {time.monotonic() - start:.0f} s", (sums if train else None)
 
 
-def check_out(out_dir, files):
-    """Refuse an output folder holding anything but this command's mark and ``files``."""
-    held = list_files(out_dir) if os.path.isdir(out_dir) else []
-    if held and MARK not in held:
-        raise ConfigError(f"OUT_DIR {out_dir} holds files but no {MARK}, the mark of a folder "
-                          f"this command wrote: choose a new or empty folder")
-    ours = set(files) | {MARK}
-    extra = [f for f in held if f not in ours and not fnmatch.fnmatch(os.path.basename(f), ".*.tmp")]
-    if extra:
-        raise ConfigError(f"OUT_DIR {out_dir} holds {', '.join(extra[:5])}, which this "
-                          f"conversion does not write: move them out, or choose another folder")
-
-
 def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
     """Check everything, then write the years of ``years`` ({split: [year]}) and the statistics
     of the training ones; ConfigError (nothing written) for what check refuses."""
@@ -210,13 +188,20 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
         year_steps(ds, y)
     jobs = [(split, y) for split, ys in years.items() for y in ys]
     stats = [os.path.join("stats", f"{name}.npy") for name in STATS]
-    check_out(out_dir, [os.path.join(s, f"{y}.h5") for s, y in jobs] + stats)
+    held = list_files(out_dir) if os.path.isdir(out_dir) else []
+    if held and MARK not in held:
+        raise ConfigError(f"OUT_DIR {out_dir} holds files but no {MARK}, the mark of a folder "
+                          f"this command wrote: choose a new or empty folder")
+    ours = {os.path.join(s, f"{y}.h5") for s, y in jobs} | set(stats) | {MARK}
+    extra = [f for f in held if f not in ours and not fnmatch.fnmatch(os.path.basename(f), ".*.tmp")]
+    if extra:
+        raise ConfigError(f"OUT_DIR {out_dir} holds {', '.join(extra[:5])}, which this "
+                          f"conversion does not write: move them out, or choose another folder")
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, MARK), "w") as f:  # before any data: it may write here again
         f.write(f"ERA5 converted from {source} by python -m datapipe.convert_era5.\n")
-    todo = [j for j in jobs if not os.path.exists(os.path.join(out_dir, j[0], f"{j[1]}.h5"))]
-    if not todo and all(os.path.exists(os.path.join(out_dir, s)) for s in stats):
+    if all(os.path.exists(os.path.join(out_dir, f)) for f in ours - {MARK}):
         say("every year and the statistics are complete: nothing to do")
         return
     for s in stats:  # never left beside years they were not computed from
@@ -228,14 +213,12 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
     in_process = contextlib.nullcontext(SimpleNamespace(map=map))
     with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn")) if workers > 1 \
             else in_process as pool:
-        for line, year_sums in pool.map(convert_year, *zip(*[(source, table, out_dir, s, y)
-                                                             for s, y in jobs])):
+        for line, year_sums in pool.map(functools.partial(convert_year, source, table, out_dir), *zip(*jobs)):
             say(line)
             sums += [year_sums] if year_sums else []
     steps, mean, m2, time_sum = functools.reduce(merge, sums)
-    c, n = len(mean), steps * time_sum[0].size
-    values = {"global_means": mean.reshape(1, c, 1, 1),
-              "global_stds": np.sqrt(m2 / n).reshape(1, c, 1, 1),
+    n = steps * time_sum[0].size
+    values = {"global_means": mean[None, :, None, None], "global_stds": np.sqrt(m2 / n)[None, :, None, None],
               "time_means": (time_sum / steps)[None]}
     os.makedirs(os.path.join(out_dir, "stats"), exist_ok=True)
     for name in STATS:
@@ -243,19 +226,6 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
             np.save(f, values[name])
     say(f"stats/: means, stds and time means (float64) of {steps} steps of the training years "
         f"{', '.join(map(str, years['train']))}")
-
-
-def channel_table(overrides) -> dict:
-    """CHANNELS with ``NAME=VARIABLE[@LEVEL]`` overrides applied."""
-    table = dict(CHANNELS)
-    for text in overrides:
-        name, _, source = text.partition("=")
-        variable, _, level = source.partition("@")
-        if name not in table or not variable or (level and not level.isdigit()):
-            raise ConfigError(f"--channel {text}: give NAME=VARIABLE or NAME=VARIABLE@LEVEL with "
-                              f"NAME one of {', '.join(ERA5_CHANNELS)} and LEVEL in hPa")
-        table[name] = (variable, int(level) if level else None)
-    return table
 
 
 def main(argv=None):
@@ -272,8 +242,16 @@ def main(argv=None):
                         help="years converted at once, each in its own process (default: 1)")
     args = parser.parse_args(argv)
     years = {s: _ints(parser, f"{s}_years", getattr(args, f"{s}_years")) for s in ("train", "valid", "test")}
+    table = dict(CHANNELS)
+    for text in args.channel:  # NAME=VARIABLE[@LEVEL]
+        name, _, source = text.partition("=")
+        variable, _, level = source.partition("@")
+        if name not in table or not variable or (level and not level.isdigit()):
+            refuse(f"--channel {text}: give NAME=VARIABLE or NAME=VARIABLE@LEVEL with NAME one of "
+                   f"{', '.join(ERA5_CHANNELS)} and LEVEL in hPa")
+        table[name] = (variable, int(level) if level else None)
     try:
-        convert(args.source, args.out_dir, years, channel_table(args.channel), args.workers)
+        convert(args.source, args.out_dir, years, table, args.workers)
     except ConfigError as e:
         refuse(str(e))
     except OSError as e:

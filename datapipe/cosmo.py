@@ -1,8 +1,5 @@
-"""The cosmology problem's data (the U-Net): an N-body and a hydro volume per HDF5 file
-(``train_file``, ``val_file``), cut into randomly placed and rotated crops
-(``datapipe.cosmo_data``); synthetic boxes of the same format (``datapipe.synthetic``); and,
-for ``data_loader_config: synthetic``, the same crops cut from boxes made in memory
-(``datapipe.generated_data``). Registered for ``UNetConfig``."""
+"""The cosmology problem's data (the U-Net), registered for ``UNetConfig``: crops of volume files
+(``datapipe.cosmo_data``), synthetic ones (``datapipe.synthetic``), in memory (``generated_data``)."""
 from __future__ import annotations
 
 import os

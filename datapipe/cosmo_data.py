@@ -7,14 +7,45 @@ memory: once, at load).
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import h5py
 import numpy as np
+import torch
 
 from datapipe.batch_dataset import BatchReadDataset, check_stored_dtype, finite_sums, read_float32
 from datapipe.rotations import ROTATIONS, channel_plan, rotate_in_place, rotate_into
-from settings.errors import DataError
+from settings.errors import ConfigError, DataError
+
+
+SLAB_BYTES = 256 * 2**20  # host memory of one read while loading (float32 planes of a channel)
+
+
+def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` channels of dataset ``name`` of ``path`` as a (n, L, L, L) tensor of
+    ``dtype`` on ``device``, read as float32 slab by slab (at most ``SLAB_BYTES`` of host memory
+    at a time), each slab checked for non-finite values and, in half precision, for values
+    beyond the type's range."""
+    with h5py.File(path, "r") as f:
+        ds = f[name]
+        side = ds.shape[1]
+        out = torch.empty((n, *ds.shape[1:]), dtype=dtype, device=device)
+        planes = max(1, SLAB_BYTES // (4 * side * side))
+        for c in range(n):
+            for a in range(0, side, planes):
+                b = min(side, a + planes)
+                slab = torch.from_numpy(read_float32(ds, (slice(c, c + 1), slice(a, b))))[0]
+                if not bool(slab.isfinite().all()):
+                    raise DataError(f"{path}: '{name}' holds non-finite values: repair the file")
+                dest = out[c, a:b]
+                dest.copy_(slab)  # the cast to the storage type, on the device
+                if dtype != torch.float32 and not bool(dest.isfinite().all()):
+                    raise ConfigError(f"{path}: '{name}' holds values beyond the range of "
+                                      f"{str(dtype).removeprefix('torch.')} (largest "
+                                      f"{torch.finfo(dtype).max:g}): use --device_volume_dtype "
+                                      f"bfloat16 or float32")
+    return out
 
 
 def crop_settings(cfg) -> dict:
@@ -41,12 +72,8 @@ class CosmoCropDataset(BatchReadDataset):
             return
         self.box = self._check()
         if inmem:
-            with h5py.File(path, "r") as f:
-                self._arrays = tuple(read_float32(f[name], np.s_[:n])
-                                     for name, n in (("Nbody", n_in), ("Hydro", n_out)))
-            for name, a in zip(("Nbody", "Hydro"), self._arrays):
-                if not np.isfinite(a).all():
-                    raise DataError(f"{path}: '{name}' holds non-finite values: repair the file")
+            self._arrays = tuple(load_field(path, name, n, "cpu", torch.float32).numpy()
+                                 for name, n in (("Nbody", n_in), ("Hydro", n_out)))
 
     def _check(self) -> int:
         if not os.path.exists(self.path):
@@ -138,9 +165,5 @@ class CosmoCropDataset(BatchReadDataset):
 def _runs(source):
     """``(lo, hi, first)`` for each run of output channels lo..hi-1 whose sources are the
     consecutive channels first, first + 1, ...: one read each."""
-    runs, lo = [], 0
-    for c in range(1, len(source) + 1):
-        if c == len(source) or source[c] != source[c - 1] + 1:
-            runs.append((lo, c, source[lo]))
-            lo = c
-    return runs
+    runs = (list(g) for _, g in itertools.groupby(enumerate(source), lambda p: p[1] - p[0]))
+    return [(run[0][0], run[-1][0] + 1, run[0][1]) for run in runs]

@@ -1,14 +1,10 @@
 """NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of the
 PyTorch loaders, whose datasets and samplers (built first, never iterated) decide them, assembled
 by DALI pipelines; what runs where is in docs/performance.md ("DALI loaders"). One pipeline
-definition per model serves a GPU (``device_id``) and CPU threads (``device_id=None``).
-
-The epoch's keys reach the Python workers through a small shared file (``EpochKeys``): the
-engine sets the sampler's epoch after the workers started. A sample callback past the epoch's
-keys, or from an earlier DALI epoch, raises StopIteration; a partial last batch (validation) is
-filled with repeats of the last key and cut back. The Python workers are started with the run's
-stop signals held back (``settings.signals.held``) and a callback ignores them the first time it
-runs in a worker; an error a worker raises on the data ends the run as that error, in one line
+definition per model serves a GPU (``device_id``) and CPU threads (``device_id=None``). The
+epoch's keys reach the Python workers through ``EpochKeys``: the engine sets the sampler's epoch
+after the workers started. A partial last batch (validation) is filled with repeats of the last
+key and cut back; an error a worker raises on the data ends the run as that error
 (``worker_error``).
 """
 from __future__ import annotations
@@ -143,14 +139,9 @@ class SampleSource:
                       np.asarray(hydro[(slice(ds.n_out),) + crop], np.float32))
 
 
-class _Repeat:
-    """Batch source: the same array in every slot (one volume, referenced, not copied)."""
-
-    def __init__(self, array, n):
-        self.batch = [array] * n
-
-    def __call__(self):
-        return self.batch
+def _repeat(array, n):
+    batch = [array] * n  # the same volume in every slot: referenced, not copied
+    return lambda: batch
 
 
 def _rotate(fn, v, k, flips, src, mul, vector_channels, n_channels, gpu: bool):
@@ -336,7 +327,7 @@ def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
             k, flips, src_x, mul_x, src_y, mul_y = outs[:6]
             if inmem:  # the crop cut from the volumes held in memory, passed without a copy
                 nbody, hydro = dataset._volumes()
-                vols = [fn.external_source(source=_Repeat(v, local_batch), batch=True,
+                vols = [fn.external_source(source=_repeat(v, local_batch), batch=True,
                                            no_copy=True, layout="CDHW") for v in (nbody, hydro)]
                 x, y = (fn.slice(v, outs[6], np.array([s, s, s], np.int32), axes=[1, 2, 3],
                                  out_of_bounds_policy="error") for v in vols)

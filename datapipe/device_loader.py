@@ -11,9 +11,8 @@ summed from three (B, s) rows. One advanced-indexing gather per field per batch,
 vector channels re-ordered (``datapipe.rotations.channel_plan``); one multiplication by the
 (B, C) signs follows only when a sample turns a vector component backwards.
 
-On a CPU with float32 storage (``method="copy"``) each crop is instead copied through its rotated
-view (``rotate_into``) over torch's intra-op threads: a CPU gathers slowly. Both give the bits of
-the ``lowmem`` loaders, built first (never iterated), whose dataset and samplers decide them.
+On a CPU with float32 storage (``method="copy"``) each crop is copied through its rotated view
+instead (``CropGather.copy``). Both give the bits of the ``lowmem`` loaders (never iterated).
 """
 from __future__ import annotations
 
@@ -27,14 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import h5py
 import numpy as np
 import torch
 
-from datapipe.batch_dataset import read_float32
-from datapipe.cosmo_data import CosmoCropDataset
+from datapipe.cosmo_data import CosmoCropDataset, load_field
 from datapipe.rotations import ROTATIONS, channel_plan, rotate_into
-from settings.errors import ConfigError, DataError
+from settings.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the settings are read by name
     from settings.config import UNetConfig
@@ -42,7 +39,6 @@ if TYPE_CHECKING:  # annotations only: the settings are read by name
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SLAB_BYTES = 256 * 2**20  # host memory of one read while loading (float32 planes of a channel)
 INDEX_DTYPE = torch.int64
 
 
@@ -97,39 +93,25 @@ def check_fits(need: VolumeNeed, free: int | None, where: str):
                       f"{' or '.join(choices)}")
 
 
-def _cgroup_headroom() -> int | None:
-    """Bytes this process's cgroup (v2) may still take, None without a limit."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            rel = next((line.strip().split("::", 1)[1] for line in f if line.startswith("0::")),
-                       None)
-        if rel is None:
-            return None
-        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(os.path.join(base, "memory.current")) as f:
-            return max(0, int(limit) - int(f.read()))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def host_available() -> int | None:
-    """Bytes of host memory available to this process: MemAvailable of /proc/meminfo (within the
-    cgroup's limit, when it sets one); elsewhere the free physical pages; None when unknown."""
+    """Bytes of host memory available to this process: MemAvailable of /proc/meminfo, within the
+    limit of its cgroup (v2) when that sets one; None when unknown."""
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f
                              if line.startswith("MemAvailable:"))
     except (OSError, ValueError, IndexError, StopIteration):
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    headroom = _cgroup_headroom()
-    return available if headroom is None else min(available, headroom)
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next(line.strip().split("::", 1)[1] for line in f if line.startswith("0::"))
+        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(base, "memory.current")) as f:
+            return min(available, max(0, int(limit) - int(f.read())))
+    except (OSError, ValueError, IndexError, StopIteration):  # no cgroup v2, or no limit (max)
+        return available
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -143,32 +125,6 @@ def free_memory(device: torch.device) -> int | None:
 
 
 # ----------------------------------------------------------------------------- the volumes
-
-def load_field(path: str, name: str, n: int, device, dtype: torch.dtype) -> torch.Tensor:
-    """The first ``n`` channels of dataset ``name`` of ``path`` as a (n, L, L, L) tensor of
-    ``dtype`` on ``device``, read as float32 slab by slab (at most ``SLAB_BYTES`` of host memory
-    at a time), each slab checked for non-finite values and, in half precision, for values
-    beyond the type's range."""
-    with h5py.File(path, "r") as f:
-        ds = f[name]
-        side = ds.shape[1]
-        out = torch.empty((n, *ds.shape[1:]), dtype=dtype, device=device)
-        planes = max(1, SLAB_BYTES // (4 * side * side))
-        for c in range(n):
-            for a in range(0, side, planes):
-                b = min(side, a + planes)
-                slab = torch.from_numpy(read_float32(ds, (slice(c, c + 1), slice(a, b))))[0]
-                if not bool(slab.isfinite().all()):
-                    raise DataError(f"{path}: '{name}' holds non-finite values: repair the file")
-                dest = out[c, a:b]
-                dest.copy_(slab)  # the cast to the storage type, on the device
-                if dtype != torch.float32 and not bool(dest.isfinite().all()):
-                    raise ConfigError(f"{path}: '{name}' holds values beyond the range of "
-                                      f"{str(dtype).removeprefix('torch.')} (largest "
-                                      f"{torch.finfo(dtype).max:g}): use --device_volume_dtype "
-                                      f"bfloat16 or float32")
-    return out
-
 
 class CropGather:
     """The volumes of one split on the device, and the batch cut from them (module docstring):

@@ -1,7 +1,5 @@
-"""The ERA5 problem's data (the ViT): one HDF5 file per year under ``train/`` and ``valid/``, and
-the normalisation statistics under ``stats/`` (``datapipe.era5_data``); synthetic years of the
-same format (``datapipe.synthetic``); and, for ``data_loader_config: synthetic``, the same
-samples made in memory (``datapipe.generated_data``). Registered for ``ViTConfig``."""
+"""The ERA5 problem's data (the ViT), registered for ``ViTConfig``: year files and statistics
+(``datapipe.era5_data``), synthetic ones (``datapipe.synthetic``), in memory (``generated_data``)."""
 from __future__ import annotations
 
 import os

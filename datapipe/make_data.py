@@ -1,7 +1,6 @@
-"""Synthetic data made for a run that asks for it (``synthesize_if_missing``): once, however
-many runs need it at the same time. Runs that start at once take turns on ``<data_root>.lock``
-(``flock``): the first makes the set in a staging directory beside data_root, renamed into place
-once complete (a data_root is absent or whole); the others find it made.
+"""Synthetic data made for a run that asks for it (``synthesize_if_missing``), once however many
+runs need it at the same time (docs/data.md, "Synthetic data"): runs take turns on
+``<data_root>.lock`` (``flock``), and the first makes the set beside data_root, renamed into place.
 """
 from __future__ import annotations
 
@@ -152,9 +151,7 @@ def has_data(cfg: Config) -> bool:
 
 
 def check_synthesis_target(cfg: Config):
-    """``datapipe.synthetic.check_target`` for data_root and the data set's ``synthetic_files``:
-    never over or beside a user's files; a ConfigError says what is missing, or what is in the
-    way."""
+    """``datapipe.synthetic.check_target`` for data_root and the data set's ``synthetic_files``."""
     root, data = cfg.data_root, data_set(cfg)
     listed = getattr(data, "synthetic_files", None)  # none listed: a marked root is never replaced
     synthetic.check_target(

@@ -54,12 +54,6 @@ def rotate_into(x: np.ndarray, rot, vector_channels, out: np.ndarray) -> np.ndar
     return out
 
 
-def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
-    """``rotate_into`` a new contiguous array."""
-    out = np.empty(rotated_grid(x, rot).shape, dtype=x.dtype)
-    return rotate_into(x, rot, vector_channels, out)
-
-
 @functools.lru_cache(maxsize=None)
 def channel_plan(rot, vector_channels: tuple, n_channels: int):
     """How turning a (C, ...) array by ``rot`` moves its channels: output channel c is input

@@ -1,14 +1,10 @@
 """Synthetic ERA5 and cosmology data in exactly the on-disk formats of the real data sets (the
-files, the command line and where it may write: docs/data.md, "Synthetic data").
-
-ERA5: row j is at latitude 90 - j*180/(H-1) degrees (north pole first), column i at longitude
-360*i/W degrees (periodic); statistics are over the training years. Cosmology (after Harrington
-et al. 2021): vector component k (x, y, z) lies along array axis k + 1 of a (C, X, Y, Z) volume;
-every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the network's tanh output.
-
-Both generators are deterministic for a seed, write every file under a temporary name moved into
-place with os.replace, and generate in slices (time steps, channels) so that large grids fit in
-memory.
+files, the command line and where it may write: docs/data.md, "Synthetic data"; the grids and
+vector axes: ``datapipe.formats``). ERA5 statistics are over the training years. Cosmology after
+Harrington et al. 2021; every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the
+network's tanh output. Both generators are deterministic for a seed, write every file under a
+temporary name moved into place (``_atomic_path``), and generate in slices (time steps, channels)
+so that large grids fit in memory.
 """
 import contextlib
 import os
@@ -110,11 +106,9 @@ def list_files(root):
 
 
 def check_target(out_dir, files, name, option, unmarked):
-    """The rule of every writer of synthetic data (this module's command, a run's
-    ``synthesize_if_missing``): only into a new or empty directory, or one marked with
-    ``SYNTHETIC_MARK`` that holds nothing but the mark and ``files`` (relative to ``out_dir``).
-    Otherwise a ConfigError: ``name`` names the directory, ``option`` chooses another,
-    ``unmarked`` refuses a directory with files but no mark."""
+    """Refuse (ConfigError) to write synthetic data into ``out_dir`` unless it is new, empty, or
+    marked (``SYNTHETIC_MARK``) and holds only ``files`` (docs/data.md, "Synthetic data"):
+    ``name`` names it, ``option`` chooses another, ``unmarked`` refuses files without a mark."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"{name} is a file, not a directory: choose a directory")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
@@ -144,18 +138,6 @@ def _stored_shapes(path) -> dict | None:
 def _shapes_text(shapes) -> str:
     return "  ".join(f"{name} {tuple(shape)}" if name else str(tuple(shape))
                      for name, shape in shapes.items())
-
-
-def check_same_shapes(out_dir, plan, out):
-    """Refuse (ConfigError) to write over synthetic files whose shapes differ from ``plan``'s
-    ({path relative to ``out_dir``: {dataset: shape}}): another data set, which a run may use."""
-    for rel, shapes in plan.items():
-        path = os.path.join(out_dir, rel)
-        if os.path.lexists(path) and (found := _stored_shapes(path)) != shapes:
-            raise ConfigError(f"{out} holds synthetic data of other shapes than this command "
-                              f"writes ({rel}: {_shapes_text(found) if found else 'unreadable'}, "
-                              f"not {_shapes_text(shapes)}): add --replace to write over it, or "
-                              f"choose another --out")
 
 
 # ----------------------------------------------------------------------------------------- ERA5
@@ -189,12 +171,6 @@ def _zonal_mean_state(phi, season):
     z500 = z1000 + R_DRY * np.log(2.0) * t_layer
     z50 = z500 + R_DRY * np.log(10.0) * t_strat
     return np.stack(np.broadcast_arrays(z1000, z850, z500, z50), axis=1)
-
-
-def _magnus(t_kelvin):
-    """Saturation vapour pressure over water, hPa (Magnus formula)."""
-    tc = t_kelvin - 273.15
-    return 6.112 * np.exp(17.67 * tc / (tc + 243.5))
 
 
 class _Era5Model:
@@ -313,7 +289,8 @@ class _Era5Model:
             q = cos * self._grid(np.exp(-0.5 * (self.m / _MOIST_SMOOTH[level]) ** 2) * rows[:, 2])
             # warmer air at the same vapour content is further from saturation (~7 %/K)
             rh[level] = 100.0 / (1.0 + np.exp(-(offset + moist_bias + q - 0.07 * t_anom)))
-        tcwv = 3.0 * rh[850] / 100.0 * _magnus(t850)  # kg/m^2, Clausius-Clapeyron scaling
+        tc = t850 - 273.15  # saturation vapour pressure (hPa, Magnus): Clausius-Clapeyron scaling
+        tcwv = 3.0 * rh[850] / 100.0 * (6.112 * np.exp(17.67 * tc / (tc + 243.5)))  # kg/m^2
 
         out = {"u10m": 0.7 * u[1000], "v10m": 0.7 * v[1000], "t2m": t2m, "sp": sp, "msl": msl,
                "t850": t850, "u1000": u[1000], "v1000": v[1000], "z1000": z[1000],
@@ -573,19 +550,19 @@ def main(argv=None):
                           help=f"years written under {split}/{lists} (default: "
                           f"{' '.join(map(str, years))})")
     cosmo = sub.add_parser("cosmo", parents=[common], help="N-body / hydro boxes for the 3D U-Net")
-    cosmo.add_argument("--train_size", type=int, default=64,
-                       help="side in voxels of the training box (default: %(default)s)")
-    cosmo.add_argument("--val_size", type=int, default=64,
-                       help="side in voxels of the validation box (default: %(default)s)")
+    for split, box in (("train", "training"), ("val", "validation")):
+        cosmo.add_argument(f"--{split}_size", type=int, default=64,
+                           help=f"side in voxels of the {box} box (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.kind == "era5":
-        args.img_size = _ints(era5, "img_size", args.img_size, length=2)
-        for name in ("train_years", "valid_years", "test_years"):
-            setattr(args, name, _ints(era5, name, getattr(args, name)))
-        plan = era5_plan(args.img_size, args.steps_per_year, args.train_years, args.valid_years,
-                         args.test_years)
+        shapes = dict(img_size=tuple(_ints(era5, "img_size", args.img_size, length=2)),
+                      steps_per_year=args.steps_per_year)
+        shapes.update({name: _ints(era5, name, getattr(args, name))
+                       for name in ("train_years", "valid_years", "test_years")})
+        plan, make = era5_plan(**shapes), make_era5
     else:
-        plan = cosmo_plan(args.train_size, args.val_size)
+        shapes = dict(train_size=args.train_size, val_size=args.val_size)
+        plan, make = cosmo_plan(**shapes), make_cosmo
     out = f"--out {args.out}"
     mark = CLI_MARK.format(command=shlex.join(["python", "-m", "datapipe.synthetic", *argv]))
     try:
@@ -595,22 +572,24 @@ def main(argv=None):
                      f"{out} holds files but no {SYNTHETIC_MARK}, the mark of synthetic data "
                      f"written there before; synthetic data is written only into a new or empty "
                      f"directory, or over earlier synthetic data: choose another --out")
-        if not args.replace:
-            check_same_shapes(args.out, plan, out)
-        if args.kind == "era5":
-            make_era5(args.out, tuple(args.img_size), args.steps_per_year, args.train_years,
-                      args.valid_years, args.test_years, args.seed, mark=mark)
-        else:
-            make_cosmo(args.out, args.train_size, args.val_size, args.seed, mark=mark)
+        for rel, planned in plan.items():
+            path = os.path.join(args.out, rel)
+            if (not args.replace and os.path.lexists(path)
+                    and (found := _stored_shapes(path)) != planned):
+                raise ConfigError(f"{out} holds synthetic data of other shapes than this command "
+                                  f"writes ({rel}: {_shapes_text(found) if found else 'unreadable'}"
+                                  f", not {_shapes_text(planned)}): add --replace to write over "
+                                  f"it, or choose another --out")
+        make(args.out, seed=args.seed, mark=mark, **shapes)
     except ValueError as e:  # ConfigError included
         refuse(str(e))
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
         refuse(f"{out}: cannot write there ({e.strerror or e}{where}): choose a directory you "
                 f"can write to, with free space")
-    for rel, shapes in plan.items():
+    for rel, planned in plan.items():
         path = os.path.join(args.out, rel)
-        print(f"{path}  {_shapes_text(shapes)} float32  {_format_size(os.path.getsize(path))}")
+        print(f"{path}  {_shapes_text(planned)} float32  {_format_size(os.path.getsize(path))}")
 
 
 if __name__ == "__main__":

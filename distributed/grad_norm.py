@@ -1,12 +1,9 @@
 """The norm of the serial model's gradient, from the shards each rank holds, and clipping by it.
 
-A parameter split over some of a replica's axes (``param.shard_spec.axes``, e.g. ``("tp",)``)
-holds ``1 / shards`` of the serial parameter, and ``copies = tp * cp / shards`` ranks of the
-replica hold that very slice, with the same gradient once the partial gradients are summed
-(``reduce_over``): each rank adds ``|grad|^2 / copies`` of its parameters and one all-reduce over
-the replica gives the serial squared norm, identical on every rank. Gradients are averaged over
-dp already. Under FSDP (``fsdp``) each rank holds a dp slice of every gradient, as a DTensor:
-the squares are summed over dp as well (one all-reduce of a scalar).
+``copies = tp * cp / shards`` ranks of a replica hold each slice of a parameter split over
+``shards`` (``param.shard_spec.axes``), with the same (summed) gradient: each rank adds
+``|grad|^2 / copies`` and one all-reduce over the replica gives the serial squared norm. Under
+FSDP each rank holds a dp slice of every gradient (a DTensor): summed over dp as well.
 """
 from __future__ import annotations
 

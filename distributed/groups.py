@@ -1,19 +1,14 @@
-"""Process groups for tensor (tp), context (cp) and data (dp) parallelism.
-
-The ``world_size`` ranks form a tp x cp x dp grid with ``dp = world_size / (tp * cp)``.
-``parallel_order`` names the three axes from fastest to slowest varying rank: with
-``"tp-cp-dp"`` the tp ranks of a group are adjacent (ranks 0,1 | 2,3 for tp=2), which keeps the
-chattiest collectives (tp) inside a node::
+"""Process groups for tensor (tp), context (cp) and data (dp) parallelism: the ``world_size``
+ranks form a tp x cp x dp grid (``dp = world_size / (tp * cp)``), ``parallel_order`` naming the
+axes from fastest to slowest varying rank (docs/parallelism.md, "How model parallelism works")::
 
     rank = c[order[0]] + size[order[0]] * (c[order[1]] + size[order[1]] * c[order[2]])
 
 The ``tp``, ``cp`` and ``dp`` groups are the ranks that differ only in that coordinate; ``mp``
-is the tp x cp ranks of one model replica (sums over everything a replica shards: the loss,
-gradients of parameters replicated over both). ``group_ranks`` computes the rank lists without
-any process group; ``build_groups`` creates the groups (a ``DeviceMesh`` with dims named
-tp/cp/dp) in one ``ParallelGroups`` object that layers receive explicitly. Without
-torch.distributed every group is :data:`SINGLE_PROCESS`, over which every collective is the
-identity (``None`` means the default group, as in torch.distributed).
+is the tp x cp ranks of one model replica. ``group_ranks`` computes the rank lists without any
+process group; ``build_groups`` creates them in one ``ParallelGroups`` that layers receive.
+Without torch.distributed every group is :data:`SINGLE_PROCESS`, over which every collective is
+the identity (``None`` means the default group, as in torch.distributed).
 """
 import datetime
 import inspect
@@ -90,13 +85,9 @@ def rank_coords(rank: int, sizes: Dict[str, int], order: Sequence[str]) -> Dict[
 
 def group_ranks(world_size: int, tensor_parallel: int = 1, context_parallel: int = 1,
                 parallel_order: Union[str, Sequence[str]] = "tp-cp-dp") -> Dict[str, List[List[int]]]:
-    """Rank lists of every group, without creating process groups.
-
-    Returns ``{"tp": [...], "cp": [...], "dp": [...], "mp": [...]}``; each value lists all groups of
-    that kind (sorted by first rank), each group in coordinate order (= ascending rank). ``mp``
-    is the tp x cp model-replica group. Example: ``group_ranks(8, 2, 2, "tp-cp-dp")["cp"] ==
-    [[0, 2], [1, 3], [4, 6], [5, 7]]``.
-    """
+    """``{"tp": [...], "cp": [...], "dp": [...], "mp": [...]}``: every group of each kind (sorted
+    by first rank), each in ascending rank, without creating process groups; e.g.
+    ``group_ranks(8, 2, 2, "tp-cp-dp")["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]``."""
     tp, cp, dp, order = validate_parallel_config(world_size, tensor_parallel, context_parallel,
                                                  parallel_order)
     sizes = {"tp": tp, "cp": cp, "dp": dp}
@@ -158,19 +149,14 @@ class ParallelGroups:
         return self.cp_rank * self.tensor_parallel + self.tp_rank
 
     # ---- lookup by axis name ---------------------------------------------------------------
-    def _check(self, name: str) -> str:
-        if name not in ("tp", "cp", "dp", "mp"):
-            raise ValueError(f"unknown parallel group {name!r}: expected 'tp', 'cp', 'dp' or 'mp'")
-        return name
-
     def group(self, name: str) -> Group:
-        return getattr(self, f"{self._check(name)}_group")
+        return getattr(self, f"{name}_group")
 
     def size(self, name: str) -> int:
-        return getattr(self, f"{self._check(name)}_size")
+        return getattr(self, f"{name}_size")
 
     def rank_in(self, name: str) -> int:
-        return getattr(self, f"{self._check(name)}_rank")
+        return getattr(self, f"{name}_rank")
 
     def __deepcopy__(self, memo):
         return self  # process groups are shared handles; copies of a model (e.g. an EMA) share them
@@ -201,14 +187,10 @@ def _mesh_timeout(dims: Sequence[str], timeout: Optional[datetime.timedelta]) ->
 def build_groups(world_size: Optional[int] = None, tensor_parallel: int = 1, context_parallel: int = 1,
                  parallel_order: Union[str, Sequence[str]] = "tp-cp-dp",
                  device_type: Optional[str] = None, timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
-    """Create the tp/cp/dp (and tp x cp) groups of the default process group.
-
-    ``world_size`` defaults to the process group's size (1 without one) and must equal it when
-    given. Collective: every rank must call it with the same arguments. Without an initialised
-    process group it returns a single-process ``ParallelGroups`` (world 1; tp = cp = dp = 1).
-    ``timeout``: how long a collective of these groups waits for a rank (torch gives a new
-    group its own 10- or 30-minute default, not the default group's timeout).
-    """
+    """Create the tp/cp/dp (and tp x cp) groups of the default process group (collective: every
+    rank calls it alike); without one, a single-process ``ParallelGroups``. ``world_size``, when
+    given, must be the process group's size. ``timeout``: how long their collectives wait (torch
+    gives a new group its own default, not the default group's)."""
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     if world_size is not None and world_size != world:

@@ -1,17 +1,10 @@
-"""Tensor / context / sequence parallel layers of the ViT, and gradient reduction.
-
-Token tensors are ``(B, N, E)``, split over cp in contiguous bands that may differ in length
-(``ParallelAttention(band_tokens=...)``) and, with ``sequence_parallel=True``, over tp between
-the column- and row-parallel linears; docs/parallelism.md ("How model parallelism works")
-tells the whole layout.
+"""Tensor / context / sequence parallel layers of the ViT, and gradient reduction (the layout:
+docs/parallelism.md, "How model parallelism works"). Token tensors are ``(B, N, E)``.
 
 Every parameter carries ``param.shard_spec`` (:class:`ShardSpec`: how it is cut out of the
-serial parameter of the same name) and ``param.reduce_over``: the axes (``"cp"``, ``"tp"``) over
-which identical copies of it see *different* tokens, so that each holds a partial gradient.
-Those are summed in one place: :func:`replicated_grads_comm_hook` under DDP,
-:func:`reduce_replicated_grad_shards` otherwise. Parallel layers take their weights from the
-serial model (``load_serial_state_dict``, same parameter names), so that replicated parameters
-are identical on every rank.
+serial parameter of the same name) and ``param.reduce_over``: the axes over which its identical
+copies see *different* tokens, each holding a partial gradient, summed by
+:func:`replicated_grads_comm_hook` under DDP, :func:`reduce_replicated_grad_shards` otherwise.
 """
 from collections import defaultdict
 from dataclasses import dataclass
@@ -152,11 +145,8 @@ def _spec(p: nn.Parameter) -> ShardSpec:
 
 
 def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor], groups: ParallelGroups):
-    """Copy this rank's slices of a *serial* state dict into a parallel module (no communication).
-
-    Parameter names of the parallel module equal the serial ones; ``state_dict`` may come from
-    a serial model, a serial checkpoint, or :func:`serial_state_dict` of any other tp/cp layout.
-    """
+    """Copy this rank's slices of a *serial* state dict (a serial model's or checkpoint's, or
+    :func:`serial_state_dict` of any tp/cp layout) into a parallel module (no communication)."""
     module = unwrap(module)
     state_dict = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
     names = dict(module.named_parameters())
@@ -172,12 +162,8 @@ def load_serial_state_dict(module: nn.Module, state_dict: Dict[str, torch.Tensor
 
 def tensors_to_serial(module: nn.Module, groups: ParallelGroups,
                       tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Reassemble per-parameter tensors shaped like the local parameters (the parameters, their
-    gradients, Adam moments, ...) into the serial layout, keyed by parameter name.
-
-    Collective over tp and cp: every rank of a replica must call it with the same names; every
-    rank gets the full tensors.
-    """
+    """Per-parameter tensors shaped like the local parameters (gradients, Adam moments, ...) in
+    the serial layout, on every rank. Collective over tp and cp (the same names on every rank)."""
     params = dict(unwrap(module).named_parameters())
     out = {}
     for name, t in tensors.items():
@@ -194,12 +180,8 @@ def tensors_from_serial(module: nn.Module, groups: ParallelGroups,
 
 
 def serial_state_dict(module: nn.Module, groups: ParallelGroups, grads: bool = False) -> Dict[str, torch.Tensor]:
-    """The serial-layout state dict (or gradients, ``grads=True``) of a parallel module.
-
-    Collective over tp and cp (every rank of a replica must call it); every rank gets the full
-    dict. Replicated parameters are taken from the local copy, so call it after gradient
-    reduction when ``grads=True``. Missing gradients are returned as zeros.
-    """
+    """The serial-layout state dict (or gradients, after their reduction, missing ones as zeros:
+    ``grads=True``) of a parallel module, on every rank. Collective over tp and cp."""
     module = unwrap(module)
     tensors = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
                for name, p in module.named_parameters()}
@@ -256,16 +238,9 @@ def reduce_replicated_grad_shards(model: nn.Module, groups: ParallelGroups, aver
 
 
 def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: sum marked gradients over tp/cp, then average the bucket over dp.
-
-    Use with the dp group as DDP's process group::
-
-        ddp = DistributedDataParallel(model, process_group=groups.dp_group)
-        ddp.register_comm_hook(groups, replicated_grads_comm_hook)
-
-    The tp/cp sums run synchronously inside the hook (every rank of a tp/cp group has the same
-    buckets in the same order), the dp average asynchronously as DDP expects.
-    """
+    """DDP communication hook (DDP over ``groups.dp_group``): sum marked gradients over tp/cp,
+    synchronously (every rank of a tp/cp group has the same buckets in the same order), then
+    average the bucket over dp, asynchronously as DDP expects."""
     buf = bucket.buffer()
     # DDP's bucket buffer holds the bucket's parameters' gradients back to back, in order.
     params = bucket.parameters()
@@ -283,13 +258,10 @@ def replicated_grads_comm_hook(groups: ParallelGroups, bucket: dist.GradBucket) 
 
 class _AllGatherLinear(torch.autograd.Function):
     """``F.linear(all_gather(x, dim), w, b)`` over ``group`` that keeps only the local ``x`` for
-    backward (Megatron-style sequence parallelism): grad_x = reduce-scatter(grad @ w), and the
-    gathered input grad_w needs is all-gathered again, so the saved activation is 1/tp of it.
-
-    Under autocast ``x`` (the fp32 LayerNorm output) is cast to the autocast dtype *before* it
-    is saved and gathered, as ``F.linear`` would cast the gathered tensor: the same result bit
-    for bit, half the bytes saved and sent. ``grad_x`` is returned in ``x``'s own dtype.
-    """
+    backward: grad_x = reduce-scatter(grad @ w), and grad_w's input is all-gathered again. Under
+    autocast ``x`` is cast to the autocast dtype *before* it is saved and gathered, as
+    ``F.linear`` would cast the gathered tensor: the same result bit for bit, half the bytes
+    saved and sent; ``grad_x`` comes back in ``x``'s own dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, dim):
@@ -417,13 +389,10 @@ class RowParallelLinear(_ParallelLinear):
 # ---- dropout ----------------------------------------------------------------------------------
 
 class ReplicatedDropout(nn.Dropout):
-    """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``).
-
-    Ranks draw from different random streams (seeded per rank for the sharded activations), so
-    with ``tp > 1`` and no sequence parallelism tp rank 0 draws the keep-mask and broadcasts it
-    over tp: the copies stay identical. Activation checkpointing's recomputation draws the same
-    mask again (the RNG state is restored). Otherwise, and in eval mode, it is ``nn.Dropout``.
-    """
+    """Dropout on an activation that every tp rank holds whole (``sequence_parallel=False``,
+    tp > 1): the ranks' random streams differ, so tp rank 0 draws the keep-mask and broadcasts it
+    over tp (a recomputation draws it again from the restored RNG state). Otherwise, and in eval
+    mode, ``nn.Dropout``."""
 
     def __init__(self, p: float, groups: ParallelGroups, sequence_parallel: bool = True):
         super().__init__(p)
@@ -452,12 +421,8 @@ class ReplicatedDropout(nn.Dropout):
 # ---- transformer layers -----------------------------------------------------------------------
 
 class TokenShardedLayerNorm(nn.LayerNorm):
-    """LayerNorm over the last dim of a token-sharded input: purely local (per token).
-
-    ``weight`` and ``bias`` are replicated over cp and, with sequence parallelism, tp; each rank
-    normalises different tokens, so their gradients are partial: ``reduce_over=("cp", "tp")``
-    (``("cp",)`` without sequence parallelism, where tp ranks hold the same tokens).
-    """
+    """LayerNorm of a token-sharded input, per token; ``weight`` and ``bias`` are replicated, their
+    gradients summed over the ranks holding other tokens (cp, and tp with sequence parallelism)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, sequence_parallel: bool = True, dtype=None, device=None):
         super().__init__(dim, eps=eps, dtype=dtype, device=device)
@@ -465,11 +430,8 @@ class TokenShardedLayerNorm(nn.LayerNorm):
 
 
 class ParallelMLP(nn.Module):
-    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp
-    (the linears say which of their parameters are split or replicated). The hidden activation's
-    dropout (``drop``, split over tp) uses each rank's own stream, the output's (``out_drop``)
-    is a :class:`ReplicatedDropout`.
-    """
+    """fc1 (column-parallel) -> GELU -> fc2 (row-parallel): the hidden dim is split over tp; the
+    hidden activation's dropout uses each rank's own stream, the output's is replicated."""
 
     def __init__(self, dim: int, hidden_dim: int, groups: ParallelGroups, drop: float = 0.0,
                  sequence_parallel: bool = True, dtype=None, device=None):
@@ -486,17 +448,12 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Multi-head self-attention with heads split over tp and tokens split over cp.
-
-    * ``qkv`` (column-parallel, [q | k | v] stacked): tp rank r holds heads
-      ``[r*H/tp, (r+1)*H/tp)`` of q, k and v; ``proj`` is row-parallel.
-    * queries stay on the rank's cp band; keys and values of the local heads are all-gathered
-      over cp (their gradients reduce-scattered back), so every query sees all ``N`` tokens.
-    * input/output: this rank's tokens, (B, n/tp, E) with sequence parallelism ((B, n, E)
-      without), ``n`` the tokens of its cp band (padding included).
-    * ``band_tokens``: the real tokens of every cp band, in cp-rank order (``None``: all tokens
-      are real and the bands equal); the padding beyond them (padded sequence parallelism) is
-      never a key or value.
+    """Multi-head self-attention, heads split over tp (``qkv`` column-parallel, [q | k | v]
+    stacked; ``proj`` row-parallel) and tokens over cp: the local heads' keys and values are
+    all-gathered over cp (gradients reduce-scattered back), so every query sees all ``N`` tokens.
+    Input/output: (B, n/tp, E) with sequence parallelism, else (B, n, E), ``n`` the tokens of the
+    cp band (padding included). ``band_tokens``: the real tokens of every cp band, in cp-rank
+    order (``None``: all real, the bands equal); the padding beyond them is never a key or value.
     """
 
     def __init__(self, dim: int, num_heads: int, groups: ParallelGroups, attn_drop: float = 0.0,
@@ -563,13 +520,10 @@ class ParallelBlock(nn.Module):
 
 
 class ParallelPatchEmbed(PatchEmbed):
-    """Patch embedding of the rank's band of image rows: the ``H/p`` patch rows are cut into one
-    band of whole rows per chunk of ``band_axes`` (:func:`axes_index`, :func:`split_bounds`; with
-    ``("cp",)`` every tp rank of a cp rank embeds the same band). Input: the band's image rows at
-    full width (``rows``, in patch rows); output: its tokens ``(B, band rows * W/p, E)``, a
-    contiguous token range of the serial model. ``proj`` is whole on every rank, its gradient
-    summed over ``reduce_over`` (by default ``band_axes``: the ranks that see other bands).
-    """
+    """Patch embedding of the rank's band of whole patch rows, one band per chunk of
+    ``band_axes`` (:func:`axes_index`): (B, C, band rows, W) -> (B, band tokens, E), a contiguous
+    token range of the serial model. ``proj`` is whole, its gradient summed over ``reduce_over``
+    (by default ``band_axes``: the ranks that see other bands)."""
 
     def __init__(self, img_size, patch_size: int, in_chans: int, embed_dim: int, groups: ParallelGroups,
                  band_axes: Sequence[str] = ("cp", "tp"), reduce_over: Optional[Sequence[str]] = None, dtype=None,

@@ -21,15 +21,10 @@ follows is computed identically on every rank of the group (its output gradient 
 everywhere), ``all_gather_fwd_reduce_scatter_bwd`` that every rank uses the gathered tensor
 differently (e.g. K/V of all tokens against local queries), hence the different backward.
 
-Chunks are in group-rank order: rank r of a group of size n holds ``[r*c, (r+1)*c)`` of a
-dimension of length ``n*c``. Sizes must divide evenly (a ``ValueError`` says which dimension),
-except for the two all-gathers, which take ``sizes`` (every rank's chunk length, in group-rank
-order) for chunks of different lengths: padded to the longest, gathered, the padding dropped.
-
-``group`` is a process group, ``None`` for the default group (as in torch.distributed), or
-``distributed.groups.SINGLE_PROCESS``; over a group of size 1 every mapping is the identity.
-The plain ``all_reduce``, ``all_gather_along``, ``reduce_scatter_along`` and ``split_along``
-serve layers with hand-written backward passes.
+Chunks are equal and in group-rank order, but for the all-gathers' ``sizes`` (every rank's
+chunk length): padded to the longest, gathered, the padding dropped. ``group``: a process group,
+``None`` (the default group) or ``SINGLE_PROCESS``; over a group of size 1 every mapping is the
+identity. The plain collectives serve layers with hand-written backward passes.
 """
 from typing import Optional, Sequence
 

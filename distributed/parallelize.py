@@ -1,14 +1,8 @@
-"""Turn the serial ViT into its tensor / context / sequence parallel form (``parallelize_vit``).
-
-The image is cut into bands of whole patch rows, over cp and, with row bands, over tp;
-:func:`token_layout` picks how each cp band's tokens are split over tp (the engine logs which).
-docs/parallelism.md ("How model parallelism works") tells the whole layout, and which
-parameters are split or replicated over which axes. The sharded model has the serial parameter
-names: ``distributed.layers``' ``serial_state_dict`` / ``load_serial_state_dict`` (and
-``tensors_to_serial`` / ``tensors_from_serial`` for optimizer moments) convert to and from the
-serial layout, for any tp/cp. Dropout on sharded activations needs a different random stream
-per rank: seed each rank differently *after* ``parallelize_vit`` (the weights come from the
-serial model).
+"""Turn the serial ViT into its tensor / context / sequence parallel form (``parallelize_vit``),
+with the serial parameter names: docs/parallelism.md ("How model parallelism works") tells the
+layout and which parameters are split or replicated over which axes. Dropout on sharded
+activations needs a random stream per rank: seed each rank differently *after*
+``parallelize_vit``.
 """
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
@@ -28,19 +22,10 @@ from networks.vit import patch_grid, tokens_to_image
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """How the tokens of one model replica are laid out over its tp x cp ranks.
-
-    * ``rows`` x ``cols``: the image's patch rows and columns;
-    * ``sequence_parallel``: the activations outside the linears are split over tp (at tp = 1
-      there is nothing to split);
-    * ``row_bands``: ``tp * cp`` image bands of whole patch rows (``band_axes == ("cp", "tp")``),
-      else ``cp`` bands (``("cp",)``), every tp rank of a cp rank embedding the same band;
-    * ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
-      ``pad_of(c)`` zero tokens to a multiple of tp, are cut into tp equal chunks.
-
-    ``band_tokens``, ``local_tokens`` and ``pad`` are those of band 0, a longest one (over cp the
-    bands may differ by one patch row); the ``*_of`` methods give every band's.
-    """
+    """How the tokens of one model replica are laid out over its tp x cp ranks (``rows`` x
+    ``cols`` patches): ``row_bands``, ``tp * cp`` image bands of whole patch rows, else ``cp``
+    bands; ``padded`` (sequence parallel without row bands): each cp band's tokens, padded with
+    ``pad_of(c)`` zero tokens to a multiple of tp, cut into tp equal chunks."""
 
     sequence_parallel: bool
     row_bands: bool
@@ -85,19 +70,6 @@ class TokenLayout:
     def pad_of(self, cp_rank: int) -> int:
         """Zero tokens appended to cp rank ``cp_rank``'s band (padded layout; else 0)."""
         return self.local_tokens_of(cp_rank) * self.tp - self.cp_band_tokens()[cp_rank] if self.padded else 0
-
-    @property
-    def band_tokens(self) -> int:
-        start, stop = self.band_rows(0)
-        return (stop - start) * self.cols
-
-    @property
-    def local_tokens(self) -> int:
-        return self.local_tokens_of(0)
-
-    @property
-    def pad(self) -> int:
-        return self.pad_of(0)
 
 
 def token_layout(img_size, patch_size: int, tp: int, cp: int, sequence_parallel: bool = True) -> TokenLayout:
@@ -161,14 +133,9 @@ def validate_vit_layout(img_size, patch_size: int, embed_dim: int, num_heads: in
 
 
 class ParallelViT(nn.Module):
-    """The ViT sharded over tp and cp; build it with :func:`parallelize_vit`.
-
-    ``forward(x_band) -> y_band``: ``x_band`` is ``shard_image(x)``, (B, C_in, band rows, W);
-    the result is the same band of the serial output, (B, C_out, band rows, W). The bands are
-    the ``T = tp * cp`` row bands (``layout.row_bands``) or the ``cp`` bands (padded sequence
-    parallelism, or none). Parameters have the serial names; which are split or replicated over
-    which axes: docs/parallelism.md ("Replicated parameters and their gradients").
-    """
+    """The ViT sharded over tp and cp (:func:`parallelize_vit`). ``forward(x_band) -> y_band``:
+    ``x_band`` is ``shard_image(x)``, (B, C_in, band rows, W); the result is the same band of the
+    serial output, (B, C_out, band rows, W): a ``layout.band_axes`` band."""
 
     def __init__(self, model: nn.Module, groups: ParallelGroups, activation_checkpointing: bool,
                  sequence_parallel: bool):
@@ -264,14 +231,10 @@ class ParallelViT(nn.Module):
 
 def parallelize_vit(model: nn.Module, groups: ParallelGroups, activation_checkpointing: Optional[bool] = None,
                     sequence_parallel: bool = True) -> ParallelViT:
-    """Shard a serial ``networks.vit.ViT`` over ``groups`` (tp and cp), starting from its weights.
-
-    Every rank of a replica must pass the same serial model (same config, seed and weights);
-    each keeps only its slices. No communication. The sharded model mirrors the serial one's
-    dropout, LayerNorm ``eps``, head bias and ``activation_checkpointing`` (which, given here,
-    overrides the model's). ``sequence_parallel``: split the tokens over cp and tp
-    (:func:`token_layout`), or over cp only; ``pm.layout`` says how.
-    """
+    """Shard a serial ``networks.vit.ViT`` over ``groups`` (tp and cp), each rank keeping its
+    slices of its weights (every rank of a replica passes the same model; no communication), its
+    dropout, ``eps``, head bias and ``activation_checkpointing`` (unless given here).
+    ``sequence_parallel``: split the tokens over cp and tp (:func:`token_layout`), or cp only."""
     if activation_checkpointing is None:
         activation_checkpointing = bool(getattr(model, "activation_checkpointing", False))
     return ParallelViT(model, groups, activation_checkpointing, sequence_parallel)

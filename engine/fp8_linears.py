@@ -61,9 +61,8 @@ def check(recipe: str, device: torch.device):
                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}: use --fp8_linears "
                 f"none (bf16 matmuls)")
     float8, config = load_torchao(recipe, device)
-    gpus = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=gpus):  # the run's random streams left as they were
+    try:  # (fork_rng: the run's random streams left as they were)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             layer = nn.Linear(DIM_MULTIPLE, DIM_MULTIPLE, device=device)
             layer = float8.convert_to_float8_training(nn.Sequential(layer), config=config)
             x = torch.randn(DIM_MULTIPLE, DIM_MULTIPLE, device=device)

@@ -32,19 +32,16 @@ def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
     lr a device tensor the schedule fills between replays."""
     params = list(params)
     kw = dict(lr=lr, betas=tuple(betas))
+    why = fused_unavailable(params, device) if fused or for_cuda_graph else "not asked for"
     if for_cuda_graph:
-        why = fused_unavailable(params, device)
         if why:
             raise ConfigError(f"train_graph.py needs the fused Adam kernel ({why}): use train.py")
-        kw["lr"] = torch.tensor(float(lr), device=device)
-        return torch.optim.Adam(params, fused=True, capturable=device.type == "cuda", **kw)
-    if fused:
-        why = fused_unavailable(params, device)
-        if not why:
-            return torch.optim.Adam(params, fused=True, **kw)
+        kw.update(lr=torch.tensor(float(lr), device=device), capturable=device.type == "cuda")
+    elif fused and why:
         log.warning(f"enable_fused: fused Adam is not available ({why}); "
                     f"using the default implementation")
-    return torch.optim.Adam(params, **kw)
+    # (fused=None, not False: torch then picks its foreach kernels where they apply)
+    return torch.optim.Adam(params, fused=None if why else True, **kw)
 
 
 # How an optimizer runs, not what it learnt: kept on loading a state (train.py's checkpoints

@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,10 +20,11 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed.grad_norm import clip_grad_norm
 from distributed.parallelize import parallelize_vit
 from engine import fp8_linears
-from engine.runtime import Runtime
+from engine.runtime import AMP_DTYPES, Runtime
 from engine.slow_paths import warn_slow_paths
 from engine.sharding import (FSDPModule, FullyShardedSharding, MixedPrecisionPolicy,
                              RowBandSharding, Unsharded, fully_shard)
+from observe.memory import memory_warning
 from observe.profiling import use_compile_cache_dir
 from settings.errors import ConfigError
 
@@ -164,8 +166,14 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
     if fp8 != "none":  # 2. fp8 linears, before FSDP shards and torch.compile traces them
         fp8_linears.convert(task.blocks(model), fp8, rt.device)
     # (3. activation checkpointing is the model's own option.) 4. the device, where the known
-    # slow torch/cuDNN combinations for this model are named in the log
+    # slow torch/cuDNN combinations for this model and a step too big for its memory (estimated
+    # on fake tensors before anything is allocated there; whole models only) are named
     warn_slow_paths(model, rt.device, cfg.amp_mode, memory_format, rt.is_main)
+    shape = task.sample_shape() if rt.is_main and rt.groups is None and not cfg.fsdp else None
+    if shape and (warning := memory_warning(model, shape, rt.local_batch, rt.device,
+                                            AMP_DTYPES[cfg.amp_mode],
+                                            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
+        log.warning(f"Memory: {warning}")
     model = model.to(rt.device)
     if memory_format != torch.contiguous_format:  # the U-Net's channels-last 5-D weights
         model = model.to(memory_format=memory_format)

@@ -220,7 +220,13 @@ def lock_run_dir(run_dir: str) -> str:
                 earlier = _earlier_attempt_of_this_job(record)
                 if not earlier and (record.get("host") != HOST
                                     or not isinstance(record.get("pid"), int)):
-                    raise RunInUse(_held_elsewhere(run_dir, path, record)) from None
+                    who = (f"{_holder(record)} holds it (lock {path}); whether it still runs "
+                           f"cannot be told from {HOST}" if record
+                           else f"the lock file {path} names no process")
+                    raise RunInUse(f"run directory {run_dir} is locked: {who}: if no run of it is "
+                                   f"going on (its process was killed, or its node lost), remove "
+                                   f"{path} and start again; else wait for that run to end, or "
+                                   f"start another run (another --run_num)") from None
                 if not earlier and _alive(record["pid"], record.get("start")):
                     raise RunInUse(f"run directory {run_dir} is in use: {_holder(record)} "
                                    f"trains it (lock {path}); a run directory is trained by one "
@@ -281,14 +287,6 @@ def _holder(record: dict) -> str:
     job = f", Slurm job {record['slurm_job']}" if record.get("slurm_job") else ""
     return (f"process {record.get('pid')} on {record.get('host')} (since {record.get('since')}"
             f"{job}: {record.get('command')})")
-
-
-def _held_elsewhere(run_dir: str, path: str, record: dict) -> str:
-    who = f"{_holder(record)} holds it (lock {path}); whether it still runs cannot be told from " \
-          f"{HOST}" if record else f"the lock file {path} names no process"
-    return (f"run directory {run_dir} is locked: {who}: if no run of it is going on (its process "
-            f"was killed, or its node lost), remove {path} and start again; else wait for that "
-            f"run to end, or start another run (another --run_num)")
 
 
 def _read_lock(path: str) -> dict | None:

@@ -114,10 +114,9 @@ def _no_cuda_reason() -> str:
 def choose_device(cfg: Config, local_rank: int) -> torch.device:
     """The device: cuda when present, else cpu; a node whose GPUs this torch cannot use is refused
     unless ``--device cpu`` (training on its CPU would waste the allocation)."""
-    has_cuda = torch.cuda.is_available()
     if cfg.device == "cpu":
         return torch.device("cpu")
-    if not has_cuda:
+    if not torch.cuda.is_available():
         signs = gpu_signs()
         if cfg.device == "cuda":
             raise ConfigError(f"device=cuda but no CUDA device is visible"
@@ -159,13 +158,11 @@ def check_amp(cfg: Config, device: torch.device):
 
 
 def _env_int(name, default):
-    v = os.environ.get(name, "")
-    if not v:
-        return default
     try:
-        return int(v)
+        return int(os.environ.get(name) or default)
     except ValueError:
-        raise ConfigError(f"environment variable {name}={v!r} is not an integer") from None
+        raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an "
+                          f"integer") from None
 
 
 def batch_sizes(cfg: Config, dp_size: int) -> tuple[int, int]:

@@ -44,43 +44,44 @@ class Unsharded:
     def reduce_replicated_grads(self, model):
         """Gradient sums left after the backward passes (none here)."""
 
-    def to_serial(self, model, tensors: dict, keep: bool = True) -> dict:
-        """``tensors`` (like this rank's parameters, by name) in the serial layout, copied to host
-        memory one by one; ``keep`` false: {}, on a rank that only takes part in the collectives."""
-        return {k: _to_host(t) for k, t in tensors.items()} if keep else {}
+    def to_serial(self, model, name: str, t: torch.Tensor, keep: bool = True):
+        """``t``, like this rank's parameter ``name``, in the serial layout, copied to host memory
+        (collective but here); ``keep`` false: None, on a rank that only takes part in it."""
+        whole = self.whole(model, name, t.detach())
+        return _to_host(whole) if keep else None
 
-    def from_serial(self, model, tensors: dict) -> dict:
-        return tensors
+    def whole(self, model, name, t):
+        return t
 
-    # -- state in the serial layout, keyed by parameter name (collective for RowBandSharding) ---
+    def from_serial(self, model, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The serial-layout ``t`` as this rank's parameter ``name`` holds it (its slice)."""
+        return t
+
+    # -- state in the serial layout, keyed by parameter name, one tensor at a time (collective
+    # but here: at most one whole tensor beyond this rank's slices) -------------------------------
 
     def model_state(self, model, keep: bool = True) -> dict:
         """The weights in the serial layout (``keep`` false: {}, the collectives only)."""
-        params = self.to_serial(model, dict(model.named_parameters()), keep)
-        return params | dict(model.named_buffers()) if keep else params
+        params = {n: self.to_serial(model, n, p, keep)
+                  for n, p in resharded(model).named_parameters()}
+        return params | dict(model.named_buffers()) if keep else {}
 
     def load_model_state(self, model, state: dict):
-        params = self.from_serial(model, {n: state[n] for n, _ in model.named_parameters()})
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(params[name])
+            for name, p in resharded(model).named_parameters():
+                p.copy_(self.from_serial(model, name, state[name]))
             for name, b in model.named_buffers():
                 b.copy_(state[name])
 
     def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
         """Adam's state in the serial layout, by name (``keep`` false: the collectives only)."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        state, per_param = {}, {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                for key, v in optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        per_param.setdefault(key, {})[names[id(p)]] = v
-                    else:
-                        state.setdefault(names[id(p)], {})[key] = v
-        for key, tensors in per_param.items():
-            for name, t in self.to_serial(model, tensors, keep).items():
-                state.setdefault(name, {})[key] = t
+        names = {id(p): n for n, p in resharded(model).named_parameters()}
+        state = {}
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            for key, v in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.shape == p.shape:  # a moment, like the parameter
+                    v = self.to_serial(model, names[id(p)], v, keep)
+                state.setdefault(names[id(p)], {})[key] = v
         # hyperparameters as plain numbers (also a CUDA-graph step's device-tensor lr)
         groups = [{k: v.item() if torch.is_tensor(v) and v.dim() == 0 else v
                    for k, v in g.items() if k != "params"}
@@ -89,17 +90,14 @@ class Unsharded:
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state(self, model, optimizer, saved: dict):
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in resharded(model).named_parameters()}
         current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         if [sorted(g) for g in current] != [sorted(g["params"]) for g in saved["param_groups"]]:
             raise ValueError("the checkpoint's optimizer holds other parameters than this model")
-        keys = {k for st in saved["state"].values() for k, v in st.items()
-                if torch.is_tensor(v) and v.dim() > 0}
-        local = {key: self.from_serial(model, {n: st[key] for n, st in saved["state"].items()
-                                               if key in st}) for key in keys}
         # (torch pairs saved state with parameters by position: this optimizer's order)
         index = {n: i for i, n in enumerate(n for g in current for n in g)}
-        state = {index[name]: {k: (local[k][name] if k in local else v) for k, v in st.items()}
+        state = {index[name]: {k: self.from_serial(model, name, v)
+                               if torch.is_tensor(v) and v.dim() > 0 else v for k, v in st.items()}
                  for name, st in saved["state"].items()}
         groups = [sg | {"params": [index[n] for n in cur]}
                   for sg, cur in zip(saved["param_groups"], current)]
@@ -133,17 +131,11 @@ class RowBandSharding(Unsharded):
         # (the hook also sums over tp/cp the gradients of parameters replicated there)
         ddp_model.register_comm_hook(self.groups, replicated_grads_comm_hook)
 
-    def to_serial(self, model, tensors, keep=True):
-        # collective over tp/cp, one tensor at a time: at most one whole tensor beyond the slices
-        out = {}
-        for name, t in tensors.items():
-            whole = tensors_to_serial(model, self.groups, {name: t})
-            if keep:
-                out.update((k, _to_host(v)) for k, v in whole.items())
-        return out
+    def whole(self, model, name, t):  # collective over tp/cp
+        return tensors_to_serial(model, self.groups, {name: t})[name]
 
-    def from_serial(self, model, tensors):
-        return tensors_from_serial(model, self.groups, tensors)
+    def from_serial(self, model, name, t):
+        return tensors_from_serial(model, self.groups, {name: t})[name]
 
 
 # Every rank holds the whole tensor (it read the checkpoint): each keeps its slice, without the
@@ -155,13 +147,12 @@ _KEEP_LOCAL_SLICE = {"src_data_rank": None} \
 class FullyShardedSharding(Unsharded):
     """FSDP2 (``fully_shard``) over the data-parallel ranks, on top of ``inner`` (``Unsharded``,
     or ``RowBandSharding`` whose slices FSDP shards further), whose batches, losses and outputs
-    these are. Checkpoints of FSDP alone hold the shards (DCP); with tp/cp (slices DCP could not
-    place) the serial layout (docs/parallelism.md)."""
+    these are."""
 
     def __init__(self, task, inner: Unsharded):
         super().__init__(task)
         self.inner = inner
-        self.writes_shards = type(inner) is Unsharded
+        self.writes_shards = type(inner) is Unsharded  # (DCP could not place tp/cp's slices)
         self.local_batch, self.loss, self.whole_output = inner.local_batch, inner.loss, inner.whole_output
 
     def reduce_replicated_grads(self, model):
@@ -169,37 +160,17 @@ class FullyShardedSharding(Unsharded):
         if isinstance(self.inner, RowBandSharding):
             reduce_replicated_grad_shards(model, self.inner.groups)
 
-    def model_state(self, model, keep: bool = True) -> dict:
-        return super().model_state(resharded(model), keep)
+    def whole(self, model, name, t):  # gathered over dp (collective), then over tp/cp by ``inner``
+        return self.inner.whole(model, name, t.full_tensor() if isinstance(t, DTensor) else t)
 
-    def load_model_state(self, model, state: dict):
-        super().load_model_state(resharded(model), state)
-
-    def optimizer_state(self, model, optimizer, keep: bool = True) -> dict:
-        return super().optimizer_state(resharded(model), optimizer, keep)
-
-    def load_optimizer_state(self, model, optimizer, saved: dict):
-        super().load_optimizer_state(resharded(model), optimizer, saved)
-
-    def to_serial(self, model, tensors, keep=True):
-        # one tensor at a time: gathered over dp (collective), then over tp/cp by ``inner``
-        out = {}
-        for k, t in tensors.items():
-            whole = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
-            out.update(self.inner.to_serial(model, {k: whole}, keep))
-            del whole
-        return out
-
-    def from_serial(self, model, tensors):
-        like = dict(model.named_parameters())
-        shards = {k: t for k, t in tensors.items() if isinstance(t, DTensor)}  # read by DCP: as they are
-        out = self.inner.from_serial(model, {k: t for k, t in tensors.items() if k not in shards})
-        for name, t in out.items():
-            p = like[name]
-            if isinstance(p, DTensor):
-                out[name] = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                              **_KEEP_LOCAL_SLICE)
-        return out | shards
+    def from_serial(self, model, name, t):
+        if isinstance(t, DTensor):  # a shard DCP read: as it is
+            return t
+        t, p = self.inner.from_serial(model, name, t), model.get_parameter(name)
+        if isinstance(p, DTensor):
+            t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                  **_KEEP_LOCAL_SLICE)
+        return t
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 ranks report warnings and errors only, prefixed with their rank."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -9,6 +10,16 @@ import sys
 
 FORMAT = "%(asctime)s - %(levelname)s - %(message)s"
 EVERY_RANK_UP_TO = 8  # per-rank figures: listed one by one up to this many ranks, summarised above
+
+
+class Nothing:
+    """A do-nothing stand-in (a board on every rank but 0, no trace window, no memory probe):
+    every method call does nothing and returns a context that does nothing."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # (copy, pickle: as for any object)
+            raise AttributeError(name)
+        return lambda *args, **kwargs: contextlib.nullcontext()
 
 
 def setup_logging(rank: int = 0, log_file: str | None = None):

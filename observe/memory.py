@@ -15,6 +15,8 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from observe.logging_utils import Nothing
+
 GiB = 1024**3  # the memory lines' unit (the tutorial's "GB" figures are these too)
 
 
@@ -32,43 +34,30 @@ def tensor_bytes(tensors) -> int:
     return sum(nbytes for _, nbytes in keys)
 
 
+def _proc_kib(path: str, field: str) -> int:
+    """The number of a ``<field>: <n> kB`` line of a /proc file (Linux); 0 where it is absent."""
+    try:
+        with open(path) as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def resident_peak_bytes() -> int:
     """VmHWM of this process (Linux), 0 where /proc is absent."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_kib("/proc/self/status", "VmHWM") * 1024
 
 
-class NullProbe:
+class NullProbe(Nothing):
     """A probe that measures nothing (every step but the measured one)."""
 
-    after_forward = 0
-    peak = 0
-
-    def step(self):
-        return contextlib.nullcontext()
-
-    def forward_done(self):
-        pass
+    after_forward = peak = 0
 
 
 class MemoryProbe:
     def __init__(self, device: torch.device, model: torch.nn.Module, optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
-        self.after_forward = 0
-        self.peak = 0
-
-    @classmethod
-    def for_run(cls, device: torch.device, model: torch.nn.Module, optimizer, compiled: bool):
-        """A do-nothing probe for a compiled model on a CPU (compiled graphs do not expose the
-        saved tensors the CPU probe hooks)."""
-        return cls(device, model, optimizer) if device.type == "cuda" or not compiled \
-            else NullProbe()
+        self.after_forward = self.peak = 0
 
     @contextlib.contextmanager
     def step(self):
@@ -114,21 +103,13 @@ def available_bytes(device: torch.device, ranks_here: int) -> int:
     ``ranks_here`` ranks (0 where /proc is absent)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
-    return kib * 1024 // max(1, ranks_here)
+    return _proc_kib("/proc/meminfo", "MemAvailable") * 1024 // max(1, ranks_here)
 
 
 def memory_warning(model: torch.nn.Module, sample_shape: tuple, batch: int, device: torch.device,
                    amp_dtype, ranks_here: int) -> str | None:
     """One line when a training step of the unsharded ``model`` is estimated to need more
-    memory than this rank has (None otherwise, or for sharded weights, where the serial
-    estimate would overstate it), said before the first step allocates it."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return None
+    memory than this rank has (None otherwise), said before anything is allocated for it."""
     try:
         need = estimated_step_bytes(model, sample_shape, batch, device, amp_dtype)
     except Exception:  # an operation fake tensors cannot run (a custom kernel): no estimate
@@ -144,13 +125,16 @@ def memory_warning(model: torch.nn.Module, sample_shape: tuple, batch: int, devi
 
 def estimated_step_bytes(model: torch.nn.Module, sample_shape: tuple, batch: int,
                          device: torch.device, amp_dtype) -> int:
-    """The bytes one training step of ``model`` (unsharded) needs at ``batch`` samples, before
-    the step allocates any: the forward pass runs on fake tensors (shapes, no data), the kernels
-    chosen as on ``device``, and the count is the CPU probe's above: parameters, their gradients
-    and Adam's two moments, and what the forward pass saves for backward."""
+    """The bytes one training step of ``model`` (unsharded, not compiled) needs at ``batch``
+    samples on ``device``, before anything is allocated there: the forward pass runs on fake
+    tensors (shapes, no data), the kernels chosen as on ``device``, and the count is the CPU
+    probe's above: parameters, their gradients and Adam's two moments, and what the forward
+    pass saves for backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (torch.compile's fake tensors)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = {name: mode.from_tensor(p) for name, p in model.named_parameters()}
+    with mode:  # the model's tensors as fakes on the device (the model itself may be elsewhere)
+        params = {name: mode.from_tensor(p).to(device) for name, p in model.named_parameters()}
+        buffers = {name: mode.from_tensor(b).to(device) for name, b in model.named_buffers()}
     param_storages = {p.untyped_storage()._cdata for p in params.values()}
     saved = {}
 
@@ -164,6 +148,6 @@ def estimated_step_bytes(model: torch.nn.Module, sample_shape: tuple, batch: int
             torch.autocast(device.type, dtype=amp_dtype or torch.float32,
                            enabled=amp_dtype is not None):
         x = torch.empty(batch, *sample_shape, device=device)
-        torch.func.functional_call(model, params, (x,))
+        torch.func.functional_call(model, {**params, **buffers}, (x,))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return 4 * weights + sum(saved.values())  # weights, gradients, two moments; activations

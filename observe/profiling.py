@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from observe.logging_utils import Nothing
 from settings.errors import ConfigError
 
 try:
@@ -39,9 +40,8 @@ class ProfilerWindow:
     """Starts the CUDA profiler at step ``start`` and stops it ``length`` steps later, for
     ``nsys profile -c cudaProfilerApi``, which records only between the two."""
 
-    def __init__(self, enabled: bool, start: int, length: int = 30):
-        self.enabled, self.start, self.stop = enabled, start, start + length
-        self.active = False
+    def __init__(self, start: int, length: int = 30):
+        self.start, self.stop = start, start + length
 
     @classmethod
     def for_run(cls, requested: bool, device: torch.device, iteration: int,
@@ -49,34 +49,30 @@ class ProfilerWindow:
         """``length`` steps from the second epoch's first step (after compilation, loader
         start-up and autotuning), or from this launch's first when resumed past it; cut at the
         run's end. Open when asked for or under Nsight Systems (``nsys -c cudaProfilerApi`` then
-        needs no flag)."""
+        needs no flag); else ``Nothing``."""
         under_nsys = bool(os.environ.get(NSYS_ENV))
         if requested and device.type != "cuda":
             log.warning("enable_manual_profiling: no CUDA device, so no CUDA profiler window "
                         "(nsys records CUDA work); for a trace on %s use --profile_trace DIR",
                         device.type)
         if not (requested or under_nsys) or device.type != "cuda":
-            return cls(False, 0, 0)
+            return Nothing()
         start = max(steps_per_epoch, iteration)
         length = min(length, total_steps - start)
         if length <= 0:
             log.warning("CUDA profiler window: the run ends before step %d, so nothing is "
                         "recorded; train longer (--num_epochs 2 or more)", start + 1)
-            return cls(False, 0, 0)
+            return Nothing()
         log.info("CUDA profiler window: steps %d-%d%s (nsys -c cudaProfilerApi records these)",
                  start + 1, start + length,
                  "" if requested else f", opened because {NSYS_ENV} is set")
-        return cls(True, start, length)
+        return cls(start, length)
 
     def step(self, iteration: int):
-        if iteration == self.start and self.enabled and not self.active:
+        """Before step ``iteration`` (each step once, in order)."""
+        if iteration in (self.start, self.stop):
             torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-            self.active = True
-        elif iteration == self.stop and self.active:
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
-            self.active = False
+            (torch.cuda.profiler.start if iteration == self.start else torch.cuda.profiler.stop)()
 
 
 def unused_path(path: str) -> str:
@@ -88,16 +84,6 @@ def unused_path(path: str) -> str:
         n += 1
         path = f"{stem}_{n}{ext}"
     return path
-
-
-class NullTrace:
-    """No ``--profile_trace``: a trace window that does nothing."""
-
-    def step(self, iteration: int):
-        pass
-
-    def avoid(self, iteration: int):
-        pass
 
 
 class TraceWindow:
@@ -115,7 +101,6 @@ class TraceWindow:
         self.wait, self.warmup, self.length = wait, warmup, wait + warmup + active
         self.schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
         self.prof = None
-        self.last = None  # the step index of the previous call
         self.written: list[str] = []
 
     @classmethod
@@ -123,18 +108,17 @@ class TraceWindow:
                 total_steps: int):
         """From the second epoch's first step, or from this launch's first (``iteration``) when
         fewer steps than the window follow the first epoch or the run was resumed past it.
-        ``NullTrace`` when ``directory`` is empty; ``validate`` checked it."""
+        ``Nothing`` when ``directory`` is empty; ``validate`` checked it."""
         if not directory:
-            return NullTrace()
+            return Nothing()
         # Kineto (torch.profiler's tracer) writes lines of its own to stderr, between the run's
         # (USDT: ... profiler_start, STAGE: ...); read when it starts, level 6 is above them
         # all. KINETO_LOG_LEVEL set by the user is kept.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         os.makedirs(directory, exist_ok=True)
-        window = cls(directory, rank, 0, total_steps)
-        second = steps_per_epoch
-        fits = iteration <= second and total_steps - second >= window.length
-        window.start = second if fits else iteration
+        window = cls(directory, rank, steps_per_epoch, total_steps)
+        if iteration > steps_per_epoch or total_steps - steps_per_epoch < window.length:
+            window.start = iteration
         return window
 
     def avoid(self, iteration: int):
@@ -144,25 +128,21 @@ class TraceWindow:
             self.start = iteration + 1
 
     def step(self, iteration: int):
-        if self.prof is None:
-            if iteration == self.start:
-                self.prof = torch.profiler.profile(  # CPU, and CUDA when there is a GPU
-                    schedule=self.schedule, on_trace_ready=self._write, record_shapes=False)
-                self.prof.start()
-                self.last = iteration
-            return
-        if iteration == self.last:
-            return
-        self.last = iteration
-        self.prof.step()
-        if iteration - self.start >= self.length or iteration >= self.end:
-            self.prof.stop()
-            if not self.written:
-                log.warning(f"no torch.profiler trace written: the run ended "
-                            f"{iteration - self.start} steps after step {self.start}, before the "
-                            f"traced steps (it needs {self.length})")
-            self.prof = None
-            self.start = -1  # the window runs once
+        if self.prof is None and iteration == self.start:
+            self.prof = torch.profiler.profile(  # CPU, and CUDA when there is a GPU
+                schedule=self.schedule, on_trace_ready=self._write, record_shapes=False)
+            self.prof.start()
+        elif self.prof is not None and iteration != self.last:
+            self.prof.step()
+            if iteration - self.start >= self.length or iteration >= self.end:
+                self.prof.stop()
+                if not self.written:
+                    log.warning(f"no torch.profiler trace written: the run ended "
+                                f"{iteration - self.start} steps after step {self.start}, before "
+                                f"the traced steps (it needs {self.length})")
+                self.prof = None
+                self.start = -1  # the window runs once
+        self.last = iteration  # (the next call with the same index is ignored)
 
     def _write(self, prof):
         # At the end of the active steps, inside prof.step() (or stop()). A profile's results

@@ -1,8 +1,6 @@
 """The run log: everything a run shows (rank 0's lines, one per event, as docs/training.md ("What
 a run prints") and docs/performance.md show and define them; TensorBoard; the profilers'
-windows), owned by ``RunLog``. The loop calls ``start_epoch``; around each step ``step_begins``,
-``step_ends`` and ``step_done``; then ``end_epoch``, ``epoch``, ``skill``, ``summary``, ``close``.
-"""
+windows), owned by ``RunLog``, in the order of its methods."""
 from __future__ import annotations
 
 import contextlib
@@ -15,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from observe.logging_utils import duration, over_ranks
-from observe.memory import GiB, MemoryProbe, NullProbe, memory_warning, resident_peak_bytes
+from observe.logging_utils import Nothing, duration, over_ranks
+from observe.memory import GiB, MemoryProbe, NullProbe, resident_peak_bytes
 from observe.profiling import ProfilerWindow, StartClock, TraceWindow
-from observe.tensorboard import Board, NullBoard
+from observe.tensorboard import Board
 from settings.config import Config, to_dict
 from settings.errors import TrainingError
 
@@ -43,25 +41,18 @@ def peak_tflops(device, amp_mode: str, allow_tf32: bool | None = None) -> float 
         if device.type != "cuda":
             return None
         device = torch.cuda.get_device_name(device)
+    if amp_mode == "none" and allow_tf32 is None:
+        raise ValueError("amp_mode none: say whether the model's fp32 FLOPs run in TF32")
+    precision = amp_mode if amp_mode != "none" else "tf32" if allow_tf32 else "fp32"
     model = next((m for m in PEAK_TFLOPS if m in device.upper()), None)
-    if model is None:
-        return None
-    if amp_mode == "none":
-        if allow_tf32 is None:
-            raise ValueError("amp_mode none: say whether the model's fp32 FLOPs run in TF32")
-        precision = "tf32" if allow_tf32 else "fp32"
-    else:
-        precision = amp_mode
-    return PEAK_TFLOPS[model][precision]
+    return PEAK_TFLOPS[model][precision] if model else None
 
 
 def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | None,
-                   workers: int, task, amp_dtype):
-    """The device and ranks, the model and its size, each rank's threads and loader workers
-    (``workers``), the model-parallel layout, and the data and steps the run will train on; a
-    warning when a step would need more memory than the rank has. ``rt``: the run's ranks,
-    device and batch sizes (``engine.runtime.Runtime``); ``loaders``: its sample and step
-    counts."""
+                   workers: int, task):
+    """The device and ranks (``rt``: ``engine.runtime.Runtime``), the model and its size, each
+    rank's threads and loader workers, the model-parallel layout, the data and steps the run
+    will train on, and the loss."""
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"Device {rt.device}, {rt.world_size} rank(s), {rt.dp_size} data-parallel; model "
              f"{type(model).__name__} with {n_params / 1e6:.2f} M parameters"
@@ -75,10 +66,6 @@ def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | N
              f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
              f"({rt.local_batch} per rank); {total_steps} steps in all")
     log.info(f"Loss: {task.loss_name}")
-    if rt.is_main and rt.groups is None and (warning := memory_warning(
-            model, task.sample_shape(), rt.local_batch, rt.device, amp_dtype,
-            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
-        log.warning(f"Memory: {warning}")
 
 
 class Progress:
@@ -90,9 +77,8 @@ class Progress:
                  every_s: float = 30.0, clock=time.monotonic):
         self.steps_per_epoch, self.global_batch = steps_per_epoch, global_batch
         self.enabled, self.every_s, self.clock = enabled, every_s, clock
-        self.loss = math.nan
+        self.loss = self.lr = math.nan
         self.loss_at = None  # (epoch, step in epoch) of the log point that read ``loss``
-        self.lr = math.nan
 
     def start_epoch(self, epoch: int, step_in_epoch: int, last: int):
         """Before the epoch's first step (``step_in_epoch`` > 0 after a resume mid-epoch);
@@ -123,21 +109,17 @@ class Progress:
             log.info(self.line(step_in_epoch))
 
     def line(self, step_in_epoch: int) -> str:
-        n = self.steps_per_epoch
-        done = step_in_epoch - self.first
-        elapsed = self.clock() - self.t0
+        n, done, left = self.steps_per_epoch, step_in_epoch - self.first, self.last - step_in_epoch
         if done > 1 and self.t1 is not None:  # the pace after the first step
-            eta = (self.clock() - self.t1) / (done - 1) * (self.last - step_in_epoch)
+            eta = (self.clock() - self.t1) / (done - 1) * left
         else:
-            eta = elapsed / done * (self.last - step_in_epoch) if done else math.nan
+            eta = (self.clock() - self.t0) / done * left if done else math.nan
         loss = ""
         if math.isfinite(self.loss):
             epoch, at = self.loss_at
-            if (epoch, at) != (self.epoch, step_in_epoch):  # an earlier log point's
-                at = f"step {at}" if epoch == self.epoch else f"epoch {epoch + 1} step {at}"
-                loss = f"train loss {self.loss:.4g} (at {at}), "
-            else:
-                loss = f"train loss {self.loss:.4g}, "
+            at = "" if (epoch, at) == (self.epoch, step_in_epoch) else (  # an earlier log point's
+                f" (at step {at})" if epoch == self.epoch else f" (at epoch {epoch + 1} step {at})")
+            loss = f"train loss {self.loss:.4g}{at}, "
         if math.isfinite(self.lr):
             loss += f"lr {self.lr:.3g}, "
         return (f"Epoch {self.epoch + 1} step {step_in_epoch}/{n} ({100 * step_in_epoch // n}%): "
@@ -146,20 +128,20 @@ class Progress:
 
 
 class DataWait:
-    """On a CPU, the share of an epoch spent fetching batches (the host runs the step, so
-    nothing is computed meanwhile)."""
+    """The share of an epoch the step waited for data. On a CPU: the time spent fetching
+    batches (the host runs the step, so nothing is computed meanwhile). On a GPU: the device's
+    idle share outside the CUDA events that bracket each step's work (the batch's copy
+    included), read at the epoch's end (which waits anyway)."""
 
-    label = "fetching batches"
-
-    def __init__(self, clock=time.monotonic):
-        self.clock, self.waited = clock, 0.0
-
-    @staticmethod
-    def for_device(device: torch.device) -> "DataWait":
-        return DeviceIdle() if device.type == "cuda" else DataWait()
+    def __init__(self, device: torch.device, clock=time.monotonic,
+                 event=lambda: torch.cuda.Event(enable_timing=True)):
+        self.on_gpu = device.type == "cuda"
+        self.label = "device idle" if self.on_gpu else "fetching batches"
+        self.clock, self.event, self.pairs = clock, event, []  # events are made once and reused
+        self.start_epoch()
 
     def start_epoch(self):
-        self.waited = 0.0
+        self.waited, self.n = 0.0, 0
 
     @contextlib.contextmanager
     def fetching(self):
@@ -171,42 +153,20 @@ class DataWait:
             self.waited += self.clock() - t0
 
     def step_begins(self):
-        pass
+        if self.on_gpu:
+            if self.n == len(self.pairs):
+                self.pairs.append((self.event(), self.event()))
+            self.pairs[self.n][0].record()
 
     def step_ends(self):
-        pass
+        if self.on_gpu:
+            self.pairs[self.n][1].record()
+            self.n += 1
 
     def share(self, elapsed_s: float) -> float:
         """At the epoch's end (after the device finished): the waiting share of ``elapsed_s``."""
-        return min(1.0, self.waited / max(elapsed_s, 1e-9))
-
-
-class DeviceIdle(DataWait):
-    """On a GPU, the device's idle share of the epoch outside the CUDA events that bracket each
-    step's work (the batch's copy included), read at the epoch's end (which waits anyway)."""
-
-    label = "device idle"
-
-    def __init__(self, event=lambda: torch.cuda.Event(enable_timing=True)):
-        super().__init__()
-        self.event, self.pairs, self.n = event, [], 0  # events are made once and reused
-
-    def start_epoch(self):
-        self.n = 0
-
-    def fetching(self):
-        return contextlib.nullcontext()
-
-    def step_begins(self):
-        if self.n == len(self.pairs):
-            self.pairs.append((self.event(), self.event()))
-        self.pairs[self.n][0].record()
-
-    def step_ends(self):
-        self.pairs[self.n][1].record()
-        self.n += 1
-
-    def share(self, elapsed_s: float) -> float:
+        if not self.on_gpu:
+            return min(1.0, self.waited / max(elapsed_s, 1e-9))
         busy_s = sum(a.elapsed_time(b) for a, b in self.pairs[:self.n]) / 1e3  # ms -> s
         return min(1.0, max(0.0, 1.0 - busy_s / max(elapsed_s, 1e-9)))
 
@@ -226,30 +186,35 @@ class EpochStats:
 
 class RunLog:
     def __init__(self, cfg: Config, rt, task, *, run_dir: str, start_clock: StartClock, model,
-                 optimizer, steps_per_epoch: int, total_steps: int, iteration: int, lr,
-                 peak_lr: float, resumed: bool, finished: bool, derived: dict, kept_checkpoints):
+                 optimizer, iteration: int, lr, resumed: bool, derived: dict,
+                 kept_checkpoints):
         """``start_clock``: the start's parts so far; ``model``, ``optimizer``: what the memory
         probe counts; ``iteration``: the step this launch starts at; ``lr(n)``: update ``n``'s
         learning rate computed on the host (a captured step's is a device tensor, which would
-        wait); ``finished``: nothing left to do (no TensorBoard events); ``derived``: the values
-        the config implies; ``kept_checkpoints()``: what a bad loss leaves to resume from."""
+        wait); ``derived``: the values
+        the config implies (``steps_per_epoch``, ``total_steps`` and ``peak_lr`` among them);
+        ``kept_checkpoints()``: what a bad loss leaves to resume from."""
         self.cfg, self.rt, self.task, self.device = cfg, rt, task, rt.device
         self.run_dir, self.start_clock = run_dir, start_clock
-        self.probe = MemoryProbe.for_run(self.device, model, optimizer, cfg.enable_jit)
-        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
-        self.lr, self.peak_lr, self.kept_checkpoints = lr, peak_lr, kept_checkpoints
+        # (compiled graphs on a CPU do not expose the saved tensors the CPU probe hooks)
+        self.probe = MemoryProbe(self.device, model, optimizer) \
+            if self.device.type == "cuda" or not cfg.enable_jit else NullProbe()
+        self.steps_per_epoch = steps_per_epoch = derived["steps_per_epoch"]
+        self.total_steps = total_steps = derived["total_steps"]
+        self.lr, self.peak_lr, self.kept_checkpoints = lr, derived["peak_lr"], kept_checkpoints
         self.flops_per_sample = task.flops_per_sample()  # forward + backward, one sample
         # A resumed run drops the events after its checkpoint's step.
         self.board = Board(os.path.join(run_dir, "tensorboard"),
                            purge_step=iteration + 1 if resumed else None) \
-            if rt.is_main and not finished else NullBoard()
+            if rt.is_main else Nothing()
         self.profiler = ProfilerWindow.for_run(cfg.enable_manual_profiling, self.device,
                                                iteration, steps_per_epoch, total_steps)
         self.trace = TraceWindow.for_run(cfg.profile_trace, rt.rank, iteration, steps_per_epoch,
                                          total_steps)
         self.progress = Progress(steps_per_epoch, rt.global_batch, rt.is_main)
-        self.data_wait = DataWait.for_device(self.device)
-        self.epoch_sum = torch.zeros((), device=self.device)  # the epoch's summed step losses
+        self.data_wait = DataWait(self.device)
+        self.fetching = self.data_wait.fetching  # around the fetch of one batch: a wait for data
+        self.epoch_sum = torch.zeros((), device=self.device)  # this rank's step losses, summed
         self.window = torch.zeros(2, device=self.device)  # [loss, grad norm] since the last log
         self.window_steps = 0
         self.checkpoint_s = 0.0  # this epoch's checkpoint writes, inside its wall time
@@ -264,15 +229,11 @@ class RunLog:
         *carried, self.window_steps = window_carry
         self.window = torch.tensor(carried, device=self.device)
         self.epoch_sum = torch.zeros((), device=self.device)
-        self.steps_run, self.t_first, self.checkpoint_s = 0, None, 0.0
+        self.steps_run, self.checkpoint_s = 0, 0.0
         self.progress.start_epoch(epoch, step_in_epoch, last=min(
             self.steps_per_epoch, step_in_epoch + self.total_steps - iteration))
         self.data_wait.start_epoch()
         self.trace.step(iteration)  # the torch.profiler window may start here
-
-    def fetching(self):
-        """Around the fetch of one batch: timed as a wait for data."""
-        return self.data_wait.fetching()
 
     def step_begins(self, iteration: int):
         """Before step ``iteration``, its batch fetched: the step's memory probe (measuring the
@@ -297,10 +258,8 @@ class RunLog:
                         f"120 s before the end) or make the step shorter (a smaller batch)")
         if self.start_clock is not None:
             self.log_start()
-        if self.steps_run == 0:
-            if measured:
-                self.log_memory()
-            self.t_first = self.progress.clock()  # the steady state is timed from here
+        if self.steps_run == 0 and measured:
+            self.log_memory()
         self.epoch_sum += loss / self.rt.dp_size  # sum over steps of dp-mean losses
         self.window += torch.stack([loss, grad_norm])
         self.window_steps += 1
@@ -329,8 +288,8 @@ class RunLog:
         # began, its first step (memory probe, first batch after validation) included.
         elapsed = self.progress.clock() - self.progress.t0
         samples_per_s = self.progress.rate(step_in_epoch)
-        steady = (self.steps_run - 1) * self.rt.global_batch / max(
-            self.progress.clock() - self.t_first, 1e-9) if self.steps_run > 1 else None
+        steady = (self.steps_run - 1) * self.rt.global_batch / max(  # after the first step
+            self.progress.clock() - self.progress.t1, 1e-9) if self.steps_run > 1 else None
         # One collective per epoch: the summed losses of all data-parallel ranks.
         total = self.rt.dp_sum(self.epoch_sum.clone().float()).item()
         avg = (total + loss_carry) / max(step_in_epoch, 1)
@@ -338,20 +297,10 @@ class RunLog:
                           self.data_wait.share(elapsed) if self.steps_run else None,
                           self.checkpoint_s)
 
-    # ------------------------------------------------------------------ what checkpoints keep
-
-    def epoch_loss_sum(self) -> torch.Tensor:
-        """This rank's summed step losses of the epoch so far (a device tensor)."""
-        return self.epoch_sum
-
     def window_carry(self) -> tuple:
         """(loss sum, grad norm sum, steps) since the last log point, for a checkpoint between
         log points. Waits for the device."""
         return (*self.window.tolist(), self.window_steps)
-
-    def checkpoint_took(self, seconds: float):
-        """A checkpoint write took ``seconds`` of the epoch's wall time."""
-        self.checkpoint_s += seconds
 
     # ------------------------------------------------------------------ the lines
 
@@ -411,7 +360,9 @@ class RunLog:
                                 f"model diverged; lower lr or check the data; checkpoints "
                                 f"already written are kept in "
                                 f"{os.path.join(self.run_dir, 'checkpoints')}")
-        it, board = iteration, self.board
+        name = self.task.baseline_name
+        points = {"Loss/valid": val["loss"], f"Loss/valid_{name}": val["baseline_loss"],
+                  **self.task.metric_scalars(val["metrics"])}
         steps_per_s = stats.samples_per_s / self.rt.global_batch
         if not stats.steps:  # resumed from a stop during this epoch's validation
             log.info(f"Epoch {epoch + 1}: its steps ran before the resume; its "
@@ -431,9 +382,7 @@ class RunLog:
                 log.info(f"  Waited for data {100 * stats.data_wait:.0f}% of the epoch "
                          f"({self.data_wait.label}{on})" + (f"; steady state (after step 1) "
                                                        f"{steady:.2f} samples/s" if steady else ""))
-                board.scalar("Performance/data wait share", stats.data_wait, it)
-            board.scalar("Avg iters per sec", steps_per_s, it)
-            board.scalar("Avg samples per sec", stats.samples_per_s, it)
+                points["Performance/data wait share"] = stats.data_wait
             # Per device: the job's FLOP/s over every rank, those of a tensor/context-parallel
             # replica, which share each sample, included.
             tflops = self.flops_per_sample * stats.samples_per_s / self.rt.world_size / 1e12
@@ -442,22 +391,19 @@ class RunLog:
             mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""
             log.info(f"  Model {tflops:.3g} TFLOP/s per device "
                      f"({self.flops_per_sample / 1e9:.4g} GFLOP per sample){mfu}")
-            board.scalar("Performance/TFLOPs per sec", tflops, it)
+            points |= {"Avg iters per sec": steps_per_s,
+                       "Avg samples per sec": stats.samples_per_s,
+                       "Performance/TFLOPs per sec": tflops}
             if peak:
-                board.scalar("Performance/MFU", tflops / peak, it)
+                points["Performance/MFU"] = tflops / peak
         log.info(f"  Avg train loss={stats.avg_loss:.6f}")
-        name = self.task.baseline_name
         log.info(f"  Avg val loss={val['loss']:.6f} ({name} baseline {val['baseline_loss']:.6f})")
         for line in self.task.metric_lines(val["metrics"], val["baseline_metrics"]):
             log.info(line)
         log.info(f"  Validation took {val_s:.2f} s")
-        board.scalar("Loss/valid", val["loss"], it)
-        board.scalar(f"Loss/valid_{name}", val["baseline_loss"], it)
-        for tag, v in self.task.metric_scalars(val["metrics"]).items():
-            board.scalar(tag, v, it)
         if val["picture"] is not None:
-            board.image("Prediction vs target/valid", val["picture"], it)
-        board.flush()
+            self.board.image("Prediction vs target/valid", val["picture"], iteration)
+        self.points(points, iteration)
 
     def skill(self, scalars: dict, lines: list[str], seconds: float, iteration: int):
         """The task's ``skill`` lines and points, which took ``seconds``."""

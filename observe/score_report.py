@@ -57,35 +57,8 @@ class Report:
 
 def _plain(v):
     """A JSON value: numpy scalars as Python numbers, nan and inf as null."""
-    if isinstance(v, (np.floating, float)):
-        return float(v) if math.isfinite(v) else None
-    if isinstance(v, np.integer):
-        return int(v)
-    return v
-
-
-def write_table(report: Report, directory: str) -> list[str]:
-    """``scores.csv`` and each further table's ``<name>.csv`` (one row per line), and
-    ``scores.json`` (the meta, the notes, the rows and the further tables); the files' names."""
-    tables = {name: [{k: _plain(v) for k, v in row.items()} for row in rows]
-              for name, rows in {"scores": report.rows, **report.tables}.items()}
-    for name, rows in tables.items():
-        with open(os.path.join(directory, f"{name}.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)  # None as an empty field
-    with open(os.path.join(directory, "scores.json"), "w") as f:
-        json.dump({"meta": report.meta, "notes": report.notes, "rows": tables.pop("scores"),
-                   **tables}, f, indent=1)
-    return ["scores.csv", *(f"{name}.csv" for name in tables), "scores.json"]
-
-
-def caption(meta: dict) -> str:
-    """What a plot scores: the checkpoint, its step and the initial conditions (where counted)."""
-    words = [f"{os.path.basename(meta.get('checkpoint', ''))} (step {meta.get('step')})"]
-    if "initial_conditions" in meta:
-        words.append(f"{meta['initial_conditions']} initial conditions")
-    return ", ".join(words)
+    v = v.item() if isinstance(v, np.generic) else v
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
@@ -105,8 +78,7 @@ def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
             ax.plot(np.asarray(x, dtype=float), np.asarray(y, dtype=float), label=label)
         if panel.hline is not None:
             ax.axhline(panel.hline, color="grey", lw=0.8, ls="--")
-        ax.set_xscale("log" if panel.logx else "linear")
-        ax.set_yscale("log" if panel.logy else "linear")
+        ax.set(xscale="log" if panel.logx else "linear", yscale="log" if panel.logy else "linear")
         if panel.xstep:
             ax.xaxis.set_major_locator(matplotlib.ticker.MultipleLocator(panel.xstep))
         ax.set_title(panel.title, fontsize=10)
@@ -126,42 +98,47 @@ def draw(figure: Figure, path: str, subtitle: str = "") -> bytes:
         return f.read()
 
 
-def write_events(report: Report, logdir: str, plots: dict):
-    """The report's scalars, and its ``plots`` ({figure name: PNG bytes}) as images tagged
-    ``Plots/<name>`` (the IMAGES tab), as TensorBoard events under ``logdir``. The PNGs go in as
-    they are (no decoding and encoding again): their size and colour type read from the IHDR."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    from observe.tensorboard import Board
-
-    board = Board(logdir)
-    for tag, value, step in report.scalars:
-        if math.isfinite(value):
-            board.scalar(tag, value, step)
-    for name, png in plots.items():
-        width, height = struct.unpack(">II", png[16:24])
-        channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
-        image = Summary.Image(height=height, width=width, colorspace=channels,
-                              encoded_image_string=png)
-        value = Summary.Value(tag=f"Plots/{name}", image=image)
-        board.writer.file_writer.add_summary(Summary(value=[value]), 0)
-    board.close()
-
-
 def write_report(report: Report, directory: str) -> list[str]:
-    """Everything the report holds, into ``directory`` (made): the table, one PNG per figure and
-    the TensorBoard events (``tensorboard/``: the scalars, and the PNGs as images). The paths
-    written, relative to ``directory``."""
+    """Everything the report holds, into ``directory`` (made): ``scores.csv`` and each further
+    table's ``<name>.csv`` (one row per line), ``scores.json`` (the meta, the notes, the rows and
+    the further tables), one PNG per figure and the TensorBoard events (``tensorboard/``: the
+    scalars and the plots, tagged ``Plots/<name>``); the paths written, relative to ``directory``."""
     os.makedirs(directory, exist_ok=True)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         report.notes.append(NO_PLOTS)
-    written = write_table(report, directory)
-    plots = {}
+    tables = {name: [{k: _plain(v) for k, v in row.items()} for row in rows]
+              for name, rows in {"scores": report.rows, **report.tables}.items()}
+    for name, rows in tables.items():
+        with open(os.path.join(directory, f"{name}.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)  # None as an empty field
+    written = [f"{name}.csv" for name in tables] + ["scores.json"]
+    with open(os.path.join(directory, "scores.json"), "w") as f:
+        json.dump({"meta": report.meta, "notes": report.notes, "rows": tables.pop("scores"),
+                   **tables}, f, indent=1)
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from observe.tensorboard import Board
+
+    board = Board(os.path.join(directory, "tensorboard"))
+    for tag, value, step in report.scalars:
+        if math.isfinite(value):
+            board.scalar(tag, value, step)
+    meta = report.meta
+    caption = f"{os.path.basename(meta.get('checkpoint', ''))} (step {meta.get('step')})"
+    if "initial_conditions" in meta:  # each plot names what it scores
+        caption += f", {meta['initial_conditions']} initial conditions"
     for figure in report.figures if NO_PLOTS not in report.notes else ():
-        path = os.path.join(directory, f"{figure.name}.png")
-        plots[figure.name] = draw(figure, path, caption(report.meta))
+        png = draw(figure, os.path.join(directory, f"{figure.name}.png"), caption)
         written.append(f"{figure.name}.png")
-    write_events(report, os.path.join(directory, "tensorboard"), plots)
+        # also an image (IMAGES tab), the PNG as it is: its size and colour type read from the IHDR
+        width, height = struct.unpack(">II", png[16:24])
+        channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 4)  # grey, RGB, grey + alpha, RGBA
+        image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png)
+        value = Summary.Value(tag=f"Plots/{figure.name}", image=image)
+        board.writer.file_writer.add_summary(Summary(value=[value]), 0)
+    board.close()
     return written + ["tensorboard/"]

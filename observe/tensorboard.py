@@ -1,4 +1,4 @@
-"""TensorBoard events for rank 0, other ranks get a do-nothing board; and the pictures drawn
+"""TensorBoard events for rank 0 (other ranks get a ``Nothing``); and the pictures drawn
 for it. What a run writes there: docs/example-runs.md (its tags are the tutorials', so that runs
 compare against their example logs)."""
 from __future__ import annotations
@@ -8,15 +8,6 @@ import re
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
-
-
-class NullBoard:
-    """A board that writes nothing (every rank but 0; a finished run)."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):  # (copy, pickle: as for any object)
-            raise AttributeError(name)
-        return lambda *args, **kwargs: None
 
 
 class Board:
@@ -139,13 +130,10 @@ def comparison_image(target: np.ndarray, pred: np.ndarray, scale: int = 1,
               (pred - target, "error", -half, half, _DIVERGING)]
     width = target.shape[1] * scale
     size = 2 if width >= 240 else 1  # font pixels per image pixel
-    bar_h = 4 * size
     columns = []
     for field, name, a, b, anchors in fields:
-        panel = colormap(field, a, b, anchors)
-        if scale > 1:
-            panel = panel.repeat(scale, axis=0).repeat(scale, axis=1)
-        bar = colormap(np.linspace(a, b, width), a, b, anchors)[None].repeat(bar_h, axis=0)
+        panel = colormap(field, a, b, anchors).repeat(scale, axis=0).repeat(scale, axis=1)
+        bar = colormap(np.linspace(a, b, width), a, b, anchors)[None].repeat(4 * size, axis=0)
         columns.append(np.concatenate([_caption(width, size, name), panel, bar,
                                        _caption(width, size, f"{a:.3g}", f"{b:.3g}")]))
     gap = np.full((columns[0].shape[0], 2 * size + 2, 3), 255, np.uint8)

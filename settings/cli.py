@@ -17,23 +17,19 @@ DEFAULT_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
                             "ViT.yaml")  # the entry scripts' --yaml_config when none is given
 
 
-def _groups(cls) -> dict:
-    """Field name -> its ``--help`` group: the one it was declared under (``_group``), else its
-    class's name ("ViT settings")."""
-    group_of = {}
-    for klass in filter(lambda k: issubclass(k, Config), reversed(cls.__mro__)):
-        own = klass.__name__.replace("Config", " settings") if klass is not Config else ""
-        for f in dataclasses.fields(klass):
-            group_of.setdefault(f.name, f.metadata.get("group") or own)
-    return group_of
+def _group_of(cls, name: str) -> str:
+    """A setting's ``--help`` group: the one it was first declared under (``_group``), else the
+    name of the class that declared it ("ViT settings")."""
+    klass = next(k for k in reversed(cls.__mro__) if name in getattr(k, "__dataclass_fields__", {}))
+    own = klass.__name__.replace("Config", " settings") if klass is not Config else ""
+    return klass.__dataclass_fields__[name].metadata.get("group") or own
 
 
 def _type_text(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return "{" + ",".join(map(value_text, typing.get_args(tp))) + "}"
-    if typing.get_origin(tp) is typing.Union:  # Optional[x]
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_type_text(inner[0])} or null"
+    if typing.get_origin(tp) is typing.Union:  # Optional[x]: (x, NoneType)
+        return f"{_type_text(typing.get_args(tp)[0])} or null"
     if typing.get_origin(tp) is list:
         return f"list[{_type_text(typing.get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))
@@ -44,14 +40,10 @@ def settings_help(cfg: Config) -> str:
     ``--name TYPE = value`` (``*`` after a value that differs from the built-in default) and its
     description, indented, on the next lines."""
     cls = type(cfg)
-    types, groups = field_types(cls), _groups(cls)
-    skip = set(identity_fields(cls))
-    lines, group = [], None
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        if groups.get(f.name) != group:
-            group = groups.get(f.name)
+    types, lines, group = field_types(cls), [], None
+    for f in (f for f in dataclasses.fields(cls) if f.name not in identity_fields(cls)):
+        if (group_here := _group_of(cls, f.name)) != group:
+            group = group_here
             lines += ["", f"{group[0].upper()}{group[1:]}:"]
         value = getattr(cfg, f.name)
         mark = " *" if value != default_value(cls, f.name) else ""

@@ -402,12 +402,11 @@ class UNetConfig(Config):
     _group("memory layout")
     memory_format: Literal["auto", "channels_last", "contiguous"] = _f(
         "auto", "layout of the model's weights, its input batches and the loss in memory: "
-        "channels_last (torch.channels_last_3d: the channels of a voxel side by side; 1.21x "
-        "faster bf16 compute-only steps on an H200), contiguous (torch's default) or auto: "
-        "channels_last on a GPU in bf16/fp16 unless with enable_jit (torch.compile's backward "
-        "fails there on a channels-last U-Net, docs/performance.md), contiguous in fp32 and on a "
-        "CPU. The same numbers either way; a "
-        "checkpoint of either resumes in the other", resume=True)
+        "channels_last (torch.channels_last_3d: the channels of a voxel side by side; 1.21x faster "
+        "bf16 compute-only steps on an H200), contiguous (torch's default) or auto: channels_last "
+        "on a GPU in bf16/fp16 unless with enable_jit (torch.compile's backward fails there on a "
+        "channels-last U-Net, docs/performance.md), contiguous in fp32 and on a CPU. The same "
+        "numbers either way; a checkpoint of either resumes in the other", resume=True)
 
     def check(self):
         levels = 6 if self.full_scale else 5

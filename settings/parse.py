@@ -163,43 +163,33 @@ def nearest(name: str, choices, listed: bool = False) -> str:
 
 _BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True,
                "false": False, "no": False, "0": False, "off": False}
+# What each scalar type is called in its error, and the fix said after it.
+_KINDS = {bool: ("a boolean", "use true or false"),
+          int: ("an integer", "give a whole number, e.g. {key}=4"),
+          float: ("a number", "give e.g. {key}=1e-3"), str: ("a string", "")}
 
 
 def _coerce_scalar(key, value, tp):
+    """``value`` as a ``tp`` (bool, int, float or str), or a ConfigError saying what it is not."""
+    what, fix = _KINDS[tp]
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _BOOL_WORDS:
-            return _BOOL_WORDS[value.lower()]
-        raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is not an integer")
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, (int, str)):
-            with contextlib.suppress(ValueError):
-                return int(value)
-        raise ConfigError(f"{key}={value!r} is not an integer: give a whole number, e.g. {key}=4")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is not a number")
-        try:  # (a string too: YAML 1.1 reads 5E-4 as one)
-            number = float(value) if isinstance(value, (int, float, str)) else None
-        except OverflowError:  # an integer beyond any float
-            number = math.inf
-        except ValueError:
-            number = None
-        if number is None:
-            raise ConfigError(f"{key}={value!r} is not a number: give e.g. {key}=1e-3")
-        if not math.isfinite(number):  # nan and inf parse as floats but are never a setting
-            raise ConfigError(f"{key}={value!r} is not a finite number: give e.g. {key}=1e-3")
-        return number
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return expand_env(str(value))
-        raise ConfigError(f"{key}={value!r} is not a string")
-    raise TypeError(f"unsupported config type {tp} for {key}")
+        word = value.lower() if isinstance(value, str) else None
+        if isinstance(value, bool) or word in _BOOL_WORDS:
+            return _BOOL_WORDS.get(word, value)
+    elif isinstance(value, bool):  # (to Python a bool is an int; here it never is one)
+        fix = ""
+    elif tp is str and isinstance(value, (str, int, float)):
+        return expand_env(str(value))
+    elif isinstance(value, (str, int)) or isinstance(value, float) and (tp is float or value.is_integer()):
+        with contextlib.suppress(ValueError):
+            try:
+                number = tp(value)  # (a string too: YAML 1.1 reads 5E-4 as one)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
+            if tp is int or math.isfinite(number):
+                return number
+            what = "a finite number"  # nan and inf parse as floats but are never a setting
+    raise ConfigError(f"{key}={value!r} is not {what}" + (f": {fix.format(key=key)}" if fix else ""))
 
 
 # A setting's bounds (``_f``'s checks): name -> (the comparison its value must pass, its sign).
@@ -207,16 +197,16 @@ _BOUNDS = {"min": (operator.ge, ">="), "max": (operator.le, "<="), "above": (ope
            "below": (operator.lt, "<")}
 
 
-def _coerce_mixed_choice(key, value, choices):
-    """``value`` as the first of ``choices``' types that reads it as a choice (e.g. ``resume``:
-    false, true or "auto"; "yes" reads as true, "auto" as the string)."""
-    for tp in dict.fromkeys(type(c) for c in choices):
-        try:
-            v = _coerce_scalar(key, value, tp)
-        except ConfigError:
-            continue
-        if v in choices:
-            return v
+def _coerce_choice(key, value, choices):
+    """``value`` read as the type of ``choices``; where they mix types (``resume``: false, true
+    or "auto"), as the first type that reads it as a choice ("yes" as true), else as given."""
+    types = dict.fromkeys(type(c) for c in choices)
+    if len(types) == 1:
+        return _coerce_scalar(key, value, *types)
+    for tp in types:
+        with contextlib.suppress(ConfigError):
+            if (v := _coerce_scalar(key, value, tp)) in choices:
+                return v
     return value
 
 
@@ -224,9 +214,7 @@ def _coerce_item(key, value, tp, meta):
     """One value of type ``tp`` (a scalar type or ``Literal[...]``), checked against ``meta``."""
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
-        v = _coerce_mixed_choice(key, value, choices) if len({type(c) for c in choices}) > 1 \
-            else _coerce_scalar(key, value, type(choices[0]))
-        if v not in choices:
+        if (v := _coerce_choice(key, value, choices)) not in choices:
             aliases = [alias for (k, alias) in VALUE_ALIASES if k == key]
             raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(value_text, choices))}: "
                               f"{nearest(str(v), [value_text(c) for c in choices] + aliases, listed=True)}")
@@ -248,10 +236,8 @@ def coerce(cls, key: str, value: Any):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is list:
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(yaml.YAMLError):
                 value = yaml.safe_load(value if value.strip().startswith("[") else f"[{value}]")
-            except yaml.YAMLError:
-                pass
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r} is not a list: give e.g. {key}=[1,2]")
         (item,) = typing.get_args(tp)
@@ -291,8 +277,7 @@ def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
 
 def _apply(cls, values: dict, source: str) -> dict:
     fields = {f.name for f in dataclasses.fields(cls)}
-    out = {}
-    aliased = {}  # setting -> the flag alias that set it
+    out, aliased = {}, {}  # aliased: setting -> the flag alias that set it
     for key, val in values.items():
         if key in SETTING_ALIASES:
             target = SETTING_ALIASES[key]
@@ -313,8 +298,7 @@ def _apply(cls, values: dict, source: str) -> dict:
                               f"chosen with --config and --yaml_config; remove '{key}'")
         if key not in fields:
             family = {c: m for m, c in CONFIG_CLASSES.items()}
-            others = [m for c, m in family.items()
-                      if c is not cls and key in {f.name for f in dataclasses.fields(c)}]
+            others = [m for c, m in family.items() if c is not cls and key in c.__dataclass_fields__]
             if RENAMED.get(key):
                 hint = f"use {RENAMED[key]}"
             elif others:  # e.g. the U-Net's memory_format given to a ViT config
@@ -356,14 +340,10 @@ def _yaml_files_holding(name: str, yaml_path: str) -> list[str]:
     folder = os.path.dirname(yaml_path)
     found = []
     for other in sorted(glob.glob(os.path.join(folder, "*.yaml"))):
-        if os.path.samefile(other, yaml_path):
-            continue
-        try:
-            if name in load_yaml_configs(other):
+        with contextlib.suppress(ConfigError):  # a broken neighbour is not this error's subject
+            if not os.path.samefile(other, yaml_path) and name in load_yaml_configs(other):
                 rel = os.path.relpath(other)
                 found.append(other if rel.startswith("..") else rel)
-        except ConfigError:  # a broken neighbour is not this error's subject
-            continue
     return found
 
 
@@ -414,13 +394,11 @@ def dump(cfg: Config, derived: Optional[dict] = None) -> str:
     The file it was read from, the run's name and the ``derived`` values (the per-rank batch,
     the peak lr, ...) are comment lines above the settings."""
     settings = to_dict(cfg, identity=False)
-    run = settings.get("run_num")
     for key in ("run_num", "resume", "resume_from"):
-        if key in settings:
-            settings[key] = default_value(type(cfg), key)
+        settings[key] = default_value(type(cfg), key)
     text = yaml.safe_dump({cfg.name: settings}, sort_keys=False, default_flow_style=None)
     notes = {"read from": cfg.yaml_path} if cfg.yaml_path else {}
-    if run not in (None, settings.get("run_num")):
-        notes["run"] = run
+    if cfg.run_num != settings["run_num"]:
+        notes["run"] = cfg.run_num
     notes.update(derived or {})
     return "".join(f"# {k}: {v}\n" for k, v in notes.items()) + text

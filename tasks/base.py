@@ -11,6 +11,16 @@ from settings.errors import ConfigError
 
 
 class Task:
+    @property
+    def loss_name(self) -> str:
+        """The loss in words, for the start-up's ``Loss:`` line: its class's name by default."""
+        return type(self.loss).__name__
+
+    def sample_shape(self) -> tuple | None:
+        """One input sample's shape, for the memory estimate before the first step (None: no
+        estimate)."""
+        return None
+
     def forward_kernels(self, device: torch.device, dtype: torch.dtype):
         """A factory of the context the forward pass runs under: torch's own kernel choices."""
         return contextlib.nullcontext

@@ -1,11 +1,11 @@
-"""Forecast skill of the ERA5 ViT over lead time, as weather forecasts are scored: autoregressive
-rollouts (``rollout``), each lead time scored per variable in physical units by latitude-weighted
-RMSE, ACC and zonal power spectra, beside persistence and climatology. docs/scoring.md has the
-formulas and where they differ from WeatherBench 2. ``SkillSums`` adds per-sample scores up, so
-the means are exact however the initial conditions were batched or split over ranks.
+"""Forecast skill of the ERA5 ViT over lead time: autoregressive rollouts, each lead scored per
+variable in physical units by latitude-weighted RMSE, ACC and zonal power spectra, beside
+persistence and climatology, as docs/scoring.md defines them. ``SkillSums`` adds per-sample
+scores up, so the means are exact however the initial conditions were batched or split over ranks.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import logging
@@ -96,13 +96,12 @@ class SkillSums:
 
     def __init__(self, n_leads: int, n_channels: int, width: int, device="cpu",
                  rmse="sqrt_after_time_avg"):
-        shape = (len(FORECASTS), n_leads, n_channels)
+        zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
         self.sqrt_after = rmse != "sqrt_before_time_avg"
-        self.rmse = torch.zeros(shape, dtype=torch.float64, device=device)
-        self.acc = torch.zeros(shape, dtype=torch.float64, device=device)
-        self.power = torch.zeros((len(FORECASTS) + 1, *shape[1:], width // 2 + 1),
-                                 dtype=torch.float64, device=device)
-        self.count = torch.zeros(n_leads, dtype=torch.float64, device=device)
+        shape = (len(FORECASTS), n_leads, n_channels)
+        self.rmse, self.acc = zeros(shape), zeros(shape)
+        self.power = zeros(len(FORECASTS) + 1, n_leads, n_channels, width // 2 + 1)
+        self.count = zeros(n_leads)
 
     def add(self, forecast: str, lead: int, pred, truth, clim, weights):
         """Scores of a batch ``pred`` against ``truth`` (B, C, H, W, physical units) at ``lead``."""
@@ -119,8 +118,7 @@ class SkillSums:
     def reduce(self):
         """Add up the sums of all ranks, on every rank (nothing to do in one process)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # Each rank scored its own initial conditions: one all-reduce of each sum gives the
-            # means of one process scoring them all, to the order of the float64 additions.
+            # one all-reduce of each sum: the means of one process scoring every initial condition
             for t in (self.rmse, self.acc, self.power, self.count):
                 dist.all_reduce(t)
 
@@ -187,9 +185,9 @@ def split_directory(data_root: str, split: str) -> str:
                       f"of {', '.join(held)}")
 
 
-def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | None:
-    """``<data_root>/stats/time_means.npy`` (1, C, H, W) as (n_channels, h, w) float32, cropped
-    to ``img_size``; None when the file is absent. A file of the wrong shape is refused."""
+def load_climatology(data_root: str, n_channels: int, img_size, device) -> torch.Tensor | None:
+    """``<data_root>/stats/time_means.npy`` (1, C, H, W) as (n_channels, h, w) float32 on ``device``,
+    cropped to ``img_size``; None when the file is absent. A file of the wrong shape is refused."""
     path = os.path.join(data_root, "stats", "time_means.npy")
     if not os.path.exists(path):
         return None
@@ -200,10 +198,9 @@ def load_climatology(data_root: str, n_channels: int, img_size) -> np.ndarray | 
                         f"again with numpy.save, or remove it to score without ACC") from None
     h, w = img_size
     if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] < n_channels or a.shape[2] < h or a.shape[3] < w:
-        raise DataError(f"{path} has shape {a.shape}; expected (1, C, H, W) with C >= "
-                        f"{n_channels}, H >= {h}, W >= {w}: write it again, or remove it to score "
-                        f"without ACC")
-    return np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)
+        raise DataError(f"{path} has shape {a.shape}; expected (1, C, H, W) with C >= {n_channels}, "
+                        f"H >= {h}, W >= {w}: write it again, or remove it to score without ACC")
+    return torch.from_numpy(np.ascontiguousarray(a[0, :n_channels, :h, :w], dtype=np.float32)).to(device)
 
 
 def training_skill(task, model, device: torch.device, forward, rank: int = 0,
@@ -216,19 +213,15 @@ def training_skill(task, model, device: torch.device, forward, rank: int = 0,
     report = score(task, model, device, forward, opts)
     last = report.meta["lead_steps"]
     hours = last * report.meta["hours_per_step"]
-    scalars = {}
-    for row in report.rows:
-        if row["forecast"] == "model" and row["lead_step"] == last:
-            scalars[f"Skill/RMSE({row['variable']}) at {hours} h"] = row["rmse"]
-            if row["acc"] is not None:
-                scalars[f"Skill/ACC({row['variable']}) at {hours} h"] = row["acc"]
+    scalars = {f"Skill/{label}({row['variable']}) at {hours} h": row[label.lower()]
+               for row in report.rows if row["forecast"] == "model" and row["lead_step"] == last
+               for label in ("RMSE", "ACC") if row[label.lower()] is not None}
     return scalars, report.summary
 
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
-    """Roll ``model`` out from initial conditions spread through ``opts.split`` and score every
-    lead time. ``opts``: score.py's options (None: the defaults) and ``rank``, ``world_size``:
-    this rank rolls out every ``world_size``-th initial condition from its ``rank``-th."""
+    """Roll ``model`` out from initial conditions spread through ``opts.split`` (score.py's options
+    and ``rank``, ``world_size``: this rank's share of them) and score every lead time."""
     cfg = task.cfg
     if cfg.data_is_generated:
         raise ConfigError("this run's ERA5 batches were generated in memory (data_loader_config "
@@ -239,34 +232,29 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
     data = ERA5Dataset(directory, cfg.data_root, cfg.img_size, dt=1, n_in=cfg.n_in_channels,
                        n_out=cfg.n_out_channels)
     year_steps = [n + 1 for n in data.pairs_per_file]
-    notes = []
     n_steps, n_init, note = lead_steps_for(year_steps, cfg.dt, opts.lead_steps, opts.n_init,
                                            fit=getattr(opts, "fit", False))
     if n_steps > 1 and cfg.n_in_channels != cfg.n_out_channels:
         n_steps, note = 1, (f"note: the model reads {cfg.n_in_channels} channels and writes "
-                            f"{cfg.n_out_channels}, so its output cannot be its next input: one "
-                            f"lead step")
-    notes += [note] if note else []
+                            f"{cfg.n_out_channels}, so its output cannot be its next input: one lead step")
+    notes = [note] if note else []
     if data.file_rows > cfg.img_size[0] + 1:  # (the tutorial's crop drops one row: the south pole)
-        notes.append(f"note: the data's fields have {data.file_rows} rows and img_size keeps the "
-                     f"first {cfg.img_size[0]}; the latitude weights take those rows to run from "
-                     f"pole to pole (as the tutorial's metric does), so they weight rows as at "
-                     f"other latitudes than theirs: these scores do not compare with whole-globe "
-                     f"ones")
+        notes.append(f"note: the data's fields have {data.file_rows} rows and img_size keeps the first "
+                     f"{cfg.img_size[0]}; the latitude weights take those rows to run from pole to pole (as "
+                     f"the tutorial's metric does), so they weight rows as at other latitudes than theirs: "
+                     f"these scores do not compare with whole-globe ones")
     starts = initial_conditions(year_steps, n_steps * cfg.dt, n_init)
     rank, world = opts.rank, opts.world_size
     mine = starts[rank::world]
     batch_size = opts.batch_size or 8
     c_out = cfg.n_out_channels
-    means, stds = load_stats(cfg.data_root, max(cfg.n_in_channels, c_out))
-    mean = torch.from_numpy(means).to(device)  # (C, 1, 1)
-    std = torch.from_numpy(stds).to(device)
-    clim_np = load_climatology(cfg.data_root, c_out, cfg.img_size)
-    if clim_np is None:
+    mean, std = (torch.from_numpy(a).to(device)  # (C, 1, 1)
+                 for a in load_stats(cfg.data_root, max(cfg.n_in_channels, c_out)))
+    clim = load_climatology(cfg.data_root, c_out, cfg.img_size, device)
+    if clim is None:
         notes.append(f"note: {cfg.data_root}/stats/time_means.npy is missing: no climatology, so "
                      f"no ACC and no climatology forecast")
-    clim = None if clim_np is None else torch.from_numpy(clim_np).to(device)
-    persistence = cfg.n_in_channels >= c_out
+    shown = [f for f, on in zip(FORECASTS, (True, cfg.n_in_channels >= c_out, clim is not None)) if on]
     weights = task.weights.to(device)
     (c_in, h, w), _ = data.sample_shapes
     rmse_name = opts.rmse or "sqrt_after_time_avg"  # score.py's RMSE
@@ -303,11 +291,10 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
             for k, pred_n in itertools.chain([(0, None)], forecasts):
                 truth = stored(batch, k * cfg.dt) if k else truth0
                 pred = pred_n * std[:c_out] + mean[:c_out] if k else truth0
-                sums.add("model", k, pred, truth, clim, weights)
-                if persistence:
-                    sums.add("persistence", k, truth0, truth, clim, weights)
-                if clim is not None:  # its ACC is 0 by definition: not computed, left 0
-                    sums.add("climatology", k, clim.expand_as(truth), truth, None, weights)
+                made = {"model": pred, "persistence": truth0, "climatology": clim}
+                for f in shown:  # the climatology's ACC is 0 by definition: not computed, left 0
+                    sums.add(f, k, made[f].expand_as(truth), truth,
+                             None if f == "climatology" else clim, weights)
             done += len(batch)
             elapsed = time.monotonic() - t0
             log.info(f"Scored {done}/{len(mine)} initial conditions{' of this rank' if world > 1 else ''}: "
@@ -315,19 +302,18 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
                      f"ETA {duration(elapsed / done * (len(mine) - done))}")
     sums.reduce()
     rmse, accs, power = sums.means()
-    return _report(task, rmse, accs, power, n_steps, len(starts), opts.split, notes, rmse_name,
-                   has=dict(persistence=persistence, climatology=clim is not None))
+    return _report(task, rmse, accs, power, n_steps, len(starts), opts.split, notes, rmse_name, shown)
 
 
-def _report(task, rmse, accs, power, n_steps, n_init, split, notes, rmse_name, has) -> Report:
-    """The tables (the scores, and the spectra's), plots, TensorBoard scalars and summary."""
+def _report(task, rmse, accs, power, n_steps, n_init, split, notes, rmse_name, shown) -> Report:
+    """The tables (the scores, and the spectra's), plots, TensorBoard scalars and summary of the
+    forecasts ``shown``."""
     cfg = task.cfg
     channels = list(task.channels)
     hours = [k * cfg.dt * HOURS_PER_STEP for k in range(n_steps + 1)]
-    shown = [f for f in FORECASTS if f == "model" or has[f]]
     varying = [f for f in shown if f != "climatology"]  # climatology's ACC and P ratio are flat
     ratio = small_scale_ratio(power[:-1], power[-1:])
-    with_acc = has["climatology"]
+    with_acc = "climatology" in shown
     rows = [{"forecast": forecast, "variable": name, "units": units(name), "lead_step": k,
              "lead_hours": hour, "rmse": float(rmse[i, k, c]),
              "acc": float(accs[i, k, c]) if with_acc else None, "p_ratio": float(ratio[i, k, c])}
@@ -371,8 +357,7 @@ def _report(task, rmse, accs, power, n_steps, n_init, split, notes, rmse_name, h
                 "lead_hours": hours[k], "wavenumber": int(j), "power": float(power[i, k, c, j])}
                for i, f in enumerate((*FORECASTS, "truth")) if f in (*shown, "truth")
                for c, name in enumerate(channels) for k in kept for j in m]
-    summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps "
-               f"({hours[-1]} h)"]
+    summary = [f"Forecast skill on {split}: {n_init} initial conditions, {n_steps} lead steps ({hours[-1]} h)"]
     for c in headline or range(min(4, len(channels))):
         parts = []
         for k in leads:

@@ -1,9 +1,6 @@
-"""Statistics of the U-Net's prediction of a whole cosmology volume, as emulators of
-hydrodynamic simulations are judged (docs/scoring.md has the formulas): the volume predicted
-tile by tile (``predict_tiled``), equal to one forward pass of the whole volume while memory is
-bounded by a tile's window; per channel its power spectrum, cross-correlation r(k), one-point
-distributions and errors, each a pure NumPy function of the fields in float64.
-"""
+"""Statistics of the U-Net's prediction of a whole cosmology volume, predicted tile by tile
+(``predict_tiled``), as emulators of hydrodynamic simulations are judged: per channel its power
+spectrum, r(k), one-point distributions and errors, in float64. docs/scoring.md defines them."""
 from __future__ import annotations
 
 import itertools
@@ -74,11 +71,8 @@ def histograms(pred: np.ndarray, true: np.ndarray, bins: int = HIST_BINS) -> dic
     equal bins spanning both fields' values (each integrates to 1)."""
     lo = float(min(np.min(true), np.min(pred)))
     hi = float(max(np.max(true), np.max(pred)))
-    if hi <= lo:
-        hi = lo + 1.0
-    edges = np.linspace(lo, hi, bins + 1)
-    h_true, _ = np.histogram(true, edges, density=True)
-    h_pred, _ = np.histogram(pred, edges, density=True)
+    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+    h_true, h_pred = (np.histogram(a, edges, density=True)[0] for a in (true, pred))
     return {"centres": 0.5 * (edges[1:] + edges[:-1]), "true": h_true, "pred": h_pred}
 
 
@@ -96,17 +90,15 @@ def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
 
 
 def unet_halo(levels: int) -> int:
-    """The smallest halo, a multiple of 2^levels, that makes tiles exact for ``networks.unet``:
-    the edge voxels of an aligned tile read up to 2^(levels+1) - 1 voxels beyond it
-    (``tests/test_scoring.py`` checks it), rounded up to whole 2^levels: 64 for 5 levels."""
+    """The smallest halo that makes tiles exact for ``networks.unet``: an aligned tile's edge
+    voxels read up to 2^(levels+1) - 1 voxels beyond it, rounded up to whole 2^levels."""
     return 2 * 2**levels
 
 
 def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, int, int]]:
-    """Along one axis of ``side`` voxels: (core start, core stop, window start) of each tile. The
-    cores of ``tile`` voxels cover the axis; each window, of min(side, tile + 2 halo) voxels,
-    holds its core with ``halo`` voxels on each side, or reaches the edge of the volume, and
-    starts at a multiple of ``align`` (the U-Net's 2^levels), as the whole forward's strides do."""
+    """Along one axis of ``side`` voxels: (core start, core stop, window start) of each tile, the
+    windows of min(side, tile + 2 halo) voxels starting at multiples of ``align`` (2^levels), as
+    docs/scoring.md says."""
     for name, v in (("side", side), ("tile", tile), ("halo", halo)):
         if v % align or (v < align and name != "halo"):
             # the multiples either side of v; a halo may be 0, a side or tile not
@@ -122,18 +114,15 @@ def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, in
 def predict_tiled(forward, x: torch.Tensor, tile: int, halo: int, align: int, batch: int = 1,
                   progress=None, share: tuple[int, int] = (0, 1),
                   out_channels: int | None = None) -> torch.Tensor:
-    """``forward`` of the volume ``x`` (1, C, L, L, L), window by window (``tile_plan`` along
-    each axis, up to ``batch`` windows per call); the cores stitched into (1, C_out, L, L, L)
-    float32 on the CPU. ``progress(done, total)`` is called after each call. ``share`` (rank,
-    ranks): only every ranks-th tile from the rank-th, the rest left 0, so that the ranks'
-    volumes add up to the whole (``out_channels`` then makes it for a rank without a tile)."""
+    """``forward`` of the volume ``x`` (1, C, L, L, L), up to ``batch`` windows of ``tile_plan``
+    per call, then ``progress(done, total)``; the cores stitched into (1, C_out, L, L, L) float32
+    on the CPU. ``share`` (rank, ranks): every ranks-th tile from the rank-th, the rest left 0
+    (``out_channels`` makes the volume of a rank without a tile)."""
     side = x.shape[-1]
     if x.shape[0] != 1 or x.shape[2:] != (side,) * 3:
         raise ValueError(f"a volume of shape {tuple(x.shape)}: need (1, C, L, L, L)")
-    plan = tile_plan(side, tile, halo, align)
     window = min(side, tile + 2 * halo)
-    rank, ranks = share
-    tiles = list(itertools.product(plan, repeat=3))[rank::ranks]
+    tiles = list(itertools.product(tile_plan(side, tile, halo, align), repeat=3))[share[0]::share[1]]
     out = None if out_channels is None else torch.zeros((1, out_channels, side, side, side))
     for first in range(0, len(tiles), batch):
         group = tiles[first:first + batch]
@@ -179,9 +168,9 @@ def _volume(cfg, split: str) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 def score(task, model, device: torch.device, autocast, opts) -> Report:
-    """Predict the whole volume of ``opts.split`` tile by tile and compute its statistics.
-    ``opts``: score.py's options (None: the defaults) and ``rank``, ``world_size``: this rank
-    predicts its share of the tiles; rank 0 returns the report, the other ranks None."""
+    """Predict the whole volume of ``opts.split`` tile by tile (score.py's options and ``rank``,
+    ``world_size``: this rank's share of the tiles) and compute its statistics on rank 0 (the
+    report; the other ranks None)."""
     cfg = task.cfg
     align = 2**model.levels
     x, y, where = _volume(cfg, opts.split)
@@ -225,21 +214,17 @@ def score(task, model, device: torch.device, autocast, opts) -> Report:
         pred = predict_tiled(forward, torch.from_numpy(x), tile, halo, align, opts.batch_size or 1,
                              progress, share=(rank, world), out_channels=y.shape[1])
         if world > 1:
-            # Each rank wrote its own tiles into a volume of zeros: their sum over the ranks (one
-            # all-reduce) is the whole prediction, exactly, every voxel written by one rank only.
-            # On the host, where the volume is (gloo), so that the device holds no more than a
-            # window; a group with no host backend (nccl alone) takes it through the device.
+            # Each rank's tiles in a volume of zeros: their sum (one all-reduce) is the whole,
+            # exactly. On the host (gloo), so that the device holds no more than a window;
+            # a group with no host backend (nccl alone) takes it through the device.
             if dist.get_backend() == "nccl":
                 pred = pred.to(device)
             dist.all_reduce(pred)
             pred = pred.cpu()
     if rank != 0:
         return None  # rank 0 computes the statistics
-    pred = pred[0].numpy()
-    log.info(f"Computing the spectra and distributions of {pred.shape[0]} channels")
-    truth = y[0]
-    stats = [(spectra(pred[c], truth[c]), histograms(pred[c], truth[c]),
-              field_errors(pred[c], truth[c])) for c in range(pred.shape[0])]
+    log.info(f"Computing the spectra and distributions of {pred.shape[1]} channels")
+    stats = [(spectra(p, t), histograms(p, t), field_errors(p, t)) for p, t in zip(pred[0].numpy(), y[0])]
     return _report(list(task.channels), stats, opts.split, where, side, tile, halo, notes)
 
 

@@ -10,6 +10,13 @@ import time
 import numpy as np
 
 from datapipe.batch_dataset import BatchReadDataset
+from datapipe.rotations import rotate_into, rotated_grid
+
+
+def rotate_volume(x: np.ndarray, rot, vector_channels=()) -> np.ndarray:
+    """The reference rotation: ``rotate_into`` a new contiguous array."""
+    out = np.empty(rotated_grid(x, rot).shape, dtype=x.dtype)
+    return rotate_into(x, rot, vector_channels, out)
 
 
 class KeyedDataset(BatchReadDataset):

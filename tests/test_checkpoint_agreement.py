@@ -53,8 +53,8 @@ def write_dcp(directory: str, step: int) -> str:
     """A small sharded checkpoint, written by this one process."""
     with warnings.catch_warnings():  # DCP's "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore")
-        return checkpoint.save_sharded(directory, step, {"model": {"w": torch.arange(4.0)}},
-                                       stand_in(step, tensors=False), keep=9, is_main=True)
+        return checkpoint.save(directory, step, stand_in(step, tensors=False), keep=9,
+                               shards={"model": {"w": torch.arange(4.0)}})
 
 
 # ----------------------------------------------------------------------------- resume
@@ -254,7 +254,7 @@ def test_leftovers_of_interrupted_writes_are_cleaned_and_a_set_aside_checkpoint_
     ckpts = run_dir / "checkpoints"
     checkpoint.save(str(ckpts), 2, stand_in(2), keep=9)
     (ckpts / "ckpt_00000004.pt.4242.tmp").write_bytes(b"cut short")  # kill -9 in write_file
-    os.makedirs(ckpts / "ckpt_00000006.dcp.tmp" / "sub")  # kill -9 in save_sharded's dcp.save
+    os.makedirs(ckpts / "ckpt_00000006.dcp.tmp" / "sub")  # kill -9 in save's dcp.save
     (ckpts / "ckpt_00000006.dcp.tmp" / "sub" / "__0_0.distcp").write_bytes(b"x")
     write_dcp(str(ckpts), 4)  # a crash after the step's rewrite was in place ...
     os.makedirs(ckpts / "ckpt_00000004.dcp.old")  # ... before its old copy was removed

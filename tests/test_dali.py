@@ -86,7 +86,7 @@ def test_dali_rotation_turns_vector_channels(dali):
     from nvidia.dali import fn, pipeline_def
 
     from datapipe.dali_loader import _rotate, rotation_arguments
-    from datapipe.rotations import rotate_volume
+    from loader_harness import rotate_volume
 
     rng = np.random.default_rng(0)
     side, vc, v = 6, (1, 2, 3), np.array([1.0, 2.0, 3.0], np.float32)

@@ -16,7 +16,8 @@ from datapipe.cosmo_data import CosmoCropDataset
 from datapipe.data_loader import ShardedSampler, ValidationSampler, build_loaders
 from datapipe.era5_data import ERA5Dataset
 from settings.errors import DataError
-from datapipe.rotations import ROTATIONS, rotate_volume
+from datapipe.rotations import ROTATIONS
+from loader_harness import rotate_volume
 from tasks import make_task
 
 from conftest import ROOT

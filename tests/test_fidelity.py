@@ -165,7 +165,6 @@ def _trunk(model, x):
 
 
 def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
-    from engine.runtime import Runtime
     from engine.checkpoint.start_weights import load_start_weights
 
     cfg = build_config(VIT, "base", {**SMALL_VIT, "n_out_channels": "3"})
@@ -184,8 +183,7 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
 
     torch.manual_seed(1)
     dst = make_task(cfg).build_model()
-    load_start_weights(dst, str(tmp_path / "vit.pt"), make_task(cfg).from_reference, cfg,
-                       Runtime(torch.device("cpu")))
+    load_start_weights(dst, str(tmp_path / "vit.pt"), make_task(cfg).from_reference, cfg)
     x = torch.randn(2, 20, 16, 32)
     with torch.no_grad():
         want = _tutorial_vit_output({"head.weight": sd["module.head.weight"]}, src, x, p, c)
@@ -195,22 +193,21 @@ def test_vit_weights_in_the_tutorial_layout_load(tmp_path):
     with_bias = build_config(VIT, "base", {**SMALL_VIT, "n_out_channels": "3", "head_bias": "true"})
     with pytest.raises(ValueError, match="has no bias: set head_bias false"):
         load_start_weights(make_task(with_bias).build_model(), str(tmp_path / "vit.pt"),
-                           make_task(with_bias).from_reference, with_bias, Runtime(torch.device("cpu")))
+                           make_task(with_bias).from_reference, with_bias)
     # separate q/k/v weights, one of them missing: named, not a KeyError
     torch.save({k: v for k, v in sd.items() if ".attn.k." not in k}, tmp_path / "part.pt")
     with pytest.raises(ValueError, match=r"init_from=.*part\.pt: blocks\.0\.attn\.q\.weight has "
                        r"no blocks\.0\.attn\.k\.weight beside it: give the whole model's "
                        r"state_dict\(\)"):
         load_start_weights(make_task(cfg).build_model(), str(tmp_path / "part.pt"),
-                           make_task(cfg).from_reference, cfg, Runtime(torch.device("cpu")))
+                           make_task(cfg).from_reference, cfg)
     wider = build_config(VIT, "base", {**SMALL_VIT, "embed_dim": "64", "n_out_channels": "3"})
     with pytest.raises(ValueError, match=r"does not fit this model \(.*pos_embed"):
         load_start_weights(make_task(wider).build_model(), str(tmp_path / "vit.pt"),
-                           make_task(wider).from_reference, wider, Runtime(torch.device("cpu")))
+                           make_task(wider).from_reference, wider)
 
 
 def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
-    from engine.runtime import Runtime
     from engine.checkpoint.start_weights import load_start_weights
 
     cfg = build_config(UNET, "base", {**SMALL_UNET, "full_scale": "true", "data_size": "64"})
@@ -227,13 +224,11 @@ def test_unet_weights_in_the_tutorial_layout_load(tmp_path):
     torch.save(sd, tmp_path / "unet.pt")
     torch.manual_seed(1)
     dst = make_task(cfg).build_model()
-    load_start_weights(dst, str(tmp_path / "unet.pt"), make_task(cfg).from_reference, cfg,
-                       Runtime(torch.device("cpu")))
+    load_start_weights(dst, str(tmp_path / "unet.pt"), make_task(cfg).from_reference, cfg)
     for name, t in src.state_dict().items():  # every tensor in its place, exactly
         assert torch.equal(dst.state_dict()[name], t), name
     x = torch.randn(1, 4, 64, 64, 64)
     with torch.no_grad():  # (the CPU may pick another 3-D convolution kernel: ~1e-5)
         torch.testing.assert_close(dst(x), src(x), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="init_from=.*: no such file"):
-        load_start_weights(dst, str(tmp_path / "none.pt"), make_task(cfg).from_reference, cfg,
-                           Runtime(torch.device("cpu")))
+        load_start_weights(dst, str(tmp_path / "none.pt"), make_task(cfg).from_reference, cfg)

@@ -13,7 +13,7 @@ from settings.parse import build_config
 from observe import run_log
 from observe.run_log import PEAK_TFLOPS, peak_tflops
 from tasks import make_task
-from observe.tensorboard import NullBoard
+from observe.logging_utils import Nothing
 
 VIT_SIZES = [  # two shapes, so that a term wrong in N, E, depth, heads or the MLP shows
     {"img_size": [16, 32], "patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2},
@@ -100,7 +100,7 @@ def test_epoch_logs_tflops(tmp_path, era5_root):
     assert acc.Scalars("Performance/TFLOPs per sec")[0].value == pytest.approx(expected, rel=1e-4)
 
 
-class RecordingBoard(NullBoard):
+class RecordingBoard(Nothing):
     """Keeps the last value of each scalar tag."""
 
     def __init__(self):

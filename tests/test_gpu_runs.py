@@ -362,8 +362,7 @@ def test_report_rows_their_sections_and_goals(tmp_path):
     for key, report in (("roofline/models", roofline), ("cl/repro", repro), ("fp8/mp", fp8)):
         path = tmp_path / f"{key.replace('/', '_')}.json"
         path.write_text(json.dumps(report))
-        results[key] = gpu_runs.report_outcome(1 if key == "cl/repro" else 0, "", 10.0,
-                                               str(path))
+        results[key] = gpu_runs.outcome(1 if key == "cl/repro" else 0, "", 10.0, str(path))
         assert results[key] == {"report": report}
     results["unet/short_opt"] = result(2000.0)
     got = {g: (m, v) for g, m, v in gpu_runs.goals(plan_rows(results))}
@@ -380,9 +379,9 @@ def test_report_rows_their_sections_and_goals(tmp_path):
     assert "## Roofline: each model's eager step" in doc
     # no JSON written: a failed row with the output's last line (or the timeout)
     missing = str(tmp_path / "none.json")
-    assert gpu_runs.report_outcome(1, "Traceback\nValueError: bad", 10.0, missing) == {
+    assert gpu_runs.outcome(1, "Traceback\nValueError: bad", 10.0, missing) == {
         "failed": "exit 1, no result written: ValueError: bad"}
-    assert gpu_runs.report_outcome(None, "x", 10.0, missing)["failed"].startswith(
+    assert gpu_runs.outcome(None, "x", 10.0, missing)["failed"].startswith(
         "timed out after 10 s")
 
 

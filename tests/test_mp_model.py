@@ -579,10 +579,12 @@ def test_token_layout(img, tp, cp, sp, want):
     from distributed.parallelize import token_layout
 
     lay = token_layout(img, 8, tp, cp, sp)
-    got = (lay.sequence_parallel, lay.row_bands, lay.bands, lay.band_tokens, lay.local_tokens, lay.pad)
+    start, stop = lay.band_rows(0)  # band 0, a longest one
+    band_tokens, local_tokens, pad = (stop - start) * lay.cols, lay.local_tokens_of(0), lay.pad_of(0)
+    got = (lay.sequence_parallel, lay.row_bands, lay.bands, band_tokens, local_tokens, pad)
     assert got == want
     assert lay.padded is (want[0] and not want[1])
-    assert lay.local_tokens * (tp if lay.padded else 1) == lay.band_tokens + lay.pad
+    assert local_tokens * (tp if lay.padded else 1) == band_tokens + pad
 
 
 def test_uneven_cp_bands():
@@ -621,7 +623,8 @@ def test_padded_layout_shapes_and_markers(img, tp, cp):
     first = -(-rows // cp)  # cp rank 0 holds a longest band
     assert pm.image_rows() == (0, first * 4)
     band_tokens = first * cols
-    assert pm.layout.local_tokens == -(-band_tokens // tp) and pm.layout.pad == (-band_tokens) % tp
+    assert pm.layout.local_tokens_of(0) == -(-band_tokens // tp)
+    assert pm.layout.pad_of(0) == (-band_tokens) % tp
     assert pm.pos_embed.shape == (1, band_tokens, 32) and pm.pos_embed.shard_spec.axes == ("cp",)
     whole = _whole_params(pm, serial)
     assert {"head.weight", "norm.bias", "patch_embed.proj.weight", "blocks.0.mlp.fc2.bias",

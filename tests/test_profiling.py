@@ -11,7 +11,8 @@ from distributed_harness import run_ranks
 from test_training import TINY_VIT, _cfg, run_dir, train
 from observe import profiling
 from settings.errors import ConfigError
-from observe.profiling import NSYS_ENV, NullTrace, ProfilerWindow, TraceWindow, nvtx_range, unused_path
+from observe.logging_utils import Nothing
+from observe.profiling import NSYS_ENV, ProfilerWindow, TraceWindow, nvtx_range, unused_path
 
 RANGES = ("forward", "backward", "optimizer", "data wait")
 
@@ -73,7 +74,7 @@ def test_trace_dir_that_is_a_file_is_refused(tmp_path, era5_root):
 
 def test_window_start_and_null_trace(tmp_path):
     d = str(tmp_path)
-    assert isinstance(TraceWindow.for_run("", 0, 0, 10, 30), NullTrace)
+    assert isinstance(TraceWindow.for_run("", 0, 0, 10, 30), Nothing)
     assert TraceWindow.for_run(d, 0, 0, 10, 30).start == 10  # second epoch
     assert TraceWindow.for_run(d, 1, 0, 10, 14).start == 0  # too short after epoch 1: first
     assert TraceWindow.for_run(d, 0, 17, 10, 30).start == 17  # resumed past it: this launch
@@ -144,7 +145,7 @@ def test_cuda_profiler_window_brackets_30_steps_of_the_second_epoch(cuda_profile
 
 
 def test_a_run_under_nsys_opens_the_window_without_the_flag(cuda_profiler, monkeypatch, caplog):
-    assert not ProfilerWindow.for_run(False, CUDA, 0, 10, 100).enabled
+    assert isinstance(ProfilerWindow.for_run(False, CUDA, 0, 10, 100), Nothing)
     monkeypatch.setenv(NSYS_ENV, "1")
     w = ProfilerWindow.for_run(False, CUDA, 0, 10, 100)
     assert drive(w, 100, cuda_profiler) == [("start", 10), ("stop", 40)]

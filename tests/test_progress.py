@@ -13,7 +13,7 @@ from train import Trainer
 from settings.parse import build_config
 from observe.memory import NullProbe
 from observe.logging_utils import duration
-from observe.run_log import DataWait, DeviceIdle, Progress
+from observe.run_log import DataWait, Progress
 from engine.runtime import setup_runtime
 
 
@@ -223,7 +223,7 @@ class Event:
 
 def test_device_idle_share_from_events_around_each_steps_work():
     clock = Clock()
-    idle = DeviceIdle(event=lambda: Event(clock))
+    idle = DataWait(torch.device("cuda"), event=lambda: Event(clock))
     for epoch in range(2):  # the events are made once and reused
         idle.start_epoch()
         for step in range(4):
@@ -233,4 +233,4 @@ def test_device_idle_share_from_events_around_each_steps_work():
             idle.step_ends()
         assert idle.share(8.0) == pytest.approx(0.25)
     assert len(idle.pairs) == 4
-    assert DataWait.for_device(torch.device("cpu")).label == "fetching batches"
+    assert DataWait(torch.device("cpu")).label == "fetching batches"

@@ -3,7 +3,8 @@ import itertools
 import numpy as np
 import pytest
 
-from datapipe.rotations import ROTATIONS, channel_plan, matrix, rotate_in_place, rotate_volume
+from datapipe.rotations import ROTATIONS, channel_plan, matrix, rotate_in_place
+from loader_harness import rotate_volume
 
 
 def test_24_distinct_proper_rotations():

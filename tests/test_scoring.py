@@ -11,24 +11,29 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import preloaded
 from conftest import ROOT, file_digests, write_cosmo, write_cosmo_pair, write_era5
-from distributed_harness import run_ranks
+from distributed_harness import find_free_port, run_ranks
+import score as score_command
 from networks.unet import UNet, down_block, up_block
 from settings.errors import ConfigError
 from tasks.forecast_skill import (SkillSums, acc, initial_conditions, lead_steps_for, rollout,
                                   small_scale_ratio, units, zonal_spectrum)
 from tasks.losses import latitude_weights, weighted_rmse
-from tasks.volume_stats import (cross_power, field_errors, histograms, predict_tiled, spectra,
+from tasks.volume_stats import (_shells, cross_power, field_errors, histograms, predict_tiled, spectra,
                                 tile_plan, unet_halo)
 from test_training import TINY_UNET, TINY_VIT, run_dir, tb_scalars, train
 
@@ -203,7 +208,6 @@ def test_the_synthetic_nbody_field_has_the_spectrum_its_generator_draws_it_from(
     the generator's spectrum averaged over the shell's modes, within 4 sigma of cosmic variance
     (sigma = sqrt(2 / modes): the modes come in conjugate pairs)."""
     from datapipe import synthetic
-    from tasks.volume_stats import _shells
 
     size = 32
     channel, _, field = next(synthetic._cosmo_fields(size, np.random.default_rng(3)))
@@ -395,7 +399,6 @@ def test_skill_during_training_is_score_pys_for_the_same_options(tmp_path):
 def test_skill_during_training_on_two_ranks_is_one_process_score(tmp_path):
     """2 DDP ranks (started as srun starts them) each roll out their share of the 8 initial
     conditions; the sums over both are the numbers one process's score.py gives."""
-    from distributed_harness import find_free_port
     root = write_era5(str(tmp_path / "era5"), steps=16)
     exp = str(tmp_path / "exp")
     args = TINY_VIT + ["--data_root", root, "--expdir", exp, "--num_epochs", "1",
@@ -425,7 +428,6 @@ def test_skill_during_training_on_two_ranks_is_one_process_score(tmp_path):
 
 
 def test_skill_during_training_is_refused_where_a_rank_cannot_roll_out_alone():
-    from settings.errors import ConfigError
     from settings.parse import build_config
     for extra, says in (({"fsdp": True}, "a model sharded over ranks"),
                         ({"tensor_parallel": 2}, "a model sharded over ranks"),
@@ -473,10 +475,9 @@ def test_vit_run_trained_then_scored(vit_run, tmp_path, capsys):
 
     # an existing output is refused, and left as it was
     before = hashlib.md5(open(os.path.join(out, "scores.csv"), "rb").read()).hexdigest()
-    import score as score_command
     for argv, fragment in ((["--run", str(tmp_path / "missing")], "no such run directory"),
                            (["--run", d], "exists already"),
-                           (["--run", d, "--n_init", "0"], "at least 1")):
+                           (["--run", d, "--n_init", "0"], "--n_init: 0 is below 1: give 1 or more")):
         with pytest.raises(SystemExit) as e:
             score_command.main(argv)
         err = capsys.readouterr().err
@@ -507,11 +508,6 @@ def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys):
     assert json.load(open(os.path.join(out, "scores.json")))["pdfs"][0]["channel"] == "log_rho"
 
     # the same weights as a DCP directory (what an FSDP run writes) score the same
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    import score as score_command
     state = torch.load(ckpt, weights_only=True)
     sharded = str(tmp_path / "ckpt_00000003.dcp")
     with warnings.catch_warnings():
@@ -544,10 +540,6 @@ def rank_scores(vit, unet, out):
     """On each rank: both runs scored into ``out``/vit and ``out``/unet; the ViT again into the
     existing ``out``/vit; and a run that rank 1 alone cannot find (as on a node that does not
     see the file system). The exit code (None: it returned) and what went to stderr, of each."""
-    import torch.distributed as dist
-
-    import score as score_command
-
     missing = vit + "_missing" if dist.get_rank() == 1 else vit
     with mock.patch("observe.score_report.draw", no_plots):
         return [_code(score_command.main, argv) for argv in (
@@ -569,8 +561,6 @@ def _code(main, argv):
 
 
 def test_scores_over_three_ranks_equal_one_process(vit_run, unet_run, tmp_path, capsys, monkeypatch):
-    import score as score_command
-
     monkeypatch.setattr("observe.score_report.draw", no_plots)
     one, two = tmp_path / "one", tmp_path / "two"
     score_command.main(["--run", vit_run, "--out", str(one / "vit"), *VIT_OPTIONS])
@@ -606,7 +596,6 @@ def test_scores_over_three_ranks_equal_one_process(vit_run, unet_run, tmp_path, 
 def refusal(capsys, argv, run):
     """score.py's one stderr line for ``argv``, checked to be an exit code 2 that left ``run``
     as it was."""
-    import score as score_command
     before = file_digests(run)
     with pytest.raises(SystemExit) as e:
         score_command.main(argv)
@@ -641,7 +630,6 @@ def test_options_of_the_other_models_scoring_are_refused(vit_run, unet_run, tmp_
 
 
 def test_a_tile_or_halo_off_the_grid_gets_valid_distinct_choices(unet_run, tmp_path, capsys):
-    from settings.errors import ConfigError
     for name, value, choices in (("tile", 30, "choose 32\n"), ("halo", 10, "choose 0 or 32\n")):
         err = refusal(capsys, ["--run", unet_run, f"--{name}", str(value), "--out",
                                str(tmp_path / "s")], os.path.dirname(os.path.dirname(unet_run)))
@@ -660,9 +648,6 @@ def test_a_tile_or_halo_off_the_grid_gets_valid_distinct_choices(unet_run, tmp_p
 
 
 def test_the_runs_checkpoints_directory_scores_the_run(vit_run, tmp_path, monkeypatch, capsys):
-    import shutil
-
-    import score as score_command
     monkeypatch.setattr("observe.score_report.draw", no_plots)
     run = str(tmp_path / "run")
     shutil.copytree(vit_run, run, ignore=shutil.ignore_patterns("score"))
@@ -673,7 +658,6 @@ def test_the_runs_checkpoints_directory_scores_the_run(vit_run, tmp_path, monkey
 
 
 def test_a_damaged_config_yaml_is_named_with_the_fix(vit_run, tmp_path, capsys):
-    import shutil
     run = str(tmp_path / "run")
     shutil.copytree(vit_run, run, ignore=shutil.ignore_patterns("score"))
     path = os.path.join(run, "config.yaml")
@@ -699,7 +683,6 @@ def test_one_process_refuses_a_missing_run_at_once_and_ranks_refuse_it_together(
                                                                                monkeypatch):
     """One process refuses a --run that does not exist while reading its options; the ranks of a
     job leave it to the check they agree on after joining (the path may exist on some nodes)."""
-    import score as score_command
     missing = str(tmp_path / "missing")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as e:
@@ -715,7 +698,6 @@ def test_a_box_off_the_unets_grid_is_cut_and_the_note_names_the_spectra(unet_run
                                                                        monkeypatch, capsys):
     """A 40^3 box for a 5-level U-Net (2^5 = 32): its first 32^3 voxels are scored, and the note
     says that the cut box, no longer periodic, gains power at high k."""
-    import score as score_command
     monkeypatch.setattr("observe.score_report.draw", no_plots)
     root = write_cosmo_pair(tmp_path / "odd", side=40)
     out = str(tmp_path / "scores")
@@ -732,7 +714,6 @@ def test_a_crop_of_fewer_rows_than_the_data_is_noted_for_its_latitude_weights(vi
     """img_size keeps the first 16 rows: of 17-row fields (the tutorial's crop, which drops the
     south pole's row) nothing is said; of 24-row fields the note says that the weights take the
     kept rows to run from pole to pole. The summary's ACC is named as the model's."""
-    import score as score_command
     monkeypatch.setattr("observe.score_report.draw", no_plots)
     for rows, noted in ((17, False), (24, True)):
         root = write_era5(str(tmp_path / f"era5_{rows}"), years={"valid": [2018]}, steps=8, h=rows)
@@ -769,7 +750,6 @@ def test_plots_name_their_checkpoint_and_initial_conditions(vit_run, unet_run, t
                                                             monkeypatch):
     """ACC and P ratio are drawn without climatology's flat lines, lead times ticked every 24 h;
     the U-Net's spectrum ratio on a log axis, its P(k) in units."""
-    import score as score_command
     drawn = {}
 
     def record(figure, path, subtitle=""):
@@ -811,7 +791,6 @@ def test_a_lead_or_initial_conditions_the_split_cannot_give_are_refused_naming_t
 
 
 def test_a_checkpoint_of_the_other_model_is_refused_by_name(vit_run, unet_run, tmp_path, capsys):
-    import shutil
     for run, ckpt, says in ((vit_run, unet_run, "a U-Net checkpoint given to a ViT run"),
                             (os.path.dirname(os.path.dirname(unet_run)),
                              os.path.join(vit_run, "checkpoints", "ckpt_00000004.pt"),

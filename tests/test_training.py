@@ -279,7 +279,7 @@ def _cfg(era5_root, tmp_path, **kw):
 def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
     cfg = _cfg(era5_root, tmp_path, num_iters="20", checkpoint_every="4", log_every="1")
     trainer = Trainer(cfg, setup_runtime(cfg))
-    real = trainer.sharding.loss
+    real = trainer.parallel.loss
     calls = {"n": 0}
 
     def poisoned(pred, y):
@@ -287,7 +287,7 @@ def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
         out = real(pred, y)
         return out * float("nan") if calls["n"] > 6 else out
 
-    monkeypatch.setattr(trainer.sharding, "loss", poisoned)
+    monkeypatch.setattr(trainer.parallel, "loss", poisoned)
     with pytest.raises(TrainingError, match="training loss became nan before step 7") as e:
         trainer.fit()
     ckpts = os.listdir(trainer.ckpt_dir)
@@ -297,7 +297,7 @@ def test_nan_loss_stops_and_keeps_checkpoints(tmp_path, era5_root, monkeypatch):
                                  f"with --resume auto)")
     cfg = _cfg(era5_root, tmp_path, num_iters="20", log_every="1", run_num="early")
     early = Trainer(cfg, setup_runtime(cfg))  # diverging before any checkpoint: says there is none
-    monkeypatch.setattr(early.sharding, "loss", lambda pred, y: real(pred, y) * float("nan"))
+    monkeypatch.setattr(early.parallel, "loss", lambda pred, y: real(pred, y) * float("nan"))
     with pytest.raises(TrainingError, match="Nothing was written; the run has no checkpoint yet$"):
         early.fit()
     state = torch.load(os.path.join(trainer.ckpt_dir, ckpts[0]), weights_only=True)

@@ -1,7 +1,7 @@
 """The checkpointer: the one object the training loop asks about checkpoints."""
 from __future__ import annotations
 
-import dataclasses
+import collections
 import os
 import time
 
@@ -16,13 +16,10 @@ from settings.errors import ConfigError, TrainingError, on_every_rank
 log = files.log  # the package's one logger
 
 
-@dataclasses.dataclass
-class Resume:
-    """The checkpoint a run continues from, which every rank has read."""
-
-    state: dict  # its contents (a DCP directory's without the tensors: they are read on load)
-    path: str
-    cfg: object  # the run's settings, with the run length it had unless the command gives one
+# The checkpoint a run continues from, which every rank has read: its contents (a DCP
+# directory's without the tensors), path, and settings (the run length its run had unless the
+# command gives one).
+Resume = collections.namedtuple("Resume", "state path cfg")
 
 
 class RunFinished(Exception):
@@ -42,29 +39,6 @@ class Checkpointer:
         """The checkpoint to continue from (``--resume``, ``--resume_from``), or None for a fresh
         run; RunFinished for a finished one. Rank 0 chooses, the others load exactly its choice
         (docs/preemption.md says why)."""
-        choice = self._agreed_choice()
-        if choice is None:
-            return None
-        state, path = choice
-        cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
-        per_epoch = state.get("steps_per_epoch")  # (every step taken, the last validation done)
-        if per_epoch is not None and state["step_in_epoch"] == 0 \
-                and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch):
-            if os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
-                    os.path.realpath(self.directory):  # --resume_from
-                raise on_every_rank(ConfigError(
-                    f"--resume_from {cfg.resume_from}: that run has finished its "
-                    f"{state['iteration']} steps, so run {cfg.run_num} would train nothing: add a "
-                    f"larger --num_epochs or --num_iters to train on from it"))
-            resume_changes(state, path, cfg, self.rt.global_batch)  # (refused ones said first)
-            raise RunFinished(f"Nothing to do: run {cfg.run_num} has finished its "
-                              f"{state['iteration']} steps (checkpoint {path}). To train longer, "
-                              f"resume with a larger --num_epochs or --num_iters (the "
-                              f"learning-rate schedule then spans the new total)")
-        self.resumed = Resume(state, path, cfg)
-        return self.resumed
-
-    def _agreed_choice(self):
         rt = self.rt
         choice = None  # (state, path), None for a fresh run, or the ConfigError every rank raises
         if rt.is_main:
@@ -78,22 +52,39 @@ class Checkpointer:
             dist.broadcast_object_list(sent, src=0, group=rt.host_group)
         if isinstance(sent[0], ConfigError):
             raise sent[0]
-        if sent[0] is None or not rt.distributed:
-            return choice
-        path = sent[0]
-        if not rt.is_main:
-            choice = files.load_file(path)
-        loaded = [None] * rt.world_size
-        # Whether the chosen checkpoint loaded on every rank: all go on with it, or all raise.
-        dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
-        if not all(loaded):
-            rank = loaded.index(False)
-            raise on_every_rank(ConfigError(
-                f"rank {rank} cannot load {path}, the checkpoint rank 0 chose to resume from (rank "
-                f"{rank}'s warning line says why): every rank must see the same files; check the "
-                f"file system they share, or move that checkpoint aside to resume from the one "
-                f"before"))
-        return choice
+        if sent[0] is None:
+            return None
+        if rt.distributed:
+            if not rt.is_main:
+                choice = files.load_file(sent[0])
+            loaded = [None] * rt.world_size
+            # Whether the chosen checkpoint loaded on every rank: all go on with it, or all raise.
+            dist.all_gather_object(loaded, choice[0] is not None, group=rt.host_group)
+            if not all(loaded):
+                rank = loaded.index(False)
+                raise on_every_rank(ConfigError(
+                    f"rank {rank} cannot load {sent[0]}, the checkpoint rank 0 chose to resume "
+                    f"from (rank {rank}'s warning line says why): every rank must see the same "
+                    f"files; check the file system they share, or move that checkpoint aside to "
+                    f"resume from the one before"))
+        state, path = choice
+        cfg = self.cfg = keep_run_length(self.cfg, state.get("config", {}))
+        per_epoch = state.get("steps_per_epoch")  # (every step taken, the last validation done)
+        if per_epoch is not None and state["step_in_epoch"] == 0 \
+                and state["iteration"] >= (cfg.num_iters or cfg.num_epochs * per_epoch):
+            if os.path.realpath(os.path.dirname(path.rstrip(os.sep))) != \
+                    os.path.realpath(self.directory):  # --resume_from
+                raise on_every_rank(ConfigError(
+                    f"--resume_from {cfg.resume_from}: that run has finished its "
+                    f"{state['iteration']} steps, so run {cfg.run_num} would train nothing: add a "
+                    f"larger --num_epochs or --num_iters to train on from it"))
+            resume_changes(state, path, cfg, rt.global_batch)  # (refused ones said first)
+            raise RunFinished(f"Nothing to do: run {cfg.run_num} has finished its "
+                              f"{state['iteration']} steps (checkpoint {path}). To train longer, "
+                              f"resume with a larger --num_epochs or --num_iters (the "
+                              f"learning-rate schedule then spans the new total)")
+        self.resumed = Resume(state, path, cfg)
+        return self.resumed
 
     def _choose(self):
         """Rank 0's part of ``resume`` (``--resume auto``: this run directory's newest checkpoint,
@@ -102,9 +93,8 @@ class Checkpointer:
         run_dir = os.path.dirname(ckpt_dir)
         files.clean_leftovers(ckpt_dir)
         existing = files.list_checkpoints(ckpt_dir)
-        if cfg.resume == "auto" and existing:
-            return self._newest()
-        if cfg.resume_from:
+        auto = cfg.resume == "auto" and existing  # (then the newest, as --resume takes)
+        if cfg.resume_from and not auto:
             if existing:
                 raise ConfigError(f"--resume_from: {run_dir} already holds checkpoints: use "
                                   f"--resume to continue it, or choose another --run_num")
@@ -120,7 +110,7 @@ class Checkpointer:
             if state is None:
                 raise ConfigError(f"--resume_from {src}: no checkpoint there loads")
             return state, path
-        if cfg.resume is not True:  # false, or auto with nothing to continue
+        if cfg.resume is not True and not auto:  # false, or auto with nothing to continue
             if existing:
                 raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to "
                                   f"continue that run, or choose another --run_num")
@@ -129,10 +119,7 @@ class Checkpointer:
             raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}: check --config, "
                               f"--run_num, --expdir and the number of ranks "
                               f"({self.rt.world_size}), or use --resume_from PATH")
-        return self._newest()
-
-    def _newest(self):
-        state, path = files.load_latest(self.directory)
+        state, path = files.load_latest(ckpt_dir)
         if state is None:
             raise ConfigError(f"--resume: none of the checkpoints in {self.directory} loads "
                               f"(each is damaged or cut short; the log above names why): resume "
@@ -141,22 +128,27 @@ class Checkpointer:
         return state, path
 
     def start_weights(self, model, from_reference):
-        """``--init_from``: a fresh run's ``model`` from saved weights (``start_weights``)."""
+        """``--init_from``: a fresh run's ``model`` from saved weights (``start_weights``). Every
+        rank reads the file; all go on or all raise."""
         if self.cfg.init_from and self.resumed is None:
-            log.info(load_start_weights(model, self.cfg.init_from, from_reference, self.cfg,
-                                        self.rt))
+            failure = line = None
+            try:
+                line = load_start_weights(model, self.cfg.init_from, from_reference, self.cfg)
+            except ConfigError as e:
+                failure = (self.rt.rank, str(e))
+            self.rt.raise_first_failure(failure, ConfigError)
+            log.info(line)
 
     def load(self, model, sharding, optimizer, scaler, scheduler,
              steps_per_epoch: int) -> TrainState:
         """The run's state: at step 0, or put back from the checkpoint ``resume`` chose."""
-        self.state = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt, self.cfg,
-                                steps_per_epoch)
+        self.state = st = TrainState(model, sharding, optimizer, scaler, scheduler, self.rt,
+                                     self.cfg, steps_per_epoch)
         if self.resumed is not None:
-            st = self.state
             st.load_state_dict(self.resumed.state, self.resumed.path)
             log.info(f"Resumed from {self.resumed.path} at step {st.iteration} (epoch "
                      f"{st.epoch + 1}, step {st.step_in_epoch} of {st.steps_per_epoch})")
-        return self.state
+        return st
 
     def save(self, epoch_sum: torch.Tensor | None, window: tuple) -> float:
         """Collective: write the checkpoint of the step just taken (the newest ``checkpoint_keep``
@@ -168,13 +160,10 @@ class Checkpointer:
         carried = 0.0 if epoch_sum is None else rt.dp_sum(epoch_sum.clone().float()).item()
         path, failure = None, None
         try:  # (state_dict: collective, its contents on rank 0)
-            if st.sharding.writes_shards:
-                rest = st.state_dict(carried, window, tensors=False)
-                path = files.save_sharded(self.directory, st.iteration,
-                                          files.shards(st.model, st.optimizer), rest, keep,
-                                          rt.is_main)
-            elif (state := st.state_dict(carried, window)) is not None:
-                path = files.save(self.directory, st.iteration, state, keep)
+            state = st.state_dict(carried, window)
+            if (sharded := st.sharding.writes_shards) or rt.is_main:  # (FSDP alone: all write)
+                shards = files.shards(st.model, st.optimizer) if sharded else None
+                path = files.save(self.directory, st.iteration, state, keep, shards, rt.is_main)
         except files.WriteFailed as e:
             failure = (rt.rank if e.rank is None else e.rank, str(e))
         # (the exchange also holds every rank until rank 0 has put the checkpoint in place)

@@ -1,6 +1,7 @@
-"""The checkpoint's two forms on disk (``engine.checkpoint``): written atomically (a crash leaves
-at worst a stray file, which ``clean_leftovers`` puts right), the newest K kept, checked whole.
-"""
+"""The checkpoint's two forms on disk: ``ckpt_<step>.pt``, the whole state in the serial layout,
+written by rank 0; ``ckpt_<step>.dcp/``, an FSDP run's DCP directory (each rank its shards, rank 0
+the metadata and ``train_state.pt``: the rest). Written atomically (a crash leaves at worst a
+stray file, which ``clean_leftovers`` puts right), the newest K kept, checked whole."""
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,8 @@ log = logging.getLogger("engine.checkpoint")  # the package's one logger
 MB = 1e6
 
 _NAME = re.compile(r"ckpt_(\d{8})\.(pt|dcp)$")
-# What an interrupted write leaves: write_file's temporary file, save_sharded's temporary
-# directory, and the step's earlier DCP checkpoint that save_sharded sets aside to write it again.
+# What an interrupted write leaves: write_file's temporary file, save's temporary DCP directory,
+# and the step's earlier DCP checkpoint that save sets aside to write it again.
 _LEFTOVER = re.compile(r"ckpt_\d{8}\.(pt\.\d+\.tmp|dcp\.tmp|dcp\.old)")
 REQUIRED = ("model", "optimizer", "scaler", "scheduler", "iteration", "epoch", "step_in_epoch",
             "rng", "config")
@@ -95,31 +96,22 @@ class WriteFailed(TrainingError):
         self.rank = rank
 
 
-def save(directory: str, iteration: int, state: dict, keep: int) -> str:
-    """Write ``state`` as the checkpoint of ``iteration``, keeping the newest ``keep``; a failed
-    write raises WriteFailed and leaves the existing checkpoints as they were."""
-    final = path_for(directory, iteration)
-    try:
-        write_file(final, state)
-    except (OSError, RuntimeError) as e:  # torch's serializer reports a failed write as either
-        raise WriteFailed(_write_failure(directory, final, state, e)) from None
-    for old in list_checkpoints(directory)[keep:]:
-        _remove(old)
-    return final
-
-
-def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | None, keep: int,
-                 is_main: bool) -> str:
-    """Collective: write ``tensors`` (``shards``) with DCP, each rank its own file, and ``rest``
-    (rank 0's) as ``train_state.pt`` into ``ckpt_<iteration>.dcp``, renamed into place by rank 0.
-    WriteFailed on every rank for a shard write, on rank 0 alone for its own part."""
-    final = path_for(directory, iteration, sharded=True)
+def save(directory: str, iteration: int, state: dict | None, keep: int, shards: dict | None = None,
+         is_main: bool = True) -> str:
+    """Write the checkpoint of ``iteration``, keeping the newest ``keep``: ``state`` as one file;
+    with ``shards`` (collective), those with DCP, each rank its own file, and ``state`` (rank 0's)
+    as ``train_state.pt``, into ``ckpt_<iteration>.dcp``, renamed into place by rank 0. A failed
+    write raises WriteFailed (on every rank for a shard write, on rank 0 alone for its own part)
+    and leaves the existing checkpoints as they were."""
+    final = path_for(directory, iteration, sharded=shards is not None)
     tmp = f"{final}.tmp"  # the same name on every rank (they share the directory)
     try:
-        # (collectives inside: a failure on any rank is a CheckpointException on every rank)
-        dcp.save(tensors, checkpoint_id=tmp)
-        if is_main:
-            write_file(os.path.join(tmp, TRAIN_STATE), rest)
+        if shards is None:
+            write_file(final, state)
+        else:  # (collectives inside: a failure on any rank is a CheckpointException on every rank)
+            dcp.save(shards, checkpoint_id=tmp)
+        if is_main and shards is not None:
+            write_file(os.path.join(tmp, TRAIN_STATE), state)
             old = f"{final}.old"
             if os.path.exists(final):  # the same step written again (after its validation)
                 os.replace(final, old)
@@ -127,17 +119,17 @@ def save_sharded(directory: str, iteration: int, tensors: dict, rest: dict | Non
             _fsync_dir(directory)
             if os.path.exists(old):
                 shutil.rmtree(old)
-            for stale in list_checkpoints(directory)[keep:]:
-                _remove(stale)
+        for stale in list_checkpoints(directory)[keep:] if is_main else []:
+            _remove(stale)
     except CheckpointException as e:  # (a BaseException) every rank has left dcp.save
         rank, (cause, _) = min(e.failures.items(), default=(None, (e, None)))
-        failure = WriteFailed(_write_failure(directory, final, tensors, cause), rank)
-    except (OSError, RuntimeError) as e:
-        failure = WriteFailed(_write_failure(directory, final, tensors, e))
+        failure = WriteFailed(_write_failure(directory, final, shards, cause), rank)
+    except (OSError, RuntimeError) as e:  # (torch's serializer reports a failed write as either)
+        failure = WriteFailed(_write_failure(directory, final, shards or state, e))
     else:
         return final
-    if is_main:  # no rank writes there any more: the temporary directory goes, a set-aside
-        with contextlib.suppress(OSError):  # checkpoint of this step comes back
+    if is_main and shards is not None:  # no rank writes there any more: the temporary directory
+        with contextlib.suppress(OSError):  # goes, a set-aside checkpoint of this step comes back
             clean_leftovers(directory)
     raise failure
 
@@ -168,7 +160,11 @@ def state_nbytes(obj) -> int:
 def _write_failure(directory: str, final: str, state: dict, exc: BaseException) -> str:
     """One line: what failed, the space needed and free, the newest checkpoint kept, what to do."""
     previous = list_checkpoints(directory)  # (none where the directory is missing)
-    need = _size(previous[0]) if previous else state_nbytes(state)
+    need = state_nbytes(state)
+    if previous and os.path.isdir(previous[0]):
+        need = sum(os.path.getsize(os.path.join(previous[0], f)) for f in os.listdir(previous[0]))
+    elif previous:
+        need = os.path.getsize(previous[0])
     try:
         free = f"{shutil.disk_usage(directory).free / MB:.1f} MB free there"
     except OSError:
@@ -183,19 +179,20 @@ def _write_failure(directory: str, final: str, state: dict, exc: BaseException) 
             f"--expdir, then {then}")
 
 
-def _size(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    return os.path.getsize(path)
-
-
 def load_file(path: str):
     """(state, path) if the checkpoint loads whole, else (None, None) and a warning line saying
     why; a DCP directory's holds ``"dcp": path`` in place of the tensors, read later."""
     sharded, file = os.path.isdir(path), path
     try:
-        if sharded:  # the directory, then its train_state.pt
-            _check_shards(path)
+        if sharded:  # the metadata and every shard file, whole, then train_state.pt
+            ends = {}  # each shard file's length, as the metadata says
+            for info in FileSystemReader(path).read_metadata().storage_data.values():
+                ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                               info.offset + info.length)
+            short = [f for f, n in ends.items() if not os.path.isfile(os.path.join(path, f))
+                     or os.path.getsize(os.path.join(path, f)) < n]
+            if short:
+                raise OSError(f"shard files missing or cut short: {sorted(short)}")
             file = os.path.join(path, TRAIN_STATE)
         state = read_pt(file, mmap=True)
     except Exception as e:  # an incomplete directory, a truncated or corrupt file
@@ -225,18 +222,6 @@ def unreadable(exc: Exception) -> str:
     return f"{what}: {type(exc).__name__}: {text.splitlines()[0].split('. ')[0][:160]}"
 
 
-def _check_shards(path: str):
-    """Raise unless the DCP checkpoint ``path`` has its metadata and every shard file, whole."""
-    metadata = FileSystemReader(path).read_metadata()
-    ends = {}  # each shard file's length, as the metadata says
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    short = [f for f, n in ends.items() if not os.path.isfile(os.path.join(path, f))
-             or os.path.getsize(os.path.join(path, f)) < n]
-    if short:
-        raise OSError(f"shard files missing or cut short: {sorted(short)}")
-
-
 def read_tensors(path: str, keys=None) -> dict:
     """A DCP checkpoint's whole tensors (``keys``' only, when given) in this process alone."""
     # torch (to 2.13 at least) has no public call that fills an empty state dict from a DCP
@@ -249,17 +234,13 @@ def read_tensors(path: str, keys=None) -> dict:
     return tensors
 
 
-def shards(model, optimizer) -> dict:
-    """This rank's shards of an FSDP model's weights and Adam state (as DCP saves and reads them)."""
+def shards(model, optimizer, path: str | None = None) -> dict:
+    """This rank's shards of an FSDP model's weights and Adam state, as DCP saves and reads them;
+    with ``path``, collective: read from that DCP checkpoint (of any number of ranks)."""
     model_state, optimizer_state = get_state_dict(resharded(model), optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
-
-
-def read_shards(model, optimizer, path: str) -> dict:
-    """Collective: each rank reads its own shards of the DCP checkpoint ``path`` (of any number
-    of ranks), in the layout of ``shards``."""
-    state = shards(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if path is not None:
+        dcp.load(state, checkpoint_id=path)
     return state
 
 

@@ -48,20 +48,10 @@ def _read(path: str):
     return {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in sd.items()}, None
 
 
-def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg, rt) -> str:
+def load_start_weights(model: torch.nn.Module, path: str, from_reference, cfg) -> str:
     """Copy the weights saved at ``path`` into the serial ``model`` of a new run of ``cfg``;
     returns the line saying where they came from (``from_reference(sd, model)``: the task's
-    renaming of the tutorial's). Every rank reads the file; all go on or all raise."""
-    failure = line = None
-    try:
-        line = _load(model, path, from_reference, cfg)
-    except ConfigError as e:
-        failure = (rt.rank, str(e))
-    rt.raise_first_failure(failure, ConfigError)
-    return line
-
-
-def _load(model, path, from_reference, cfg) -> str:
+    renaming of the tutorial's)."""
     sd, own = _read(path)
     differ = ""
     if own is None:

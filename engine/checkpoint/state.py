@@ -82,31 +82,37 @@ class TrainState:
         self.step_in_epoch = 0
         self.epoch_loss_carry = 0.0
 
-    def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0),
-                   tensors: bool = True) -> dict | None:
-        """Collective: the checkpoint's contents on rank 0, None elsewhere. ``epoch_loss_sum``: the
-        epoch's summed losses so far; ``window``: this rank's (loss sum, grad norm sum, steps) since
-        the last log point; ``tensors`` false: without the model and optimizer (shards)."""
+    def state_dict(self, epoch_loss_sum: float, window=(0.0, 0.0, 0)) -> dict | None:
+        """Collective: the checkpoint's contents on rank 0, None elsewhere (under FSDP alone without
+        the model and optimizer: their shards). ``epoch_loss_sum``: the epoch's summed losses so
+        far; ``window``: this rank's (loss sum, grad norm sum, steps) since the last log point."""
         rt = self.rt
         carried = self.epoch_loss_carry + epoch_loss_sum
         if not math.isfinite(carried):
             raise TrainingError(f"the training loss is not finite at step {self.iteration}; not "
                                 f"writing a checkpoint. Lower lr or check the data; earlier "
                                 f"checkpoints are kept")
-        mine = (rng_state(), tuple(window))
+        # Torch, CUDA, numpy and Python RNG states, in types that weights_only loading accepts
+        _, keys, pos, has_gauss, cached = np.random.get_state()
+        version, py_state, gauss = random.getstate()
+        mine = ({"torch": torch.get_rng_state(),
+                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                 "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                           "has_gauss": int(has_gauss), "cached": float(cached)},
+                 "python": {"version": version, "state": list(py_state), "gauss": gauss}},
+                tuple(window))
         per_rank = [mine]
         if rt.distributed:
             per_rank = [None] * rt.world_size
             dist.all_gather_object(per_rank, mine)  # every rank's dropout stream and window
-        rngs = [rng for rng, _ in per_rank]
-        if tensors:
-            # Collective: tensor by tensor, only rank 0 keeps them (in host memory)
+        saved = {}
+        if not self.sharding.writes_shards:  # collective: tensor by tensor, rank 0 keeps them
             saved = {"model": self.sharding.model_state(self.model, rt.is_main),
                      "optimizer": self.sharding.optimizer_state(self.model, self.optimizer,
                                                                 rt.is_main)}
         if not rt.is_main:
             return None
-        return (saved if tensors else {}) | {
+        return saved | {
             "scaler": self.scaler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "iteration": self.iteration,
@@ -114,7 +120,7 @@ class TrainState:
             "step_in_epoch": self.step_in_epoch,
             "epoch_loss_sum": carried,
             "steps_per_epoch": self.steps_per_epoch,
-            "rng": rngs,
+            "rng": [rng for rng, _ in per_rank],
             "loss_window": [w for _, w in per_rank],
             "config": to_dict(self.cfg),
             "world_size": rt.world_size,
@@ -133,7 +139,7 @@ class TrainState:
             # A directory of shards (an FSDP run's): under FSDP alone each rank reads its own
             # shards (collective), on any other layout the whole tensors, as of a .pt file.
             if "dcp" in state and self.sharding.writes_shards:
-                state = state | files.read_shards(self.model, self.optimizer, state["dcp"])
+                state = state | files.shards(self.model, self.optimizer, state["dcp"])
             elif "dcp" in state:
                 state = state | files.read_tensors(state["dcp"])
             self.sharding.load_model_state(self.model, state["model"])
@@ -147,32 +153,14 @@ class TrainState:
         self.epoch = state["epoch"]
         self.step_in_epoch = state["step_in_epoch"]
         self.epoch_loss_carry = state["epoch_loss_sum"]
-        rngs = state["rng"]
-        set_rng_state(rngs[self.rt.rank % len(rngs)])
+        rng = state["rng"][self.rt.rank % len(state["rng"])]  # this rank's streams
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        n, p = rng["numpy"], rng["python"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached"]))
+        random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
         windows = state.get("loss_window", [])
         if len(windows) == self.rt.world_size:  # (on other ranks: the next point averages less)
             self.window_carry = tuple(windows[self.rt.rank])
-
-
-def rng_state() -> dict:
-    """Torch, CUDA, numpy and Python RNG states in types that ``weights_only`` loading accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, py_state, gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
-        "python": {"version": version, "state": list(py_state), "gauss": gauss},
-    }
-
-
-def set_rng_state(state: dict):
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))

@@ -20,14 +20,10 @@ ran), and a handler that raises unwinds the wait. A wait inside C code that neve
 Python (DALI's executor) defers the handlers: a watchdog thread ends the process with the same
 line ``watchdog_grace_s`` after the timeout. Outside the main thread no handler can be set.
 
-**The agreement**: after each fetch (a loader that ``never_waits``: each ``every``-th) every rank
-proposes the signal that ended its wait, or at a log point one it recorded, or 0, in one
-all-reduce (MAX) launched with ``async_op``, read just before the batch's step. A rank fetches
-nothing more from a pass whose wait was ended: its later proposals are those of a pass's end, at
-the same indices. Each decision notes the lag that would have hidden its wait; the blocking
-agreement after each validation (``now``) carries the median since the last one, and the ranks'
-largest becomes every rank's lag (at most ``MAX_LAG``, never lowered). ``NeverStop`` never takes
-part in a collective.
+**The agreement** (docs/preemption.md, "How the ranks agree"): after each fetch (a loader that
+``never_waits``: each ``every``-th) every rank proposes, in one all-reduce (MAX) launched with
+``async_op`` and read just before the batch's step. A rank fetches nothing more from a pass whose
+wait was ended: its later proposals are those of a pass's end, at the same indices.
 """
 from __future__ import annotations
 
@@ -54,10 +50,7 @@ __all__ = ["Stopper", "RunEnding", "StopRequest", "NeverStop", "RunStopped", "In
 
 SIGNAL_GRACE_S = 2.0  # how long a fetch may still take once a stop signal came
 WATCHDOG_GRACE_S = 30.0  # after the timeout, for a wait that no signal handler can end
-# Steps a batch is fetched ahead of its step, at most (each one held in memory): gloo runs a
-# group's collectives on 2 threads, each held for the whole of its ring, so 2 in flight at once
-# is what a deeper lag could use.
-MAX_LAG = 2
+MAX_LAG = 2  # steps a batch is fetched ahead, at most: gloo's 2 threads a group (docs/parallelism.md)
 HIDDEN_S = 1e-3  # a decision's wait this short (or 5% of a step) counts as hidden
 
 log = logging.getLogger(__name__)
@@ -77,12 +70,10 @@ class _TimedOut(BaseException):
 
 
 class Stopper:
-    """A run's stopping: ``request``, the stop signals' record (``StopRequest.install``, or
-    ``NeverStop``); the ranks' agreement (``distributed``: whether there are peers to agree with;
-    ``group``: its gloo group, None for the default one; ``every``: the log interval) and the
-    data waits (``timeout_s``: ``loader_timeout_s``, 0 for none; ``advice()``: what the stall
-    line ends with, the checkpoint kept; ``fail(message)``: ends the process from the watchdog
-    thread, ``watchdog_grace_s`` after the timeout)."""
+    """``request``: the stop signals' record; ``distributed``: whether there are peers to agree
+    with (``group``: the gloo group, None for the default one; ``every``: the log interval);
+    ``timeout_s``: ``loader_timeout_s`` (0: none); ``advice()``: what the stall line ends with;
+    ``fail(message)``: ends the process from the watchdog thread."""
 
     def __init__(self, request: StopRequest, distributed: bool, group=None, every: int = 1,
                  timeout_s: float = 0, advice=lambda: "", fail=None,
@@ -109,14 +100,12 @@ class Stopper:
     def batches(self, loader, what: str, epoch: int, step: int, first: int = 0,
                 end: int | None = None, stop=None, around=contextlib.nullcontext, begun=None,
                 first_recorded: bool = False):
-        """The batches of a pass of ``loader`` for the steps ``step``, ``step + 1``, ... (up
-        to ``end``: nothing fetched from there on, the proposals still made), each fetched
-        ``lag`` steps ahead in a data wait inside ``nvtx_range("data wait")`` and ``around()``
-        (``what``, ``epoch``, ``first``: what the stall line names; ``begun``: the pass, already
-        begun, or None). Where every rank agreed to stop before a step, ``stop(signum)`` is
-        called there (it writes the checkpoint and raises ``RunStopped``) and the pass ends,
-        nothing left in flight. The first proposal holds no recorded signal (an epoch takes a
-        step) unless ``first_recorded``."""
+        """The batches of a pass of ``loader`` for the steps ``step``, ``step + 1``, ... (up to
+        ``end``: nothing fetched from there on), each fetched ``lag`` steps ahead in a data wait
+        inside ``around()`` (``what``, ``epoch``, ``first``: what the stall line names;
+        ``begun``: the pass, already begun). Where every rank agreed to stop before a step,
+        ``stop(signum)`` is called there (it writes the checkpoint and raises ``RunStopped``).
+        The first proposal holds no recorded signal unless ``first_recorded``."""
         fetches = self._pass(loader, what, epoch, first, around, begun)
         self.drain()  # a pass left before its end (the throughput report's rounds) leaves some
         fetched = collections.deque()
@@ -146,13 +135,10 @@ class Stopper:
 
     def validation_batches(self, loader, epoch: int, sizes: list[int], n_valid: int):
         """``(size, batch)`` for each of the validation's forwards, ``sizes`` its batch sizes on
-        this rank (0: a forward with no batch of its own): ``batch`` None where it has none, or
-        where a stop signal ended its wait for one (the forwards go on, on a stand-in, so that
-        their collectives meet the peers'). A validation set with no batch (``n_valid``
-        samples in all), or a loader that gives more batches than ``sizes``, is a TrainingError.
-        With a loader that may wait, the ranks agree after the first fetch: a rank whose first
-        wait a signal ended has no stand-in, so every rank then leaves before any forward, and
-        ``stop_agreed`` stops them."""
+        this rank: ``batch`` None where it has none (size 0), or where a stop signal ended its
+        wait (docs/preemption.md: the forwards go on, on a stand-in). No batch at all (``n_valid``
+        samples), or more batches than ``sizes``, is a TrainingError. After a first wait that a
+        signal ended on any rank, every rank leaves before any forward."""
         if not sizes:
             raise TrainingError("the validation set is empty: check the validation data")
         fetches = self._pass(loader, "validation", epoch)
@@ -228,12 +214,10 @@ class Stopper:
         self.proposals += 1
 
     def decision(self, index: int | None = None, note: bool = True) -> int:
-        """The signal every rank stops on before step ``index`` (0: go on): the combined
-        proposal launched after that step's fetch, the oldest in flight (``index`` None: the
-        oldest); 0 when none was launched for it. Waits for its all-reduce, which in the steady
-        state finished while the steps before ran, and (``note``) notes the lag that would
-        have hidden the wait: 0 where it was hidden (at most ``HIDDEN_S`` or 5% of a step: the
-        time from one decision's end to the next one's read, over the steps between them)."""
+        """The signal every rank stops on before step ``index`` (0: go on; ``index`` None: the
+        oldest proposal in flight), 0 when no proposal was launched for it. Waits for its
+        all-reduce and (``note``) notes the lag that would have hidden the wait: 0 where it was
+        hidden (at most ``HIDDEN_S`` or 5% of a step, the time between decisions per step)."""
         if not self._pending or index is not None and self._pending[0][0] != index:
             return 0
         _, pending = self._pending.popleft()
@@ -266,9 +250,8 @@ class Stopper:
                 pending[0].wait()
 
     def now(self, interrupted: int = 0, recorded: bool = True) -> int:
-        """Propose and wait for the decision at once: a blocking agreement, twice per validation
-        at most. It carries the lag this rank asks for: the median of what its decisions since
-        the last one needed; every rank takes the largest."""
+        """A blocking agreement (twice per validation at most), carrying the lag this rank asks
+        for: the median of what its decisions since the last one needed; all take the largest."""
         self.drain()
         lag = statistics.median_low(self._needed) if self._needed else 0
         self._needed = []

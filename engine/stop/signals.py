@@ -2,12 +2,9 @@
 (``StopRequest``), the line that says how to resume (``RunStopped``), exits that cannot block
 (``arm_hard_exit``, ``end_children``), and every way a run ends (``RunEnding``, below).
 
-``StopRequest.install(names)`` replaces the handlers of the named signals (``stop_signals``) with
-one that only records the signal: no Python code runs in between a step's operations, nothing is
-written from a handler, and a second signal (even during the checkpoint write) merely records it
-again, but for a second SIGINT: a user's second Ctrl-C, which ends the run at once. The ranks then
-agree on the step to stop after (``engine.stop.Stopper``), write its checkpoint and end with
-``STOPPED_EXIT_CODE``, which ``submit_pm.sh`` turns into a requeue (docs/preemption.md).
+``StopRequest.install(names)`` replaces the handlers of the ``stop_signals`` with one that only
+records the signal (nothing runs or is written from a handler; a second signal merely records it
+again), but for a user's second Ctrl-C, which ends the run at once (docs/preemption.md).
 """
 from __future__ import annotations
 
@@ -116,11 +113,9 @@ class NeverStop(StopRequest):
 
 
 def _at_exit():
-    """The process is ending: no stop signal may kill it now, nor loader workers keep it. Loader
-    workers still running (a run that ended on an exception keeps its loaders referenced) ignore
-    SIGTERM, with which multiprocessing's exit hook would end them before waiting for them: they
-    are SIGKILLed here instead (``end_children``), torch's SIGCHLD check (which raises on a
-    worker killed by a signal) switched off first."""
+    """The process is ending: no stop signal may kill it now, nor loader workers keep it. Workers
+    still running ignore the SIGTERM of multiprocessing's exit hook: they are SIGKILLed here,
+    torch's SIGCHLD check (which raises on a worker killed by a signal) switched off first."""
     ignore_stop_signals()
     children = [p for p in multiprocessing.active_children() if p.daemon]
     if children:
@@ -130,10 +125,8 @@ def _at_exit():
 
 def arm_hard_exit(exit_code: int, seconds: float | None = None):
     """``os._exit(exit_code)`` in ``seconds`` (default ``HARD_EXIT_AFTER_S``) unless the process
-    has ended by then. A timer thread rather than SIGALRM: a signal handler runs only between
-    the main thread's bytecodes, never while it is blocked in a system call that does not return
-    (a write to a hung NFS mount), while another thread still runs. Daemon: it never keeps the
-    process alive. It writes nothing (stderr may be the stalled file)."""
+    has ended by then, writing nothing (stderr may be the stalled file). A daemon timer thread,
+    not SIGALRM, whose handler never runs while the main thread is blocked in a system call."""
     timer = threading.Timer(HARD_EXIT_AFTER_S if seconds is None else seconds, os._exit,
                             args=(exit_code,))
     timer.daemon = True
@@ -142,10 +135,8 @@ def arm_hard_exit(exit_code: int, seconds: float | None = None):
 
 
 def end_children(children: list, timeout: float | None = None) -> list:
-    """SIGKILL ``children`` (``multiprocessing.Process``), wait up to ``timeout`` seconds in all
-    (default ``CHILD_JOIN_S``) for them to end, and return those still alive after it (in an
-    uninterruptible read: they die when it returns), which multiprocessing's exit hook will then
-    not wait for."""
+    """SIGKILL ``children``, wait up to ``timeout`` seconds in all (default ``CHILD_JOIN_S``), and
+    return those still alive (in an uninterruptible read), which the exit hook then leaves."""
     deadline = time.monotonic() + (CHILD_JOIN_S if timeout is None else timeout)
     for p in children:
         p.kill()
@@ -164,27 +155,20 @@ def end_children(children: list, timeout: float | None = None) -> list:
 
 # ---------------------------------------------------------------------- how a run ends
 
-# How a run ends, every way, in one place: the entry point trains inside ``with RunEnding(cfg)``
-# (the exit codes: docs/errors.md).
-#
-# - trained to the end: every rank waits for the others before any tears its groups down;
-# - a stop signal: every rank stopped at the same step with its checkpoint (``RunStopped``), one
-#   line saying how to resume; one that came too late to stop the run before its end: one line;
-# - a second Ctrl-C (``KeyboardInterrupt``): one line, and the process ends at once (exit 130);
-# - a user's error (``UserError``), or an allocation too big for the device: one line;
-# - a failed collective (a dead or hung peer rank) or a stalled loader: one line, and the process
-#   ends at once (``fail(..., broken_group=True)``);
-# - anything else is a bug and keeps its traceback.
-# Whatever the end, the run directory's lock is released, a start that failed in set-up leaves no
-# run behind, and the trainer is freed before the process groups are destroyed.
-
-
 class RunEnding:
-    """The stop signals' handlers (installed from construction on: a signal stops cleanly) and
-    the run's end. ``request``: what records the stop signals (default: handlers installed for
-    ``stop_signals``; ``NeverStop()`` for a trainer driven without the entry point). ``rt`` and
-    ``trainer`` are set as the run builds them; ``trainer.close()`` ends its loaders and waits,
-    ``trainer.close(at_once=True)`` only flushes what it shows."""
+    """How a run ends, every way, in one place: the entry point trains inside ``with
+    RunEnding(cfg)`` (the exit codes: docs/errors.md). Trained to the end, every rank waits for
+    the others before any tears its groups down; a stop signal stops every rank at the same step
+    with its checkpoint (``RunStopped``), or, too late for that, is logged; a second Ctrl-C, a
+    user's error, an allocation too big, a failed collective or a stalled loader end with one
+    line (the last two, and Ctrl-C, at once: ``fail(..., broken_group=True)``); anything else is
+    a bug and keeps its traceback. Whatever the end, the run directory's lock is released, a
+    start that failed in set-up leaves no run behind, and the trainer is freed before the process
+    groups are destroyed.
+
+    ``request``: what records the stop signals (default: handlers installed for
+    ``stop_signals`` from construction on; ``NeverStop()`` for a trainer driven without the entry
+    point). ``rt`` and ``trainer`` are set as the run builds them."""
 
     def __init__(self, cfg, request: StopRequest | None = None):
         self.cfg, self.rt, self.trainer, self.installed = cfg, None, None, request is None
@@ -194,12 +178,10 @@ class RunEnding:
              every_rank: bool = False):
         """End the process with one line on stderr (and in the run's out.log, on rank 0).
 
-        ``broken_group``: a collective failed (a peer died or hangs), or a loader stalled (its
-        peers wait in a collective; its workers in reads that even SIGKILL may not end soon).
-        The process group cannot be shut down cleanly then (gloo's destructors may abort the
-        process while a peer is still connected): the logs and TensorBoard events are flushed
-        and the process exits at once (loader workers end with it: exit_with_parent), within
-        ``HARD_EXIT_AFTER_S`` even if a write to a stalled file system never returns."""
+        ``broken_group``: a collective failed or a loader stalled: the process group cannot be
+        shut down cleanly (gloo's destructors may abort while a peer is still connected), so the
+        logs are flushed and the process exits at once, within ``HARD_EXIT_AFTER_S`` even if a
+        write to a stalled file system never returns (loader workers end with it)."""
         if broken_group:
             arm_hard_exit(exit_code)
         rt = self.rt
@@ -228,10 +210,12 @@ class RunEnding:
     def __exit__(self, kind, e, traceback) -> bool:
         self.request.ctrl_c = False  # the run ends now: a second Ctrl-C need not end it at once
         try:
+            where = "during set-up" if self.trainer is None else f"after step {self.trainer.iteration}"
             if kind is None:
                 self.rt.barrier()  # every rank has finished before any tears its groups down
-                signum = self.trainer.stopper.signalled()  # came too late to stop before the end
-                if signum:  # the run honoured it by ending: exit code 0, nothing to resume
+                # (no trainer: a finished run's resume, which ended before anything was built)
+                signum = self.trainer.stopper.signalled() if self.trainer is not None else 0
+                if signum:  # too late to stop before the end: the run honoured it by ending
                     log.info(f"{signal.Signals(signum).name} came as the run was ending: it "
                              f"ended as planned, on its final checkpoint "
                              f"{self.trainer.checkpointer.written_for(self.trainer.iteration)} "
@@ -241,17 +225,14 @@ class RunEnding:
                 log.info(e.message(sys.argv, self.rt.world_size))
                 raise SystemExit(STOPPED_EXIT_CODE) from None
             elif issubclass(kind, KeyboardInterrupt):
-                kept = (f"after step {self.trainer.iteration}. {self.trainer.checkpointer.kept()}"
-                        if self.trainer is not None else "during set-up")
-                self.fail(f"interrupted by SIGINT (Ctrl-C), at once, {kept}", INTERRUPTED_EXIT_CODE,
-                          broken_group=True)
+                kept = f". {self.trainer.checkpointer.kept()}" if self.trainer is not None else ""
+                self.fail(f"interrupted by SIGINT (Ctrl-C), at once, {where}{kept}",
+                          INTERRUPTED_EXIT_CODE, broken_group=True)
             elif issubclass(kind, LoaderStalled):  # at once: its peers wait in a collective
                 self.fail(str(e), e.exit_code, broken_group=True)
             elif issubclass(kind, UserError):
                 self.fail(str(e), e.exit_code, every_rank=e.every_rank)
             elif issubclass(kind, (RuntimeError, MemoryError)):  # incl. torch's DistError
-                where = (f"after step {self.trainer.iteration}" if self.trainer is not None
-                         else "during set-up")
                 too_big = describe_allocation_failure(e, self.cfg, self.rt, where)
                 if too_big is not None:
                     self.fail(too_big, 2)
@@ -268,11 +249,8 @@ class RunEnding:
         release_run_locks()  # the run directory is free for another process (also on errors)
         if self.trainer is None:  # the start failed in set-up: it leaves no run behind
             discard_unstarted_run()
-        # The trainer (its DDP reducer, the work it queued) is freed before the process groups
-        # are destroyed, while the interpreter is whole (its data waits' watchdog thread, which
-        # held it, has ended): left to the interpreter's exit, gloo's threads could free it
-        # during finalization, which aborts the process (SIGABRT, "terminate called without an
-        # active exception") after a run that succeeded.
+        # The trainer (its DDP reducer, its queued work) is freed while the interpreter is whole:
+        # freed by gloo's threads during finalization, it aborts a run that succeeded (SIGABRT).
         self.trainer = None
         gc.collect()
         if self.rt is not None:
