@@ -65,7 +65,7 @@ def log_run_header(model, rt, loaders, total_steps: int, layout_summary: str | N
     log.info(f"{loaders.n_train} training samples, {loaders.n_valid} validation samples; "
              f"{loaders.steps_per_epoch} steps per epoch of {rt.global_batch} samples "
              f"({rt.local_batch} per rank); {total_steps} steps in all")
-    log.info(f"Loss: {task.loss_name}")
+    log.info(f"Loss: {task.loss_name or type(task.loss).__name__}")
 
 
 class Progress:

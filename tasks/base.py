@@ -11,10 +11,7 @@ from settings.errors import ConfigError
 
 
 class Task:
-    @property
-    def loss_name(self) -> str:
-        """The loss in words, for the start-up's ``Loss:`` line: its class's name by default."""
-        return type(self.loss).__name__
+    loss_name = ""  # the loss in words, for the start-up's Loss: line ("": its class's name)
 
     def sample_shape(self) -> tuple | None:
         """One input sample's shape, for the memory estimate before the first step (None: no
