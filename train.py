@@ -220,8 +220,9 @@ class Trainer:
                 # FSDP reduce-scatters each micro-batch's (fsdp_reduce_each_microbatch).
                 with self.parallel.no_sync() if i < k - 1 else contextlib.nullcontext():
                     with nvtx_range("forward"), self.autocast(), self.kernels():
-                        pred = self.wrapped_model(xm)
-                        loss = self.parallel.loss(pred, ym).sum() / n  # its part of the mean
+                        loss = self.task.training_loss(self.wrapped_model, xm, ym,
+                                                       self.parallel.loss, self.state.epoch)
+                        loss = loss.sum() / n  # its part of the mean
                     if i == 0:
                         probe.forward_done()
                     with nvtx_range("backward"):
@@ -257,8 +258,9 @@ class Trainer:
                 # (not before a captured step: its eager warm-up counts DDP's iterations)
                 if self.resumed and self.parallel.ddp is not None and not self.captures_step:
                     k = self.cfg.grad_accum_steps
-                    self.parallel.regroup_gradients(x.chunk(k)[0], y.chunk(k)[0],
-                                                    self.forward_context)
+                    y0 = y.chunk(k)[0]  # (a rollout's first targets: one step orders the same)
+                    self.parallel.regroup_gradients(x.chunk(k)[0], y0 if y0.dim() == x.dim()
+                                                    else y0[:, 0], self.forward_context)
                 self.resumed = False  # (the launch's first step is taken)
                 loss, grad_norm = self.train_step(x, y, probe)
             # (told before the counts move on: the memory lines' exchange after an epoch's first
@@ -325,15 +327,15 @@ class Trainer:
             if batch is None:  # no batch for this forward: the stand-in's, results dropped
                 x = self.parallel.full_batch(stand_in[:size] if size else stand_in)
                 with self.forward_context():
-                    self.sharding.whole_output(self.wrapped_model(
-                        self.sharding.local_batch(x, x)[0]))
+                    self.task.forecast(self.wrapped_model, self.sharding.local_batch(x, x)[0],
+                                       self.sharding.whole_output)
                 continue
             x, y = self.to_device(*batch)
             stand_in = x if stand_in is None else stand_in
             xs = self.parallel.full_batch(x)
             with self.forward_context():
-                pred = self.wrapped_model(self.sharding.local_batch(xs, xs)[0])
-            pred = self.sharding.whole_output(pred)[:y.shape[0]]
+                pred = self.task.forecast(self.wrapped_model, self.sharding.local_batch(xs, xs)[0],
+                                          self.sharding.whole_output)[:y.shape[0]]
             sums = self.add_sums(sums, x, y, pred)
             if picture is None and self.rt.is_main:
                 picture = self.task.picture(x, y, pred)

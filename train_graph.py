@@ -24,6 +24,7 @@ if __name__ == "__main__":  # bad settings and --help are answered before torch 
 
 from train import Trainer, run
 from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture
+from settings.errors import ConfigError
 
 log = logging.getLogger("train")
 
@@ -32,6 +33,9 @@ class GraphTrainer(Trainer):
     captures_step = True  # capturable Adam with a tensor learning rate; autocast without cache
 
     def __init__(self, cfg, rt, ending=None, ops=None):  # ops: a stand-in in CPU tests
+        if getattr(cfg, "rollout_max", 1) > 1:
+            raise ConfigError(f"rollout of {cfg.rollout_max} steps is not captured as a CUDA "
+                              f"graph: train with train.py")
         if ops is None:
             check_can_capture(cfg, rt.device, model_parallel=rt.groups is not None)
             ops = CudaGraphOps(rt.device)

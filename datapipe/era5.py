@@ -46,7 +46,8 @@ class ERA5Data:
         image)."""
         c = self.cfg
         kw = dict(data_root=c.data_root, img_size=c.img_size, dt=c.dt, n_in=c.n_in_channels,
-                  n_out=c.n_out_channels, inmem=c.data_loader_config == "inmem")
+                  n_out=c.n_out_channels, inmem=c.data_loader_config == "inmem",
+                  steps=c.rollout_max)
         train = ERA5Dataset(os.path.join(c.data_root, "train"), limit_nsamples=c.limit_nsamples,
                             rows=rows, **kw)
         valid = ERA5Dataset(os.path.join(c.data_root, "valid"),

@@ -3,7 +3,9 @@ and which files are read by byte offset, over how many threads).
 
 A sample is the state at step t and at t + dt of the same year, cropped to ``img_size``, as stored
 (float32, not normalised: ``ERA5Task.device_batch`` normalises on the device); every valid pair
-of every year is one index. ``rows=(start, stop)`` reads (or holds) only that band of image rows.
+of every year is one index; with ``steps`` N > 1 (rollout training) the target is the N states
+t + dt, ..., t + N dt of the same year, (N, C, H, W). ``rows=(start, stop)`` reads (or holds)
+only that band of image rows.
 Batches are read whole into the caller's batch buffer and checked for non-finite values: by
 ``os.preadv`` where ``fields`` is plain float32 bytes (``raw_layout``), each 1 MB piece checked
 while still in cache; else through h5py, checked once per batch. File descriptors, h5py handles
@@ -78,11 +80,11 @@ def check_rows(rows, height: int) -> tuple[int, int]:
 
 class ERA5Dataset(BatchReadDataset):
     def __init__(self, directory, data_root, img_size, dt=1, n_in=20, n_out=20,
-                 limit_nsamples=None, inmem=False, rows=None):
+                 limit_nsamples=None, inmem=False, rows=None, steps=1):
         self.directory = directory
         self.img_size = tuple(img_size)
         self.rows = check_rows(rows, self.img_size[0])  # the band of image rows a sample holds
-        self.dt, self.n_in, self.n_out = dt, n_in, n_out
+        self.dt, self.n_in, self.n_out, self.steps = dt, n_in, n_out, steps
         self.files = sorted(glob.glob(os.path.join(directory, "*.h5")))
         if not self.files:
             raise DataError(f"no ERA5 year files (*.h5) in {directory}: set --data_root to the "
@@ -113,9 +115,9 @@ class ERA5Dataset(BatchReadDataset):
 
     @property
     def sample_shapes(self):
-        """Shapes of one input and one target: (n_in, rows, W) and (n_out, rows, W)."""
+        """Shapes of one input and one target: (n_in, rows, W) and ([steps,] n_out, rows, W)."""
         h, w = self.rows[1] - self.rows[0], self.img_size[1]
-        return (self.n_in, h, w), (self.n_out, h, w)
+        return (self.n_in, h, w), (self.steps,) * (self.steps > 1) + (self.n_out, h, w)
 
     def _check_file(self, path) -> tuple:
         """(pairs, raw layout or None, rows of its fields) of the year file ``path``, or a
@@ -137,9 +139,11 @@ class ERA5Dataset(BatchReadDataset):
         if c < need_c or fh < h or fw < w:
             raise DataError(f"{path}: 'fields' {shape} is smaller than the model needs "
                             f"(C >= {need_c}, H >= {h}, W >= {w}): check img_size and channels")
-        if t <= self.dt:
-            raise DataError(f"{path} holds {t} steps, not more than dt={self.dt}")
-        return t - self.dt, layout, fh
+        lead = self.steps * self.dt  # the last target's
+        if t <= lead:
+            steps = f"rollout_steps={self.steps} x " if self.steps > 1 else ""
+            raise DataError(f"{path} holds {t} steps, not more than {steps}dt={self.dt}")
+        return t - lead, layout, fh
 
     def _read_all(self, path):
         (start, stop), w = self.rows, self.img_size[1]
@@ -194,11 +198,12 @@ class ERA5Dataset(BatchReadDataset):
         if self._arrays is not None:  # the band is all there is: one copy into the slot
             for j, (k, t) in enumerate(where):
                 ok_in, ok_out = self._finite[k]
-                if not (ok_in[t] and ok_out[t + self.dt]):
+                if not (ok_in[t] and all(ok_out[s] for s, _ in self._targets(t, y[j]))):
                     self._refuse(k, t)
                 fields = self._arrays[k]
                 np.copyto(x[j], fields[t, : self.n_in])
-                np.copyto(y[j], fields[t + self.dt, : self.n_out])
+                for s, dest in self._targets(t, y[j]):
+                    np.copyto(dest, fields[s, : self.n_out])
             return
         # Files stored as plain float32 bytes: read by offset into the slots (threads, each piece
         # checked for non-finite values as it lands); any other file through HDF5, as a hyperslab
@@ -209,7 +214,8 @@ class ERA5Dataset(BatchReadDataset):
             if by_offset and self._layouts[k] is not None:
                 path, fd = self.files[k], self._fd(k)
                 pieces += self._pieces(path, fd, self._layouts[k], t, x[j])
-                pieces += self._pieces(path, fd, self._layouts[k], t + self.dt, y[j])
+                for s, dest in self._targets(t, y[j]):
+                    pieces += self._pieces(path, fd, self._layouts[k], s, dest)
             else:
                 others.append(j)
         finite = read_pieces(pieces)
@@ -217,7 +223,8 @@ class ERA5Dataset(BatchReadDataset):
             k, t = where[j]
             fields = self._fields(k)
             fields.read_direct(x[j], np.s_[t, : self.n_in, band, :w])
-            fields.read_direct(y[j], np.s_[t + self.dt, : self.n_out, band, :w])
+            for s, dest in self._targets(t, y[j]):
+                fields.read_direct(dest, np.s_[s, : self.n_out, band, :w])
         # Read by HDF5: one reduction over the batch, a NaN or infinity anywhere makes the sum
         # non-finite. Only then are the samples looked at one by one (a huge finite sum may
         # overflow too), so the error names the first sample with a non-finite value.
@@ -227,6 +234,12 @@ class ERA5Dataset(BatchReadDataset):
             for j, (k, t) in enumerate(where):
                 if not (np.isfinite(x[j]).all() and np.isfinite(y[j]).all()):
                     self._refuse(k, t)
+
+    def _targets(self, t, out) -> list:
+        """(step, destination) of each target state of the sample at step ``t``, whose target is
+        ``out``: (C, rows, W), or (steps, C, rows, W)."""
+        states = out.reshape(self.steps, *out.shape[-3:])  # (a view: the batch buffer's)
+        return [(t + (i + 1) * self.dt, state) for i, state in enumerate(states)]
 
     def _pieces(self, path, fd, layout, t, out):
         """Pieces of step ``t``'s first ``len(out)`` channels, rows ``self.rows``, width ``W`` of
@@ -245,7 +258,8 @@ class ERA5Dataset(BatchReadDataset):
                 for at, dest in runs for i in range(0, len(dest), per_piece)]
 
     def _refuse(self, k, t):
-        raise DataError(f"non-finite values in {self.files[k]} at step {t} or {t + self.dt} "
+        raise DataError(f"non-finite values in {self.files[k]} at step {t} "
+                        f"{'or' if self.steps == 1 else 'to'} {t + self.steps * self.dt} "
                         f"(rows {self.rows[0]}:{self.rows[1]}): repair the file or remove it "
                         f"from {self.directory}")
 

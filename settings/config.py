@@ -247,6 +247,15 @@ class ViTConfig(Config):
     loss_variable_weights: list[str] = _f([], "NAME=WEIGHT for variables whose loss weighs other "
                                           "than 1 (e.g. t2m=2,z50=0.5); names as in the log's "
                                           "RMSE lines")
+    _group("rollout training")
+    rollout_steps: int = _f(1, "autoregressive steps of each training sample: the loss is the "
+                            "mean over N steps, each fed the model's previous output "
+                            "(docs/training.md)", min=1)
+    rollout_schedule: str = _f("", "rollout steps by epoch, EPOCH:STEPS entries from epoch 0, e.g. "
+                               "0:1,20:2,40:4, in place of rollout_steps (empty: none)")
+    rollout_checkpointing: bool = _f(False, "recompute each rollout step's activations in the "
+                                     "backward pass: memory grows far less than the steps",
+                                     resume=True)
     _group("model parallelism")
     tensor_parallel: int = _f(1, "ranks that split each layer's weights (heads, MLP width)", min=1,
     resume=True)
@@ -298,6 +307,15 @@ class ViTConfig(Config):
             ok = [n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0 and n <= 64]
             raise ConfigError(f"num_heads={self.num_heads} does not divide embed_dim="
                               f"{self.embed_dim}: choose one of {ok}")
+        rollout = self.rollout_max  # (a malformed schedule: refused)
+        if rollout > 1 and self.n_in_channels != self.n_out_channels:
+            raise ConfigError(f"rollout of {rollout} steps feeds the model's output back as its "
+                              f"input, and n_in_channels={self.n_in_channels} != n_out_channels="
+                              f"{self.n_out_channels}: give both the same number of channels")
+        if rollout > 1 and self.data_loader_config not in ("lowmem", "inmem"):
+            raise ConfigError(f"rollout of {rollout} steps needs windows of {rollout + 1} states, "
+                              f"which data_loader_config={self.data_loader_config} cannot give: "
+                              f"use --data_loader_config lowmem or inmem")
         # skill_every: each rank rolls the whole model out from stored states by itself
         if self.skill_every and (self.fsdp or self.tensor_parallel * self.context_parallel > 1):
             raise ConfigError(f"skill_every={self.skill_every} rolls the model out on each rank by "
@@ -324,6 +342,34 @@ class ViTConfig(Config):
                                   f"dims on each rank to be multiples of 16: {what}={n}{per} "
                                   f"is not; choose an embed_dim and mlp_ratio that make it a "
                                   f"multiple of {16 * tp}, or --fp8_linears none")
+
+    def rollout_plan(self) -> list[tuple[int, int]]:
+        """(first epoch, rollout steps) of each part of the run; a malformed schedule refused."""
+        if not self.rollout_schedule:
+            return [(0, self.rollout_steps)]
+        example = "e.g. --rollout_schedule 0:1,20:2,40:4"
+        try:
+            plan = [tuple(int(v) for v in entry.split(":"))
+                    for entry in self.rollout_schedule.split(",")]
+        except ValueError:
+            plan = []
+        if not plan or any(len(p) != 2 or p[1] < 1 for p in plan):
+            raise ConfigError(f"rollout_schedule={self.rollout_schedule} is not a list of "
+                              f"EPOCH:STEPS entries with STEPS >= 1: {example}")
+        epochs = [e for e, _ in plan]
+        if epochs[0] != 0 or any(b <= a for a, b in zip(epochs, epochs[1:])):
+            raise ConfigError(f"rollout_schedule={self.rollout_schedule} must start at epoch 0 "
+                              f"and its epochs increase: {example}")
+        return plan
+
+    @property
+    def rollout_max(self) -> int:
+        """The most rollout steps of the run: its samples hold this many targets."""
+        return max(n for _, n in self.rollout_plan())
+
+    def rollout_at(self, epoch: int) -> int:
+        """The rollout steps of ``epoch`` (0-based) under ``rollout_plan``."""
+        return [n for e, n in self.rollout_plan() if e <= epoch][-1]
 
 
 @config_class

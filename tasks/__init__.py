@@ -18,7 +18,8 @@ config's class) and answers:
 
 and, where its problem has something to say, what ``tasks.base.Task`` (every task derives from
 it) answers with torch's defaults: ``memory_format``, ``compile_options``, ``forward_kernels``,
-``blocks``, ``skill`` and ``score``.
+``blocks``, ``training_loss`` and ``forecast`` (one forward pass; the ViT's rollout training
+overrides them), ``skill`` and ``score``.
 
 Its data is the data room's (``datapipe.data_sets``, registered for the same config class), and
 its settings are its config class's (``settings.config``: fields, bounds and ``check()``). A new

@@ -41,6 +41,16 @@ class Task:
         compiles each on its own. None by default: the whole model is one unit."""
         return []
 
+    def training_loss(self, model, x, y, loss, epoch: int) -> torch.Tensor:
+        """The per-sample training loss of batch ``x``, ``y`` in epoch ``epoch`` (0-based):
+        ``loss`` (the parallel model's: of this rank's part) of one forward pass of ``model``."""
+        return loss(model(x), y)
+
+    def forecast(self, model, x, whole) -> torch.Tensor:
+        """Validation's prediction from ``x``: one forward pass of ``model``, made the whole
+        output by ``whole`` (the sharding's gather of the ranks' parts)."""
+        return whole(model(x))
+
     def skill(self, model, device: torch.device, forward, epoch: int, rank: int, world: int):
         """During training, after epoch ``epoch`` (0-based): the model's skill as its science
         scores it, briefly, as ({TensorBoard tag: value}, lines for the log), or None when the

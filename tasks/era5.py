@@ -1,8 +1,12 @@
 """The ERA5 problem: the ViT forecasts the state of the atmosphere ``dt`` steps ahead."""
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from datapipe import generated_data
 from datapipe.era5_data import load_stats
@@ -19,6 +23,8 @@ from tasks.losses import (PartialSumLoss, latitude_weights, per_sample_sum, sum_
 from tasks.registry import register
 from tasks.reference_weights import vit_from_reference
 
+log = logging.getLogger("train")
+
 
 class RelativeL2(PartialSumLoss):
     """The tutorial's loss: ||pred - target||_2 / ||target||_2 over all of a sample's values,
@@ -34,6 +40,11 @@ class RelativeL2(PartialSumLoss):
 
     def finish(self, sums):
         return sums[:, 0].sqrt() / sums[:, 1].sqrt()
+
+    def __call__(self, pred, target):
+        if pred.dim() == 5:  # a rollout's states (B, N, C, H, W): the mean of each step's loss
+            return torch.stack([self(pred[:, k], target[:, k]) for k in range(pred.shape[1])]).mean(0)
+        return super().__call__(pred, target)
 
 
 class WeightedRelativeL2(RelativeL2):
@@ -87,6 +98,8 @@ class ERA5Task(Task):
         self.loss_name = "relative L2, " + (f"weighted by {', '.join(weighted)}" if weighted
                                             else "unweighted (the tutorial's)")
         self._stats = {}  # device -> (mean_in, inv_std_in, mean_out, inv_std_out), (1, C, 1, 1)
+        self.kernels = contextlib.nullcontext  # the forward's attention kernels (forward_kernels)
+        self._steps_said = None  # the rollout steps the log last gave
 
     def device_batch(self, x, y):
         """Normalise a batch as delivered by the loader (raw values, on the device already) with
@@ -102,10 +115,42 @@ class ERA5Task(Task):
         mean_in, inv_std_in, mean_out, inv_std_out = self._stats[x.device]
         return (x - mean_in) * inv_std_in, (y - mean_out) * inv_std_out
 
+    def training_loss(self, model, x, y, loss, epoch: int) -> torch.Tensor:
+        """Rollout training (docs/training.md): the mean of ``loss`` over the epoch's steps, each
+        fed the model's previous output (tp/cp: its band of rows). One target: the base's step."""
+        if y.dim() == x.dim():
+            return super().training_loss(model, x, y, loss, epoch)
+        steps = self.cfg.rollout_at(epoch)
+        if steps != self._steps_said:  # at the start, and where the schedule changes them
+            self._steps_said = steps
+            log.info(f"Rollout training: {steps} step{'s' * (steps > 1)} a sample from epoch "
+                     f"{epoch + 1}")
+        # (recomputed with the forward's attention kernel: another saves other tensors)
+        recompute = lambda: (contextlib.nullcontext(), self.kernels())  # noqa: E731
+        total = 0
+        for k in range(steps):
+            x = (checkpoint(model, x, use_reentrant=False, context_fn=recompute)
+                 if self.cfg.rollout_checkpointing else model(x))
+            total = total + loss(x, y[:, k])
+        return total / steps
+
+    def forecast(self, model, x, whole) -> torch.Tensor:
+        """Validation: the whole outputs of the run's ``rollout_max`` steps from ``x``, (B, N, C,
+        H, W), each step fed the previous one's output; one step's, (B, C, H, W), as the base."""
+        if self.cfg.rollout_max == 1:
+            return super().forecast(model, x, whole)
+        leads = []
+        for _ in range(self.cfg.rollout_max):
+            x = model(x)
+            leads.append(whole(x))
+        return torch.stack(leads, dim=1)
+
     def forward_kernels(self, device: torch.device, dtype: torch.dtype):
         """The context the forward pass runs under: the attention's kernel (tasks.attention)."""
         c = self.cfg
-        return attention.kernels(c.attention_backend, device, dtype, c.embed_dim // c.num_heads)
+        self.kernels = attention.kernels(c.attention_backend, device, dtype,
+                                         c.embed_dim // c.num_heads)
+        return self.kernels
 
     def fp32_in_tf32(self) -> bool:
         """Whether fp32 FLOPs run in TF32: the ViT's are matmuls (cuBLAS's switch)."""
@@ -124,22 +169,40 @@ class ERA5Task(Task):
         return list(model.blocks)
 
     def metric_sums(self, pred, y) -> torch.Tensor:
-        """Per-channel latitude-weighted RMSE summed over the batch: (C,)."""
-        return weighted_rmse(pred, y, self.weights).sum(dim=0)
+        """Per-channel latitude-weighted RMSE summed over the batch, (C,); a rollout's: (C + N,)."""
+        if y.dim() == 4:
+            return weighted_rmse(pred, y, self.weights).sum(dim=0)
+        leads = [self.loss(pred[:, k], y[:, k]).sum() for k in range(y.shape[1])]
+        return torch.cat([weighted_rmse(pred[:, 0], y[:, 0], self.weights).sum(dim=0),
+                          torch.stack(leads)])
 
     def baseline_pred(self, x, y):
         """Persistence: tomorrow's weather is today's (needs the input channels to cover the output)."""
-        return x[:, : y.shape[1]] if x.shape[1] >= y.shape[1] else None
+        c = y.shape[-3]
+        if x.shape[1] < c:
+            return None
+        return x[:, :c] if y.dim() == 4 else x[:, None, :c].expand_as(y)
 
     def metric_lines(self, metrics: np.ndarray, base: np.ndarray | None) -> list[str]:
-        return channel_lines("  Val lat-weighted RMSE (normalised units)", self.channels, metrics, base,
-                             "persistence", ".4f")
+        c = len(self.channels)
+        lines = channel_lines("  Val lat-weighted RMSE (normalised units)", self.channels,
+                              metrics[:c], None if base is None else base[:c], "persistence",
+                              ".4f")
+        if len(metrics) > c:  # a rollout's loss per lead step
+            lines += channel_lines("  Val loss per lead step", range(1, len(metrics) - c + 1),
+                                   metrics[c:], None if base is None else base[c:],
+                                   "persistence", ".6f")
+        return lines
 
     def metric_scalars(self, metrics: np.ndarray) -> dict:
-        return {f"RMSE({n})/valid": float(v) for n, v in zip(self.channels, metrics)}
+        c = len(self.channels)
+        return ({f"RMSE({n})/valid": float(v) for n, v in zip(self.channels, metrics)}
+                | {f"Loss/valid_lead_{k}": float(v) for k, v in enumerate(metrics[c:], 1)})
 
     def picture(self, x, y, pred) -> np.ndarray:
-        """u10 of the first validation sample: target | prediction | error."""
+        """u10 of the first validation sample (step): target | prediction | error."""
+        if y.dim() == 5:
+            y, pred = y[:, 0], pred[:, 0]
         return comparison_image(y[0, 0].float().cpu().numpy(), pred[0, 0].float().cpu().numpy(),
                                 scale=max(1, 256 // y.shape[-1]),
                                 title=f"{self.channels[0]} one step ahead",
