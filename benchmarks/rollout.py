@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from benchmarks.roofline import time_calls
+from benchmarks.roofline import ROOT, time_calls
 from observe.memory import MemoryProbe
 from settings.errors import OneLineParser, at_least
 from settings.parse import build_config, parse_overrides
@@ -71,9 +71,8 @@ def main(argv=None):
     p.add_argument("--rollouts", type=rollout_list, default="1,2,4",
                    help="the rollout steps N, comma-separated")
     args, rest = p.parse_known_args(argv)
-    yaml = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config",
-                        "ViT.yaml")
-    cfg = build_config(yaml, "quickstart", SMALL | parse_overrides(rest)[1])
+    cfg = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
+                       SMALL | parse_overrides(rest)[1])
     device = torch.device(args.device)
     print(f"ViT img_size {cfg.img_size}, patch {cfg.patch_size}, embed {cfg.embed_dim}, depth "
           f"{cfg.depth}, batch {cfg.global_batch_size}, {cfg.n_in_channels} channels on "
