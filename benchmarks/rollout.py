@@ -4,25 +4,20 @@ steps, with and without rollout_checkpointing, on one device.
     python -m benchmarks.rollout                                   # a small ViT on the CPU
     python -m benchmarks.rollout --device cuda --img_size '[360,720]' --embed_dim 384 --depth 12
 
-Each row times ``--steps`` optimizer steps (after ``--warmup``) of the engine's own step: the
-task's training loss (``ERA5Task.training_loss``), its backward pass and Adam, on one batch of
-random normalised fields. Memory is ``observe.memory.MemoryProbe``'s: on a GPU the allocator's
-peak; on a CPU a count of the parameters, gradients, Adam state and the tensors saved for the
-backward pass at the end of the forward pass (with checkpointing, the backward pass recomputes
-one step at a time: one step's activations more at its peak than that count). N = 1 without
-checkpointing is the one-step step of training today. Settings not named here are
+Each row times ``--steps`` optimizer steps (after ``--warmup``) of the task's training loss, its
+backward pass and Adam on one batch of random fields; memory is observe.memory.MemoryProbe's. The
+columns and figures: docs/performance.md ("Rollout training"). Settings not named here are
 config/ViT.yaml's quickstart's; any config key can be given as for train.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import sys
-import time
 
 import torch
 
+from benchmarks.roofline import ROOT, time_calls
 from observe.memory import MemoryProbe
 from settings.errors import OneLineParser, at_least
 from settings.parse import build_config, parse_overrides
@@ -46,20 +41,18 @@ def measure(cfg, steps: int, checkpointing: bool, device, timed: int, warmup: in
     one = steps == 1 and not checkpointing
     y = torch.randn((b, c, h, w) if one else (b, steps, c, h, w), device=device)
     probe = MemoryProbe(device, model, optimizer)
-    times = []
-    for i in range(warmup + timed):
-        t0 = time.perf_counter()
+
+    def step():
         with probe.step():
             loss = task.training_loss(model, x, y, task.loss, epoch=0).mean()
             probe.forward_done()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return dict(steps=steps, checkpointing=checkpointing, step_s=statistics.median(times),
+    for _ in range(warmup):
+        step()
+    seconds = time_calls(step, rounds=timed, calls=1, device=device) / 1e3
+    return dict(steps=steps, checkpointing=checkpointing, step_s=seconds,
                 after_forward=probe.after_forward, peak=probe.peak)
 
 
@@ -78,9 +71,8 @@ def main(argv=None):
     p.add_argument("--rollouts", type=rollout_list, default="1,2,4",
                    help="the rollout steps N, comma-separated")
     args, rest = p.parse_known_args(argv)
-    yaml = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config",
-                        "ViT.yaml")
-    cfg = build_config(yaml, "quickstart", SMALL | parse_overrides(rest)[1])
+    cfg = build_config(os.path.join(ROOT, "config", "ViT.yaml"), "quickstart",
+                       SMALL | parse_overrides(rest)[1])
     device = torch.device(args.device)
     print(f"ViT img_size {cfg.img_size}, patch {cfg.patch_size}, embed {cfg.embed_dim}, depth "
           f"{cfg.depth}, batch {cfg.global_batch_size}, {cfg.n_in_channels} channels on "
