@@ -57,9 +57,8 @@ class Attention(nn.Module):
     def forward(self, x):
         B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
-        # strided views (B, heads, N, head_dim) of the one qkv output; split on its own dim 2, so
-        # that the backward stacks their gradients straight into the (B, N, 3E) layout of
-        # qkv's gradient: one copy (split on a permuted view, the stack would need a second)
+        # strided views split on qkv's own dim 2: one copy of its gradient (docs/performance.md,
+        # "The attention kernel")
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, N, -1)  # (B, heads, N, hd) -> (B, N, E)
