@@ -1,11 +1,9 @@
-"""NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of the
-PyTorch loaders, whose datasets and samplers (built first, never iterated) decide them, assembled
-by DALI pipelines; what runs where is in docs/performance.md ("DALI loaders"). One pipeline
-definition per model serves a GPU (``device_id``) and CPU threads (``device_id=None``). The
-epoch's keys reach the Python workers through ``EpochKeys``: the engine sets the sampler's epoch
-after the workers started. A partial last batch (validation) is filled with repeats of the last
-key and cut back; an error a worker raises on the data ends the run as that error
-(``worker_error``).
+"""NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem), as docs/performance.md
+("DALI loaders") describes them. One pipeline definition per model serves a GPU (``device_id``)
+and CPU threads (``device_id=None``). The epoch's keys reach the Python workers through
+``EpochKeys``: the engine sets the sampler's epoch after the workers started. A partial last
+batch (validation) is filled with repeats of the last key and cut back; an error a worker raises
+on the data ends the run as that error (``worker_error``).
 """
 from __future__ import annotations
 

@@ -252,9 +252,7 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
         raise ValueError(f"rows={rows!r} selects image rows of samples; the {cfg.model} "
                          f"loader reads whole samples: pass rows=None")
     if cfg.data_loader_config.startswith("dali") or cfg.data_loader_config == "device":
-        # Their samples, order and checks are those of the loaders built here for a host config
-        # (``reference``: never iterated). DALI is an optional install: imported only when asked
-        # for (one line says how otherwise).
+        # Built on this function's loaders for a host config; DALI, optional, imported only here.
         def reference(host_cfg):
             return build_loaders(host_cfg, dp_size, dp_rank, local_batch, device, rows)
 
@@ -277,10 +275,8 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
 def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
                       rows: tuple[int, int] | None = None,
                       memory_format: torch.memory_format = torch.contiguous_format) -> Loaders:
-    """``--data_loader_config synthetic``: the rank's first training and validation batches, made
-    in memory (``datapipe.generated_data``) and served for every batch of their pass, the training
-    batch from device memory, the validation batch from host memory (copied like a loaded one);
-    the samplers are the real ones."""
+    """``--data_loader_config synthetic`` (docs/performance.md): the rank's first training and
+    validation batches, made in memory (``datapipe.generated_data``); the samplers are the real ones."""
     data = data_set(cfg)
     n_train, n_valid = data.generated_counts()
     sampler, valid_sampler = _samplers(cfg, data.shuffle, n_train, n_valid, dp_size, dp_rank,

@@ -21,10 +21,8 @@ from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
 
 
-# torch.compile of the channels-last U-Net on a GPU: None while its backward fails there (torch
-# 2.11 on an H200: docs/performance.md, "With torch.compile"), so auto keeps the default layout
-# under enable_jit and channels_last with enable_jit is refused; else the torch.compile options
-# ({} for none) under which it compiles and trains the eager step's numbers.
+# The torch.compile options ({}: none) under which the channels-last U-Net compiles on a GPU and
+# trains the eager numbers; None while it fails there (docs/performance.md, "With torch.compile").
 CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
 
 
