@@ -253,9 +253,8 @@ class Slot:
 
 
 class BatchPool:
-    """The slots of one loader and the state of each: free, in flight (being filled), out
-    (handed to the consumer, watched by weak reference) or releasing (no longer referenced,
-    waiting for its mark to pass: GPU only)."""
+    """The slots of one loader and the state of each (invariant 2); releasing: no longer
+    referenced, waiting for its mark to pass (GPU only)."""
 
     def __init__(self, layout: SlotLayout, memory: HostMemory, depth: int, shared: bool = True):
         self.layout, self.memory, self.depth, self.shared = layout, memory, depth, shared
@@ -443,10 +442,8 @@ class _Pass:
 
 
 class BatchLoader:
-    """Batches ``(x, y)`` of ``dataset`` for the keys of ``sampler`` in its order, ``batch_size``
-    at a time (the last one may be smaller), read by ``workers`` processes (0: this one) into the
-    slots of a ``BatchPool``; ``memory``: ``PinnedHostMemory(device)`` on a GPU. Used like a
-    DataLoader; ``close()`` ends the workers, ``waiting_for()`` says what a fetch waits for."""
+    """Batches of ``dataset`` in the order of ``sampler`` (the last one may be smaller), read by
+    ``workers`` processes (0: this one); ``memory``: ``PinnedHostMemory(device)`` on a GPU."""
 
     def __init__(self, dataset, sampler, batch_size: int, workers: int = 0,
                  prefetch_depth: int = 2, memory: HostMemory | None = None, seed: int = 0):
@@ -493,8 +490,7 @@ class BatchLoader:
         return self.passes
 
     def _end_pass(self):
-        """End the current pass: wait for the parts still out (the workers skip those they have
-        not begun), then give back the slot of every batch in flight, complete or not."""
+        """End the current pass (invariant 1; the workers skip the parts they have not begun)."""
         self.current = None
         self.awaited = (self.passes - 1, None)
         while any(b.out for b in self.in_flight.values()):

@@ -66,10 +66,8 @@ class ShardedSampler(Sampler):
 
 
 class ValidationSampler(Sampler):
-    """Contiguous, disjoint, complete shards of the validation set, one per data-parallel rank.
-    Their sizes differ by at most one, so with n >= dp_size no rank is left without samples; a
-    shorter shard may end in fewer batches, and its rank then runs stand-in forwards up to the
-    largest shard's count (``validation_batch_sizes``)."""
+    """Contiguous, disjoint, complete shards of the validation set, one per data-parallel rank,
+    their sizes differing by at most one (a shorter one's batches: ``validation_batch_sizes``)."""
 
     def __init__(self, n, dp_size, dp_rank):
         self.indices = range(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
@@ -146,10 +144,9 @@ class Loaders:
     _begun: tuple | None = field(default=None, repr=False)  # (epoch, first, loader, pass)
 
     def begin_training_pass(self, epoch: int, first: int = 0):
-        """Begin the training pass of ``epoch`` from its batch ``first`` now: a loader with
-        workers sends them its first batches at once (one without workers reads in ``next``),
-        so they read while the caller goes on (the trainer builds its model). The caller takes
-        the pass with ``begun_training_pass``."""
+        """Begin the training pass of ``epoch`` from its batch ``first`` now, for
+        ``begun_training_pass``: a loader's workers read its first batches while the caller goes
+        on (the trainer builds its model); a loader without workers reads in ``next``."""
         self.train_sampler.set_epoch(epoch, first)
         self._begun = (epoch, first, self.train, iter(self.train))
 

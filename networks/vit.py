@@ -93,14 +93,9 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
-    """The defaults are the tutorial's model (23.8 M parameters).
-
-    ``layer_norm_eps``: epsilon of every LayerNorm (the blocks' and the final one).
-    ``head_bias``: whether the output head has a bias (the tutorial's has none).
-    ``activation_checkpointing``: while gradients are recorded, keep only each block's input and
-    recompute the block in the backward pass (same results, less memory, one more block forward
-    each); evaluation under ``torch.no_grad`` runs the blocks plainly.
-    """
+    """The defaults are the tutorial's model (23.8 M parameters); the other options are the
+    settings of the same names (docs/training.md). ``activation_checkpointing`` recomputes blocks
+    only while gradients are recorded: evaluation under ``torch.no_grad`` runs them plainly."""
 
     def __init__(self, img_size=(360, 720), patch_size=8, in_chans=20, out_chans=20, embed_dim=384,
                  depth=12, num_heads=8, mlp_ratio=4.0, dropout=0.0, layer_norm_eps=1e-6,
