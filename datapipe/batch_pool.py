@@ -2,20 +2,13 @@
 
 ``BatchLoader`` serves the batches of a dataset with ``sample_shapes`` and ``read_batch(keys, x,
 y)`` (``datapipe.batch_dataset``) in the order of a sampler, as torch's DataLoader did, without its
-per-batch costs. What a user sees of it is in docs/performance.md ("Batch hand-over"); how:
-
-* **Slots.** One batch's input and target in one mapping, made by the main process (an anonymous
-  ``memfd``; without workers, memory of the main process alone), on a GPU registered once; its
-  descriptor goes to a worker with the first work on it. Their count: ``BatchLoader.depth``.
-* **Workers share each batch**: its keys are split over them, each reading its rows into the same
-  slot. Workers are forked at the first pass and kept, die with the main process, ignore the stop
-  signals and Ctrl-C, and send errors back as raised (a ``UserError`` as itself, anything else as
-  a RuntimeError with the worker's traceback); a worker that dies ends the pass with one line.
-* **Release.** A batch is handed out as two tensors on a storage of its own, watched by weak
-  reference and released at the first fetch after it is no longer referenced; on a GPU its slot
-  is reused only once a CUDA event recorded at its release has completed.
-* **Passes.** ``iter(loader)`` starts a pass over the sampler's current keys and ends the previous
-  one: its batches still queued are skipped by the workers (a shared pass number).
+per-batch costs. docs/performance.md ("Batch hand-over") says how its slots (``BatchLoader.depth``
+batch buffers) are made, filled and reused; **Release**: a slot's batch is handed out on a storage
+of its own, watched by weak reference, its slot reused once unreferenced and, on a GPU, once a
+CUDA event recorded at its release has completed. Workers, forked at the first pass and kept,
+each read their share of a batch's rows into its slot, ignore the stop signals and Ctrl-C, and
+send errors back as raised (``_describe``). ``iter(loader)`` starts a pass and ends the previous
+one, whose batches still queued the workers skip (a shared pass number).
 
 Invariants, checked after every step of random sequences of passes, fetches, held batches, slow
 and failing reads, killed workers, interrupts and ``close()`` by tests/test_batch_pool_stress.py:
@@ -260,9 +253,8 @@ class Slot:
 
 
 class BatchPool:
-    """The slots of one loader and the state of each: free, in flight (being filled), out
-    (handed to the consumer, watched by weak reference) or releasing (no longer referenced,
-    waiting for its mark to pass: GPU only)."""
+    """The slots of one loader and the state of each (invariant 2); releasing: no longer
+    referenced, waiting for its mark to pass (GPU only)."""
 
     def __init__(self, layout: SlotLayout, memory: HostMemory, depth: int, shared: bool = True):
         self.layout, self.memory, self.depth, self.shared = layout, memory, depth, shared
@@ -450,10 +442,8 @@ class _Pass:
 
 
 class BatchLoader:
-    """Batches ``(x, y)`` of ``dataset`` for the keys of ``sampler`` in its order, ``batch_size``
-    at a time (the last one may be smaller), read by ``workers`` processes (0: this one) into the
-    slots of a ``BatchPool``; ``memory``: ``PinnedHostMemory(device)`` on a GPU. Used like a
-    DataLoader; ``close()`` ends the workers, ``waiting_for()`` says what a fetch waits for."""
+    """Batches of ``dataset`` in the order of ``sampler`` (the last one may be smaller), read by
+    ``workers`` processes (0: this one); ``memory``: ``PinnedHostMemory(device)`` on a GPU."""
 
     def __init__(self, dataset, sampler, batch_size: int, workers: int = 0,
                  prefetch_depth: int = 2, memory: HostMemory | None = None, seed: int = 0):
@@ -500,8 +490,7 @@ class BatchLoader:
         return self.passes
 
     def _end_pass(self):
-        """End the current pass: wait for the parts still out (the workers skip those they have
-        not begun), then give back the slot of every batch in flight, complete or not."""
+        """End the current pass (invariant 1; the workers skip the parts they have not begun)."""
         self.current = None
         self.awaited = (self.passes - 1, None)
         while any(b.out for b in self.in_flight.values()):

@@ -1,11 +1,9 @@
-"""NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem): the samples of the
-PyTorch loaders, whose datasets and samplers (built first, never iterated) decide them, assembled
-by DALI pipelines; what runs where is in docs/performance.md ("DALI loaders"). One pipeline
-definition per model serves a GPU (``device_id``) and CPU threads (``device_id=None``). The
-epoch's keys reach the Python workers through ``EpochKeys``: the engine sets the sampler's epoch
-after the workers started. A partial last batch (validation) is filled with repeats of the last
-key and cut back; an error a worker raises on the data ends the run as that error
-(``worker_error``).
+"""NVIDIA DALI loaders (``data_loader_config`` dali-lowmem / dali-inmem), as docs/performance.md
+("DALI loaders") describes them. One pipeline definition per model serves a GPU (``device_id``)
+and CPU threads (``device_id=None``). The epoch's keys reach the Python workers through
+``EpochKeys``: the engine sets the sampler's epoch after the workers started. A partial last
+batch (validation) is filled with repeats of the last key and cut back; an error a worker raises
+on the data ends the run as that error (``worker_error``).
 """
 from __future__ import annotations
 
@@ -147,8 +145,7 @@ def _repeat(array, n):
 def _rotate(fn, v, k, flips, src, mul, vector_channels, n_channels, gpu: bool):
     """DALI operators turning a (C, D, H, W) crop (layout CDHW): transpose branch ``k``, flips,
     then the vector channels re-ordered and signed. Exact: only moves and sign changes."""
-    # A per-sample choice among the six transposes (DALI conditionals split the batch, so each
-    # branch runs on its own samples only).
+    # One of six transposes per sample: DALI conditionals run each branch on its samples only.
     g = v
     for j in range(1, len(PERMS)):
         if k == j:
@@ -176,15 +173,13 @@ class Handoff(NamedTuple):
 
 def handoff(device, exec_dynamic: bool) -> Handoff:
     """The hand-off of the next batch on ``device``; ``exec_dynamic``: the pipeline runs DALI's
-    dynamic executor (the default, and that of every pipeline built here).
-
-    On a GPU, torch's current stream, read per batch: ``pipe.run(stream)`` makes that stream wait
-    for the batch (``pipe.run()`` would wait on the host), and ``feed_ndarray`` queues the copy on
-    it, which DALI's stream waits for before reusing the source. The batch is copied, not wrapped
-    (DLPack): DALI's outputs follow its own stream, which does not wait for torch's, so a wrapped
-    buffer dropped by the engine could be refilled while the step reading it is still queued.
-    On CPU the dynamic executor gives every batch its own buffer, which the tensor wraps; the
-    legacy executor reuses its output buffers at the next run, so they are copied."""
+    dynamic executor (the default, and that of every pipeline built here). On a GPU, torch's
+    current stream, read per batch: ``pipe.run(stream)`` makes it wait for the batch (``pipe.run()``
+    would wait on the host), and ``feed_ndarray`` queues the copy on it, which DALI's stream waits
+    for before reusing the source. Copied, not wrapped (DLPack): DALI's outputs follow its own
+    stream, which does not wait for torch's, so a wrapped buffer dropped by the engine could be
+    refilled while the step reading it is still queued. On CPU the dynamic executor gives every
+    batch its own buffer, which the tensor wraps; the legacy executor's are reused, so copied."""
     if device.type == "cuda":
         stream = torch.cuda.current_stream(device)
         return Handoff(stream, stream if exec_dynamic else None, share=False)
@@ -289,9 +284,8 @@ def worker_error(e: BaseException):
 
 
 def build_dali_loaders(cfg: Config, reference, local_batch: int, device):
-    """Loaders of one data-parallel rank with DALI pipelines; the samples, the order, the rows
-    and the checks are those of ``reference(host config)``, ``build_loaders`` in the matching
-    PyTorch mode (its loaders never iterated)."""
+    """Loaders of one data-parallel rank with DALI pipelines, on the samplers and datasets of
+    ``reference(host config)``: ``build_loaders`` in the matching PyTorch mode."""
     fn, pipeline_def, feed = import_dali()
     host = copy.copy(cfg)
     host.data_loader_config = cfg.data_loader_config.removeprefix("dali-")

@@ -66,10 +66,8 @@ class ShardedSampler(Sampler):
 
 
 class ValidationSampler(Sampler):
-    """Contiguous, disjoint, complete shards of the validation set, one per data-parallel rank.
-    Their sizes differ by at most one, so with n >= dp_size no rank is left without samples; a
-    shorter shard may end in fewer batches, and its rank then runs stand-in forwards up to the
-    largest shard's count (``validation_batch_sizes``)."""
+    """Contiguous, disjoint, complete shards of the validation set, one per data-parallel rank,
+    their sizes differing by at most one (a shorter one's batches: ``validation_batch_sizes``)."""
 
     def __init__(self, n, dp_size, dp_rank):
         self.indices = range(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
@@ -146,10 +144,9 @@ class Loaders:
     _begun: tuple | None = field(default=None, repr=False)  # (epoch, first, loader, pass)
 
     def begin_training_pass(self, epoch: int, first: int = 0):
-        """Begin the training pass of ``epoch`` from its batch ``first`` now: a loader with
-        workers sends them its first batches at once (one without workers reads in ``next``),
-        so they read while the caller goes on (the trainer builds its model). The caller takes
-        the pass with ``begun_training_pass``."""
+        """Begin the training pass of ``epoch`` from its batch ``first`` now, for
+        ``begun_training_pass``: a loader's workers read its first batches while the caller goes
+        on (the trainer builds its model); a loader without workers reads in ``next``."""
         self.train_sampler.set_epoch(epoch, first)
         self._begun = (epoch, first, self.train, iter(self.train))
 
@@ -252,9 +249,7 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
         raise ValueError(f"rows={rows!r} selects image rows of samples; the {cfg.model} "
                          f"loader reads whole samples: pass rows=None")
     if cfg.data_loader_config.startswith("dali") or cfg.data_loader_config == "device":
-        # Their samples, order and checks are those of the loaders built here for a host config
-        # (``reference``: never iterated). DALI is an optional install: imported only when asked
-        # for (one line says how otherwise).
+        # Built on this function's loaders for a host config; DALI, optional, imported only here.
         def reference(host_cfg):
             return build_loaders(host_cfg, dp_size, dp_rank, local_batch, device, rows)
 
@@ -277,10 +272,8 @@ def build_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, dev
 def generated_loaders(cfg: Config, dp_size: int, dp_rank: int, local_batch: int, device,
                       rows: tuple[int, int] | None = None,
                       memory_format: torch.memory_format = torch.contiguous_format) -> Loaders:
-    """``--data_loader_config synthetic``: the rank's first training and validation batches, made
-    in memory (``datapipe.generated_data``) and served for every batch of their pass, the training
-    batch from device memory, the validation batch from host memory (copied like a loaded one);
-    the samplers are the real ones."""
+    """``--data_loader_config synthetic`` (docs/performance.md): the rank's first training and
+    validation batches, made in memory (``datapipe.generated_data``); the samplers are the real ones."""
     data = data_set(cfg)
     n_train, n_valid = data.generated_counts()
     sampler, valid_sampler = _samplers(cfg, data.shuffle, n_train, n_valid, dp_size, dp_rank,

@@ -1,10 +1,9 @@
 """3D U-Net mapping N-body fields (4 channels) to hydrodynamic fields (5 channels).
 
-Strided 4^3 convolutions halve the volume at each level (LeakyReLU of negative slope
-``leaky_relu_slope``, 0.01 as in the tutorial), transposed convolutions double it back (ReLU)
-with the matching encoder level concatenated as a skip connection, and a tanh bounds the output
-to the [-1, 1] range of the transformed targets. ``full_scale`` uses six levels (a 64^3 crop
-reaches 1^3 at the bottom); otherwise five.
+Strided 4^3 convolutions halve the volume at each level (LeakyReLU), transposed convolutions
+double it back (ReLU) with the matching encoder level concatenated as a skip connection, and a
+tanh bounds the output to the [-1, 1] range of the transformed targets. ``full_scale`` uses six
+levels (a 64^3 crop reaches 1^3 at the bottom); otherwise five.
 """
 import torch
 import torch.nn as nn

@@ -57,9 +57,8 @@ class Attention(nn.Module):
     def forward(self, x):
         B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
-        # strided views (B, heads, N, head_dim) of the one qkv output; split on its own dim 2, so
-        # that the backward stacks their gradients straight into the (B, N, 3E) layout of
-        # qkv's gradient: one copy (split on a permuted view, the stack would need a second)
+        # strided views split on qkv's own dim 2: one copy of its gradient (docs/performance.md,
+        # "The attention kernel")
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, N, -1)  # (B, heads, N, hd) -> (B, N, E)
@@ -94,14 +93,9 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
-    """The defaults are the tutorial's model (23.8 M parameters).
-
-    ``layer_norm_eps``: epsilon of every LayerNorm (the blocks' and the final one).
-    ``head_bias``: whether the output head has a bias (the tutorial's has none).
-    ``activation_checkpointing``: while gradients are recorded, keep only each block's input and
-    recompute the block in the backward pass (same results, less memory, one more block forward
-    each); evaluation under ``torch.no_grad`` runs the blocks plainly.
-    """
+    """The defaults are the tutorial's model (23.8 M parameters); the other options are the
+    settings of the same names (docs/training.md). ``activation_checkpointing`` recomputes blocks
+    only while gradients are recorded: evaluation under ``torch.no_grad`` runs them plainly."""
 
     def __init__(self, img_size=(360, 720), patch_size=8, in_chans=20, out_chans=20, embed_dim=384,
                  depth=12, num_heads=8, mlp_ratio=4.0, dropout=0.0, layer_norm_eps=1e-6,

@@ -1,10 +1,5 @@
-"""Which kernel computes the ViT's attention (the setting ``attention_backend``;
-docs/performance.md, "The attention kernel", has the measurements): ``auto`` puts cuDNN's kernel
-first on Hopper (compute capability 9) in half precision, whatever torch's own priority list,
-and leaves torch's choice alone elsewhere; a named backend is the only one allowed, and refused
-at the start where it has no kernel. The choice is a context the engine runs the forward pass
-under (``kernels()``), so a compiled model or a CUDA graph takes the kernel it was traced with.
-"""
+"""Which kernel computes the ViT's attention (the setting ``attention_backend``, as
+docs/performance.md, "The attention kernel", says): a context the forward pass runs under."""
 from __future__ import annotations
 
 import contextlib

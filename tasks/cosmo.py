@@ -21,10 +21,8 @@ from tasks.registry import register
 from tasks.reference_weights import unet_from_reference
 
 
-# torch.compile of the channels-last U-Net on a GPU: None while its backward fails there (torch
-# 2.11 on an H200: docs/performance.md, "With torch.compile"), so auto keeps the default layout
-# under enable_jit and channels_last with enable_jit is refused; else the torch.compile options
-# ({} for none) under which it compiles and trains the eager step's numbers.
+# The torch.compile options ({}: none) under which the channels-last U-Net compiles on a GPU and
+# trains the eager numbers; None while it fails there (docs/performance.md, "With torch.compile").
 CHANNELS_LAST_COMPILE_OPTIONS: dict | None = None
 
 
@@ -35,10 +33,7 @@ def rho_transform(x: torch.Tensor) -> torch.Tensor:
 
 class L1Rho(PartialSumLoss):
     """Mean absolute error per sample, plus ``lambda_rho`` times that of the density
-    exp(14 x[0]) of channel 0.
-
-    Sums: [sum |pred - target|, number of values] and, with ``lambda_rho``, [sum |rho(pred_0) -
-    rho(target_0)|, number of channel-0 values]; finish: the ratios, weighted."""
+    exp(14 x[0]) of channel 0: sums of absolute errors and counts of values."""
 
     def __init__(self, lambda_rho: float = 0.0):
         self.lambda_rho = lambda_rho
@@ -77,8 +72,7 @@ class CosmoTask(Task):
 
     def memory_format(self, device: torch.device) -> tuple[torch.memory_format, str]:
         """The layout of the model's weights, its batches and the loss (``memory_format``), and
-        why, for the log. ``auto``: channels-last on a GPU in bf16 or fp16 unless compiled there,
-        else the default layout (docs/performance.md, "Memory format", says why)."""
+        why, for the log (docs/performance.md, "Memory format")."""
         choice = self.cfg.memory_format
         if choice == "contiguous":
             return torch.contiguous_format, ""
@@ -106,8 +100,7 @@ class CosmoTask(Task):
         return (CHANNELS_LAST_COMPILE_OPTIONS or {}) if memory_format == torch.channels_last_3d else {}
 
     def fp32_in_tf32(self) -> bool:
-        """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (cuDNN's switch, on by
-        default in torch, unlike cuBLAS's)."""
+        """Whether fp32 FLOPs run in TF32: the U-Net's are convolutions (docs/performance.md)."""
         return torch.backends.cudnn.allow_tf32
 
     def build_model(self):
@@ -168,12 +161,9 @@ class CosmoTask(Task):
         return (self.cfg.n_in_channels, *[self.cfg.data_size] * 3)
 
     def forward_flops(self) -> tuple[int, int]:
-        """(forward FLOPs of one sample, of which the first convolution's) for networks/unet.py.
-
-        Every layer is a 4^3 kernel of stride 2: a Conv3d costs 2 x C_in x C_out x 64 per output
-        voxel (the output is half the input's side), a ConvTranspose3d the same per input voxel (the
-        output is twice the input's side).
-        """
+        """(forward FLOPs of one sample, of which the first convolution's) for networks/unet.py:
+        every layer is a 4^3 kernel of stride 2, a Conv3d costing 2 x C_in x C_out x 64 per output
+        voxel (half the input's side), a ConvTranspose3d as much per input voxel (half its output's)."""
         cfg = self.cfg
         levels = 6 if cfg.full_scale else 5
         widths = [min(cfg.base_width * 2**i, cfg.max_width) for i in range(levels)]

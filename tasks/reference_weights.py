@@ -1,13 +1,6 @@
 """The weights of the tutorial's own models under this project's names and layouts
-(``init_from``; ``engine.start_weights`` reads them). They differ from ours in three places:
-
-* ViT head: the tutorial orders each token's outputs as (p, p, C_out), ours as (C_out, p, p);
-  the rows of ``head.weight`` (and ``head.bias``, if any) are permuted.
-* ViT attention: a model with separate ``attn.q/k/v`` projections is concatenated into our
-  ``attn.qkv`` ([q | k | v]); the tutorial's fused ``attn.qkv`` is already in our layout.
-* U-Net: ``conv_down{i}.0`` / ``conv_up{i}.0`` / ``conv_last`` are our ``down.{i-1}.0`` /
-  ``up.{levels-i}.0`` / ``last``.
-"""
+(``init_from``; ``engine.start_weights`` reads them): how they differ is in docs/checkpoints.md
+("Starting from saved weights")."""
 from __future__ import annotations
 
 import re

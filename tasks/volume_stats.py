@@ -24,9 +24,8 @@ HIST_BINS = 60
 
 
 def _shells(side: int) -> tuple[np.ndarray, np.ndarray]:
-    """For the half-spectrum of ``np.fft.rfftn`` of a ``side``^3 box: each mode's shell
-    (|k| rounded, k in units of the fundamental mode 2 pi / box) and how many modes of the full
-    spectrum it stands for (2, or 1 in the planes kz = 0 and kz = Nyquist)."""
+    """Each mode of ``np.fft.rfftn`` of a ``side``^3 box: its shell, and how many modes of the
+    full spectrum it stands for (2, or 1 in the planes kz = 0 and kz = Nyquist)."""
     k = np.fft.fftfreq(side, 1.0 / side)
     kz = np.fft.rfftfreq(side, 1.0 / side)
     kmag = np.sqrt(k[:, None, None] ** 2 + k[None, :, None] ** 2 + kz[None, None, :] ** 2)
@@ -38,8 +37,7 @@ def _shells(side: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def cross_power(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cross power spectrum P_ab(k) of two fields on the same periodic L^3 grid, in the
-    spherical shells k = 1 .. L // 2 (docs/scoring.md defines it): (k, P_ab, modes per shell)."""
+    """(k, P_ab, modes per shell) of two L^3 fields, as docs/scoring.md defines P_ab(k)."""
     if a.shape != b.shape or a.ndim != 3 or len(set(a.shape)) != 1:
         raise ValueError(f"fields of shapes {a.shape} and {b.shape}: need two L^3 boxes")
     side = a.shape[0]
@@ -54,8 +52,7 @@ def cross_power(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
 
 
 def spectra(pred: np.ndarray, true: np.ndarray) -> dict:
-    """P(k) of the prediction and of the truth, their ratio and the cross-correlation
-    r(k) = P_xy / sqrt(P_xx P_yy) (0 where either spectrum is 0), for one channel (L^3)."""
+    """P(k) of the prediction and of the truth, their ratio and r(k), for one channel."""
     k, p_true, modes = cross_power(true, true)
     _, p_pred, _ = cross_power(pred, pred)
     _, p_cross, _ = cross_power(pred, true)
@@ -67,8 +64,7 @@ def spectra(pred: np.ndarray, true: np.ndarray) -> dict:
 
 
 def histograms(pred: np.ndarray, true: np.ndarray, bins: int = HIST_BINS) -> dict:
-    """One-point PDFs of one channel: densities of ``true`` and ``pred`` over the same ``bins``
-    equal bins spanning both fields' values (each integrates to 1)."""
+    """One-point PDFs of one channel (docs/scoring.md)."""
     lo = float(min(np.min(true), np.min(pred)))
     hi = float(max(np.max(true), np.max(pred)))
     edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
@@ -77,9 +73,7 @@ def histograms(pred: np.ndarray, true: np.ndarray, bins: int = HIST_BINS) -> dic
 
 
 def field_errors(pred: np.ndarray, true: np.ndarray) -> dict:
-    """Means and errors of one channel, in float64: the means of both fields, the bias
-    mean(pred - true), the mean absolute error, the RMSE and the relative error
-    ||pred - true||_2 / ||true||_2 (the relative L2 of ``tasks.era5.RelativeL2``)."""
+    """Means and errors of one channel, in float64 (docs/scoring.md, "Errors")."""
     p = np.asarray(pred, np.float64)
     t = np.asarray(true, np.float64)
     d = p - t
@@ -96,9 +90,8 @@ def unet_halo(levels: int) -> int:
 
 
 def tile_plan(side: int, tile: int, halo: int, align: int) -> list[tuple[int, int, int]]:
-    """Along one axis of ``side`` voxels: (core start, core stop, window start) of each tile, the
-    windows of min(side, tile + 2 halo) voxels starting at multiples of ``align`` (2^levels), as
-    docs/scoring.md says."""
+    """Along one axis of ``side`` voxels: (core start, core stop, window start) of each tile, as
+    docs/scoring.md says (``align``: 2^levels)."""
     for name, v in (("side", side), ("tile", tile), ("halo", halo)):
         if v % align or (v < align and name != "halo"):
             # the multiples either side of v; a halo may be 0, a side or tile not
