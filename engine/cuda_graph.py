@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,23 +81,17 @@ class CudaGraphOps:
             yield
         current.wait_stream(self.stream)
 
-    def capture(self, fn, clear) -> "CapturedStep":
-        """Record the kernels ``fn`` launches, run by ``replay()`` (``clear`` was done before)."""
+    def capture(self, fn, clear) -> SimpleNamespace:
+        """Record the kernels ``fn`` launches (``clear`` was done before): ``replay()`` launches
+        them, ``outputs`` then hold the latest replay's values."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: the loader's threads go on making CUDA calls during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
-        return CapturedStep(graph.replay, out)
+        return SimpleNamespace(replay=graph.replay, outputs=out)
 
     def synchronize(self):
         torch.cuda.synchronize()
-
-
-class CapturedStep:
-    """``replay()`` launches the recorded kernels; ``outputs`` then hold the latest replay's values."""
-
-    def __init__(self, replay, outputs):
-        self.replay, self.outputs = replay, outputs
 
 
 class StepGraph:
@@ -109,7 +104,7 @@ class StepGraph:
         self.body, self.clear, self.ops = body, clear, ops
         self.warmup_steps, self.timed = warmup_steps, timed
         self.static: tuple[torch.Tensor, torch.Tensor] | None = None  # what the graph reads
-        self.graph: CapturedStep | None = None
+        self.graph: SimpleNamespace | None = None  # CudaGraphOps.capture's
         self.calls = 0
         self.last_mode = ""  # "eager", "capture" or "replay": what the latest call did
         self.eager_s: list[float] = []
@@ -122,11 +117,21 @@ class StepGraph:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, probe=NullProbe()):
         self._copy_in(x, y)
         if not self.captured and self.calls < self.warmup_steps:
-            out = self._eager(probe)
+            self.last_mode = "eager"
+            # (the first step, which initialises lazily, is not timed)
+            with self._timed(self.eager_s, on=self.calls > 0), self.ops.side_stream():
+                out = self.body(*self.static, probe)
+                self.clear()
         else:
-            self.last_mode = "replay"
+            self.last_mode = "replay" if self.captured else "capture"
             if not self.captured:
-                self._capture()
+                self.clear()
+                took = []
+                with self._timed(took):
+                    self.graph = self.ops.capture(lambda: self.body(*self.static, NullProbe()),
+                                                  self.clear)
+                log.info(f"CUDA graph: the training step captured after {self.calls} eager steps "
+                         f"in {took[0]:.2f} s")
             out = self._replay()
         self.calls += 1
         return out
@@ -151,23 +156,6 @@ class StepGraph:
         if on:
             self.ops.synchronize()
             times.append(time.perf_counter() - t0)
-
-    def _eager(self, probe):
-        self.last_mode = "eager"
-        # (the first step, which initialises lazily, is not timed)
-        with self._timed(self.eager_s, on=self.calls > 0), self.ops.side_stream():
-            out = self.body(*self.static, probe)
-            self.clear()
-        return out
-
-    def _capture(self):
-        self.last_mode = "capture"
-        self.clear()
-        took = []
-        with self._timed(took):
-            self.graph = self.ops.capture(lambda: self.body(*self.static, NullProbe()), self.clear)
-        log.info(f"CUDA graph: the training step captured after {self.calls} eager steps in "
-                 f"{took[0]:.2f} s")
 
     def _replay(self):
         timed = len(self.replay_s) < self.timed
