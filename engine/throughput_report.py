@@ -36,20 +36,6 @@ def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
     return warmup, min(MAX_TIMED, room - warmup)
 
 
-def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
-    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones, to a device sync."""
-    sync = torch.cuda.synchronize if tr.device.type == "cuda" else lambda: None
-    for _ in range(warmup):
-        work(*next(batches))
-    sync()
-    tr.rt.barrier()  # collective: every rank starts its window together
-    t0 = time.perf_counter()
-    for _ in range(timed):
-        work(*next(batches))
-    sync()
-    return time.perf_counter() - t0
-
-
 def _loader_pass(tr, epoch: int):
     """A fresh pass of the training loader as epoch ``epoch``, fetched as in training (``stopper``)."""
     def stop(signum):  # on any rank: the report ends on all (the final checkpoint is written)
@@ -70,6 +56,7 @@ def measure(tr) -> dict[str, list[float]]:
         tr.train_step(x, y, NullProbe())
 
     work = {"IO": tr.to_device, "SYNTHETIC": step, "FULL": lambda x, y: step(*tr.to_device(x, y))}
+    sync = torch.cuda.synchronize if tr.device.type == "cuda" else lambda: None
     cached = tr.to_device(*next(_loader_pass(tr, first_epoch)))
     rates = {m: [] for m in MODES}
     for r in range(ROUNDS):
@@ -77,7 +64,15 @@ def measure(tr) -> dict[str, list[float]]:
             batches = itertools.repeat(cached) if mode == "SYNTHETIC" else \
                 _loader_pass(tr, first_epoch + r)
             with nvtx_range(f"throughput {mode}"):
-                seconds = _timed_round(tr, batches, work[mode], warmup, timed)
+                for _ in range(warmup):
+                    work[mode](*next(batches))
+                sync()
+                tr.rt.barrier()  # collective: every rank starts its window together
+                t0 = time.perf_counter()
+                for _ in range(timed):
+                    work[mode](*next(batches))
+                sync()
+                seconds = time.perf_counter() - t0
             rates[mode].append(tr.rt.local_batch * timed / max(seconds, 1e-9))
     return rates
 
