@@ -90,8 +90,7 @@ class CudaGraphOps:
             out = fn()
         return SimpleNamespace(replay=graph.replay, outputs=out)
 
-    def synchronize(self):
-        torch.cuda.synchronize()
+    synchronize = staticmethod(torch.cuda.synchronize)
 
 
 class StepGraph:

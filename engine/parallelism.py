@@ -76,18 +76,16 @@ class ParallelModel:
 
     def full_batch(self, x: torch.Tensor) -> torch.Tensor:
         """A compiled model's validation batch filled up to the local batch with copies of its
-        first sample (their outputs dropped): a smaller last batch then runs the graph compiled
-        for the others, not a new one for a batch of any size. (Eager: the batch as it is.)"""
+        first sample (docs/performance.md, "Fused Adam"); eager: the batch as it is."""
         if not self.batch or x.shape[0] == self.batch:
             return x
         fill = torch.zeros(self.batch - x.shape[0], dtype=torch.long, device=x.device)
         return x[torch.cat([torch.arange(x.shape[0], device=x.device), fill])]  # keeps its layout
 
     def regroup_gradients(self, x: torch.Tensor, y: torch.Tensor, forward_context):
-        """Under DDP, a resumed run's backward of its first micro-batch (``x``, ``y``) before its
-        first step, discarded (gradients dropped, random streams and buffers put back): DDP
-        regroups its gradient buckets after a run's first backward, and without it a resumed run
-        on three or more ranks would add some elements in another order (about 1e-7 apart)."""
+        """A resumed run's backward of its first micro-batch (``x``, ``y``), discarded (gradients
+        dropped, random streams and buffers put back), to group DDP's gradient buckets as the
+        uninterrupted run did (docs/checkpoints.md)."""
         buffers = [(b, b.clone()) for b in self.module.buffers()]
         device = self.rt.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

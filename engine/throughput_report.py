@@ -85,11 +85,8 @@ def _mean_std(values: list[float]) -> dict:
 def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
     """Mean and std over rounds of all ranks' samples/s together (``per_rank``: their ``measure``);
     the ``replica_ranks`` of a model replica (tp x cp) share a batch, counted once."""
-    out = {}
-    for mode in MODES:
-        rounds = zip(*(r[mode] for r in per_rank))
-        out[mode] = _mean_std([sum(vals) / replica_ranks for vals in rounds])
-    return out
+    return {m: _mean_std([sum(vals) / replica_ranks for vals in zip(*(r[m] for r in per_rank))])
+            for m in MODES}
 
 
 def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0,
