@@ -131,7 +131,12 @@ class StepGraph:
                                                   self.clear)
                 log.info(f"CUDA graph: the training step captured after {self.calls} eager steps "
                          f"in {took[0]:.2f} s")
-            out = self._replay()
+            timed = len(self.replay_s) < self.timed
+            with self._timed(self.replay_s, on=timed):
+                self.graph.replay()
+            if timed and len(self.replay_s) == self.timed:
+                log.info(self.speedup_line())
+            out = self.graph.outputs  # the same tensors every step, rewritten by each replay
         self.calls += 1
         return out
 
@@ -155,14 +160,6 @@ class StepGraph:
         if on:
             self.ops.synchronize()
             times.append(time.perf_counter() - t0)
-
-    def _replay(self):
-        timed = len(self.replay_s) < self.timed
-        with self._timed(self.replay_s, on=timed):
-            self.graph.replay()
-        if timed and len(self.replay_s) == self.timed:
-            log.info(self.speedup_line())
-        return self.graph.outputs  # the same tensors every step, rewritten by each replay
 
     def speedup_line(self) -> str:
         replay = sum(self.replay_s) / len(self.replay_s)

@@ -28,9 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
-    """(warm-up, timed) batches per round, in one pass of the loader short of its last ``lag``
-    batches: those are fetched before the window (``lag`` steps ahead), which would count them.
-    (A pass of ``lag`` batches or fewer has no such window: one batch is timed.)"""
+    """(warm-up, timed) batches per round, the window ending before the pass's last ``lag``
+    fetches (docs/performance.md, "IO / SYNTHETIC / FULL"; a pass of ``lag`` or fewer: one)."""
     room = max(steps_per_epoch - lag, 1)
     warmup = min(WARMUP, room - 1)
     return warmup, min(MAX_TIMED, room - warmup)
@@ -91,9 +90,8 @@ def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
 
 def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0,
                     std: dict | None = None) -> str:
-    """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC; the advice
-    fits the run's ``workers`` (its num_data_workers). No verdict where a trial's rounds disagree
-    by more than ``NOISY`` (``std``: each mode's std), but how to measure more steadily."""
+    """The one-line reading (docs/performance.md, "IO / SYNTHETIC / FULL"): ``workers``, the
+    run's num_data_workers; ``std``, each mode's (over ``NOISY`` of its mean: no verdict)."""
     noisy = [f"{m} {mean:.1f} +/- {std[m]:.1f}" for m, mean in zip(MODES, (io, synthetic, full))
              if std and std[m] > NOISY * mean]
     if noisy:
