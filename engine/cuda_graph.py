@@ -1,8 +1,7 @@
 """The training step captured once as a CUDA graph and replayed (``train_graph.py``; what
 capture asks of the step: docs/performance.md, "CUDA graphs"). ``StepGraph`` holds the static
 buffers and runs the eager warm-up steps, the capture and the replays through ``CudaGraphOps``;
-tests drive the same logic on a CPU through a stand-in with the same three methods.
-"""
+tests drive the same logic on a CPU through a stand-in with the same three methods."""
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +27,9 @@ DDP_SAMPLE_EVERY = 100  # DDP times every 100th iteration with CUDA events (its 
 def capture_warmup_steps(cfg: Config, ddp: bool) -> int:
     """The eager steps before capture: ``graph_warmup_steps``, under DDP at least 11 and neither 99
     nor 0 modulo 100 (DDP syncs on iterations it timed: its first 10 and every 100th)."""
-    warmup = cfg.graph_warmup_steps
     if not ddp:
-        return warmup
-    warmup = max(warmup, DDP_WARMUP_STEPS)
+        return cfg.graph_warmup_steps
+    warmup = max(cfg.graph_warmup_steps, DDP_WARMUP_STEPS)
 
     def clash(w):
         return (w + 1) % DDP_SAMPLE_EVERY in (0, 1)

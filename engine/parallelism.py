@@ -1,7 +1,5 @@
-"""Parallelism applied to a serial model, in one place (``apply_parallelism``, whose numbered
-comments give the order: tp/cp sharding, fp8 linears, the move to the device, DDP or FSDP2,
-torch.compile; docs/parallelism.md tells more). The model itself knows nothing of any of this.
-"""
+"""Parallelism applied to a serial model, in one place: ``apply_parallelism``, whose numbered
+comments give the order (docs/parallelism.md). The model itself knows nothing of any of this."""
 from __future__ import annotations
 
 import contextlib
