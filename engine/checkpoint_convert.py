@@ -4,8 +4,7 @@ Adam state in the serial layout, keyed by parameter name, with the step, schedul
 and config. The file resumes any run (``--resume_from``) and serves inference or sharing
 (``torch.load(path, weights_only=True)["model"]`` is the model's state dict).
 
-One process on a CPU, reading every shard: it needs memory for the whole model and Adam state.
-"""
+One process on a CPU, reading every shard: it needs memory for the whole model and Adam state."""
 from __future__ import annotations
 
 import os

@@ -1,13 +1,13 @@
 """The training step captured once as a CUDA graph and replayed (``train_graph.py``; what
 capture asks of the step: docs/performance.md, "CUDA graphs"). ``StepGraph`` holds the static
 buffers and runs the eager warm-up steps, the capture and the replays through ``CudaGraphOps``;
-tests drive the same logic on a CPU through a stand-in with the same three methods.
-"""
+tests drive the same logic on a CPU through a stand-in with the same three methods."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,10 +27,9 @@ DDP_SAMPLE_EVERY = 100  # DDP times every 100th iteration with CUDA events (its 
 def capture_warmup_steps(cfg: Config, ddp: bool) -> int:
     """The eager steps before capture: ``graph_warmup_steps``, under DDP at least 11 and neither 99
     nor 0 modulo 100 (DDP syncs on iterations it timed: its first 10 and every 100th)."""
-    warmup = cfg.graph_warmup_steps
     if not ddp:
-        return warmup
-    warmup = max(warmup, DDP_WARMUP_STEPS)
+        return cfg.graph_warmup_steps
+    warmup = max(cfg.graph_warmup_steps, DDP_WARMUP_STEPS)
 
     def clash(w):
         return (w + 1) % DDP_SAMPLE_EVERY in (0, 1)
@@ -80,23 +79,16 @@ class CudaGraphOps:
             yield
         current.wait_stream(self.stream)
 
-    def capture(self, fn, clear) -> "CapturedStep":
-        """Record the kernels ``fn`` launches, run by ``replay()`` (``clear`` was done before)."""
+    def capture(self, fn, clear) -> SimpleNamespace:
+        """Record the kernels ``fn`` launches (``clear`` was done before): ``replay()`` launches
+        them, ``outputs`` then hold the latest replay's values."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: the loader's threads go on making CUDA calls during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
-        return CapturedStep(graph.replay, out)
+        return SimpleNamespace(replay=graph.replay, outputs=out)
 
-    def synchronize(self):
-        torch.cuda.synchronize()
-
-
-class CapturedStep:
-    """``replay()`` launches the recorded kernels; ``outputs`` then hold the latest replay's values."""
-
-    def __init__(self, replay, outputs):
-        self.replay, self.outputs = replay, outputs
+    synchronize = staticmethod(torch.cuda.synchronize)
 
 
 class StepGraph:
@@ -109,7 +101,7 @@ class StepGraph:
         self.body, self.clear, self.ops = body, clear, ops
         self.warmup_steps, self.timed = warmup_steps, timed
         self.static: tuple[torch.Tensor, torch.Tensor] | None = None  # what the graph reads
-        self.graph: CapturedStep | None = None
+        self.graph: SimpleNamespace | None = None  # CudaGraphOps.capture's
         self.calls = 0
         self.last_mode = ""  # "eager", "capture" or "replay": what the latest call did
         self.eager_s: list[float] = []
@@ -122,12 +114,27 @@ class StepGraph:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, probe=NullProbe()):
         self._copy_in(x, y)
         if not self.captured and self.calls < self.warmup_steps:
-            out = self._eager(probe)
+            self.last_mode = "eager"
+            # (the first step, which initialises lazily, is not timed)
+            with self._timed(self.eager_s, on=self.calls > 0), self.ops.side_stream():
+                out = self.body(*self.static, probe)
+                self.clear()
         else:
-            self.last_mode = "replay"
+            self.last_mode = "replay" if self.captured else "capture"
             if not self.captured:
-                self._capture()
-            out = self._replay()
+                self.clear()
+                took = []
+                with self._timed(took):
+                    self.graph = self.ops.capture(lambda: self.body(*self.static, NullProbe()),
+                                                  self.clear)
+                log.info(f"CUDA graph: the training step captured after {self.calls} eager steps "
+                         f"in {took[0]:.2f} s")
+            timed = len(self.replay_s) < self.timed
+            with self._timed(self.replay_s, on=timed):
+                self.graph.replay()
+            if timed and len(self.replay_s) == self.timed:
+                log.info(self.speedup_line())
+            out = self.graph.outputs  # the same tensors every step, rewritten by each replay
         self.calls += 1
         return out
 
@@ -151,31 +158,6 @@ class StepGraph:
         if on:
             self.ops.synchronize()
             times.append(time.perf_counter() - t0)
-
-    def _eager(self, probe):
-        self.last_mode = "eager"
-        # (the first step, which initialises lazily, is not timed)
-        with self._timed(self.eager_s, on=self.calls > 0), self.ops.side_stream():
-            out = self.body(*self.static, probe)
-            self.clear()
-        return out
-
-    def _capture(self):
-        self.last_mode = "capture"
-        self.clear()
-        took = []
-        with self._timed(took):
-            self.graph = self.ops.capture(lambda: self.body(*self.static, NullProbe()), self.clear)
-        log.info(f"CUDA graph: the training step captured after {self.calls} eager steps in "
-                 f"{took[0]:.2f} s")
-
-    def _replay(self):
-        timed = len(self.replay_s) < self.timed
-        with self._timed(self.replay_s, on=timed):
-            self.graph.replay()
-        if timed and len(self.replay_s) == self.timed:
-            log.info(self.speedup_line())
-        return self.graph.outputs  # the same tensors every step, rewritten by each replay
 
     def speedup_line(self) -> str:
         replay = sum(self.replay_s) / len(self.replay_s)

@@ -1,7 +1,6 @@
 """fp8 linear layers (``fp8_linears``): the transformer blocks' linears compute in float8 with
 torchao (docs/performance.md, "fp8 linear layers"); tp/cp linears keep their collectives, their
-slice's matmul in fp8 (``local_linear``). Emulated on a CPU, for checks, not speed.
-"""
+slice's matmul in fp8 (``local_linear``). Emulated on a CPU, for checks, not speed."""
 from __future__ import annotations
 
 import dataclasses

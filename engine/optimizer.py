@@ -14,17 +14,6 @@ from settings.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def fused_unavailable(params: list, device: torch.device) -> str:
-    """Why fused Adam cannot update ``params`` on ``device`` ("": it can), before torch finds out."""
-    supported = set(_get_fused_kernels_supported_devices())
-    if device.type not in supported:
-        return f"no fused kernel for {device.type} (only {', '.join(sorted(supported))})"
-    for p in params:
-        if p.device.type not in supported or not torch.is_floating_point(p):
-            return f"a {p.dtype} parameter on {p.device.type} is not supported"
-    return ""
-
-
 def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
                     for_cuda_graph: bool = False) -> torch.optim.Adam:
     """Adam over ``params`` with ``lr`` and ``betas``, no weight decay; ``fused``: the fused kernel
@@ -32,7 +21,13 @@ def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
     lr a device tensor the schedule fills between replays."""
     params = list(params)
     kw = dict(lr=lr, betas=tuple(betas))
-    why = fused_unavailable(params, device) if fused or for_cuda_graph else "not asked for"
+    # why fused Adam cannot update params on device ("": it can), before torch finds out
+    supported = set(_get_fused_kernels_supported_devices())
+    odd = [p for p in params if p.device.type not in supported or not torch.is_floating_point(p)]
+    why = ("not asked for" if not (fused or for_cuda_graph) else
+           f"no fused kernel for {device.type} (only {', '.join(sorted(supported))})"
+           if device.type not in supported else
+           f"a {odd[0].dtype} parameter on {odd[0].device.type} is not supported" if odd else "")
     if for_cuda_graph:
         if why:
             raise ConfigError(f"train_graph.py needs the fused Adam kernel ({why}): use train.py")
@@ -44,18 +39,15 @@ def build_optimizer(params, lr: float, betas, fused: bool, device: torch.device,
     return torch.optim.Adam(params, fused=None if why else True, **kw)
 
 
-# How an optimizer runs, not what it learnt: kept on loading a state (train.py's checkpoints
-# resume in train_graph.py and the other way round).
-IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
-
-
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     """``optimizer.load_state_dict(state)`` keeping this optimizer's implementation settings and
     kinds of hyperparameters (a device-tensor lr stays one), step counts where it wants them."""
     own = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, before in zip(optimizer.param_groups, own):
-        for key in IMPLEMENTATION_KEYS:
+        # how it runs, not what it learnt (train.py's checkpoints resume in train_graph.py and
+        # the other way round)
+        for key in ("foreach", "fused", "capturable", "differentiable"):
             if key in before:
                 group[key] = before[key]
         for key, value in group.items():

@@ -1,7 +1,5 @@
-"""Parallelism applied to a serial model, in one place (``apply_parallelism``, whose numbered
-comments give the order: tp/cp sharding, fp8 linears, the move to the device, DDP or FSDP2,
-torch.compile; docs/parallelism.md tells more). The model itself knows nothing of any of this.
-"""
+"""Parallelism applied to a serial model, in one place: ``apply_parallelism``, whose numbered
+comments give the order (docs/parallelism.md). The model itself knows nothing of any of this."""
 from __future__ import annotations
 
 import contextlib
@@ -53,9 +51,7 @@ class ParallelModel:
     def no_sync(self):
         """Inside: the inner micro-batches' backward passes. DDP all-reduces in the last; FSDP in
         each, or with ``fsdp_reduce_each_microbatch`` off in the last (docs/parallelism.md)."""
-        if isinstance(self.module, FSDPModule):
-            if self.fsdp_reduce_each_microbatch:
-                return contextlib.nullcontext()
+        if isinstance(self.module, FSDPModule) and not self.fsdp_reduce_each_microbatch:
             return _fsdp_no_sync(self.module)
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
@@ -78,18 +74,16 @@ class ParallelModel:
 
     def full_batch(self, x: torch.Tensor) -> torch.Tensor:
         """A compiled model's validation batch filled up to the local batch with copies of its
-        first sample (their outputs dropped): a smaller last batch then runs the graph compiled
-        for the others, not a new one for a batch of any size. (Eager: the batch as it is.)"""
+        first sample (docs/performance.md, "Fused Adam"); eager: the batch as it is."""
         if not self.batch or x.shape[0] == self.batch:
             return x
         fill = torch.zeros(self.batch - x.shape[0], dtype=torch.long, device=x.device)
         return x[torch.cat([torch.arange(x.shape[0], device=x.device), fill])]  # keeps its layout
 
     def regroup_gradients(self, x: torch.Tensor, y: torch.Tensor, forward_context):
-        """Under DDP, a resumed run's backward of its first micro-batch (``x``, ``y``) before its
-        first step, discarded (gradients dropped, random streams and buffers put back): DDP
-        regroups its gradient buckets after a run's first backward, and without it a resumed run
-        on three or more ranks would add some elements in another order (about 1e-7 apart)."""
+        """A resumed run's backward of its first micro-batch (``x``, ``y``), discarded (gradients
+        dropped, random streams and buffers put back), to group DDP's gradient buckets as the
+        uninterrupted run did (docs/checkpoints.md)."""
         buffers = [(b, b.clone()) for b in self.module.buffers()]
         device = self.rt.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -117,39 +111,6 @@ def mixed_precision_policy(amp_mode: str) -> MixedPrecisionPolicy:
     if amp_mode == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
-
-
-def shard_fully(model: nn.Module, blocks: list[nn.Module], amp_mode: str, rt: Runtime,
-                mesh=None) -> nn.Module:
-    """``fully_shard`` each block, then the rest of the model, over the data-parallel ``mesh``
-    (the dp dimension of the tp x cp x dp mesh) or one over every rank."""
-    if mesh is None:
-        mesh = init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
-    policy = mixed_precision_policy(amp_mode)
-    # the tp/cp layers' marks on their parameters, for the DTensor parameters FSDP puts in place
-    marks = {name: {k: getattr(p, k) for k in ("shard_spec", "reduce_over") if hasattr(p, k)}
-             for name, p in model.named_parameters()}
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    for name, p in model.named_parameters():
-        for k, v in marks[name].items():
-            setattr(p, k, v)
-    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    log.info(f"FSDP: {len(blocks)} blocks and the rest of the model sharded over {rt.dp_size} "
-             f"data-parallel ranks; the largest block gathers {largest / 1e6:.3g} M parameters"
-             + (f" in {amp_mode}" if amp_mode == "bf16" else ""))
-    return model
-
-
-def _buffer_sync_kwargs(disable: bool) -> dict:
-    """DDP's per-step broadcast of buffers off when ``disable`` (newer torch names it
-    forward_sync_buffers, and warns on every rank when broadcast_buffers is passed)."""
-    if not disable:
-        return {}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
 
 
 def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
@@ -182,18 +143,37 @@ def apply_parallelism(model: nn.Module, cfg: Config, rt: Runtime, task,
         log.info("fsdp with one data-parallel rank: nothing to shard over, the replica trains as "
                  "without fsdp")
     if cfg.fsdp and rt.dp_size > 1:  # 5. sharded data parallel
-        # (noddp and fp16 with fsdp are refused with the settings)
-        mesh = rt.groups.mesh["dp"] if rt.groups is not None else None
-        model = shard_fully(model, task.blocks(model), cfg.amp_mode, rt, mesh)
+        # (noddp and fp16 with fsdp are refused with the settings): each block, then the rest,
+        # over the dp dimension of the tp x cp x dp mesh or one over every rank
+        mesh = rt.groups.mesh["dp"] if rt.groups is not None else \
+            init_device_mesh(rt.device.type, (rt.dp_size,), mesh_dim_names=("dp",))
+        policy = mixed_precision_policy(cfg.amp_mode)
+        blocks = task.blocks(model)
+        # the tp/cp layers' marks on their parameters, for the DTensor parameters FSDP puts in place
+        marks = {name: {k: getattr(p, k) for k in ("shard_spec", "reduce_over") if hasattr(p, k)}
+                 for name, p in model.named_parameters()}
+        for block in blocks + [model]:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        for name, p in model.named_parameters():
+            for k, v in marks[name].items():
+                setattr(p, k, v)
+        largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+        log.info(f"FSDP: {len(blocks)} blocks and the rest of the model sharded over {rt.dp_size} "
+                 f"data-parallel ranks; the largest block gathers {largest / 1e6:.3g} M parameters"
+                 + (f" in {cfg.amp_mode}" if cfg.amp_mode == "bf16" else ""))
         sharding = FullyShardedSharding(task, sharding)
     elif rt.distributed and cfg.noddp:
         log.warning("noddp is set: gradients are NOT all-reduced; the model replicas are not "
                     "synchronised (for compute-only scaling measurements)")
     elif rt.distributed and (rt.dp_size > 1 or rt.groups is not None):  # 5. data parallel
+        # buffers' per-step broadcast off: newer torch names it forward_sync_buffers (and warns
+        # on every rank when broadcast_buffers is passed)
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in \
+            inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers"
         wrapped = DistributedDataParallel(
             model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
             process_group=rt.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
-            **_buffer_sync_kwargs(cfg.disable_broadcast_buffers))
+            **({sync: False} if cfg.disable_broadcast_buffers else {}))
         sharding.register_grad_hooks(wrapped)
     compile_dir = None
     # 6. torch.compile: tp/cp collectives stay out of the graphs (eager_apply); compile_blocks

@@ -1,7 +1,5 @@
-"""Known slow paths of the torch/cuDNN stack, named in one warning line at start-up: torch 2.9.0
-and 2.9.1 run half-precision 3-D convolutions in the default layout without cuDNN on some cuDNN
-versions (docs/performance.md, "Known slow paths of torch and cuDNN", has the table).
-"""
+"""Known slow paths of the torch/cuDNN stack, named in one warning line at start-up
+(docs/performance.md, "Known slow paths of torch and cuDNN", has the table)."""
 from __future__ import annotations
 
 import logging

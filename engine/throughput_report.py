@@ -28,26 +28,11 @@ log = logging.getLogger(__name__)
 
 
 def trial_sizes(steps_per_epoch: int, lag: int = 1) -> tuple[int, int]:
-    """(warm-up, timed) batches per round, in one pass of the loader short of its last ``lag``
-    batches: those are fetched before the window (``lag`` steps ahead), which would count them.
-    (A pass of ``lag`` batches or fewer has no such window: one batch is timed.)"""
+    """(warm-up, timed) batches per round, the window ending before the pass's last ``lag``
+    fetches (docs/performance.md, "IO / SYNTHETIC / FULL"; a pass of ``lag`` or fewer: one)."""
     room = max(steps_per_epoch - lag, 1)
     warmup = min(WARMUP, room - 1)
     return warmup, min(MAX_TIMED, room - warmup)
-
-
-def _timed_round(tr, batches, work, warmup: int, timed: int) -> float:
-    """Seconds for ``timed`` calls of ``work(x, y)`` after ``warmup`` untimed ones, to a device sync."""
-    sync = torch.cuda.synchronize if tr.device.type == "cuda" else lambda: None
-    for _ in range(warmup):
-        work(*next(batches))
-    sync()
-    tr.rt.barrier()  # collective: every rank starts its window together
-    t0 = time.perf_counter()
-    for _ in range(timed):
-        work(*next(batches))
-    sync()
-    return time.perf_counter() - t0
 
 
 def _loader_pass(tr, epoch: int):
@@ -70,6 +55,7 @@ def measure(tr) -> dict[str, list[float]]:
         tr.train_step(x, y, NullProbe())
 
     work = {"IO": tr.to_device, "SYNTHETIC": step, "FULL": lambda x, y: step(*tr.to_device(x, y))}
+    sync = torch.cuda.synchronize if tr.device.type == "cuda" else lambda: None
     cached = tr.to_device(*next(_loader_pass(tr, first_epoch)))
     rates = {m: [] for m in MODES}
     for r in range(ROUNDS):
@@ -77,7 +63,15 @@ def measure(tr) -> dict[str, list[float]]:
             batches = itertools.repeat(cached) if mode == "SYNTHETIC" else \
                 _loader_pass(tr, first_epoch + r)
             with nvtx_range(f"throughput {mode}"):
-                seconds = _timed_round(tr, batches, work[mode], warmup, timed)
+                for _ in range(warmup):
+                    work[mode](*next(batches))
+                sync()
+                tr.rt.barrier()  # collective: every rank starts its window together
+                t0 = time.perf_counter()
+                for _ in range(timed):
+                    work[mode](*next(batches))
+                sync()
+                seconds = time.perf_counter() - t0
             rates[mode].append(tr.rt.local_batch * timed / max(seconds, 1e-9))
     return rates
 
@@ -90,18 +84,14 @@ def _mean_std(values: list[float]) -> dict:
 def summarise(per_rank: list[dict], replica_ranks: int) -> dict[str, dict]:
     """Mean and std over rounds of all ranks' samples/s together (``per_rank``: their ``measure``);
     the ``replica_ranks`` of a model replica (tp x cp) share a batch, counted once."""
-    out = {}
-    for mode in MODES:
-        rounds = zip(*(r[mode] for r in per_rank))
-        out[mode] = _mean_std([sum(vals) / replica_ranks for vals in rounds])
-    return out
+    return {m: _mean_std([sum(vals) / replica_ranks for vals in zip(*(r[m] for r in per_rank))])
+            for m in MODES}
 
 
 def bottleneck_line(io: float, synthetic: float, full: float, workers: int = 0,
                     std: dict | None = None) -> str:
-    """The tutorial's reading: FULL is bounded by the slower of IO and SYNTHETIC; the advice
-    fits the run's ``workers`` (its num_data_workers). No verdict where a trial's rounds disagree
-    by more than ``NOISY`` (``std``: each mode's std), but how to measure more steadily."""
+    """The one-line reading (docs/performance.md, "IO / SYNTHETIC / FULL"): ``workers``, the
+    run's num_data_workers; ``std``, each mode's (over ``NOISY`` of its mean: no verdict)."""
     noisy = [f"{m} {mean:.1f} +/- {std[m]:.1f}" for m, mean in zip(MODES, (io, synthetic, full))
              if std and std[m] > NOISY * mean]
     if noisy:

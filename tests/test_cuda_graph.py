@@ -13,6 +13,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,8 +24,7 @@ from train import Trainer
 from train_graph import GraphTrainer
 from engine import checkpoint
 from settings.parse import build_config
-from engine.cuda_graph import (CapturedStep, CudaGraphOps, StepGraph, capture_warmup_steps,
-                              check_can_capture)
+from engine.cuda_graph import CudaGraphOps, StepGraph, capture_warmup_steps, check_can_capture
 from settings.errors import ConfigError, TrainingError
 from engine.optimizer import lr_at
 from engine.runtime import Runtime, setup_runtime
@@ -50,7 +50,7 @@ class ReplayOnCPU:
 
     def capture(self, fn, clear):
         self.captures += 1
-        step = CapturedStep(None, None)
+        step = SimpleNamespace(replay=None, outputs=None)
 
         def replay():
             self.replays += 1
