@@ -5,8 +5,7 @@
     python train.py --config short --num_data_workers 8 --amp_mode bf16
     torchrun --nproc_per_node 4 train.py --config bs64_opt
 
-Data parallel over every rank the launcher starts; tensor/context parallel when the config's
-tensor_parallel/context_parallel are above 1 (see train_mp.py).
+Data parallel over every rank the launcher starts; tensor/context parallel: see train_mp.py.
 
 The file reads top to bottom as a run does. Set-up is the recipe (``Trainer.__init__``): the run
 directory, the data, the model and its parallelism, the optimizer and schedule, then the three
@@ -258,9 +257,8 @@ class Trainer:
                 # (not before a captured step: its eager warm-up counts DDP's iterations)
                 if self.resumed and self.parallel.ddp is not None and not self.captures_step:
                     k = self.cfg.grad_accum_steps
-                    y0 = y.chunk(k)[0]  # (a rollout's first targets: one step orders the same)
-                    self.parallel.regroup_gradients(x.chunk(k)[0], y0 if y0.dim() == x.dim()
-                                                    else y0[:, 0], self.forward_context)
+                    self.parallel.regroup_gradients(x.chunk(k)[0], y.chunk(k)[0],
+                                                    self.forward_context)
                 self.resumed = False  # (the launch's first step is taken)
                 loss, grad_norm = self.train_step(x, y, probe)
             # (told before the counts move on: the memory lines' exchange after an epoch's first

@@ -86,6 +86,7 @@ class ParallelModel:
         uninterrupted run did (docs/checkpoints.md)."""
         buffers = [(b, b.clone()) for b in self.module.buffers()]
         device = self.rt.device
+        y = y if y.dim() == x.dim() else y[:, 0]  # a rollout's first targets: one step suffices
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             with forward_context():
                 loss = self.loss(self.wrapped(x), y).sum()

@@ -93,11 +93,13 @@ def wait_gone(pids, seconds: float) -> list[int]:
 
 
 def shm_names() -> set[str]:
-    """The names in /dev/shm, but for files someone else made and removed meanwhile, and the
-    key files of DALI pipelines that other tests run meanwhile (``pytest -n 2``)."""
+    """The names in /dev/shm, but for files someone else made and removed meanwhile, the key
+    files of DALI pipelines and the named semaphores of Python's multiprocessing (process pools,
+    dask), which other tests run meanwhile (``pytest -n 2``); the loaders make neither."""
     first = set(os.listdir("/dev/shm"))
     time.sleep(0.02)
-    return {n for n in first & set(os.listdir("/dev/shm")) if not n.startswith("dali_keys_")}
+    return {n for n in first & set(os.listdir("/dev/shm"))
+            if not n.startswith(("dali_keys_", "sem.mp-"))}
 
 
 def in_shm() -> list[str]:
