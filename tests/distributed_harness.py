@@ -180,3 +180,36 @@ def run_ranks(fn, world_size, *args, timeout=120, pg_timeout=None):
             raise RankError(f"rank {failed} of {world_size} failed in "
                             f"{getattr(fn, '__name__', fn)}:\n{msg}")
         return [res[1] for res in results]
+
+
+def simulate_long_ring(ring_s: float):
+    """From now on in this process, every all-reduce launched without waiting holds one of 2
+    threads for ``ring_s`` from when a thread takes it up (or until it is done, if later), as
+    gloo's 2 threads per group are held for a ring of hundreds of ranks (launched in order: the
+    ranks' collectives still match)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    real, threads = dist.all_reduce, ThreadPoolExecutor(2)
+
+    def held(tensor, *args, async_op=False, **kwargs):
+        work = real(tensor, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            return work
+
+        def ring():
+            until = time.perf_counter() + ring_s
+            work.wait()
+            time.sleep(max(0.0, until - time.perf_counter()))
+
+        done = threads.submit(ring)
+
+        class Held:
+            def wait(self):
+                done.result()
+                return True
+
+        return Held()
+
+    dist.all_reduce = held

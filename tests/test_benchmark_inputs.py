@@ -8,8 +8,7 @@ import pytest
 import preloaded
 from conftest import ROOT
 
-SCRIPTS = ["stop_agreement", "example_runs", "memory_model", "roofline", "scaling",
-           "throughput"]
+SCRIPTS = ["example_runs", "memory_model", "roofline", "scaling", "throughput"]
 
 EXISTING = b'{"kept": "as it was"}\n'
 
@@ -34,15 +33,12 @@ def refused(r, *named):
 
 
 BAD = {
-    "stop_agreement ranks negative": ("stop_agreement", ["--ranks", "-2", "--rounds", "1"],
-                                      ["-2", "2 or more"]),
-    "stop_agreement ranks not a number": ("stop_agreement", ["--ranks", "abc"], ["abc"]),
-    "stop_agreement rounds 0": ("stop_agreement", ["--rounds", "0"], ["--rounds", "0"]),
     "memory_model memory negative": ("memory_model", ["--gpu_memory_gb", "-5"],
                                      ["--gpu_memory_gb", "-5"]),
     "roofline budget negative": ("roofline", ["--budget", "-1"], ["--budget", "-1"]),
     "scaling repeats 0": ("scaling", ["--repeats", "0"], ["--repeats", "0"]),
     "scaling ranks 0": ("scaling", ["--ranks", "1,0"], ["--ranks", "1,0"]),
+    "scaling ranks not a number": ("scaling", ["--ranks", "1,abc"], ["abc"]),
     "scaling unknown model": ("scaling", ["--models", "vit,vti"], ["vti", "unet"]),
     "throughput workers negative": ("throughput", ["--workers", "0", "-1"], ["--workers", "-1"]),
     "throughput batches 0": ("throughput", ["--batches", "0"], ["--batches", "0"]),

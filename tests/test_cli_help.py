@@ -64,8 +64,7 @@ def test_every_setting_is_under_a_group_header():
 
 
 TOOLS = ["datapipe.synthetic", "benchmarks.throughput", "benchmarks.memory_model",
-         "benchmarks.scaling", "benchmarks.example_runs", "benchmarks.gpu_runs",
-         "benchmarks.stop_agreement", "score"]
+         "benchmarks.scaling", "benchmarks.example_runs", "benchmarks.gpu_runs", "score"]
 
 
 @pytest.mark.parametrize("module", TOOLS)

@@ -184,9 +184,8 @@ def rank_lag(world):
     import torch.distributed as dist
 
     from engine.runtime import new_host_group
+    from distributed_harness import simulate_long_ring
     from engine.stop import Stopper
-
-    from benchmarks.stop_agreement import simulate_long_ring
 
     rank = dist.get_rank()
     simulate_long_ring(RING_S if rank == 3 else 0.03)
