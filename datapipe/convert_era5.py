@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from datapipe.formats import ERA5_CHANNELS
-from datapipe.synthetic import _atomic_path, _ints, list_files
+from datapipe.synthetic import atomic_path, int_list, list_files
 from settings.errors import ConfigError, OneLineParser, at_least, refuse
 
 # The tutorial's channels, in its order, as (variable, pressure level in hPa or None) in WeatherBench
@@ -166,7 +166,7 @@ def convert_year(source, table, out_dir, split, year):
             dset[a:a + len(x)] = x
             yield x
 
-    with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         dset = f.create_dataset("fields", shape, np.float32)  # contiguous: read by offset
         sums = moments(chunks(dset)) if train else collections.deque(chunks(dset), maxlen=0)
     line = f"{split}/{year}.h5: {shape[0]} steps of {shape[2]}x{shape[3]}"
@@ -222,7 +222,7 @@ def convert(source, out_dir, years: dict, table=CHANNELS, workers=1, say=print):
               "time_means": (time_sum / steps)[None]}
     os.makedirs(os.path.join(out_dir, "stats"), exist_ok=True)
     for name in STATS:
-        with _atomic_path(os.path.join(out_dir, "stats", f"{name}.npy")) as tmp, open(tmp, "wb") as f:
+        with atomic_path(os.path.join(out_dir, "stats", f"{name}.npy")) as tmp, open(tmp, "wb") as f:
             np.save(f, values[name])
     say(f"stats/: means, stds and time means (float64) of {steps} steps of the training years "
         f"{', '.join(map(str, years['train']))}")
@@ -241,7 +241,7 @@ def main(argv=None):
     parser.add_argument("--workers", type=at_least(1), default=1, metavar="N",
                         help="years converted at once, each in its own process (default: 1)")
     args = parser.parse_args(argv)
-    years = {s: _ints(parser, f"{s}_years", getattr(args, f"{s}_years")) for s in ("train", "valid", "test")}
+    years = {s: int_list(parser, f"{s}_years", getattr(args, f"{s}_years")) for s in ("train", "valid", "test")}
     table = dict(CHANNELS)
     for text in args.channel:  # NAME=VARIABLE[@LEVEL]
         name, _, source = text.partition("=")

@@ -3,7 +3,7 @@ files, the command line and where it may write: docs/data.md, "Synthetic data"; 
 vector axes: ``datapipe.formats``). ERA5 statistics are over the training years. Cosmology after
 Harrington et al. 2021; every Hydro value lies in [-0.95, 0.95], inside the (-1, 1) range of the
 network's tanh output. Both generators are deterministic for a seed, write every file under a
-temporary name moved into place (``_atomic_path``), and generate in slices (time steps, channels)
+temporary name moved into place (``atomic_path``), and generate in slices (time steps, channels)
 so that large grids fit in memory.
 """
 import contextlib
@@ -53,7 +53,7 @@ _HYDRO_MAX = 0.95
 
 
 @contextlib.contextmanager
-def _atomic_path(path):
+def atomic_path(path):
     """Yield a temporary path next to ``path``; move it onto ``path`` only if the block succeeds."""
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
@@ -368,7 +368,7 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
         for year in split_years:
             path = os.path.join(out_dir, split, f"{year}.h5")
             t0 = (year - EPOCH_YEAR) * steps_per_year
-            with _atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+            with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
                 dset = f.create_dataset("fields", (steps_per_year, nc, h, w), dtype=np.float32)
                 for start in range(0, steps_per_year, chunk):
                     stop = min(start + chunk, steps_per_year)
@@ -393,7 +393,7 @@ def make_era5(out_dir, img_size=(32, 64), steps_per_year=256, train_years=YEARS[
     os.makedirs(os.path.join(out_dir, "stats"), exist_ok=True)
     for name, array in stats.items():
         result[name] = os.path.join(out_dir, "stats", f"{name}.npy")
-        with _atomic_path(result[name]) as tmp, open(tmp, "wb") as f:
+        with atomic_path(result[name]) as tmp, open(tmp, "wb") as f:
             np.save(f, array.astype(np.float32))
     return result
 
@@ -494,7 +494,7 @@ def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5
     result = {}
     for split, size, name in (("train", train_size, train_name), ("valid", val_size, val_name)):
         result[split] = os.path.join(out_dir, name)
-        with _atomic_path(result[split]) as tmp, h5py.File(tmp, "w") as f:
+        with atomic_path(result[split]) as tmp, h5py.File(tmp, "w") as f:
             datasets = {dataset: f.create_dataset(dataset, shape, dtype=np.float32)
                         for dataset, shape in cosmo_plan(size)["train.h5"].items()}
             for dataset, channel, field in _cosmo_fields(int(size), _cosmo_rng(seed, split)):
@@ -511,7 +511,7 @@ def _format_size(nbytes):
         nbytes /= 1024.0
 
 
-def _ints(parser, name: str, values: list[str], length: int | None = None) -> list[int]:
+def int_list(parser, name: str, values: list[str], length: int | None = None) -> list[int]:
     """A list option given as ``352 720`` (argparse's way), ``'[352,720]'`` or ``352,720`` (the
     way train.py's list settings are written): its integers; a wrong one is parser.error's
     one line."""
@@ -555,9 +555,9 @@ def main(argv=None):
                            help=f"side in voxels of the {box} box (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.kind == "era5":
-        shapes = dict(img_size=tuple(_ints(era5, "img_size", args.img_size, length=2)),
+        shapes = dict(img_size=tuple(int_list(era5, "img_size", args.img_size, length=2)),
                       steps_per_year=args.steps_per_year)
-        shapes.update({name: _ints(era5, name, getattr(args, name))
+        shapes.update({name: int_list(era5, name, getattr(args, name))
                        for name in ("train_years", "valid_years", "test_years")})
         plan, make = era5_plan(**shapes), make_era5
     else:
