@@ -241,7 +241,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=at_least(1), default=1, metavar="N",
                         help="years converted at once, each in its own process (default: 1)")
     args = parser.parse_args(argv)
-    years = {s: int_list(parser, f"{s}_years", getattr(args, f"{s}_years")) for s in ("train", "valid", "test")}
+    years = {s: int_list(parser, f"{s}_years", getattr(args, f"{s}_years"), example="2016 2017")
+             for s in ("train", "valid", "test")}
     table = dict(CHANNELS)
     for text in args.channel:  # NAME=VARIABLE[@LEVEL]
         name, _, source = text.partition("=")

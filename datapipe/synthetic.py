@@ -511,19 +511,19 @@ def _format_size(nbytes):
         nbytes /= 1024.0
 
 
-def int_list(parser, name: str, values: list[str], length: int | None = None) -> list[int]:
+def int_list(parser, name: str, values: list[str], length: int | None = None,
+             example: str = "32 64") -> list[int]:
     """A list option given as ``352 720`` (argparse's way), ``'[352,720]'`` or ``352,720`` (the
     way train.py's list settings are written): its integers; a wrong one is parser.error's
-    one line."""
+    one line, naming ``example`` written both ways."""
     tokens = [t for t in re.split(r"[\s,\[\]]+", " ".join(values)) if t]
+    ways = f"e.g. --{name} {example} or --{name} '[{example.replace(' ', ',')}]'"
     try:
         out = [int(t) for t in tokens]
     except ValueError:
-        parser.error(f"--{name} {' '.join(values)}: give whole numbers, e.g. --{name} 32 64 or "
-                     f"--{name} '[32,64]'")
+        parser.error(f"--{name} {' '.join(values)}: give whole numbers, {ways}")
     if length is not None and len(out) != length:
-        parser.error(f"--{name} {' '.join(values)}: give {length} numbers, e.g. --{name} 32 64 "
-                     f"or --{name} '[32,64]'")
+        parser.error(f"--{name} {' '.join(values)}: give {length} numbers, {ways}")
     return out
 
 
