@@ -12,20 +12,38 @@ from loader_harness import wait_gone
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_two_workers_take_whole_files_in_collection_order():
-    files = ["tests/test_losses.py", "tests/test_rotations.py", "tests/test_fidelity.py"]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider",
-                        *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _suite_in(tmp_path, conftest: str, files: dict, *args, timeout: float = 120):
+    """``python -m pytest -n 2 args`` over ``files`` (name: source) in ``tmp_path``, under the
+    suite's own ``conftest`` (its text) and an empty slow_tests.txt."""
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "slow_tests.txt").write_text("")
+    for name, source in files.items():
+        (tmp_path / name).write_text(source)
+    return subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider",
+                           *args, *files], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def _conftest() -> str:
+    with open(os.path.join(ROOT, "tests", "conftest.py")) as f:
+        return f.read()
+
+
+def test_two_workers_take_whole_files_in_collection_order(tmp_path):
+    # three files of 2, 5 and 8 tests: xdist's own order would put the ones with most tests first
+    files = {f"test_{name}.py": "import time\n" + "".join(
+        f"\ndef test_{i}():\n    time.sleep(0.1)\n" for i in range(n))
+        for name, n in (("first", 2), ("second", 5), ("third", 8))}
+    r = _suite_in(tmp_path, _conftest(), files, "-v")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ran = re.findall(r"^\[(gw\d)\] .*?PASSED (tests/\S+?)::", r.stdout, re.M)
+    ran = re.findall(r"^\[(gw\d)\] .*?PASSED (\S+?)::", r.stdout, re.M)
     workers = {}
     for worker, path in ran:
         workers.setdefault(path, set()).add(worker)
     assert sorted(workers) == sorted(files), r.stdout[-3000:]
     assert all(len(w) == 1 for w in workers.values()), workers  # a file is never split
-    # The first two files went out first, one to each worker (xdist's own order would put
-    # test_rotations.py and test_fidelity.py, the files with the most tests, first).
-    assert workers[files[0]] != workers[files[1]], workers
+    # The first two files went out first, one to each worker.
+    assert workers["test_first.py"] != workers["test_second.py"], workers
 
 
 def test_the_slurm_file_is_collected_first():
@@ -68,17 +86,10 @@ def test_a_crash_or_a_hang_ends_the_run_with_its_name(tmp_path, kind):
     """Under -n 2, a worker that crashes while a process it forked lives, or a test that never
     returns, ends the run at once: reported as the test the worker crashed in (a hung test's
     stack printed), the test beside it finished, nothing forked left behind."""
-    with open(os.path.join(ROOT, "tests", "conftest.py")) as f:
-        conftest = f.read()
+    conftest = _conftest()
     assert "\nTEST_LIMIT_S = 600 " in conftest
-    (tmp_path / "conftest.py").write_text(conftest.replace("\nTEST_LIMIT_S = 600 ",
-                                                           "\nTEST_LIMIT_S = 10 "))
-    (tmp_path / "slow_tests.txt").write_text("")
-    (tmp_path / "test_a.py").write_text(CRASH if kind == "crash" else HANG)
-    (tmp_path / "test_b.py").write_text(PASS)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
-                        "test_a.py", "test_b.py"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    r = _suite_in(tmp_path, conftest.replace("\nTEST_LIMIT_S = 600 ", "\nTEST_LIMIT_S = 10 "),
+                  {"test_a.py": CRASH if kind == "crash" else HANG, "test_b.py": PASS}, "-q")
     out = r.stdout + r.stderr
     name = "test_crashes_with_a_forked_child_alive" if kind == "crash" else "test_hangs"
     assert r.returncode == 1, out[-3000:]
