@@ -13,6 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# Under ``-n N`` each worker takes its share of the cores for torch's intra-op threads, and so
+# do the processes its tests start (they inherit the variable): N workers each with a thread per
+# core would wait on each other's threads, as a run beside a busy process does (README, the CPU
+# paragraph of Training). Set before torch loads here; a value the caller gave is kept.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
+
 from datapipe.batch_pool import exit_with_parent  # noqa: E402 - after the path is set
 
 # Per-channel offsets and scales of the fixture ERA5 fields (what the stats files say).
