@@ -35,7 +35,7 @@ from tasks.forecast_skill import (SkillSums, acc, initial_conditions, lead_steps
 from tasks.losses import latitude_weights, weighted_rmse
 from tasks.volume_stats import (_shells, cross_power, field_errors, histograms, predict_tiled, spectra,
                                 tile_plan, unet_halo)
-from test_training import TINY_UNET, TINY_VIT, run_dir, tb_scalars, train
+from test_training import TINY_UNET, TINY_VIT, no_plots, run_dir, tb_scalars, train
 
 H, W = 9, 16
 
@@ -367,7 +367,7 @@ def unet_run(tmp_path_factory):
     return os.path.join(run_dir(exp), "checkpoints", "ckpt_00000002.pt")
 
 
-def test_skill_during_training_is_score_pys_for_the_same_options(tmp_path):
+def test_skill_during_training_is_score_pys_for_the_same_options(tmp_path, monkeypatch):
     """--skill_every 2 over 3 epochs: after the second epoch's validation (and only then) the
     log gives the skill's summary and TensorBoard the model's RMSE and ACC of every variable at
     the last lead time of 2-step rollouts from 8 initial conditions, at that step; they are
@@ -386,8 +386,9 @@ def test_skill_during_training_is_score_pys_for_the_same_options(tmp_path):
     steps_per_epoch = int(re.search(r"(\d+) steps per epoch", r.stdout).group(1))
     assert [p.step for p in points] == [2 * steps_per_epoch]
     ckpt = os.path.join(d, "checkpoints", f"ckpt_{2 * steps_per_epoch:08d}.pt")
-    s = score(["--run", ckpt, "--lead_steps", "2", "--n_init", "8", "--out", str(tmp_path / "s")])
-    assert s.returncode == 0, s.stdout[-2000:] + s.stderr[-2000:]
+    monkeypatch.setattr("observe.score_report.draw", no_plots)  # the numbers, not the plots
+    score_command.main(["--run", ckpt, "--lead_steps", "2", "--n_init", "8", "--out",
+                        str(tmp_path / "s")])
     rows = {(x["variable"], x["lead_step"]): x for x in read_rows(str(tmp_path / "s" / "scores.csv"))
             if x["forecast"] == "model"}
     for tag in tags:
@@ -396,7 +397,7 @@ def test_skill_during_training_is_score_pys_for_the_same_options(tmp_path):
         assert events.Scalars(tag)[0].value == pytest.approx(want, rel=1e-6, abs=1e-7), tag
 
 
-def test_skill_during_training_on_two_ranks_is_one_process_score(tmp_path):
+def test_skill_during_training_on_two_ranks_is_one_process_score(tmp_path, monkeypatch):
     """2 DDP ranks (started as srun starts them) each roll out their share of the 8 initial
     conditions; the sums over both are the numbers one process's score.py gives."""
     root = write_era5(str(tmp_path / "era5"), steps=16)
@@ -416,8 +417,8 @@ def test_skill_during_training_on_two_ranks_is_one_process_score(tmp_path):
         outs[0][0]
     d = run_dir(exp, ws=2)
     events = tb_scalars(os.path.join(d, "tensorboard"))
-    s = score(["--run", d, "--lead_steps", "3", "--n_init", "8"])
-    assert s.returncode == 0, s.stdout[-2000:] + s.stderr[-2000:]
+    monkeypatch.setattr("observe.score_report.draw", no_plots)  # the numbers, not the plots
+    score_command.main(["--run", d, "--lead_steps", "3", "--n_init", "8"])
     rows = {(x["variable"], x["lead_step"]): x for x in
             read_rows(os.path.join(d, "score", "scores.csv")) if x["forecast"] == "model"}
     for variable in ("z500", "t850", "u10m"):
@@ -487,7 +488,7 @@ def test_vit_run_trained_then_scored(vit_run, tmp_path, capsys):
     assert not [f for f in os.listdir(d) if f.endswith(".tmp")]
 
 
-def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys):
+def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys, monkeypatch):
     ckpt = unet_run
     out = str(tmp_path / "scores")
     r = score(["--run", ckpt, "--out", out])
@@ -516,6 +517,7 @@ def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys):
                  no_dist=True)
     torch.save({k: v for k, v in state.items() if k not in ("model", "optimizer")},
                os.path.join(sharded, "train_state.pt"))
+    monkeypatch.setattr("observe.score_report.draw", no_plots)  # the numbers are compared
     score_command.main(["--run", sharded, "--out", str(tmp_path / "scores_dcp")])
     assert "Scores written to" in capsys.readouterr().out
     again = read_rows(str(tmp_path / "scores_dcp" / "scores.csv"))
@@ -524,16 +526,6 @@ def test_unet_run_trained_then_scored(unet_run, tmp_path, capsys):
 
 VIT_OPTIONS = ["--lead_steps", "6", "--n_init", "2", "--batch_size", "2"]
 UNET_OPTIONS = ["--split", "big.h5", "--tile", "32", "--halo", "0"]
-
-
-def no_plots(figure, path, *args):
-    """``observe.score_report.draw`` for the tests that compare numbers: a 1 x 1 PNG, not the
-    plot (drawing takes seconds; the end-to-end tests above draw them)."""
-    png = bytes.fromhex("89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
-                        "0000000d49444154789c6360000002000001e221bc330000000049454e44ae426082")
-    with open(path, "wb") as f:
-        f.write(png)
-    return png
 
 
 def rank_scores(vit, unet, out):
@@ -731,16 +723,15 @@ def test_a_crop_of_fewer_rows_than_the_data_is_noted_for_its_latitude_weights(vi
 
 
 def test_without_matplotlib_the_tables_are_written_and_one_line_says_the_plots_were_skipped(
-        vit_run, tmp_path):
+        vit_run, tmp_path, monkeypatch, capsys):
+    """In this process, with ``import matplotlib`` failing as where it is not installed
+    (``sys.modules["matplotlib"] = None``, whether or not it was loaded before)."""
     out = str(tmp_path / "s")
-    code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = ['score.py', *sys.argv[1:]]; "
-            "runpy.run_path('score.py', run_name='__main__')")
-    r = preloaded.run([sys.executable, "-c", code, "--run", vit_run, "--out", out,
-                       *VIT_OPTIONS], cwd=ROOT, capture_output=True, text=True,
-                      env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    score_command.main(["--run", vit_run, "--out", out, *VIT_OPTIONS])
+    printed = capsys.readouterr()
     line = "note: matplotlib is not installed, so the plots were skipped: pip install matplotlib"
-    assert r.stdout.count(line) == 1 and "error" not in r.stderr, r.stdout[-2000:] + r.stderr
+    assert printed.out.count(line) == 1 and "error" not in printed.err, printed
     assert sorted(os.listdir(out)) == ["scores.csv", "scores.json", "spectra.csv", "tensorboard"]
     assert line in json.load(open(os.path.join(out, "scores.json")))["notes"]
     assert "Skill/RMSE(z500)/model" in tb_scalars(os.path.join(out, "tensorboard")).Tags()["scalars"]
