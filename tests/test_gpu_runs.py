@@ -538,8 +538,8 @@ def test_report_rows_run_their_scripts_and_become_sections(tmp_path, fake_gpu, m
     plan(monkeypatch, {"reports": reports})
     # The scripts are forked from the preloaded server (tests/preloaded.py), torch loaded once
     # instead of in each: the command lines, outputs and JSON files are the call's own. How a
-    # run is started, timed out and killed is what test_failed_timed_out_and_skipped_runs_are_rows_saying_why
-    # and test_a_sigterm_kills_the_run_in_flight_and_keeps_the_rows check.
+    # run is started, timed out and killed: test_failed_timed_out_and_skipped_runs_are_rows_...
+    # and test_a_sigterm_kills_the_run_in_flight_and_keeps_the_rows.
     monkeypatch.setattr(gpu_runs, "run_logged", forked_run_logged)
     out = tmp_path / "out"
     gpu_runs.main(["--out-dir", str(out)])
