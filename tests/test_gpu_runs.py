@@ -9,12 +9,14 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import time
 
 import numpy as np
 import pytest
 import torch
 
+import preloaded
 from benchmarks import gpu_data, gpu_runs
 from benchmarks.gpu_runs import Run
 from conftest import ROOT
@@ -511,6 +513,18 @@ def test_make_data_then_run(tmp_path, fake_gpu, monkeypatch, capsys):
     assert "data: cosmo written in " in capsys.readouterr().out
 
 
+def forked_run_logged(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
+    """``gpu_runs.run_logged``'s (exit code or None, output), the command forked from the
+    preloaded server."""
+    try:
+        r = preloaded.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        return None, e.output or ""
+    return r.returncode, r.stdout
+
+
 def test_report_rows_run_their_scripts_and_become_sections(tmp_path, fake_gpu, monkeypatch):
     """The three benchmark scripts run as the GPU call runs them (here at their CPU sizes):
     each writes its JSON where the call says, its markdown is a section of GPU.md, and the
@@ -522,6 +536,11 @@ def test_report_rows_run_their_scripts_and_become_sections(tmp_path, fake_gpu, m
              "fp8/mp": ("--small", "--steps", "1", "--rounds", "2")}
     reports = [dataclasses.replace(gpu_runs.RUNS[k], args=a) for k, a in small.items()]
     plan(monkeypatch, {"reports": reports})
+    # The scripts are forked from the preloaded server (tests/preloaded.py), torch loaded once
+    # instead of in each: the command lines, outputs and JSON files are the call's own. How a
+    # run is started, timed out and killed: test_failed_timed_out_and_skipped_runs_are_rows_...
+    # and test_a_sigterm_kills_the_run_in_flight_and_keeps_the_rows.
+    monkeypatch.setattr(gpu_runs, "run_logged", forked_run_logged)
     out = tmp_path / "out"
     gpu_runs.main(["--out-dir", str(out)])
     doc = (out / "GPU.md").read_text()

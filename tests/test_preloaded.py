@@ -90,8 +90,25 @@ def test_a_module_run_gives_what_a_fresh_one_gives(tmp_path):
     assert bad[0].returncode == bad[1].returncode != 0 and bad[0].stderr == bad[1].stderr
 
 
+@pytest.fixture
+def caught_sigint():
+    """SIGINT caught by Python's handler and not blocked in this process while the test starts
+    its processes, as in an interactive shell's ``python``. A fresh interpreter inherits a SIGINT
+    that its parent ignores (and keeps it ignored: no KeyboardInterrupt) or blocks: in a test
+    worker that has run hundreds of other tests, something may have left either, and the fresh
+    script then slept its 60 s through the signal (this test's failure in a full run, with
+    nothing on its stderr but "to stderr")."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_a_forked_script_as_it_ends_a_fresh_one(probe, tmp_path, sig):
+def test_a_signal_ends_a_forked_script_as_it_ends_a_fresh_one(probe, tmp_path, sig, caught_sigint):
     ends = []
     for popen in (subprocess.Popen, preloaded.Popen):
         p = popen([sys.executable, probe, "wait"], stdout=subprocess.PIPE, text=True,
