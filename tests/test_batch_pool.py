@@ -407,14 +407,17 @@ def test_a_new_pass_after_one_abandoned_with_batches_complete(workers):
 def test_training_then_the_throughput_report_finishes_20_of_20_times(tmp_path, workers):
     """The shape of the run that once hung (a batch of 4, 8 workers, training and validation,
     then the throughput report's pass abandoned after one batch and fresh passes): in process,
-    one tiny run to its end, then its report's passes 19 times more, each within a deadline."""
+    one tiny run to its end, then its report's passes 19 times more, each within a deadline.
+    16 samples: passes of 4 batches, which the report abandons after one (its cached batch) and
+    before their last (its rounds: 2 warm-up batches, 1 timed, 1 fetched ahead); with 8 workers
+    (2 batches each in flight) the whole pass is in flight from its start, as it was with 32."""
     from engine import throughput_report as tp
     from engine.runtime import setup_runtime
     from test_throughput_report import tiny_vit_cfg
     from train import Trainer
 
     data = write_era5(str(tmp_path / "era5"), steps=20, h=8, w=16)
-    cfg = tiny_vit_cfg(data, str(tmp_path / "exp"), num_iters=8, limit_nsamples=32,
+    cfg = tiny_vit_cfg(data, str(tmp_path / "exp"), num_iters=4, limit_nsamples=16,
                        limit_nsamples_val=8, img_size="[8,16]", embed_dim=8, num_heads=1,
                        num_data_workers=workers, throughput_report="true", enable_fused="true",
                        amp_mode="none", checkpoint_every=0)
@@ -525,40 +528,47 @@ for i in range(10**6):
 """
 
 
-def marked(mark: str) -> list[int]:
-    """The live processes whose environment holds ``mark`` (a parent and all it forked)."""
+def in_session(sid: int) -> list[int]:
+    """The live processes of session ``sid``: a parent started in a session of its own and all it
+    forked (its workers start no session)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark.encode() in f.read().split(b"\0") and alive(int(pid)):
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(") ", 1)[1].split()[3]) == sid and alive(int(pid)):
                     found.append(int(pid))
-        except OSError:  # gone meanwhile
+        except (OSError, IndexError, ValueError):  # gone meanwhile
             pass
     return found
 
 
-def test_workers_die_with_their_parent():
+def test_workers_die_with_their_parent(tmp_path):
     """A training process killed (SIGKILL) at random moments, while it iterates, abandons passes
-    and forks new workers: every worker it forked is gone within a second."""
+    and forks new workers: every worker it forked is gone within a second. The parent is forked
+    from the preloaded server (tests/preloaded.py), in a session of its own that marks it and all
+    it forks."""
     import random
     import subprocess
     import sys
 
-    script = PARENT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    import preloaded
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for trial in range(6):
-        mark = f"BATCH_POOL_PARENT_TEST={os.getpid()}.{trial}"
-        env = dict(os.environ, BATCH_POOL_PARENT_TEST=mark.split("=")[1], OMP_NUM_THREADS="1")
-        parent = subprocess.Popen([sys.executable, "-c", script], env=env,
-                                  stdout=subprocess.PIPE, text=True)
+        parent = preloaded.Popen([sys.executable, str(script)], env=env, cwd=ROOT,
+                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
         assert parent.stdout.readline() == "ready\n"
+        assert len(in_session(parent.pid)) >= 3  # the mark finds the parent and its 2 workers
         time.sleep(random.uniform(0, 0.3))
         parent.kill()
         parent.wait()
+        parent.stdout.close()
         end = time.monotonic() + 1.0
-        while marked(mark) and time.monotonic() < end:
+        while in_session(parent.pid) and time.monotonic() < end:
             time.sleep(0.01)
-        assert not marked(mark), f"trial {trial}: workers outlived their parent"
+        assert not in_session(parent.pid), f"trial {trial}: workers outlived their parent"
 
 
 def test_workers_are_started_from_the_main_thread():

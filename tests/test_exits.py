@@ -2,7 +2,8 @@
 the cleanup of ``RunEnding.fail`` on a broken process group (a TensorBoard close that never
 returns, as on a stalled file system), and the exit hook's end of loader workers that SIGKILL does
 not end (a worker in an uninterruptible read, simulated: its kill does nothing and it ignores
-SIGTERM). Each runs in a subprocess with the bounds lowered to 1 s."""
+SIGTERM). Each runs as a script in a process of its own (forked from the preloaded server, see
+tests/preloaded.py: it ends as a fresh interpreter ends) with the bounds lowered to 1 s."""
 import multiprocessing
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import preloaded
 from conftest import ROOT
 from engine.stop.signals import end_children
 
@@ -19,13 +21,14 @@ SLACK = 8.0  # process teardown on a loaded 2-core machine
 
 
 def run_script(tmp_path, body: str, timeout: float = 60):
-    """Run ``body`` in a fresh interpreter at the repository root; (returncode, stdout, stderr,
+    """Run ``body`` as ``python script.py`` at the repository root; (returncode, stdout, stderr,
     seconds from its ``start`` line to its exit). Its output goes to files, not pipes: a worker
     it leaves behind keeps its copies of them open."""
-    script = "import sys, time\nsys.path.insert(0, %r)\n" % ROOT + textwrap.dedent(body)
+    script = tmp_path / "script.py"
+    script.write_text("import sys, time\nsys.path.insert(0, %r)\n" % ROOT + textwrap.dedent(body))
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=out, stderr=err)
+        p = preloaded.Popen([sys.executable, str(script)], cwd=ROOT, stdout=out, stderr=err)
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

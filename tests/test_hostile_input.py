@@ -15,11 +15,10 @@ import dataclasses
 import errno
 import functools
 import io
+import json
 import math
 import os
 import re
-import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -299,11 +298,53 @@ def test_hostile_case(tmp, argv, expected):
 # ----------------------------------------------------------------------------- real runs
 
 
-def train(args, check=False, preexec_fn=None, timeout=300, prefix=()):
+# Run as "python SETUP_SCRIPT SETUP script args": sets this process up as SETUP (JSON) says, then
+# runs the script as "python script args" would. What a fresh process would have had set before
+# its interpreter started (a file size limit, root's capabilities dropped) is set here, so that
+# such a run, too, forks from the preloaded server instead of loading torch anew.
+SETUP_SCRIPT = """import ctypes, json, os, resource, runpy, sys
+setup = json.loads(sys.argv[1])
+if setup.get("fsize") is not None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (setup["fsize"], setup["fsize"]))
+if setup.get("drop_capabilities"):  # as setpriv --inh-caps=-all --bounding-set=-all
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP; EINVAL past the last capability
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:  # effective, permitted, inheritable
+        raise OSError(ctypes.get_errno(), "capset")
+sys.argv = sys.argv[2:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def setup_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("setup") / "setup.py"
+    path.write_text(SETUP_SCRIPT)
+    return str(path)
+
+
+def run_script(setup_script, argv, fsize=None, drop_capabilities=False, timeout=300):
+    """``python argv`` (a script and its arguments) at the repository root, forked from the
+    preloaded server, its files limited to ``fsize`` bytes and, with ``drop_capabilities``,
+    without root's capabilities."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = preloaded.run([*prefix, sys.executable, "train.py", *args], cwd=ROOT,
-                      capture_output=True, text=True, env=env, preexec_fn=preexec_fn,
-                      timeout=timeout)
+    setup = json.dumps({"fsize": fsize, "drop_capabilities": drop_capabilities})
+    return preloaded.run([sys.executable, setup_script, setup, *argv], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def train(args, check=False, timeout=300, setup_script=None, **setup):
+    """``python train.py args``, forked from the preloaded server (through ``setup_script`` where
+    ``setup`` sets the process up)."""
+    if setup:
+        r = run_script(setup_script, ["train.py", *args], timeout=timeout, **setup)
+    else:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        r = preloaded.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=timeout)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -314,14 +355,10 @@ def snapshot(*roots) -> dict:
     return {root: file_digests(root) for root in roots}
 
 
-def _permissions_apply() -> tuple:
-    """A command prefix under which file permissions apply to this user: none for a plain user;
-    for root (whose capabilities ignore them) setpriv without capabilities; skipped otherwise."""
-    if os.geteuid() != 0:
-        return ()
-    if shutil.which("setpriv") is None:
-        pytest.skip("root ignores file permissions, and setpriv is not installed to drop that")
-    return ("setpriv", "--inh-caps=-all", "--bounding-set=-all")
+def _as_a_plain_user() -> bool:
+    """Whether a process must drop capabilities for file permissions to apply to it: root's
+    capabilities ignore them."""
+    return os.geteuid() == 0
 
 
 @pytest.fixture
@@ -353,18 +390,20 @@ def test_train_refuses_with_one_line_and_changes_nothing(tmp, run_args, argv, ex
     assert snapshot(tmp, exp) == before
 
 
-def test_unwritable_expdir_is_refused(tmp, run_args, tmp_path):
+def test_unwritable_expdir_is_refused(tmp, run_args, tmp_path, setup_script):
     args, _ = run_args
     ro = tmp_path / "readonly"
     ro.mkdir()
     os.chmod(ro, 0o555)
-    r = train(args + ["--expdir", str(ro / "runs")], prefix=_permissions_apply())
+    r = train(args + ["--expdir", str(ro / "runs")], setup_script=setup_script,
+              drop_capabilities=_as_a_plain_user())
     _assert_one_error_line(r.returncode, r.stderr, "is not writable by this user")
     assert os.listdir(ro) == []
 
 
 @pytest.mark.parametrize("case", ["parent", "itself"])
-def test_unwritable_data_root_for_synthesis_is_refused(tmp, run_args, tmp_path, case):
+def test_unwritable_data_root_for_synthesis_is_refused(tmp, run_args, tmp_path, setup_script,
+                                                        case):
     """Synthetic data must be written where it cannot be: beside data_root (where it is made and
     renamed into place) or into data_root itself (an existing empty directory)."""
     args, _ = run_args
@@ -373,7 +412,7 @@ def test_unwritable_data_root_for_synthesis_is_refused(tmp, run_args, tmp_path, 
     root = ro / "era5" if case == "parent" else ro
     os.chmod(ro, 0o555)
     r = train(args + ["--data_root", str(root), "--synthesize_if_missing", "true"],
-              prefix=_permissions_apply())
+              setup_script=setup_script, drop_capabilities=_as_a_plain_user())
     expected = {"parent": f"data_root={root}: {ro} is not writable by this user: choose a "
                           f"--data_root in a directory you can write to",
                 "itself": f"data_root={root} is not writable by this user, and synthetic data "
@@ -418,11 +457,14 @@ def test_synthesis_that_cannot_write_is_one_line(tmp_path, monkeypatch, failure,
 
 
 def test_model_too_large_to_allocate_names_the_size_settings(tmp, run_args):
+    """The model's first weight (the patch embedding's, embed_dim x channels x patch^2 floats:
+    some 1e15 bytes) cannot be allocated on any machine: the build fails at once, without first
+    filling gigabytes of weights that do fit."""
     args, _ = run_args
     before = snapshot(tmp)
-    r = train(args + ["--embed_dim", "2000000", "--num_heads", "1"])
+    r = train(args + ["--embed_dim", "1000000000000", "--num_heads", "1"])
     _assert_one_error_line(r.returncode, r.stderr, "out of memory on cpu")
-    assert "embed_dim=2000000" in r.stderr and "depth=1" in r.stderr
+    assert "embed_dim=1000000000000" in r.stderr and "depth=1" in r.stderr
     assert snapshot(tmp) == before
 
 
@@ -445,11 +487,7 @@ def test_resume_logs_allowed_changes_and_refuses_others(tmp, run_args):
 # ----------------------------------------------------------------------------- full disks
 
 
-def _file_size_limit(nbytes):
-    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
-
-
-def test_checkpoint_that_does_not_fit_keeps_the_previous_one(tmp, run_args):
+def test_checkpoint_that_does_not_fit_keeps_the_previous_one(tmp, run_args, setup_script):
     """The resumed run may write files of at most 64 kB: its logs fit, its checkpoint does not
     (as on a full disk, the write fails part-way)."""
     args, exp = run_args
@@ -458,7 +496,7 @@ def test_checkpoint_that_does_not_fit_keeps_the_previous_one(tmp, run_args):
     first = checkpoint.path_for(ckpts, 2)
     assert os.path.getsize(first) > 64_000
     before = snapshot(ckpts)
-    r = train(args + ["--resume", "--num_iters", "4"], preexec_fn=_file_size_limit(64_000))
+    r = train(args + ["--resume", "--num_iters", "4"], setup_script=setup_script, fsize=64_000)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"error: cannot write the checkpoint "
@@ -469,17 +507,19 @@ def test_checkpoint_that_does_not_fit_keeps_the_previous_one(tmp, run_args):
     assert checkpoint.load_latest(ckpts)[1] == first
 
 
-def test_checkpoint_into_an_unwritable_directory(tmp_path):
+def test_checkpoint_into_an_unwritable_directory(tmp_path, setup_script):
     """checkpoint.save in a process without write permission on the directory."""
     ckpts = tmp_path / "ckpts"
     state = {"model": {"w": torch.zeros(1000)}}
     checkpoint.save(str(ckpts), 1, state, keep=3)
     os.chmod(ckpts, 0o555)
-    code = ("import sys, torch; from engine import checkpoint; from settings.errors import "
-            "TrainingError\ntry:\n checkpoint.save(sys.argv[1], 2, {'w': torch.zeros(1000)}, 3)\n"
-            "except TrainingError as e:\n print(e)\n")
-    r = subprocess.run([*_permissions_apply(), sys.executable, "-c", code, str(ckpts)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    script = tmp_path / "save.py"
+    script.write_text(f"import sys, torch\nsys.path.insert(0, {ROOT!r})\n"
+                      "from engine import checkpoint\nfrom settings.errors import TrainingError\n"
+                      "try:\n checkpoint.save(sys.argv[1], 2, {'w': torch.zeros(1000)}, 3)\n"
+                      "except TrainingError as e:\n print(e)\n")
+    r = run_script(setup_script, [str(script), str(ckpts)], drop_capabilities=_as_a_plain_user(),
+                   timeout=120)
     assert "cannot write the checkpoint" in r.stdout and "Permission denied" in r.stdout, r
     assert "ckpt_00000001.pt is kept" in r.stdout
     assert sorted(os.listdir(ckpts)) == ["ckpt_00000001.pt"]
