@@ -46,7 +46,9 @@ def start_lines(log_text):
 
 def test_train_py_says_how_long_the_start_took_once(tmp_path):
     exp = str(tmp_path / "logs")
+    # two epochs of two steps (8 samples; 4 validated): the line once, after the first step
     r = train(TINY_VIT + ["--data_loader_config", "synthetic", "--num_epochs", "2",
+                          "--limit_nsamples", "8", "--limit_nsamples_val", "4",
                           "--expdir", exp], fresh=True)  # its imports counted from the exec
     found = start_lines(r.stdout)
     assert len(found) == 1, r.stdout[-3000:]  # after the run's first step, not each epoch's
@@ -63,7 +65,10 @@ def test_train_py_says_how_long_the_start_took_once(tmp_path):
 @pytest.mark.compile
 def test_a_second_compiled_run_reuses_the_compile_caches(tmp_path):
     cache = str(tmp_path / "compile_cache")
+    # one validation batch (4 samples), not a generated year's 1460: the compiled graphs are
+    # the same (a training and an evaluation step), a fraction of the steps run through them
     common = TINY_VIT + ["--data_loader_config", "synthetic", "--num_iters", "2",
+                         "--limit_nsamples", "8", "--limit_nsamples_val", "4",
                          "--enable_jit", "--compile_cache_dir", cache]
     caches = []
     for run in ("first", "second"):

@@ -131,8 +131,10 @@ def test_train_py_with_gpus_announced_stops_with_one_line_or_runs_on_the_cpu_whe
                                                    "(CUDA_VISIBLE_DEVICES=0"), lines
     assert "--device cpu" in lines[0] and "CPU-only build" in lines[0]
     assert not os.path.exists(tmp_path / "logs") and not os.path.exists(tmp_path / "data")
-    r = subprocess.run(args + ["--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    # on the CPU: the run's batches made in memory (a batch of 16 each way), none written first
+    r = subprocess.run(args + ["--device", "cpu", "--data_loader_config", "synthetic",
+                               "--limit_nsamples", "16", "--limit_nsamples_val", "16"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Device cpu" in r.stdout
 
