@@ -159,7 +159,7 @@ def test_zarr_store_converts_trains_and_reads_back(tmp_path, zarr_store, monkeyp
 def test_netcdf_hourly_with_poles_in_parallel(tmp_path):
     """9 x 18 with both poles, WeatherBench 2's (time, level, longitude, latitude) order, hourly
     steps (every sixth kept), one NetCDF file per variable; two years at a time."""
-    ds = wb2_dataset(9, 18, year_times(sum(YEARS.values(), []), 13, hours=1), lon_first=True,
+    ds = wb2_dataset(9, 18, year_times(sum(YEARS.values(), []), 25, hours=1), lon_first=True,
                      seed=1)
     src = tmp_path / "nc"
     src.mkdir()
@@ -167,7 +167,7 @@ def test_netcdf_hourly_with_poles_in_parallel(tmp_path):
         ds[[name]].to_netcdf(src / f"{name}.nc", engine="h5netcdf")
     r = convert(src, tmp_path / "out", *year_args(), "--workers", "2")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("3 steps of 9x18") == 4
+    assert r.stdout.count("5 steps of 9x18") == 4
     check_output(tmp_path / "out", ds)
 
 
