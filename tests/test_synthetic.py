@@ -493,8 +493,11 @@ def test_the_documented_data_commands_leave_the_quickstarts_data_as_they_make_it
                 roots.setdefault((kind, os.path.normpath(cfg.data_root)), []).append(cfg)
     commands = _doc_commands()
     assert {kind for _, (kind, *_) in commands} == {"era5", "cosmo"}, commands
-    compared = 0
+    compared, seen = 0, set()
     for i, (doc, (kind, *args)) in enumerate(commands):
+        if (kind, *args) in seen:  # the same command in another document: the same data,
+            continue  # compared already
+        seen.add((kind, *args))
         at = args.index("--out") + 1
         for j, cfg in enumerate(roots.get((kind, os.path.normpath(args[at])), [])):
             made, ours = tmp_path / f"doc{i}", tmp_path / f"cfg{i}-{j}"
@@ -513,13 +516,12 @@ def test_the_documented_data_commands_leave_the_quickstarts_data_as_they_make_it
 def test_cli_runs_without_warnings(tmp_path):
     """``python -m datapipe.synthetic`` is not imported by its package before it runs (runpy's
     RuntimeWarning: a second copy of the module), and importing the package leaves it alone."""
+    # runpy gives its RuntimeWarning exactly when importing the package (which ``-m`` does
+    # first) has loaded datapipe.synthetic, so the empty stderr of a fresh interpreter's run is
+    # also the check that importing the package leaves the module alone
     proc = run_cli("cosmo", "--out", str(tmp_path / "cosmo"), "--train_size", "8", "--val_size", "8",
                    fresh=True)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    check = subprocess.run([sys.executable, "-c", "import sys, datapipe; "
-                            "assert 'datapipe.synthetic' not in sys.modules"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert check.returncode == 0, check.stderr
 
 
 def _vit_cfg(root):
