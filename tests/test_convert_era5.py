@@ -229,6 +229,8 @@ def test_output_folder_with_other_data_refused(tmp_path, zarr_store, main):
     _refused(main(source, tmp_path / "c", "--train_years", 2016, "--valid_years", 2016),
              "[2016]")
     _refused(main(source, tmp_path / "c", "--train_years", 2016, "--channel", "x=y"), "x=y")
+    _refused(main(source, tmp_path / "c", "--train_years", "20x6"),
+             "--train_years 20x6", "--train_years 2016 2017")
     _refused(main(tmp_path / "none.zarr", tmp_path / "c", "--train_years", 2016), "none.zarr")
     _refused(main(source, tmp_path / "c", "--train_years", 2030),
              "0 six-hourly steps of 2030 (its times: 2016-01-01T00:00 to 2019-01-02T06:00)")
