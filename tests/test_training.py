@@ -404,8 +404,9 @@ def test_vit_quickstart_generates_data_and_beats_persistence(tmp_path, monkeypat
     user runs it: nothing loaded before it. The real quickstart (its data, model and batch): the
     margins after 2 epochs are narrow (v2 near 0.79 v1), so a smaller run would not tell.
     Then scored in this process, without drawing the plots: the numbers are what is checked
-    here; score.py's plots are checked by test_scoring.py::test_vit_run_trained_then_scored, and
-    score.py in a fresh interpreter (plots too) by test_convert_era5.py (a converted run)."""
+    here; score.py run as a script, its plots drawn, is checked by
+    test_scoring.py::test_vit_run_trained_then_scored, its --help and a refusal in fresh
+    interpreters by test_cli_help.py."""
     data = tmp_path / "era5"
     r = train(["--data_root", str(data), "--expdir", str(tmp_path / "logs"), "--num_epochs", "2"],
               fresh=True)
