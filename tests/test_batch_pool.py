@@ -559,12 +559,19 @@ def test_workers_die_with_their_parent(tmp_path):
     for trial in range(6):
         parent = preloaded.Popen([sys.executable, str(script)], env=env, cwd=ROOT,
                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
-        assert parent.stdout.readline() == "ready\n"
-        assert len(in_session(parent.pid)) >= 3  # the mark finds the parent and its 2 workers
-        time.sleep(random.uniform(0, 0.3))
-        parent.kill()
-        parent.wait()
-        parent.stdout.close()
+        try:
+            assert parent.stdout.readline() == "ready\n"
+            # The mark finds the parent and its 2 workers (seen once: the parent replaces its
+            # workers every few passes, so at a given moment one may be starting or gone).
+            seen, end = 0, time.monotonic() + 10
+            while seen < 3 and time.monotonic() < end:
+                seen = max(seen, len(in_session(parent.pid)))
+            assert seen >= 3, f"trial {trial}: {seen} processes in the parent's session"
+            time.sleep(random.uniform(0, 0.3))
+        finally:  # never left running, whatever failed above
+            parent.kill()
+            parent.wait()
+            parent.stdout.close()
         end = time.monotonic() + 1.0
         while in_session(parent.pid) and time.monotonic() < end:
             time.sleep(0.01)
