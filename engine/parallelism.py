@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,11 +64,8 @@ class ParallelModel:
         self.sharding.reduce_replicated_grads(self.module)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0:
-        torch's own for a model whole on every rank (max_norm inf scales by exactly 1), the one
-        of ``distributed.grad_norm`` for shards (tp/cp, FSDP)."""
-        if self.rt.groups is None and not isinstance(self.module, FSDPModule):
-            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm or math.inf)
+        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0
+        (``distributed.grad_norm``: of a whole model, as torch's ``clip_grad_norm_``, or shards)."""
         return clip_grad_norm(self.module, max_norm, self.rt.groups)
 
     def full_batch(self, x: torch.Tensor) -> torch.Tensor:

@@ -404,3 +404,43 @@ def test_dali_workers_ignore_the_stop_signals_and_their_errors_are_one_line(dali
                        r"it from"):
         for _ in build_loaders(cfg, 1, 0, 4, CPU).train:
             pass
+
+
+def test_a_dropped_pipelines_worker_that_does_not_exit_is_killed(dali, era5_root, tmp_path,
+                                                                 monkeypatch):
+    """DALI stops a dropped pipeline's Python workers by a request through its queues, then by
+    SIGTERM, which they ignore (above); a worker that does not take the request (here stuck in a
+    read of a hung file system; or one whose request was lost in queues an interrupt left half
+    updated) is killed ``STUCK_S`` s later instead of being waited for forever. The pipeline is
+    dropped as after a stall timeout: interrupted while it waits for a batch."""
+    import gc
+    import multiprocessing
+    import time
+
+    from datapipe.era5_data import ERA5Dataset
+    from loader_harness import Deadline, alive, deadline
+    hang, stuck = tmp_path / "hang", tmp_path / "stuck"
+    read = ERA5Dataset.__getitem__
+
+    def hangs_when_told(self, key):  # in the worker
+        if hang.exists():
+            stuck.touch()
+            time.sleep(3600)
+        return read(self, key)
+
+    monkeypatch.setattr(ERA5Dataset, "__getitem__", hangs_when_told)
+    monkeypatch.setattr(dali_loader, "STUCK_S", 1.0)
+    earlier = {p.pid for p in multiprocessing.active_children()}  # (other tests' loaders)
+    loader = build_loaders(vit_cfg(era5_root, "dali-lowmem", workers=1), 1, 0, 4, CPU).train
+    assert len(batches(loader)) == len(loader)
+    [worker] = [p for p in multiprocessing.active_children() if p.pid not in earlier]
+    try:
+        hang.touch()
+        with pytest.raises(Deadline), deadline(2, "a pass whose reads hang"):
+            batches(loader)
+        assert stuck.exists() and loader.pipe is None
+        gc.collect()  # DALI's finalizer of the dropped pipeline waits for its workers (a hang
+        # here ends as tests/conftest.py's TEST_LIMIT_S says)
+        assert not alive(worker.pid)
+    finally:
+        worker.kill()
