@@ -504,13 +504,6 @@ def make_cosmo(out_dir, train_size=64, val_size=64, seed=0, train_name="train.h5
 
 # ------------------------------------------------------------------------------------------ CLI
 
-def _format_size(nbytes):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024.0
-
-
 def int_list(parser, name: str, values: list[str], length: int | None = None,
              example: str = "32 64") -> list[int]:
     """A list option given as ``352 720`` (argparse's way), ``'[352,720]'`` or ``352,720`` (the
@@ -589,7 +582,7 @@ def main(argv=None):
                 f"can write to, with free space")
     for rel, planned in plan.items():
         path = os.path.join(args.out, rel)
-        print(f"{path}  {_shapes_text(planned)} float32  {_format_size(os.path.getsize(path))}")
+        print(f"{path}  {_shapes_text(planned)} float32  {os.path.getsize(path):,} bytes")
 
 
 if __name__ == "__main__":

@@ -324,6 +324,8 @@ def test_cli_writes_era5_and_cosmo(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 7 and "(8, 20, 8, 16)" in lines[0] and "2001.h5" in lines[0]
+    size = os.path.getsize(tmp_path / "era5" / "train" / "2001.h5")
+    assert lines[0].endswith(f"float32  {size:,} bytes")
     assert read(str(tmp_path / "era5" / "test" / "2004.h5")).shape == (8, 20, 8, 16)
     assert np.load(tmp_path / "era5" / "stats" / "time_means.npy").shape == (1, 20, 8, 16)
 
