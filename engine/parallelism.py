@@ -64,8 +64,10 @@ class ParallelModel:
         self.sharding.reduce_replicated_grads(self.module)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0
-        (``distributed.grad_norm``: of a whole model, as torch's ``clip_grad_norm_``, or shards)."""
+        """Norm of the serial model's gradient (before clipping), clipped to ``max_norm`` when > 0:
+        torch's own for a whole model (inf scales by exactly 1), else ``distributed.grad_norm``."""
+        if self.rt.groups is None and not isinstance(self.module, FSDPModule):
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm or float("inf"))
         return clip_grad_norm(self.module, max_norm, self.rt.groups)
 
     def full_batch(self, x: torch.Tensor) -> torch.Tensor:
