@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import platform
 import tempfile
-import threading
 import weakref
 from typing import NamedTuple, TYPE_CHECKING
 
@@ -34,7 +33,6 @@ INSTALL = "pip install -r requirements-dali.txt"
 PLATFORMS = {("Linux", "x86_64"), ("Linux", "aarch64")}  # where nvidia-dali wheels exist
 # The grid part of a rotation: new axis i is old axis perm[i]; one transpose branch per perm.
 PERMS = ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0))
-STUCK_S = 3.0  # a dropped pipeline's Python worker still running this long after is killed
 
 
 def import_dali():
@@ -223,11 +221,11 @@ class DALILoader:
                                   f"against the CUDA driver ({INSTALL}), or use "
                                   f"--data_loader_config lowmem or inmem") from None
             # DALI stops a dropped pipeline's Python workers by a request through its queues,
-            # then by SIGTERM, which they ignore (a stop signal is the main process's), and waits
-            # for them: one that misses the request (stuck in a hung read, or the request lost in
-            # queues an interrupt left half updated) is killed. (Run before DALI's finalizer.)
-            workers = [p for p in multiprocessing.active_children() if p not in before]
-            weakref.finalize(self.pipe, _kill_later, workers)
+            # then a second later by terminate() (SIGTERM, which they ignore: a stop signal is
+            # the main process's), and waits for them: one that missed the request (stuck in a
+            # hung read, or the request lost in queues an interrupt left half updated) is killed.
+            for p in set(multiprocessing.active_children()) - before:
+                p.terminate = p.kill
         else:
             self._finish()
             self.dali_epoch += 1
@@ -276,12 +274,6 @@ class DALILoader:
             if raised is not None:
                 raise raised from None
             raise
-
-
-def _kill_later(processes):
-    timer = threading.Timer(STUCK_S, lambda: [p.kill() for p in processes])  # if not reaped
-    timer.daemon = True
-    timer.start()
 
 
 def worker_error(e: BaseException):

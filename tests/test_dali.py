@@ -411,15 +411,24 @@ def test_a_dropped_pipelines_worker_that_does_not_exit_is_killed(dali, era5_root
     """DALI stops a dropped pipeline's Python workers by a request through its queues, then by
     SIGTERM, which they ignore (above); a worker that does not take the request (here stuck in a
     read of a hung file system; or one whose request was lost in queues an interrupt left half
-    updated) is killed ``STUCK_S`` s later instead of being waited for forever. The pipeline is
-    dropped as after a stall timeout: interrupted while it waits for a batch."""
+    updated) is killed instead of being waited for forever. The pipeline is dropped as after a
+    stall timeout: interrupted while it waits for a batch."""
     import gc
     import multiprocessing
+    import signal
     import time
 
     from datapipe.era5_data import ERA5Dataset
-    from loader_harness import Deadline, alive, deadline
+    from loader_harness import alive
     hang, stuck = tmp_path / "hang", tmp_path / "stuck"
+
+    class Stalled(Exception):
+        pass
+
+    def stall_timeout(signum, frame):  # once the worker is in its hung read
+        if stuck.exists():
+            raise Stalled()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
     read = ERA5Dataset.__getitem__
 
     def hangs_when_told(self, key):  # in the worker
@@ -429,18 +438,21 @@ def test_a_dropped_pipelines_worker_that_does_not_exit_is_killed(dali, era5_root
         return read(self, key)
 
     monkeypatch.setattr(ERA5Dataset, "__getitem__", hangs_when_told)
-    monkeypatch.setattr(dali_loader, "STUCK_S", 1.0)
     earlier = {p.pid for p in multiprocessing.active_children()}  # (other tests' loaders)
     loader = build_loaders(vit_cfg(era5_root, "dali-lowmem", workers=1), 1, 0, 4, CPU).train
     assert len(batches(loader)) == len(loader)
     [worker] = [p for p in multiprocessing.active_children() if p.pid not in earlier]
     try:
         hang.touch()
-        with pytest.raises(Deadline), deadline(2, "a pass whose reads hang"):
+        previous = signal.signal(signal.SIGALRM, stall_timeout)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(Stalled):
             batches(loader)
-        assert stuck.exists() and loader.pipe is None
+        signal.signal(signal.SIGALRM, previous)
+        assert loader.pipe is None
         gc.collect()  # DALI's finalizer of the dropped pipeline waits for its workers (a hang
         # here ends as tests/conftest.py's TEST_LIMIT_S says)
         assert not alive(worker.pid)
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         worker.kill()
