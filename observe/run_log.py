@@ -202,7 +202,6 @@ class RunLog:
         self.steps_per_epoch = steps_per_epoch = derived["steps_per_epoch"]
         self.total_steps = total_steps = derived["total_steps"]
         self.lr, self.peak_lr, self.kept_checkpoints = lr, derived["peak_lr"], kept_checkpoints
-        self.flops_per_sample = task.flops_per_sample()  # forward + backward, one sample
         # A resumed run drops the events after its checkpoint's step.
         self.board = Board(os.path.join(run_dir, "tensorboard"),
                            purge_step=iteration + 1 if resumed else None) \
@@ -385,12 +384,13 @@ class RunLog:
                 points["Performance/data wait share"] = stats.data_wait
             # Per device: the job's FLOP/s over every rank, those of a tensor/context-parallel
             # replica, which share each sample, included.
-            tflops = self.flops_per_sample * stats.samples_per_s / self.rt.world_size / 1e12
+            flops = self.task.flops_per_sample(epoch)  # a sample's forward and backward passes
+            tflops = flops * stats.samples_per_s / self.rt.world_size / 1e12
             peak = peak_tflops(self.device, self.cfg.amp_mode,  # None on a CPU or unknown GPU
                                self.task.fp32_in_tf32())
             mfu = f", MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s peak" if peak else ""
             log.info(f"  Model {tflops:.3g} TFLOP/s per device "
-                     f"({self.flops_per_sample / 1e9:.4g} GFLOP per sample){mfu}")
+                     f"({flops / 1e9:.4g} GFLOP per sample){mfu}")
             points |= {"Avg iters per sec": steps_per_s,
                        "Avg samples per sec": stats.samples_per_s,
                        "Performance/TFLOPs per sec": tflops}

@@ -11,7 +11,7 @@ config's class) and answers:
   the samples were split; ``baseline_name``, ``baseline_pred(x, y)``: the naive forecast the log
   prints beside them; ``picture(x, y, pred)``: the validation picture for TensorBoard;
 - ``sample_shape()``: one input sample's shape (the memory estimate's, ``observe.memory``);
-- ``forward_flops()``, ``flops_per_sample()``: model FLOPs (``observe.flops``);
+- ``forward_flops()``, ``flops_per_sample(epoch)``: model FLOPs (``observe.flops``);
   ``fp32_in_tf32()``: whether its fp32 FLOPs run in TF32 (the peak MFU divides by);
 - ``from_reference(sd, model)``: the tutorial's weights under this model's names (``init_from``);
 - ``shards_model``: whether train_mp.py can split the model over tensor/context-parallel ranks.

@@ -31,8 +31,9 @@ class Task:
         """Options for torch.compile of the model in ``memory_format``: torch's defaults."""
         return {}
 
-    def flops_per_sample(self) -> int:
-        """FLOPs of one sample's forward and backward pass, from ``forward_flops()``."""
+    def flops_per_sample(self, epoch: int = 0) -> int:
+        """FLOPs of one sample's forward and backward pass, from ``forward_flops()``; a task whose
+        training passes a sample through the model more than once counts each, in ``epoch``."""
         return training_flops(*self.forward_flops())
 
     def blocks(self, model) -> list:

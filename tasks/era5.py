@@ -134,6 +134,11 @@ class ERA5Task(Task):
             total = total + loss(x, y[:, k])
         return total / steps
 
+    def flops_per_sample(self, epoch: int = 0) -> int:
+        """Each of the epoch's rollout steps is a forward and backward pass (the recomputation of
+        ``rollout_checkpointing`` is not the model's work: not counted)."""
+        return super().flops_per_sample() * self.cfg.rollout_at(epoch)
+
     def forecast(self, model, x, whole) -> torch.Tensor:
         """Validation: the whole outputs of the run's ``rollout_max`` steps from ``x``, (B, N, C,
         H, W), each step fed the previous one's output; one step's, (B, C, H, W), as the base."""

@@ -110,14 +110,14 @@ class RecordingBoard(Nothing):
         self.scalars[tag] = value
 
 
-def h100_trainer(tmp_path, era5_root, monkeypatch):
+def h100_trainer(tmp_path, era5_root, monkeypatch, **settings):
     """A tiny bf16 ViT Trainer on a CPU whose peak lookup is given an H100's name (the GPU branch
     of the epoch's log); returns it and its config."""
     import train
     from engine.runtime import setup_runtime
 
     ov = {k.lstrip("-"): v for k, v in zip(TINY_VIT[::2], TINY_VIT[1::2])}
-    ov.update(data_root=era5_root, expdir=str(tmp_path), num_iters="2", amp_mode="bf16")
+    ov.update(data_root=era5_root, expdir=str(tmp_path), num_iters="2", amp_mode="bf16", **settings)
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
     trainer = train.Trainer(cfg, setup_runtime(cfg))
     monkeypatch.setattr(run_log, "peak_tflops",
@@ -214,3 +214,21 @@ def test_tensor_parallel_ranks_share_each_sample(tmp_path, era5_root):
     cfg = build_config(f"{ROOT}/config/ViT.yaml", "quickstart", ov)
     sps = scalars["Avg samples per sec"]  # the replica's (the job's) samples/s
     assert scalars["Performance/TFLOPs per sec"] == pytest.approx(make_task(cfg).flops_per_sample() * sps / 2 / 1e12)
+
+
+def test_a_rollout_epochs_flops_count_each_of_its_steps(tmp_path, era5_root, monkeypatch):
+    """Rollout training passes each sample through the model once per step: the epoch's GFLOP per
+    sample, TFLOP/s and MFU count every step of that epoch's rollout (the schedule's)."""
+    import train
+
+    trainer, cfg = h100_trainer(tmp_path, era5_root, monkeypatch, rollout_schedule="0:1,1:3")
+    one = make_task(cfg).flops_per_sample()
+    assert make_task(cfg).flops_per_sample(0) == one and make_task(cfg).flops_per_sample(1) == 3 * one
+    trainer.run_log.board = RecordingBoard()
+    stats = train.EpochStats(avg_loss=1.0, elapsed_s=1.0, steps=10, samples_per_s=8.0)
+    trainer.run_log.epoch(stats, trainer.validate(), 0.1, 1, trainer.iteration)
+    tflops = 3 * one * 8.0 / 1e12
+    assert trainer.run_log.board.scalars["Performance/TFLOPs per sec"] == pytest.approx(tflops)
+    assert trainer.run_log.board.scalars["Performance/MFU"] == pytest.approx(tflops / 989.0)
+    log = open(os.path.join(trainer.run_dir, "out.log")).read()
+    assert f"({3 * one / 1e9:.4g} GFLOP per sample), MFU" in log

@@ -123,7 +123,7 @@ class ToyTask(Task):
         flops = 2 * self.cfg.width ** 2
         return flops, flops
 
-    def flops_per_sample(self):
+    def flops_per_sample(self, epoch=0):
         return 3 * self.forward_flops()[0] - self.forward_flops()[1]
 
     def fp32_in_tf32(self):
