@@ -442,17 +442,17 @@ def test_a_dropped_pipelines_worker_that_does_not_exit_is_killed(dali, era5_root
     loader = build_loaders(vit_cfg(era5_root, "dali-lowmem", workers=1), 1, 0, 4, CPU).train
     assert len(batches(loader)) == len(loader)
     [worker] = [p for p in multiprocessing.active_children() if p.pid not in earlier]
+    previous = signal.signal(signal.SIGALRM, stall_timeout)
     try:
         hang.touch()
-        previous = signal.signal(signal.SIGALRM, stall_timeout)
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         with pytest.raises(Stalled):
             batches(loader)
-        signal.signal(signal.SIGALRM, previous)
         assert loader.pipe is None
         gc.collect()  # DALI's finalizer of the dropped pipeline waits for its workers (a hang
         # here ends as tests/conftest.py's TEST_LIMIT_S says)
         assert not alive(worker.pid)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         worker.kill()
